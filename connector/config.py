@@ -1,0 +1,99 @@
+"""`kv_connector_extra_config` parsing: every bad key or value stops start-up with a clear message."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A `kv_connector_extra_config` key or value that kvscope does not accept."""
+
+
+@dataclass(frozen=True, slots=True)
+class KVScopeConfig:
+    cpu_bytes: int
+    block_size: int | None = None  # tokens per offloaded block; None: the device block size
+    trace_file: str | None = None
+    trace_sample_ratio: float | None = None
+    metrics_port: int | None = None  # offline runs: serve /metrics on this port
+
+    def offload_block_size(self, device_block_sizes: Sequence[int]) -> int:
+        """Resolve `block_size` against the groups' device block sizes (validated)."""
+        lcm = math.lcm(*device_block_sizes)
+        if self.block_size is None:
+            return lcm
+        if self.block_size % lcm:
+            raise ConfigError(
+                f"kv_connector_extra_config.block_size={self.block_size} is not accepted: it must "
+                f"be a multiple of every KV group's device block size {sorted(set(device_block_sizes))}"
+                f" (e.g. {lcm}, {2 * lcm}, ...)"
+            )
+        return self.block_size
+
+
+_ACCEPTED = {
+    "cpu_bytes": "an integer number of bytes > 0 (required)",
+    "block_size": "a positive integer number of tokens, a multiple of the device block size",
+    "trace_file": "a file path (string) for OTLP/JSON lines",
+    "trace_sample_ratio": "a number between 0 and 1",
+    "metrics_port": "a TCP port 1..65535 to serve Prometheus metrics on (offline runs)",
+}
+
+
+def _bad(key: str, value: Any) -> ConfigError:
+    return ConfigError(
+        f"kv_connector_extra_config.{key}={value!r} is not accepted: expected {_ACCEPTED[key]}"
+    )
+
+
+def _positive_int(key: str, value: Any, upper: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise _bad(key, value)
+    try:
+        number = int(value)
+    except ValueError:
+        raise _bad(key, value) from None
+    if number <= 0 or (upper is not None and number > upper):
+        raise _bad(key, value)
+    return number
+
+
+def parse_config(extra: Mapping[str, Any] | None) -> KVScopeConfig:
+    extra = dict(extra or {})
+    unknown = sorted(set(extra) - set(_ACCEPTED))
+    if unknown:
+        raise ConfigError(
+            f"kv_connector_extra_config has unknown key(s) {unknown}; accepted keys: "
+            + ", ".join(f"{k} ({v})" for k, v in _ACCEPTED.items())
+        )
+    if "cpu_bytes" not in extra:
+        raise ConfigError(
+            "kv_connector_extra_config.cpu_bytes is missing: expected " + _ACCEPTED["cpu_bytes"]
+        )
+    cpu_bytes = _positive_int("cpu_bytes", extra["cpu_bytes"])
+    block_size = extra.get("block_size")
+    if block_size is not None:
+        block_size = _positive_int("block_size", block_size)
+    trace_file = extra.get("trace_file")
+    if trace_file is not None and (not isinstance(trace_file, str) or not trace_file.strip()):
+        raise _bad("trace_file", trace_file)
+    ratio = extra.get("trace_sample_ratio")
+    if ratio is not None:
+        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)):
+            raise _bad("trace_sample_ratio", ratio)
+        if not 0.0 <= float(ratio) <= 1.0 or math.isnan(float(ratio)):
+            raise _bad("trace_sample_ratio", ratio)
+        ratio = float(ratio)
+    port = extra.get("metrics_port")
+    if port is not None:
+        port = _positive_int("metrics_port", port, upper=65535)
+    return KVScopeConfig(
+        cpu_bytes=cpu_bytes,
+        block_size=block_size,
+        trace_file=trace_file,
+        trace_sample_ratio=ratio,
+        metrics_port=port,
+    )

@@ -1,0 +1,167 @@
+"""`KVScopeConnector`: the thin facade vLLM instantiates; it picks a side by role and delegates."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
+)
+
+from .config import ConfigError, parse_config
+from .metadata import KVScopeMetadata
+from .scheduler import KVScopeScheduler
+from .telemetry.metrics import KVScopePromMetrics, KVScopeStats
+from .telemetry.tracing import KVScopeTracing
+from .version_check import check_vllm_version
+from .vllm_layout import group_layouts, slot_layout
+from .worker import KVScopeWorker
+
+logger = logging.getLogger(__name__)
+
+
+class KVScopeConnector(KVConnectorBase_V1, SupportsHMA):
+    def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
+        check_vllm_version()
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        transfer = vllm_config.kv_transfer_config
+        self.config = parse_config(transfer.kv_connector_extra_config)
+        layouts = group_layouts(kv_cache_config)
+        block_size = self.config.offload_block_size([g.block_size for g in layouts])
+        hash_block_size = kv_cache_config.hash_block_size or vllm_config.cache_config.block_size
+        if block_size % hash_block_size:
+            raise ConfigError(
+                f"kv_connector_extra_config.block_size={block_size} is not accepted: it must be a "
+                f"multiple of vLLM's prefix-cache hash block size {hash_block_size}"
+            )
+        layout = slot_layout(kv_cache_config, block_size)
+        num_slots = self.config.cpu_bytes // layout.slot_bytes
+        if num_slots < 1:
+            raise ConfigError(
+                f"kv_connector_extra_config.cpu_bytes={self.config.cpu_bytes} is not accepted: one "
+                f"offloaded block of this model needs {layout.slot_bytes} bytes; use at least that"
+            )
+        self.tracing = KVScopeTracing.from_config(self.config.trace_file, self.config.trace_sample_ratio)
+        self._scheduler: KVScopeScheduler | None = None
+        self._worker: KVScopeWorker | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            if transfer.kv_load_failure_policy != "recompute":
+                # The host tier is a cache: a failed load must mean recompute, never a failed request.
+                logger.info("kvscope: setting kv_load_failure_policy='recompute'")
+                transfer.kv_load_failure_policy = "recompute"
+            self._scheduler = KVScopeScheduler(
+                layouts=layouts,
+                offload_block_size=block_size,
+                hash_block_size=hash_block_size,
+                num_slots=num_slots,
+                slot_bytes=layout.slot_bytes,
+                group_block_bytes=[sum(p for _, _, p in g) for g in layout.group_layers],
+                world_size=vllm_config.parallel_config.world_size,
+                tracing=self.tracing,
+                kv_cache_manager_getter=lambda: self._kv_cache_manager,
+            )
+        else:
+            self._worker = KVScopeWorker(
+                kv_cache_config,
+                layout,
+                num_slots,
+                [g.kind.value for g in layouts],
+                rank=_worker_rank(),
+                tracing=self.tracing,
+            )
+        logger.info(
+            "kvscope %s: %d KV group(s) %s, offload block %d tokens, %d host slots of %d bytes",
+            role.name.lower(), len(layouts), [g.kind.value for g in layouts], block_size,
+            num_slots, layout.slot_bytes,
+        )
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a best-effort cache: a dropped store is only a later miss
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config) -> str | None:
+        return "LBHNC"  # blocks outermost, each block's K and V contiguous: page copies
+
+    # ---- scheduler side ----
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
+        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output) -> KVScopeMetadata:
+        return self._scheduler.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output) -> None:
+        self._scheduler.update_connector_output(connector_output)
+
+    def request_finished(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
+        return self._scheduler.request_finished(request)
+
+    def request_finished_all_groups(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
+        return self._scheduler.request_finished(request)
+
+    def reset_cache(self) -> bool | None:
+        return self._scheduler.reset_cache() if self._scheduler else None
+
+    # ---- worker side ----
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._worker.register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context, **kwargs) -> None:
+        self._worker.start_load_kv(self._get_connector_metadata())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads are whole-request and asynchronous, finished before the forward reads them
+
+    def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs) -> None:
+        return  # stores run once per step in wait_for_save
+
+    def wait_for_save(self) -> None:
+        self._worker.wait_for_save(self._get_connector_metadata())
+
+    def get_finished(self, finished_req_ids: set[str]):
+        done, _ = self._worker.transfer_results()
+        return None, (done or None)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        done, failed = self._worker.transfer_results()
+        # Failures are per request: block ids are not unique across KV groups.
+        return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
+
+    def build_connector_worker_meta(self):
+        return self._worker.build_worker_meta() if self._worker else None
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+        self.tracing.shutdown()
+
+    # ---- stats (both sides; vLLM aggregates workers' and the scheduler's) ----
+    def get_kv_connector_stats(self) -> KVScopeStats | None:
+        side = self._scheduler or self._worker
+        return side.take_stats() if side is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVScopeStats:
+        return KVScopeStats(data=data) if data is not None else KVScopeStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        return KVScopePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+
+def _worker_rank() -> int:
+    try:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        return get_tensor_model_parallel_rank()
+    except Exception:  # not initialised (unit tests)
+        return 0

@@ -1,0 +1,168 @@
+"""Block copies between the device KV cache and the host tier, for any vLLM KV layout.
+
+Every layer's cache is viewed as raw bytes, one row per device block: `(num_blocks, page)`
+with the engine's own block stride (vLLM's kernel-block grouping resolves the layout).
+Attention pages and raw Mamba pages (int8, padded, strided) are copied byte-exactly the
+same way. A host slot holds, for each layer of one group, `factor` consecutive pages.
+
+CPU backend: plain synchronous tensor copies. CUDA: pinned host memory, a dedicated
+stream, events for completion and timing, no device-wide synchronisation.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from vllm.v1.kv_cache_interface import KVCacheConfig, group_kernel_blocks
+
+from .vllm_layout import SlotLayout
+
+
+class CopyError(RuntimeError):
+    """A copy that did not (or must not) happen; the load is failed and vLLM recomputes."""
+
+
+def page_view(cache: torch.Tensor | list | tuple, num_blocks: int, page_bytes: int) -> torch.Tensor:
+    """`(num_blocks, page_bytes)` int8 view of one layer's cache with blocks as rows."""
+    if isinstance(cache, (list, tuple)):  # Mamba: state tensors viewing one raw page
+        cache = cache[0]
+    ref = group_kernel_blocks(cache, num_blocks)
+    elem = ref.element_size()
+    storage = ref.untyped_storage()
+    offset = ref.storage_offset() * elem
+    stride = ref.stride(0) * elem
+    if stride < page_bytes and num_blocks > 1:
+        raise CopyError(f"block stride {stride} B is smaller than the page ({page_bytes} B)")
+    if offset + (num_blocks - 1) * stride + page_bytes > storage.nbytes():
+        raise CopyError("KV cache page view would run past its storage; layout not understood")
+    view = torch.tensor([], dtype=torch.int8, device=ref.device)
+    return view.set_(storage, offset, (num_blocks, page_bytes), (stride, 1))
+
+
+@dataclass(slots=True)
+class CopyResult:
+    nbytes: int
+    blocks: int
+    start_ns: int  # wall clock (time.time_ns) of the measured copy interval
+    end_ns: int
+    done_event: object | None = None  # CUDA event; None when already complete
+
+
+@dataclass
+class _Region:
+    view: torch.Tensor  # (num_blocks, page) int8 on the device
+    host: torch.Tensor  # (num_slots, factor, page) int8 on the host
+    page: int
+
+
+@dataclass
+class _Clock:
+    """Maps CUDA event times to wall-clock nanoseconds (one calibration pair)."""
+
+    event: object = None
+    wall_ns: int = 0
+    ready: bool = field(default=False)
+
+
+class CopyEngine:
+    def __init__(
+        self,
+        kv_caches: dict[str, torch.Tensor],
+        kv_cache_config: KVCacheConfig,
+        layout: SlotLayout,
+        num_slots: int,
+    ):
+        first = next(iter(kv_caches.values()))
+        first = first[0] if isinstance(first, (list, tuple)) else first
+        self.device = first.device
+        self.is_cuda = self.device.type == "cuda"
+        self.layout = layout
+        self.num_slots = num_slots
+        self.host = torch.empty(
+            (num_slots, layout.slot_bytes), dtype=torch.int8, pin_memory=self.is_cuda
+        )
+        self.groups: list[list[_Region]] = []
+        for layers, factor in zip(layout.group_layers, layout.group_factors):
+            regions = []
+            for name, offset, page in layers:
+                if name not in kv_caches:
+                    raise CopyError(f"layer {name} has no registered KV cache")
+                view = page_view(kv_caches[name], kv_cache_config.num_blocks, page)
+                host = self.host[:, offset : offset + factor * page].view(num_slots, factor, page)
+                regions.append(_Region(view=view, host=host, page=page))
+            self.groups.append(regions)
+        self.stream = torch.cuda.Stream(device=self.device) if self.is_cuda else None
+        self._clock = _Clock()
+
+    def group_block_bytes(self, group: int) -> int:
+        return sum(r.page for r in self.groups[group])
+
+    # -- copies --
+    def load(self, group: int, slots: list[int], subs: list[int], block_ids: list[int]) -> CopyResult:
+        return self._copy(group, slots, subs, block_ids, to_device=True)
+
+    def store(self, group: int, slots: list[int], subs: list[int], block_ids: list[int]) -> CopyResult:
+        return self._copy(group, slots, subs, block_ids, to_device=False)
+
+    def _copy(self, group, slots, subs, block_ids, to_device: bool) -> CopyResult:
+        regions = self.groups[group]
+        nbytes = len(block_ids) * self.group_block_bytes(group)
+        if self.is_cuda:
+            return self._copy_cuda(regions, slots, subs, block_ids, to_device, nbytes)
+        start = time.time_ns()
+        for region in regions:
+            for slot, sub, block in zip(slots, subs, block_ids):
+                if to_device:
+                    region.view[block].copy_(region.host[slot, sub])
+                else:
+                    region.host[slot, sub].copy_(region.view[block])
+        return CopyResult(nbytes, len(block_ids), start, time.time_ns())
+
+    def _copy_cuda(self, regions, slots, subs, block_ids, to_device, nbytes) -> CopyResult:
+        stream = self.stream
+        # Stores read what this step's forward wrote: order after the compute stream.
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(stream):
+            start.record(stream)
+            for region in regions:
+                for slot, sub, block in zip(slots, subs, block_ids):
+                    if to_device:
+                        region.view[block].copy_(region.host[slot, sub], non_blocking=True)
+                    else:
+                        region.host[slot, sub].copy_(region.view[block], non_blocking=True)
+            end.record(stream)
+        result = CopyResult(nbytes, len(block_ids), 0, 0, done_event=(start, end))
+        return result
+
+    # -- CUDA completion --
+    def poll(self, result: CopyResult) -> bool:
+        """True once the copy is complete; fills the wall-clock interval from device events."""
+        if result.done_event is None:
+            return True
+        start, end = result.done_event
+        if not end.query():
+            return False
+        result.start_ns = self._event_wall_ns(start)
+        result.end_ns = self._event_wall_ns(end)
+        result.done_event = None
+        return True
+
+    def fence_compute_stream(self) -> None:
+        """Make later compute wait for pending stores (blocks they read may be reused)."""
+        if self.is_cuda:
+            torch.cuda.current_stream(self.device).wait_stream(self.stream)
+
+    def _event_wall_ns(self, event) -> int:
+        clock = self._clock
+        if not clock.ready:
+            clock.event = torch.cuda.Event(enable_timing=True)
+            clock.event.record(self.stream)
+            clock.event.synchronize()  # once per process: calibrate event time to wall time
+            clock.wall_ns = time.time_ns()
+            clock.ready = True
+        return clock.wall_ns + int(clock.event.elapsed_time(event) * 1e6)

@@ -1,0 +1,105 @@
+"""Scheduler-side index of the host tier: which key lives in which host slot.
+
+Pure bookkeeping (no torch, no vLLM): a fixed number of slots (the `cpu_bytes` capacity),
+least-recently-used eviction of ready, unpinned entries, and pins that keep a slot alive
+while a store is being written or a load is reading it. The bytes themselves live in
+the workers' host buffers, addressed by slot.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Hashable, Iterable
+from dataclasses import dataclass
+
+Key = Hashable  # (group index, block hash)
+
+
+@dataclass(slots=True)
+class _Entry:
+    slot: int
+    ready: bool = False  # the store that fills the slot has completed on every worker
+    pins: int = 0
+
+
+class HostIndex:
+    def __init__(self, num_slots: int):
+        if num_slots <= 0:
+            raise ValueError(f"host tier needs at least one slot, got {num_slots}")
+        self.num_slots = num_slots
+        self._entries: OrderedDict[Key, _Entry] = OrderedDict()  # LRU order: oldest first
+        self._free = list(range(num_slots - 1, -1, -1))
+        self.evicted_total = 0
+
+    # -- queries (no side effects) --
+    def is_ready(self, key: Key) -> bool:
+        entry = self._entries.get(key)
+        return entry is not None and entry.ready
+
+    def contains(self, key: Key) -> bool:
+        return key in self._entries
+
+    @property
+    def used_slots(self) -> int:
+        return self.num_slots - len(self._free)
+
+    # -- loads --
+    def pin_for_load(self, key: Key) -> int | None:
+        """Pin a ready entry for a load and mark it recently used; None if not ready."""
+        entry = self._entries.get(key)
+        if entry is None or not entry.ready:
+            return None
+        entry.pins += 1
+        self._entries.move_to_end(key)
+        return entry.slot
+
+    def unpin(self, key: Key) -> None:
+        entry = self._entries.get(key)
+        if entry is not None and entry.pins > 0:
+            entry.pins -= 1
+
+    # -- stores --
+    def reserve_for_store(self, key: Key) -> int | None:
+        """A pinned, not-yet-ready slot for `key`; None when present already or all pinned."""
+        if key in self._entries:
+            return None
+        slot = self._free.pop() if self._free else self._evict_one()
+        if slot is None:
+            return None
+        self._entries[key] = _Entry(slot=slot, pins=1)
+        return slot
+
+    def complete_store(self, key: Key) -> None:
+        entry = self._entries.get(key)
+        if entry is not None:
+            entry.ready = True
+            entry.pins = max(0, entry.pins - 1)
+
+    def abort_store(self, key: Key) -> None:
+        entry = self._entries.get(key)
+        if entry is not None and not entry.ready:
+            del self._entries[key]
+            self._free.append(entry.slot)
+
+    def drop(self, keys: Iterable[Key]) -> int:
+        """Forget unpinned entries (lost host data); returns how many were dropped."""
+        dropped = 0
+        for key in list(keys):
+            entry = self._entries.get(key)
+            if entry is not None and entry.pins == 0:
+                del self._entries[key]
+                self._free.append(entry.slot)
+                dropped += 1
+        return dropped
+
+    def clear(self) -> None:
+        """Forget every unpinned entry."""
+        self.drop(list(self._entries))
+
+    def _evict_one(self) -> int | None:
+        for key, entry in self._entries.items():
+            if entry.ready and entry.pins == 0:
+                del self._entries[key]
+                self.evicted_total += 1
+                return entry.slot
+        return None

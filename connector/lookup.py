@@ -1,0 +1,58 @@
+"""Pure hybrid prefix lookup: the longest prefix that every KV group can serve from the host tier."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from .groups import GroupKind, GroupLayout
+
+# is_stored(group_index, offload_block_index) -> whether the host tier holds that block.
+IsStored = Callable[[int, int], bool]
+
+
+def needed_offload_blocks(
+    layout: GroupLayout, num_local_tokens: int, num_hit_tokens: int, offload_block_size: int
+) -> range:
+    """Offload blocks of one group that a load of tokens [local, hit) must read.
+
+    Full attention needs every block; a sliding window only the blocks the engine keeps
+    at the hit boundary; Mamba only the state at the boundary (the last block).
+    """
+    first_token = max(num_local_tokens, layout.first_retained_token(num_hit_tokens))
+    return range(first_token // offload_block_size, num_hit_tokens // offload_block_size)
+
+
+def find_hit_tokens(
+    layouts: Sequence[GroupLayout],
+    num_tokens: int,
+    num_local_tokens: int,
+    num_hashed_blocks: int,
+    offload_block_size: int,
+    is_stored: IsStored,
+) -> int:
+    """Tokens (a multiple of the offload block size) that every group can serve; 0 for none.
+
+    At least one token is always left to compute, as vLLM requires. `num_hashed_blocks`
+    caps the prefix at the offload blocks whose keys exist.
+    """
+    max_blocks = min((num_tokens - 1) // offload_block_size, num_hashed_blocks)
+    # Full attention needs a contiguous run from the local boundary: it bounds the search.
+    first_needed = num_local_tokens // offload_block_size
+    for layout in layouts:
+        if layout.kind is GroupKind.FULL_ATTENTION:
+            k = first_needed
+            while k < max_blocks and is_stored(layout.index, k):
+                k += 1
+            max_blocks = k
+    for n in range(max_blocks, 0, -1):
+        hit = n * offload_block_size
+        if hit <= num_local_tokens:
+            return 0
+        if all(
+            is_stored(layout.index, k)
+            for layout in layouts
+            if layout.kind is not GroupKind.FULL_ATTENTION
+            for k in needed_offload_blocks(layout, num_local_tokens, hit, offload_block_size)
+        ):
+            return hit
+    return 0

@@ -1,0 +1,140 @@
+"""Pure multi-group load planning: which device blocks of which group receive which host block.
+
+No vLLM import, no I/O, no clock. The scheduler adapter turns vLLM's `KVCacheBlocks` into
+plain block-id lists and hands them here; the result is plain data that the adapter turns
+into a transfer job.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from .groups import GroupLayout
+
+NULL_BLOCK_ID = 0  # vLLM's null placeholder block (out-of-window / padding positions)
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(slots=True)
+class GroupScan:
+    """The null-skip scan of one group: counts for telemetry, pending blocks for the load."""
+
+    group_index: int
+    blocks_total: int = 0  # device blocks scanned (local boundary .. end of cached tokens)
+    null_skipped: int = 0
+    start: int = -1  # index (in the group's block list) of the first pending block, -1 if none
+    # Per pending device block: destination block id, offload block index, position inside it.
+    block_ids: list[int] = field(default_factory=list)
+    offload_indices: list[int] = field(default_factory=list)
+    sub_indices: list[int] = field(default_factory=list)
+
+    @property
+    def pending(self) -> int:
+        return len(self.block_ids)
+
+
+@dataclass(slots=True)
+class LoadPlan:
+    """One load for a request, gathered over all groups."""
+
+    scans: list[GroupScan]
+    first_offload_index: int  # offload block holding the first not-locally-computed token
+
+    @property
+    def num_blocks(self) -> int:
+        return sum(s.pending for s in self.scans)
+
+    @property
+    def group_sizes(self) -> list[int]:
+        return [s.pending for s in self.scans]
+
+    @property
+    def group_starts(self) -> list[int]:
+        return [s.start for s in self.scans]
+
+    @property
+    def block_ids(self) -> list[int]:
+        return [b for s in self.scans for b in s.block_ids]
+
+    def keys(self) -> list[tuple[int, int]]:
+        """Distinct (group index, offload block index) pairs the load reads, in plan order."""
+        out: list[tuple[int, int]] = []
+        for s in self.scans:
+            last = -1
+            for k in s.offload_indices:
+                if k != last:
+                    out.append((s.group_index, k))
+                    last = k
+        return out
+
+
+def scan_group(
+    layout: GroupLayout,
+    block_ids: Sequence[int],
+    num_local_tokens: int,
+    num_cached_tokens: int,
+    offload_block_size: int,
+) -> GroupScan:
+    """Scan one group's allocated blocks between the local boundary and the cached end.
+
+    Only the blocks covering the cached tokens are looked at (blocks allocated for new
+    tokens are never counted). Scanning starts at the locally computed boundary, not at
+    the first unhashed block: vLLM may or may not have hashed the external blocks when
+    it calls us, and sliding-window / Mamba groups hold non-null unhashed blocks below it.
+    """
+    bs = layout.block_size
+    factor = offload_block_size // bs
+    end = min(cdiv(num_cached_tokens, bs), len(block_ids))
+    begin = num_local_tokens // bs
+    scan = GroupScan(group_index=layout.index)
+    # No external tokens: an unaligned local boundary would otherwise pick its partial block.
+    if end <= begin or num_cached_tokens <= num_local_tokens:
+        return scan
+    scan.blocks_total = end - begin
+    ids, offs, subs = scan.block_ids, scan.offload_indices, scan.sub_indices
+    for i in range(begin, end):
+        b = block_ids[i]
+        if b == NULL_BLOCK_ID:
+            continue
+        ids.append(b)
+        offs.append(i // factor)
+        subs.append(i % factor)
+    scan.null_skipped = scan.blocks_total - len(ids)
+    if ids:
+        scan.start = begin + _count_leading_nulls(block_ids, begin)
+    return scan
+
+
+def _count_leading_nulls(block_ids: Sequence[int], begin: int) -> int:
+    n = 0
+    while block_ids[begin + n] == NULL_BLOCK_ID:
+        n += 1
+    return n
+
+
+def plan_load(
+    layouts: Sequence[GroupLayout],
+    group_block_ids: Sequence[Sequence[int]],
+    num_local_tokens: int,
+    num_external_tokens: int,
+    offload_block_size: int,
+) -> LoadPlan:
+    """Plan the load of `num_external_tokens` after `num_local_tokens` for every group."""
+    if len(layouts) != len(group_block_ids):
+        raise ValueError(f"{len(layouts)} groups but {len(group_block_ids)} block lists")
+    cached = num_local_tokens + num_external_tokens
+    scans = [
+        scan_group(layout, ids, num_local_tokens, cached, offload_block_size)
+        for layout, ids in zip(layouts, group_block_ids)
+    ]
+    # The first offload key comes from the locally computed *device* blocks of the finest
+    # group divided by its factor; for block-aligned local hits every group agrees.
+    first = min(
+        (num_local_tokens // g.block_size) // g.blocks_per_offload_block(offload_block_size)
+        for g in layouts
+    ) if layouts else 0
+    return LoadPlan(scans=scans, first_offload_index=first)

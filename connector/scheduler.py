@@ -1,0 +1,371 @@
+"""Scheduler side: host-tier lookups, multi-group load plans and store jobs, as vLLM calls them.
+
+This module adapts vLLM objects (`Request`, `KVCacheBlocks`, `SchedulerOutput`) to the pure
+planning code (`lookup.py`, `planning.py`) and the host index (`host_store.py`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+from .groups import GroupLayout
+from .host_store import HostIndex
+from .lookup import find_hit_tokens
+from .metadata import LOAD, STORE, GroupTransfer, KVScopeMetadata, KVScopeWorkerMetadata, TransferJob
+from .planning import NULL_BLOCK_ID, GroupScan, scan_group
+from .telemetry.metrics import KVScopeStats
+from .telemetry.tracing import KVScopeTracing
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Lookup:
+    local_tokens: int
+    external_tokens: int
+    start_ns: int
+    end_ns: int
+
+
+@dataclass(slots=True)
+class _RequestState:
+    request: object
+    trace_context: object | None = None  # parent for this request's kvscope spans
+    stored_upto: int = 0  # offload blocks below this were already considered for storing
+
+
+@dataclass(slots=True)
+class _Job:
+    direction: str
+    req_id: str
+    keys: list  # host keys pinned (load) or reserved (store)
+    plan_ns: int = 0
+    loaded: list[tuple[int, int]] = field(default_factory=list)  # load: (group, blocks)
+    reports: int = 0
+    failed: bool = False
+
+
+class KVScopeScheduler:
+    def __init__(
+        self,
+        layouts: list[GroupLayout],
+        offload_block_size: int,
+        hash_block_size: int,
+        num_slots: int,
+        slot_bytes: int,
+        group_block_bytes: list[int],
+        world_size: int,
+        tracing: KVScopeTracing,
+        kv_cache_manager_getter,
+    ):
+        self.layouts = layouts
+        self.block_size = offload_block_size
+        self.hash_block_size = hash_block_size
+        self.hashes_per_block = offload_block_size // hash_block_size
+        self.index = HostIndex(num_slots)
+        self.slot_bytes = slot_bytes
+        self.capacity_bytes = num_slots * slot_bytes
+        self.group_block_bytes = group_block_bytes  # bytes of one device block, per group
+        self.world_size = world_size
+        self.tracing = tracing
+        self._kv_cache_manager = kv_cache_manager_getter
+        self._lookups: dict[str, _Lookup] = {}
+        self._requests: dict[str, _RequestState] = {}
+        self._jobs: dict[int, _Job] = {}
+        self._next_job_id = 0
+        self._pending_loads: list[TransferJob] = []
+        self._stats = KVScopeStats()
+        self._evicted_reported = 0
+
+    # -- keys --
+    def _offload_hashes(self, request) -> list:
+        """The key hash of each full offload block of the request (its last hash block)."""
+        step = self.hashes_per_block
+        hashes = request.block_hashes
+        return [hashes[i] for i in range(step - 1, len(hashes), step)]
+
+    # -- lookup (side-effect free towards vLLM: only memoises its answer) --
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
+        start = time.time_ns()
+        hashes = self._offload_hashes(request)
+        index = self.index
+        hit = find_hit_tokens(
+            self.layouts,
+            num_tokens=request.num_tokens,
+            num_local_tokens=num_computed_tokens,
+            num_hashed_blocks=len(hashes),
+            offload_block_size=self.block_size,
+            is_stored=lambda group, k: index.is_ready((group, hashes[k])),
+        )
+        external = max(0, hit - num_computed_tokens)
+        self._lookups[request.request_id] = _Lookup(num_computed_tokens, external, start, time.time_ns())
+        # Asynchronous load: the request waits while others run; Mamba state must land
+        # before vLLM's mamba preprocessing, which a synchronous load would miss.
+        return external, external > 0
+
+    # -- planning --
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        req_id = request.request_id
+        state = self._requests.get(req_id)
+        if state is None:
+            state = _RequestState(request=request)
+            if self.tracing.enabled:
+                state.trace_context = self.tracing.context_from_trace_headers(
+                    getattr(request, "trace_headers", None)
+                )
+            self._requests[req_id] = state
+        lookup = self._lookups.pop(req_id, None)
+        if request.num_computed_tokens == 0 and lookup is not None:
+            # Counted like vLLM's external prefix-cache stats: once per scheduling from scratch.
+            queried = request.num_tokens - lookup.local_tokens
+            self._stats.record_lookup(queried, num_external_tokens)
+            if self.tracing.enabled:
+                self._lookup_span(state, req_id, lookup, queried, num_external_tokens)
+        if num_external_tokens == 0:
+            return
+        if lookup is None:
+            logger.error("kvscope: no lookup for request %s; refusing to load", req_id)
+            local = request.num_computed_tokens
+        else:
+            local = lookup.local_tokens
+        self._plan_load(state, request, blocks.get_block_ids(), local, num_external_tokens)
+
+    def _lookup_span(self, state, req_id, lookup, queried, hit) -> None:
+        span = self.tracing.record_span(
+            "kvscope.lookup",
+            state.trace_context,
+            lookup.start_ns,
+            lookup.end_ns,
+            {
+                "kvscope.request.id": req_id,
+                "kvscope.tokens.queried": queried,
+                "kvscope.tokens.hit": hit,
+            },
+        )
+        if state.trace_context is None and span is not None:
+            # No incoming trace: the lookup span roots this request's own trace.
+            state.trace_context = self.tracing.context_of(span)
+
+    def _plan_load(self, state, request, group_block_ids, local: int, external: int) -> None:
+        req_id = request.request_id
+        cached = local + external
+        tracing = self.tracing
+        load_span = None
+        if tracing.enabled:
+            load_span = tracing.start_span("kvscope.load", context=state.trace_context)
+            scans = self._scan_groups_traced(load_span, group_block_ids, local, cached)
+        else:
+            scans = self._scan_groups(group_block_ids, local, cached)
+        hashes = self._offload_hashes(request)
+        job_id = self._new_job_id()
+        job = _Job(direction=LOAD, req_id=req_id, keys=[], plan_ns=time.perf_counter_ns())
+        parts, failed = [], False
+        for scan in scans:
+            if not scan.pending:
+                continue
+            slots = []
+            last_k, last_slot = -1, None
+            for k in scan.offload_indices:
+                if k != last_k:
+                    key = (scan.group_index, hashes[k]) if k < len(hashes) else None
+                    last_slot = self.index.pin_for_load(key) if key is not None else None
+                    if last_slot is None:
+                        failed = True
+                    else:
+                        job.keys.append(key)
+                    last_k = k
+                slots.append(last_slot if last_slot is not None else -1)
+            parts.append(GroupTransfer(scan.group_index, scan.block_ids, slots, scan.sub_indices))
+            job.loaded.append((scan.group_index, scan.pending))
+        if load_span is not None:
+            if load_span.is_recording():
+                load_span.set_attributes(
+                    {
+                        "kvscope.request.id": req_id,
+                        "kvscope.tokens.local": local,
+                        "kvscope.tokens.external": external,
+                        "kvscope.groups": len(scans),
+                    }
+                )
+            load_span.end()
+        if failed:
+            logger.warning("kvscope: host blocks for request %s vanished before the load; "
+                           "vLLM will recompute", req_id)
+        self._jobs[job_id] = job
+        self._pending_loads.append(
+            TransferJob(
+                job_id=job_id,
+                req_id=req_id,
+                direction=LOAD,
+                groups=parts,
+                trace_carrier=tracing.carrier_of(load_span) if load_span is not None else None,
+                failed_at_plan=failed,
+            )
+        )
+
+    def _scan_groups(self, group_block_ids, local, cached) -> list[GroupScan]:
+        scans = []
+        record = self._stats.record_scan
+        for layout, ids in zip(self.layouts, group_block_ids):
+            t0 = time.perf_counter()
+            scan = scan_group(layout, ids, local, cached, self.block_size)
+            record(layout.index, layout.kind.value, scan.blocks_total, scan.null_skipped,
+                   time.perf_counter() - t0)
+            scans.append(scan)
+        return scans
+
+    def _scan_groups_traced(self, load_span, group_block_ids, local, cached) -> list[GroupScan]:
+        scans = []
+        record = self._stats.record_scan
+        parent = self.tracing.context_of(load_span)
+        for layout, ids in zip(self.layouts, group_block_ids):
+            span = self.tracing.start_span("kvscope.group.scan", context=parent)
+            t0 = time.perf_counter()
+            scan = scan_group(layout, ids, local, cached, self.block_size)
+            elapsed = time.perf_counter() - t0
+            if span.is_recording():
+                span.set_attributes(
+                    {
+                        "kvscope.group.index": layout.index,
+                        "kvscope.group.kind": layout.kind.value,
+                        "kvscope.group.blocks.total": scan.blocks_total,
+                        "kvscope.group.blocks.null_skipped": scan.null_skipped,
+                        "kvscope.group.blocks.pending": scan.pending,
+                        "kvscope.group.blocks.start": scan.start,
+                    }
+                )
+            span.end()
+            record(layout.index, layout.kind.value, scan.blocks_total, scan.null_skipped, elapsed)
+            scans.append(scan)
+        return scans
+
+    def _new_job_id(self) -> int:
+        self._next_job_id += 1
+        return self._next_job_id
+
+    # -- per step --
+    def build_connector_meta(self, scheduler_output) -> KVScopeMetadata:
+        meta = KVScopeMetadata(loads=self._pending_loads)
+        self._pending_loads = []
+        computed = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            computed[req_id] = cached.num_computed_tokens[i]
+        spec = scheduler_output.scheduled_spec_decode_tokens or {}
+        for req_id, scheduled in scheduler_output.num_scheduled_tokens.items():
+            state = self._requests.get(req_id)
+            if state is None or req_id not in computed:
+                continue
+            done_after_step = computed[req_id] + scheduled - len(spec.get(req_id, ()))
+            job = self._plan_store(state, done_after_step)
+            if job is not None:
+                meta.stores.append(job)
+        self._update_capacity_stats()
+        return meta
+
+    def _plan_store(self, state: _RequestState, computed_tokens: int) -> TransferJob | None:
+        request = state.request
+        hashes = self._offload_hashes(request)
+        full = min(computed_tokens // self.block_size, len(hashes))
+        if full <= state.stored_upto:
+            return None
+        manager = self._kv_cache_manager()
+        group_block_ids = manager.get_block_ids(request.request_id)
+        parts: list[GroupTransfer] = []
+        keys = []
+        for layout, ids in zip(self.layouts, group_block_ids):
+            factor = layout.blocks_per_offload_block(self.block_size)
+            part = GroupTransfer(layout.index, [], [], [])
+            for k in range(state.stored_upto, full):
+                device = ids[k * factor : (k + 1) * factor]
+                # Out-of-window / padding positions are null: nothing (whole) to keep here.
+                if len(device) < factor or NULL_BLOCK_ID in device:
+                    continue
+                key = (layout.index, hashes[k])
+                slot = self.index.reserve_for_store(key)
+                if slot is None:
+                    continue  # already stored, or every slot pinned: a later miss, never an error
+                keys.append(key)
+                part.block_ids.extend(device)
+                part.slots.extend([slot] * factor)
+                part.subs.extend(range(factor))
+            if part.block_ids:
+                parts.append(part)
+        state.stored_upto = full
+        if not parts:
+            return None
+        job_id = self._new_job_id()
+        self._jobs[job_id] = _Job(direction=STORE, req_id=request.request_id, keys=keys)
+        carrier = None
+        if self.tracing.enabled:
+            span = self.tracing.start_span("kvscope.store", context=state.trace_context)
+            if span.is_recording():
+                span.set_attributes(
+                    {
+                        "kvscope.request.id": request.request_id,
+                        "kvscope.groups": len(parts),
+                        "kvscope.blocks": sum(len(p.block_ids) for p in parts),
+                    }
+                )
+                carrier = self.tracing.carrier_of(span)
+            span.end()
+        return TransferJob(job_id, request.request_id, STORE, parts, trace_carrier=carrier)
+
+    def update_connector_output(self, connector_output) -> None:
+        meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        if not isinstance(meta, KVScopeWorkerMetadata):
+            return
+        for job_id, n in meta.completed_jobs.items():
+            self._report(job_id, n, failed=False)
+        for job_id, n in meta.failed_jobs.items():
+            self._report(job_id, n, failed=True)
+
+    def _report(self, job_id: int, workers: int, failed: bool) -> None:
+        job = self._jobs.get(job_id)
+        if job is None:
+            return
+        job.reports += workers
+        job.failed |= failed
+        if job.reports < self.world_size:
+            return  # a transfer is done only when every worker has reported it
+        del self._jobs[job_id]
+        if job.direction == STORE:
+            for key in job.keys:
+                (self.index.abort_store if job.failed else self.index.complete_store)(key)
+            return
+        for key in job.keys:
+            self.index.unpin(key)
+        if not job.failed:
+            self._stats.record_request_load((time.perf_counter_ns() - job.plan_ns) / 1e9)
+            for group, blocks in job.loaded:
+                layout = self.layouts[group]
+                self._stats.record_loaded_blocks(
+                    group, layout.kind.value, blocks, blocks * self.group_block_bytes[group]
+                )
+
+    def _update_capacity_stats(self) -> None:
+        evicted = self.index.evicted_total - self._evicted_reported
+        if evicted:
+            self._stats.record_evictions(evicted)
+            self._evicted_reported = self.index.evicted_total
+        self._stats.set_host_usage(self.index.used_slots * self.slot_bytes, self.capacity_bytes)
+
+    # -- request end / cache reset --
+    def request_finished(self, request) -> tuple[bool, None]:
+        req_id = request.request_id
+        self._requests.pop(req_id, None)
+        self._lookups.pop(req_id, None)
+        # Stores are complete (CPU) or fenced before block reuse (CUDA): free at once.
+        return False, None
+
+    def reset_cache(self) -> bool:
+        self.index.clear()
+        return True
+
+    def take_stats(self) -> KVScopeStats | None:
+        if self._stats.is_empty():
+            return None
+        stats, self._stats = self._stats, KVScopeStats()
+        return stats

@@ -1,0 +1,72 @@
+"""Small random-weight models for the demo, tests and benchmarks (no model hub needed).
+
+Each is built from a transformers config class and saved once under a cache folder; the
+folder name carries a hash of the config so a changed recipe builds a fresh model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+COMMON = dict(
+    vocab_size=512,
+    hidden_size=128,
+    intermediate_size=256,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=64,  # the CPU attention backend rejects smaller heads
+    max_position_embeddings=8192,
+)
+
+DEFAULT_CACHE = Path(os.environ.get("KVSCOPE_MODEL_CACHE", Path(__file__).resolve().parent.parent / ".kvscope-cache" / "models"))
+
+
+def _recipe(name: str, window: int, layer_types: list[str] | None):
+    import transformers as T
+
+    if name == "llama":
+        return T.LlamaConfig(**COMMON, num_hidden_layers=2), T.LlamaForCausalLM
+    if name == "gemma3":
+        types = layer_types or ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
+        cfg = T.Gemma3TextConfig(**COMMON, num_hidden_layers=len(types), sliding_window=window,
+                                 layer_types=types, query_pre_attn_scalar=64)
+        return cfg, T.Gemma3ForCausalLM
+    if name == "gptoss":
+        types = layer_types or ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
+        cfg = T.GptOssConfig(**COMMON, num_hidden_layers=len(types), sliding_window=window,
+                             num_local_experts=4, num_experts_per_tok=2, layer_types=types)
+        cfg.quantization_config = None
+        return cfg, T.GptOssForCausalLM
+    if name == "big-llama":  # prefill-dominated, for end-to-end benchmarks
+        cfg = T.LlamaConfig(**{**COMMON, "hidden_size": 1024, "intermediate_size": 4096,
+                               "num_attention_heads": 16, "num_key_value_heads": 4},
+                            num_hidden_layers=8)
+        return cfg, T.LlamaForCausalLM
+    raise ValueError(f"unknown tiny model {name!r}; known: llama, gemma3, gptoss, big-llama")
+
+
+def build_model(name: str, window: int = 64, layer_types: list[str] | None = None,
+                cache_dir: Path | str | None = None, seed: int = 0) -> str:
+    """Path of a saved random-weight model; builds it on first use."""
+    import torch
+
+    cfg, cls = _recipe(name, window, layer_types)
+    digest = hashlib.sha256(json.dumps([name, window, layer_types, seed], sort_keys=True).encode()).hexdigest()[:10]
+    path = Path(cache_dir or DEFAULT_CACHE) / f"{name}-{digest}"
+    if (path / "config.json").exists():
+        return str(path)
+    torch.manual_seed(seed)
+    cfg.torch_dtype = "bfloat16"
+    model = cls(cfg).to(torch.bfloat16)
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    model.save_pretrained(tmp)
+    config_json = tmp / "config.json"
+    data = json.loads(config_json.read_text())
+    if "quantization_config" in data and data["quantization_config"] is None:
+        del data["quantization_config"]  # gpt-oss loader wants no key at all
+        config_json.write_text(json.dumps(data, indent=2))
+    tmp.rename(path) if not path.exists() else None
+    return str(path)

@@ -1,0 +1,84 @@
+"""Translate vLLM's KV cache configuration into kvscope's plain group layouts and slot sizes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from vllm.v1.kv_cache_interface import (
+    AttentionSpec,
+    ChunkedLocalAttentionSpec,
+    KVCacheConfig,
+    KVCacheSpec,
+    MambaSpec,
+    SlidingWindowSpec,
+    UniformTypeKVCacheSpecs,
+)
+
+from .groups import GroupKind, GroupLayout
+
+
+class UnsupportedKVCache(RuntimeError):
+    """A KV cache layout kvscope cannot offload correctly: refuse instead of guessing."""
+
+
+def _kind(spec: KVCacheSpec) -> tuple[GroupKind, int | None]:
+    if isinstance(spec, UniformTypeKVCacheSpecs):
+        return _kind(spec.first_spec)
+    if isinstance(spec, SlidingWindowSpec):
+        return GroupKind.SLIDING_WINDOW, spec.sliding_window
+    if isinstance(spec, MambaSpec):
+        return GroupKind.MAMBA, None
+    if isinstance(spec, ChunkedLocalAttentionSpec):
+        raise UnsupportedKVCache("chunked local attention groups are not supported by kvscope")
+    if isinstance(spec, AttentionSpec):
+        return GroupKind.FULL_ATTENTION, None
+    raise UnsupportedKVCache(f"KV cache spec {type(spec).__name__} is not supported by kvscope")
+
+
+def group_layouts(kv_cache_config: KVCacheConfig) -> list[GroupLayout]:
+    layouts = []
+    for index, group in enumerate(kv_cache_config.kv_cache_groups):
+        if getattr(group, "host_resident", False):
+            raise UnsupportedKVCache(f"KV group {index} is host-resident (HiSparse): not supported")
+        kind, window = _kind(group.kv_cache_spec)
+        layouts.append(
+            GroupLayout(
+                index=index,
+                kind=kind,
+                block_size=group.kv_cache_spec.block_size,
+                sliding_window=window,
+            )
+        )
+    return layouts
+
+
+def layer_page_bytes(kv_cache_config: KVCacheConfig, group_index: int) -> dict[str, int]:
+    """Bytes of one device block for each layer of a group (padded pages, copied as-is)."""
+    group = kv_cache_config.kv_cache_groups[group_index]
+    spec = group.kv_cache_spec
+    per_layer = spec.kv_cache_specs if isinstance(spec, UniformTypeKVCacheSpecs) else {}
+    return {name: per_layer.get(name, spec).page_size_bytes for name in group.layer_names}
+
+
+@dataclass(frozen=True, slots=True)
+class SlotLayout:
+    """How one host slot is laid out: a group's layers, each with `factor` device blocks."""
+
+    slot_bytes: int
+    # per group: [(layer name, byte offset in slot, page bytes)], and its factor
+    group_layers: list[list[tuple[str, int, int]]]
+    group_factors: list[int]
+
+
+def slot_layout(kv_cache_config: KVCacheConfig, offload_block_size: int) -> SlotLayout:
+    group_layers, factors, sizes = [], [], []
+    for index, layout in enumerate(group_layouts(kv_cache_config)):
+        factor = layout.blocks_per_offload_block(offload_block_size)
+        offset, layers = 0, []
+        for name, page in layer_page_bytes(kv_cache_config, index).items():
+            layers.append((name, offset, page))
+            offset += factor * page
+        group_layers.append(layers)
+        factors.append(factor)
+        sizes.append(offset)
+    return SlotLayout(slot_bytes=max(sizes), group_layers=group_layers, group_factors=factors)

@@ -1,0 +1,150 @@
+"""Worker side: executes the scheduler's transfer jobs on this worker's shard of the KV cache."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from .copy_engine import CopyEngine, CopyResult
+from .metadata import LOAD, STORE, KVScopeMetadata, KVScopeWorkerMetadata, TransferJob
+from .telemetry.metrics import KVScopeStats
+from .telemetry.tracing import KVScopeTracing
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _InFlight:
+    job: TransferJob
+    copies: list[tuple[int, CopyResult]]  # (group index, copy)
+    failed: bool = False
+
+
+class KVScopeWorker:
+    def __init__(self, kv_cache_config, slot_layout, num_slots, group_kinds, rank, tracing: KVScopeTracing):
+        self.kv_cache_config = kv_cache_config
+        self.slot_layout = slot_layout
+        self.num_slots = num_slots
+        self.group_kinds = group_kinds  # GroupKind value per group, for labels
+        self.rank = rank
+        self.tracing = tracing
+        self.engine: CopyEngine | None = None
+        self._in_flight: list[_InFlight] = []
+        self._done_loads: set[str] = set()
+        self._failed_loads: set[str] = set()
+        self._meta = KVScopeWorkerMetadata()
+        self._stats = KVScopeStats()
+        self.lost_slots: set[int] = set()  # host data known to be gone (fault injection, errors)
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self.engine = CopyEngine(kv_caches, self.kv_cache_config, self.slot_layout, self.num_slots)
+
+    # -- per step --
+    def start_load_kv(self, meta: KVScopeMetadata) -> None:
+        assert self.engine is not None
+        self.engine.fence_compute_stream()
+        for job in meta.loads:
+            self._run(job)
+
+    def wait_for_save(self, meta: KVScopeMetadata) -> None:
+        for job in meta.stores:
+            self._run(job)
+
+    def _run(self, job: TransferJob) -> None:
+        flight = _InFlight(job=job, copies=[])
+        if job.direction == LOAD and (job.failed_at_plan or self._touches_lost_slot(job)):
+            flight.failed = True
+        else:
+            try:
+                for part in job.groups:
+                    copy = self.engine.load if job.direction == LOAD else self.engine.store
+                    flight.copies.append(
+                        (part.group_index, copy(part.group_index, part.slots, part.subs, part.block_ids))
+                    )
+                if job.direction == STORE:
+                    for part in job.groups:
+                        self.lost_slots.difference_update(part.slots)
+            except Exception:  # a copy must never take the engine down: fail the job instead
+                logger.exception("kvscope: %s job %d for request %s failed", job.direction, job.job_id, job.req_id)
+                flight.failed = True
+        self._in_flight.append(flight)
+        self._collect()
+
+    def _touches_lost_slot(self, job: TransferJob) -> bool:
+        return bool(self.lost_slots) and any(
+            s in self.lost_slots for part in job.groups for s in part.slots
+        )
+
+    def _collect(self) -> None:
+        """Move finished copies into results, stats and spans (CPU: at once; CUDA: when done)."""
+        still = []
+        for flight in self._in_flight:
+            if not all(self.engine.poll(c) for _, c in flight.copies):
+                still.append(flight)
+                continue
+            self._finish(flight)
+        self._in_flight = still
+
+    def _finish(self, flight: _InFlight) -> None:
+        job = flight.job
+        if flight.failed:
+            self._meta.failed_jobs[job.job_id] = 1
+            if job.direction == LOAD:
+                self._failed_loads.add(job.req_id)
+                self._stats.record_load_failures(1)
+        else:
+            self._meta.completed_jobs[job.job_id] = 1
+            self._record(job, flight.copies)
+        if job.direction == LOAD:
+            self._done_loads.add(job.req_id)
+
+    def _record(self, job: TransferJob, copies: list[tuple[int, CopyResult]]) -> None:
+        context = self.tracing.context_from_carrier(job.trace_carrier) if job.trace_carrier else None
+        for group, copy in copies:
+            kind = self.group_kinds[group]
+            seconds = (copy.end_ns - copy.start_ns) / 1e9
+            self._stats.record_copy(group, kind, job.direction, copy.blocks, copy.nbytes, seconds)
+            if context is not None:
+                self.tracing.record_span(
+                    "kvscope.group.copy",
+                    context,
+                    copy.start_ns,
+                    copy.end_ns,
+                    {
+                        "kvscope.group.index": group,
+                        "kvscope.group.kind": kind,
+                        "kvscope.copy.direction": job.direction,
+                        "kvscope.copy.blocks": copy.blocks,
+                        "kvscope.copy.bytes": copy.nbytes,
+                        "kvscope.worker.rank": self.rank,
+                        "kvscope.request.id": job.req_id,
+                    },
+                )
+
+    # -- results back to vLLM --
+    def transfer_results(self) -> tuple[set[str], set[str]]:
+        """(finished loads, failed loads) since the last call; failed ones are also finished."""
+        if self._in_flight:
+            self._collect()
+        done, failed = self._done_loads, self._failed_loads
+        self._done_loads, self._failed_loads = set(), set()
+        return done, failed
+
+    def build_worker_meta(self) -> KVScopeWorkerMetadata | None:
+        if not (self._meta.completed_jobs or self._meta.failed_jobs):
+            return None
+        meta, self._meta = self._meta, KVScopeWorkerMetadata()
+        return meta
+
+    def take_stats(self) -> KVScopeStats | None:
+        if self._stats.is_empty():
+            return None
+        stats, self._stats = self._stats, KVScopeStats()
+        return stats
+
+    def shutdown(self) -> None:
+        if self.engine is not None and self.engine.is_cuda:
+            torch.cuda.synchronize(self.engine.device)
+        self._collect()
