@@ -17,7 +17,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from .config import ConfigError, parse_config
 from .metadata import KVScopeMetadata
 from .scheduler import KVScopeScheduler
-from .telemetry.metrics import KVScopePromMetrics, KVScopeStats
+from .telemetry.metrics import KVScopePromMetrics, KVScopeStats, serve_metrics_port
 from .telemetry.tracing import KVScopeTracing
 from .version_check import check_vllm_version
 from .vllm_layout import group_layouts, slot_layout
@@ -155,6 +155,9 @@ class KVScopeConnector(KVConnectorBase_V1, SupportsHMA):
 
     @classmethod
     def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        config = parse_config(vllm_config.kv_transfer_config.kv_connector_extra_config)
+        if config.metrics_port is not None:
+            serve_metrics_port(config.metrics_port)  # offline runs: vLLM's and kvscope's metrics
         return KVScopePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
 

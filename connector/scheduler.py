@@ -337,13 +337,15 @@ class KVScopeScheduler:
             return
         for key in job.keys:
             self.index.unpin(key)
-        if not job.failed:
+        if job.failed:
+            self._stats.record_load_failures(sum(blocks for _, blocks in job.loaded))
+        else:
             self._stats.record_request_load((time.perf_counter_ns() - job.plan_ns) / 1e9)
             for group, blocks in job.loaded:
                 layout = self.layouts[group]
-                self._stats.record_loaded_blocks(
-                    group, layout.kind.value, blocks, blocks * self.group_block_bytes[group]
-                )
+                # Each worker moves its own shard: bytes over all workers.
+                nbytes = blocks * self.group_block_bytes[group] * self.world_size
+                self._stats.record_loaded_blocks(group, layout.kind.value, blocks, nbytes)
 
     def _update_capacity_stats(self) -> None:
         evicted = self.index.evicted_total - self._evicted_reported

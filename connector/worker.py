@@ -93,7 +93,6 @@ class KVScopeWorker:
             self._meta.failed_jobs[job.job_id] = 1
             if job.direction == LOAD:
                 self._failed_loads.add(job.req_id)
-                self._stats.record_load_failures(1)
         else:
             self._meta.completed_jobs[job.job_id] = 1
             self._record(job, flight.copies)

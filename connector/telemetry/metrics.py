@@ -1,0 +1,431 @@
+"""Metrics: the stats payload that travels through vLLM, and its Prometheus metrics.
+
+Path (vLLM's own): the scheduler-side and worker-side connectors each fill a ``KVScopeStats``
+and hand it over in ``get_kv_connector_stats()``; vLLM aggregates the workers' and the
+scheduler's payloads (``aggregate``), ships ``stats.data`` to the front-end process, logs
+``reduce()`` and calls ``KVScopePromMetrics.observe(data, engine_idx)`` on the metrics that
+``build_prom_metrics`` registered with vLLM's metric classes and engine labels.
+
+``KVScopeStats.data`` is plain data with string keys only (it is pickled between workers and the
+scheduler and msgpack-encoded by vLLM towards the front end)::
+
+    {
+      "lookup_tokens": int, "hit_tokens": int,                # counters
+      "evicted_blocks": int, "load_failures": int,
+      "scan_blocks":         {"<group>|<kind>": int, ...},    # counters per group
+      "null_blocks_skipped": {"<group>|<kind>": int, ...},
+      "loaded_blocks":       {"<group>|<kind>": int, ...},
+      "load_bytes":          {"<group>|<kind>": int, ...},
+      "store_bytes":         {"<group>|<kind>": int, ...},
+      "copy_blocks":         {"<group>|<kind>|<direction>": int, ...},   # log summary only
+      "copy_bytes":          {"<group>|<kind>|<direction>": int, ...},   # log summary only
+      "scan_duration_s":     {"<group>|<kind>": [float, ...]},           # observations
+      "copy_duration_s":     {"<group>|<kind>|<direction>": [float, ...]},
+      "request_load_duration_s": [float, ...],
+      "host_used_bytes": int, "host_capacity_bytes": int,     # gauges
+    }
+
+Keys appear when first recorded. Aggregation sums counters, concatenates observations and keeps
+the *latest* gauge value (the payload aggregated in, ``other``, is the newer one in vLLM's order;
+only the host tier's owner reports the gauges, so there is nothing to combine).
+
+Which call feeds which contract metric (each metric has exactly one source):
+
+=================================  =============================================================
+``record_lookup``                  ``kvscope_lookup_tokens_total``, ``kvscope_hit_tokens_total``
+``record_scan``                    ``kvscope_scan_blocks_total``, ``kvscope_null_blocks_skipped_total``,
+                                   ``kvscope_scan_duration_seconds``
+``record_loaded_blocks``           ``kvscope_loaded_blocks_total``, ``kvscope_load_bytes_total``
+``record_copy``                    ``kvscope_copy_duration_seconds``; direction ``store`` also
+                                   ``kvscope_store_bytes_total`` (load bytes come from
+                                   ``record_loaded_blocks``, so a load is not counted twice)
+``record_request_load``            ``kvscope_request_load_duration_seconds``
+``record_evictions``               ``kvscope_evicted_blocks_total``
+``record_load_failures``           ``kvscope_load_failures_total``
+``set_host_usage``                 ``kvscope_host_used_bytes``, ``kvscope_host_capacity_bytes``
+=================================  =============================================================
+
+Workers' payloads are summed: with tensor parallelism, count blocks where each block is counted
+once (the scheduler), and bytes where they are moved (each worker moves its shard).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+    PromMetric,
+    PromMetricT,
+)
+
+logger = logging.getLogger(__name__)
+
+GROUP_KINDS = ("full_attention", "sliding_window", "mamba")
+DIRECTIONS = ("load", "store")
+
+# Scans take microseconds: 1 µs .. 10 ms.
+SCAN_BUCKETS_S = (1e-6, 2.5e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2)
+# Copies take milliseconds: 0.1 ms .. 2.5 s.
+COPY_BUCKETS_S = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5)
+# A request's whole load: 0.1 ms .. 10 s.
+REQUEST_LOAD_BUCKETS_S = (
+    1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+)
+
+# data keys, by how they aggregate
+_COUNTERS = ("lookup_tokens", "hit_tokens", "evicted_blocks", "load_failures")
+_GROUP_COUNTERS = ("scan_blocks", "null_blocks_skipped", "loaded_blocks", "load_bytes", "store_bytes")
+_COPY_COUNTERS = ("copy_blocks", "copy_bytes")
+_GROUP_OBSERVATIONS = ("scan_duration_s",)
+_COPY_OBSERVATIONS = ("copy_duration_s",)
+_OBSERVATIONS = ("request_load_duration_s",)
+_GAUGES = ("host_used_bytes", "host_capacity_bytes")
+_KEYED_COUNTERS = _GROUP_COUNTERS + _COPY_COUNTERS
+_KEYED_OBSERVATIONS = _GROUP_OBSERVATIONS + _COPY_OBSERVATIONS
+
+
+def group_key(group: int, kind: str) -> str:
+    return f"{int(group)}|{kind}"
+
+
+def copy_key(group: int, kind: str, direction: str) -> str:
+    return f"{int(group)}|{kind}|{direction}"
+
+
+@dataclass
+class KVScopeStats(KVConnectorStats):
+    """Counters and observations of one interval; see the module docstring for ``data``."""
+
+    @classmethod
+    def from_data(cls, data: Mapping[str, Any] | None) -> KVScopeStats:
+        """For ``build_kv_connector_stats(data)``: wraps (does not copy) a payload."""
+        return cls(data=data if isinstance(data, dict) else dict(data or {}))
+
+    # ------------------------------------------------------------------ recording
+    def record_lookup(self, queried_tokens: int, hit_tokens: int) -> None:
+        """One lookup against the host tier; ``hit_tokens`` is clamped to ``0..queried_tokens``."""
+        queried = max(0, int(queried_tokens))
+        hit = min(max(0, int(hit_tokens)), queried)
+        self._inc("lookup_tokens", queried)
+        self._inc("hit_tokens", hit)
+
+    def record_scan(
+        self, group: int, kind: str, blocks_total: int, null_skipped: int, duration_s: float
+    ) -> None:
+        """One group's scan while planning a load."""
+        key = group_key(group, kind)
+        self._inc_keyed("scan_blocks", key, blocks_total)
+        self._inc_keyed("null_blocks_skipped", key, null_skipped)
+        self._observe_keyed("scan_duration_s", key, duration_s)
+
+    def record_loaded_blocks(self, group: int, kind: str, blocks: int, nbytes: int) -> None:
+        """Blocks (and their bytes) of one group loaded from the host tier for a request."""
+        key = group_key(group, kind)
+        self._inc_keyed("loaded_blocks", key, blocks)
+        self._inc_keyed("load_bytes", key, nbytes)
+
+    def record_copy(
+        self, group: int, kind: str, direction: str, blocks: int, nbytes: int, duration_s: float
+    ) -> None:
+        """One measured copy of one group: ``direction`` is ``load`` (host->device) or ``store``."""
+        if direction not in DIRECTIONS:
+            raise ValueError(f"copy direction {direction!r} is invalid: accepted are {DIRECTIONS}")
+        key = copy_key(group, kind, direction)
+        self._inc_keyed("copy_blocks", key, blocks)
+        self._inc_keyed("copy_bytes", key, nbytes)
+        self._observe_keyed("copy_duration_s", key, duration_s)
+        if direction == "store":
+            self._inc_keyed("store_bytes", group_key(group, kind), nbytes)
+
+    def record_request_load(self, duration_s: float) -> None:
+        """One request's whole load, from planning to the last copy done."""
+        value = float(duration_s)
+        if value >= 0:
+            self.data.setdefault("request_load_duration_s", []).append(value)
+
+    def record_evictions(self, n: int) -> None:
+        self._inc("evicted_blocks", n)
+
+    def record_load_failures(self, n: int) -> None:
+        self._inc("load_failures", n)
+
+    def set_host_usage(self, used_bytes: int, capacity_bytes: int) -> None:
+        """Host tier occupancy (gauges). Set it when it changed: a set gauge makes the stats non-empty."""
+        self.data["host_used_bytes"] = int(used_bytes)
+        self.data["host_capacity_bytes"] = int(capacity_bytes)
+
+    # ------------------------------------------------------------------ KVConnectorStats API
+    def reset(self) -> None:
+        self.data = {}
+
+    def is_empty(self) -> bool:
+        return not self.data
+
+    def take(self) -> KVScopeStats | None:
+        """The interval's stats (a new object) and a reset of this one; None when empty.
+
+        What ``get_kv_connector_stats()`` returns.
+        """
+        if self.is_empty():
+            return None
+        taken = KVScopeStats(data=self.data)
+        self.data = {}
+        return taken
+
+    def aggregate(self, other: KVConnectorStats) -> KVScopeStats:
+        """Add ``other`` into ``self`` (returned): sums, concatenations, latest gauges."""
+        if other is None or other.is_empty():
+            return self
+        data = self.data
+        for key, value in other.data.items():
+            if key in _COUNTERS:
+                data[key] = data.get(key, 0) + value
+            elif key in _KEYED_COUNTERS:
+                mine = data.setdefault(key, {})
+                for sub, count in value.items():
+                    mine[sub] = mine.get(sub, 0) + count
+            elif key in _KEYED_OBSERVATIONS:
+                mine = data.setdefault(key, {})
+                for sub, values in value.items():
+                    mine.setdefault(sub, []).extend(values)
+            elif key in _OBSERVATIONS:
+                data.setdefault(key, []).extend(value)
+            elif key in _GAUGES:
+                data[key] = value
+            # Unknown keys (a newer or older payload) are dropped rather than failing the engine.
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        """Summary for vLLM's periodic "KV Transfer metrics" log line."""
+        d = self.data
+        out: dict[str, int | float] = {}
+        lookup = d.get("lookup_tokens", 0)
+        if "lookup_tokens" in d or "hit_tokens" in d:
+            hit = d.get("hit_tokens", 0)
+            out["lookup_tokens"] = lookup
+            out["hit_tokens"] = hit
+            out["hit_rate"] = round(hit / lookup, 4) if lookup else 0.0
+        if "loaded_blocks" in d:
+            out["loaded_blocks"] = sum(d["loaded_blocks"].values())
+        if "load_bytes" in d:
+            out["loaded_gb"] = _gb(sum(d["load_bytes"].values()))
+        if "store_bytes" in d:
+            out["stored_gb"] = _gb(sum(d["store_bytes"].values()))
+        if "scan_duration_s" in d:
+            scans = [v for values in d["scan_duration_s"].values() for v in values]
+            if scans:
+                out["scan_us_mean"] = round(1e6 * sum(scans) / len(scans), 3)
+        for direction in DIRECTIONS:
+            durations = [
+                v
+                for key, values in d.get("copy_duration_s", {}).items()
+                if key.rsplit("|", 1)[-1] == direction
+                for v in values
+            ]
+            if durations:
+                out[f"{direction}_copies"] = len(durations)
+                out[f"{direction}_copy_ms_mean"] = round(1e3 * sum(durations) / len(durations), 4)
+        loads = d.get("request_load_duration_s")
+        if loads:
+            out["request_loads"] = len(loads)
+            out["request_load_ms_mean"] = round(1e3 * sum(loads) / len(loads), 4)
+        for key in ("evicted_blocks", "load_failures"):
+            if key in d:
+                out[key] = d[key]
+        if "host_used_bytes" in d:
+            out["host_used_gb"] = _gb(d["host_used_bytes"])
+            out["host_capacity_gb"] = _gb(d.get("host_capacity_bytes", 0))
+        return out
+
+    # ------------------------------------------------------------------ internals
+    def _inc(self, key: str, n: int) -> None:
+        n = int(n)
+        if n > 0:
+            self.data[key] = self.data.get(key, 0) + n
+
+    def _inc_keyed(self, key: str, sub: str, n: int) -> None:
+        n = int(n)
+        if n > 0:
+            counts = self.data.setdefault(key, {})
+            counts[sub] = counts.get(sub, 0) + n
+
+    def _observe_keyed(self, key: str, sub: str, value: float) -> None:
+        value = float(value)
+        if value >= 0:
+            self.data.setdefault(key, {}).setdefault(sub, []).append(value)
+
+
+def _gb(nbytes: int | float) -> float:
+    return float(f"{nbytes / 1e9:.4g}")  # 4 significant digits: readable for KB and TB alike
+
+
+# ====================================================================== Prometheus
+@dataclass(frozen=True)
+class MetricSpec:
+    """One contract metric: its exposed name, the payload key feeding it and its own labels."""
+
+    name: str
+    kind: type  # prometheus_client Counter / Gauge / Histogram
+    data_key: str
+    labels: tuple[str, ...]
+    documentation: str
+    buckets: tuple[float, ...] | None = None
+
+
+_GK = ("group", "kind")
+_GKD = ("group", "kind", "direction")
+
+METRICS: tuple[MetricSpec, ...] = (
+    MetricSpec("kvscope_lookup_tokens_total", Counter, "lookup_tokens", (),
+               "Prompt tokens looked up in the kvscope host tier."),
+    MetricSpec("kvscope_hit_tokens_total", Counter, "hit_tokens", (),
+               "Looked-up tokens found in the kvscope host tier (never more than the looked-up tokens)."),
+    MetricSpec("kvscope_scan_blocks_total", Counter, "scan_blocks", _GK,
+               "Blocks scanned while planning loads, per KV cache group."),
+    MetricSpec("kvscope_null_blocks_skipped_total", Counter, "null_blocks_skipped", _GK,
+               "Null blocks (outside a sliding window, or mamba state) skipped by the load plan, per group."),
+    MetricSpec("kvscope_loaded_blocks_total", Counter, "loaded_blocks", _GK,
+               "Blocks loaded from the host tier into device KV cache, per group."),
+    MetricSpec("kvscope_load_bytes_total", Counter, "load_bytes", _GK,
+               "Bytes loaded from the host tier into device KV cache, per group."),
+    MetricSpec("kvscope_store_bytes_total", Counter, "store_bytes", _GK,
+               "Bytes stored from device KV cache into the host tier, per group."),
+    MetricSpec("kvscope_scan_duration_seconds", Histogram, "scan_duration_s", _GK,
+               "Time to scan one group while planning a load.", SCAN_BUCKETS_S),
+    MetricSpec("kvscope_copy_duration_seconds", Histogram, "copy_duration_s", _GKD,
+               "Measured duration of one group's copy between device and host tier.", COPY_BUCKETS_S),
+    MetricSpec("kvscope_request_load_duration_seconds", Histogram, "request_load_duration_s", (),
+               "Time from planning a request's load to its last copy done.", REQUEST_LOAD_BUCKETS_S),
+    MetricSpec("kvscope_evicted_blocks_total", Counter, "evicted_blocks", (),
+               "Blocks evicted from the host tier (LRU) to make room."),
+    MetricSpec("kvscope_load_failures_total", Counter, "load_failures", (),
+               "Blocks whose load from the host tier failed (recomputed instead)."),
+    MetricSpec("kvscope_host_used_bytes", Gauge, "host_used_bytes", (),
+               "Bytes of the host tier holding KV blocks."),
+    MetricSpec("kvscope_host_capacity_bytes", Gauge, "host_capacity_bytes", (),
+               "Capacity of the host tier in bytes (cpu_bytes)."),
+)
+METRIC_NAMES = tuple(spec.name for spec in METRICS)
+
+
+class KVScopePromMetrics(KVConnectorPromMetrics):
+    """Registers the contract metrics with vLLM's metric classes and applies stats payloads.
+
+    Label names are vLLM's (``model_name``, ``engine``) followed by the metric's own.
+    """
+
+    def __init__(
+        self,
+        vllm_config: Any,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ):
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        if metric_types.get(Counter) is Counter:
+            # Plain prometheus_client classes register in the global REGISTRY; vLLM drops its own
+            # collectors before re-registering (unregister_vllm_metrics), we drop ours likewise so
+            # a second engine in one process does not fail with "Duplicated timeseries".
+            unregister_kvscope_metrics(REGISTRY)
+        classes = {Counter: self._counter_cls, Gauge: self._gauge_cls, Histogram: self._histogram_cls}
+        self._specs: dict[str, MetricSpec] = {spec.data_key: spec for spec in METRICS}
+        self._metrics: dict[str, Any] = {}
+        for spec in METRICS:
+            kwargs: dict[str, Any] = {
+                "name": spec.name,
+                "documentation": spec.documentation,
+                "labelnames": list(self._labelnames) + list(spec.labels),
+            }
+            if spec.kind is Histogram:
+                kwargs["buckets"] = list(spec.buckets or ())
+            if spec.kind is Gauge:
+                kwargs["multiprocess_mode"] = "mostrecent"
+            self._metrics[spec.data_key] = classes[spec.kind](**kwargs)
+        # (engine_idx, data_key, own label values) -> child
+        self._children: dict[tuple[int, str, tuple[str, ...]], Any] = {}
+        # Unlabelled series exist from the start (at zero) so rate() and dashboards see them.
+        for engine_idx in self.per_engine_labelvalues:
+            for spec in METRICS:
+                if not spec.labels and spec.kind is not Gauge:
+                    self._child(engine_idx, spec.data_key, ())
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        """Apply one ``KVScopeStats.data`` payload to the metrics of engine ``engine_idx``."""
+        for key, value in transfer_stats_data.items():
+            spec = self._specs.get(key)
+            if spec is None:
+                continue  # internal (copy_blocks/bytes) or unknown keys
+            if spec.labels:
+                for sub, sub_value in value.items():
+                    own = tuple(sub.split("|"))
+                    if len(own) != len(spec.labels):
+                        continue
+                    self._apply(spec, self._child(engine_idx, key, own), sub_value)
+            else:
+                self._apply(spec, self._child(engine_idx, key, ()), value)
+
+    def _child(self, engine_idx: int, key: str, own: tuple[str, ...]) -> Any:
+        cache_key = (engine_idx, key, own)
+        child = self._children.get(cache_key)
+        if child is None:
+            values = [*self.per_engine_labelvalues[engine_idx], *own]
+            metric = self._metrics[key]
+            child = metric.labels(*values) if values else metric
+            self._children[cache_key] = child
+        return child
+
+    @staticmethod
+    def _apply(spec: MetricSpec, child: Any, value: Any) -> None:
+        if spec.kind is Counter:
+            if value > 0:
+                child.inc(value)
+        elif spec.kind is Histogram:
+            for observation in value:
+                child.observe(observation)
+        else:
+            child.set(value)
+
+
+def unregister_kvscope_metrics(registry: CollectorRegistry = REGISTRY) -> None:
+    """Drop kvscope collectors from ``registry`` (as vLLM's ``unregister_vllm_metrics`` does for its own)."""
+    for collector in list(registry._collector_to_names):
+        if getattr(collector, "_name", "").startswith("kvscope_"):
+            registry.unregister(collector)
+
+
+# ====================================================================== offline scraping
+_servers: dict[tuple[str, int], Any] = {}
+_servers_lock = threading.Lock()
+
+
+def serve_metrics_port(port: int, addr: str = "127.0.0.1", registry: CollectorRegistry | None = None) -> int:
+    """Serve Prometheus metrics of this process on ``http://addr:port/metrics``; returns the bound port.
+
+    For offline ``vllm.LLM`` runs, which have no API server: call it in the process that created
+    the ``LLM`` (the front end, where vLLM's ``PrometheusStatLogger`` and ``KVScopePromMetrics``
+    live); the registry served holds vLLM's metrics and kvscope's. Idempotent per process: a
+    repeated call with the same ``addr``/``port`` returns the running server's port (``port=0``
+    binds a free port once). The default registry is vLLM's (multiprocess-aware when
+    ``PROMETHEUS_MULTIPROC_DIR`` is set). Binds to loopback by default; pass ``addr="0.0.0.0"`` to
+    expose it.
+    """
+    from prometheus_client import start_http_server
+
+    with _servers_lock:
+        server = _servers.get((addr, port))
+        if server is None:
+            if registry is None:
+                from vllm.v1.metrics.prometheus import get_prometheus_registry
+
+                registry = get_prometheus_registry()
+            server, _thread = start_http_server(port, addr=addr, registry=registry)
+            _servers[(addr, port)] = server
+            logger.info("kvscope: serving Prometheus metrics on http://%s:%d/metrics", addr, server.server_port)
+        return server.server_port

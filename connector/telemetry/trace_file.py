@@ -1,0 +1,160 @@
+"""Trace file sink: one OTLP/JSON ``ExportTraceServiceRequest`` per line.
+
+The format is the one the OpenTelemetry Collector's ``file`` exporter writes (OTLP/JSON as the
+OTLP specification defines it): camelCase field names, enums as integers, 64-bit integers as
+strings, and ``traceId``/``spanId``/``parentSpanId`` as lowercase hex rather than protobuf-JSON's
+base64. The dashboard therefore reads the connector's own files and a Collector's alike.
+
+Several processes (the scheduler and every worker) may append to the same file: each batch is
+written with a single ``write(2)`` on an ``O_APPEND`` descriptor, so lines never interleave.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import os
+import threading
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+from google.protobuf import json_format
+from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+
+logger = logging.getLogger(__name__)
+
+# OTLP/JSON encodes these bytes fields as hex; every other bytes field stays base64.
+_SPAN_ID_FIELDS = ("traceId", "spanId", "parentSpanId")
+
+
+def request_to_json_line(request: ExportTraceServiceRequest) -> str:
+    """Encode one request as a compact OTLP/JSON line, newline included."""
+    message = json_format.MessageToDict(request, use_integers_for_enums=True)
+    _convert_ids(message, _b64_to_hex)
+    return json.dumps(message, separators=(",", ":"), ensure_ascii=False) + "\n"
+
+
+def spans_to_json_line(spans: Sequence[ReadableSpan]) -> str:
+    """Encode SDK spans as one OTLP/JSON line (the exporter's unit of output)."""
+    return request_to_json_line(encode_spans(spans))
+
+
+def parse_json_line(line: str) -> ExportTraceServiceRequest:
+    """Parse one OTLP/JSON line (ours or a Collector's) back into the protobuf message.
+
+    Raises ``ValueError`` (``json.JSONDecodeError`` or ``json_format.ParseError``) on a bad line.
+    """
+    message = json.loads(line)
+    if not isinstance(message, dict):
+        raise ValueError(f"expected a JSON object, got {type(message).__name__}")
+    _convert_ids(message, _hex_to_b64)
+    return json_format.ParseDict(message, ExportTraceServiceRequest())
+
+
+def _b64_to_hex(value: str) -> str:
+    return base64.b64decode(value).hex()
+
+
+def _hex_to_b64(value: str) -> str:
+    return base64.b64encode(bytes.fromhex(value)).decode("ascii")
+
+
+def _convert_ids(message: dict[str, Any], convert) -> None:
+    for resource_spans in message.get("resourceSpans", ()):
+        for scope_spans in resource_spans.get("scopeSpans", ()):
+            for span in scope_spans.get("spans", ()):
+                _convert_fields(span, convert)
+                for link in span.get("links", ()):
+                    _convert_fields(link, convert)
+
+
+def _convert_fields(obj: dict[str, Any], convert) -> None:
+    for key in _SPAN_ID_FIELDS:
+        value = obj.get(key)
+        if value:
+            obj[key] = convert(value)
+
+
+class OtlpJsonLinesExporter(SpanExporter):
+    """Appends each exported batch to ``path`` as one OTLP/JSON line.
+
+    Never raises into the caller: when the file cannot be opened or written, the first failure
+    logs one warning naming the path and the OS error, and every failing export after that
+    returns ``SpanExportResult.FAILURE`` silently. Opening is retried on each export, so a path
+    that becomes writable later starts receiving spans.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]):
+        self.path = os.fspath(path)
+        self._lock = threading.Lock()
+        self._fd: int | None = None
+        self._warned = False
+        self._shutdown = False
+        if hasattr(os, "register_at_fork"):
+            # A fork while another thread held the lock would leave the child's copy locked forever.
+            reinit = weakref.WeakMethod(self._after_fork)
+            os.register_at_fork(after_in_child=lambda: (m := reinit()) and m())
+
+    def _after_fork(self) -> None:
+        self._lock = threading.Lock()
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        if not spans:
+            return SpanExportResult.SUCCESS
+        try:
+            data = spans_to_json_line(spans).encode("utf-8")
+        except Exception as exc:  # an encoder bug must not reach the engine
+            return self._fail(f"could not encode {len(spans)} spans: {exc!r}")
+        with self._lock:
+            if self._shutdown:
+                return SpanExportResult.FAILURE
+            try:
+                fd = self._open()
+                _write_all(fd, data)
+            except OSError as exc:
+                self._close()
+                return self._fail(f"cannot write trace file {self.path!r}: {exc}")
+        return SpanExportResult.SUCCESS
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        # Every line goes to the kernel in export(); nothing is buffered here.
+        return True
+
+    def shutdown(self) -> None:
+        with self._lock:
+            self._shutdown = True
+            self._close()
+
+    def _open(self) -> int:
+        if self._fd is None:
+            directory = os.path.dirname(os.path.abspath(self.path))
+            os.makedirs(directory, exist_ok=True)
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        return self._fd
+
+    def _close(self) -> None:
+        if self._fd is not None:
+            try:
+                os.close(self._fd)
+            except OSError:
+                pass
+            self._fd = None
+
+    def _fail(self, message: str) -> SpanExportResult:
+        if not self._warned:
+            self._warned = True
+            logger.warning("kvscope: %s; spans are dropped and further failures are not logged", message)
+        return SpanExportResult.FAILURE
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    # A regular file takes the whole buffer in one write(); the loop only guards odd file systems.
+    view = memoryview(data)
+    while view:
+        written = os.write(fd, view)
+        view = view[written:]

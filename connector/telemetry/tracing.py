@@ -1,0 +1,475 @@
+"""Tracing for the connector: its own tracer provider, sinks, sampling and W3C propagation.
+
+Why a private ``TracerProvider``: vLLM (and the user's process) may own the global provider; the
+connector must neither replace it nor depend on it. Spans still join vLLM's request trace because
+the parent comes from the request's ``traceparent`` header, not from a shared provider.
+
+Free when off: with no sink configured nothing is built, ``enabled`` is False, every span is
+``INVALID_SPAN`` (a shared non-recording span) and carriers are None. Callers check
+``span.is_recording()`` before building attributes.
+
+Sinks (any combination):
+- ``trace_file``: OTLP/JSON lines (``trace_file.OtlpJsonLinesExporter``) behind a batching processor.
+- OTLP export, when the standard environment asks for it: ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` or
+  ``OTEL_EXPORTER_OTLP_ENDPOINT`` set, or ``OTEL_TRACES_EXPORTER`` naming ``otlp``. The protocol comes
+  from ``OTEL_EXPORTER_OTLP_TRACES_PROTOCOL`` / ``OTEL_EXPORTER_OTLP_PROTOCOL``; unset means ``grpc``,
+  the default of vLLM's own tracer (``--otlp-traces-endpoint`` exports the variable
+  ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` to the engine processes), so one endpoint receives both.
+  ``http/protobuf`` selects the HTTP exporter. ``OTEL_SDK_DISABLED=true`` turns all tracing off.
+  A dead endpoint never slows the engine: export runs on the batch processor's thread with a short
+  timeout, the first failure is logged once, and batches are dropped for a cool-down after a failure.
+
+Sampling: ``ParentBased(root=TraceIdRatioBased(r), remote_parent_sampled=TraceIdRatioBased(r))``.
+Children of a local span follow it; a remote parent that is not sampled drops the span. The ratio
+is also applied under a sampled remote parent (an upstream ``traceparent`` or our own carrier on
+the worker): the decision is a function of the trace id alone, so the scheduler and every worker
+agree and a request's trace is kept or dropped whole, and ``trace_sample_ratio`` means the
+fraction of requests traced whether or not the client sent a ``traceparent``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from opentelemetry import trace
+from opentelemetry.context import Context
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import (
+    BatchSpanProcessor,
+    SimpleSpanProcessor,
+    SpanExporter,
+    SpanExportResult,
+)
+from opentelemetry.sdk.trace.sampling import ParentBased, Sampler, TraceIdRatioBased
+from opentelemetry.trace import Span
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+from connector import __version__
+from connector.telemetry.trace_file import OtlpJsonLinesExporter
+
+logger = logging.getLogger(__name__)
+
+SCOPE_NAME = "kvscope"
+DEFAULT_SERVICE_NAME = "kvscope"
+# Seconds one OTLP export may take (retries included) unless OTEL_EXPORTER_OTLP[_TRACES]_TIMEOUT says.
+DEFAULT_OTLP_TIMEOUT_S = 2.0
+# After a failed OTLP export, batches are dropped for this long instead of waiting on a dead endpoint.
+OTLP_FAILURE_COOLDOWN_S = 10.0
+# Batch processor settings: a short delay keeps trace files fresh for live dashboards.
+_BATCH_SCHEDULE_DELAY_MS = 1000
+_BATCH_MAX_QUEUE = 8192
+
+_PROPAGATOR = TraceContextTextMapPropagator()
+
+
+class KVScopeTracing:
+    """The connector's tracer, sinks and propagation helpers (one per process)."""
+
+    def __init__(self, provider: TracerProvider | None):
+        self._provider = provider
+        self.enabled: bool = provider is not None
+        self._tracer = provider.get_tracer(SCOPE_NAME, __version__) if provider is not None else None
+        self._shutdown_done = False
+
+    # ----------------------------------------------------------------- construction
+    @classmethod
+    def disabled(cls) -> KVScopeTracing:
+        """Tracing that records nothing and builds nothing."""
+        return cls(None)
+
+    @classmethod
+    def from_config(
+        cls,
+        trace_file: str | None,
+        sample_ratio: float | None,
+        env: Mapping[str, str] = os.environ,
+    ) -> KVScopeTracing:
+        """Build tracing from the connector config (``trace_file``, ``trace_sample_ratio``) and ``OTEL_*``.
+
+        ``sample_ratio`` None means 1.0. Raises ``ValueError`` for a ratio outside 0..1.
+        """
+        ratio = _check_ratio(sample_ratio)
+        if _truthy(env.get("OTEL_SDK_DISABLED")):
+            return cls.disabled()
+        exporters: list[SpanExporter] = []
+        if trace_file:
+            exporters.append(OtlpJsonLinesExporter(trace_file))
+        if otlp_requested(env):
+            otlp = build_otlp_exporter(env)
+            if otlp is not None:
+                exporters.append(otlp)
+        if not exporters:
+            return cls.disabled()
+        provider = TracerProvider(sampler=request_sampler(ratio), resource=_resource(env))
+        for exporter in exporters:
+            provider.add_span_processor(
+                BatchSpanProcessor(
+                    exporter,
+                    schedule_delay_millis=_BATCH_SCHEDULE_DELAY_MS,
+                    max_queue_size=_BATCH_MAX_QUEUE,
+                )
+            )
+        return cls(provider)
+
+    @classmethod
+    def for_exporter(
+        cls,
+        exporter: SpanExporter,
+        sample_ratio: float = 1.0,
+        *,
+        resource: Resource | None = None,
+    ) -> KVScopeTracing:
+        """Tracing that hands every ended span synchronously to ``exporter`` (tests, benchmarks)."""
+        provider = TracerProvider(
+            sampler=request_sampler(_check_ratio(sample_ratio)),
+            resource=resource or Resource.create({"service.name": DEFAULT_SERVICE_NAME}),
+            shutdown_on_exit=False,
+        )
+        provider.add_span_processor(SimpleSpanProcessor(exporter))
+        return cls(provider)
+
+    @property
+    def provider(self) -> TracerProvider | None:
+        return self._provider
+
+    # ----------------------------------------------------------------- spans
+    def start_span(
+        self,
+        name: str,
+        context: Context | None = None,
+        start_time: int | None = None,
+    ) -> Span:
+        """Start a span (caller ends it). ``INVALID_SPAN`` when disabled.
+
+        ``context`` None starts a new trace (a request root); pass the request's context for
+        children. ``start_time`` is in ns since the epoch (``time.time_ns()``).
+        """
+        if self._tracer is None:
+            return trace.INVALID_SPAN
+        return self._tracer.start_span(name, context=context, start_time=start_time)
+
+    def record_span(
+        self,
+        name: str,
+        context: Context | None,
+        start_ns: int,
+        end_ns: int,
+        attributes: Mapping[str, Any] | None = None,
+    ) -> Span:
+        """Record an already finished span whose interval was measured elsewhere (device events).
+
+        Times are ns since the epoch (``time.time_ns()``, not ``perf_counter_ns``). ``context``
+        None starts a new trace, as in ``start_span``; a worker whose job came without a carrier
+        (tracing off, or the request not sampled) must therefore skip the call. Returns the span,
+        ended, or a non-recording one (``context_of`` works on both). ``INVALID_SPAN`` when disabled.
+        """
+        if self._tracer is None:
+            return trace.INVALID_SPAN
+        span = self._tracer.start_span(name, context=context, start_time=start_ns)
+        if span.is_recording():
+            if attributes:
+                span.set_attributes(attributes)
+            span.end(end_time=max(end_ns, start_ns))
+        return span
+
+    # ----------------------------------------------------------------- propagation
+    def context_from_trace_headers(self, headers: Mapping[str, str] | None) -> Context | None:
+        """Context of the request's upstream trace (vLLM's ``request.trace_headers``), or None."""
+        if self._tracer is None or not headers:
+            return None
+        return _extract({k.lower(): v for k, v in headers.items()})
+
+    def context_of(self, span: Span) -> Context | None:
+        """Context making ``span`` the parent, to start further spans of the same request.
+
+        Also for a span dropped by sampling, so its children are dropped with it instead of
+        starting new traces. None when disabled.
+        """
+        if self._tracer is None or not span.get_span_context().is_valid:
+            return None
+        return trace.set_span_in_context(span)
+
+    def carrier_of(self, span: Span) -> dict[str, str] | None:
+        """W3C carrier (``traceparent``, maybe ``tracestate``) of ``span`` for the worker, or None.
+
+        None when disabled or the span is not recording: the worker then builds no span.
+        """
+        if self._tracer is None or not span.is_recording():
+            return None
+        carrier: dict[str, str] = {}
+        _PROPAGATOR.inject(carrier, context=trace.set_span_in_context(span))
+        return carrier or None
+
+    def context_from_carrier(self, carrier: Mapping[str, str] | None) -> Context | None:
+        """Context from a carrier made by ``carrier_of`` (worker side), or None."""
+        if self._tracer is None or not carrier:
+            return None
+        return _extract(carrier)
+
+    # ----------------------------------------------------------------- lifecycle
+    def force_flush(self, timeout_millis: int = 5000) -> bool:
+        if self._provider is None or self._shutdown_done:
+            return True
+        return self._provider.force_flush(timeout_millis)
+
+    def shutdown(self) -> None:
+        """Flush and stop the sinks; idempotent. Spans started afterwards are dropped."""
+        if self._provider is None or self._shutdown_done:
+            return
+        self._shutdown_done = True
+        self._provider.shutdown()
+
+
+def request_sampler(ratio: float) -> Sampler:
+    """Sampler keeping or dropping a request's whole trace (see module docstring)."""
+    by_trace_id = TraceIdRatioBased(ratio)
+    return ParentBased(root=by_trace_id, remote_parent_sampled=by_trace_id)
+
+
+def otlp_requested(env: Mapping[str, str]) -> bool:
+    """Whether the standard OTEL_* variables ask for OTLP trace export."""
+    if _truthy(env.get("OTEL_SDK_DISABLED")):
+        return False
+    names = _exporter_names(env)
+    if names == ["none"]:
+        return False
+    return bool(
+        env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+        or env.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+        or "otlp" in names
+    )
+
+
+def build_otlp_exporter(env: Mapping[str, str]) -> SpanExporter | None:
+    """OTLP span exporter configured from ``env``, wrapped to fail fast and log once."""
+    protocol = (
+        env.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or env.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "grpc"
+    ).strip().lower()
+    timeout = _timeout_s(env)
+    headers = _headers(env)
+    traces_endpoint = env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+    base_endpoint = env.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+    try:
+        if protocol == "grpc":
+            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (
+                OTLPSpanExporter as GrpcExporter,
+            )
+
+            endpoint = traces_endpoint or base_endpoint or "http://localhost:4317"
+            inner: SpanExporter = GrpcExporter(
+                endpoint=endpoint,
+                insecure=not endpoint.lower().startswith("https://"),
+                headers=headers or None,
+                timeout=timeout,
+            )
+        else:
+            if protocol != "http/protobuf":
+                logger.warning(
+                    "kvscope: OTLP protocol %r is not supported for traces; using 'http/protobuf' "
+                    "(accepted: 'grpc', 'http/protobuf')",
+                    protocol,
+                )
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
+                OTLPSpanExporter as HttpExporter,
+            )
+
+            if traces_endpoint:
+                endpoint = traces_endpoint
+            else:
+                endpoint = (base_endpoint or "http://localhost:4318").rstrip("/") + "/v1/traces"
+            inner = HttpExporter(endpoint=endpoint, headers=headers or None, timeout=timeout)
+    except Exception as exc:  # a broken exporter install must not stop the engine
+        logger.warning("kvscope: cannot create the OTLP trace exporter (%s); OTLP export is off", exc)
+        return None
+    return LogOnceExporter(inner, description=f"OTLP {protocol} {endpoint}")
+
+
+class LogOnceExporter(SpanExporter):
+    """Wraps an exporter: logs its first failure once, fails fast for a while after each failure.
+
+    The inner exporter's own log records are captured while it exports (on this wrapper's thread
+    only, so other users of the same exporter classes keep theirs); the first failure is reported
+    with the first captured message. After a failure, batches are dropped for ``cooldown_s`` instead
+    of waiting for a dead endpoint again, so ``force_flush``/``shutdown`` stay quick.
+    """
+
+    def __init__(
+        self,
+        inner: SpanExporter,
+        description: str,
+        cooldown_s: float = OTLP_FAILURE_COOLDOWN_S,
+        clock=time.monotonic,
+    ):
+        self.inner = inner
+        self.description = description
+        self.cooldown_s = cooldown_s
+        self._clock = clock
+        self._retry_at = float("-inf")
+        self._warned = False
+        _CAPTURE.install()
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        if self._clock() < self._retry_at:
+            return SpanExportResult.FAILURE
+        with _CAPTURE.capturing() as captured:
+            try:
+                result = self.inner.export(spans)
+                reason = "; ".join(dict.fromkeys(captured[:1] + captured[-1:])) or "export returned FAILURE"
+            except Exception as exc:
+                result = SpanExportResult.FAILURE
+                reason = repr(exc)
+        if result is SpanExportResult.SUCCESS:
+            return result
+        self._retry_at = self._clock() + self.cooldown_s
+        if not self._warned:
+            self._warned = True
+            logger.warning(
+                "kvscope: trace export to %s failed (%s); spans are dropped while it fails and "
+                "further failures are not logged",
+                self.description,
+                reason,
+            )
+        return SpanExportResult.FAILURE
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        return self.inner.force_flush(timeout_millis)
+
+    def shutdown(self) -> None:
+        with _CAPTURE.capturing():
+            try:
+                self.inner.shutdown()
+            except Exception:
+                pass
+
+
+class _ThreadLogCapture(logging.Filter):
+    """Swallows (and keeps) the OTLP exporters' log records on threads that asked for it."""
+
+    LOGGER_NAMES = (
+        "opentelemetry.exporter.otlp.proto.http.trace_exporter",
+        "opentelemetry.exporter.otlp.proto.http._common",
+        "opentelemetry.exporter.otlp.common.http",
+        "opentelemetry.exporter.otlp.proto.grpc.exporter",
+        "opentelemetry.exporter.otlp.proto.grpc.trace_exporter",
+    )
+
+    def __init__(self):
+        super().__init__()
+        self._local = threading.local()
+        self._installed = False
+        self._lock = threading.Lock()
+
+    def install(self) -> None:
+        with self._lock:
+            if not self._installed:
+                for name in self.LOGGER_NAMES:
+                    logging.getLogger(name).addFilter(self)
+                self._installed = True
+
+    def capturing(self) -> _Capturing:
+        return _Capturing(self._local)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        sink = getattr(self._local, "sink", None)
+        if sink is None:
+            return True
+        try:
+            sink.append(record.getMessage())
+        except Exception:
+            sink.append(str(record.msg))
+        return False
+
+
+class _Capturing:
+    def __init__(self, local: threading.local):
+        self._local = local
+        self._sink: list[str] = []
+
+    def __enter__(self) -> list[str]:
+        self._previous = getattr(self._local, "sink", None)
+        self._local.sink = self._sink
+        return self._sink
+
+    def __exit__(self, *exc: object) -> None:
+        self._local.sink = self._previous
+
+
+_CAPTURE = _ThreadLogCapture()
+
+
+# --------------------------------------------------------------------- helpers
+def _extract(carrier: Mapping[str, str]) -> Context | None:
+    context = _PROPAGATOR.extract(carrier)
+    if not trace.get_current_span(context).get_span_context().is_valid:
+        return None
+    return context
+
+
+def _check_ratio(sample_ratio: float | None) -> float:
+    if sample_ratio is None:
+        return 1.0
+    try:
+        ratio = float(sample_ratio)
+    except (TypeError, ValueError):
+        ratio = float("nan")
+    if not 0.0 <= ratio <= 1.0:
+        raise ValueError(f"trace_sample_ratio={sample_ratio!r} is invalid: accepted is a number from 0 to 1")
+    return ratio
+
+
+def _truthy(value: str | None) -> bool:
+    return (value or "").strip().lower() == "true"
+
+
+def _exporter_names(env: Mapping[str, str]) -> list[str]:
+    return [n.strip().lower() for n in (env.get("OTEL_TRACES_EXPORTER") or "").split(",") if n.strip()]
+
+
+def _timeout_s(env: Mapping[str, str]) -> float:
+    # Seconds, as the Python OTLP exporters read these variables.
+    raw = env.get("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT") or env.get("OTEL_EXPORTER_OTLP_TIMEOUT")
+    if raw:
+        try:
+            value = float(raw)
+            if value > 0:
+                return value
+        except ValueError:
+            pass
+        logger.warning("kvscope: ignoring OTLP timeout %r (seconds > 0 accepted)", raw)
+    return DEFAULT_OTLP_TIMEOUT_S
+
+
+def _parse_kv_list(raw: str | None) -> dict[str, str]:
+    """``k1=v1,k2=v2`` (W3C baggage-like, percent-encoded) as OTEL_*_HEADERS and resource attrs use."""
+    from urllib.parse import unquote
+
+    result: dict[str, str] = {}
+    for item in (raw or "").split(","):
+        key, sep, value = item.partition("=")
+        if sep and key.strip():
+            result[unquote(key.strip())] = unquote(value.strip())
+    return result
+
+
+def _headers(env: Mapping[str, str]) -> dict[str, str]:
+    headers = _parse_kv_list(env.get("OTEL_EXPORTER_OTLP_HEADERS"))
+    headers.update(_parse_kv_list(env.get("OTEL_EXPORTER_OTLP_TRACES_HEADERS")))
+    return headers
+
+
+def _resource(env: Mapping[str, str]) -> Resource:
+    # Resource.create merges OTEL_RESOURCE_ATTRIBUTES from the process environment itself;
+    # service.name is decided here so that `env` wins and "kvscope" is the default.
+    service_name = (
+        env.get("OTEL_SERVICE_NAME")
+        or _parse_kv_list(env.get("OTEL_RESOURCE_ATTRIBUTES")).get("service.name")
+        or DEFAULT_SERVICE_NAME
+    )
+    return Resource.create({"service.name": service_name})
+

@@ -1,0 +1,55 @@
+"""Real vLLM CPU engine scenarios, each in its own process, results shared per session."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+BLOCK = 128  # device block size of the CPU backend
+
+
+def prompts_sharing_prefixes() -> list[list[int]]:
+    """Lengths that are not multiples of the block size, a shared prefix with distinct suffixes,
+    one exact multiple of the block size, and one prompt shorter than a block."""
+    shared = [(31 * i + 3) % 509 + 1 for i in range(300)]
+    prompts = [shared + [(17 * i + 11 * j + 5) % 509 + 1 for i in range(150 + 97 * j)] for j in range(4)]
+    prompts.append([(13 * i + 7) % 509 + 1 for i in range(4 * BLOCK)])
+    prompts.append([(7 * i + 1) % 509 + 1 for i in range(90)])
+    return prompts
+
+
+def run_scenario(spec: dict, timeout: int = 600) -> dict:
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(spec, f)
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "-m", "tests.engine.scenario", f.name], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    os.unlink(f.name)
+    for line in proc.stdout.splitlines():
+        if line.startswith("SCENARIO_JSON "):
+            return json.loads(line[len("SCENARIO_JSON "):])
+    raise AssertionError(f"scenario failed (rc={proc.returncode}):\n{proc.stderr[-6000:]}")
+
+
+class ScenarioCache:
+    """Runs each named scenario (and its no-connector baseline) once per session."""
+
+    def __init__(self):
+        self._results: dict[str, dict] = {}
+
+    def get(self, name: str, spec: dict) -> dict:
+        if name not in self._results:
+            self._results[name] = run_scenario(spec)
+        return self._results[name]
+
+
+@pytest.fixture(scope="session")
+def scenarios() -> ScenarioCache:
+    return ScenarioCache()

@@ -1,0 +1,81 @@
+"""One engine scenario in its own process: `python -m tests.engine.scenario SPEC.json`.
+
+vLLM keeps per-process globals (the worker's connector among them), so every engine gets a
+process of its own; the engine core runs in-process there so tests can reach both sides of
+the connector. Prints one line `SCENARIO_JSON {...}` with everything the tests assert on.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from connector.engine_runner import (
+    engine_env,
+    generate,
+    get_scheduler_connector,
+    get_worker_connector,
+    make_llm,
+    metric_values,
+)
+from connector.tiny_models import build_model
+
+COUNTERS = ("vllm:prefix_cache_hits", "vllm:prefix_cache_queries",
+            "vllm:external_prefix_cache_hits", "vllm:external_prefix_cache_queries")
+
+
+def _delta(after: dict, before: dict) -> dict:
+    return {k: after.get(k, 0.0) - before.get(k, 0.0) for k in COUNTERS}
+
+
+def kvscope_samples() -> dict[str, float]:
+    """kvscope metrics from this process's Prometheus registry, summed over labels."""
+    from prometheus_client import REGISTRY
+
+    out: dict[str, float] = {}
+    for metric in REGISTRY.collect():
+        for sample in metric.samples:
+            if sample.name.startswith("kvscope_"):
+                out[sample.name] = out.get(sample.name, 0.0) + sample.value
+    return out
+
+
+def run(spec: dict) -> dict:
+    engine_env()
+    model = build_model(spec["model"], window=spec.get("window", 64), layer_types=spec.get("layer_types"))
+    prompts = spec["prompts"]
+    max_tokens = spec.get("max_tokens", 8)
+    llm_kwargs = spec.get("llm_kwargs", {})
+    if not spec.get("connector", True):
+        outs = generate(make_llm(model, connector=False, **llm_kwargs), prompts, max_tokens)
+        return {"rounds": [[o.__dict__ for o in outs]]}
+    llm = make_llm(model, spec.get("extra", {"cpu_bytes": 64 << 20}), **llm_kwargs)
+    rounds, counters = [], []
+    before = metric_values(llm)
+    rounds.append(generate(llm, prompts, max_tokens))  # round 0: cold, stores to the host tier
+    after0 = metric_values(llm)
+    counters.append(_delta(after0, before))
+    assert llm.reset_prefix_cache(), "device prefix cache reset failed"
+    if spec.get("drop_host_blocks"):
+        worker = get_worker_connector()._worker
+        worker.lost_slots.update(range(worker.num_slots))  # host data lost after the lookup
+    rounds.append(generate(llm, prompts, max_tokens))  # round 1: loads from the host tier
+    after1 = metric_values(llm)
+    counters.append(_delta(after1, after0))
+    rounds.append(generate(llm, prompts, max_tokens))  # round 2: device prefix cache, no reset
+    counters.append(_delta(metric_values(llm), after1))
+    sched = get_scheduler_connector(llm)._scheduler
+    return {
+        "rounds": [[o.__dict__ for o in r] for r in rounds],
+        "counters": counters,
+        "kvscope": kvscope_samples(),
+        "host": {"used_slots": sched.index.used_slots, "num_slots": sched.index.num_slots,
+                 "evicted": sched.index.evicted_total},
+        "groups": [layout.kind.value for layout in sched.layouts],
+    }
+
+
+if __name__ == "__main__":
+    with open(sys.argv[1]) as f:
+        result = run(json.load(f))
+    print("SCENARIO_JSON " + json.dumps(result), flush=True)

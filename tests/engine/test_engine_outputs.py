@@ -1,0 +1,72 @@
+"""The connector on the real vLLM CPU engine: loads from the host tier give the model the same KV.
+
+For each model: round 0 runs cold and stores, the device prefix cache is reset, round 1 loads
+from the host tier, round 2 runs again without a reset (what the device prefix cache gives).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from .conftest import prompts_sharing_prefixes
+
+pytestmark = pytest.mark.engine
+
+PROMPTS = prompts_sharing_prefixes()
+LOGPROB_TOLERANCE = 0.03
+
+MODELS = {
+    "llama": dict(model="llama"),
+    "gemma3-w64": dict(model="gemma3", window=64),
+    # window not a multiple of the block size, another layer pattern
+    "gemma3-w200-sfss": dict(model="gemma3", window=200,
+                             layer_types=["sliding_attention", "full_attention",
+                                          "sliding_attention", "sliding_attention"]),
+    "gptoss-w64": dict(model="gptoss", window=64),
+}
+
+
+def spec_for(name: str, **overrides) -> dict:
+    return {**MODELS[name], "prompts": PROMPTS, **overrides}
+
+
+@pytest.fixture(scope="module", params=list(MODELS))
+def model_run(request, scenarios):
+    name = request.param
+    return name, scenarios.get(name, spec_for(name)), scenarios.get(name + ":baseline", spec_for(name, connector=False))
+
+
+def _tokens(round_):
+    return [c["tokens"] for c in round_]
+
+
+def test_groups_are_what_the_model_has(model_run):
+    name, result, _ = model_run
+    expected = {"full_attention"} if name == "llama" else {"full_attention", "sliding_window"}
+    assert set(result["groups"]) == expected
+
+
+def test_loaded_round_equals_cold_round_and_no_connector(model_run):
+    name, result, baseline = model_run
+    cold, loaded, _ = result["rounds"]
+    assert _tokens(loaded) == _tokens(cold)
+    assert _tokens(cold) == _tokens(baseline["rounds"][0])
+    for a, b in zip(cold, loaded):
+        assert max((abs(x - y) for x, y in zip(a["logprobs"], b["logprobs"])), default=0) <= LOGPROB_TOLERANCE
+
+
+def test_round_after_reset_really_loads_from_host_tier(model_run):
+    _, result, _ = model_run
+    loaded = result["counters"][1]
+    assert loaded["vllm:external_prefix_cache_hits"] > 0
+    assert result["kvscope"]["kvscope_hit_tokens_total"] == loaded["vllm:external_prefix_cache_hits"] + result["counters"][0]["vllm:external_prefix_cache_hits"] + result["counters"][2]["vllm:external_prefix_cache_hits"]
+
+
+def test_hits_after_reset_cover_90_percent_of_device_prefix_cache(model_run):
+    _, result, _ = model_run
+    after_reset = result["counters"][1]
+    no_reset = result["counters"][2]
+    host = after_reset["vllm:prefix_cache_hits"] + after_reset["vllm:external_prefix_cache_hits"]
+    device = no_reset["vllm:prefix_cache_hits"] + no_reset["vllm:external_prefix_cache_hits"]
+    assert device > 0
+    assert host >= 0.9 * device, (host, device)

@@ -1,0 +1,166 @@
+"""KVScopePromMetrics: the contract metrics (DESIGN §3) in a fresh registry, as vLLM builds them."""
+
+from __future__ import annotations
+
+import urllib.request
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+
+from connector.telemetry.metrics import (
+    COPY_BUCKETS_S,
+    METRIC_NAMES,
+    REQUEST_LOAD_BUCKETS_S,
+    SCAN_BUCKETS_S,
+    KVScopePromMetrics,
+    KVScopeStats,
+    serve_metrics_port,
+    unregister_kvscope_metrics,
+)
+from connector.telemetry.testing import engine_labels
+
+VLLM = ["model_name", "engine"]
+# DESIGN §3: exposed name -> (type, own labels)
+CONTRACT = {
+    "kvscope_lookup_tokens_total": ("counter", []),
+    "kvscope_hit_tokens_total": ("counter", []),
+    "kvscope_scan_blocks_total": ("counter", ["group", "kind"]),
+    "kvscope_null_blocks_skipped_total": ("counter", ["group", "kind"]),
+    "kvscope_loaded_blocks_total": ("counter", ["group", "kind"]),
+    "kvscope_load_bytes_total": ("counter", ["group", "kind"]),
+    "kvscope_store_bytes_total": ("counter", ["group", "kind"]),
+    "kvscope_scan_duration_seconds": ("histogram", ["group", "kind"]),
+    "kvscope_copy_duration_seconds": ("histogram", ["group", "kind", "direction"]),
+    "kvscope_request_load_duration_seconds": ("histogram", []),
+    "kvscope_evicted_blocks_total": ("counter", []),
+    "kvscope_load_failures_total": ("counter", []),
+    "kvscope_host_used_bytes": ("gauge", []),
+    "kvscope_host_capacity_bytes": ("gauge", []),
+}
+
+
+def _payload() -> dict:
+    s = KVScopeStats()
+    s.record_lookup(100, 64)
+    s.record_scan(0, "full_attention", 8, 0, 3e-6)
+    s.record_scan(1, "sliding_window", 8, 6, 2e-6)
+    s.record_loaded_blocks(1, "sliding_window", 2, 2048)
+    s.record_copy(1, "sliding_window", "load", 2, 2048, 0.0015)
+    s.record_copy(2, "mamba", "store", 1, 512, 0.0004)
+    s.record_request_load(0.003)
+    s.record_evictions(3)
+    s.record_load_failures(1)
+    s.set_host_usage(10_000, 1 << 30)
+    return s.data
+
+
+def _families(registry: CollectorRegistry) -> dict:
+    return {f.name: f for f in registry.collect()}
+
+
+def _exposed_name(family) -> str:
+    return family.name + "_total" if family.type == "counter" else family.name
+
+
+def test_registers_exactly_the_contract_metrics(registry, prom_metrics):
+    families = _families(registry)
+    assert {_exposed_name(f): f.type for f in families.values()} == {k: t for k, (t, _) in CONTRACT.items()}
+    assert set(METRIC_NAMES) == set(CONTRACT)
+    assert not any(":" in name for name in CONTRACT)
+
+
+def test_label_names_are_vllm_labels_then_ours(registry, prom_metrics):
+    prom_metrics.observe(_payload(), engine_idx=0)
+    for family in registry.collect():
+        _, own = CONTRACT[_exposed_name(family)]
+        for sample in family.samples:
+            if sample.name.endswith("_created"):
+                continue
+            names = [n for n in sample.labels if n != "le"]
+            assert sorted(names) == sorted(VLLM + own), (sample.name, names)
+
+
+def test_unlabelled_series_exist_at_zero_before_any_observation(registry, prom_metrics):
+    for engine in (0, 1):
+        labels = engine_labels(engine)
+        assert registry.get_sample_value("kvscope_lookup_tokens_total", labels) == 0
+        assert registry.get_sample_value("kvscope_request_load_duration_seconds_count", labels) == 0
+
+
+def test_observe_applies_a_payload_per_engine(registry, prom_metrics):
+    prom_metrics.observe(_payload(), engine_idx=1)
+    prom_metrics.observe(_payload(), engine_idx=1)
+    get = registry.get_sample_value
+    e1, e0 = engine_labels(1), engine_labels(0)
+    assert get("kvscope_lookup_tokens_total", e1) == 200
+    assert get("kvscope_hit_tokens_total", e1) == 128
+    assert get("kvscope_lookup_tokens_total", e0) == 0
+    sw = engine_labels(1, group="1", kind="sliding_window")
+    assert get("kvscope_scan_blocks_total", sw) == 16
+    assert get("kvscope_null_blocks_skipped_total", sw) == 12
+    assert get("kvscope_loaded_blocks_total", sw) == 4
+    assert get("kvscope_load_bytes_total", sw) == 4096
+    assert get("kvscope_store_bytes_total", engine_labels(1, group="2", kind="mamba")) == 1024
+    assert get("kvscope_scan_duration_seconds_count", sw) == 2
+    load_copy = engine_labels(1, group="1", kind="sliding_window", direction="load")
+    assert get("kvscope_copy_duration_seconds_count", load_copy) == 2
+    assert get("kvscope_copy_duration_seconds_sum", load_copy) == 0.003
+    assert get("kvscope_copy_duration_seconds_bucket", {**load_copy, "le": "0.001"}) == 0
+    assert get("kvscope_copy_duration_seconds_bucket", {**load_copy, "le": "0.0025"}) == 2
+    assert get("kvscope_request_load_duration_seconds_count", e1) == 2
+    assert get("kvscope_evicted_blocks_total", e1) == 6
+    assert get("kvscope_load_failures_total", e1) == 2
+    assert get("kvscope_host_used_bytes", e1) == 10_000
+    assert get("kvscope_host_capacity_bytes", e1) == 1 << 30
+
+
+def test_hit_tokens_never_exceed_lookup_tokens(registry, prom_metrics):
+    s = KVScopeStats()
+    s.record_lookup(10, 50)  # a caller bug is clamped, not exported
+    prom_metrics.observe(s.data)
+    get = registry.get_sample_value
+    assert get("kvscope_hit_tokens_total", engine_labels(0)) <= get("kvscope_lookup_tokens_total", engine_labels(0))
+
+
+def test_bucket_edges(registry, prom_metrics):
+    prom_metrics.observe(_payload())
+    families = _families(registry)
+
+    def edges(name):
+        return sorted(
+            {float(s.labels["le"]) for s in families[name].samples if s.name.endswith("_bucket")}
+        )
+
+    inf = [float("inf")]
+    assert edges("kvscope_scan_duration_seconds") == list(SCAN_BUCKETS_S) + inf
+    assert edges("kvscope_copy_duration_seconds") == list(COPY_BUCKETS_S) + inf
+    assert edges("kvscope_request_load_duration_seconds") == list(REQUEST_LOAD_BUCKETS_S) + inf
+    assert SCAN_BUCKETS_S[0] == 1e-6 and SCAN_BUCKETS_S[-1] == 1e-2
+    assert COPY_BUCKETS_S[0] == 1e-4 and COPY_BUCKETS_S[-1] >= 1.0
+    assert REQUEST_LOAD_BUCKETS_S[0] == 1e-4 and REQUEST_LOAD_BUCKETS_S[-1] == 10.0
+
+
+def test_unknown_and_internal_keys_are_ignored(registry, prom_metrics):
+    prom_metrics.observe({"copy_blocks": {"0|mamba|load": 3}, "from_the_future": 1, "scan_blocks": {"bad": 1}})
+    assert registry.get_sample_value("kvscope_scan_blocks_total", engine_labels(0, group="bad", kind="")) is None
+
+
+def test_global_registry_can_be_rebuilt_like_vllm_does():
+    """Plain prometheus_client classes (vLLM's default) register globally; a second engine must not fail."""
+    from types import SimpleNamespace
+
+    metric_types = {Gauge: Gauge, Counter: Counter, Histogram: Histogram}
+    try:
+        for _ in range(2):
+            KVScopePromMetrics(SimpleNamespace(kv_transfer_config=None), metric_types, VLLM, {0: ["m", "0"]})
+        assert REGISTRY.get_sample_value("kvscope_lookup_tokens_total", {"model_name": "m", "engine": "0"}) == 0
+    finally:
+        unregister_kvscope_metrics(REGISTRY)
+    assert REGISTRY.get_sample_value("kvscope_lookup_tokens_total", {"model_name": "m", "engine": "0"}) is None
+
+
+def test_serve_metrics_port_is_idempotent_and_serves_the_registry(registry, prom_metrics):
+    prom_metrics.observe(_payload())
+    port = serve_metrics_port(0, registry=registry)
+    assert serve_metrics_port(0, registry=registry) == port
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    assert 'kvscope_hit_tokens_total{engine="0",model_name="test-model"} 64.0' in body

@@ -1,0 +1,152 @@
+"""KVScopeStats: the payload that travels worker -> scheduler -> front end."""
+
+from __future__ import annotations
+
+import pickle
+
+import msgspec
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from connector.telemetry.metrics import KVScopeStats
+
+
+def _worker_stats() -> KVScopeStats:
+    s = KVScopeStats()
+    s.record_copy(0, "full_attention", "load", blocks=4, nbytes=4096, duration_s=0.002)
+    s.record_copy(1, "sliding_window", "store", blocks=2, nbytes=1024, duration_s=0.001)
+    return s
+
+
+def _scheduler_stats() -> KVScopeStats:
+    s = KVScopeStats()
+    s.record_lookup(queried_tokens=100, hit_tokens=64)
+    s.record_scan(0, "full_attention", blocks_total=8, null_skipped=0, duration_s=3e-6)
+    s.record_scan(1, "sliding_window", blocks_total=8, null_skipped=6, duration_s=2e-6)
+    s.record_loaded_blocks(0, "full_attention", blocks=4, nbytes=4096)
+    s.record_loaded_blocks(1, "sliding_window", blocks=2, nbytes=2048)
+    s.record_request_load(0.004)
+    s.record_evictions(3)
+    s.record_load_failures(1)
+    s.set_host_usage(used_bytes=10_000, capacity_bytes=1 << 30)
+    return s
+
+
+def _assert_plain(obj) -> None:
+    if isinstance(obj, dict):
+        for key, value in obj.items():
+            assert isinstance(key, str)
+            _assert_plain(value)
+    elif isinstance(obj, list):
+        for value in obj:
+            _assert_plain(value)
+    else:
+        assert type(obj) in (int, float), type(obj)
+
+
+def test_data_is_plain_with_string_keys():
+    stats = _scheduler_stats().aggregate(_worker_stats())
+    _assert_plain(stats.data)
+    assert stats.data["scan_blocks"] == {"0|full_attention": 8, "1|sliding_window": 8}
+    assert stats.data["copy_duration_s"] == {"0|full_attention|load": [0.002], "1|sliding_window|store": [0.001]}
+
+
+def test_numpy_like_values_are_stored_as_python_numbers():
+    class IntLike:
+        def __int__(self):
+            return 5
+
+        def __float__(self):
+            return 0.5
+
+    s = KVScopeStats()
+    s.record_copy(IntLike(), "mamba", "load", IntLike(), IntLike(), IntLike())
+    _assert_plain(s.data)
+    msgspec.msgpack.encode(s.data)
+
+
+def test_aggregate_sums_concatenates_and_keeps_latest_gauge():
+    a, b = _scheduler_stats(), _scheduler_stats()
+    b.set_host_usage(used_bytes=20_000, capacity_bytes=1 << 30)
+    a.aggregate(b).aggregate(_worker_stats())
+    d = a.data
+    assert d["lookup_tokens"] == 200 and d["hit_tokens"] == 128
+    assert d["null_blocks_skipped"] == {"1|sliding_window": 12}
+    assert d["scan_duration_s"]["0|full_attention"] == [3e-6, 3e-6]
+    assert d["request_load_duration_s"] == [0.004, 0.004]
+    assert d["host_used_bytes"] == 20_000
+    assert d["evicted_blocks"] == 6 and d["load_failures"] == 2
+    assert d["store_bytes"] == {"1|sliding_window": 1024}
+    assert d["load_bytes"] == {"0|full_attention": 8192, "1|sliding_window": 4096}  # only from record_loaded_blocks
+
+
+def test_aggregate_does_not_alias_the_other_payload():
+    a, b = KVScopeStats(), _scheduler_stats()
+    a.aggregate(b)
+    a.record_scan(0, "full_attention", 1, 0, 1e-6)
+    assert b.data["scan_duration_s"]["0|full_attention"] == [3e-6]
+
+
+def test_empty_reset_and_take():
+    s = KVScopeStats()
+    assert s.is_empty() and s.take() is None
+    s.record_lookup(0, 0)
+    s.record_evictions(0)
+    assert s.is_empty()  # nothing happened, nothing to ship
+    s.record_lookup(10, 5)
+    taken = s.take()
+    assert taken is not None and taken.data["hit_tokens"] == 5
+    assert s.is_empty()
+    s.record_evictions(1)
+    s.reset()
+    assert s.is_empty() and s.aggregate(KVScopeStats()) is s
+
+
+@pytest.mark.parametrize("roundtrip", ["pickle", "msgspec_data", "msgspec_object", "vllm_msgpack"])
+def test_survives_serialization(roundtrip):
+    stats = _scheduler_stats().aggregate(_worker_stats())
+    if roundtrip == "pickle":
+        back = pickle.loads(pickle.dumps(stats))
+    elif roundtrip == "msgspec_data":
+        back = KVScopeStats.from_data(msgspec.msgpack.decode(msgspec.msgpack.encode(stats.data)))
+    elif roundtrip == "msgspec_object":
+        back = msgspec.msgpack.decode(msgspec.msgpack.encode(stats), type=KVScopeStats)
+    else:  # what the engine core does with SchedulerStats.kv_connector_stats (= to_dict())
+        from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
+
+        back = KVScopeStats.from_data(MsgpackDecoder(dict).decode(MsgpackEncoder().encode(stats.to_dict())))
+    assert isinstance(back, KVScopeStats)
+    assert back.data == stats.data
+    assert back.reduce() == stats.reduce()
+
+
+def test_reduce_summary():
+    r = _scheduler_stats().aggregate(_worker_stats()).reduce()
+    assert r["lookup_tokens"] == 100 and r["hit_tokens"] == 64 and r["hit_rate"] == 0.64
+    assert r["loaded_blocks"] == 6
+    assert r["loaded_gb"] == pytest.approx(6144 / 1e9, rel=1e-3)
+    assert r["stored_gb"] == pytest.approx(1024 / 1e9, rel=1e-3)
+    assert r["scan_us_mean"] == pytest.approx(2.5)
+    assert r["load_copies"] == 1 and r["load_copy_ms_mean"] == pytest.approx(2.0)
+    assert r["store_copy_ms_mean"] == pytest.approx(1.0)
+    assert r["request_load_ms_mean"] == pytest.approx(4.0)
+    assert r["evicted_blocks"] == 3 and r["load_failures"] == 1
+    assert all(isinstance(v, (int, float)) for v in r.values())
+    assert KVScopeStats().reduce() == {}
+
+
+def test_bad_copy_direction_is_rejected():
+    with pytest.raises(ValueError, match="direction"):
+        KVScopeStats().record_copy(0, "mamba", "sideways", 1, 1, 0.1)
+
+
+@given(st.lists(st.tuples(st.integers(-10, 10_000), st.integers(-10, 20_000)), max_size=30))
+def test_hit_tokens_never_exceed_lookup_tokens(lookups):
+    total = KVScopeStats()
+    for queried, hit in lookups:
+        one = KVScopeStats()
+        one.record_lookup(queried, hit)
+        assert one.data.get("hit_tokens", 0) <= one.data.get("lookup_tokens", 0)
+        total.aggregate(one)
+    assert 0 <= total.data.get("hit_tokens", 0) <= total.data.get("lookup_tokens", 0)

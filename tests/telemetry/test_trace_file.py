@@ -1,0 +1,126 @@
+"""The trace file: OTLP/JSON lines as the Collector's file exporter writes them."""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import threading
+
+from google.protobuf import json_format
+from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from opentelemetry.sdk.trace.export import SpanExportResult
+
+from connector.telemetry.trace_file import OtlpJsonLinesExporter, parse_json_line
+
+
+def _make_spans(tracing, n_children=2):
+    root = tracing.start_span("kvscope.load")
+    root.set_attribute("kvscope.tokens.external", 2**40)
+    root.set_attribute("kvscope.request.id", "req-1")
+    ctx = tracing.context_of(root)
+    for i in range(n_children):
+        child = tracing.start_span("kvscope.group.scan", context=ctx)
+        child.set_attribute("kvscope.group.index", i)
+        child.set_attribute("kvscope.group.kind", "sliding_window")
+        child.end()
+    root.end()
+
+
+def test_one_line_per_export_in_otlp_json(tmp_path, tracing, span_exporter):
+    _make_spans(tracing)
+    spans = span_exporter.get_finished_spans()
+    path = tmp_path / "traces.jsonl"
+    exporter = OtlpJsonLinesExporter(path)
+
+    assert exporter.export(spans[:1]) is SpanExportResult.SUCCESS
+    assert exporter.export(spans[1:]) is SpanExportResult.SUCCESS
+    exporter.shutdown()
+
+    lines = path.read_text().splitlines(keepends=True)
+    assert len(lines) == 2 and all(line.endswith("\n") for line in lines)
+    request = json.loads(lines[1])
+    span = request["resourceSpans"][0]["scopeSpans"][0]["spans"][-1]
+    original = spans[-1]
+    # OTLP/JSON: lowercase hex ids, 64-bit integers as strings, enums as integers, camelCase.
+    assert span["traceId"] == format(original.context.trace_id, "032x")
+    assert span["spanId"] == format(original.context.span_id, "016x")
+    assert span["startTimeUnixNano"] == str(original.start_time)
+    assert span["kind"] == 1
+    attributes = {a["key"]: a["value"] for a in span["attributes"]}
+    assert attributes["kvscope.tokens.external"] == {"intValue": str(2**40)}
+    assert attributes["kvscope.request.id"] == {"stringValue": "req-1"}
+    child = request["resourceSpans"][0]["scopeSpans"][0]["spans"][0]
+    assert child["parentSpanId"] == span["spanId"]
+    scope = request["resourceSpans"][0]["scopeSpans"][0]["scope"]
+    assert scope["name"] == "kvscope"
+
+
+def test_line_parses_back_to_the_same_request(tmp_path, tracing, span_exporter):
+    _make_spans(tracing, n_children=3)
+    spans = span_exporter.get_finished_spans()
+    path = tmp_path / "t.jsonl"
+    OtlpJsonLinesExporter(path).export(spans)
+    line = path.read_text()
+
+    assert parse_json_line(line) == encode_spans(spans)
+
+    # The same line read with plain protobuf JSON, after turning the hex ids back into base64.
+    message = json.loads(line)
+    for rs in message["resourceSpans"]:
+        for ss in rs["scopeSpans"]:
+            for span in ss["spans"]:
+                for key in ("traceId", "spanId", "parentSpanId"):
+                    if key in span:
+                        span[key] = base64.b64encode(bytes.fromhex(span[key])).decode()
+    parsed = json_format.ParseDict(message, ExportTraceServiceRequest())
+    assert parsed == encode_spans(spans)
+
+
+def test_unwritable_path_logs_once_and_never_raises(tmp_path, tracing, span_exporter, caplog):
+    _make_spans(tracing)
+    spans = span_exporter.get_finished_spans()
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("x")
+    path = not_a_dir / "sub" / "traces.jsonl"  # parent is a regular file: fails even as root
+    exporter = OtlpJsonLinesExporter(path)
+
+    with caplog.at_level(logging.WARNING, logger="connector.telemetry.trace_file"):
+        results = [exporter.export(spans) for _ in range(3)]
+
+    assert results == [SpanExportResult.FAILURE] * 3
+    warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1
+    message = warnings[0].getMessage()
+    assert str(path) in message and "Not a directory" in message
+
+
+def test_concurrent_exports_write_whole_lines(tmp_path, tracing, span_exporter):
+    _make_spans(tracing, n_children=20)
+    spans = span_exporter.get_finished_spans()
+    path = tmp_path / "t.jsonl"
+    exporter = OtlpJsonLinesExporter(path)
+
+    def work():
+        for _ in range(25):
+            exporter.export(spans)
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+    lines = path.read_text().splitlines()
+    assert len(lines) == 100
+    for line in lines:
+        assert len(parse_json_line(line).resource_spans[0].scope_spans[0].spans) == len(spans)
+
+
+def test_export_appends_to_an_existing_file(tmp_path, tracing, span_exporter):
+    _make_spans(tracing)
+    path = tmp_path / "t.jsonl"
+    path.write_text('{"resourceSpans":[]}\n')
+    OtlpJsonLinesExporter(path).export(span_exporter.get_finished_spans())
+    assert len(path.read_text().splitlines()) == 2

@@ -1,0 +1,312 @@
+"""KVScopeTracing: sinks, sampling of whole requests, W3C propagation, the not-recording path."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+import pytest
+from opentelemetry import trace
+from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+from opentelemetry.trace import format_span_id, format_trace_id
+
+from connector import __version__
+from connector.telemetry.testing import in_memory_tracing
+from connector.telemetry.tracing import (
+    KVScopeTracing,
+    LogOnceExporter,
+    build_otlp_exporter,
+    otlp_requested,
+    request_sampler,
+)
+
+UPSTREAM_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
+UPSTREAM_SPAN = "00f067aa0ba902b7"
+
+
+def _traceparent(sampled: bool) -> str:
+    return f"00-{UPSTREAM_TRACE}-{UPSTREAM_SPAN}-{'01' if sampled else '00'}"
+
+
+def _one_request(tracing: KVScopeTracing, headers=None) -> None:
+    """Scheduler: load span + scan child; worker: copy span from the shipped carrier."""
+    parent = tracing.context_from_trace_headers(headers)
+    load = tracing.start_span("kvscope.load", context=parent)
+    scan = tracing.start_span("kvscope.group.scan", context=tracing.context_of(load))
+    scan.end()
+    carrier = tracing.carrier_of(load)
+    load.end()
+    worker_ctx = tracing.context_from_carrier(carrier)
+    if worker_ctx is not None:  # no carrier: the request is not traced, the worker builds nothing
+        now = time.time_ns()
+        tracing.record_span("kvscope.group.copy", worker_ctx, now, now + 1000, {"kvscope.copy.blocks": 3})
+
+
+# ------------------------------------------------------------------ disabled: free, builds nothing
+def test_no_sink_builds_nothing_and_spans_do_not_record(disabled_tracing):
+    t = disabled_tracing
+    assert t.enabled is False and t.provider is None
+    span = t.start_span("kvscope.load")
+    assert span is trace.INVALID_SPAN and not span.is_recording()
+    assert t.context_of(span) is None
+    assert t.carrier_of(span) is None
+    assert t.context_from_carrier({"traceparent": _traceparent(True)}) is None
+    assert t.context_from_trace_headers({"traceparent": _traceparent(True)}) is None
+    assert t.record_span("kvscope.group.copy", None, 1, 2, {"a": 1}) is trace.INVALID_SPAN
+    assert t.context_of(t.record_span("kvscope.lookup", None, 1, 2)) is None
+    assert t.force_flush() is True
+    t.shutdown()
+
+
+def test_sdk_disabled_env_turns_tracing_off_even_with_a_file(tmp_path):
+    t = KVScopeTracing.from_config(str(tmp_path / "t.jsonl"), 1.0, env={"OTEL_SDK_DISABLED": "true"})
+    assert t.enabled is False
+
+
+@pytest.mark.parametrize("ratio", [-0.1, 1.5, "half", float("nan")])
+def test_bad_ratio_names_the_key(ratio):
+    with pytest.raises(ValueError, match="trace_sample_ratio"):
+        KVScopeTracing.from_config("x.jsonl", ratio, env={})
+
+
+def test_own_provider_never_the_global_one(tmp_path):
+    before = trace.get_tracer_provider()
+    t = KVScopeTracing.from_config(str(tmp_path / "t.jsonl"), None, env={})
+    try:
+        assert t.enabled and t.provider is not None
+        assert trace.get_tracer_provider() is before
+    finally:
+        t.shutdown()
+
+
+# ------------------------------------------------------------------ file sink end to end
+def test_trace_file_sink_through_the_batch_processor(tmp_path):
+    path = tmp_path / "traces.jsonl"
+    t = KVScopeTracing.from_config(str(path), None, env={"OTEL_SERVICE_NAME": "my-svc"})
+    _one_request(t)
+    assert t.force_flush()
+    t.shutdown()
+    t.shutdown()  # idempotent
+
+    lines = path.read_text().splitlines()
+    assert lines
+    spans, resource, scopes = [], None, set()
+    for line in lines:
+        request = json.loads(line)
+        for rs in request["resourceSpans"]:
+            resource = {a["key"]: a["value"]["stringValue"] for a in rs["resource"]["attributes"]}
+            for ss in rs["scopeSpans"]:
+                scopes.add((ss["scope"]["name"], ss["scope"]["version"]))
+                spans.extend(ss["spans"])
+    assert sorted(s["name"] for s in spans) == ["kvscope.group.copy", "kvscope.group.scan", "kvscope.load"]
+    assert len({s["traceId"] for s in spans}) == 1
+    assert resource["service.name"] == "my-svc"
+    assert scopes == {("kvscope", __version__)}
+
+
+def test_default_service_name_is_kvscope(tmp_path):
+    t = KVScopeTracing.from_config(str(tmp_path / "t.jsonl"), None, env={})
+    try:
+        assert t.provider.resource.attributes["service.name"] == "kvscope"
+    finally:
+        t.shutdown()
+
+
+# ------------------------------------------------------------------ sampling keeps or drops whole requests
+@pytest.mark.parametrize("ratio", [0.0, 1.0])
+def test_ratio_zero_and_one(ratio):
+    t, exporter = in_memory_tracing(sample_ratio=ratio)
+    for _ in range(50):
+        _one_request(t)
+    assert len(exporter.get_finished_spans()) == (150 if ratio == 1.0 else 0)
+
+
+def test_half_ratio_keeps_about_half_and_never_splits_a_trace():
+    t, exporter = in_memory_tracing(sample_ratio=0.5)
+    n = 2000
+    for _ in range(n):
+        _one_request(t)
+    by_trace: dict[int, list[str]] = {}
+    for span in exporter.get_finished_spans():
+        by_trace.setdefault(span.context.trace_id, []).append(span.name)
+    # Whole traces only: every kept request has its load, scan and copy spans.
+    assert all(sorted(names) == ["kvscope.group.copy", "kvscope.group.scan", "kvscope.load"]
+               for names in by_trace.values())
+    kept = len(by_trace) / n
+    assert 0.43 < kept < 0.57  # binomial sd ~ 0.011: > 6 sd either side
+
+
+def test_sampler_decides_by_trace_id_alone():
+    sampler = request_sampler(0.5)
+    low = 0x0000000000000000_1000000000000000  # low 64 bits below 2**63: kept
+    high = 0x0000000000000000_F000000000000000
+    assert sampler.should_sample(None, low, "x").decision.is_sampled()
+    assert not sampler.should_sample(None, high, "x").decision.is_sampled()
+
+
+def test_dropped_root_makes_no_carrier_and_no_worker_span():
+    t, exporter = in_memory_tracing(sample_ratio=0.0)
+    load = t.start_span("kvscope.load")
+    assert not load.is_recording()
+    assert t.carrier_of(load) is None
+    # children of a dropped span are dropped with it (not new traces)
+    child = t.start_span("kvscope.group.scan", context=t.context_of(load))
+    assert not child.is_recording()
+    assert exporter.get_finished_spans() == ()
+
+
+# ------------------------------------------------------------------ propagation
+def test_carrier_round_trip_keeps_trace_and_parent(tracing, span_exporter):
+    load = tracing.start_span("kvscope.load")
+    carrier = tracing.carrier_of(load)
+    assert set(carrier) >= {"traceparent"} and all(isinstance(v, str) for v in carrier.values())
+    ctx = tracing.context_from_carrier(carrier)
+    copy = tracing.record_span("kvscope.group.copy", ctx, 1_000, 5_000, {"kvscope.copy.direction": "load"})
+    load.end()
+
+    finished = {s.name: s for s in span_exporter.get_finished_spans()}
+    copy_span = finished["kvscope.group.copy"]
+    assert copy_span.context.trace_id == load.get_span_context().trace_id
+    assert copy_span.parent.span_id == load.get_span_context().span_id
+    assert copy_span.parent.is_remote
+    assert (copy_span.start_time, copy_span.end_time) == (1_000, 5_000)
+    assert copy_span.attributes["kvscope.copy.direction"] == "load"
+    assert not copy.is_recording()  # already ended
+
+
+def test_record_span_without_context_roots_a_trace_that_children_join(tracing, span_exporter):
+    lookup = tracing.record_span("kvscope.lookup", None, 1_000, 2_000, {"kvscope.tokens.hit": 16})
+    load = tracing.start_span("kvscope.load", context=tracing.context_of(lookup))
+    load.end()
+    lookup_span, load_span = span_exporter.get_finished_spans()
+    assert lookup_span.parent is None and lookup_span.end_time == 2_000
+    assert load_span.parent.span_id == lookup_span.context.span_id
+
+
+def test_dropped_recorded_span_still_drops_its_children():
+    t, exporter = in_memory_tracing(sample_ratio=0.0)
+    lookup = t.record_span("kvscope.lookup", None, 1_000, 2_000, {"kvscope.tokens.hit": 16})
+    assert not lookup.is_recording() and t.context_of(lookup) is not None
+    t.start_span("kvscope.load", context=t.context_of(lookup)).end()
+    assert exporter.get_finished_spans() == ()
+
+
+def test_load_span_joins_the_incoming_traceparent(tracing, span_exporter):
+    _one_request(tracing, headers={"traceparent": _traceparent(True), "tracestate": "vendor=1"})
+    spans = span_exporter.get_finished_spans()
+    assert len(spans) == 3
+    assert {format_trace_id(s.context.trace_id) for s in spans} == {UPSTREAM_TRACE}
+    load = next(s for s in spans if s.name == "kvscope.load")
+    assert format_span_id(load.parent.span_id) == UPSTREAM_SPAN and load.parent.is_remote
+    assert load.context.trace_state.get("vendor") == "1"
+
+
+def test_header_names_are_case_insensitive(tracing):
+    ctx = tracing.context_from_trace_headers({"Traceparent": _traceparent(True)})
+    assert ctx is not None
+    assert format_trace_id(trace.get_current_span(ctx).get_span_context().trace_id) == UPSTREAM_TRACE
+
+
+@pytest.mark.parametrize("headers", [None, {}, {"traceparent": "garbage"}, {"other": "x"}])
+def test_missing_or_bad_headers_give_no_context(tracing, headers):
+    assert tracing.context_from_trace_headers(headers) is None
+
+
+def test_unsampled_upstream_trace_is_respected(tracing, span_exporter):
+    _one_request(tracing, headers={"traceparent": _traceparent(False)})
+    assert span_exporter.get_finished_spans() == ()
+
+
+def test_ratio_applies_under_a_sampled_upstream_trace():
+    t, exporter = in_memory_tracing(sample_ratio=0.0)
+    _one_request(t, headers={"traceparent": _traceparent(True)})
+    assert exporter.get_finished_spans() == ()
+
+
+# ------------------------------------------------------------------ OTLP from the standard environment
+@pytest.mark.parametrize(
+    "env, expected",
+    [
+        ({}, False),
+        ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318"}, True),
+        ({"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://c:4317"}, True),
+        ({"OTEL_TRACES_EXPORTER": "console,otlp"}, True),
+        ({"OTEL_TRACES_EXPORTER": "console"}, False),
+        ({"OTEL_TRACES_EXPORTER": "none", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318"}, False),
+        ({"OTEL_SDK_DISABLED": "true", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318"}, False),
+    ],
+)
+def test_otlp_requested(env, expected):
+    assert otlp_requested(env) is expected
+
+
+def test_otlp_http_endpoint_resolution():
+    exporter = build_otlp_exporter(
+        {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4318/", "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf"}
+    )
+    try:
+        assert isinstance(exporter, LogOnceExporter)
+        assert exporter.inner._endpoint == "http://collector:4318/v1/traces"
+    finally:
+        exporter.shutdown()
+
+
+def test_otlp_defaults_to_grpc_like_vllm():
+    exporter = build_otlp_exporter({"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://collector:4317"})
+    try:
+        assert type(exporter.inner).__module__.startswith("opentelemetry.exporter.otlp.proto.grpc")
+    finally:
+        exporter.shutdown()
+
+
+class _FailingExporter(SpanExporter):
+    def __init__(self):
+        self.calls = 0
+
+    def export(self, spans):
+        self.calls += 1
+        # an exporter's own error log, as the OTLP exporters write it
+        logging.getLogger("opentelemetry.exporter.otlp.proto.http.trace_exporter").error("boom %d", self.calls)
+        return SpanExportResult.FAILURE
+
+
+def test_log_once_exporter_logs_once_and_cools_down(caplog):
+    now = [0.0]
+    inner = _FailingExporter()
+    exporter = LogOnceExporter(inner, "OTLP test", cooldown_s=10.0, clock=lambda: now[0])
+    with caplog.at_level(logging.DEBUG):
+        assert exporter.export([]) is SpanExportResult.FAILURE
+        assert exporter.export([]) is SpanExportResult.FAILURE  # within the cool-down: inner not called
+        now[0] = 11.0
+        assert exporter.export([]) is SpanExportResult.FAILURE
+    assert inner.calls == 2
+    records = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(records) == 1
+    assert "OTLP test" in records[0].getMessage() and "boom 1" in records[0].getMessage()
+    # outside our exports the exporter's logger is untouched
+    with caplog.at_level(logging.ERROR):
+        logging.getLogger("opentelemetry.exporter.otlp.proto.http.trace_exporter").error("visible")
+    assert "visible" in caplog.text
+
+
+def test_unreachable_otlp_endpoint_neither_blocks_nor_floods(caplog):
+    env = {
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://127.0.0.1:9/v1/traces",  # discard port: refused
+        "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf",
+        "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT": "0.5",
+    }
+    with caplog.at_level(logging.DEBUG):
+        t = KVScopeTracing.from_config(None, 1.0, env=env)
+        assert t.enabled
+        started = time.monotonic()
+        for _ in range(20):
+            _one_request(t)
+        assert time.monotonic() - started < 0.5  # span work never waits on the endpoint
+        t.force_flush()
+        t.force_flush()
+        t.shutdown()
+        assert time.monotonic() - started < 5.0
+    problems = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(problems) == 1, [r.getMessage() for r in problems]
+    assert "127.0.0.1:9" in problems[0].getMessage()
