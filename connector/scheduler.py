@@ -338,6 +338,9 @@ class KVScopeScheduler:
         for key in job.keys:
             self.index.unpin(key)
         if job.failed:
+            # Whatever those slots hold cannot be trusted: forget them, so the retry that vLLM
+            # schedules misses and recomputes instead of failing the same way again.
+            self.index.drop(job.keys)
             self._stats.record_load_failures(sum(blocks for _, blocks in job.loaded))
         else:
             self._stats.record_request_load((time.perf_counter_ns() - job.plan_ns) / 1e9)

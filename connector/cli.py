@@ -1,0 +1,135 @@
+"""`kvscope` command: demo, dashboard, bench."""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+
+
+def _workload(num_prefixes: int, per_prefix: int, prefix_len: int, suffix_len: int, seed: int):
+    rng = random.Random(seed)
+    prompts = []
+    for p in range(num_prefixes):
+        prefix = [rng.randrange(1, 500) for _ in range(prefix_len)]
+        for _ in range(per_prefix):
+            prompts.append(prefix + [rng.randrange(1, 500) for _ in range(rng.randrange(1, suffix_len))])
+    rng.shuffle(prompts)
+    return prompts
+
+
+def demo(args) -> int:
+    from tqdm import tqdm
+
+    from .engine_runner import engine_env, generate, get_scheduler_connector, make_llm, metric_values
+    from .tiny_models import build_model
+
+    engine_env()
+    print(f"kvscope demo: building a small random-weight {args.model} model (sliding window "
+          f"{args.window} + full attention) ...", flush=True)
+    model = build_model(args.model, window=args.window)
+    extra = {"cpu_bytes": args.cpu_mib << 20}
+    if args.trace_file:
+        extra["trace_file"] = args.trace_file
+    llm = make_llm(model, extra)
+    sched = get_scheduler_connector(llm)._scheduler
+    prompts = _workload(args.prefixes, args.per_prefix, args.prefix_len, args.suffix_len, args.seed)
+    print(f"workload: {len(prompts)} requests, {args.prefixes} shared prefixes of {args.prefix_len} "
+          f"tokens, {args.rounds} rounds with a device prefix-cache reset between rounds", flush=True)
+    rows = []
+    reference = None
+    with tqdm(total=args.rounds * len(prompts), unit="req", desc="generating") as bar:
+        for round_index in range(args.rounds):
+            if round_index:
+                llm.reset_prefix_cache()  # device cache gone: later rounds must come from the host tier
+            before = metric_values(llm)
+            started = time.perf_counter()
+            outs = []
+            for start in range(0, len(prompts), args.batch):
+                outs += generate(llm, prompts[start:start + args.batch], max_tokens=args.max_tokens)
+                bar.update(min(args.batch, len(prompts) - start))
+            elapsed = time.perf_counter() - started
+            after = metric_values(llm)
+            tokens = [o.tokens for o in outs]
+            reference = reference or tokens
+            d = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+            rows.append((round_index, d, elapsed, tokens == reference))
+    stats = sched._stats  # not yet taken by the stats path this step
+    print("\nround  queried  host-tier hits  device hits  hit rate  time   outputs==round 0")
+    for round_index, d, elapsed, same in rows:
+        queried = d.get("vllm:external_prefix_cache_queries", 0)
+        ext = d.get("vllm:external_prefix_cache_hits", 0)
+        local = d.get("vllm:prefix_cache_hits", 0)
+        rate = ext / queried if queried else 0.0
+        print(f"{round_index:5d}  {queried:7.0f}  {ext:14.0f}  {local:11.0f}  {rate:8.1%}  {elapsed:5.2f}s  {same}")
+    print("\nloads per KV group (blocks loaded from the host tier / scanned / null skipped):")
+    totals = _group_totals(llm)
+    for layout in sched.layouts:
+        key = f"{layout.index}|{layout.kind.value}"
+        t = totals.get(key, {})
+        print(f"  group {layout.index} {layout.kind.value:15s} loaded {t.get('loaded', 0):6.0f}  "
+              f"scanned {t.get('scanned', 0):6.0f}  null skipped {t.get('null', 0):6.0f}")
+    print(f"host tier: {sched.index.used_slots}/{sched.index.num_slots} slots used, "
+          f"{sched.index.evicted_total} evicted")
+    if args.trace_file:
+        get_scheduler_connector(llm).tracing.force_flush()
+        print(f"trace file: {args.trace_file} (replay: kvscope dashboard {args.trace_file})")
+    return 0 if all(same for *_, same in rows) else 1
+
+
+def _group_totals(llm) -> dict:
+    from prometheus_client import REGISTRY
+
+    names = {"kvscope_loaded_blocks_total": "loaded", "kvscope_scan_blocks_total": "scanned",
+             "kvscope_null_blocks_skipped_total": "null"}
+    out: dict = {}
+    for metric in REGISTRY.collect():
+        for s in metric.samples:
+            if s.name in names:
+                key = f"{s.labels.get('group')}|{s.labels.get('kind')}"
+                out.setdefault(key, {})[names[s.name]] = out.get(key, {}).get(names[s.name], 0) + s.value
+    return out
+
+
+def dashboard(args) -> int:
+    from dashboard.launch import main as launch
+
+    return launch(args.paths)
+
+
+def bench(args) -> int:
+    from bench.run_all import main as run_all
+
+    return run_all(quick=args.quick)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvscope")
+    sub = parser.add_subparsers(dest="command", required=True)
+    d = sub.add_parser("demo", help="real vLLM engine + kvscope on a small hybrid model")
+    d.add_argument("--model", default="gemma3", choices=["gemma3", "gptoss", "llama"])
+    d.add_argument("--window", type=int, default=64)
+    d.add_argument("--prefixes", type=int, default=4)
+    d.add_argument("--per-prefix", type=int, default=4)
+    d.add_argument("--prefix-len", type=int, default=700)
+    d.add_argument("--suffix-len", type=int, default=200)
+    d.add_argument("--rounds", type=int, default=3)
+    d.add_argument("--batch", type=int, default=4)
+    d.add_argument("--max-tokens", type=int, default=8)
+    d.add_argument("--cpu-mib", type=int, default=256)
+    d.add_argument("--trace-file", default=None)
+    d.add_argument("--seed", type=int, default=0)
+    d.set_defaults(func=demo)
+    s = sub.add_parser("dashboard", help="Streamlit replay of trace files")
+    s.add_argument("paths", nargs="*")
+    s.set_defaults(func=dashboard)
+    b = sub.add_parser("bench", help="run the benchmarks, write bench/results.md and .json")
+    b.add_argument("--quick", action="store_true")
+    b.set_defaults(func=bench)
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

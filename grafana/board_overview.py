@@ -1,0 +1,294 @@
+"""The kvscope overview board: is the host tier paying off, how fast is it, is it healthy.
+
+One function per panel. Stat panels read the recording rules (the same 5-minute numbers the
+alerts look at); time series compute from the raw counters over `$__rate_interval`, so they
+follow the zoom level.
+"""
+
+from __future__ import annotations
+
+import panels_common as pc
+from panels_common import sel
+
+UID = "kvscope-overview"
+TITLE = "kvscope / Overview"
+DESCRIPTION = (
+    "Host-tier KV offload by the kvscope vLLM connector: token hit rate, per-KV-group loads, "
+    "load and copy latency, copy throughput, host-tier capacity, evictions and load failures."
+)
+
+RATE = "[$__rate_interval]"
+
+
+# --- Host tier hit rate ---------------------------------------------------------------------
+
+def token_hit_rate_stat():
+    return pc.stat(
+        "Token hit rate (5m)",
+        "Share of prompt tokens looked up in the host tier that were found there, over the last 5 "
+        "minutes (recording rules kvscope:hit_tokens:rate5m / kvscope:lookup_tokens:rate5m, the "
+        "numbers the KVScopeHitRateCollapsed alert uses). Each hit token is prefill the engine "
+        "does not recompute. Low with a workload that repeats prefixes (chat history, shared system "
+        "prompts) means the tier is too small (see evictions) or blocks are evicted before reuse: "
+        "raise cpu_bytes. A sudden drop at steady traffic points at a restart that emptied the tier "
+        "or at a changed prompt prefix.",
+        pc.queries((
+            f"sum(kvscope:hit_tokens:rate5m{sel()}) / (sum(kvscope:lookup_tokens:rate5m{sel()}) > 0)",
+            "hit rate",
+        )),
+        "percentunit",
+        [(None, "red"), (0.2, "orange"), (0.5, "green")],
+    )
+
+
+def token_hit_rate_over_time():
+    return pc.timeseries(
+        "Token hit rate over time",
+        "Hit tokens / looked-up tokens per model, at the zoom level's rate interval, plus the 5-minute "
+        "recorded ratio the alert evaluates. The rate a prefix-heavy workload reaches here is the "
+        "ceiling of prefill saved; compare with evictions and host tier usage when it sags. No data "
+        "means no lookups (no traffic, or the connector is not loaded: check vLLM's start-up log).",
+        pc.queries(
+            (
+                f"sum by (model_name) (rate(kvscope_hit_tokens_total{sel()}{RATE})) / "
+                f"(sum by (model_name) (rate(kvscope_lookup_tokens_total{sel()}{RATE})) > 0)",
+                "{{model_name}}",
+            ),
+            (
+                f"sum by (model_name) (kvscope:hit_tokens:rate5m{sel()}) / "
+                f"(sum by (model_name) (kvscope:lookup_tokens:rate5m{sel()}) > 0)",
+                "{{model_name}} (5m, as alerted)",
+            ),
+        ),
+        "percentunit",
+        width=pc.HALF,
+        max_value=1,
+    )
+
+
+def lookup_and_hit_tokens():
+    return pc.timeseries(
+        "Tokens looked up and hit",
+        "Prompt tokens per second the scheduler looked up in the host tier, and how many of them were "
+        "found. The gap between the lines is prefill the GPU computes. Use it to judge whether a "
+        "low hit rate matters: a low rate at a few tokens/s is noise.",
+        pc.queries(
+            (f"sum by (model_name) (rate(kvscope_lookup_tokens_total{sel()}{RATE}))", "looked up {{model_name}}"),
+            (f"sum by (model_name) (rate(kvscope_hit_tokens_total{sel()}{RATE}))", "hit {{model_name}}"),
+        ),
+        pc.TOKENS_PER_SECOND,
+        width=pc.QUARTER,
+    )
+
+
+# --- KV groups ------------------------------------------------------------------------------
+
+def group_loaded_share():
+    return pc.timeseries(
+        "Blocks loaded / blocks scanned, per KV group",
+        "Per KV cache group: of the device blocks in a hit's range that the load plan scanned, the "
+        "share copied in from the host tier (kvscope_loaded_blocks_total / kvscope_scan_blocks_total). "
+        "This is the per-group hit rate of a load. Full-attention groups should sit near 100%: every "
+        "block of the hit range is needed. Sliding-window and Mamba groups sit lower by design, "
+        "because blocks outside the window are null and skipped (next panel); loaded + skipped "
+        "should add up to scanned. A full-attention group well below 100% means planned blocks were "
+        "not loaded: look at load failures and at the connector log.",
+        pc.queries((
+            f"sum by (group, kind) (rate(kvscope_loaded_blocks_total{sel()}{RATE})) / "
+            f"(sum by (group, kind) (rate(kvscope_scan_blocks_total{sel()}{RATE})) > 0)",
+            "group {{group}} ({{kind}})",
+        )),
+        "percentunit",
+        max_value=1,
+    )
+
+
+def group_null_skipped_share():
+    return pc.timeseries(
+        "Null blocks skipped / blocks scanned, per KV group",
+        "Per KV cache group: share of scanned blocks that were vLLM's null placeholder (positions "
+        "outside a sliding window, or Mamba state vLLM does not keep) and so were not copied. This is transfer saved by the hybrid-aware plan. Expect ~0% for "
+        "full attention and a large share for sliding window on long prompts. A full-attention group "
+        "with skips, or a sliding-window group with none on prompts longer than its window, points "
+        "at a group layout mismatch: check the groups reported at connector start-up.",
+        pc.queries((
+            f"sum by (group, kind) (rate(kvscope_null_blocks_skipped_total{sel()}{RATE})) / "
+            f"(sum by (group, kind) (rate(kvscope_scan_blocks_total{sel()}{RATE})) > 0)",
+            "group {{group}} ({{kind}})",
+        )),
+        "percentunit",
+        max_value=1,
+    )
+
+
+# --- Latency and throughput -----------------------------------------------------------------
+
+def request_load_p99_stat():
+    return pc.stat(
+        "Request load latency p99 (5m)",
+        "99th percentile, over the last 5 minutes, of the time from starting a request's load from "
+        "the host tier until all its groups' blocks are on the device (recording rule "
+        "kvscope:request_load_duration_seconds_bucket:rate5m). The request's prefill waits this "
+        "long; it should stay well below the prefill time it saves. Red is the "
+        "KVScopeLoadLatencyHigh alert threshold (500 ms). If high: check copy latency and "
+        "throughput below (PCIe/host memory bandwidth), and whether the host is swapping.",
+        pc.queries((
+            f"histogram_quantile(0.99, sum by (le) (kvscope:request_load_duration_seconds_bucket:rate5m{sel()}))",
+            "p99",
+        )),
+        "s",
+        [(None, "green"), (0.25, "orange"), (0.5, "red")],
+    )
+
+
+def request_load_latency():
+    return pc.timeseries(
+        "Request load latency p50 / p95 / p99",
+        "Quantiles of kvscope_request_load_duration_seconds: per request, the time its blocks take to "
+        "arrive from the host tier. p50 is the usual cost of a hit; a p99 far above p50 means some "
+        "loads queue behind others or behind stores (long prompts, bursts). Compare with the prefill "
+        "time of the same prompts: a load slower than recomputing is a loss.",
+        pc.queries(*(
+            (
+                f"histogram_quantile({q}, sum by (le, model_name) "
+                f"(rate(kvscope_request_load_duration_seconds_bucket{sel()}{RATE})))",
+                f"p{round(q * 100)} {{{{model_name}}}}",
+            )
+            for q in (0.5, 0.95, 0.99)
+        )),
+        "s",
+        width=18,
+    )
+
+
+def copy_latency():
+    return pc.timeseries(
+        "Copy latency p50 / p99, per group and direction",
+        "Quantiles of kvscope_copy_duration_seconds: one device<->host copy of one group's blocks, "
+        "the measured copy interval (device events on a GPU; load = host to device, store = device "
+        "to host). Copies of a group "
+        "with bigger blocks take longer; what matters is the trend and the p99/p50 spread. Rising "
+        "latency at flat throughput means contention on the PCIe link or host memory; compare with "
+        "the throughput panel.",
+        pc.queries(*(
+            (
+                f"histogram_quantile({q}, sum by (le, group, kind, direction) "
+                f"(rate(kvscope_copy_duration_seconds_bucket{sel()}{RATE})))",
+                f"p{round(q * 100)} {{{{direction}}}} group {{{{group}}}} ({{{{kind}}}})",
+            )
+            for q in (0.5, 0.99)
+        )),
+        "s",
+    )
+
+
+def copy_throughput():
+    return pc.timeseries(
+        "Copy throughput, per group and direction",
+        "Bytes per second moved between device and host tier, per KV group: loads (host to device, "
+        "kvscope_load_bytes_total) and stores (device to host, kvscope_store_bytes_total). Stores "
+        "follow new prefill; loads follow hits. Sustained throughput near the link's bandwidth "
+        "(PCIe 4.0 x16 is ~25 GB/s per direction) means copies queue: expect rising copy latency. "
+        "Stores with no loads for a long time: see the KVScopeStoresWithoutLoads alert.",
+        pc.queries(
+            (f"sum by (group, kind) (rate(kvscope_load_bytes_total{sel()}{RATE}))", "load group {{group}} ({{kind}})"),
+            (f"sum by (group, kind) (rate(kvscope_store_bytes_total{sel()}{RATE}))", "store group {{group}} ({{kind}})"),
+        ),
+        "Bps",
+    )
+
+
+# --- Host tier capacity ---------------------------------------------------------------------
+
+def host_usage_stat():
+    return pc.stat(
+        "Host tier usage (fullest)",
+        "kvscope_host_used_bytes / kvscope_host_capacity_bytes of the fullest selected host tier "
+        "(recording rule kvscope:host_usage:ratio). A full tier is normal once traffic has run a "
+        "while: the tier is an LRU cache. It is a problem only together with heavy eviction and a "
+        "falling hit rate (alert KVScopeHostTierThrashing); then raise cpu_bytes.",
+        pc.queries((f"max(kvscope:host_usage:ratio{sel()})", "usage")),
+        "percentunit",
+        [(None, "green"), (0.85, "orange"), (0.95, "red")],
+    )
+
+
+def host_used_vs_capacity():
+    return pc.timeseries(
+        "Host tier used vs capacity",
+        "Bytes of host memory holding offloaded KV blocks, against the configured capacity "
+        "(cpu_bytes), per engine. Used climbs with new prefixes and stays at capacity once the LRU "
+        "starts evicting. Capacity is pinned host memory: make sure the machine has it to spare.",
+        pc.queries(
+            (f"sum by (instance, engine) (kvscope_host_used_bytes{sel()})", "used {{instance}} engine {{engine}}"),
+            (f"sum by (instance, engine) (kvscope_host_capacity_bytes{sel()})", "capacity {{instance}} engine {{engine}}"),
+        ),
+        "bytes",
+        width=9,
+    )
+
+
+def evictions():
+    return pc.timeseries(
+        "Evictions",
+        "Host-tier blocks evicted per second (least recently used first) to make room for stores. "
+        "Some eviction at full capacity is expected. Heavy eviction while the hit rate falls means "
+        "prefixes are pushed out before they are reused: raise cpu_bytes, or accept the lower hit "
+        "rate.",
+        pc.queries((
+            f"sum by (model_name, engine) (rate(kvscope_evicted_blocks_total{sel()}{RATE}))",
+            "{{model_name}} engine {{engine}}",
+        )),
+        pc.BLOCKS_PER_SECOND,
+        width=9,
+    )
+
+
+# --- Failures -------------------------------------------------------------------------------
+
+def load_failures_stat():
+    return pc.stat(
+        "Load failures in range",
+        "Loads from the host tier that failed during the selected time range "
+        "(kvscope_load_failures_total). Depending on vLLM's KV load failure policy the affected "
+        "tokens are recomputed (slower requests) or the requests fail. Should be 0: any failure "
+        "fires KVScopeLoadFailures; check the vLLM log for the connector's error message.",
+        pc.instant(f"sum(increase(kvscope_load_failures_total{sel()}[$__range]))", "failures"),
+        "short",
+        [(None, "green"), (1, "red")],
+        sparkline=False,
+    )
+
+
+def load_failures_over_time():
+    return pc.timeseries(
+        "Load failures over time",
+        "Failed host-tier loads per rate interval, per engine. Correlate spikes with evictions (a "
+        "block evicted between lookup and load), with restarts and with the vLLM log.",
+        pc.queries((
+            f"sum by (model_name, engine) (increase(kvscope_load_failures_total{sel()}{RATE}))",
+            "{{model_name}} engine {{engine}}",
+        )),
+        "short",
+        width=18,
+    )
+
+
+def build():
+    board = pc.dashboard(UID, TITLE, DESCRIPTION)
+    board = board.with_variable(pc.datasource_variable())
+    for variable in pc.engine_variables():
+        board = board.with_variable(variable)
+    return pc.with_panels(board, [
+        pc.row("Host tier hit rate"),
+        token_hit_rate_stat(), token_hit_rate_over_time(), lookup_and_hit_tokens(),
+        pc.row("KV groups"),
+        group_loaded_share(), group_null_skipped_share(),
+        pc.row("Latency and throughput"),
+        request_load_p99_stat(), request_load_latency(),
+        copy_latency(), copy_throughput(),
+        pc.row("Host tier capacity"),
+        host_usage_stat(), host_used_vs_capacity(), evictions(),
+        pc.row("Failures"),
+        load_failures_stat(), load_failures_over_time(),
+    ])

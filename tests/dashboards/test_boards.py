@@ -1,0 +1,124 @@
+"""The generated boards: current with their code, and built to the shared conventions."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from .paths import DASHBOARDS_DIR, GRAFANA_DIR, REPO
+from .promcheck import iter_panels
+
+BOARD_FILES = sorted(DASHBOARDS_DIR.glob("*.json"))
+
+
+def _board(path):
+    return json.loads(path.read_text())
+
+
+def test_committed_json_is_what_the_generator_renders(build_module):
+    rendered = build_module.render_all()
+    assert set(rendered) == {p.name for p in BOARD_FILES}, "committed boards differ from the generated set"
+    for path in BOARD_FILES:
+        assert path.read_text() == rendered[path.name], (
+            f"{path.name} is stale: run `python grafana/build.py` and commit the result"
+        )
+
+
+def test_rendering_is_deterministic(build_module):
+    assert build_module.render_all() == build_module.render_all()
+
+
+def test_build_check_cli_passes_on_committed_json():
+    pytest.importorskip("grafana_foundation_sdk")
+    result = subprocess.run(
+        [sys.executable, str(GRAFANA_DIR / "build.py"), "--check"],
+        cwd=REPO, capture_output=True, text=True, timeout=60,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_check_detects_a_stale_board(build_module, tmp_path):
+    for path in BOARD_FILES:
+        shutil.copy(path, tmp_path / path.name)
+    assert build_module.stale_files(tmp_path) == []
+    edited = tmp_path / BOARD_FILES[0].name
+    edited.write_text(edited.read_text().replace('"title"', '"title" ', 1))
+    (tmp_path / "hand-made.json").write_text("{}")
+    problems = build_module.stale_files(tmp_path)
+    assert len(problems) == 2
+    assert edited.name in problems[0] and "hand-made.json" in problems[1]
+
+
+def test_json_is_sorted_and_indented():
+    for path in BOARD_FILES:
+        text = path.read_text()
+        assert text == json.dumps(json.loads(text), sort_keys=True, indent=2) + "\n", path.name
+
+
+def test_expected_boards_exist():
+    assert {"kvscope-overview.json", "kvscope-groups.json"} <= {p.name for p in BOARD_FILES}
+
+
+@pytest.mark.parametrize("path", BOARD_FILES, ids=lambda p: p.name)
+def test_board_conventions(path):
+    board = _board(path)
+    assert board["uid"] == path.stem
+    assert "kvscope" in board["tags"]
+    variables = {v["name"]: v for v in board["templating"]["list"]}
+    assert variables["datasource"]["type"] == "datasource"
+    assert variables["datasource"]["query"] == "prometheus"
+    for name in ("model_name", "engine"):
+        v = variables[name]
+        assert v["type"] == "query"
+        assert v["query"].startswith("label_values(") and v["query"].rstrip(")").endswith(name)
+        assert v["includeAll"] and v["allValue"] == ".*"
+
+    panels = [p for p in iter_panels(board["panels"]) if p["type"] != "row"]
+    assert panels
+    ids = [p["id"] for p in iter_panels(board["panels"])]
+    assert len(ids) == len(set(ids)) and 0 not in ids, "panel ids must be unique and set"
+    for panel in panels:
+        title = panel["title"]
+        assert len(panel.get("description", "")) >= 80, f"{title}: needs a description (what it means, what to do)"
+        assert panel["datasource"] == {"type": "prometheus", "uid": "${datasource}"}, title
+        assert panel["targets"], f"{title}: no queries"
+        for target in panel["targets"]:
+            assert 'model_name=~"$model_name"' in target["expr"], f"{title}: query not filtered by model_name"
+            assert 'engine=~"$engine"' in target["expr"], f"{title}: query not filtered by engine"
+        ref_ids = [t["refId"] for t in panel["targets"]]
+        assert len(ref_ids) == len(set(ref_ids)), title
+        assert panel["fieldConfig"]["defaults"].get("unit"), f"{title}: no unit"
+
+
+@pytest.mark.parametrize("path", BOARD_FILES, ids=lambda p: p.name)
+def test_panels_fit_the_grid_without_overlap(path):
+    taken: dict[tuple[int, int], str] = {}
+    for panel in iter_panels(_board(path)["panels"]):
+        g = panel["gridPos"]
+        assert 0 <= g["x"] and g["x"] + g["w"] <= 24, panel["title"]
+        for x in range(g["x"], g["x"] + g["w"]):
+            for y in range(g["y"], g["y"] + g["h"]):
+                assert (x, y) not in taken, f"{panel['title']} overlaps {taken[(x, y)]}"
+                taken[(x, y)] = panel["title"]
+
+
+def test_overview_answers_the_questions_it_promises():
+    """The overview covers each question of the issue (checked by the metrics its panels use)."""
+    board = _board(DASHBOARDS_DIR / "kvscope-overview.json")
+    exprs = " ".join(t["expr"] for p in iter_panels(board["panels"]) for t in p.get("targets", []))
+    for needle in (
+        "kvscope:hit_tokens:rate5m",  # hit rate stat (recording rules, as alerted)
+        "rate(kvscope_hit_tokens_total",  # hit rate over time
+        "kvscope_loaded_blocks_total",  # per-group loaded share
+        "kvscope_null_blocks_skipped_total",  # null skips per group
+        "histogram_quantile(0.95, sum by (le, model_name) (rate(kvscope_request_load_duration_seconds_bucket",
+        "histogram_quantile(0.99, sum by (le, group, kind, direction) (rate(kvscope_copy_duration_seconds_bucket",
+        "kvscope_load_bytes_total", "kvscope_store_bytes_total",
+        "kvscope_host_used_bytes", "kvscope_host_capacity_bytes",
+        "kvscope_evicted_blocks_total", "kvscope_load_failures_total",
+    ):
+        assert needle in exprs, needle

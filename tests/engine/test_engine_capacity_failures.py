@@ -1,0 +1,43 @@
+"""Host-tier capacity and failed loads on the real engine: never wrong KV, never a crash."""
+
+from __future__ import annotations
+
+import pytest
+
+from .conftest import prompts_sharing_prefixes
+
+pytestmark = pytest.mark.engine
+
+PROMPTS = prompts_sharing_prefixes()
+GEMMA = dict(model="gemma3", window=64, prompts=PROMPTS)
+# One slot of this gemma3 holds 2 layers x 32 KiB; 24 slots hold far less than the workload.
+SMALL_HOST = {"cpu_bytes": 24 * 2 * 32768}
+
+
+@pytest.fixture(scope="module")
+def baseline(scenarios):
+    return scenarios.get("gemma3-w64:baseline", {**GEMMA, "connector": False})
+
+
+def _tokens(round_):
+    return [c["tokens"] for c in round_]
+
+
+def test_workload_larger_than_cpu_bytes_evicts_and_stays_within_capacity(scenarios, baseline):
+    result = scenarios.get("gemma3-small-host", {**GEMMA, "extra": SMALL_HOST})
+    host, kv = result["host"], result["kvscope"]
+    assert host["evicted"] > 0
+    assert host["used_slots"] <= host["num_slots"] == 24
+    assert kv["kvscope_evicted_blocks_total"] == host["evicted"]
+    assert kv["kvscope_host_used_bytes"] <= kv["kvscope_host_capacity_bytes"] <= SMALL_HOST["cpu_bytes"]
+    for round_ in result["rounds"]:
+        assert _tokens(round_) == _tokens(baseline["rounds"][0])
+
+
+def test_host_blocks_dropped_after_lookup_are_recomputed_and_counted(scenarios, baseline):
+    result = scenarios.get("gemma3-dropped", {**GEMMA, "drop_host_blocks": True})
+    assert result["kvscope"]["kvscope_load_failures_total"] > 0
+    # vLLM still counted the planned external hits, then recomputed them
+    assert result["counters"][1]["vllm:external_prefix_cache_hits"] > 0
+    for round_ in result["rounds"]:
+        assert _tokens(round_) == _tokens(baseline["rounds"][0])
