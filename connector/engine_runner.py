@@ -46,18 +46,29 @@ class Completion:
     num_cached_tokens: int
 
 
-def generate(llm, prompts: list[list[int]], max_tokens: int = 8, trace_headers: list[dict] | None = None) -> list[Completion]:
+def generate(llm, prompts: list[list[int]], max_tokens: int = 8,
+             trace_headers: list[dict | None] | None = None, request_ids: list[str] | None = None) -> list[Completion]:
+    """Greedy completions in prompt order; with ids or trace headers, requests go in one by one
+    through the engine (vLLM's `LLM.generate` takes no trace headers)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=1, detokenize=False)
     inputs = [TokensPrompt(prompt_token_ids=p) for p in prompts]
-    kwargs = {}
-    if trace_headers is not None:
-        outs = [llm.generate([i], params, use_tqdm=False, trace_headers=h)[0]
-                for i, h in zip(inputs, trace_headers)]
+    if trace_headers is None and request_ids is None:
+        outs = llm.generate(inputs, params, use_tqdm=False)
     else:
-        outs = llm.generate(inputs, params, use_tqdm=False, **kwargs)
+        engine = llm.llm_engine
+        ids = request_ids or [f"kvscope-{i}" for i in range(len(prompts))]
+        headers = trace_headers or [None] * len(prompts)
+        for rid, prompt, h in zip(ids, inputs, headers):
+            engine.add_request(rid, prompt, params, trace_headers=h)
+        finished = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    finished[out.request_id] = out
+        outs = [finished[rid] for rid in ids]
     result = []
     for out in outs:
         o = out.outputs[0]

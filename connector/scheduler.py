@@ -179,7 +179,9 @@ class KVScopeScheduler:
                 slots.append(last_slot if last_slot is not None else -1)
             parts.append(GroupTransfer(scan.group_index, scan.block_ids, slots, scan.sub_indices))
             job.loaded.append((scan.group_index, scan.pending))
+        carrier = None
         if load_span is not None:
+            carrier = tracing.carrier_of(load_span)  # while recording: copy spans join this trace
             if load_span.is_recording():
                 load_span.set_attributes(
                     {
@@ -200,7 +202,7 @@ class KVScopeScheduler:
                 req_id=req_id,
                 direction=LOAD,
                 groups=parts,
-                trace_carrier=tracing.carrier_of(load_span) if load_span is not None else None,
+                trace_carrier=carrier,
                 failed_at_plan=failed,
             )
         )

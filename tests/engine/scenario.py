@@ -59,12 +59,17 @@ def run(spec: dict) -> dict:
     if spec.get("drop_host_blocks"):
         worker = get_worker_connector()._worker
         worker.lost_slots.update(range(worker.num_slots))  # host data lost after the lookup
-    rounds.append(generate(llm, prompts, max_tokens))  # round 1: loads from the host tier
+    # round 1: loads from the host tier (optionally with ids and W3C trace headers per request)
+    rounds.append(generate(llm, prompts, max_tokens, trace_headers=spec.get("trace_headers"),
+                           request_ids=spec.get("request_ids")))
     after1 = metric_values(llm)
     counters.append(_delta(after1, after0))
     rounds.append(generate(llm, prompts, max_tokens))  # round 2: device prefix cache, no reset
     counters.append(_delta(metric_values(llm), after1))
-    sched = get_scheduler_connector(llm)._scheduler
+    connector = get_scheduler_connector(llm)
+    connector.tracing.force_flush()
+    get_worker_connector().tracing.force_flush()
+    sched = connector._scheduler
     return {
         "rounds": [[o.__dict__ for o in r] for r in rounds],
         "counters": counters,

@@ -1,0 +1,131 @@
+"""Telemetry on the real engine: the trace file of a two-round run, trace context, metric totals."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections import defaultdict
+
+import pytest
+
+from connector.telemetry.trace_file import parse_json_line
+
+from .conftest import prompts_sharing_prefixes
+
+pytestmark = pytest.mark.engine
+
+PROMPTS = prompts_sharing_prefixes()
+WINDOW = 64
+TRACE_IDS = [f"{i + 1:032x}" for i in range(len(PROMPTS))]
+
+
+def _traceparent(i: int) -> dict | None:
+    # Every other request arrives with its own trace (as vLLM passes trace headers on).
+    return {"traceparent": f"00-{TRACE_IDS[i]}-{i + 1:016x}-01"} if i % 2 == 0 else None
+
+
+@pytest.fixture(scope="module")
+def traced_run(scenarios):
+    path = os.path.join(tempfile.mkdtemp(prefix="kvscope-trace-"), "spans.jsonl")
+    spec = dict(model="gemma3", window=WINDOW, prompts=PROMPTS,
+                extra={"cpu_bytes": 64 << 20, "trace_file": path},
+                trace_headers=[_traceparent(i) for i in range(len(PROMPTS))],
+                request_ids=[f"req-{i}" for i in range(len(PROMPTS))])
+    result = scenarios.get("gemma3-traced", spec)
+    spans = []
+    with open(path) as f:
+        for line in f:
+            request = parse_json_line(line)
+            for rs in request.resource_spans:
+                for ss in rs.scope_spans:
+                    assert ss.scope.name == "kvscope"
+                    spans.extend(ss.spans)
+    return result, spans
+
+
+def _attrs(span) -> dict:
+    out = {}
+    for kv in span.attributes:
+        v = kv.value
+        out[kv.key] = v.string_value if v.HasField("string_value") else v.int_value
+    return out
+
+
+def _by_name(spans, name):
+    return [s for s in spans if s.name == name]
+
+
+def test_each_loading_request_has_one_scan_per_group_under_its_load(traced_run):
+    result, spans = traced_run
+    loads = _by_name(spans, "kvscope.load")
+    loading = [s for s in loads if _attrs(s)["kvscope.tokens.external"] > 0]
+    assert loading, "round 1 planned no load"
+    scans_by_parent = defaultdict(list)
+    for s in _by_name(spans, "kvscope.group.scan"):
+        scans_by_parent[s.parent_span_id].append(s)
+    groups = len(result["groups"])
+    for load in loading:
+        scans = scans_by_parent[load.span_id]
+        assert len(scans) == groups == _attrs(load)["kvscope.groups"]
+        assert {_attrs(s)["kvscope.group.index"] for s in scans} == set(range(groups))
+        assert all(s.trace_id == load.trace_id for s in scans)
+
+
+def test_sliding_window_scan_skips_null_blocks_for_prompts_longer_than_window(traced_run):
+    result, spans = traced_run
+    sw = [_attrs(s) for s in _by_name(spans, "kvscope.group.scan")
+          if _attrs(s)["kvscope.group.kind"] == "sliding_window"]
+    assert sw and all(a["kvscope.group.blocks.null_skipped"] > 0 for a in sw
+                      if a["kvscope.group.blocks.total"] * 128 > WINDOW + 128)
+    full = [_attrs(s) for s in _by_name(spans, "kvscope.group.scan")
+            if _attrs(s)["kvscope.group.kind"] == "full_attention"]
+    assert all(a["kvscope.group.blocks.null_skipped"] == 0 for a in full)
+
+
+def test_copy_spans_join_the_request_trace_with_bytes(traced_run):
+    _, spans = traced_run
+    load_traces = {s.trace_id for s in _by_name(spans, "kvscope.load")
+                   if _attrs(s)["kvscope.tokens.external"] > 0}
+    copies = [s for s in _by_name(spans, "kvscope.group.copy")
+              if _attrs(s)["kvscope.copy.direction"] == "load"]
+    assert copies and {s.trace_id for s in copies} == load_traces
+    assert all(_attrs(s)["kvscope.copy.bytes"] > 0 for s in copies)
+    assert all(s.end_time_unix_nano >= s.start_time_unix_nano > 0 for s in copies)
+
+
+def test_request_with_traceparent_has_its_connector_spans_in_that_trace(traced_run):
+    _, spans = traced_run
+    for i in range(0, len(PROMPTS), 2):
+        mine = [s for s in spans if s.trace_id.hex() == TRACE_IDS[i]]
+        names = {s.name for s in mine}
+        assert "kvscope.lookup" in names, (i, names)
+        assert all(_attrs(s).get("kvscope.request.id", f"req-{i}").startswith(f"req-{i}")
+                   for s in mine if s.name != "kvscope.group.scan" and s.name != "kvscope.group.copy")
+
+
+def test_requests_without_headers_get_a_trace_of_their_own(traced_run):
+    _, spans = traced_run
+    lookups = [s for s in _by_name(spans, "kvscope.lookup")
+               if s.trace_id.hex() not in TRACE_IDS]
+    assert lookups
+    assert len({s.trace_id for s in lookups}) == len(lookups)
+
+
+def test_metric_totals_agree_with_span_attributes_and_vllm(traced_run):
+    result, spans = traced_run
+    kv = result["kvscope"]
+    scans = [_attrs(s) for s in _by_name(spans, "kvscope.group.scan")]
+    assert kv["kvscope_scan_blocks_total"] == sum(a["kvscope.group.blocks.total"] for a in scans)
+    assert kv["kvscope_null_blocks_skipped_total"] == sum(a["kvscope.group.blocks.null_skipped"] for a in scans)
+    assert kv["kvscope_loaded_blocks_total"] == sum(a["kvscope.group.blocks.pending"] for a in scans)
+    lookups = [_attrs(s) for s in _by_name(spans, "kvscope.lookup")]
+    assert kv["kvscope_hit_tokens_total"] == sum(a["kvscope.tokens.hit"] for a in lookups)
+    assert kv["kvscope_lookup_tokens_total"] == sum(a["kvscope.tokens.queried"] for a in lookups)
+    assert kv["kvscope_hit_tokens_total"] <= kv["kvscope_lookup_tokens_total"]
+    vllm_external_hits = sum(c["vllm:external_prefix_cache_hits"] for c in result["counters"])
+    assert kv["kvscope_hit_tokens_total"] == vllm_external_hits
+    copies = [_attrs(s) for s in _by_name(spans, "kvscope.group.copy")]
+    load_bytes = sum(a["kvscope.copy.bytes"] for a in copies if a["kvscope.copy.direction"] == "load")
+    store_bytes = sum(a["kvscope.copy.bytes"] for a in copies if a["kvscope.copy.direction"] == "store")
+    assert kv["kvscope_load_bytes_total"] == load_bytes > 0
+    assert kv["kvscope_store_bytes_total"] == store_bytes > 0
