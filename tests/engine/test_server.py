@@ -1,0 +1,178 @@
+"""The real OpenAI-compatible server with kvscope (loaded through the plugin entry point) and
+tracing on: requests with their own `traceparent` over HTTP, a device prefix-cache reset, the same
+requests again, then `/metrics` and the trace file."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+import requests
+from prometheus_client.parser import text_string_to_metric_families
+
+from connector.telemetry.metrics import METRIC_NAMES
+from connector.telemetry.trace_file import parse_json_line
+from connector.tiny_models import build_model
+
+from .conftest import prompts_sharing_prefixes
+
+pytestmark = pytest.mark.engine
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _OtlpSink(BaseHTTPRequestHandler):
+    """Accepts OTLP/HTTP posts (vLLM's own spans) so tracing can be on without a backend."""
+
+    received = 0
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        type(self).received += 1
+        self.send_response(200)
+        self.send_header("Content-Type", "application/x-protobuf")
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture(scope="module")
+def server():
+    model = build_model("gemma3", window=64)
+    sink = ThreadingHTTPServer(("127.0.0.1", 0), _OtlpSink)
+    threading.Thread(target=sink.serve_forever, daemon=True).start()
+    port = _free_port()
+    trace_file = os.path.join(tempfile.mkdtemp(prefix="kvscope-server-"), "spans.jsonl")
+    transfer = {"kv_connector": "KVScopeConnector", "kv_role": "kv_both",  # entry point, no module path
+                "kv_connector_extra_config": {"cpu_bytes": 64 << 20, "trace_file": trace_file}}
+    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1",
+               OTEL_EXPORTER_OTLP_TRACES_PROTOCOL="http/protobuf", PYTHONPATH=str(ROOT))
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    log = open(os.path.join(os.path.dirname(trace_file), "server.log"), "w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+         "--host", "127.0.0.1", "--port", str(port), "--skip-tokenizer-init", "--dtype", "bfloat16",
+         "--max-model-len", "4096", "--enforce-eager", "--max-num-seqs", "8",
+         "--kv-transfer-config", json.dumps(transfer),
+         "--otlp-traces-endpoint", f"http://127.0.0.1:{sink.server_port}/v1/traces"],
+        cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 300
+        while True:
+            if proc.poll() is not None:
+                raise AssertionError("server exited:\n" + open(log.name).read()[-5000:])
+            try:
+                if requests.get(base + "/health", timeout=2).status_code == 200:
+                    break
+            except requests.RequestException:
+                pass
+            if time.time() > deadline:
+                raise AssertionError("server did not start:\n" + open(log.name).read()[-5000:])
+            time.sleep(2)
+        yield base, model, trace_file
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        sink.shutdown()
+
+
+@pytest.fixture(scope="module")
+def two_rounds(server):
+    base, model, trace_file = server
+    prompts = prompts_sharing_prefixes()
+    sent = {}  # round -> list of trace ids
+    for round_ in (0, 1):
+        ids = []
+        for i, prompt in enumerate(prompts):
+            trace_id = f"{round_ + 1:08x}{i + 1:024x}"
+            headers = {"traceparent": f"00-{trace_id}-{i + 1:016x}-01"}
+            r = requests.post(base + "/v1/completions", headers=headers, timeout=120, json={
+                "model": model, "prompt": prompt, "max_tokens": 4, "temperature": 0})
+            assert r.status_code == 200, r.text
+            ids.append(trace_id)
+        sent[round_] = ids
+        if round_ == 0:
+            assert requests.post(base + "/reset_prefix_cache", timeout=30).status_code == 200
+    time.sleep(6)  # batch span processor and the stats interval
+    metrics = requests.get(base + "/metrics", timeout=30).text
+    return sent, metrics, trace_file
+
+
+def _families(text):
+    return {f.name: f for f in text_string_to_metric_families(text)}
+
+
+def _total(families, name):
+    fam = families[name]
+    return sum(s.value for s in fam.samples if s.name in (name, name + "_total"))
+
+
+def test_every_contract_metric_is_on_vllm_metrics(two_rounds):
+    _, text, _ = two_rounds
+    exposed = {s.name for f in text_string_to_metric_families(text) for s in f.samples}
+    for name in METRIC_NAMES:
+        base = name.removesuffix("_total")
+        assert any(e == name or e.startswith(base) for e in exposed), name
+    engine_labelled = [s for f in text_string_to_metric_families(text) for s in f.samples
+                       if s.name == "kvscope_hit_tokens_total"]
+    assert engine_labelled and all("model_name" in s.labels and "engine" in s.labels for s in engine_labelled)
+
+
+def test_hits_are_sane_and_equal_vllm_external_hits(two_rounds):
+    _, text, _ = two_rounds
+    fams = _families(text)
+    hits = _total(fams, "kvscope_hit_tokens")
+    lookups = _total(fams, "kvscope_lookup_tokens")
+    external = _total(fams, "vllm:external_prefix_cache_hits")
+    assert 0 < hits <= lookups
+    assert hits == external
+
+
+def test_per_group_labels_and_copy_histograms_have_samples(two_rounds):
+    _, text, _ = two_rounds
+    samples = [s for f in text_string_to_metric_families(text) for s in f.samples]
+    kinds = {s.labels.get("kind") for s in samples if s.name == "kvscope_scan_blocks_total"}
+    assert kinds == {"sliding_window", "full_attention"}
+    copies = {(s.labels["kind"], s.labels["direction"]): s.value for s in samples
+              if s.name == "kvscope_copy_duration_seconds_count"}
+    for kind in ("sliding_window", "full_attention"):
+        assert copies.get((kind, "load"), 0) > 0 and copies.get((kind, "store"), 0) > 0
+    nulls = {s.labels["kind"]: s.value for s in samples if s.name == "kvscope_null_blocks_skipped_total"}
+    assert nulls["sliding_window"] > 0
+
+
+def test_loading_requests_have_their_spans_in_the_trace_they_sent(two_rounds):
+    sent, _, trace_file = two_rounds
+    spans = []
+    with open(trace_file) as f:
+        for line in f:
+            for rs in parse_json_line(line).resource_spans:
+                for ss in rs.scope_spans:
+                    spans.extend(ss.spans)
+    loads = [s for s in spans if s.name == "kvscope.load"]
+    assert loads
+    sent_ids = set(sent[0]) | set(sent[1])
+    assert {load.trace_id.hex() for load in loads} & set(sent[1])  # round 1 loads from the host tier
+    for load in loads:
+        assert load.trace_id.hex() in sent_ids  # each load in the trace its request sent
+        copies = [s for s in spans if s.name == "kvscope.group.copy" and s.trace_id == load.trace_id]
+        assert copies
