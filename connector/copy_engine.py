@@ -27,13 +27,21 @@ class CopyError(RuntimeError):
 
 def page_view(cache: torch.Tensor | list | tuple, num_blocks: int, page_bytes: int) -> torch.Tensor:
     """`(num_blocks, page_bytes)` int8 view of one layer's cache with blocks as rows."""
-    if isinstance(cache, (list, tuple)):  # Mamba: state tensors viewing one raw page
-        cache = cache[0]
-    ref = group_kernel_blocks(cache, num_blocks)
-    elem = ref.element_size()
+    states = list(cache) if isinstance(cache, (list, tuple)) else [cache]
+    refs = [group_kernel_blocks(t, num_blocks) for t in states]
+    ref = refs[0]
     storage = ref.untyped_storage()
-    offset = ref.storage_offset() * elem
-    stride = ref.stride(0) * elem
+    stride = ref.stride(0) * ref.element_size()
+    # Mamba: several state tensors (conv, ssm) view one raw page per block; the page starts at
+    # the lowest of their offsets and every state must lie inside it, or we would copy bytes of
+    # a neighbouring block.
+    offset = min(r.storage_offset() * r.element_size() for r in refs)
+    for r in refs:
+        start = r.storage_offset() * r.element_size() - offset
+        if r.untyped_storage().data_ptr() != storage.data_ptr() or r.stride(0) * r.element_size() != stride:
+            raise CopyError("state tensors of one layer do not share one paged storage")
+        if start + r[0].numel() * r.element_size() > page_bytes:
+            raise CopyError(f"a state of {start + r[0].numel() * r.element_size()} B exceeds the page ({page_bytes} B)")
     if stride < page_bytes and num_blocks > 1:
         raise CopyError(f"block stride {stride} B is smaller than the page ({page_bytes} B)")
     if offset + (num_blocks - 1) * stride + page_bytes > storage.nbytes():

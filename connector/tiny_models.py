@@ -40,6 +40,15 @@ def _recipe(name: str, window: int, layer_types: list[str] | None):
                              num_local_experts=4, num_experts_per_tok=2, layer_types=types)
         cfg.quantization_config = None
         return cfg, T.GptOssForCausalLM
+    if name == "qwen3next":  # Mamba-style linear attention (gated delta net) + full attention
+        types = layer_types or ["linear_attention", "full_attention", "linear_attention", "full_attention"]
+        cfg = T.Qwen3NextConfig(**COMMON, num_hidden_layers=len(types), layer_types=types,
+                                linear_num_value_heads=2, linear_num_key_heads=1,
+                                linear_key_head_dim=64, linear_value_head_dim=64,
+                                linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2,
+                                moe_intermediate_size=128, shared_expert_intermediate_size=128,
+                                decoder_sparse_step=1, mlp_only_layers=[])
+        return cfg, T.Qwen3NextForCausalLM
     if name == "big-llama":  # prefill-dominated, for end-to-end benchmarks
         cfg = T.LlamaConfig(**{**COMMON, "hidden_size": 1024, "intermediate_size": 4096,
                                "num_attention_heads": 16, "num_key_value_heads": 4},
@@ -61,6 +70,8 @@ def build_model(name: str, window: int = 64, layer_types: list[str] | None = Non
     torch.manual_seed(seed)
     cfg.torch_dtype = "bfloat16"
     model = cls(cfg).to(torch.bfloat16)
+    if name == "qwen3next":
+        _long_memory(model)
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     model.save_pretrained(tmp)
     config_json = tmp / "config.json"
@@ -70,3 +81,18 @@ def build_model(name: str, window: int = 64, layer_types: list[str] | None = Non
         config_json.write_text(json.dumps(data, indent=2))
     tmp.rename(path) if not path.exists() else None
     return str(path)
+
+
+def _long_memory(model) -> None:
+    """Make the linear-attention state matter: HF's random decay forgets within ~1 token.
+
+    A_log = log(0.01) gives a per-token decay of ~0.987, and a 5x output projection makes the
+    carried state visible in the logits (loading zeros into it changes the outputs).
+    """
+    import torch
+
+    with torch.no_grad():
+        for layer in model.model.layers:
+            if hasattr(layer, "linear_attn"):
+                layer.linear_attn.A_log.data.fill_(-4.6)
+                layer.linear_attn.out_proj.weight.data.mul_(5)

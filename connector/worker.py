@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +38,10 @@ class KVScopeWorker:
         self._meta = KVScopeWorkerMetadata()
         self._stats = KVScopeStats()
         self.lost_slots: set[int] = set()  # host data known to be gone (fault injection, errors)
+        # Fault injection for tests of multi-worker runs, where no test can reach a worker object:
+        # KVSCOPE_FAIL_LOADS_ON_RANK=<rank> makes every load on that worker fail.
+        fail_rank = os.environ.get("KVSCOPE_FAIL_LOADS_ON_RANK")
+        self.fail_all_loads = fail_rank is not None and fail_rank.strip() == str(rank)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.engine = CopyEngine(kv_caches, self.kv_cache_config, self.slot_layout, self.num_slots)
@@ -54,7 +59,9 @@ class KVScopeWorker:
 
     def _run(self, job: TransferJob) -> None:
         flight = _InFlight(job=job, copies=[])
-        if job.direction == LOAD and (job.failed_at_plan or self._touches_lost_slot(job)):
+        if job.direction == LOAD and (
+            job.failed_at_plan or self.fail_all_loads or self._touches_lost_slot(job)
+        ):
             flight.failed = True
         else:
             try:

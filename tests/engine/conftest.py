@@ -28,7 +28,7 @@ def prompts_sharing_prefixes() -> list[list[int]]:
 def run_scenario(spec: dict, timeout: int = 600) -> dict:
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(spec, f)
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = dict(os.environ, PYTHONPATH=str(ROOT), **spec.get("env", {}))
     proc = subprocess.run([sys.executable, "-m", "tests.engine.scenario", f.name], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout)
     os.unlink(f.name)

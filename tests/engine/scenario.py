@@ -28,16 +28,32 @@ def _delta(after: dict, before: dict) -> dict:
     return {k: after.get(k, 0.0) - before.get(k, 0.0) for k in COUNTERS}
 
 
-def kvscope_samples() -> dict[str, float]:
-    """kvscope metrics from this process's Prometheus registry, summed over labels."""
+def kvscope_samples(by: str | None = None) -> dict:
+    """kvscope metrics from this process's Prometheus registry, summed over labels
+    (or, with `by`, per value of that label)."""
     from prometheus_client import REGISTRY
 
-    out: dict[str, float] = {}
+    out: dict = {}
     for metric in REGISTRY.collect():
         for sample in metric.samples:
-            if sample.name.startswith("kvscope_"):
+            if not sample.name.startswith("kvscope_"):
+                continue
+            if by is None:
                 out[sample.name] = out.get(sample.name, 0.0) + sample.value
+            elif by in sample.labels:
+                per = out.setdefault(sample.name, {})
+                per[sample.labels[by]] = per.get(sample.labels[by], 0.0) + sample.value
     return out
+
+
+def _zero_host_blocks_of(llm, kind: str) -> None:
+    """Overwrite the host copies of one group kind with zeros (to show its loads are read)."""
+    sched = get_scheduler_connector(llm)._scheduler
+    kinds = {layout.index: layout.kind.value for layout in sched.layouts}
+    engine = get_worker_connector()._worker.engine
+    for (group, _), entry in sched.index._entries.items():
+        if kinds[group] == kind:
+            engine.host[entry.slot].zero_()
 
 
 def run(spec: dict) -> dict:
@@ -54,6 +70,8 @@ def run(spec: dict) -> dict:
     before = metric_values(llm)
     rounds.append(generate(llm, prompts, max_tokens))  # round 0: cold, stores to the host tier
     after0 = metric_values(llm)
+    if spec.get("zero_group_kind"):
+        _zero_host_blocks_of(llm, spec["zero_group_kind"])
     counters.append(_delta(after0, before))
     assert llm.reset_prefix_cache(), "device prefix cache reset failed"
     if spec.get("drop_host_blocks"):
@@ -68,15 +86,19 @@ def run(spec: dict) -> dict:
     counters.append(_delta(metric_values(llm), after1))
     connector = get_scheduler_connector(llm)
     connector.tracing.force_flush()
-    get_worker_connector().tracing.force_flush()
+    if llm_kwargs.get("tensor_parallel_size", 1) == 1:  # else the workers live in other processes
+        get_worker_connector().tracing.force_flush()
     sched = connector._scheduler
     return {
         "rounds": [[o.__dict__ for o in r] for r in rounds],
         "counters": counters,
         "kvscope": kvscope_samples(),
+        "kvscope_by_kind": kvscope_samples(by="kind"),
         "host": {"used_slots": sched.index.used_slots, "num_slots": sched.index.num_slots,
                  "evicted": sched.index.evicted_total},
         "groups": [layout.kind.value for layout in sched.layouts],
+        "block_sizes": [layout.block_size for layout in sched.layouts],
+        "offload_block_size": sched.block_size,
     }
 
 

@@ -1,0 +1,77 @@
+"""Mamba state groups (Qwen3-Next-like) and tensor parallelism on the real CPU engine."""
+
+from __future__ import annotations
+
+import pytest
+
+from .conftest import prompts_sharing_prefixes
+
+pytestmark = pytest.mark.engine
+
+PROMPTS = prompts_sharing_prefixes()
+LOGPROB_TOLERANCE = 0.03
+QWEN = dict(model="qwen3next", prompts=PROMPTS)
+# Two CPU workers on one NUMA node need explicit thread binding, one core each.
+TP2 = dict(model="gemma3", window=64, prompts=PROMPTS, llm_kwargs={"tensor_parallel_size": 2},
+           env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
+
+
+def _tokens(round_):
+    return [c["tokens"] for c in round_]
+
+
+def _assert_equal_and_hits(result, baseline):
+    cold, loaded, _ = result["rounds"]
+    assert _tokens(loaded) == _tokens(cold) == _tokens(baseline["rounds"][0])
+    for a, b in zip(cold, loaded):
+        assert max((abs(x - y) for x, y in zip(a["logprobs"], b["logprobs"])), default=0) <= LOGPROB_TOLERANCE
+    after_reset, no_reset = result["counters"][1], result["counters"][2]
+    host = after_reset["vllm:prefix_cache_hits"] + after_reset["vllm:external_prefix_cache_hits"]
+    device = no_reset["vllm:prefix_cache_hits"] + no_reset["vllm:external_prefix_cache_hits"]
+    assert after_reset["vllm:external_prefix_cache_hits"] > 0
+    assert device > 0 and host >= 0.9 * device, (host, device)
+
+
+@pytest.fixture(scope="module")
+def qwen_baseline(scenarios):
+    return scenarios.get("qwen3next:baseline", {**QWEN, "connector": False})
+
+
+@pytest.fixture(scope="module")
+def gemma_baseline(scenarios):
+    return scenarios.get("gemma3-w64:baseline", dict(model="gemma3", window=64, prompts=PROMPTS, connector=False))
+
+
+def test_mamba_model_loads_state_and_attention_with_equal_outputs(scenarios, qwen_baseline):
+    result = scenarios.get("qwen3next", QWEN)
+    assert set(result["groups"]) == {"mamba", "full_attention"}
+    _assert_equal_and_hits(result, qwen_baseline)
+    by_kind = result["kvscope_by_kind"]
+    assert by_kind["kvscope_scan_blocks_total"]["mamba"] > 0
+    assert by_kind["kvscope_loaded_blocks_total"]["mamba"] > 0
+    assert by_kind["kvscope_null_blocks_skipped_total"]["mamba"] > 0  # padding / superseded states
+
+
+def test_outputs_depend_on_the_loaded_mamba_state(scenarios, qwen_baseline):
+    """Zeros loaded into the state change the outputs: the state is carried by the load."""
+    result = scenarios.get("qwen3next-zero-state", {**QWEN, "zero_group_kind": "mamba"})
+    cold, loaded, _ = result["rounds"]
+    assert _tokens(cold) == _tokens(qwen_baseline["rounds"][0])
+    assert _tokens(loaded) != _tokens(cold)
+
+
+def test_tensor_parallel_two_workers_equal_outputs_and_hits(scenarios, gemma_baseline):
+    result = scenarios.get("gemma3-tp2", TP2)
+    _assert_equal_and_hits(result, gemma_baseline)
+    # every worker moves its own shard: bytes count both
+    kv = result["kvscope"]
+    assert kv["kvscope_load_bytes_total"] > 0
+
+
+def test_failure_on_one_worker_fails_the_whole_load_and_recomputes(scenarios, gemma_baseline):
+    spec = {**TP2, "env": {**TP2["env"], "KVSCOPE_FAIL_LOADS_ON_RANK": "1"}}
+    result = scenarios.get("gemma3-tp2-rank1-fails", spec)
+    assert result["kvscope"]["kvscope_load_failures_total"] > 0
+    assert result["kvscope"].get("kvscope_loaded_blocks_total", 0) == 0  # never half-loaded
+    for round_ in result["rounds"]:
+        assert _tokens(round_) == _tokens(gemma_baseline["rounds"][0])
