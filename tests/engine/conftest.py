@@ -25,13 +25,19 @@ def prompts_sharing_prefixes() -> list[list[int]]:
     return prompts
 
 
-def run_scenario(spec: dict, timeout: int = 600) -> dict:
+def run_scenario_process(spec: dict, timeout: int = 600) -> subprocess.CompletedProcess:
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(spec, f)
     env = dict(os.environ, PYTHONPATH=str(ROOT), **spec.get("env", {}))
-    proc = subprocess.run([sys.executable, "-m", "tests.engine.scenario", f.name], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout)
-    os.unlink(f.name)
+    try:
+        return subprocess.run([sys.executable, "-m", "tests.engine.scenario", f.name], cwd=ROOT,
+                              env=env, capture_output=True, text=True, timeout=timeout)
+    finally:
+        os.unlink(f.name)
+
+
+def run_scenario(spec: dict, timeout: int = 600) -> dict:
+    proc = run_scenario_process(spec, timeout)
     for line in proc.stdout.splitlines():
         if line.startswith("SCENARIO_JSON "):
             return json.loads(line[len("SCENARIO_JSON "):])

@@ -41,3 +41,16 @@ def test_host_blocks_dropped_after_lookup_are_recomputed_and_counted(scenarios, 
     assert result["counters"][1]["vllm:external_prefix_cache_hits"] > 0
     for round_ in result["rounds"]:
         assert _tokens(round_) == _tokens(baseline["rounds"][0])
+
+
+@pytest.mark.parametrize("extra, expected", [
+    ({"cpu_bytes": 0}, "kv_connector_extra_config.cpu_bytes=0 is not accepted"),
+    ({"cpu_bytes": 1 << 20, "block_size": 100}, "must be a multiple of every KV group's device block size"),
+    ({"cpu_bytes": 1 << 20, "colour": "red"}, "unknown key(s) ['colour']"),
+])
+def test_bad_extra_config_stops_engine_start_with_a_clear_message(extra, expected):
+    from .conftest import run_scenario_process
+
+    proc = run_scenario_process({**GEMMA, "prompts": PROMPTS[:1], "extra": extra}, timeout=300)
+    assert proc.returncode != 0
+    assert expected in proc.stderr
