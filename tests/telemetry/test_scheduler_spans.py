@@ -1,0 +1,156 @@
+"""The scheduler adapter's spans and stats for hand-built multi-group layouts (no engine)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from connector.groups import GroupKind, GroupLayout
+from connector.planning import scan_group
+from connector.scheduler import KVScopeScheduler
+from connector.telemetry.testing import in_memory_tracing
+from connector.telemetry.tracing import KVScopeTracing
+
+BS, B = 16, 32  # device block 16 tokens, offload block 32 tokens (factor 2)
+LAYOUTS = [
+    GroupLayout(0, GroupKind.SLIDING_WINDOW, BS, sliding_window=40),
+    GroupLayout(1, GroupKind.FULL_ATTENTION, BS),
+]
+
+
+def make_scheduler(tracing) -> KVScopeScheduler:
+    return KVScopeScheduler(LAYOUTS, offload_block_size=B, hash_block_size=BS, num_slots=64,
+                            slot_bytes=1024, group_block_bytes=[256, 256], world_size=1,
+                            tracing=tracing, kv_cache_manager_getter=lambda: None)
+
+
+def make_request(rid: str, num_tokens: int, headers=None):
+    # one hash per 16-token block; offload keys are every second one
+    return SimpleNamespace(request_id=rid, num_tokens=num_tokens, num_computed_tokens=0,
+                           block_hashes=[f"{rid[:1]}h{i}" for i in range(num_tokens // BS)],
+                           trace_headers=headers)
+
+
+def store_everything(sched, request):
+    hashes = sched._offload_hashes(request)
+    for layout in LAYOUTS:
+        for k, h in enumerate(hashes):
+            sched.index.reserve_for_store((layout.index, h))
+            sched.index.complete_store((layout.index, h))
+
+
+def blocks_for(num_tokens: int):
+    """vLLM-like allocation after a hit of 192 tokens on a 200-token prompt: the sliding-window
+    group has nulls below the window, the full-attention group none."""
+    n = -(-num_tokens // BS)
+    window_first = (192 - 40 + 1) // BS
+    sw = [0 if i < window_first else 100 + i for i in range(n)]
+    full = [200 + i for i in range(n)]
+    return SimpleNamespace(get_block_ids=lambda: (sw, full)), (sw, full)
+
+
+def plan(sched, request):
+    external, is_async = sched.get_num_new_matched_tokens(request, 0)
+    blocks, ids = blocks_for(request.num_tokens)
+    sched.update_state_after_alloc(request, blocks, external)
+    return external, is_async, ids
+
+
+def _attrs(span):
+    return dict(span.attributes)
+
+
+def test_one_scan_span_per_group_under_the_load_with_the_planners_counts():
+    tracing, exporter = in_memory_tracing()
+    sched = make_scheduler(tracing)
+    request = make_request("r1", 200)
+    store_everything(sched, request)
+    external, is_async, ids = plan(sched, request)
+    assert (external, is_async) == (192, True)
+    spans = exporter.get_finished_spans()
+    load = [s for s in spans if s.name == "kvscope.load"]
+    scans = [s for s in spans if s.name == "kvscope.group.scan"]
+    lookup = [s for s in spans if s.name == "kvscope.lookup"]
+    assert len(load) == 1 and len(scans) == 2 and len(lookup) == 1
+    assert {s.parent.span_id for s in scans} == {load[0].context.span_id}
+    assert load[0].parent.span_id == lookup[0].context.span_id  # no headers: the lookup roots the trace
+    assert len({s.context.trace_id for s in spans}) == 1
+    assert _attrs(load[0]) == {"kvscope.request.id": "r1", "kvscope.tokens.local": 0,
+                               "kvscope.tokens.external": 192, "kvscope.groups": 2}
+    assert _attrs(lookup[0]) == {"kvscope.request.id": "r1", "kvscope.tokens.queried": 200,
+                                 "kvscope.tokens.hit": 192}
+    for span in scans:
+        a = _attrs(span)
+        g = a["kvscope.group.index"]
+        expect = scan_group(LAYOUTS[g], ids[g], 0, 192, B)
+        assert a == {
+            "kvscope.group.index": g, "kvscope.group.kind": LAYOUTS[g].kind.value,
+            "kvscope.group.blocks.total": expect.blocks_total,
+            "kvscope.group.blocks.null_skipped": expect.null_skipped,
+            "kvscope.group.blocks.pending": expect.pending,
+            "kvscope.group.blocks.start": expect.start,
+        }
+    sw = next(_attrs(s) for s in scans if _attrs(s)["kvscope.group.index"] == 0)
+    assert sw["kvscope.group.blocks.null_skipped"] == 9 and sw["kvscope.group.blocks.pending"] == 3
+
+
+def test_stats_agree_with_the_spans():
+    tracing, exporter = in_memory_tracing()
+    sched = make_scheduler(tracing)
+    request = make_request("r1", 200)
+    store_everything(sched, request)
+    plan(sched, request)
+    data = sched.take_stats().data
+    scans = [_attrs(s) for s in exporter.get_finished_spans() if s.name == "kvscope.group.scan"]
+    assert data["lookup_tokens"] == 200 and data["hit_tokens"] == 192
+    assert sum(data["scan_blocks"].values()) == sum(a["kvscope.group.blocks.total"] for a in scans)
+    assert sum(data["null_blocks_skipped"].values()) == sum(a["kvscope.group.blocks.null_skipped"] for a in scans)
+
+
+def test_incoming_traceparent_parents_the_connector_spans():
+    tracing, exporter = in_memory_tracing()
+    sched = make_scheduler(tracing)
+    trace_id = "0af7651916cd43dd8448eb211c80319c"
+    request = make_request("r1", 200, headers={"traceparent": f"00-{trace_id}-b7ad6b7169203331-01"})
+    store_everything(sched, request)
+    plan(sched, request)
+    spans = exporter.get_finished_spans()
+    assert spans and {format(s.context.trace_id, "032x") for s in spans} == {trace_id}
+
+
+def test_sampling_keeps_or_drops_whole_requests():
+    tracing, exporter = in_memory_tracing(sample_ratio=0.5)
+    sched = make_scheduler(tracing)
+    for i in range(40):
+        request = make_request(f"{i:02d}", 200)
+        store_everything(sched, request)
+        plan(sched, request)
+    spans = exporter.get_finished_spans()
+    per_trace = {}
+    for s in spans:
+        per_trace.setdefault(s.context.trace_id, set()).add(s.name)
+    assert 0 < len(per_trace) < 40
+    assert all(names == {"kvscope.lookup", "kvscope.load", "kvscope.group.scan"} for names in per_trace.values())
+
+
+class _ExplodingTracing(KVScopeTracing):
+    """Disabled tracing that fails the test if any span is asked for."""
+
+    def __init__(self):
+        super().__init__(None)
+
+    def start_span(self, *a, **k):
+        raise AssertionError("a span was built with tracing off")
+
+    def record_span(self, *a, **k):
+        raise AssertionError("a span was built with tracing off")
+
+
+def test_tracing_off_builds_no_span_and_still_plans():
+    sched = make_scheduler(_ExplodingTracing())
+    assert not sched.tracing.enabled
+    request = make_request("r1", 200)
+    store_everything(sched, request)
+    external, _, _ = plan(sched, request)
+    assert external == 192
+    job = sched._pending_loads[0]
+    assert job.trace_carrier is None and [len(g.block_ids) for g in job.groups] == [3, 12]
