@@ -86,6 +86,12 @@ class KVScopeConnector(KVConnectorBase_V1, SupportsHMA):
         return False  # a best-effort cache: a dropped store is only a later miss
 
     @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config) -> bool:
+        # vLLM 0.33+: the copy engine holds views of the KV cache storage, which sleep mode
+        # frees and remaps; refuse rather than copy through stale views.
+        return False
+
+    @classmethod
     def get_required_kvcache_layout(cls, vllm_config) -> str | None:
         return "LBHNC"  # blocks outermost, each block's K and V contiguous: page copies
 
