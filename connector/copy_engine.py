@@ -40,14 +40,22 @@ def page_view(cache: torch.Tensor | list | tuple, num_blocks: int, page_bytes: i
         start = r.storage_offset() * r.element_size() - offset
         if r.untyped_storage().data_ptr() != storage.data_ptr() or r.stride(0) * r.element_size() != stride:
             raise CopyError("state tensors of one layer do not share one paged storage")
-        if start + r[0].numel() * r.element_size() > page_bytes:
-            raise CopyError(f"a state of {start + r[0].numel() * r.element_size()} B exceeds the page ({page_bytes} B)")
+        end = start + _span_bytes(r[0])
+        if end > page_bytes:
+            raise CopyError(f"a state reaching {end} B into the block exceeds the page ({page_bytes} B)")
     if stride < page_bytes and num_blocks > 1:
         raise CopyError(f"block stride {stride} B is smaller than the page ({page_bytes} B)")
     if offset + (num_blocks - 1) * stride + page_bytes > storage.nbytes():
         raise CopyError("KV cache page view would run past its storage; layout not understood")
     view = torch.tensor([], dtype=torch.int8, device=ref.device)
     return view.set_(storage, offset, (num_blocks, page_bytes), (stride, 1))
+
+
+def _span_bytes(t: torch.Tensor) -> int:
+    """Bytes from a tensor's first to its last element, following its strides (gaps included)."""
+    if t.numel() == 0:
+        return 0
+    return (1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))) * t.element_size()
 
 
 @dataclass(slots=True)

@@ -71,7 +71,7 @@ class HostIndex:
 
     def complete_store(self, key: Key) -> None:
         entry = self._entries.get(key)
-        if entry is not None:
+        if entry is not None and not entry.ready:  # the store's own pin, released once
             entry.ready = True
             entry.pins = max(0, entry.pins - 1)
 

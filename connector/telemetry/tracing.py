@@ -40,6 +40,7 @@ from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.id_generator import IdGenerator
 from opentelemetry.sdk.trace.export import (
     BatchSpanProcessor,
     SimpleSpanProcessor,
@@ -106,7 +107,9 @@ class KVScopeTracing:
                 exporters.append(otlp)
         if not exporters:
             return cls.disabled()
-        provider = TracerProvider(sampler=request_sampler(ratio), resource=_resource(env))
+        provider = TracerProvider(
+            sampler=request_sampler(ratio), resource=_resource(env), id_generator=OsRandomIdGenerator()
+        )
         for exporter in exporters:
             provider.add_span_processor(
                 BatchSpanProcessor(
@@ -130,6 +133,7 @@ class KVScopeTracing:
             sampler=request_sampler(_check_ratio(sample_ratio)),
             resource=resource or Resource.create({"service.name": DEFAULT_SERVICE_NAME}),
             shutdown_on_exit=False,
+            id_generator=OsRandomIdGenerator(),
         )
         provider.add_span_processor(SimpleSpanProcessor(exporter))
         return cls(provider)
@@ -224,6 +228,23 @@ class KVScopeTracing:
             return
         self._shutdown_done = True
         self._provider.shutdown()
+
+
+class OsRandomIdGenerator(IdGenerator):
+    """Trace and span ids from the OS, not Python's `random`: vLLM seeds `random` (seed 0 by
+    default), so the SDK's default generator would repeat the same ids in every run."""
+
+    def generate_span_id(self) -> int:
+        while True:
+            value = int.from_bytes(os.urandom(8), "big")
+            if value:
+                return value
+
+    def generate_trace_id(self) -> int:
+        while True:
+            value = int.from_bytes(os.urandom(16), "big")
+            if value:
+                return value
 
 
 def request_sampler(ratio: float) -> Sampler:

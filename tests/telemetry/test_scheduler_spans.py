@@ -154,3 +154,17 @@ def test_tracing_off_builds_no_span_and_still_plans():
     assert external == 192
     job = sched._pending_loads[0]
     assert job.trace_carrier is None and [len(g.block_ids) for g in job.groups] == [3, 12]
+
+
+def test_ids_do_not_repeat_when_python_random_is_seeded():
+    """vLLM seeds `random`; trace ids must still differ between runs."""
+    import random
+
+    ids = []
+    for _ in range(2):
+        random.seed(0)
+        tracing, exporter = in_memory_tracing()
+        span = tracing.start_span("kvscope.lookup")
+        span.end()
+        ids.append(exporter.get_finished_spans()[0].context.trace_id)
+    assert ids[0] != ids[1]

@@ -1,0 +1,60 @@
+"""kvscope dashboard: replays the connector's traced requests (hit rates, load latency).
+
+    streamlit run dashboard/app.py -- PATH...     or     kvscope dashboard PATH...
+
+Without paths it reads the comma-separated KVSCOPE_TRACE_FILES; files can also be uploaded.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import streamlit as st
+
+_HERE = Path(__file__).resolve().parent
+if str(_HERE.parent) not in sys.path:  # `streamlit run` puts dashboard/ on the path, not the repo root
+    sys.path.insert(0, str(_HERE.parent))
+
+from dashboard import data, formatting, sources  # noqa: E402
+
+
+def command_line_paths() -> list[str]:
+    """Arguments after `--`: `streamlit run` sets sys.argv to [this script, *args]; other hosts don't."""
+    if sys.argv and Path(sys.argv[0]).resolve() == Path(__file__).resolve():
+        return sys.argv[1:]
+    return []
+
+
+st.set_page_config(page_title="kvscope", page_icon=":material/memory:", layout="wide")
+
+navigation = st.navigation([
+    st.Page(_HERE / "views" / "overview.py", title="Overview", icon=":material/dashboard:", default=True),
+    st.Page(_HERE / "views" / "request_explorer.py", title="Requests", icon=":material/table_rows:",
+            url_path="requests"),
+    st.Page(_HERE / "views" / "replay.py", title="Replay", icon=":material/replay:", url_path="replay"),
+    st.Page(_HERE / "views" / "live.py", title="Live", icon=":material/monitoring:", url_path="live"),
+])
+
+paths = sources.trace_paths(command_line_paths(), os.environ)
+with st.sidebar:
+    st.subheader("Trace files")
+    uploads = st.file_uploader(
+        "Add trace files",
+        type=["jsonl", "json", "gz"],
+        accept_multiple_files=True,
+        key="uploads",
+        help="OTLP/JSON lines, as the connector's trace_file or the OpenTelemetry Collector's file exporter write.",
+    )
+loaded = data.load(paths, uploads or [])
+with st.sidebar:
+    for path in paths:
+        st.caption(f":material/description: {Path(path).name}", help=path)
+    read = loaded.traces
+    st.caption(
+        f"{formatting.count(len(loaded.requests))} requests · {formatting.count(len(read.spans))} kvscope spans"
+        + (f" · {formatting.count(read.other_spans)} other spans left out" if read.other_spans else "")
+    )
+
+navigation.run()

@@ -1,0 +1,159 @@
+"""Altair charts of the shaped frames (no Streamlit, no data shaping: see `traces`)."""
+
+from __future__ import annotations
+
+import altair as alt
+import pandas as pd
+
+KIND_COLORS = {  # waterfall rows, by span kind
+    "lookup": "#8c8c8c",
+    "load": "#4c78a8",
+    "group.scan": "#72b7b2",
+    "copy load": "#f58518",
+    "store": "#b279a2",
+    "copy store": "#e45756",
+}
+DIRECTION_COLORS = alt.Scale(domain=["load", "store"], range=["#f58518", "#e45756"])
+
+
+def hit_rate_over_time(frame: pd.DataFrame, bucket_s: float) -> alt.Chart:
+    """Token hit rate per arrival bucket."""
+    return (
+        alt.Chart(frame)
+        .mark_line(point=True, interpolate="step-after")
+        .encode(
+            x=alt.X("t_s:Q", title="seconds since the first request"),
+            y=alt.Y("hit_rate:Q", title="token hit rate", axis=alt.Axis(format="%"),
+                    scale=alt.Scale(domain=[0, 1])),
+            tooltip=[
+                alt.Tooltip("t_s:Q", title=f"bucket start (s), {bucket_s:g} s wide", format=".3f"),
+                alt.Tooltip("hit_rate:Q", title="hit rate", format=".1%"),
+                alt.Tooltip("requests:Q", title="requests"),
+                alt.Tooltip("tokens_queried:Q", title="tokens queried"),
+                alt.Tooltip("tokens_hit:Q", title="tokens hit"),
+            ],
+        )
+        .properties(height=240)
+    )
+
+
+def latency_distribution(frame: pd.DataFrame) -> alt.Chart:
+    """Box plot (min to max whiskers) of request load times and of load copy durations per group."""
+    return (
+        alt.Chart(frame)
+        .mark_boxplot(extent="min-max", size=22)
+        .encode(
+            x=alt.X("ms:Q", title="milliseconds"),
+            y=alt.Y("series:N", title=None, sort=["request load"], axis=alt.Axis(labelLimit=260)),
+            color=alt.value("#4c78a8"),
+        )
+        .properties(height=alt.Step(44))
+    )
+
+
+def copy_throughput(frame: pd.DataFrame) -> alt.Chart:
+    """Σ bytes / Σ copy time per group and direction."""
+    data = frame.assign(group="g" + frame["group_index"].astype(str) + " " + frame["group_kind"].astype(str))
+    return (
+        alt.Chart(data)
+        .mark_bar()
+        .encode(
+            x=alt.X("gb_per_s:Q", title="GB/s (Σ bytes / Σ copy time)"),
+            y=alt.Y("group:N", title=None),
+            yOffset=alt.YOffset("direction:N"),
+            color=alt.Color("direction:N", scale=DIRECTION_COLORS, legend=alt.Legend(orient="top", title=None)),
+            tooltip=[
+                "group:N",
+                "direction:N",
+                alt.Tooltip("gb_per_s:Q", title="GB/s", format=".2f"),
+                alt.Tooltip("p50_gb_per_s:Q", title="median per copy, GB/s", format=".2f"),
+                alt.Tooltip("copies:Q"),
+                alt.Tooltip("bytes:Q", format=","),
+            ],
+        )
+        .properties(height=alt.Step(26))
+    )
+
+
+def waterfall(rows: pd.DataFrame) -> alt.Chart:
+    """The spans of one request as bars on a shared time axis (short spans drawn at a visible width)."""
+    total = float(rows["end_ms"].max()) if len(rows) else 1.0
+    data = rows.assign(
+        visible_end=rows[["end_ms"]].max(axis=1).clip(lower=rows["start_ms"] + max(total, 1e-3) * 0.004),
+        start_text=rows["start_ms"].map("{:.3f} ms".format),
+        duration_text=rows["duration_ms"].map("{:.3f} ms".format),
+    )
+    kinds = [k for k in KIND_COLORS if k in set(data["kind"])] + sorted(set(data["kind"]) - set(KIND_COLORS))
+    colors = [KIND_COLORS.get(k, "#bab0ac") for k in kinds]
+    return (
+        alt.Chart(data)
+        .mark_bar(cornerRadius=2)
+        .encode(
+            x=alt.X("start_ms:Q", title="ms since the request's first span"),
+            x2="visible_end:Q",
+            y=alt.Y("row:N", sort=list(data["row"]), title=None, axis=alt.Axis(labelLimit=320)),
+            color=alt.Color("kind:N", scale=alt.Scale(domain=kinds, range=colors),
+                            legend=alt.Legend(orient="bottom", title=None)),
+            tooltip=[
+                alt.Tooltip("row:N", title="span"),
+                alt.Tooltip("start_text:N", title="start"),
+                alt.Tooltip("duration_text:N", title="duration"),
+                alt.Tooltip("attributes:N"),
+            ],
+        )
+        .properties(height=alt.Step(24))
+    )
+
+
+def replay_hit_rate(timeline: pd.DataFrame, step: int) -> alt.Chart:
+    """Cumulative token hit rate over the requests arrived so far (x axis spans the whole replay)."""
+    seen = timeline[timeline["step"] <= step]
+    x = alt.X("step:Q", title="requests arrived", scale=alt.Scale(domain=[1, max(len(timeline), 2)]))
+    line = (
+        alt.Chart(seen)
+        .mark_line(point=alt.OverlayMarkDef(size=24))
+        .encode(
+            x=x,
+            y=alt.Y("cum_hit_rate:Q", title="cumulative token hit rate", axis=alt.Axis(format="%"),
+                    scale=alt.Scale(domain=[0, 1])),
+            tooltip=["step:Q", "request_id:N", alt.Tooltip("cum_hit_rate:Q", title="hit rate", format=".1%")],
+        )
+    )
+    return line.properties(height=220)
+
+
+def replay_traffic(timeline: pd.DataFrame, step: int) -> alt.Chart:
+    """Cumulative bytes copied to and from the host tier, in GB."""
+    seen = timeline[timeline["step"] <= step]
+    long = seen.melt(id_vars=["step"], value_vars=["cum_bytes_loaded", "cum_bytes_stored"],
+                     var_name="direction", value_name="bytes")
+    long["direction"] = long["direction"].map({"cum_bytes_loaded": "load", "cum_bytes_stored": "store"})
+    long["gb"] = long["bytes"] / 1e9
+    return (
+        alt.Chart(long)
+        .mark_line(interpolate="step-after", point=alt.OverlayMarkDef(size=24))
+        .encode(
+            x=alt.X("step:Q", title="requests arrived", scale=alt.Scale(domain=[1, max(len(timeline), 2)])),
+            y=alt.Y("gb:Q", title="host traffic (GB)", scale=alt.Scale(domainMin=0)),
+            color=alt.Color("direction:N", scale=DIRECTION_COLORS,
+                            legend=alt.Legend(orient="right", title=None)),
+            tooltip=["step:Q", "direction:N", alt.Tooltip("gb:Q", title="GB", format=".3f")],
+        )
+        .properties(height=220)
+    )
+
+
+def live_series(frame: pd.DataFrame, y_title: str, y_format: str) -> alt.Chart:
+    """Prometheus range-query series (columns time, value, series)."""
+    return (
+        alt.Chart(frame)
+        .mark_line()
+        .encode(
+            x=alt.X("time:T", title=None, axis=alt.Axis(format="%H:%M")),
+            y=alt.Y("value:Q", title=y_title, axis=alt.Axis(format=y_format)),
+            color=alt.Color("series:N", legend=alt.Legend(orient="bottom", title=None)),
+            tooltip=[alt.Tooltip("time:T", format="%H:%M:%S"), "series:N",
+                     alt.Tooltip("value:Q", format=y_format)],
+        )
+        .properties(height=240)
+    )

@@ -1,0 +1,66 @@
+"""The traces the pages show: read once per set of files (cached), shared with the page of this run.
+
+`app.py` resolves the sources (command line, ``KVSCOPE_TRACE_FILES``, uploads) and calls `load`;
+pages call `current()` or `require_requests()`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import pandas as pd
+import streamlit as st
+
+from dashboard import sources, traces
+
+_SESSION_KEY = "kvscope.loaded"
+
+HOW_TO_ADD_TRACES = (
+    "Start the dashboard with trace files: `kvscope dashboard PATH...` or "
+    "`streamlit run dashboard/app.py -- PATH...`, set `KVSCOPE_TRACE_FILES` (comma-separated), "
+    "or add files with the uploader in the sidebar."
+)
+
+
+@dataclass(frozen=True)
+class Loaded:
+    traces: traces.Traces
+    requests: pd.DataFrame
+
+    @property
+    def spans(self) -> pd.DataFrame:
+        return self.traces.spans
+
+
+@st.cache_data(max_entries=4, show_spinner="Reading trace files…")
+def _read(path_keys: tuple[tuple[str, int, int], ...], upload_keys: tuple[str, ...],
+          _uploads: tuple[traces.TraceSource, ...]) -> Loaded:
+    # path_keys and upload_keys are the cache key (path, mtime, size / upload id); _uploads is not hashed.
+    read = traces.read_trace_files([p for p, _, _ in path_keys] + list(_uploads))
+    return Loaded(traces=read, requests=traces.requests_table(read.spans))
+
+
+def load(paths: Sequence[str], uploads: Sequence) -> Loaded:
+    """Read `paths` and the uploaded files (Streamlit `UploadedFile`s), cached."""
+    upload_sources = tuple(traces.TraceSource(f"upload: {u.name}", u.getvalue()) for u in uploads)
+    loaded = _read(tuple(sources.file_key(p) for p in paths), tuple(u.file_id for u in uploads), upload_sources)
+    st.session_state[_SESSION_KEY] = loaded
+    return loaded
+
+
+def current() -> Loaded:
+    """What `app.py` loaded in this run."""
+    return st.session_state[_SESSION_KEY]
+
+
+def require_requests() -> Loaded:
+    """The loaded traces; when they hold no request, say how to add some and stop the page."""
+    loaded = current()
+    if loaded.requests.empty:
+        if loaded.traces.files:
+            st.info("The trace files hold no kvscope lookup or load spans. " + HOW_TO_ADD_TRACES)
+        else:
+            st.info("No trace files yet. " + HOW_TO_ADD_TRACES)
+        st.stop()
+    return loaded

@@ -1,0 +1,259 @@
+"""Fast decoder for clean OTLP/JSON trace files: one C++ parse of the whole file, then Arrow
+compute kernels unnest resourceSpans -> scopeSpans -> spans -> attributes column-wise.
+
+It handles the common case only and declines (returns None) on anything else: a line that does
+not parse, JSON types that change between lines, an attribute value of an unexpected type,
+missing ids or timestamps. The line-by-line decoder in `traces` then reads the file and reports
+each problem with its line number, so declining costs time, never correctness.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import numpy as np
+
+from dashboard import traces
+
+try:
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    import pyarrow.json as pj
+except ImportError:  # pragma: no cover - pyarrow comes with streamlit
+    pa = None
+
+KNOWN_KEYS = list(traces.ATTRIBUTE_COLUMNS)
+_VALUE_FIELDS = ("stringValue", "intValue", "doubleValue", "boolValue", "arrayValue", "kvlistValue", "bytesValue")
+
+
+class _Declined(Exception):
+    """The file is not in the shape this decoder handles; use the line-by-line decoder."""
+
+
+def decode(data: bytes, label: str, lines: list[bytes]) -> traces.DecodedSpans | None:
+    """Decode a whole file, or None when the line-by-line decoder must do it."""
+    if pa is None:
+        return None
+    line_numbers = np.array([i for i, raw in enumerate(lines, 1) if raw.strip()], dtype=np.int64)
+    if not len(line_numbers):
+        return None
+    longest = max(len(raw) for raw in lines)
+    try:
+        table = pj.read_json(
+            pa.BufferReader(data),
+            read_options=pj.ReadOptions(block_size=max(1 << 20, longest + 64)),
+        )
+        if table.num_rows != len(line_numbers):
+            return None
+        return _unnest(table, label, line_numbers)
+    except (_Declined, pa.ArrowException, KeyError, TypeError, ValueError, IndexError):
+        return None
+
+
+def _unnest(table: pa.Table, label: str, line_numbers: np.ndarray) -> traces.DecodedSpans:
+    problems: list[traces.Problem] = []
+    rs = table.column("resourceSpans").combine_chunks() if "resourceSpans" in table.column_names else None
+    no_spans = (np.ones(table.num_rows, dtype=bool) if rs is None or pa.types.is_null(rs.type)
+                else rs.is_null().to_numpy(zero_copy_only=False))
+    for row in np.flatnonzero(no_spans):
+        doc = {k: table.column(k)[int(row)].as_py() for k in ("resourceMetrics", "resourceLogs")
+               if k in table.column_names}
+        problems.append(traces.Problem(label, int(line_numbers[row]), traces._not_a_trace_export(doc)))
+
+    rs_items, rs_row = _flatten(rs)
+    ss_items, ss_rs = _flatten(_field(rs_items, "scopeSpans", legacy="instrumentationLibrarySpans"))
+    sp, sp_ss = _flatten(_field(ss_items, "spans"))
+    if sp is None:
+        return _empty(problems, len(line_numbers))
+    sp_row = rs_row[ss_rs][sp_ss]
+
+    scope = _field(ss_items, "scope", legacy="instrumentationLibrary")
+    scope_names = _pylist(_field(scope, "name"), len(ss_items))
+    scope_versions = _pylist(_field(scope, "version"), len(ss_items))
+    bad_scope = np.array([n == traces.SCOPE_NAME and not traces.supported_version(v)
+                          for n, v in zip(scope_names, scope_versions)], dtype=bool)
+
+    name = _field(sp, "name")
+    if name is None or not pa.types.is_string(name.type):
+        raise _Declined("span names")
+    is_kv = pc.fill_null(pc.starts_with(name, "kvscope."), False).to_numpy(zero_copy_only=False)
+    span_bad_scope = bad_scope[sp_ss]
+    version_skipped = is_kv & span_bad_scope
+    if version_skipped.any():
+        counts = Counter(zip(sp_row[version_skipped].tolist(), sp_ss[version_skipped].tolist()))
+        for (row, ss), n in sorted(counts.items()):
+            reason = traces.unsupported_version_reason(scope_versions[ss] or "")
+            problems.append(traces.Problem(label, int(line_numbers[row]), reason, n))
+    keep = np.flatnonzero(is_kv & ~span_bad_scope)
+    other = int(len(is_kv) - is_kv.sum())
+    n = len(keep)
+
+    def column(field_name: str):  # one field of the kept spans
+        arr = _field(sp, field_name)
+        return arr if arr is None or n == len(sp) else arr.take(pa.array(keep))
+
+    values, invalid, extras = _attributes(_field(sp, "attributes"), keep, len(sp))
+    parent = column("parentSpanId")
+    status = _field(sp, "status")
+    code = _field(status, "code")
+    return traces.DecodedSpans(
+        trace_id=_strings(column("traceId"), "traceId"),
+        span_id=_strings(column("spanId"), "spanId"),
+        parent_span_id=(np.full(n, "", dtype=object) if parent is None or pa.types.is_null(parent.type)
+                        else _as_numpy(pc.fill_null(_string_typed(parent), ""))),
+        name=_as_numpy(column("name")),
+        start_ns=_nanos(column("startTimeUnixNano"), "startTimeUnixNano"),
+        end_ns=_nanos(column("endTimeUnixNano"), "endTimeUnixNano"),
+        status_code=_status_codes(code, keep, len(sp)),
+        source_line=line_numbers[sp_row[keep]],
+        values=values,
+        invalid=invalid,
+        extra_attributes=extras,
+        problems=problems,
+        other_spans=other,
+        lines=len(line_numbers),
+    )
+
+
+def _empty(problems: list[traces.Problem], lines: int) -> traces.DecodedSpans:
+    decoded = traces.decode_lines("", [])
+    decoded.problems = problems
+    decoded.lines = lines
+    return decoded
+
+
+def _flatten(arr) -> tuple[Any, np.ndarray]:
+    """(items, parent index of each item) of a list-of-structs array; (None, []) when empty."""
+    if arr is None or pa.types.is_null(arr.type):
+        return None, np.zeros(0, dtype=np.int64)
+    if not pa.types.is_list(arr.type):
+        raise _Declined(f"expected a list, got {arr.type}")
+    items = pc.list_flatten(arr)
+    if pa.types.is_null(items.type) or len(items) == 0:
+        return None, np.zeros(0, dtype=np.int64)
+    if not pa.types.is_struct(items.type):
+        raise _Declined(f"expected objects, got {items.type}")
+    return items, pc.list_parent_indices(arr).to_numpy().astype(np.int64)
+
+
+def _field(arr, name: str, legacy: str | None = None):
+    if arr is None:
+        return None
+    if legacy is not None and arr.type.get_field_index(legacy) >= 0:
+        raise _Declined(f"legacy field {legacy}")
+    index = arr.type.get_field_index(name)
+    return None if index < 0 else pc.struct_field(arr, [index])
+
+
+def _pylist(arr, n: int) -> list:
+    return [None] * n if arr is None else arr.to_pylist()
+
+
+def _as_numpy(arr) -> np.ndarray:
+    return arr.to_numpy(zero_copy_only=False)
+
+
+def _string_typed(arr):
+    if not pa.types.is_string(arr.type):
+        raise _Declined(f"expected strings, got {arr.type}")
+    return arr
+
+
+def _strings(arr, name: str) -> np.ndarray:
+    if arr is None or arr.null_count:
+        raise _Declined(f"missing {name}")
+    return _as_numpy(_string_typed(arr))
+
+
+def _nanos(arr, name: str) -> np.ndarray:
+    if arr is None or arr.null_count:
+        raise _Declined(f"missing {name}")
+    if pa.types.is_string(arr.type):
+        arr = pc.cast(arr, pa.int64())  # "1700000000000000000"; raises on junk -> declined
+    elif not pa.types.is_integer(arr.type):
+        raise _Declined(f"{name} of type {arr.type}")
+    return _as_numpy(arr).astype(np.int64)
+
+
+def _status_codes(code, keep: np.ndarray, total: int) -> np.ndarray:
+    if code is None or pa.types.is_null(code.type):
+        return np.zeros(len(keep), dtype=np.int64)
+    if not pa.types.is_integer(code.type):
+        raise _Declined("status code names")
+    return _as_numpy(pc.fill_null(code, 0)).astype(np.int64)[keep]
+
+
+def _attributes(attributes, keep: np.ndarray, total: int) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], list]:
+    """Per known key: one value per kept span (NaN/None when absent), invalid masks, the rest as dicts.
+
+    `attributes` is the list column of all `total` spans; `keep` indexes the kept ones.
+    """
+    values: dict[str, np.ndarray] = {}
+    invalid: dict[str, np.ndarray] = {}
+    n = len(keep)
+    items, span_of = _flatten(attributes)
+    if items is not None and n < total:  # renumber to kept spans; attributes of others go
+        new_index = np.full(total, -1, dtype=np.int64)
+        new_index[keep] = np.arange(n)
+        span_of = new_index[span_of]
+        mine = np.flatnonzero(span_of >= 0)
+        items, span_of = items.take(pa.array(mine)), span_of[mine]
+    if items is None or len(items) == 0:
+        for key, (_, is_int) in traces.ATTRIBUTE_COLUMNS.items():
+            values[key] = np.full(n, np.nan) if is_int else np.full(n, None, dtype=object)
+            invalid[key] = np.zeros(n, dtype=bool)
+        return values, invalid, [None] * n
+    keys = _string_typed(_field(items, "key"))
+    value = _field(items, "value")
+    key_index = _as_numpy(pc.fill_null(pc.index_in(keys, value_set=pa.array(KNOWN_KEYS)), -1))
+    number = _numbers(value, len(items))
+    text = _field(value, "stringValue")
+    text = _as_numpy(_string_typed(text)) if text is not None and not pa.types.is_null(text.type) else None
+
+    for j, (key, (_, is_int)) in enumerate(traces.ATTRIBUTE_COLUMNS.items()):
+        rows = np.flatnonzero(key_index == j)
+        present = np.zeros(n, dtype=bool)
+        present[span_of[rows]] = True
+        if is_int:
+            got = number[rows]
+            if np.isnan(got).any():
+                raise _Declined(f"non-numeric {key}")
+            col = np.full(n, np.nan)
+            col[span_of[rows]] = got
+            invalid[key] = present & ~traces._integral(col)
+        else:
+            got = text[rows] if text is not None else np.full(len(rows), None, dtype=object)
+            if len(rows) and np.equal(got, None).any():
+                raise _Declined(f"non-string {key}")
+            col = np.full(n, None, dtype=object)
+            col[span_of[rows]] = got
+            invalid[key] = np.zeros(n, dtype=bool)
+        values[key] = col
+
+    extras: list[dict[str, Any] | None] = [None] * n
+    extra_rows = np.flatnonzero(key_index == -1)
+    if len(extra_rows):
+        picked = value.take(pa.array(extra_rows)).to_pylist()
+        names = keys.take(pa.array(extra_rows)).to_pylist()
+        for row, key, v in zip(extra_rows.tolist(), names, picked):
+            span = int(span_of[row])
+            entry = next((v[f] for f in _VALUE_FIELDS if v and v.get(f) is not None), None)
+            if extras[span] is None:
+                extras[span] = {}
+            extras[span][key] = entry
+    return values, invalid, extras
+
+
+def _numbers(value, count: int) -> np.ndarray:
+    """intValue (a decimal string or a JSON number) or doubleValue of each attribute, NaN for others."""
+    out = np.full(count, np.nan)
+    for name in ("doubleValue", "intValue"):  # intValue wins where both are set
+        arr = _field(value, name)
+        if arr is None or pa.types.is_null(arr.type):
+            continue
+        if not (pa.types.is_string(arr.type) or pa.types.is_integer(arr.type) or pa.types.is_floating(arr.type)):
+            raise _Declined(f"{name} of type {arr.type}")
+        as_float = _as_numpy(pc.cast(arr, pa.float64())).astype(float)  # nulls -> NaN
+        out = np.where(np.isnan(as_float), out, as_float)
+    return out

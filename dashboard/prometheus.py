@@ -1,0 +1,120 @@
+"""Live view: kvscope metrics from a Prometheus server's HTTP API (``/api/v1/query_range``).
+
+No Streamlit here: the Live page passes the URL and the time range in and shows the frames.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import pandas as pd
+import requests
+
+HIT_RATE_QUERY = "sum(rate(kvscope_hit_tokens_total[{window}])) / sum(rate(kvscope_lookup_tokens_total[{window}]))"
+LOAD_QUANTILE_QUERY = (
+    "histogram_quantile({q}, sum by (le) (rate(kvscope_request_load_duration_seconds_bucket[{window}])))"
+)
+QUANTILES = (0.5, 0.95, 0.99)
+RANGES_S = {"15 minutes": 900, "1 hour": 3600, "6 hours": 6 * 3600, "24 hours": 86400}
+MAX_POINTS = 240  # per series
+
+
+class PrometheusError(Exception):
+    """Prometheus could not be asked or answered with an error; the message says which and what to try."""
+
+
+@dataclass(frozen=True)
+class LiveData:
+    hit_rate: pd.DataFrame  # time, value, series
+    load_latency: pd.DataFrame  # time, value (seconds), series ("p50", "p95", "p99")
+    queries: dict[str, str]  # series -> PromQL, to show
+
+
+def step_seconds(range_s: float) -> int:
+    """Query resolution: about MAX_POINTS points, never finer than 15 s."""
+    return max(15, math.ceil(range_s / MAX_POINTS))
+
+
+def rate_window(step_s: int) -> str:
+    """rate() window: four steps, at least a minute, so each window holds several scrapes."""
+    return f"{max(60, 4 * step_s)}s"
+
+
+def fetch_live(base_url: str, range_s: float, now: float, *, timeout: float = 5.0,
+               session: requests.Session | None = None) -> LiveData:
+    """Hit rate and request load latency quantiles over the last `range_s` seconds before `now`."""
+    step = step_seconds(range_s)
+    window = rate_window(step)
+    queries = {"hit rate": HIT_RATE_QUERY.format(window=window)}
+    for q in QUANTILES:
+        queries[f"p{round(q * 100)}"] = LOAD_QUANTILE_QUERY.format(q=q, window=window)
+    start, end = now - range_s, now
+    frames = {name: matrix_to_frame(query_range(base_url, query, start, end, step, timeout=timeout, session=session),
+                                    name)
+              for name, query in queries.items()}
+    latency = pd.concat([frames[f"p{round(q * 100)}"] for q in QUANTILES], ignore_index=True)
+    return LiveData(hit_rate=frames["hit rate"], load_latency=latency, queries=queries)
+
+
+def query_range(base_url: str, query: str, start: float, end: float, step: int, *, timeout: float = 5.0,
+                session: requests.Session | None = None) -> list[dict]:
+    """The `result` list of a range query (a matrix), or PrometheusError with a readable reason."""
+    base = base_url.strip().rstrip("/")
+    if not base.startswith(("http://", "https://")):
+        raise PrometheusError(f"{base_url!r} is not an HTTP URL: enter one like http://localhost:9090")
+    url = f"{base}/api/v1/query_range"
+    params = {"query": query, "start": f"{start:.3f}", "end": f"{end:.3f}", "step": str(step)}
+    try:
+        response = (session or requests).get(url, params=params, timeout=timeout)
+    except requests.RequestException as exc:
+        raise PrometheusError(
+            f"Could not reach Prometheus at {base}: {_reason(exc)}. Check the URL and that Prometheus is "
+            "running and reachable from the machine that runs this dashboard."
+        ) from exc
+    try:
+        body = response.json()
+    except ValueError:
+        body = None
+    if not isinstance(body, dict):
+        raise PrometheusError(
+            f"{url} answered HTTP {response.status_code} without a Prometheus API response: is {base} a "
+            "Prometheus server (not vLLM's /metrics endpoint)?"
+        )
+    if response.status_code != 200 or body.get("status") != "success":
+        raise PrometheusError(
+            f"Prometheus at {base} rejected the query (HTTP {response.status_code}, "
+            f"{body.get('errorType', 'error')}): {body.get('error', 'no reason given')}"
+        )
+    data = body.get("data") or {}
+    if data.get("resultType") != "matrix":
+        raise PrometheusError(f"Prometheus at {base} answered a {data.get('resultType')!r}, not a matrix")
+    return list(data.get("result") or [])
+
+
+def _reason(exc: requests.RequestException) -> str:
+    if isinstance(exc, requests.Timeout):
+        return "no answer in time"
+    if isinstance(exc, requests.ConnectionError):
+        return "connection failed"
+    return type(exc).__name__
+
+
+def matrix_to_frame(result: list[dict], name: str) -> pd.DataFrame:
+    """Long frame (time, value, series) of a matrix result; NaN/Inf samples (e.g. 0/0) are left out."""
+    rows = []
+    for i, series in enumerate(result):
+        label = name if len(result) == 1 else f"{name} {series.get('metric') or i}"
+        for ts, value in series.get("values") or ():
+            v = float(value)
+            if math.isfinite(v):
+                rows.append((float(ts), v, label))
+    frame = pd.DataFrame(rows, columns=["ts", "value", "series"])
+    frame["time"] = pd.to_datetime(frame["ts"], unit="s", utc=True)
+    return frame[["time", "value", "series"]]
+
+
+def latest(frame: pd.DataFrame, series: str) -> float:
+    """Last value of one series, NaN when it has none."""
+    part = frame[frame["series"] == series]
+    return float(part.sort_values("time")["value"].iloc[-1]) if len(part) else math.nan

@@ -1,0 +1,101 @@
+"""Overview: headline hit rate and load latency, then per KV group and the slowest loads."""
+
+import streamlit as st
+
+from dashboard import charts, data, formatting, traces, widgets
+
+loaded = data.current()
+st.title("Overview")
+widgets.read_problems(loaded.traces)
+loaded = data.require_requests()
+requests, spans = loaded.requests, loaded.spans
+numbers = traces.overview_numbers(requests, spans)
+
+st.caption(
+    f"{formatting.count(numbers['requests'])} requests over {numbers['duration_s']:.1f} s, "
+    f"from {len(loaded.traces.files)} file(s)."
+)
+row = st.columns(5)
+row[0].metric("Requests", formatting.count(numbers["requests"]))
+row[1].metric("Token hit rate", formatting.percent(numbers["hit_rate"]), help=traces.HIT_RATE_DEFINITION)
+row[2].metric("Requests with a hit", formatting.count(numbers["requests_with_hit"]))
+row[3].metric("Tokens hit", formatting.count(numbers["tokens_hit"]))
+row[4].metric("Tokens queried", formatting.count(numbers["tokens_queried"]))
+row = st.columns(5)
+row[0].metric("Load time p50", formatting.millis(numbers["load_p50_ms"]), help=traces.LOAD_TIME_DEFINITION)
+row[1].metric("Load time p95", formatting.millis(numbers["load_p95_ms"]), help=traces.LOAD_TIME_DEFINITION)
+row[2].metric("Load time p99", formatting.millis(numbers["load_p99_ms"]), help=traces.LOAD_TIME_DEFINITION)
+row[3].metric("Loaded from host", formatting.data_size(numbers["bytes_loaded"]), help="Σ copy.bytes of load copies")
+row[4].metric("Stored to host", formatting.data_size(numbers["bytes_stored"]), help="Σ copy.bytes of store copies")
+
+st.subheader("Hit rate over time")
+over_time = traces.hit_rate_over_time(requests)
+bucket_s = traces.pick_bucket_seconds(float(requests["t_s"].max()))
+st.altair_chart(charts.hit_rate_over_time(over_time, bucket_s), width="stretch")
+
+st.subheader("KV groups")
+st.caption(traces.GROUP_HIT_RATE_DEFINITION)
+st.dataframe(
+    traces.group_summary(spans, requests),
+    hide_index=True,
+    width="stretch",
+    placeholder="–",
+    column_order=["group", "hit_rate", "scans", "blocks_scanned", "blocks_null_skipped", "null_skip_share",
+                  "blocks_loaded", "bytes_loaded", "load_gb_per_s", "bytes_stored", "store_gb_per_s"],
+    column_config={
+        "group": "group",
+        "hit_rate": st.column_config.NumberColumn("hit rate", format="percent"),
+        "scans": st.column_config.NumberColumn("loads"),
+        "blocks_scanned": st.column_config.NumberColumn("blocks scanned"),
+        "blocks_null_skipped": st.column_config.NumberColumn("null skipped"),
+        "null_skip_share": st.column_config.NumberColumn("null-skip share", format="percent"),
+        "blocks_loaded": st.column_config.NumberColumn("blocks loaded"),
+        "bytes_loaded": st.column_config.NumberColumn("loaded", format="bytes"),
+        "load_gb_per_s": st.column_config.NumberColumn("load GB/s", format="%.2f"),
+        "bytes_stored": st.column_config.NumberColumn("stored", format="bytes"),
+        "store_gb_per_s": st.column_config.NumberColumn("store GB/s", format="%.2f"),
+    },
+)
+
+left, right = st.columns(2)
+with left:
+    st.subheader("Load latency")
+    st.altair_chart(charts.latency_distribution(traces.load_latency_distribution(spans, requests)), width="stretch")
+    st.dataframe(
+        traces.load_latency_quantiles(spans, requests),
+        hide_index=True,
+        width="stretch",
+        placeholder="–",
+        column_order=["scope", "count", "p50_ms", "p95_ms", "p99_ms", "max_ms"],
+        column_config={col: st.column_config.NumberColumn(col.replace("_ms", " (ms)"), format="%.3f")
+                       for col in ("p50_ms", "p95_ms", "p99_ms", "max_ms")},
+    )
+with right:
+    st.subheader("Copy throughput")
+    throughput = traces.copy_throughput(spans)
+    if throughput.empty:
+        st.info("No kvscope.group.copy spans in these traces.")
+    else:
+        st.altair_chart(charts.copy_throughput(throughput), width="stretch")
+
+st.subheader("Slowest loads")
+st.dataframe(
+    traces.top_slow_loads(requests, 10),
+    hide_index=True,
+    placeholder="–",
+    width="stretch",
+    column_config={
+        "request_id": "request",
+        "t_s": st.column_config.NumberColumn("arrival (s)", format="%.3f"),
+        "load_ms": st.column_config.NumberColumn("load time (ms)", format="%.3f"),
+        "tokens_external": st.column_config.NumberColumn("tokens loaded"),
+        "bytes_loaded": st.column_config.NumberColumn("bytes loaded", format="bytes"),
+        "trace_id": "trace",
+    },
+)
+
+with st.expander("Definitions"):
+    for text in (traces.HIT_RATE_DEFINITION, traces.LOAD_TIME_DEFINITION, traces.GROUP_HIT_RATE_DEFINITION,
+                 "Copy throughput: Σ copy.bytes / Σ copy span duration per group and direction (1 GB = 1e9 bytes).",
+                 "Null-skip share: Σ group.blocks.null_skipped / Σ group.blocks.total over a group's scans."):
+        st.markdown(f"- {text}")

@@ -1,0 +1,54 @@
+"""UI pieces more than one page shows."""
+
+from __future__ import annotations
+
+import pandas as pd
+import streamlit as st
+
+from dashboard import charts, formatting, traces
+
+WATERFALL_TABLE_COLUMNS = {
+    "row": st.column_config.TextColumn("span"),
+    "start_ms": st.column_config.NumberColumn("start (ms)", format="%.3f"),
+    "duration_ms": st.column_config.NumberColumn("duration (ms)", format="%.3f"),
+    "status_code": st.column_config.NumberColumn("status", help="OTLP status code: 0 unset, 1 ok, 2 error"),
+    "span_id": st.column_config.TextColumn("span id"),
+    "attributes": st.column_config.TextColumn("attributes", width="large"),
+}
+
+
+def read_problems(read: traces.Traces) -> None:
+    """A warning with the lines the reader skipped, by file and line number."""
+    if not read.problems:
+        return
+    spans = sum(p.spans for p in read.problems)
+    lines = sum(1 for p in read.problems if p.line)
+    st.warning(
+        f"{len(read.problems)} problem(s) while reading the trace files ({lines} line(s), "
+        f"{spans} kvscope span(s) skipped): {traces.problem_lines(read.problems)}. Everything else is shown.",
+        icon=":material/warning:",
+    )
+    with st.expander("Skipped lines and spans"):
+        st.dataframe(traces.problems_frame(read.problems), hide_index=True, width="stretch",
+                     column_config={"reason": st.column_config.TextColumn("reason", width="large")})
+
+
+def request_waterfall(spans: pd.DataFrame, requests: pd.DataFrame, request_id: str, *, key: str) -> None:
+    """One request's spans on a shared time axis, then the same spans as a table with attributes."""
+    rows = traces.waterfall_rows(spans, requests, request_id)
+    if rows.empty:
+        st.info(f"No kvscope spans for request {request_id}.")
+        return
+    st.altair_chart(charts.waterfall(rows), width="stretch", key=f"{key}_chart")
+    st.dataframe(rows[list(WATERFALL_TABLE_COLUMNS)], column_config=WATERFALL_TABLE_COLUMNS, hide_index=True,
+                 width="stretch", placeholder="–", key=f"{key}_table")
+
+
+def request_numbers(request: pd.Series) -> None:
+    """The headline numbers of one request."""
+    cols = st.columns(4)
+    cols[0].metric("Tokens hit / queried", f"{formatting.count(request['tokens_hit'])} / "
+                   f"{formatting.count(request['tokens_queried'])}")
+    cols[1].metric("Request hit rate", formatting.percent(request["hit_rate"]))
+    cols[2].metric("Load time", formatting.millis(request["load_ms"]), help=traces.LOAD_TIME_DEFINITION)
+    cols[3].metric("Loaded from host", formatting.data_size(request["bytes_loaded"]))

@@ -1,0 +1,113 @@
+"""The dashboard in a real browser: `streamlit run` headless, every page opened in headless Chromium.
+
+Writes one screenshot per page to $KVSCOPE_SCREENSHOT_DIR, else to a pytest temporary directory,
+and prints where. Needs chromium and chromedriver (`.ci/install-browser.sh`).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from .browser import chromium, find_browser, page_errors, streamlit_server, wait_rendered
+from .conftest import MALFORMED, TWO_ROUNDS
+
+pytestmark = [
+    pytest.mark.browser,
+    pytest.mark.skipif(find_browser() is None,
+                       reason="chromium or chromedriver not found on PATH (run .ci/install-browser.sh)"),
+]
+
+# Replay first: a deep link as the first request of a fresh server (Streamlit runs a page file directly
+# there when the entry script has a sibling folder named pages/, so ours is named views/).
+PAGES = [("replay", "Replay"), ("", "Overview"), ("requests", "Requests"), ("live", "Live")]
+
+
+@pytest.fixture(scope="module")
+def screenshot_dir(tmp_path_factory) -> Path:
+    path = Path(os.environ.get("KVSCOPE_SCREENSHOT_DIR") or tmp_path_factory.mktemp("dashboard-screenshots"))
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def metric_value(driver, label: str) -> str:
+    from selenium.webdriver.common.by import By
+
+    for metric in driver.find_elements(By.CSS_SELECTOR, '[data-testid="stMetric"]'):
+        if metric.find_element(By.CSS_SELECTOR, '[data-testid="stMetricLabel"]').text.strip() == label:
+            return metric.find_element(By.CSS_SELECTOR, '[data-testid="stMetricValue"]').text.strip()
+    raise AssertionError(f"no metric {label!r}")
+
+
+def wait_for(driver, condition, timeout: float = 30):
+    """Wait until `condition(driver)` holds; elements replaced by a rerun meanwhile are retried."""
+    from selenium.common.exceptions import NoSuchElementException, StaleElementReferenceException
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    ignored = (StaleElementReferenceException, NoSuchElementException, AssertionError)
+    return WebDriverWait(driver, timeout, ignored_exceptions=ignored).until(lambda d: condition(d))
+
+
+def test_every_page_renders_without_errors(fake_prometheus, screenshot_dir, capsys, expected):
+    from selenium.webdriver.common.action_chains import ActionChains
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+
+    shots = []
+    with streamlit_server([str(TWO_ROUNDS)], env={"KVSCOPE_PROMETHEUS_URL": fake_prometheus}) as base, \
+            chromium() as driver:
+        for path, title in PAGES:
+            driver.get(f"{base}/{path}")
+            wait_rendered(driver, title)
+            assert page_errors(driver) == [], title
+            shots.append(screenshot_dir / f"{title.lower()}.png")
+            driver.save_screenshot(str(shots[-1]))
+
+        driver.get(base)
+        wait_rendered(driver, "Overview")
+        assert metric_value(driver, "Requests") == "20"
+        assert metric_value(driver, "Token hit rate") == f"{expected.hit_rate * 100:.1f}%"
+
+        driver.get(f"{base}/requests")
+        wait_rendered(driver, "Requests")
+        search = driver.find_element(By.CSS_SELECTOR, 'input[aria-label="Search request or trace id"]')
+        search.send_keys("r2-06", Keys.ENTER)
+        wait_for(driver, lambda d: any("cmpl-r2-06" in h.text for h in d.find_elements(By.CSS_SELECTOR, "h3")))
+        wait_rendered(driver, "Requests")
+        assert metric_value(driver, "Load time") == f"{expected.load_ms['cmpl-r2-06']:.2f} ms"
+        shots.append(screenshot_dir / "requests-selected.png")
+        driver.save_screenshot(str(shots[-1]))
+
+        driver.get(f"{base}/replay")
+        wait_rendered(driver, "Replay")
+        step = next(b for b in driver.find_elements(By.TAG_NAME, "button") if b.text.strip().endswith("Step"))
+        for n in range(2, 5):
+            step.click()
+            wait_for(driver, lambda d, n=n: metric_value(d, "Request") == f"{n} of 20")
+        slider = driver.find_element(By.CSS_SELECTOR, 'input[type="range"][aria-label="Request (in arrival order)"]')
+        driver.execute_script("arguments[0].focus()", slider)  # the range input itself is visually hidden
+        ActionChains(driver).send_keys(Keys.END).perform()
+        wait_for(driver, lambda d: metric_value(d, "Request") == "20 of 20")
+        wait_rendered(driver, "Replay")
+        assert page_errors(driver) == []
+        assert metric_value(driver, "Cumulative token hit rate") == f"{expected.hit_rate * 100:.1f}%"
+        shots.append(screenshot_dir / "replay-last-step.png")
+        driver.save_screenshot(str(shots[-1]))
+
+        # Upload a Collector file with bad lines: its requests join, its problems are listed.
+        driver.get(base)
+        wait_rendered(driver, "Overview")
+        driver.find_element(By.CSS_SELECTOR, 'input[type="file"]').send_keys(str(MALFORMED))
+        wait_for(driver, lambda d: metric_value(d, "Requests") == "23")
+        wait_rendered(driver, "Overview")
+        warning = driver.find_element(By.CSS_SELECTOR, '[data-testid="stAlertContentWarning"]').text
+        assert "6 problem(s)" in warning
+        assert page_errors(driver) == []
+        shots.append(screenshot_dir / "overview-with-upload.png")
+        driver.save_screenshot(str(shots[-1]))
+
+    with capsys.disabled():
+        print(f"\ndashboard screenshots: {screenshot_dir}")
+    assert all(p.stat().st_size > 10_000 for p in shots)

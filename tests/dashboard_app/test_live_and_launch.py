@@ -1,0 +1,96 @@
+"""The Prometheus client, the trace-path sources, number formatting and the launcher."""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+from dashboard import formatting, launch, prometheus, sources
+
+from . import conftest
+from .conftest import TWO_ROUNDS
+
+
+def test_fetch_live_queries_hit_rate_and_load_quantiles(fake_prometheus):
+    conftest._PrometheusHandler.queries.clear()
+    live = prometheus.fetch_live(fake_prometheus, 3600, now=1_700_000_000)
+    assert live.hit_rate["value"].tolist() == [0.25, 0.5, 0.75]  # NaN (0/0) left out
+    assert prometheus.latest(live.hit_rate, "hit rate") == 0.75
+    assert sorted(set(live.load_latency["series"])) == ["p50", "p95", "p99"]
+    assert prometheus.latest(live.load_latency, "p95") == 0.004
+    asked = conftest._PrometheusHandler.queries
+    assert asked[0] == "sum(rate(kvscope_hit_tokens_total[60s])) / sum(rate(kvscope_lookup_tokens_total[60s]))"
+    assert asked[1] == ("histogram_quantile(0.5, sum by (le) "
+                        "(rate(kvscope_request_load_duration_seconds_bucket[60s])))")
+
+
+def test_errors_say_what_went_wrong(fake_prometheus, closed_port_url):
+    with pytest.raises(prometheus.PrometheusError, match="Could not reach Prometheus .* connection failed"):
+        prometheus.query_range(closed_port_url, "up", 0, 60, 15)
+    with pytest.raises(prometheus.PrometheusError, match="rejected the query .*bad_data.*unknown query"):
+        prometheus.query_range(fake_prometheus, "up", 0, 60, 15)
+    with pytest.raises(prometheus.PrometheusError, match="not an HTTP URL"):
+        prometheus.query_range("localhost:9090", "up", 0, 60, 15)
+
+
+def test_step_and_window():
+    assert prometheus.step_seconds(900) == 15 and prometheus.step_seconds(86400) == 360
+    assert prometheus.rate_window(15) == "60s" and prometheus.rate_window(360) == "1440s"
+    assert prometheus.latest(prometheus.matrix_to_frame([], "x"), "x") != prometheus.latest(
+        prometheus.matrix_to_frame([], "x"), "x")  # NaN
+
+
+def test_trace_paths_from_arguments_then_environment(tmp_path):
+    (tmp_path / "a.jsonl").write_text("")
+    (tmp_path / "b.jsonl.gz").write_bytes(b"")
+    (tmp_path / "notes.txt").write_text("")
+    env = {"KVSCOPE_TRACE_FILES": " x.jsonl, ,y.jsonl "}
+    assert sources.trace_paths(["p.jsonl"], env) == ["p.jsonl"]
+    assert sources.trace_paths([], env) == ["x.jsonl", "y.jsonl"]
+    assert sources.trace_paths([], {}) == []
+    assert sources.trace_paths([str(tmp_path)], {}) == [str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl.gz")]
+    assert sources.file_key(str(tmp_path / "missing")) == (str(tmp_path / "missing"), -1, -1)
+    assert sources.file_key(str(TWO_ROUNDS))[2] == TWO_ROUNDS.stat().st_size
+
+
+def test_formatting():
+    assert formatting.percent(0.48051) == "48.1%" and formatting.percent(math.nan) == "–"
+    assert formatting.millis(1.914) == "1.91 ms" and formatting.millis(None) == "–"
+    assert formatting.data_size(169869312) == "170 MB" and formatting.data_size(999) == "999 B"
+    assert formatting.data_size(1.5e12) == "1.5 TB" and formatting.count(3968) == "3,968"
+
+
+def test_launch_runs_streamlit_on_the_app_with_the_paths(monkeypatch):
+    started = []
+
+    class FakePopen:
+        def __init__(self, cmd):
+            started.append(cmd)
+
+        def wait(self):
+            return 0
+
+    monkeypatch.setattr(launch.subprocess, "Popen", FakePopen)
+    assert launch.main([str(TWO_ROUNDS)], ["--server.port", "8599"]) == 0
+    cmd = started[0]
+    assert cmd[:4] == [sys.executable, "-m", "streamlit", "run"]
+    assert Path(cmd[4]) == conftest.APP
+    assert cmd[cmd.index("--server.port") + 1] == "8599"
+    assert cmd[cmd.index("--") + 1:] == [str(TWO_ROUNDS)]
+
+
+def test_launch_refuses_missing_paths(capsys):
+    assert launch.main(["/no/such/trace.jsonl"]) == 2
+    assert "no such trace file" in capsys.readouterr().err
+
+
+def test_committed_fixture_is_what_make_fixture_writes(tmp_path, monkeypatch):
+    """tests/fixtures/traces/two_rounds.jsonl is current: regenerate it with make_fixture.py after changes."""
+    monkeypatch.syspath_prepend(str(conftest.FIXTURES))
+    import make_fixture
+    out = tmp_path / "two_rounds.jsonl"
+    make_fixture.generate(out)
+    assert out.read_text() == TWO_ROUNDS.read_text()

@@ -1,0 +1,315 @@
+"""Reading trace files into the span frame: both decoders, bad input, the Collector's format."""
+
+from __future__ import annotations
+
+import base64
+import gzip
+import json
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from dashboard import otlp_arrow, traces
+
+from .conftest import MALFORMED, TWO_ROUNDS, raw_spans
+
+
+@pytest.fixture(params=["arrow", "lines"])
+def decoder(request, monkeypatch) -> str:
+    """Run a test with the Arrow decoder allowed (default) and with the line-by-line one only."""
+    if request.param == "lines":
+        monkeypatch.setattr(otlp_arrow, "decode", lambda *args: None)
+    return request.param
+
+
+def span(name: str, attrs: dict, *, trace: str = "ab" * 16, span_id: str = "cd" * 8, parent: str = "",
+         start: int = 1_700_000_000_000_000_000, end: int | None = None) -> dict:
+    def value(v):
+        if isinstance(v, bool):
+            return {"boolValue": v}
+        if isinstance(v, int):
+            return {"intValue": str(v)}
+        if isinstance(v, float):
+            return {"doubleValue": v}
+        return {"stringValue": v}
+
+    return {"traceId": trace, "spanId": span_id, "parentSpanId": parent, "name": name, "kind": 1,
+            "startTimeUnixNano": str(start), "endTimeUnixNano": str(end or start + 1000),
+            "attributes": [{"key": k, "value": value(v)} for k, v in attrs.items()], "status": {}}
+
+
+def line(*spans: dict, scope: str = "kvscope", version: str = "0.1.0") -> str:
+    return json.dumps({"resourceSpans": [{"resource": {"attributes": []}, "scopeSpans": [
+        {"scope": {"name": scope, "version": version}, "spans": list(spans)}]}]})
+
+
+def lookup(rid: str = "r1", queried: int = 100, hit: int = 64, **kw) -> dict:
+    return span("kvscope.lookup", {"kvscope.request.id": rid, "kvscope.tokens.queried": queried,
+                                   "kvscope.tokens.hit": hit}, **kw)
+
+
+def write(tmp_path: Path, *lines: str, name: str = "t.jsonl") -> Path:
+    path = tmp_path / name
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_two_rounds_fixture_loads_every_kvscope_span(decoder):
+    read = traces.read_trace_files([TWO_ROUNDS])
+    raw = raw_spans(TWO_ROUNDS)
+    assert read.problems == []
+    assert len(read.spans) == len(raw)
+    assert read.other_spans == 10  # the vLLM request spans of half the requests
+    assert sorted(read.spans["span_id"]) == sorted(s["span"] for s in raw)
+    by_id = read.spans.set_index("span_id")
+    for s in raw:
+        row = by_id.loc[s["span"]]
+        assert row["name"] == s["name"]
+        assert (row["start_ns"], row["end_ns"]) == (s["start"], s["end"])
+        if "copy.bytes" in s:
+            assert row["copy_bytes"] == s["copy.bytes"] and row["copy_direction"] == s["copy.direction"]
+        if "tokens.hit" in s:
+            assert row["tokens_hit"] == s["tokens.hit"] and row["request_id"] == s["request.id"]
+
+
+def test_arrow_and_line_decoders_agree_on_clean_files(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "bench"))
+    from dashboard_bench import write_trace
+
+    synthetic = tmp_path / "synthetic.jsonl"
+    write_trace(synthetic, 3000, seed=3)
+    for path in (TWO_ROUNDS, synthetic):
+        data = path.read_bytes()
+        lines = data.split(b"\n")
+        fast = otlp_arrow.decode(data, str(path), lines)
+        assert fast is not None, "the Arrow decoder declined a clean file"
+        slow = traces.decode_lines(str(path), lines)
+        fast_frame, fast_problems = traces._validated_frame(fast, str(path))
+        slow_frame, slow_problems = traces._validated_frame(slow, str(path))
+        pd.testing.assert_frame_equal(fast_frame.reset_index(drop=True), slow_frame.reset_index(drop=True))
+        assert fast_problems == slow_problems == []
+        assert (fast.other_spans, fast.lines) == (slow.other_spans, slow.lines)
+
+
+def test_collector_file_with_malformed_lines_reports_each_with_its_line_number(decoder):
+    read = traces.read_trace_files([MALFORMED])
+    got = {(p.line, p.spans): p.reason for p in read.problems}
+    assert set(got) == {(3, 0), (4, 0), (5, 0), (6, 1), (7, 1), (10, 0)}
+    assert got[(3, 0)].startswith("not JSON")
+    assert "JSON object" in got[(4, 0)]
+    assert "resourceMetrics" in got[(5, 0)]
+    assert got[(6, 1)] == "kvscope.load span lacks kvscope.tokens.external"
+    assert "'9.0.0' is not supported" in got[(7, 1)]
+    assert got[(10, 0)].startswith("not JSON")  # a line cut short by a crash
+    assert all(p.file == str(MALFORMED) for p in read.problems)
+    # The rest loads: c1 (lookup, load, 2 scans, 2 copies), c2's lookup, c4's lookup; the vLLM span is left out.
+    assert len(read.spans) == 8 and read.other_spans == 1 and read.lines == 9
+    assert sorted(read.spans["request_id"].dropna()) == ["c1", "c1", "c2", "c4"]
+    c4 = read.spans[read.spans["request_id"] == "c4"].iloc[0]
+    assert c4["attributes"] == {"kvscope.lookup.cached": False} and c4["status_code"] == 1
+    # intValue as a JSON number (line 1) reads like the decimal string form.
+    c1 = read.spans[(read.spans["request_id"] == "c1") & (read.spans["name"] == traces.LOOKUP)].iloc[0]
+    assert (c1["tokens_queried"], c1["tokens_hit"]) == (300, 288)
+
+
+def test_empty_file_gives_empty_frames(tmp_path, decoder):
+    path = tmp_path / "empty.jsonl"
+    path.write_text("")
+    read = traces.read_trace_files([path])
+    assert read.empty and read.problems == [] and read.files == [str(path)]
+    assert list(read.spans.columns) == list(traces.SPAN_COLUMNS)
+    requests = traces.requests_table(read.spans)
+    assert requests.empty and list(requests.columns) == list(traces.REQUEST_COLUMNS)
+    assert traces.replay_timeline(requests, read.spans).empty
+    assert traces.hit_rate_over_time(requests).empty
+    assert traces.group_summary(read.spans, requests).empty
+    assert traces.copy_throughput(read.spans).empty
+
+
+def test_blank_lines_only_and_no_files():
+    assert traces.read_trace_files([traces.TraceSource("blank", b"\n  \n\n")]).empty
+    assert traces.read_trace_files([]).empty
+
+
+def test_missing_file_is_a_problem_not_an_error(tmp_path):
+    read = traces.read_trace_files([tmp_path / "nope.jsonl", TWO_ROUNDS])
+    assert read.problems[0].file == str(tmp_path / "nope.jsonl") and read.problems[0].line == 0
+    assert "cannot read file" in read.problems[0].reason
+    assert len(read.spans) == len(raw_spans(TWO_ROUNDS))
+
+
+@pytest.mark.parametrize(
+    ("bad", "reason"),
+    [
+        (span("kvscope.lookup", {"kvscope.request.id": "r9", "kvscope.tokens.hit": 3}), "lacks kvscope.tokens.queried"),
+        (span("kvscope.group.scan", {"kvscope.group.index": 0, "kvscope.group.kind": "sliding_window"}),
+         "lacks kvscope.group.blocks.total"),
+        (span("kvscope.group.copy", {"kvscope.group.index": 0, "kvscope.group.kind": "full_attention",
+                                     "kvscope.copy.direction": "sideways", "kvscope.copy.blocks": 1,
+                                     "kvscope.copy.bytes": 10}), "copy.direction is not one of load, store"),
+        (span("kvscope.store", {"kvscope.request.id": "r9", "kvscope.groups": 2, "kvscope.blocks": 1.5}),
+         "kvscope.blocks is not an integer"),
+        (lookup(trace="xyz"), "invalid trace id"),
+    ],
+)
+def test_span_breaking_the_contract_is_skipped_and_reported(tmp_path, decoder, bad, reason):
+    good = lookup("r1", span_id="11" * 8)
+    bad["spanId"] = "22" * 8
+    path = write(tmp_path, line(good), line(bad))
+    read = traces.read_trace_files([path])
+    assert list(read.spans["span_id"]) == ["11" * 8]
+    assert len(read.problems) == 1
+    assert read.problems[0].line == 2 and read.problems[0].spans == 1 and reason in read.problems[0].reason
+
+
+def test_span_without_ids_or_times_is_reported(tmp_path, decoder):
+    no_trace = lookup()
+    del no_trace["traceId"]
+    bad_time = lookup(span_id="33" * 8)
+    bad_time["startTimeUnixNano"] = "soon"
+    read = traces.read_trace_files([write(tmp_path, line(no_trace), line(bad_time), line(lookup(span_id="44" * 8)))])
+    assert [p.line for p in read.problems] == [1, 2]
+    assert "without traceId" in read.problems[0].reason
+    assert "malformed kvscope.lookup" in read.problems[1].reason
+    assert list(read.spans["span_id"]) == ["44" * 8]
+
+
+def test_unknown_scope_version_skips_only_that_scope(tmp_path, decoder):
+    path = write(tmp_path, line(lookup("old"), version="0.0.9"), line(lookup("new", span_id="55" * 8), version="0.1.7"))
+    read = traces.read_trace_files([path])
+    assert list(read.spans["request_id"]) == ["new"]
+    assert [(p.line, p.spans) for p in read.problems] == [(1, 1)]
+    assert "'0.0.9'" in read.problems[0].reason
+
+
+def test_spans_of_other_scopes_are_left_out_silently(tmp_path, decoder):
+    foreign = span("llm_request", {"gen_ai.request.id": "r1"}, span_id="66" * 8)
+    path = write(tmp_path, line(foreign, scope="vllm.llm_engine", version="1.0"), line(lookup()))
+    read = traces.read_trace_files([path])
+    assert read.problems == [] and read.other_spans == 1 and list(read.spans["request_id"]) == ["r1"]
+
+
+def test_base64_ids_and_numeric_int_values_are_accepted(tmp_path, decoder):
+    s = lookup()
+    s["traceId"] = base64.b64encode(bytes.fromhex("0a" * 16)).decode()
+    s["spanId"] = base64.b64encode(bytes.fromhex("0b" * 8)).decode()
+    s["attributes"][1]["value"] = {"intValue": 100}  # a JSON number, not a string
+    read = traces.read_trace_files([write(tmp_path, line(s))])
+    assert read.problems == []
+    row = read.spans.iloc[0]
+    assert (row["trace_id"], row["span_id"], row["tokens_queried"]) == ("0a" * 16, "0b" * 8, 100)
+
+
+def test_duplicate_spans_are_dropped_once_reported(tmp_path):
+    path = write(tmp_path, line(lookup()))
+    read = traces.read_trace_files([path, path])
+    assert len(read.spans) == 1
+    assert [(p.line, p.spans) for p in read.problems] == [(1, 1)]
+    assert "duplicate" in read.problems[0].reason
+
+
+def test_reused_ids_keep_both_spans_and_are_reported(tmp_path):
+    # Python's random seeded alike in two runs gives both runs the same trace and span ids.
+    first = write(tmp_path, line(lookup("run1", start=1_700_000_000_000_000_000)), name="run1.jsonl")
+    second = write(tmp_path, line(lookup("run2", start=1_700_000_999_000_000_000)), name="run2.jsonl")
+    read = traces.read_trace_files([first, second])
+    assert sorted(read.spans["request_id"]) == ["run1", "run2"]
+    assert [(Path(p.file).name, p.line, p.spans) for p in read.problems] == [("run1.jsonl", 1, 0), ("run2.jsonl", 1, 0)]
+    assert "also used by a different span" in read.problems[0].reason
+    assert read.problems[0].reason.endswith("(1 span(s), kept)")
+
+
+def test_gzip_files_and_uploaded_bytes(tmp_path):
+    data = TWO_ROUNDS.read_bytes()
+    gz = tmp_path / "t.jsonl.gz"
+    gz.write_bytes(gzip.compress(data))
+    from_gz = traces.read_trace_files([gz])
+    from_bytes = traces.read_trace_files([traces.TraceSource("upload: t.jsonl", data)])
+    assert len(from_gz.spans) == len(from_bytes.spans) == len(raw_spans(TWO_ROUNDS))
+    assert set(from_bytes.spans["source_file"]) == {"upload: t.jsonl"}
+
+
+def test_problem_lines_summary():
+    problems = [traces.Problem("/x/a.jsonl", n, "bad") for n in range(1, 12)] + [traces.Problem("b.jsonl", 0, "gone")]
+    assert traces.problem_lines(problems) == "a.jsonl lines 1, 2, 3, 4, 5, 6, 7, 8 and 3 more; b.jsonl (whole file)"
+    assert traces.problem_lines([traces.Problem("upload: c.jsonl", 4, "x")]) == "upload: c.jsonl line 4"
+
+
+def test_problems_frame_is_sorted_by_file_and_line():
+    problems = [traces.Problem("b", 2, "x"), traces.Problem("a", 9, "y"), traces.Problem("a", 1, "z")]
+    frame = traces.problems_frame(problems)
+    assert list(zip(frame["file"], frame["line"])) == [("a", 1), ("a", 9), ("b", 2)]
+
+
+def test_connector_trace_file_sink_is_readable(tmp_path):
+    """The connector's own exporter and this reader agree on the format (contract §4)."""
+    trace_file = pytest.importorskip("connector.telemetry.trace_file")
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.trace import set_span_in_context
+
+    path = tmp_path / "sink.jsonl"
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(trace_file.OtlpJsonLinesExporter(path)))
+    tracer = provider.get_tracer("kvscope", "0.1.0")
+    with tracer.start_as_current_span("kvscope.lookup") as s:
+        s.set_attributes({"kvscope.request.id": "x", "kvscope.tokens.queried": 32, "kvscope.tokens.hit": 16})
+    load = tracer.start_span("kvscope.load", attributes={"kvscope.request.id": "x", "kvscope.tokens.local": 0,
+                                                          "kvscope.tokens.external": 16, "kvscope.groups": 1})
+    tracer.start_span("kvscope.group.copy", context=set_span_in_context(load), attributes={
+        "kvscope.group.index": 0, "kvscope.group.kind": "mamba", "kvscope.copy.direction": "load",
+        "kvscope.copy.blocks": 1, "kvscope.copy.bytes": 4096}).end()
+    load.end()
+    provider.shutdown()
+    read = traces.read_trace_files([path])
+    assert read.problems == [] and len(read.spans) == 3
+    requests = traces.requests_table(read.spans)
+    assert requests.loc[0, "bytes_loaded"] == 4096 and requests.loc[0, "load_ms"] > 0
+
+
+def _mutate(doc: dict, rng) -> None:
+    """One random contract-relevant change to a parsed trace line."""
+    spans = [s for rs in doc["resourceSpans"] for ss in rs["scopeSpans"] for s in ss["spans"]]
+    target = rng.choice(spans)
+    choice = rng.randrange(9)
+    if choice == 0 and target["attributes"]:
+        target["attributes"].pop(rng.randrange(len(target["attributes"])))
+    elif choice == 1:
+        target["attributes"].append({"key": "extra.flag", "value": {"boolValue": True}})
+    elif choice == 2:
+        target.pop("parentSpanId", None)
+    elif choice == 3:
+        doc["resourceSpans"][0]["scopeSpans"][0]["scope"]["version"] = "2.0.0"
+    elif choice == 4:
+        target["attributes"].append({"key": "kvscope.group.kind", "value": {"stringValue": "cross_attention"}})
+    elif choice == 5:
+        target["status"] = {"code": 2, "message": "copy failed"}
+    elif choice == 6:
+        target["name"] = "vllm.other"
+    elif choice == 7:
+        target["attributes"].append({"key": "kvscope.tokens.hit", "value": {"doubleValue": 1.5}})
+    else:
+        target["spanId"] = "zz" + target["spanId"][2:]
+
+
+def test_decoders_agree_on_mutated_files(tmp_path, monkeypatch):
+    """Where the Arrow decoder accepts a file, it reads it exactly like the line-by-line decoder."""
+    import random
+
+    rng = random.Random(11)
+    lines = TWO_ROUNDS.read_text().splitlines()
+    accepted = 0
+    for case in range(25):
+        docs = [json.loads(text) for text in lines]
+        for _ in range(rng.randrange(1, 4)):
+            _mutate(rng.choice(docs), rng)
+        path = write(tmp_path, *(json.dumps(d) for d in docs), name=f"case{case}.jsonl")
+        fast = traces.read_trace_files([path])
+        accepted += otlp_arrow.decode(path.read_bytes(), str(path), path.read_bytes().split(b"\n")) is not None
+        with monkeypatch.context() as m:
+            m.setattr(otlp_arrow, "decode", lambda *args: None)
+            slow = traces.read_trace_files([path])
+        pd.testing.assert_frame_equal(fast.spans, slow.spans)
+        assert fast.problems == slow.problems and fast.other_spans == slow.other_spans
+    assert accepted >= 15  # the mutations keep most files in the Arrow decoder's shape

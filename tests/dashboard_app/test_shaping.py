@@ -1,0 +1,209 @@
+"""Shaping: every table the pages show, checked against numbers computed from the raw JSON."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from dashboard import traces
+
+from .conftest import MALFORMED, TWO_ROUNDS
+from .test_reader import line, lookup, span, write
+
+
+@pytest.fixture(scope="module")
+def read() -> traces.Traces:
+    return traces.read_trace_files([TWO_ROUNDS])
+
+
+@pytest.fixture(scope="module")
+def requests(read) -> pd.DataFrame:
+    return traces.requests_table(read.spans)
+
+
+def test_requests_table(read, requests, expected):
+    assert list(requests["request_id"]) == [s["request.id"] for s in expected.lookups]  # arrival order
+    assert requests["arrival_ns"].is_monotonic_increasing
+    assert requests["t_s"].iloc[0] == 0
+    for lk in expected.lookups:
+        row = requests.set_index("request_id").loc[lk["request.id"]]
+        assert (row["tokens_queried"], row["tokens_hit"], row["trace_id"]) == (
+            lk["tokens.queried"], lk["tokens.hit"], lk["trace"])
+        load = expected.loads.get(lk["request.id"])
+        if load is None:  # a miss: no load span
+            assert pd.isna(row["load_ms"]) and pd.isna(row["tokens_external"]) and pd.isna(row["bytes_loaded"])
+            continue
+        assert row["load_ms"] == pytest.approx(expected.load_ms[lk["request.id"]])
+        assert (row["tokens_local"], row["tokens_external"], row["groups"]) == (
+            load["tokens.local"], load["tokens.external"], load["groups"])
+        assert row["bytes_loaded"] == sum(c["copy.bytes"] for c in expected.copies
+                                          if c["trace"] == load["trace"] and c["copy.direction"] == "load")
+
+
+def test_bytes_stored_only_where_store_copies_join_the_request_trace(requests, expected):
+    # Odd requests' store copies are in their own trace: they count as traffic, not per request.
+    stored = requests.set_index("request_id")["bytes_stored"]
+    assert pd.isna(stored["cmpl-r1-01"]) and stored["cmpl-r1-00"] > 0
+    assert stored.sum() < expected.bytes["store"]
+
+
+def test_overall_hit_rate_and_numbers(read, requests, expected):
+    assert traces.hit_rate(requests) == pytest.approx(expected.hit_rate)
+    numbers = traces.overview_numbers(requests, read.spans)
+    assert numbers["requests"] == 20 and numbers["requests_with_hit"] == 10
+    assert [numbers["load_p50_ms"], numbers["load_p95_ms"], numbers["load_p99_ms"]] == pytest.approx(
+        list(expected.load_quantiles))
+    assert (numbers["bytes_loaded"], numbers["bytes_stored"]) == (expected.bytes["load"], expected.bytes["store"])
+
+
+def test_hit_rate_over_time(requests, expected):
+    frame = traces.hit_rate_over_time(requests, bucket_s=1.0)
+    # Round 1 (all misses) within the first second, round 2 (hits) about 2.4 s later.
+    assert list(frame["t_s"]) == [0.0, 2.0]
+    assert list(frame["requests"]) == [10, 10]
+    assert frame["hit_rate"].iloc[0] == 0
+    round2 = expected.lookups[10:]
+    assert frame["hit_rate"].iloc[1] == pytest.approx(
+        sum(s["tokens.hit"] for s in round2) / sum(s["tokens.queried"] for s in round2))
+    assert frame["tokens_queried"].sum() == sum(s["tokens.queried"] for s in expected.lookups)
+    auto = traces.hit_rate_over_time(requests)
+    assert len(auto) <= 60 and auto["requests"].sum() == 20
+
+
+@pytest.mark.parametrize(("duration", "width"), [(0, 0.001), (0.05, 0.001), (2.7, 0.05), (3600, 60), (1e9, 86400)])
+def test_bucket_width_is_round_and_bounded(duration, width):
+    assert traces.pick_bucket_seconds(duration) == width
+
+
+def test_null_skip_and_hit_rate_per_group(read, requests, expected):
+    skip = traces.null_skip_by_group(read.spans).set_index("group_index")
+    for g in (0, 1):
+        scans = [s for s in expected.scans if s["group.index"] == g]
+        assert skip.loc[g, "blocks_scanned"] == sum(s["group.blocks.total"] for s in scans)
+        assert skip.loc[g, "blocks_loaded"] == sum(s["group.blocks.pending"] for s in scans)
+        assert skip.loc[g, "null_skip_share"] == pytest.approx(
+            sum(s["group.blocks.null_skipped"] for s in scans) / sum(s["group.blocks.total"] for s in scans))
+    assert skip.loc[0, "group_kind"] == "sliding_window" and skip.loc[0, "null_skip_share"] > 0.5
+    assert skip.loc[1, "null_skip_share"] == 0
+    by_group = traces.hit_rate_by_group(read.spans, requests).set_index("group_index")
+    hits = [s for s in expected.lookups if s["request.id"] in expected.loads]
+    joint = sum(s["tokens.hit"] for s in hits) / sum(s["tokens.queried"] for s in hits)
+    assert list(by_group["hit_rate"]) == pytest.approx([joint, joint])
+
+
+def test_latency_quantiles_and_distribution(read, requests, expected):
+    q = traces.load_latency_quantiles(read.spans, requests)
+    assert q["scope"].tolist() == ["request load (all groups)", "copy g0 sliding_window", "copy g1 full_attention"]
+    assert q.iloc[0][["p50_ms", "p95_ms", "p99_ms"]].tolist() == pytest.approx(list(expected.load_quantiles))
+    for g, row in zip((0, 1), q.iloc[1:].itertuples()):
+        durations = [(c["end"] - c["start"]) / 1e6 for c in expected.copies
+                     if c["group.index"] == g and c["copy.direction"] == "load"]
+        assert [row.p50_ms, row.p95_ms, row.p99_ms] == pytest.approx(np.percentile(durations, [50, 95, 99]))
+        assert row.count == len(durations)
+    dist = traces.load_latency_distribution(read.spans, requests)
+    assert dist["series"].value_counts().to_dict() == {
+        "request load": 10, "copy g0 sliding_window": 10, "copy g1 full_attention": 10}
+
+
+def test_copy_throughput(read, expected):
+    tp = traces.copy_throughput(read.spans).set_index(["group_index", "direction"])
+    assert len(tp) == 4
+    for (g, d), row in tp.iterrows():
+        copies = [c for c in expected.copies if c["group.index"] == g and c["copy.direction"] == d]
+        seconds = sum(c["end"] - c["start"] for c in copies) / 1e9
+        assert row["gb_per_s"] == pytest.approx(sum(c["copy.bytes"] for c in copies) / seconds / 1e9)
+        assert row["copies"] == len(copies)
+    # The fixture copies at 6-12 GB/s, one slow load at 1.5 GB/s.
+    assert tp["p50_gb_per_s"].between(6, 12).all()
+
+
+def test_group_summary_joins_the_per_group_tables(read, requests):
+    summary = traces.group_summary(read.spans, requests)
+    assert summary["group"].tolist() == ["g0 sliding_window", "g1 full_attention"]
+    assert {"hit_rate", "null_skip_share", "p95_ms", "bytes_loaded", "load_gb_per_s", "bytes_stored",
+            "store_gb_per_s"} <= set(summary.columns)
+
+
+def test_top_slow_loads(requests, expected):
+    top = traces.top_slow_loads(requests, 3)
+    slowest = sorted(expected.load_ms.items(), key=lambda kv: -kv[1])[:3]
+    assert top["request_id"].tolist() == [rid for rid, _ in slowest]
+    assert top["request_id"].iloc[0] == "cmpl-r2-06"  # the fixture's slow copy
+
+
+def test_waterfall_of_a_hit(read, requests, expected):
+    rows = traces.waterfall_rows(read.spans, requests, "cmpl-r2-06")
+    assert rows["row"].tolist() == ["lookup", "load", "group.scan g0 sliding_window", "group.scan g1 full_attention",
+                                    "copy load g0 sliding_window rank 0", "copy load g1 full_attention rank 0"]
+    assert rows["start_ms"].iloc[0] == 0
+    load = expected.loads["cmpl-r2-06"]
+    lookup_start = next(s["start"] for s in expected.lookups if s["request.id"] == "cmpl-r2-06")
+    assert rows["end_ms"].max() == pytest.approx(expected.load_ms["cmpl-r2-06"] + (load["start"] - lookup_start) / 1e6)
+    assert rows["attributes"].iloc[2].startswith("blocks.total=34, blocks.null_skipped=26, blocks.pending=8, ")
+    assert rows["attributes"].iloc[4] == "blocks=8, bytes=10485760, worker.rank=0"
+    assert rows["attributes"].iloc[1] == "tokens.local=0, tokens.external=544, groups=2"
+
+
+def test_waterfall_of_a_miss_with_its_store(read, requests):
+    rows = traces.waterfall_rows(read.spans, requests, "cmpl-r1-00")
+    assert rows["row"].tolist() == ["lookup", "store", "copy store g0 sliding_window rank 0",
+                                    "copy store g1 full_attention rank 0"]
+    assert traces.waterfall_rows(read.spans, requests, "no-such-request").empty
+
+
+def test_waterfall_includes_extra_attributes():
+    read = traces.read_trace_files([MALFORMED])
+    requests = traces.requests_table(read.spans)
+    rows = traces.waterfall_rows(read.spans, requests, "c4")
+    assert rows["attributes"].iloc[0] == "tokens.queried=200, tokens.hit=0, kvscope.lookup.cached=False"
+
+
+def test_replay(read, requests, expected):
+    timeline = traces.replay_timeline(requests, read.spans)
+    assert timeline["step"].tolist() == list(range(1, 21))
+    for step in (1, 10, 11, 15, 20):
+        state = traces.replay_state(timeline, step)
+        assert state["request_id"] == expected.lookups[step - 1]["request.id"]
+        assert state["cum_hit_rate"] == pytest.approx(expected.cumulative_hit_rate(step))
+        cutoff = expected.lookups[step]["start"] if step < 20 else math.inf
+        for d, col in (("load", "cum_bytes_loaded"), ("store", "cum_bytes_stored")):
+            assert state[col] == sum(c["copy.bytes"] for c in expected.copies
+                                     if c["copy.direction"] == d and c["end"] <= cutoff)
+    assert traces.replay_state(timeline, 99)["step"] == 20 and traces.replay_state(timeline, -3)["step"] == 1
+    with pytest.raises(ValueError):
+        traces.replay_state(timeline.iloc[:0], 1)
+
+
+def test_search(requests):
+    assert traces.search_requests(requests, "R2-0").shape[0] == 10
+    assert traces.search_requests(requests, "", only_hits=True)["tokens_hit"].gt(0).all()
+    trace = requests["trace_id"].iloc[3]
+    assert traces.search_requests(requests, trace[:12])["request_id"].tolist() == [requests["request_id"].iloc[3]]
+
+
+def test_repeated_lookups_count_once_and_copies_join_their_load(tmp_path):
+    trace = "ef" * 16
+    t = 1_700_000_000_000_000_000
+    path = write(
+        tmp_path,
+        line(lookup("r", 100, 0, trace=trace, span_id="01" * 8, start=t),
+             lookup("r", 100, 64, trace=trace, span_id="02" * 8, start=t + 5_000_000),
+             span("kvscope.load", {"kvscope.request.id": "r", "kvscope.tokens.local": 0, "kvscope.tokens.external": 64,
+                                   "kvscope.groups": 1}, trace=trace, span_id="03" * 8, start=t + 6_000_000)),
+        # No parent span id: joins the load as the only load in its trace.
+        line(span("kvscope.group.copy", {"kvscope.group.index": 0, "kvscope.group.kind": "mamba",
+                                         "kvscope.copy.direction": "load", "kvscope.copy.blocks": 1,
+                                         "kvscope.copy.bytes": 512}, trace=trace, span_id="04" * 8,
+                  start=t + 7_000_000, end=t + 9_000_000)),
+    )
+    read = traces.read_trace_files([path])
+    requests = traces.requests_table(read.spans)
+    row = requests.iloc[0]
+    assert len(requests) == 1 and row["lookups"] == 2
+    assert (row["tokens_queried"], row["tokens_hit"]) == (100, 64)  # the last lookup
+    assert row["arrival_ns"] == t  # the first lookup
+    assert row["load_ms"] == pytest.approx(3.0) and row["bytes_loaded"] == 512
+    assert traces.hit_rate(requests) == pytest.approx(0.64)

@@ -1,0 +1,179 @@
+"""`kv_connector_extra_config` parsing: valid configs parse; every bad one names key, value, and what is accepted."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from connector.config import _ACCEPTED, ConfigError, KVScopeConfig, parse_config
+
+GIB = 1 << 30
+
+
+def _error(extra) -> str:
+    with pytest.raises(ConfigError) as info:
+        parse_config(extra)
+    assert isinstance(info.value, ValueError)  # callers may catch ValueError
+    return str(info.value)
+
+
+def _assert_names(message: str, key: str, value) -> None:
+    assert f"kv_connector_extra_config.{key}" in message
+    assert repr(value) in message, message
+    assert _ACCEPTED[key] in message, message
+
+
+# --- valid --------------------------------------------------------------------------------------
+
+
+def test_minimal_config():
+    cfg = parse_config({"cpu_bytes": GIB})
+    assert cfg == KVScopeConfig(cpu_bytes=GIB)
+    assert cfg.block_size is None and cfg.trace_file is None
+    assert cfg.trace_sample_ratio is None and cfg.metrics_port is None
+
+
+def test_full_config():
+    cfg = parse_config(
+        {
+            "cpu_bytes": 4 * GIB,
+            "block_size": 64,
+            "trace_file": "/tmp/trace.jsonl",
+            "trace_sample_ratio": 0.25,
+            "metrics_port": 9400,
+        }
+    )
+    assert cfg == KVScopeConfig(4 * GIB, 64, "/tmp/trace.jsonl", 0.25, 9400)
+
+
+@pytest.mark.parametrize("raw, parsed", [("1073741824", GIB), (" 42 ", 42), ("1_000", 1000), (1, 1)])
+def test_cpu_bytes_int_strings_accepted(raw, parsed):
+    cfg = parse_config({"cpu_bytes": raw})
+    assert cfg.cpu_bytes == parsed and type(cfg.cpu_bytes) is int
+
+
+def test_other_int_keys_accept_strings():
+    cfg = parse_config({"cpu_bytes": "8", "block_size": "32", "metrics_port": "8080"})
+    assert (cfg.block_size, cfg.metrics_port) == (32, 8080)
+
+
+@pytest.mark.parametrize("ratio", [0, 1, 0.0, 1.0, 0.5])
+def test_trace_sample_ratio_bounds_inclusive(ratio):
+    cfg = parse_config({"cpu_bytes": 1, "trace_sample_ratio": ratio})
+    assert cfg.trace_sample_ratio == float(ratio) and type(cfg.trace_sample_ratio) is float
+
+
+@pytest.mark.parametrize("port", [1, 65535])
+def test_metrics_port_bounds_inclusive(port):
+    assert parse_config({"cpu_bytes": 1, "metrics_port": port}).metrics_port == port
+
+
+def test_explicit_none_means_default():
+    cfg = parse_config(
+        {"cpu_bytes": 1, "block_size": None, "trace_file": None, "trace_sample_ratio": None, "metrics_port": None}
+    )
+    assert cfg == KVScopeConfig(cpu_bytes=1)
+
+
+def test_input_mapping_not_mutated():
+    extra = {"cpu_bytes": "16"}
+    parse_config(extra)
+    assert extra == {"cpu_bytes": "16"}
+
+
+# --- cpu_bytes ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("extra", [None, {}, {"block_size": 16}])
+def test_missing_cpu_bytes(extra):
+    message = _error(extra)
+    assert "kv_connector_extra_config.cpu_bytes" in message and "missing" in message
+    assert _ACCEPTED["cpu_bytes"] in message
+
+
+@pytest.mark.parametrize(
+    "value", [0, -1, -GIB, True, False, "abc", "", "1.5", "0", "-5", 1.5, 1e9, float(GIB), None, [1], {"a": 1}]
+)
+def test_bad_cpu_bytes(value):
+    _assert_names(_error({"cpu_bytes": value}), "cpu_bytes", value)
+
+
+def test_huge_digit_string_is_a_config_error():
+    # int() refuses > 4300 digits with ValueError: must surface as a ConfigError, not crash.
+    message = _error({"cpu_bytes": "9" * 5000})
+    assert "kv_connector_extra_config.cpu_bytes" in message
+
+
+# --- unknown keys -------------------------------------------------------------------------------
+
+
+def test_unknown_key_lists_accepted_keys():
+    message = _error({"cpu_bytes": GIB, "cpu_byte": 5})
+    assert "'cpu_byte'" in message
+    for key, accepted in _ACCEPTED.items():
+        assert key in message and accepted in message
+
+
+def test_unknown_keys_all_named_and_reported_before_other_errors():
+    message = _error({"zeta": 1, "alpha": 2})  # cpu_bytes missing too: unknown keys come first
+    assert "['alpha', 'zeta']" in message
+    assert "cpu_bytes" in message  # among the accepted keys
+
+
+# --- block_size ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("value", [0, -16, True, "x", 16.0, "16.0"])
+def test_bad_block_size(value):
+    _assert_names(_error({"cpu_bytes": 1, "block_size": value}), "block_size", value)
+
+
+def test_offload_block_size_default_is_lcm():
+    cfg = parse_config({"cpu_bytes": 1})
+    assert cfg.offload_block_size([16]) == 16
+    assert cfg.offload_block_size([16, 64, 32]) == 64
+    assert cfg.offload_block_size([48, 32]) == 96
+
+
+@pytest.mark.parametrize("block_size, sizes", [(64, [16]), (128, [16, 64]), (96, [32, 48]), (192, [32, 48])])
+def test_offload_block_size_multiple_accepted(block_size, sizes):
+    assert parse_config({"cpu_bytes": 1, "block_size": block_size}).offload_block_size(sizes) == block_size
+
+
+@pytest.mark.parametrize("block_size, sizes", [(48, [16, 32]), (8, [16]), (64, [32, 48]), (100, [16, 16, 64])])
+def test_offload_block_size_not_a_multiple(block_size, sizes):
+    cfg = parse_config({"cpu_bytes": 1, "block_size": block_size})
+    with pytest.raises(ConfigError) as info:
+        cfg.offload_block_size(sizes)
+    message = str(info.value)
+    assert f"kv_connector_extra_config.block_size={block_size}" in message
+    assert str(sorted(set(sizes))) in message
+    assert str(math.lcm(*sizes)) in message  # a valid example
+
+
+# --- trace_sample_ratio -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "value", [-0.01, 1.01, 2, -1, float("nan"), float("inf"), float("-inf"), True, False, "0.5", [0.5]]
+)
+def test_bad_trace_sample_ratio(value):
+    message = _error({"cpu_bytes": 1, "trace_sample_ratio": value})
+    _assert_names(message, "trace_sample_ratio", value)
+
+
+# --- metrics_port -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("value", [0, 70000, 65536, -1, True, "http", 80.0])
+def test_bad_metrics_port(value):
+    _assert_names(_error({"cpu_bytes": 1, "metrics_port": value}), "metrics_port", value)
+
+
+# --- trace_file ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("value", ["", "   ", 5, b"/tmp/x", ["/tmp/x"]])
+def test_bad_trace_file(value):
+    _assert_names(_error({"cpu_bytes": 1, "trace_file": value}), "trace_file", value)

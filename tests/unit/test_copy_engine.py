@@ -1,0 +1,345 @@
+"""CopyEngine on the CPU: byte-exact block copies between hand-built KV caches and host slots.
+
+The KV caches mimic what vLLM registers: attention tensors shared by layers of different groups
+(hybrid allocator), kernel-block split tensors, and raw Mamba pages viewed by several strided
+state tensors of different dtypes with padding at the end of each page.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from connector.copy_engine import CopyEngine, CopyError, CopyResult, page_view
+from connector.vllm_layout import SlotLayout
+
+GEN = torch.Generator().manual_seed(1234)
+
+
+def _random_bytes(n: int) -> torch.Tensor:
+    return torch.randint(-128, 128, (n,), dtype=torch.int8, generator=GEN)
+
+
+def _fill_random(t: torch.Tensor) -> torch.Tensor:
+    """Overwrite every byte of `t`'s whole storage with random bits (also padding, also NaN patterns)."""
+    storage = t.untyped_storage()
+    raw = torch.tensor([], dtype=torch.int8).set_(storage, 0, (storage.nbytes(),), (1,))
+    raw.copy_(_random_bytes(storage.nbytes()))
+    return t
+
+
+def _storage_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A copy of every byte of `t`'s storage."""
+    storage = t.untyped_storage()
+    return torch.tensor([], dtype=torch.int8).set_(storage, 0, (storage.nbytes(),), (1,)).clone()
+
+
+def _config(num_blocks: int):
+    return SimpleNamespace(num_blocks=num_blocks)  # CopyEngine reads only num_blocks
+
+
+def _bf16_cache(num_blocks, heads, block_size, two_head_dim):
+    return _fill_random(torch.empty((num_blocks, heads, block_size, two_head_dim), dtype=torch.bfloat16))
+
+
+# --- (a) attention, hybrid groups sharing tensors -----------------------------------------------
+
+NB, HEADS, BS, TWO_HD = 12, 2, 4, 8
+PAGE = HEADS * BS * TWO_HD * 2  # bf16
+
+
+def _shared_attention_engine(num_slots=4, factor0=1, factor1=1):
+    """Two groups, two layers each; layer i of group 0 and layer i of group 1 share one tensor."""
+    t0 = _bf16_cache(NB, HEADS, BS, TWO_HD)
+    t1 = _bf16_cache(NB, HEADS, BS, TWO_HD)
+    kv_caches = {"g0.l0": t0, "g1.l0": t0, "g0.l1": t1, "g1.l1": t1}
+    assert kv_caches["g0.l0"].untyped_storage().data_ptr() == kv_caches["g1.l0"].untyped_storage().data_ptr()
+    g0 = [("g0.l0", 0, PAGE), ("g0.l1", factor0 * PAGE, PAGE)]
+    g1 = [("g1.l0", 0, PAGE), ("g1.l1", factor1 * PAGE, PAGE)]
+    layout = SlotLayout(
+        slot_bytes=2 * PAGE * max(factor0, factor1),
+        group_layers=[g0, g1],
+        group_factors=[factor0, factor1],
+    )
+    engine = CopyEngine(kv_caches, _config(NB), layout, num_slots)
+    return engine, t0, t1
+
+
+def _block_bytes(t: torch.Tensor, block: int) -> torch.Tensor:
+    return t[block].contiguous().view(torch.int8).flatten().clone()
+
+
+def test_page_view_of_attention_cache_is_block_rows():
+    t = _bf16_cache(NB, HEADS, BS, TWO_HD)
+    view = page_view(t, NB, PAGE)
+    assert view.shape == (NB, PAGE) and view.dtype == torch.int8
+    assert view.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
+    for b in (0, 5, NB - 1):
+        assert torch.equal(view[b], _block_bytes(t, b))
+
+
+def test_shared_tensor_two_groups_round_trip():
+    engine, t0, t1 = _shared_attention_engine()
+    assert engine.group_block_bytes(0) == engine.group_block_bytes(1) == 2 * PAGE
+    before = (_storage_bytes(t0), _storage_bytes(t1))
+    src0 = {b: (_block_bytes(t0, b), _block_bytes(t1, b)) for b in (1, 2)}
+    src1 = {b: (_block_bytes(t0, b), _block_bytes(t1, b)) for b in (3,)}
+
+    engine.store(0, slots=[0, 2], subs=[0, 0], block_ids=[1, 2])
+    engine.store(1, slots=[1], subs=[0], block_ids=[3])
+    # stores never write the device
+    assert torch.equal(_storage_bytes(t0), before[0]) and torch.equal(_storage_bytes(t1), before[1])
+    # slot layout: layer l of a group at its offset
+    assert torch.equal(engine.host[0, :PAGE], src0[1][0]) and torch.equal(engine.host[0, PAGE : 2 * PAGE], src0[1][1])
+    assert torch.equal(engine.host[1, :PAGE], src1[3][0]) and torch.equal(engine.host[1, PAGE : 2 * PAGE], src1[3][1])
+
+    # load into other blocks: group 0 slots 0, 2 -> blocks 7, 0; group 1 slot 1 -> block 11
+    engine.load(0, slots=[0, 2], subs=[0, 0], block_ids=[7, 0])
+    engine.load(1, slots=[1], subs=[0], block_ids=[11])
+    expected0, expected1 = before[0].view(NB, PAGE).clone(), before[1].view(NB, PAGE).clone()
+    for dst, src in ((7, src0[1]), (0, src0[2]), (11, src1[3])):
+        expected0[dst], expected1[dst] = src
+    assert torch.equal(_storage_bytes(t0).view(NB, PAGE), expected0)
+    assert torch.equal(_storage_bytes(t1).view(NB, PAGE), expected1)
+
+
+def test_untouched_host_slots_stay_untouched():
+    engine, _, _ = _shared_attention_engine(num_slots=3)
+    engine.host.copy_(_random_bytes(engine.host.numel()).view_as(engine.host))
+    host_before = engine.host.clone()
+    engine.store(0, [1], [0], [4])
+    changed = (engine.host != host_before).any(dim=1)
+    assert not changed[0] and not changed[2]
+    engine.store(1, [2], [0], [4])
+    assert torch.equal(engine.host[1], engine.host[2])  # same device block, same layout for both groups
+
+
+@pytest.mark.parametrize("factor", [2, 3])
+def test_factor_packs_consecutive_device_blocks(factor):
+    engine, t0, t1 = _shared_attention_engine(num_slots=3, factor0=factor, factor1=1)
+    assert engine.host.shape == (3, 2 * factor * PAGE)
+    before = (_storage_bytes(t0).view(NB, PAGE), _storage_bytes(t1).view(NB, PAGE))
+    devices = [5, 2, 9][:factor]  # one offload block = `factor` device blocks, in any block ids
+    engine.store(0, [1] * factor, list(range(factor)), devices)
+    for sub, b in enumerate(devices):
+        assert torch.equal(engine.host[1, sub * PAGE : (sub + 1) * PAGE], before[0][b])
+        off = factor * PAGE + sub * PAGE
+        assert torch.equal(engine.host[1, off : off + PAGE], before[1][b])
+
+    targets = [0, 11, 6][:factor]
+    engine.load(0, [1] * factor, list(range(factor)), targets)
+    after = (_storage_bytes(t0).view(NB, PAGE), _storage_bytes(t1).view(NB, PAGE))
+    for layer in (0, 1):
+        expected = before[layer].clone()
+        for src, dst in zip(devices, targets):
+            expected[dst] = before[layer][src]
+        assert torch.equal(after[layer], expected)
+
+    # subs are independent: loading only sub 1 writes one block per layer
+    engine.load(0, [1], [1], [3])
+    assert torch.equal(_storage_bytes(t0).view(NB, PAGE)[3], before[0][devices[1]])
+    assert torch.equal(_storage_bytes(t1).view(NB, PAGE)[3], before[1][devices[1]])
+
+
+def test_kernel_block_split_cache():
+    """vLLM splits a manager block into kernel blocks: cache dim 0 is num_blocks * ratio."""
+    nb, ratio = 6, 2
+    t = _bf16_cache(nb * ratio, HEADS, BS // ratio, TWO_HD)
+    page = ratio * HEADS * (BS // ratio) * TWO_HD * 2
+    layout = SlotLayout(slot_bytes=page, group_layers=[[("l", 0, page)]], group_factors=[1])
+    engine = CopyEngine({"l": t}, _config(nb), layout, 2)
+    before = _storage_bytes(t).view(nb, page)
+    engine.store(0, [0], [0], [4])
+    assert torch.equal(engine.host[0], before[4])
+    engine.load(0, [0], [0], [1])
+    expected = before.clone()
+    expected[1] = before[4]
+    assert torch.equal(_storage_bytes(t).view(nb, page), expected)
+    assert torch.equal(t[2:4].view(torch.int16), t[8:10].view(torch.int16))  # kernel blocks 2, 3 == manager block 1 == old 4
+
+
+# --- (b) Mamba raw pages ------------------------------------------------------------------------
+
+M_NB = 7
+CONV_SHAPE, CONV_DTYPE = (3, 8), torch.float32  # 96 B at offset 0
+SSM_SHAPE, SSM_DTYPE = (4, 6), torch.bfloat16  # 48 B at offset 96
+M_PAGE = 160  # 16 B padding at the end of every page
+
+
+def _mamba_layer(num_blocks=M_NB, page=M_PAGE, storage_bytes=None):
+    raw = torch.empty(storage_bytes if storage_bytes is not None else num_blocks * page, dtype=torch.int8)
+    _fill_random(raw)
+    conv = torch.as_strided(
+        raw.view(CONV_DTYPE), (num_blocks, *CONV_SHAPE), (page // 4, CONV_SHAPE[1], 1), 0
+    )
+    ssm = torch.as_strided(
+        raw.view(SSM_DTYPE), (num_blocks, *SSM_SHAPE), (page // 2, SSM_SHAPE[1], 1), 96 // 2
+    )
+    return raw, conv, ssm
+
+
+def test_page_view_of_mamba_states():
+    raw, conv, ssm = _mamba_layer()
+    for states in ([conv, ssm], [ssm, conv], (conv, ssm)):  # order must not matter
+        view = page_view(states, M_NB, M_PAGE)
+        assert view.shape == (M_NB, M_PAGE)
+        assert torch.equal(view, raw.view(M_NB, M_PAGE))
+
+
+def _mamba_engine(num_slots=3):
+    raw_a, conv_a, ssm_a = _mamba_layer()
+    raw_b, conv_b, ssm_b = _mamba_layer()
+    kv_caches = {"m0": [conv_a, ssm_a], "m1": [ssm_b, conv_b]}
+    layout = SlotLayout(
+        slot_bytes=2 * M_PAGE,
+        group_layers=[[("m0", 0, M_PAGE), ("m1", M_PAGE, M_PAGE)]],
+        group_factors=[1],
+    )
+    return CopyEngine(kv_caches, _config(M_NB), layout, num_slots), raw_a, raw_b, (conv_a, ssm_a)
+
+
+def test_mamba_round_trip_byte_exact_with_padding():
+    engine, raw_a, raw_b, (conv_a, ssm_a) = _mamba_engine()
+    before_a, before_b = raw_a.clone().view(M_NB, M_PAGE), raw_b.clone().view(M_NB, M_PAGE)
+    conv_3, ssm_3 = conv_a[3].clone(), ssm_a[3].clone()
+
+    result = engine.store(0, [2, 0], [0, 0], [3, 6])
+    assert torch.equal(raw_a.view(M_NB, M_PAGE), before_a)  # store leaves the device alone
+    assert torch.equal(engine.host[2], torch.cat([before_a[3], before_b[3]]))  # padding included
+    assert torch.equal(engine.host[0], torch.cat([before_a[6], before_b[6]]))
+    assert result.nbytes == 2 * 2 * M_PAGE and result.blocks == 2
+
+    _fill_random(raw_a)  # the device blocks are reused by other requests
+    _fill_random(raw_b)
+    mid_a, mid_b = raw_a.clone().view(M_NB, M_PAGE), raw_b.clone().view(M_NB, M_PAGE)
+    engine.load(0, [2, 0], [0, 0], [4, 0])
+    for raw, mid, before in ((raw_a, mid_a, before_a), (raw_b, mid_b, before_b)):
+        expected = mid.clone()
+        expected[4], expected[0] = before[3], before[6]
+        # byte-exact including the loaded pages' padding, and neighbours (3, 5, 1) untouched
+        assert torch.equal(raw.view(M_NB, M_PAGE), expected)
+    # the typed states see the stored values (float32 / bf16 compare bitwise via int views)
+    assert torch.equal(conv_a[4].view(torch.int32), conv_3.view(torch.int32))
+    assert torch.equal(ssm_a[4].view(torch.int16), ssm_3.view(torch.int16))
+
+
+def test_mamba_last_block_padding_and_neighbour():
+    engine, raw_a, raw_b, _ = _mamba_engine(num_slots=1)
+    before = raw_a.clone()
+    engine.store(0, [0], [0], [0])
+    _fill_random(raw_a)
+    mid = raw_a.clone()
+    engine.load(0, [0], [0], [M_NB - 1])  # last block: its padding is the storage's last bytes
+    assert torch.equal(raw_a[-M_PAGE:], before[:M_PAGE])
+    assert torch.equal(raw_a[: -M_PAGE], mid[: -M_PAGE])
+
+
+def test_hybrid_attention_and_mamba_groups():
+    t = _bf16_cache(M_NB, HEADS, BS, TWO_HD)
+    raw, conv, ssm = _mamba_layer()
+    kv_caches = {"mamba": [conv, ssm], "attn": t}  # first value is a list: device read from it
+    layout = SlotLayout(
+        slot_bytes=max(PAGE, M_PAGE),
+        group_layers=[[("mamba", 0, M_PAGE)], [("attn", 0, PAGE)]],
+        group_factors=[1, 1],
+    )
+    engine = CopyEngine(kv_caches, _config(M_NB), layout, 2)
+    assert engine.device.type == "cpu" and not engine.is_cuda
+    assert engine.group_block_bytes(0) == M_PAGE and engine.group_block_bytes(1) == PAGE
+    raw_before, t_before = raw.clone().view(M_NB, M_PAGE), _storage_bytes(t).view(M_NB, PAGE)
+    engine.store(0, [0], [0], [2])
+    engine.store(1, [1], [0], [2])
+    engine.load(0, [0], [0], [5])
+    engine.load(1, [1], [0], [6])
+    exp_raw, exp_t = raw_before.clone(), t_before.clone()
+    exp_raw[5], exp_t[6] = raw_before[2], t_before[2]
+    assert torch.equal(raw.view(M_NB, M_PAGE), exp_raw)
+    assert torch.equal(_storage_bytes(t).view(M_NB, PAGE), exp_t)
+
+
+# --- (c) page_view refuses layouts it does not understand ---------------------------------------
+
+
+def test_state_larger_than_page():
+    _, conv, ssm = _mamba_layer()
+    with pytest.raises(CopyError, match="exceeds the page"):
+        page_view([conv, ssm], M_NB, 140)  # ssm ends at 144
+    with pytest.raises(CopyError, match="exceeds the page"):
+        page_view([conv], M_NB, 95)  # conv is 96 B
+    assert page_view([conv, ssm], M_NB, 144).shape == (M_NB, 144)  # padding may be left out
+
+
+def test_attention_page_larger_than_block_stride():
+    t = _bf16_cache(NB, HEADS, BS, TWO_HD)
+    with pytest.raises(CopyError, match="smaller than the page"):
+        page_view(t, NB, PAGE + 2)
+
+
+def test_states_of_different_storages():
+    _, conv_a, _ = _mamba_layer()
+    _, _, ssm_b = _mamba_layer()
+    with pytest.raises(CopyError, match="one paged storage"):
+        page_view([conv_a, ssm_b], M_NB, M_PAGE)
+
+
+def test_states_with_different_block_strides():
+    raw, conv, _ = _mamba_layer()
+    other = torch.as_strided(raw.view(SSM_DTYPE), (M_NB // 2, *SSM_SHAPE), (M_PAGE, SSM_SHAPE[1], 1), 48)
+    with pytest.raises(CopyError, match="one paged storage"):
+        page_view([conv[: M_NB // 2], other], M_NB // 2, M_PAGE)
+
+
+def test_page_view_running_past_storage():
+    # the last page is cut short: its padding is missing from the storage
+    _, conv, ssm = _mamba_layer(storage_bytes=M_NB * M_PAGE - 8)
+    with pytest.raises(CopyError, match="past its storage"):
+        page_view([conv, ssm], M_NB, M_PAGE)
+    assert page_view([conv, ssm], M_NB, M_PAGE - 8).shape == (M_NB, M_PAGE - 8)
+
+
+def test_transposed_state_view_is_accepted():
+    """A permuted (dense) state spans numel bytes: inside its page."""
+    raw, conv, ssm = _mamba_layer()
+    view = page_view([conv.transpose(-1, -2), ssm], M_NB, M_PAGE)
+    assert torch.equal(view, raw.view(M_NB, M_PAGE))
+
+
+def test_non_dense_state_running_past_page():
+    """A state whose rows are strided spans more bytes than numel: rows 2..3 of a (2, 4) int8 state
+    with row stride 8 end at byte 12, past a 10-byte page (overlapping the next block)."""
+    nb, page = 4, 10
+    raw = torch.zeros(nb * page + 8, dtype=torch.int8)
+    state = torch.as_strided(raw, (nb, 2, 4), (page, 8, 1))
+    with pytest.raises(CopyError):
+        page_view([state], nb, page)
+
+
+def test_missing_layer_is_a_copy_error():
+    t = _bf16_cache(NB, HEADS, BS, TWO_HD)
+    layout = SlotLayout(slot_bytes=PAGE, group_layers=[[("absent", 0, PAGE)]], group_factors=[1])
+    with pytest.raises(CopyError, match="absent"):
+        CopyEngine({"present": t}, _config(NB), layout, 1)
+
+
+# --- (d) CopyResult -----------------------------------------------------------------------------
+
+
+def test_copy_result_counts():
+    engine, _, _ = _shared_attention_engine(num_slots=4, factor0=2, factor1=1)
+    assert engine.group_block_bytes(0) == engine.group_block_bytes(1) == 2 * PAGE
+    result = engine.store(0, [0, 0, 3, 3], [0, 1, 0, 1], [1, 2, 3, 4])
+    assert isinstance(result, CopyResult)
+    assert result.blocks == 4  # device blocks, not offload blocks
+    assert result.nbytes == 4 * 2 * PAGE  # per device block: every layer's page
+    assert result.done_event is None and engine.poll(result)
+    assert 0 < result.start_ns <= result.end_ns
+
+    result = engine.load(1, [2], [0], [5])
+    assert (result.blocks, result.nbytes) == (1, 2 * PAGE)
+    assert engine.poll(result)
+
+    empty = engine.load(0, [], [], [])
+    assert (empty.blocks, empty.nbytes) == (0, 0)
+    engine.fence_compute_stream()  # no-op on the CPU

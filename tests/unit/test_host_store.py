@@ -1,0 +1,440 @@
+"""HostIndex: the scheduler-side slot bookkeeping of the host tier (pure Python, no torch)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    Bundle,
+    RuleBasedStateMachine,
+    invariant,
+    precondition,
+    rule,
+)
+
+from connector.host_store import HostIndex
+
+
+def _filled(n: int, keys) -> HostIndex:
+    """An index with `n` slots holding `keys` ready and unpinned, stored in that order."""
+    index = HostIndex(n)
+    for key in keys:
+        assert index.reserve_for_store(key) is not None
+        index.complete_store(key)
+    return index
+
+
+def _slots(index: HostIndex) -> dict:
+    return {key: entry.slot for key, entry in index._entries.items()}
+
+
+# --- construction -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [0, -1])
+def test_needs_at_least_one_slot(n):
+    with pytest.raises(ValueError, match=str(n)):
+        HostIndex(n)
+
+
+def test_empty_index():
+    index = HostIndex(3)
+    assert index.used_slots == 0
+    assert not index.contains("a") and not index.is_ready("a")
+    assert index.pin_for_load("a") is None
+    index.unpin("a")  # unknown keys are ignored
+    index.complete_store("a")
+    index.abort_store("a")
+    assert index.drop(["a"]) == 0
+    assert index.used_slots == 0 and index.evicted_total == 0
+
+
+# --- capacity and LRU -----------------------------------------------------------------------------
+
+
+def test_capacity_never_exceeded_and_slots_in_range():
+    index = HostIndex(4)
+    for i in range(20):
+        slot = index.reserve_for_store(i)
+        assert slot is not None and 0 <= slot < 4
+        index.complete_store(i)
+        assert index.used_slots <= 4
+        slots = list(_slots(index).values())
+        assert len(slots) == len(set(slots))
+    assert index.used_slots == 4
+    assert [k for k in range(20) if index.contains(k)] == [16, 17, 18, 19]
+    assert index.evicted_total == 16
+
+
+def test_reserve_reuses_the_evicted_slot():
+    index = _filled(2, ["a", "b"])
+    slot_a = _slots(index)["a"]
+    assert index.reserve_for_store("c") == slot_a
+    assert not index.contains("a") and index.contains("b")
+
+
+def test_lru_evicts_oldest_ready_entry():
+    index = _filled(3, ["a", "b", "c"])
+    index.reserve_for_store("d")
+    assert not index.contains("a")
+    assert all(index.contains(k) for k in "bcd")
+    assert index.evicted_total == 1
+
+
+def test_pin_for_load_touches_recency():
+    index = _filled(3, ["a", "b", "c"])
+    slot_a = index.pin_for_load("a")
+    assert slot_a == _slots(index)["a"]
+    index.unpin("a")  # unpinned again, but now the most recently used
+    assert index.reserve_for_store("d") is not None
+    assert index.contains("a") and not index.contains("b")
+    index.complete_store("d")
+    assert index.reserve_for_store("e") is not None
+    assert index.contains("a") and not index.contains("c")
+
+
+def test_is_ready_and_contains_do_not_touch_recency():
+    index = _filled(2, ["a", "b"])
+    assert index.is_ready("a") and index.contains("a")
+    index.reserve_for_store("c")
+    assert not index.contains("a")
+
+
+def test_complete_store_does_not_touch_recency_of_others():
+    index = _filled(2, ["a"])
+    index.reserve_for_store("b")
+    index.complete_store("b")
+    index.reserve_for_store("c")
+    assert not index.contains("a") and index.contains("b")
+
+
+# --- reserve ------------------------------------------------------------------------------------
+
+
+def test_reserve_on_present_key_returns_none():
+    index = HostIndex(4)
+    slot = index.reserve_for_store("a")
+    assert slot is not None
+    assert index.reserve_for_store("a") is None  # pending
+    index.complete_store("a")
+    assert index.reserve_for_store("a") is None  # ready
+    assert index.used_slots == 1
+    assert _slots(index) == {"a": slot}
+    # a failed re-reserve neither pins nor touches the entry: it can still be dropped
+    assert index.drop(["a"]) == 1
+
+
+def test_reserve_on_present_key_does_not_touch_recency():
+    index = _filled(2, ["a", "b"])
+    assert index.reserve_for_store("a") is None
+    index.reserve_for_store("c")
+    assert not index.contains("a") and index.contains("b")
+
+
+def test_pending_store_is_pinned_and_not_ready():
+    index = HostIndex(1)
+    index.reserve_for_store("a")
+    assert index.contains("a") and not index.is_ready("a")
+    assert index.pin_for_load("a") is None  # nothing to load yet
+    assert index.reserve_for_store("b") is None  # the only slot is being written
+    assert index.contains("a") and index.evicted_total == 0
+
+
+def test_pending_stores_are_never_evicted():
+    index = HostIndex(3)
+    index.reserve_for_store("p")  # oldest, but pending
+    index.reserve_for_store("r")
+    index.complete_store("r")
+    index.reserve_for_store("q")
+    index.complete_store("q")
+    index.reserve_for_store("x")
+    assert index.contains("p") and not index.contains("r") and index.contains("q")
+
+
+def test_loaded_entries_are_never_evicted():
+    index = _filled(3, ["a", "b", "c"])
+    index.pin_for_load("a")
+    index.pin_for_load("b")
+    index.pin_for_load("b")  # pins count
+    index.unpin("b")
+    # only c is evictable (a, b pinned); a and b were touched, so c is oldest anyway:
+    assert index.reserve_for_store("d") is not None
+    assert not index.contains("c")
+    index.complete_store("d")
+    index.pin_for_load("d")
+    assert index.reserve_for_store("e") is None  # a, b, d pinned
+    assert all(index.contains(k) for k in "abd") and not index.contains("e")
+
+
+def test_every_slot_pinned_reserve_returns_none():
+    index = _filled(2, ["a", "b"])
+    index.pin_for_load("a")
+    index.reserve_for_store("c")  # evicts b
+    assert not index.contains("b")
+    before = (_slots(index), index.used_slots, index.evicted_total)
+    assert index.reserve_for_store("d") is None  # a pinned by a load, c by its store
+    assert (_slots(index), index.used_slots, index.evicted_total) == before
+    index.unpin("a")
+    assert index.reserve_for_store("d") == before[0]["a"]
+
+
+def test_pinned_oldest_skipped_evicts_next():
+    index = _filled(3, ["a", "b", "c"])
+    index.pin_for_load("a")
+    index.pin_for_load("c")  # LRU now: b, a, c  (a, c pinned)
+    index.unpin("c")
+    index.reserve_for_store("d")
+    assert not index.contains("b")
+    index.complete_store("d")
+    index.reserve_for_store("e")  # a pinned: next oldest unpinned is c
+    assert index.contains("a") and not index.contains("c")
+
+
+# --- complete / abort ---------------------------------------------------------------------------
+
+
+def test_complete_store_makes_ready_and_unpins():
+    index = HostIndex(1)
+    index.reserve_for_store("a")
+    index.complete_store("a")
+    assert index.is_ready("a")
+    assert index.pin_for_load("a") == 0
+    index.unpin("a")
+    assert index.reserve_for_store("b") == 0  # a was unpinned, so evictable
+    assert index.evicted_total == 1
+
+
+def test_abort_store_frees_slot():
+    index = HostIndex(2)
+    slot = index.reserve_for_store("a")
+    index.abort_store("a")
+    assert not index.contains("a") and index.used_slots == 0
+    assert index.evicted_total == 0
+    assert index.reserve_for_store("b") == slot  # the freed slot comes back first
+
+
+def test_abort_store_ignores_ready_entries():
+    index = _filled(2, ["a"])
+    index.abort_store("a")
+    assert index.is_ready("a") and index.used_slots == 1
+
+
+def test_abort_then_reserve_again():
+    index = HostIndex(1)
+    index.reserve_for_store("a")
+    index.abort_store("a")
+    assert index.reserve_for_store("a") == 0
+    index.complete_store("a")
+    assert index.is_ready("a")
+
+
+# --- drop / clear -------------------------------------------------------------------------------
+
+
+def test_drop_only_unpinned():
+    index = _filled(4, ["a", "b", "c"])
+    index.pin_for_load("b")
+    index.reserve_for_store("p")  # pending: pinned
+    assert index.drop(["a", "b", "p", "zz"]) == 1
+    assert not index.contains("a")
+    assert index.contains("b") and index.contains("p") and index.contains("c")
+    assert index.used_slots == 3
+    assert index.evicted_total == 0  # drops are not evictions
+
+
+def test_drop_accepts_generators_and_duplicates():
+    index = _filled(3, ["a", "b"])
+    assert index.drop(k for k in ["a", "a", "b"]) == 2
+    assert index.used_slots == 0
+
+
+def test_dropped_slot_is_reused_before_evicting():
+    index = _filled(2, ["a", "b"])
+    slot_b = _slots(index)["b"]
+    index.drop(["b"])
+    assert index.reserve_for_store("c") == slot_b
+    assert index.contains("a") and index.evicted_total == 0
+
+
+def test_clear_keeps_pinned():
+    index = _filled(4, ["a", "b", "c"])
+    index.pin_for_load("a")
+    index.reserve_for_store("p")
+    index.clear()
+    assert sorted(_slots(index)) == ["a", "p"]
+    assert index.used_slots == 2
+    index.unpin("a")
+    index.complete_store("p")
+    index.clear()
+    assert index.used_slots == 0 and not index.contains("a") and not index.contains("p")
+    # every slot usable again
+    assert sorted(index.reserve_for_store(k) for k in "wxyz") == [0, 1, 2, 3]
+
+
+def test_evicted_total_counts_only_evictions():
+    index = _filled(2, ["a", "b"])
+    for i, key in enumerate("cdef", start=1):
+        index.reserve_for_store(key)
+        index.complete_store(key)
+        assert index.evicted_total == i
+    index.drop(["e"])
+    index.reserve_for_store("g")  # into the dropped slot
+    index.abort_store("g")
+    index.clear()
+    assert index.evicted_total == 4
+
+
+def test_unpin_never_goes_negative():
+    index = _filled(1, ["a"])
+    index.unpin("a")
+    index.unpin("a")
+    index.pin_for_load("a")
+    assert index.reserve_for_store("b") is None  # still pinned once
+    index.unpin("a")
+    assert index.reserve_for_store("b") == 0
+
+
+# --- stateful: random operation sequences against a model ---------------------------------------
+
+
+class HostIndexMachine(RuleBasedStateMachine):
+    """Model: key -> (slot, ready, pins) plus LRU order (oldest first)."""
+
+    keys = Bundle("keys")
+
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+        self.index: HostIndex | None = None
+        self.model: dict = {}  # key -> [slot, ready, pins]
+        self.order: list = []  # LRU, oldest first
+        self.evicted = 0
+        self.ever_completed: set = set()
+
+    @precondition(lambda self: self.index is None)
+    @rule(n=st.integers(1, 5))
+    def start(self, n):
+        self.n = n
+        self.index = HostIndex(n)
+
+    @rule(target=keys, key=st.integers(0, 9))
+    def new_key(self, key):
+        return key
+
+    def _pinned(self):
+        return {k for k, (_, _, pins) in self.model.items() if pins > 0}
+
+    @precondition(lambda self: self.index is not None)
+    @rule(key=keys)
+    def reserve(self, key):
+        pinned_before = {k: self.model[k][0] for k in self._pinned()}
+        slot = self.index.reserve_for_store(key)
+        if key in self.model:
+            assert slot is None
+            return
+        if len(self.model) < self.n:
+            assert slot is not None
+            assert slot not in {s for s, _, _ in self.model.values()}
+        else:
+            victims = [k for k in self.order if self.model[k][1] and self.model[k][2] == 0]
+            if not victims:
+                assert slot is None
+                return
+            victim = victims[0]
+            assert slot == self.model[victim][0]
+            del self.model[victim]
+            self.order.remove(victim)
+            self.evicted += 1
+        assert 0 <= slot < self.n
+        self.model[key] = [slot, False, 1]
+        self.order.append(key)
+        for k, s in pinned_before.items():  # pinned entries survive, in place
+            assert self.index.contains(k) and k in self.model and self.model[k][0] == s
+
+    @precondition(lambda self: self.index is not None)
+    @rule(key=keys)
+    def complete(self, key):
+        self.index.complete_store(key)
+        if key in self.model and not self.model[key][1]:  # the store's pin is released once
+            entry = self.model[key]
+            entry[1] = True
+            entry[2] = max(0, entry[2] - 1)
+            self.ever_completed.add(key)
+
+    @precondition(lambda self: self.index is not None)
+    @rule(key=keys)
+    def abort(self, key):
+        self.index.abort_store(key)
+        if key in self.model and not self.model[key][1]:
+            del self.model[key]
+            self.order.remove(key)
+
+    @precondition(lambda self: self.index is not None)
+    @rule(key=keys)
+    def pin(self, key):
+        slot = self.index.pin_for_load(key)
+        if key in self.model and self.model[key][1]:
+            assert slot == self.model[key][0]
+            self.model[key][2] += 1
+            self.order.remove(key)
+            self.order.append(key)
+        else:
+            assert slot is None
+
+    @precondition(lambda self: self.index is not None)
+    @rule(key=keys)
+    def unpin(self, key):
+        self.index.unpin(key)
+        if key in self.model and self.model[key][2] > 0:
+            self.model[key][2] -= 1
+
+    @precondition(lambda self: self.index is not None)
+    @rule(ks=st.lists(keys, max_size=4))
+    def drop(self, ks):
+        dropped = self.index.drop(ks)
+        expected = 0
+        for k in ks:
+            if k in self.model and self.model[k][2] == 0:
+                del self.model[k]
+                self.order.remove(k)
+                expected += 1
+        assert dropped == expected
+
+    @precondition(lambda self: self.index is not None)
+    @rule()
+    def clear(self):
+        pinned = self._pinned()
+        self.index.clear()
+        for k in list(self.model):
+            if k not in pinned:
+                del self.model[k]
+                self.order.remove(k)
+        assert all(self.index.contains(k) for k in pinned)
+
+    @invariant()
+    def matches_model(self):
+        if self.index is None:
+            return
+        index = self.index
+        assert index.used_slots <= index.num_slots
+        assert len(index._free) + index.used_slots == index.num_slots
+        assert index.used_slots == len(self.model)
+        slots = [e.slot for e in index._entries.values()]
+        assert len(slots) == len(set(slots))
+        assert set(slots).isdisjoint(index._free)
+        assert set(slots) | set(index._free) == set(range(index.num_slots))
+        assert list(index._entries) == self.order
+        for k, (slot, ready, pins) in self.model.items():
+            entry = index._entries[k]
+            assert (entry.slot, entry.ready, entry.pins) == (slot, ready, pins)
+            assert index.is_ready(k) == ready
+            if ready:
+                assert k in self.ever_completed
+        assert index.evicted_total == self.evicted
+
+
+HostIndexMachine.TestCase.settings = settings(
+    max_examples=150, stateful_step_count=40, deadline=None
+)
+test_host_index_stateful = HostIndexMachine.TestCase

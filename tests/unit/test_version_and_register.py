@@ -1,0 +1,108 @@
+"""vLLM version gate, plugin registration and packaging of the `vllm.general_plugins` entry point."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import subprocess
+import sys
+
+import pytest
+
+import connector
+from connector.version_check import SUPPORTED, UnsupportedVLLMVersion, check_vllm_version
+
+
+# --- version check (pure) ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "version", ["0.32.0", "0.32.5+cpu", "0.33.1", "0.33.0", "0.32.1.dev3+g1234abc", "0.32"]
+)
+def test_supported_versions(version):
+    assert check_vllm_version(version) == version
+
+
+@pytest.mark.parametrize(
+    "version", ["0.31.9", "0.34.0", "1.0.0", "1.32.0", "0.3.2", "garbage", "", "0", "v0.32.0", "0.x.1", "+cpu"]
+)
+def test_unsupported_versions(version):
+    with pytest.raises(UnsupportedVLLMVersion) as info:
+        check_vllm_version(version)
+    message = str(info.value)
+    assert f"vLLM {version}" in message
+    assert "0.32.x" in message and "0.33.x" in message
+
+
+def test_supported_range_matches_message():
+    assert SUPPORTED == ((0, 32), (0, 33))
+
+
+def test_installed_vllm_is_supported():
+    import vllm
+
+    assert check_vllm_version() == vllm.__version__
+
+
+# --- import is lazy -----------------------------------------------------------------------------
+
+
+def test_import_connector_is_lazy():
+    code = (
+        "import connector, sys; "
+        "print('vllm' in sys.modules, 'torch' in sys.modules, "
+        "any(m.startswith('connector.') for m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.split() == ["False", "False", "False"], out.stdout + out.stderr
+
+
+def test_unknown_attribute_raises_attribute_error():
+    with pytest.raises(AttributeError):
+        connector.no_such_thing  # noqa: B018
+    assert not hasattr(connector, "no_such_thing")
+
+
+# --- entry point --------------------------------------------------------------------------------
+
+
+def test_entry_point_declared():
+    eps = importlib.metadata.entry_points(group="vllm.general_plugins")
+    ours = [ep for ep in eps if ep.name == "kvscope"]
+    assert len(ours) == 1
+    assert ours[0].value == "connector:register"
+    assert ours[0].load() is connector.register
+
+
+# --- register (imports vLLM) --------------------------------------------------------------------
+
+
+def test_register_is_reentrant():
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    connector.register()
+    connector.register()  # vLLM calls plugins more than once: must not raise "already registered"
+    names = list(KVConnectorFactory._registry)
+    assert names.count(connector.CONNECTOR_NAME) == 1
+    assert connector.CONNECTOR_NAME == "KVScopeConnector"
+
+    config = KVTransferConfig(kv_connector="KVScopeConnector", kv_role="kv_both")
+    assert config.kv_connector_module_path is None
+    cls = KVConnectorFactory.get_connector_class(config)
+    from connector.connector import KVScopeConnector
+
+    assert cls is KVScopeConnector
+    assert cls.__module__ == "connector.connector"
+    assert connector.KVScopeConnector is KVScopeConnector  # lazy package attribute
+
+
+def test_register_refuses_unsupported_vllm(monkeypatch):
+    import vllm
+
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    monkeypatch.setattr(vllm, "__version__", "0.31.0")
+    monkeypatch.setattr(KVConnectorFactory, "_registry", {})
+    with pytest.raises(UnsupportedVLLMVersion, match="0.31.0"):
+        connector.register()
+    assert connector.CONNECTOR_NAME not in KVConnectorFactory._registry
