@@ -40,6 +40,7 @@ def traced_run(scenarios):
                 for ss in rs.scope_spans:
                     assert ss.scope.name == "kvscope"
                     spans.extend(ss.spans)
+    result["trace_file"] = path
     return result, spans
 
 
@@ -129,3 +130,20 @@ def test_metric_totals_agree_with_span_attributes_and_vllm(traced_run):
     store_bytes = sum(a["kvscope.copy.bytes"] for a in copies if a["kvscope.copy.direction"] == "store")
     assert kv["kvscope_load_bytes_total"] == load_bytes > 0
     assert kv["kvscope_store_bytes_total"] == store_bytes > 0
+
+
+def test_replay_app_shows_this_runs_hit_rate(traced_run, monkeypatch):
+    """The Streamlit app on the trace file this engine run just wrote."""
+    from tests.dashboard_app.test_pages import PAGES, app, metrics, number
+
+    result, spans = traced_run
+    at = app(monkeypatch, result["trace_file"])
+    assert not at.exception, [e.value for e in at.exception]
+    last = {}
+    for s in sorted(_by_name(spans, "kvscope.lookup"), key=lambda s: s.start_time_unix_nano):
+        last[_attrs(s)["kvscope.request.id"]] = _attrs(s)
+    rate = sum(a["kvscope.tokens.hit"] for a in last.values()) / sum(a["kvscope.tokens.queried"] for a in last.values())
+    assert number(metrics(at)["Token hit rate"]) == pytest.approx(round(rate * 100, 1))
+    for page in PAGES[1:3]:
+        at.switch_page(page).run()
+        assert not at.exception
