@@ -56,6 +56,10 @@ class KVScopeWorker:
     def wait_for_save(self, meta: KVScopeMetadata) -> None:
         for job in meta.stores:
             self._run(job)
+        if meta.stores:
+            # CUDA: later work on the compute stream (zeroing, the next forward) may write blocks
+            # these stores still read once vLLM frees them; order it after the stores.
+            self.engine.fence_compute_stream()
 
     def _run(self, job: TransferJob) -> None:
         flight = _InFlight(job=job, copies=[])

@@ -176,3 +176,75 @@ def test_loading_requests_have_their_spans_in_the_trace_they_sent(two_rounds):
         assert load.trace_id.hex() in sent_ids  # each load in the trace its request sent
         copies = [s for s in spans if s.name == "kvscope.group.copy" and s.trace_id == load.trace_id]
         assert copies
+
+
+# ---- the Grafana boards and Prometheus rules against this real server ----
+
+@pytest.fixture(scope="module")
+def prometheus_scraping_server(server, two_rounds, tmp_path_factory):
+    """A real Prometheus scraping this server every second, with the rules loaded, while a
+    background workload keeps hits, loads and stores flowing."""
+    from tests.dashboards.paths import RULE_FILES
+    from tests.dashboards.promtools import PrometheusServer, find_binary
+
+    if find_binary("prometheus") is None:
+        pytest.skip("prometheus is not installed (.ci/install-prometheus.sh installs it)")
+    base, model, _ = server
+    rule_files = "\n".join(f"  - {p}" for p in RULE_FILES)
+    config = f"""
+global:
+  scrape_interval: 1s
+  scrape_timeout: 1s
+  evaluation_interval: 1s
+rule_files:
+{rule_files}
+scrape_configs:
+  - job_name: vllm
+    static_configs:
+      - targets: ["{base.removeprefix('http://')}"]
+"""
+    prom = PrometheusServer(config, tmp_path_factory.mktemp("prometheus")).start()
+    stop = threading.Event()
+    prompts = prompts_sharing_prefixes()
+
+    def workload():
+        # shared prefixes (host-tier loads after each reset) with fresh tails (new blocks to store)
+        i = 0
+        while not stop.is_set():
+            tail = [(i * 7919 + 13 * j) % 509 + 1 for j in range(200)]
+            try:
+                requests.post(base + "/v1/completions", timeout=60, json={
+                    "model": model, "prompt": prompts[i % len(prompts)] + tail, "max_tokens": 2,
+                    "temperature": 0})
+                if i % len(prompts) == len(prompts) - 1:
+                    requests.post(base + "/reset_prefix_cache", timeout=30)
+            except requests.RequestException:
+                pass
+            i += 1
+
+    thread = threading.Thread(target=workload, daemon=True)
+    thread.start()
+    try:
+        yield prom
+    finally:
+        stop.set()
+        thread.join(timeout=60)
+        prom.stop()
+
+
+def test_every_board_query_and_rule_returns_data_from_the_real_engine(prometheus_scraping_server):
+    from tests.dashboards.paths import DASHBOARDS_DIR, RULES_DIR
+    from tests.dashboards.promcheck import evaluate_board_queries, rule_health_failures
+
+    variables = {"__rate_interval": "30s", "__interval": "5s", "__range": "5m",
+                 "datasource": "prometheus", "model_name": ".*", "engine": ".*", "group": ".*"}
+    url = prometheus_scraping_server.url
+    deadline = time.time() + 120
+    failures = ["not evaluated"]
+    while time.time() < deadline:
+        failures = evaluate_board_queries(url, DASHBOARDS_DIR, RULES_DIR, variables)
+        if not failures:
+            break
+        time.sleep(3)
+    assert failures == [], "\n".join(failures) + "\n" + prometheus_scraping_server.log_tail()
+    assert rule_health_failures(url) == []
