@@ -19,7 +19,7 @@ Sinks (any combination):
   A dead endpoint never slows the engine: export runs on the batch processor's thread with a short
   timeout, the first failure is logged once, and batches are dropped for a cool-down after a failure.
 
-Sampling: ``ParentBased(root=TraceIdRatioBased(r), remote_parent_sampled=TraceIdRatioBased(r))``.
+Sampling (the rule of ``ParentBased(root=TraceIdRatioBased(r), remote_parent_sampled=TraceIdRatioBased(r))``).
 Children of a local span follow it; a remote parent that is not sampled drops the span. The ratio
 is also applied under a sampled remote parent (an upstream ``traceparent`` or our own carrier on
 the worker): the decision is a function of the trace id alone, so the scheduler and every worker
@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -47,8 +48,8 @@ from opentelemetry.sdk.trace.export import (
     SpanExporter,
     SpanExportResult,
 )
-from opentelemetry.sdk.trace.sampling import ParentBased, Sampler, TraceIdRatioBased
-from opentelemetry.trace import Span
+from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+from opentelemetry.trace import Span, SpanContext, SpanKind, TraceFlags
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from connector import __version__
@@ -72,10 +73,15 @@ _PROPAGATOR = TraceContextTextMapPropagator()
 class KVScopeTracing:
     """The connector's tracer, sinks and propagation helpers (one per process)."""
 
-    def __init__(self, provider: TracerProvider | None):
+    def __init__(self, provider: TracerProvider | None, sample_ratio: float = 1.0):
         self._provider = provider
         self.enabled: bool = provider is not None
-        self._tracer = provider.get_tracer(SCOPE_NAME, __version__) if provider is not None else None
+        # Not the SDK's tracer: spans are light records on the engine's hot path and become SDK
+        # spans on the export thread (see `LightSpan`). `_tracer` is kept as the on/off switch.
+        self._tracer = provider if provider is not None else None
+        self._processor = provider._active_span_processor if provider is not None else None
+        self._ids = OsRandomIdGenerator() if provider is not None else None
+        self._bound = trace_id_bound(sample_ratio)
         self._shutdown_done = False
 
     # ----------------------------------------------------------------- construction
@@ -107,18 +113,16 @@ class KVScopeTracing:
                 exporters.append(otlp)
         if not exporters:
             return cls.disabled()
-        provider = TracerProvider(
-            sampler=request_sampler(ratio), resource=_resource(env), id_generator=OsRandomIdGenerator()
-        )
+        provider = TracerProvider(resource=_resource(env))
         for exporter in exporters:
             provider.add_span_processor(
                 BatchSpanProcessor(
-                    exporter,
+                    SdkSpanExporter(exporter, provider.resource),
                     schedule_delay_millis=_BATCH_SCHEDULE_DELAY_MS,
                     max_queue_size=_BATCH_MAX_QUEUE,
                 )
             )
-        return cls(provider)
+        return cls(provider, ratio)
 
     @classmethod
     def for_exporter(
@@ -130,13 +134,11 @@ class KVScopeTracing:
     ) -> KVScopeTracing:
         """Tracing that hands every ended span synchronously to ``exporter`` (tests, benchmarks)."""
         provider = TracerProvider(
-            sampler=request_sampler(_check_ratio(sample_ratio)),
             resource=resource or Resource.create({"service.name": DEFAULT_SERVICE_NAME}),
             shutdown_on_exit=False,
-            id_generator=OsRandomIdGenerator(),
         )
-        provider.add_span_processor(SimpleSpanProcessor(exporter))
-        return cls(provider)
+        provider.add_span_processor(SimpleSpanProcessor(SdkSpanExporter(exporter, provider.resource)))
+        return cls(provider, _check_ratio(sample_ratio))
 
     @property
     def provider(self) -> TracerProvider | None:
@@ -156,7 +158,21 @@ class KVScopeTracing:
         """
         if self._tracer is None:
             return trace.INVALID_SPAN
-        return self._tracer.start_span(name, context=context, start_time=start_time)
+        parent = trace.get_current_span(context).get_span_context() if context is not None else None
+        if parent is not None and parent.is_valid:
+            trace_id = parent.trace_id
+            # a local parent decides for its children; a remote one (upstream traceparent, our
+            # carrier on a worker) must be sampled and pass the ratio on the same trace id
+            sampled = parent.trace_flags.sampled and (not parent.is_remote or self._keeps(trace_id))
+        else:
+            parent = None
+            trace_id = self._ids.generate_trace_id()
+            sampled = self._keeps(trace_id)
+        return LightSpan(name, trace_id, self._ids.generate_span_id(), parent, sampled,
+                         start_time if start_time is not None else time.time_ns(), self._processor)
+
+    def _keeps(self, trace_id: int) -> bool:
+        return (trace_id & _TRACE_ID_LOW_BITS) < self._bound
 
     def record_span(
         self,
@@ -175,7 +191,7 @@ class KVScopeTracing:
         """
         if self._tracer is None:
             return trace.INVALID_SPAN
-        span = self._tracer.start_span(name, context=context, start_time=start_ns)
+        span = self.start_span(name, context=context, start_time=start_ns)
         if span.is_recording():
             if attributes:
                 span.set_attributes(attributes)
@@ -231,26 +247,125 @@ class KVScopeTracing:
 
 
 class OsRandomIdGenerator(IdGenerator):
-    """Trace and span ids from the OS, not Python's `random`: vLLM seeds `random` (seed 0 by
-    default), so the SDK's default generator would repeat the same ids in every run."""
+    """Trace and span ids from a private generator seeded by the OS, not Python's global
+    `random`: vLLM seeds that one (seed 0 by default), so the SDK's default generator would
+    repeat the same ids in every run. One `os.urandom` per process (and again after a fork),
+    since a system call per id is slow on some kernels/sandboxes."""
+
+    def __init__(self):
+        self._reseed()
+        os.register_at_fork(after_in_child=self._reseed)
+
+    def _reseed(self) -> None:
+        self._rng = random.Random(int.from_bytes(os.urandom(32), "big"))
 
     def generate_span_id(self) -> int:
-        while True:
-            value = int.from_bytes(os.urandom(8), "big")
-            if value:
-                return value
+        return self._rng.getrandbits(64) or 1
 
     def generate_trace_id(self) -> int:
-        while True:
-            value = int.from_bytes(os.urandom(16), "big")
-            if value:
-                return value
+        return self._rng.getrandbits(128) or 1
 
 
-def request_sampler(ratio: float) -> Sampler:
-    """Sampler keeping or dropping a request's whole trace (see module docstring)."""
-    by_trace_id = TraceIdRatioBased(ratio)
-    return ParentBased(root=by_trace_id, remote_parent_sampled=by_trace_id)
+_TRACE_ID_LOW_BITS = (1 << 64) - 1
+
+
+def trace_id_bound(ratio: float) -> int:
+    """Keep a trace when the low 64 bits of its id are below this (as `TraceIdRatioBased`): the
+    decision is a function of the trace id alone, so the scheduler and every worker agree and a
+    request's trace is kept or dropped whole."""
+    return round(ratio * (1 << 64))
+
+
+class LightSpan(Span):
+    """A span as the engine's hot path sees it: plain fields, no SDK machinery.
+
+    The OpenTelemetry SDK spends tens of microseconds per span (sampler, attribute cleaning,
+    locks); that is more than a group scan. A `LightSpan` costs a few, and turns into an SDK
+    `ReadableSpan` only in `SdkSpanExporter`, on the span processor's export thread.
+    """
+
+    __slots__ = ("name", "trace_id", "span_id", "parent", "sampled", "start_time", "end_time",
+                 "attributes", "_processor", "_trace_state")
+
+    def __init__(self, name, trace_id, span_id, parent, sampled, start_time, processor):
+        self.name = name
+        self.trace_id = trace_id
+        self.span_id = span_id
+        self.parent = parent  # SpanContext or None
+        self.sampled = sampled
+        self.start_time = start_time
+        self.end_time = None
+        self.attributes = {}
+        self._processor = processor
+        self._trace_state = parent.trace_state if parent is not None else None  # W3C tracestate
+
+    def is_recording(self) -> bool:
+        return self.sampled and self.end_time is None
+
+    def set_attributes(self, attributes: Mapping[str, Any]) -> None:
+        if self.is_recording():
+            self.attributes.update(attributes)
+
+    def set_attribute(self, key: str, value: Any) -> None:
+        if self.is_recording():
+            self.attributes[key] = value
+
+    def get_span_context(self) -> SpanContext:
+        return SpanContext(self.trace_id, self.span_id, is_remote=False,
+                           trace_flags=_SAMPLED if self.sampled else _NOT_SAMPLED,
+                           trace_state=self._trace_state)
+
+    # The rest of the Span API: kvscope spans carry attributes only.
+    def add_event(self, name, attributes=None, timestamp=None) -> None:
+        pass
+
+    def update_name(self, name: str) -> None:
+        if self.is_recording():
+            self.name = name
+
+    def set_status(self, status, description=None) -> None:
+        pass
+
+    def record_exception(self, exception, attributes=None, timestamp=None, escaped=False) -> None:
+        pass
+
+    @property
+    def context(self) -> SpanContext:  # what span processors look at
+        return self.get_span_context()
+
+    def end(self, end_time: int | None = None) -> None:
+        if self.end_time is not None:
+            return
+        self.end_time = end_time if end_time is not None else time.time_ns()
+        if self.sampled:
+            self._processor.on_end(self)
+
+
+_SAMPLED = TraceFlags(TraceFlags.SAMPLED)
+_NOT_SAMPLED = TraceFlags(TraceFlags.DEFAULT)
+_SCOPE = InstrumentationScope(SCOPE_NAME, __version__)
+
+
+class SdkSpanExporter(SpanExporter):
+    """Turns `LightSpan`s into SDK `ReadableSpan`s (on the export thread) for a real exporter."""
+
+    def __init__(self, inner: SpanExporter, resource: Resource):
+        self._inner = inner
+        self._resource = resource
+
+    def export(self, spans: Sequence[LightSpan]) -> SpanExportResult:
+        return self._inner.export([
+            ReadableSpan(name=s.name, context=s.get_span_context(), parent=s.parent,
+                         resource=self._resource, attributes=s.attributes, kind=SpanKind.INTERNAL,
+                         start_time=s.start_time, end_time=s.end_time, instrumentation_scope=_SCOPE)
+            for s in spans
+        ])
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        return self._inner.force_flush(timeout_millis)
+
+    def shutdown(self) -> None:
+        self._inner.shutdown()
 
 
 def otlp_requested(env: Mapping[str, str]) -> bool:

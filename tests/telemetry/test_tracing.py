@@ -18,7 +18,7 @@ from connector.telemetry.tracing import (
     LogOnceExporter,
     build_otlp_exporter,
     otlp_requested,
-    request_sampler,
+    trace_id_bound,
 )
 
 UPSTREAM_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -137,12 +137,14 @@ def test_half_ratio_keeps_about_half_and_never_splits_a_trace():
     assert 0.43 < kept < 0.57  # binomial sd ~ 0.011: > 6 sd either side
 
 
-def test_sampler_decides_by_trace_id_alone():
-    sampler = request_sampler(0.5)
+def test_sampling_decides_by_trace_id_alone_like_trace_id_ratio_based():
+    from opentelemetry.sdk.trace.sampling import TraceIdRatioBased
+
+    bound = trace_id_bound(0.5)
+    assert bound == TraceIdRatioBased(0.5).bound
     low = 0x0000000000000000_1000000000000000  # low 64 bits below 2**63: kept
     high = 0x0000000000000000_F000000000000000
-    assert sampler.should_sample(None, low, "x").decision.is_sampled()
-    assert not sampler.should_sample(None, high, "x").decision.is_sampled()
+    assert (low & ((1 << 64) - 1)) < bound <= (high & ((1 << 64) - 1))
 
 
 def test_dropped_root_makes_no_carrier_and_no_worker_span():
