@@ -77,6 +77,9 @@ class KVScopeScheduler:
         self._next_job_id = 0
         self._pending_loads: list[TransferJob] = []
         self._stats = KVScopeStats()
+        # Per group [blocks scanned, null blocks skipped, scan durations]: plain list updates on
+        # the planning path, folded into the stats payload once per stats interval.
+        self._scan_totals = [[0, 0, []] for _ in layouts]
         self._evicted_reported = 0
 
     # -- keys --
@@ -209,20 +212,20 @@ class KVScopeScheduler:
 
     def _scan_groups(self, group_block_ids, local, cached) -> list[GroupScan]:
         scans = []
-        record = self._stats.record_scan
-        for layout, ids in zip(self.layouts, group_block_ids):
-            t0 = time.perf_counter()
+        clock = time.perf_counter
+        for layout, ids, totals in zip(self.layouts, group_block_ids, self._scan_totals):
+            t0 = clock()
             scan = scan_group(layout, ids, local, cached, self.block_size)
-            record(layout.index, layout.kind.value, scan.blocks_total, scan.null_skipped,
-                   time.perf_counter() - t0)
+            totals[2].append(clock() - t0)
+            totals[0] += scan.blocks_total
+            totals[1] += scan.null_skipped
             scans.append(scan)
         return scans
 
     def _scan_groups_traced(self, load_span, group_block_ids, local, cached) -> list[GroupScan]:
         scans = []
-        record = self._stats.record_scan
         parent = self.tracing.context_of(load_span)
-        for layout, ids in zip(self.layouts, group_block_ids):
+        for layout, ids, totals in zip(self.layouts, group_block_ids, self._scan_totals):
             span = self.tracing.start_span("kvscope.group.scan", context=parent)
             t0 = time.perf_counter()
             scan = scan_group(layout, ids, local, cached, self.block_size)
@@ -239,7 +242,9 @@ class KVScopeScheduler:
                     }
                 )
             span.end()
-            record(layout.index, layout.kind.value, scan.blocks_total, scan.null_skipped, elapsed)
+            totals[2].append(elapsed)
+            totals[0] += scan.blocks_total
+            totals[1] += scan.null_skipped
             scans.append(scan)
         return scans
 
@@ -372,6 +377,13 @@ class KVScopeScheduler:
         return True
 
     def take_stats(self) -> KVScopeStats | None:
+        for layout, totals in zip(self.layouts, self._scan_totals):
+            blocks, nulls, durations = totals
+            for i, seconds in enumerate(durations):
+                # counts once per group and interval, every duration observed
+                self._stats.record_scan(layout.index, layout.kind.value,
+                                        blocks if i == 0 else 0, nulls if i == 0 else 0, seconds)
+            totals[:] = [0, 0, []]
         if self._stats.is_empty():
             return None
         stats, self._stats = self._stats, KVScopeStats()

@@ -1,0 +1,1 @@
+"""Benchmarks: `kvscope bench [--quick]` runs them all (bench/run_all.py)."""

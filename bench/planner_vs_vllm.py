@@ -1,0 +1,498 @@
+"""Per-request load planning: kvscope's scheduler adapter beside vLLM's own OffloadingConnector.
+
+    python -m bench.planner_vs_vllm [--quick]
+
+Both sides get identical inputs: one real vLLM `Request` (block hashes from vLLM's own block
+hasher) and one real `KVCacheBlocks` of `KVCacheBlock` objects per case, with vLLM's null
+placement (a sliding-window group holds the shared null block before its window; blocks of the
+external range are unhashed, local ones hashed). Every offload chunk is already stored on both
+sides, so the lookups hit and each side plans a load of exactly the same device blocks (asserted,
+block id by block id, per group).
+
+vLLM's side is the installed `OffloadingConnectorScheduler`, built the way vLLM builds it: a real
+`VllmConfig` from `EngineArgs` (tiny model, no engine started), a hand-made `KVCacheConfig`, and
+`OffloadingConnector(role=SCHEDULER)`, whose `CPUOffloadingSpec` manager holds the stored chunks.
+Timed: `update_state_after_alloc` (vLLM's telemetry is its always-on stats; it has no tracing).
+
+kvscope's side is `KVScopeScheduler.update_state_after_alloc` (the whole adapter path: block-id
+translation, the per-group scans, host pins, the transfer job), with tracing off and on (a real
+trace file behind the batch span processor, sample ratio 1.0; the timed region ends with a
+flush, so exporting the spans is counted, and none is dropped). The scans alone
+(`_scan_groups`, and a load span around `_scan_groups_traced`) are reported as well, and the
+adapter path with spans recorded but dropped instead of exported (`for_exporter`), which
+separates the cost of recording spans from the cost of writing them.
+
+Sides are sampled alternately (rotating order) in one process; the per-request bookkeeping that
+must be undone between calls (pins, jobs, request state) is undone outside the timed region.
+`run(quick)` returns {name, median, unit, ratio, ratio_of} records; medians in µs per request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script from a checkout
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult  # noqa: E402
+
+from connector.groups import GroupKind, GroupLayout  # noqa: E402
+from connector.planning import NULL_BLOCK_ID, cdiv, scan_group  # noqa: E402
+from connector.scheduler import KVScopeScheduler  # noqa: E402
+from connector.telemetry.tracing import KVScopeTracing  # noqa: E402
+
+DEVICE_BLOCK_SIZE = 16  # tokens per device block, every group (vLLM's chunking needs one size)
+OFFLOAD_BLOCK_SIZE = 256  # tokens per offloaded block: kvscope `block_size`, vLLM `block_size`
+NEW_TOKENS = 100  # tokens after the hit: allocated, not loaded
+FULL, SWA = GroupKind.FULL_ATTENTION, GroupKind.SLIDING_WINDOW
+
+# (kind, sliding window in tokens) per group.
+GROUP_MIXES: dict[int, list[tuple[GroupKind, int | None]]] = {
+    1: [(FULL, None)],
+    2: [(FULL, None), (SWA, 1024)],
+    4: [(FULL, None), (SWA, 4096), (FULL, None), (SWA, 128)],
+}
+SIZES_FULL = (128, 1024, 8192, 32768)  # device blocks per group (the prompt length / 16)
+SIZES_QUICK = (128, 2048, 32768)
+
+SIDES = ("vllm", "kvscope_off", "kvscope_on", "kvscope_on_noexport", "kvscope_scan_off", "kvscope_scan_on",
+         "kvscope_scan_on_noexport", "kvscope_scan_bare")
+# Telemetry overhead (issue 3): the scans as the scheduler runs them, against the same scans
+# with no instrumentation at all (plain `scan_group` calls).
+SCAN_SIDES = ("kvscope_scan_off", "kvscope_scan_on", "kvscope_scan_on_noexport")
+
+
+class _DropSpans(SpanExporter):
+    """A span exporter that drops everything: the cost of recording spans without exporting them."""
+
+    def export(self, spans):
+        return SpanExportResult.SUCCESS
+
+
+# ----------------------------------------------------------------------------- vLLM objects
+def _vllm_config():
+    """A real VllmConfig for the tiny llama, asking for vLLM's OffloadingConnector (no engine)."""
+    from vllm.config import KVTransferConfig
+    from vllm.engine.arg_utils import EngineArgs
+
+    from connector.tiny_models import build_model
+
+    args = EngineArgs(
+        model=build_model("llama"),
+        skip_tokenizer_init=True,
+        enable_prefix_caching=True,
+        block_size=DEVICE_BLOCK_SIZE,
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="OffloadingConnector",
+            kv_role="kv_both",
+            kv_connector_extra_config={"cpu_bytes_to_use": 1 << 40, "block_size": OFFLOAD_BLOCK_SIZE},
+        ),
+    )
+    return args.create_engine_config()
+
+
+def _kv_cache_config(mix, num_blocks: int):
+    import torch
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        SlidingWindowSpec,
+    )
+
+    groups = []
+    for i, (kind, window) in enumerate(mix):
+        common = dict(block_size=DEVICE_BLOCK_SIZE, num_kv_heads=1, head_size=64, dtype=torch.bfloat16)
+        spec = FullAttentionSpec(**common) if kind is FULL else SlidingWindowSpec(**common, sliding_window=window)
+        groups.append(KVCacheGroupSpec([f"layer{i}"], spec))
+    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
+
+
+def _vllm_scheduler(vllm_config, mix, num_blocks: int):
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
+
+    connector = OffloadingConnector(vllm_config, KVConnectorRole.SCHEDULER, _kv_cache_config(mix, num_blocks))
+    return connector.connector_scheduler
+
+
+# ----------------------------------------------------------------------------- the case
+@dataclass
+class Case:
+    name: str
+    num_groups: int
+    blocks: int  # device blocks per group covering the cached tokens
+    layouts: list[GroupLayout]
+    local: int  # locally computed tokens (device prefix-cache hit)
+    external: int  # tokens to load
+    prompt: list[int]
+    hashes: list  # vLLM block hashes of the prompt (hash block size 16)
+    kv_blocks: object  # vLLM KVCacheBlocks
+    expected_block_ids: list[list[int]] = field(default_factory=list)  # per group, what must load
+
+
+def make_case(num_groups: int, blocks: int, hash_fn) -> Case:
+    """A quarter of the cached prompt local, the rest external (offload-block aligned), then
+    NEW_TOKENS more allocated; a sliding window holds the null block before its window."""
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock, make_block_hash_with_group_id
+
+    mix = GROUP_MIXES[num_groups]
+    layouts = [GroupLayout(i, kind, DEVICE_BLOCK_SIZE, window) for i, (kind, window) in enumerate(mix)]
+    b = OFFLOAD_BLOCK_SIZE
+    cached = blocks * DEVICE_BLOCK_SIZE // b * b
+    local = cached // 4 // b * b
+    allocated = cached + NEW_TOKENS
+    prompt = [(i * 7919 + 13) % 509 + 1 for i in range(allocated)]
+    hashes = _block_hashes(prompt, hash_fn)
+    null = KVCacheBlock(NULL_BLOCK_ID, is_null=True)
+    next_id = 1
+    groups, expected = [], []
+    for layout in layouts:
+        n = cdiv(allocated, DEVICE_BLOCK_SIZE)
+        first_real = layout.first_retained_token(cached) // DEVICE_BLOCK_SIZE
+        group = []
+        for i in range(n):
+            if i < first_real:
+                group.append(null)
+                continue
+            block = KVCacheBlock(next_id)
+            next_id += 1
+            if (i + 1) * DEVICE_BLOCK_SIZE <= local:  # a device prefix-cache hit: hashed
+                block.set_block_hash(make_block_hash_with_group_id(hashes[i], layout.index))
+            group.append(block)
+        groups.append(group)
+        end = cdiv(cached, DEVICE_BLOCK_SIZE)
+        expected.append([blk.block_id for blk in group[local // DEVICE_BLOCK_SIZE:end] if not blk.is_null])
+    name = f"{num_groups}g/{blocks}"
+    return Case(name, num_groups, blocks, layouts, local, cached - local, prompt, hashes,
+                KVCacheBlocks(tuple(groups)), expected)
+
+
+def _block_hashes(prompt: list[int], hash_fn) -> list:
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher
+
+    request = _request("hasher", prompt, get_request_block_hasher(DEVICE_BLOCK_SIZE, hash_fn))
+    return list(request.block_hashes)
+
+
+def _request(request_id: str, prompt: list[int], block_hasher):
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    return Request(request_id, prompt, SamplingParams(max_tokens=1), None, block_hasher=block_hasher)
+
+
+# ----------------------------------------------------------------------------- the two sides
+class VllmSide:
+    """vLLM's OffloadingConnectorScheduler with every chunk of the case stored in its manager."""
+
+    def __init__(self, vllm_config, case: Case):
+        self.case = case
+        self.sched = _vllm_scheduler(vllm_config, GROUP_MIXES[case.num_groups], 1 << 20)
+        from vllm.v1.kv_offload.base import make_offload_key
+
+        store = self._requests(1, "store")[0]
+        self.sched.on_new_request(store)
+        ctx = self.sched._req_status[store.request_id].req_context
+        step = OFFLOAD_BLOCK_SIZE // DEVICE_BLOCK_SIZE
+        keys = [make_offload_key(h, g) for g in range(case.num_groups)
+                for h in case.hashes[step - 1: (case.local + case.external) // DEVICE_BLOCK_SIZE: step]]
+        manager = self.sched.manager
+        assert manager.prepare_store(keys, ctx) is not None
+        manager.complete_store(keys, ctx)
+        self.sched._req_status.clear()
+
+    def _requests(self, n: int, tag: str):
+        hashes = self.case.hashes
+        return [_request(f"{tag}-{i}", self.case.prompt, lambda r: list(hashes)) for i in range(n)]
+
+    def prepare(self, n: int) -> list:
+        reqs = self._requests(n, "vllm")
+        for req in reqs:
+            self.sched.on_new_request(req)
+            hit, is_async = self.sched.get_num_new_matched_tokens(req, self.case.local)
+            if hit != self.case.external:
+                raise AssertionError(f"{self.case.name}: vLLM found {hit} tokens, expected {self.case.external}")
+        return reqs
+
+    def call(self, reqs: list) -> None:
+        update, blocks, external = self.sched.update_state_after_alloc, self.case.kv_blocks, self.case.external
+        for req in reqs:
+            update(req, blocks, external)
+
+    def scan_bare(self, reqs: list) -> None:
+        """The same scans with no instrumentation: no timer, no stats, no span."""
+        layouts, ids, block = self.sched.layouts, self.group_block_ids, self.sched.block_size
+        local, cached = self.case.local, self.case.local + self.case.external
+        for _ in reqs:
+            for layout, group_ids in zip(layouts, ids):
+                scan_group(layout, group_ids, local, cached, block)
+
+    def planned(self) -> list[list[int]]:
+        """Per group, the device blocks of the last planned load."""
+        job = next(reversed(self.sched._current_batch_load_jobs.values()))
+        ids, out, pos = list(job.dst_spec.block_ids), [], 0
+        for size in job.dst_spec.group_sizes:
+            out.append(ids[pos:pos + size])
+            pos += size
+        return out
+
+    def reset(self) -> None:
+        s = self.sched
+        for status in s._jobs.values():
+            req_status = s._req_status[status.req_id]
+            s.manager.complete_load(status.keys, req_status.req_context)
+        s._jobs.clear()
+        s._current_batch_load_jobs.clear()
+        s._current_batch_allocated_block_ids.clear()
+        if s._chunks_being_loaded is not None:
+            s._chunks_being_loaded.clear()
+        s._req_status.clear()
+
+
+class KVScopeSide:
+    """KVScopeScheduler with every offload block of the case ready in its host index."""
+
+    def __init__(self, case: Case, tracing: KVScopeTracing):
+        self.case = case
+        self.tracing = tracing
+        chunks = (case.local + case.external) // OFFLOAD_BLOCK_SIZE
+        self.sched = KVScopeScheduler(
+            layouts=case.layouts,
+            offload_block_size=OFFLOAD_BLOCK_SIZE,
+            hash_block_size=DEVICE_BLOCK_SIZE,
+            num_slots=case.num_groups * chunks + 1,
+            slot_bytes=1,
+            group_block_bytes=[1] * case.num_groups,
+            world_size=1,
+            tracing=tracing,
+            kv_cache_manager_getter=lambda: None,
+        )
+        step = OFFLOAD_BLOCK_SIZE // DEVICE_BLOCK_SIZE
+        for layout in case.layouts:
+            for k in range(chunks):
+                key = (layout.index, case.hashes[(k + 1) * step - 1])
+                assert self.sched.index.reserve_for_store(key) is not None
+                self.sched.index.complete_store(key)
+        self.group_block_ids = case.kv_blocks.get_block_ids()
+
+    def prepare(self, n: int) -> list:
+        hashes = self.case.hashes
+        reqs = [_request(f"kvscope-{i}", self.case.prompt, lambda r: list(hashes)) for i in range(n)]
+        for req in reqs:
+            hit, _ = self.sched.get_num_new_matched_tokens(req, self.case.local)
+            if hit != self.case.external:
+                raise AssertionError(f"{self.case.name}: kvscope found {hit} tokens, expected {self.case.external}")
+        return reqs
+
+    def call(self, reqs: list) -> None:
+        update, blocks, external = self.sched.update_state_after_alloc, self.case.kv_blocks, self.case.external
+        for req in reqs:
+            update(req, blocks, external)
+        if self.tracing.enabled:
+            self.tracing.force_flush()  # the span export is part of the cost
+
+    def scan(self, reqs: list) -> None:
+        """The scans alone, as `_plan_load` runs them (with a load span when tracing)."""
+        sched, ids = self.sched, self.group_block_ids
+        local, cached = self.case.local, self.case.local + self.case.external
+        if self.tracing.enabled:
+            for _ in reqs:
+                span = self.tracing.start_span("kvscope.load")
+                sched._scan_groups_traced(span, ids, local, cached)
+                span.end()
+            self.tracing.force_flush()
+        else:
+            for _ in reqs:
+                sched._scan_groups(ids, local, cached)
+
+    def scan_bare(self, reqs: list) -> None:
+        """The same scans with no instrumentation: no timer, no stats, no span."""
+        layouts, ids, block = self.sched.layouts, self.group_block_ids, self.sched.block_size
+        local, cached = self.case.local, self.case.local + self.case.external
+        for _ in reqs:
+            for layout, group_ids in zip(layouts, ids):
+                scan_group(layout, group_ids, local, cached, block)
+
+    def planned(self) -> list[list[int]]:
+        job = self.sched._pending_loads[-1]
+        assert not job.failed_at_plan
+        by_group = {g.group_index: g.block_ids for g in job.groups}
+        return [by_group.get(i, []) for i in range(self.case.num_groups)]
+
+    def reset(self) -> None:
+        s = self.sched
+        for job in s._jobs.values():
+            for key in job.keys:
+                s.index.unpin(key)
+        s._jobs.clear()
+        s._pending_loads.clear()
+        s._requests.clear()
+        s._lookups.clear()
+        s.take_stats()
+
+
+# ----------------------------------------------------------------------------- timing
+@dataclass
+class Result:
+    case: Case
+    pending_blocks: int
+    seconds: dict[str, float]  # side -> median seconds per request
+
+
+def _sample(prepare, run, reset, number: int) -> float:
+    """Seconds per request of `run` over `number` prepared requests (gc off while timed)."""
+    reqs = prepare(number)
+    gc.disable()
+    try:
+        t0 = time.perf_counter()
+        run(reqs)
+        elapsed = time.perf_counter() - t0
+    finally:
+        gc.enable()
+        reset()
+    return elapsed / number
+
+
+def measure(case: Case, vllm_config, trace_dir: str, repeats: int, min_sample_s: float) -> Result:
+    vllm = VllmSide(vllm_config, case)
+    off = KVScopeSide(case, KVScopeTracing.disabled())
+    on_tracing = KVScopeTracing.from_config(
+        trace_file=os.path.join(trace_dir, f"planner-{case.name.replace('/', '-')}.jsonl"), sample_ratio=1.0)
+    on = KVScopeSide(case, on_tracing)
+    noexport_tracing = KVScopeTracing.for_exporter(_DropSpans())
+    noexport = KVScopeSide(case, noexport_tracing)
+    try:
+        # Same plan on every side: the same device blocks, group by group.
+        for side in (vllm, off, on, noexport):
+            side.call(side.prepare(1))
+            planned = side.planned()
+            side.reset()
+            if planned != case.expected_block_ids:
+                sizes = [len(p) for p in planned]
+                raise AssertionError(f"{case.name}: {type(side).__name__} planned {sizes} blocks per group, "
+                                     f"expected {[len(e) for e in case.expected_block_ids]}")
+        samplers = {
+            "vllm": (vllm.prepare, vllm.call, vllm.reset),
+            "kvscope_off": (off.prepare, off.call, off.reset),
+            "kvscope_on": (on.prepare, on.call, on.reset),
+            "kvscope_on_noexport": (noexport.prepare, noexport.call, noexport.reset),
+            "kvscope_scan_off": (lambda n: [None] * n, off.scan, off.reset),
+            "kvscope_scan_on": (lambda n: [None] * n, on.scan, on.reset),
+            "kvscope_scan_on_noexport": (lambda n: [None] * n, noexport.scan, noexport.reset),
+            "kvscope_scan_bare": (lambda n: [None] * n, off.scan_bare, off.reset),
+        }
+        one = max(_sample(*samplers[s], 1) for s in ("vllm", "kvscope_on"))
+        number = max(1, min(1000, int(min_sample_s / max(one, 1e-9))))
+        samples: dict[str, list[float]] = {s: [] for s in SIDES}
+        for r in range(repeats):
+            order = SIDES[r % len(SIDES):] + SIDES[:r % len(SIDES)]
+            for side in order:
+                samples[side].append(_sample(*samplers[side], number))
+    finally:
+        on_tracing.shutdown()
+        noexport_tracing.shutdown()
+        vllm.sched.shutdown()
+    pending = sum(len(ids) for ids in case.expected_block_ids)
+    return Result(case, pending, {s: statistics.median(v) for s, v in samples.items()})
+
+
+def measure_all(quick: bool, sizes=None, groups=None, repeats=None, min_sample_s=None) -> list[Result]:
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import init_none_hash
+
+    vllm_config = _vllm_config()
+    hash_fn = get_hash_fn_by_name(vllm_config.cache_config.prefix_caching_hash_algo)
+    init_none_hash(hash_fn)
+    sizes = sizes or (SIZES_QUICK if quick else SIZES_FULL)
+    repeats = repeats or (7 if quick else 15)
+    min_sample_s = min_sample_s or (0.015 if quick else 0.03)
+    results = []
+    with tempfile.TemporaryDirectory(prefix="kvscope-planner-bench-") as trace_dir:
+        for num_groups in groups or sorted(GROUP_MIXES):
+            for blocks in sizes:
+                case = make_case(num_groups, blocks, hash_fn)
+                results.append(measure(case, vllm_config, trace_dir, repeats, min_sample_s))
+                del case
+                gc.collect()
+    return results
+
+
+def to_records(results: list[Result]) -> list[dict]:
+    """{name, median, unit, ratio, ratio_of}; median in µs per request, ratios against vLLM."""
+    records = []
+    for r in results:
+        ref = f"planner_vs_vllm.vllm[{r.case.name}]"
+        records.append({"name": ref, "median": r.seconds["vllm"] * 1e6, "unit": "us",
+                        "ratio": None, "ratio_of": None})
+        bare = f"planner_vs_vllm.kvscope_scan_bare[{r.case.name}]"
+        for side in SIDES[1:]:
+            if side in SCAN_SIDES:
+                records.append({
+                    "name": f"planner_vs_vllm.{side}[{r.case.name}]",
+                    "median": r.seconds[side] * 1e6,
+                    "unit": "us",
+                    "ratio": r.seconds[side] / r.seconds["kvscope_scan_bare"],
+                    "ratio_of": bare,
+                })
+                continue
+            records.append({
+                "name": f"planner_vs_vllm.{side}[{r.case.name}]",
+                "median": r.seconds[side] * 1e6,
+                "unit": "us",
+                "ratio": r.seconds[side] / r.seconds["vllm"],
+                "ratio_of": ref,
+            })
+    return records
+
+
+def run(quick: bool = False) -> list[dict]:
+    return to_records(measure_all(quick))
+
+
+def format_table(results: list[Result]) -> str:
+    rows = [("case", "pending", "vLLM µs", "kvscope off µs", "on µs", "off/vLLM", "on/vLLM",
+             "on no export/vLLM", "scan off/bare", "scan on/bare", "scan on no export/bare")]
+    for r in results:
+        s = r.seconds
+        rows.append((r.case.name, str(r.pending_blocks), f"{s['vllm'] * 1e6:.1f}",
+                     f"{s['kvscope_off'] * 1e6:.1f}", f"{s['kvscope_on'] * 1e6:.1f}",
+                     f"{s['kvscope_off'] / s['vllm']:.2f}", f"{s['kvscope_on'] / s['vllm']:.2f}",
+                     f"{s['kvscope_on_noexport'] / s['vllm']:.2f}",
+                     f"{s['kvscope_scan_off'] / s['kvscope_scan_bare']:.3f}",
+                     f"{s['kvscope_scan_on'] / s['kvscope_scan_bare']:.2f}",
+                     f"{s['kvscope_scan_on_noexport'] / s['kvscope_scan_bare']:.2f}"))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = []
+    for n, row in enumerate(rows):
+        lines.append("  ".join([row[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(row[1:], widths[1:])]))
+        if n == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer sizes and repeats")
+    args = parser.parse_args(argv)
+    results = measure_all(args.quick)
+    print(f"update_state_after_alloc per request, device blocks of {DEVICE_BLOCK_SIZE} tokens, "
+          f"offload blocks of {OFFLOAD_BLOCK_SIZE}; case = groups/device blocks per group")
+    print(format_table(results))
+    print("ratios below 1: kvscope faster than vLLM's uninstrumented planner")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

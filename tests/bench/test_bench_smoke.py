@@ -1,0 +1,67 @@
+"""Smoke test of the benchmarks in a tiny configuration: they run, and their records are
+well-formed with finite, positive ratios. No timing assertions (numbers are machine noise here)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from bench import copy_bench, planner_vs_vllm, run_all  # noqa: E402
+
+
+def _check(records: list[dict]) -> None:
+    assert records
+    run_all.check_records(records)  # exact keys, finite positive medians and ratios, ratio_of exists
+    for r in records:
+        assert set(r) == {"name", "median", "unit", "ratio", "ratio_of"}
+        assert math.isfinite(r["median"]) and r["median"] > 0
+        if r["ratio"] is not None:
+            assert math.isfinite(r["ratio"]) and r["ratio"] > 0
+    json.dumps(records)  # serialisable as results.json
+
+
+def test_planner_vs_vllm_tiny():
+    results = planner_vs_vllm.measure_all(quick=True, sizes=(128,), groups=(1, 2), repeats=1,
+                                          min_sample_s=1e-4)
+    records = planner_vs_vllm.to_records(results)
+    _check(records)
+    # every kvscope side is compared with vLLM on the same case
+    sides = {r["name"].split("[")[0] for r in records if r["ratio_of"]}
+    assert sides == {f"planner_vs_vllm.{s}" for s in planner_vs_vllm.SIDES[1:]}
+    assert all(r["ratio_of"].startswith("planner_vs_vllm.vllm[") for r in records if r["ratio_of"])
+    assert {r.pending_blocks for r in results} == {96, 160}  # 1g: 96 blocks; 2g: + 64 in the window
+
+
+def test_copy_bench_tiny():
+    records = copy_bench.run(quick=True, pages=(16 * 1024,), counts=(1, 4), repeats=1, min_sample_s=1e-4)
+    _check(records)
+    assert {r["unit"] for r in records} == {"GB/s"}
+    assert len(records) == 2 * 2 * 2  # 2 counts x load/store x (engine, contiguous)
+
+
+def test_results_files(tmp_path, monkeypatch):
+    fake = [
+        {"name": "planner_vs_vllm.vllm[1g/128]", "median": 30.0, "unit": "us", "ratio": None, "ratio_of": None},
+        {"name": "planner_vs_vllm.kvscope_on[1g/128]", "median": 45.0, "unit": "us", "ratio": 1.5,
+         "ratio_of": "planner_vs_vllm.vllm[1g/128]"},
+        {"name": "e2e.ttft.recompute[2k]", "median": 3.0, "unit": "s", "ratio": None, "ratio_of": None},
+        {"name": "e2e.ttft.host_load[2k]", "median": 0.5, "unit": "s", "ratio": 0.2,
+         "ratio_of": "e2e.ttft.recompute[2k]"},
+    ]
+    monkeypatch.setattr(run_all, "_benches", lambda quick: [("fake", lambda: fake)])
+    assert run_all.main(quick=True, out_dir=tmp_path) == 0
+    assert json.loads((tmp_path / "results.json").read_text()) == fake
+    md = (tmp_path / "results.md").read_text()
+    assert "| planner_vs_vllm.kvscope_on[1g/128] | 45.00 | us | 1.50 |" in md and "| no |" in md
+    assert "2k: 5.0x" in md
+
+
+def test_bad_records_are_refused():
+    with pytest.raises(ValueError, match="ratio"):
+        run_all.check_records([{"name": "a", "median": 1.0, "unit": "s", "ratio": float("nan"), "ratio_of": "a"}])
+    with pytest.raises(ValueError, match="keys"):
+        run_all.check_records([{"name": "a", "median": 1.0}])
