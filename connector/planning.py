@@ -131,10 +131,7 @@ def plan_load(
         scan_group(layout, ids, num_local_tokens, cached, offload_block_size)
         for layout, ids in zip(layouts, group_block_ids)
     ]
-    # The first offload key comes from the locally computed *device* blocks of the finest
-    # group divided by its factor; for block-aligned local hits every group agrees.
-    first = min(
-        (num_local_tokens // g.block_size) // g.blocks_per_offload_block(offload_block_size)
-        for g in layouts
-    ) if layouts else 0
+    # The first offload key: the locally computed device blocks over the block-size factor,
+    # (local // bs) // (B // bs) == local // B for every group since B is a multiple of bs.
+    first = num_local_tokens // offload_block_size
     return LoadPlan(scans=scans, first_offload_index=first)
