@@ -54,6 +54,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def fast_scrape_config(job: str, target: str, rule_files) -> str:
+    """Prometheus config for tests: scrape `target` and evaluate the rules every second."""
+    rules = "\n".join(f"  - {p}" for p in rule_files)
+    return f"""
+global:
+  scrape_interval: 1s
+  scrape_timeout: 1s
+  evaluation_interval: 1s
+rule_files:
+{rules}
+scrape_configs:
+  - job_name: {job}
+    static_configs:
+      - targets: ["{target}"]
+"""
+
+
 class PrometheusServer:
     """A throw-away `prometheus` on 127.0.0.1 with its own config and TSDB in `workdir`."""
 

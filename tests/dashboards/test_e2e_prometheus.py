@@ -16,7 +16,7 @@ import pytest
 from . import synthetic_exporter as synth
 from .paths import DASHBOARDS_DIR, RULE_FILES, RULES_DIR
 from .promcheck import evaluate_board_queries, firing_alerts, instant_query, rule_health_failures
-from .promtools import PrometheusServer, require_binary
+from .promtools import PrometheusServer, fast_scrape_config, require_binary
 
 # Grafana's built-ins, as a short dashboard range would set them with 1s scrapes.
 BUILTINS = {"__rate_interval": "30s", "__interval": "5s", "__range": "5m", "datasource": "prometheus"}
@@ -35,19 +35,7 @@ def exporter():
 @pytest.fixture(scope="module")
 def prometheus(exporter, tmp_path_factory):
     require_binary("prometheus")
-    rule_files = "\n".join(f"  - {p}" for p in RULE_FILES)
-    config = f"""
-global:
-  scrape_interval: 1s
-  scrape_timeout: 1s
-  evaluation_interval: 1s
-rule_files:
-{rule_files}
-scrape_configs:
-  - job_name: kvscope-synthetic
-    static_configs:
-      - targets: ["{exporter.target}"]
-"""
+    config = fast_scrape_config("kvscope-synthetic", exporter.target, RULE_FILES)
     server = PrometheusServer(config, tmp_path_factory.mktemp("prometheus"))
     server.start()
     try:

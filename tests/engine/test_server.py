@@ -185,24 +185,12 @@ def prometheus_scraping_server(server, two_rounds, tmp_path_factory):
     """A real Prometheus scraping this server every second, with the rules loaded, while a
     background workload keeps hits, loads and stores flowing."""
     from tests.dashboards.paths import RULE_FILES
-    from tests.dashboards.promtools import PrometheusServer, find_binary
+    from tests.dashboards.promtools import PrometheusServer, fast_scrape_config, find_binary
 
     if find_binary("prometheus") is None:
         pytest.skip("prometheus is not installed (.ci/install-prometheus.sh installs it)")
     base, model, _ = server
-    rule_files = "\n".join(f"  - {p}" for p in RULE_FILES)
-    config = f"""
-global:
-  scrape_interval: 1s
-  scrape_timeout: 1s
-  evaluation_interval: 1s
-rule_files:
-{rule_files}
-scrape_configs:
-  - job_name: vllm
-    static_configs:
-      - targets: ["{base.removeprefix('http://')}"]
-"""
+    config = fast_scrape_config("vllm", base.removeprefix("http://"), RULE_FILES)
     prom = PrometheusServer(config, tmp_path_factory.mktemp("prometheus")).start()
     stop = threading.Event()
     prompts = prompts_sharing_prefixes()
