@@ -70,3 +70,15 @@ def test_hits_after_reset_cover_90_percent_of_device_prefix_cache(model_run):
     device = no_reset["vllm:prefix_cache_hits"] + no_reset["vllm:external_prefix_cache_hits"]
     assert device > 0
     assert host >= 0.9 * device, (host, device)
+
+
+def test_offload_blocks_of_two_device_blocks(scenarios):
+    """block_size = 2 x the device block: loads address sub-blocks of host slots."""
+    result = scenarios.get("gemma3-w64-b256", spec_for("gemma3-w64", extra={"cpu_bytes": 64 << 20, "block_size": 256}))
+    baseline = scenarios.get("gemma3-w64:baseline", spec_for("gemma3-w64", connector=False))
+    assert result["offload_block_size"] == 256 and result["block_sizes"] == [128, 128]
+    for round_ in result["rounds"]:
+        assert _tokens(round_) == _tokens(baseline["rounds"][0])
+    # every hit is whole 256-token blocks, leaving at least one token to compute
+    expected = sum((len(p) - 1) // 256 * 256 for p in PROMPTS)
+    assert result["counters"][1]["vllm:external_prefix_cache_hits"] == expected
