@@ -53,7 +53,7 @@ from opentelemetry.trace import Span, SpanContext, SpanKind, TraceFlags
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from connector import __version__
-from connector.telemetry.trace_file import OtlpJsonLinesExporter
+from connector.telemetry.trace_file import OtlpJsonLinesExporter, light_spans_to_json_line
 
 logger = logging.getLogger(__name__)
 
@@ -104,20 +104,23 @@ class KVScopeTracing:
         ratio = _check_ratio(sample_ratio)
         if _truthy(env.get("OTEL_SDK_DISABLED")):
             return cls.disabled()
+        resource = _resource(env)
         exporters: list[SpanExporter] = []
         if trace_file:
-            exporters.append(OtlpJsonLinesExporter(trace_file))
+            # The file gets light spans encoded directly (no SDK span, no protobuf): the cheap path.
+            exporters.append(OtlpJsonLinesExporter(trace_file, encode=lambda spans: light_spans_to_json_line(
+                spans, resource, SCOPE_NAME, __version__)))
         if otlp_requested(env):
             otlp = build_otlp_exporter(env)
             if otlp is not None:
-                exporters.append(otlp)
+                exporters.append(SdkSpanExporter(otlp, resource))
         if not exporters:
             return cls.disabled()
-        provider = TracerProvider(resource=_resource(env))
+        provider = TracerProvider(resource=resource)
         for exporter in exporters:
             provider.add_span_processor(
                 BatchSpanProcessor(
-                    SdkSpanExporter(exporter, provider.resource),
+                    exporter,
                     schedule_delay_millis=_BATCH_SCHEDULE_DELAY_MS,
                     max_queue_size=_BATCH_MAX_QUEUE,
                 )
@@ -309,6 +312,10 @@ class LightSpan(Span):
     def set_attribute(self, key: str, value: Any) -> None:
         if self.is_recording():
             self.attributes[key] = value
+
+    @property
+    def trace_state(self):
+        return self._trace_state
 
     def get_span_context(self) -> SpanContext:
         return SpanContext(self.trace_id, self.span_id, is_remote=False,

@@ -12,6 +12,8 @@ from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.sdk.trace.export import SpanExportResult
 
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
 from connector.telemetry.trace_file import OtlpJsonLinesExporter, parse_json_line
 
 
@@ -124,3 +126,38 @@ def test_export_appends_to_an_existing_file(tmp_path, tracing, span_exporter):
     path.write_text('{"resourceSpans":[]}\n')
     OtlpJsonLinesExporter(path).export(span_exporter.get_finished_spans())
     assert len(path.read_text().splitlines()) == 2
+
+
+def test_light_span_encoder_writes_exactly_what_the_sdk_encoder_writes(tmp_path):
+    """The trace file's fast path (light spans -> JSON) against the SDK/protobuf path."""
+    import json as _json
+
+    from opentelemetry.sdk.resources import Resource
+
+    from connector import __version__
+    from connector.telemetry.trace_file import light_spans_to_json_line, spans_to_json_line
+    from connector.telemetry.tracing import SCOPE_NAME, KVScopeTracing, SdkSpanExporter
+
+    captured = []
+
+    class Keep:
+        def on_end(self, span):
+            captured.append(span)
+
+    tracing = KVScopeTracing.for_exporter(InMemorySpanExporter())
+    tracing._processor = Keep()
+    headers = {"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+               "tracestate": "vendor=1,other=x"}
+    root = tracing.start_span("kvscope.load", context=tracing.context_from_trace_headers(headers))
+    root.set_attributes({"kvscope.request.id": "r1", "kvscope.tokens.local": 0, "flag": True,
+                         "ratio": 0.25, "ids": [1, 2]})
+    child = tracing.start_span("kvscope.group.scan", context=tracing.context_of(root))
+    child.set_attributes({"kvscope.group.kind": "sliding_window", "kvscope.group.index": 1})
+    child.end()
+    root.end()
+    tracing.record_span("kvscope.lookup", None, 5, 9, {"kvscope.tokens.hit": 0})
+    resource = Resource.create({"service.name": "kvscope"})
+    fast = light_spans_to_json_line(captured, resource, SCOPE_NAME, __version__)
+    readable = []
+    SdkSpanExporter(type("Sink", (), {"export": lambda self, spans: readable.extend(spans)})(), resource).export(captured)
+    assert _json.loads(fast) == _json.loads(spans_to_json_line(readable))
