@@ -31,6 +31,7 @@ if __package__ in (None, ""):  # run as a script from a checkout
 
 import torch  # noqa: E402
 
+from bench.table import render_table  # noqa: E402
 from connector.copy_engine import CopyEngine  # noqa: E402
 from connector.vllm_layout import SlotLayout  # noqa: E402
 
@@ -204,13 +205,7 @@ def format_table(results: list[Result]) -> str:
     for r in results:
         rows.append((r.case.name, f"{r.engine_gbps:.2f}", f"{r.contiguous_gbps:.2f}",
                      f"{r.engine_gbps / r.contiguous_gbps:.2f}"))
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines = []
-    for n, row in enumerate(rows):
-        lines.append("  ".join([row[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(row[1:], widths[1:])]))
-        if n == 0:
-            lines.append("  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+    return render_table(rows)
 
 
 def main(argv: list[str] | None = None) -> int:

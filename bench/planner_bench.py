@@ -21,6 +21,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script from a checkout
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.table import render_table  # noqa: E402
 from connector.groups import GroupKind, GroupLayout  # noqa: E402
 from connector.planning import NULL_BLOCK_ID, GroupScan, LoadPlan, cdiv, plan_load  # noqa: E402
 
@@ -199,14 +200,7 @@ def format_table(results: list[Result]) -> str:
                 f"{r.plan_load_s / r.reference_s:.2f}",
             )
         )
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines = []
-    for n, row in enumerate(rows):
-        cells = [row[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(row[1:], widths[1:])]
-        lines.append("  ".join(cells))
-        if n == 0:
-            lines.append("  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+    return render_table(rows)
 
 
 def main(argv: list[str] | None = None) -> int:

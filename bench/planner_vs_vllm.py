@@ -46,6 +46,7 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult  # noqa: E402
 
+from bench.table import render_table  # noqa: E402
 from connector.groups import GroupKind, GroupLayout  # noqa: E402
 from connector.planning import NULL_BLOCK_ID, cdiv, scan_group  # noqa: E402
 from connector.scheduler import KVScopeScheduler  # noqa: E402
@@ -473,13 +474,7 @@ def format_table(results: list[Result]) -> str:
                      f"{s['kvscope_scan_off'] / s['kvscope_scan_bare']:.3f}",
                      f"{s['kvscope_scan_on'] / s['kvscope_scan_bare']:.2f}",
                      f"{s['kvscope_scan_on_noexport'] / s['kvscope_scan_bare']:.2f}"))
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines = []
-    for n, row in enumerate(rows):
-        lines.append("  ".join([row[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(row[1:], widths[1:])]))
-        if n == 0:
-            lines.append("  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+    return render_table(rows)
 
 
 def main(argv: list[str] | None = None) -> int:
