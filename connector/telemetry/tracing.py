@@ -288,7 +288,7 @@ class LightSpan(Span):
     """
 
     __slots__ = ("name", "trace_id", "span_id", "parent", "sampled", "start_time", "end_time",
-                 "attributes", "_processor", "_trace_state")
+                 "attributes", "_processor", "_trace_state", "_context")
 
     def __init__(self, name, trace_id, span_id, parent, sampled, start_time, processor):
         self.name = name
@@ -301,6 +301,7 @@ class LightSpan(Span):
         self.attributes = {}
         self._processor = processor
         self._trace_state = parent.trace_state if parent is not None else None  # W3C tracestate
+        self._context = None  # SpanContext, built on first use (parents, carriers, processors ask)
 
     def is_recording(self) -> bool:
         return self.sampled and self.end_time is None
@@ -318,9 +319,11 @@ class LightSpan(Span):
         return self._trace_state
 
     def get_span_context(self) -> SpanContext:
-        return SpanContext(self.trace_id, self.span_id, is_remote=False,
-                           trace_flags=_SAMPLED if self.sampled else _NOT_SAMPLED,
-                           trace_state=self._trace_state)
+        if self._context is None:
+            self._context = SpanContext(self.trace_id, self.span_id, is_remote=False,
+                                        trace_flags=_SAMPLED if self.sampled else _NOT_SAMPLED,
+                                        trace_state=self._trace_state)
+        return self._context
 
     # The rest of the Span API: kvscope spans carry attributes only.
     def add_event(self, name, attributes=None, timestamp=None) -> None:
