@@ -19,8 +19,8 @@ translation, the per-group scans, host pins, the transfer job), with tracing off
 trace file behind the batch span processor, sample ratio 1.0; the timed region ends with a
 flush, so exporting the spans is counted, and none is dropped). The scans alone
 (`_scan_groups`, and a load span around `_scan_groups_traced`) are reported as well, and the
-adapter path with spans recorded but dropped instead of exported (`for_exporter`), which
-separates the cost of recording spans from the cost of writing them.
+adapter path with spans recorded and queued as for a trace file but dropped by the export thread
+instead of encoded (`*_noexport`): the engine thread's share, apart from the export thread's.
 
 Sides are sampled alternately (rotating order) in one process; the per-request bookkeeping that
 must be undone between calls (pins, jobs, request state) is undone outside the timed region.
@@ -44,12 +44,15 @@ if __package__ in (None, ""):  # run as a script from a checkout
 
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
+from opentelemetry.sdk.resources import Resource  # noqa: E402
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult  # noqa: E402
 
 from bench.table import render_table  # noqa: E402
 from connector.groups import GroupKind, GroupLayout  # noqa: E402
 from connector.planning import NULL_BLOCK_ID, cdiv, scan_group  # noqa: E402
 from connector.scheduler import KVScopeScheduler  # noqa: E402
+from connector.telemetry.metrics import KVScopeStats  # noqa: E402
+from connector.telemetry.span_batcher import SpanBatcher  # noqa: E402
 from connector.telemetry.tracing import KVScopeTracing  # noqa: E402
 
 DEVICE_BLOCK_SIZE = 16  # tokens per device block, every group (vLLM's chunking needs one size)
@@ -66,10 +69,13 @@ GROUP_MIXES: dict[int, list[tuple[GroupKind, int | None]]] = {
 SIZES_FULL = (128, 1024, 8192, 32768)  # device blocks per group (the prompt length / 16)
 SIZES_QUICK = (128, 2048, 32768)
 
-SIDES = ("vllm", "kvscope_off", "kvscope_on", "kvscope_on_noexport", "kvscope_scan_off", "kvscope_scan_on",
-         "kvscope_scan_on_noexport", "kvscope_scan_bare")
-# Telemetry overhead (issue 3): the scans as the scheduler runs them, against the same scans
-# with no instrumentation at all (plain `scan_group` calls).
+SIDES = ("vllm", "kvscope_bare", "kvscope_off", "kvscope_on", "kvscope_on_noexport", "kvscope_scan_off",
+         "kvscope_scan_on", "kvscope_scan_on_noexport", "kvscope_scan_bare")
+# Telemetry's cost (issue 3), per request: the planner with telemetry off / tracing on / tracing
+# without the export thread's work, against the same planner with its telemetry taken out.
+TELEMETRY_SIDES = {"telemetry_off": "kvscope_off", "telemetry_on": "kvscope_on",
+                   "telemetry_on_noexport": "kvscope_on_noexport"}
+# The group scans alone as the scheduler runs them, against plain `scan_group` calls.
 SCAN_SIDES = ("kvscope_scan_off", "kvscope_scan_on", "kvscope_scan_on_noexport")
 
 
@@ -262,14 +268,35 @@ class VllmSide:
         s._req_status.clear()
 
 
+class _NoStats(KVScopeStats):
+    def record_lookup(self, queried_tokens: int, hit_tokens: int) -> None:
+        pass
+
+
+class UninstrumentedScheduler(KVScopeScheduler):
+    """kvscope's planner with its telemetry taken out: no scan timers, no stats, no tracing.
+
+    The reference for what telemetry costs (issue 3: within 2% when off, 15% when tracing).
+    Only the load-latency start stamp (`_Job.plan_ns`, one clock read) stays in.
+    """
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self._stats = _NoStats()
+
+    def _scan_groups(self, group_block_ids, local, cached):
+        block = self.block_size
+        return [scan_group(layout, ids, local, cached, block) for layout, ids in zip(self.layouts, group_block_ids)]
+
+
 class KVScopeSide:
     """KVScopeScheduler with every offload block of the case ready in its host index."""
 
-    def __init__(self, case: Case, tracing: KVScopeTracing):
+    def __init__(self, case: Case, tracing: KVScopeTracing, scheduler_class=KVScopeScheduler):
         self.case = case
         self.tracing = tracing
         chunks = (case.local + case.external) // OFFLOAD_BLOCK_SIZE
-        self.sched = KVScopeScheduler(
+        self.sched = scheduler_class(
             layouts=case.layouts,
             offload_block_size=OFFLOAD_BLOCK_SIZE,
             hash_block_size=DEVICE_BLOCK_SIZE,
@@ -368,15 +395,18 @@ def _sample(prepare, run, reset, number: int) -> float:
 
 def measure(case: Case, vllm_config, trace_dir: str, repeats: int, min_sample_s: float) -> Result:
     vllm = VllmSide(vllm_config, case)
+    bare = KVScopeSide(case, KVScopeTracing.disabled(), UninstrumentedScheduler)
     off = KVScopeSide(case, KVScopeTracing.disabled())
     on_tracing = KVScopeTracing.from_config(
         trace_file=os.path.join(trace_dir, f"planner-{case.name.replace('/', '-')}.jsonl"), sample_ratio=1.0)
     on = KVScopeSide(case, on_tracing)
-    noexport_tracing = KVScopeTracing.for_exporter(_DropSpans())
+    # The engine thread's share: spans recorded and queued exactly as with a trace file, then
+    # dropped by the export thread instead of encoded.
+    noexport_tracing = KVScopeTracing(SpanBatcher([_DropSpans()]), Resource.create({"service.name": "bench"}))
     noexport = KVScopeSide(case, noexport_tracing)
     try:
         # Same plan on every side: the same device blocks, group by group.
-        for side in (vllm, off, on, noexport):
+        for side in (vllm, bare, off, on, noexport):
             side.call(side.prepare(1))
             planned = side.planned()
             side.reset()
@@ -386,6 +416,7 @@ def measure(case: Case, vllm_config, trace_dir: str, repeats: int, min_sample_s:
                                      f"expected {[len(e) for e in case.expected_block_ids]}")
         samplers = {
             "vllm": (vllm.prepare, vllm.call, vllm.reset),
+            "kvscope_bare": (bare.prepare, bare.call, bare.reset),
             "kvscope_off": (off.prepare, off.call, off.reset),
             "kvscope_on": (on.prepare, on.call, on.reset),
             "kvscope_on_noexport": (noexport.prepare, noexport.call, noexport.reset),
@@ -431,30 +462,29 @@ def measure_all(quick: bool, sizes=None, groups=None, repeats=None, min_sample_s
 
 
 def to_records(results: list[Result]) -> list[dict]:
-    """{name, median, unit, ratio, ratio_of}; median in µs per request, ratios against vLLM."""
+    """{name, median, unit, ratio, ratio_of}; median in µs per request.
+
+    Each side against vLLM; `telemetry_*` repeat a side's median against the uninstrumented
+    planner (`kvscope_bare`); `kvscope_scan_*` against the bare scans.
+    """
     records = []
+
+    def record(name: str, side: str, reference: str | None) -> None:
+        seconds = r.seconds
+        records.append({
+            "name": f"planner_vs_vllm.{name}[{r.case.name}]",
+            "median": seconds[side] * 1e6,
+            "unit": "us",
+            "ratio": seconds[side] / seconds[reference] if reference else None,
+            "ratio_of": f"planner_vs_vllm.{reference}[{r.case.name}]" if reference else None,
+        })
+
     for r in results:
-        ref = f"planner_vs_vllm.vllm[{r.case.name}]"
-        records.append({"name": ref, "median": r.seconds["vllm"] * 1e6, "unit": "us",
-                        "ratio": None, "ratio_of": None})
-        bare = f"planner_vs_vllm.kvscope_scan_bare[{r.case.name}]"
+        record("vllm", "vllm", None)
         for side in SIDES[1:]:
-            if side in SCAN_SIDES:
-                records.append({
-                    "name": f"planner_vs_vllm.{side}[{r.case.name}]",
-                    "median": r.seconds[side] * 1e6,
-                    "unit": "us",
-                    "ratio": r.seconds[side] / r.seconds["kvscope_scan_bare"],
-                    "ratio_of": bare,
-                })
-                continue
-            records.append({
-                "name": f"planner_vs_vllm.{side}[{r.case.name}]",
-                "median": r.seconds[side] * 1e6,
-                "unit": "us",
-                "ratio": r.seconds[side] / r.seconds["vllm"],
-                "ratio_of": ref,
-            })
+            record(side, side, "kvscope_scan_bare" if side in SCAN_SIDES else "vllm")
+        for name, side in TELEMETRY_SIDES.items():
+            record(name, side, "kvscope_bare")
     return records
 
 
@@ -464,16 +494,18 @@ def run(quick: bool = False) -> list[dict]:
 
 def format_table(results: list[Result]) -> str:
     rows = [("case", "pending", "vLLM µs", "kvscope off µs", "on µs", "off/vLLM", "on/vLLM",
-             "on no export/vLLM", "scan off/bare", "scan on/bare", "scan on no export/bare")]
+             "on no export/vLLM", "off/bare", "on/bare", "on no export/bare", "scan off/bare", "scan on/bare")]
     for r in results:
         s = r.seconds
         rows.append((r.case.name, str(r.pending_blocks), f"{s['vllm'] * 1e6:.1f}",
                      f"{s['kvscope_off'] * 1e6:.1f}", f"{s['kvscope_on'] * 1e6:.1f}",
                      f"{s['kvscope_off'] / s['vllm']:.2f}", f"{s['kvscope_on'] / s['vllm']:.2f}",
                      f"{s['kvscope_on_noexport'] / s['vllm']:.2f}",
+                     f"{s['kvscope_off'] / s['kvscope_bare']:.3f}",
+                     f"{s['kvscope_on'] / s['kvscope_bare']:.2f}",
+                     f"{s['kvscope_on_noexport'] / s['kvscope_bare']:.2f}",
                      f"{s['kvscope_scan_off'] / s['kvscope_scan_bare']:.3f}",
-                     f"{s['kvscope_scan_on'] / s['kvscope_scan_bare']:.2f}",
-                     f"{s['kvscope_scan_on_noexport'] / s['kvscope_scan_bare']:.2f}"))
+                     f"{s['kvscope_scan_on'] / s['kvscope_scan_bare']:.2f}"))
     return render_table(rows)
 
 

@@ -31,6 +31,8 @@ class GroupScan:
     block_ids: list[int] = field(default_factory=list)
     offload_indices: list[int] = field(default_factory=list)
     sub_indices: list[int] = field(default_factory=list)
+    # (offload block index, pending device blocks in it) per offload block read, in order.
+    runs: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def pending(self) -> int:
@@ -62,14 +64,7 @@ class LoadPlan:
 
     def keys(self) -> list[tuple[int, int]]:
         """Distinct (group index, offload block index) pairs the load reads, in plan order."""
-        out: list[tuple[int, int]] = []
-        for s in self.scans:
-            last = -1
-            for k in s.offload_indices:
-                if k != last:
-                    out.append((s.group_index, k))
-                    last = k
-        return out
+        return [(s.group_index, k) for s in self.scans for k, _ in s.runs]
 
 
 def scan_group(
@@ -95,15 +90,41 @@ def scan_group(
     if end <= begin or num_cached_tokens <= num_local_tokens:
         return scan
     scan.blocks_total = end - begin
-    ids, offs, subs = scan.block_ids, scan.offload_indices, scan.sub_indices
+    window = block_ids[begin:end]
+    if type(window) is not list:
+        window = list(window)
+    nulls = window.count(NULL_BLOCK_ID)
+    if nulls == 0 or window[:nulls].count(NULL_BLOCK_ID) == nulls:
+        # Every null leads (a sliding window's out-of-window blocks) or there is none: the
+        # pending blocks are one slice, and their indices slices of a cached table. No loop.
+        if nulls == len(window):
+            scan.null_skipped = nulls
+            return scan
+        first = begin + nulls
+        quotients, remainders = _index_tables(factor, end)
+        scan.block_ids = window[nulls:] if nulls else window
+        scan.offload_indices = quotients[first:end]
+        scan.sub_indices = remainders[first:end]
+        scan.runs = [(k, min(end, (k + 1) * factor) - max(first, k * factor))
+                     for k in range(first // factor, (end - 1) // factor + 1)]
+        scan.null_skipped = nulls
+        scan.start = first
+        return scan
+    # Nulls between real blocks (Mamba padding, odd layouts): one block at a time.
+    ids, offs, subs, runs = scan.block_ids, scan.offload_indices, scan.sub_indices, scan.runs
     for i in range(begin, end):
         b = block_ids[i]
         if b == NULL_BLOCK_ID:
             continue
+        k = i // factor
         ids.append(b)
-        offs.append(i // factor)
+        offs.append(k)
         subs.append(i % factor)
-    scan.null_skipped = scan.blocks_total - len(ids)
+        if runs and runs[-1][0] == k:
+            runs[-1] = (k, runs[-1][1] + 1)
+        else:
+            runs.append((k, 1))
+    scan.null_skipped = nulls
     if ids:
         scan.start = begin + _count_leading_nulls(block_ids, begin)
     return scan
@@ -114,6 +135,19 @@ def _count_leading_nulls(block_ids: Sequence[int], begin: int) -> int:
     while block_ids[begin + n] == NULL_BLOCK_ID:
         n += 1
     return n
+
+
+# factor -> ([i // factor], [i % factor]) for i below the list length, grown by doubling.
+_INDEX_TABLES: dict[int, tuple[list[int], list[int]]] = {}
+
+
+def _index_tables(factor: int, size: int) -> tuple[list[int], list[int]]:
+    tables = _INDEX_TABLES.get(factor)
+    if tables is None or len(tables[0]) < size:
+        n = max(1024, 1 << (size - 1).bit_length())
+        tables = ([i // factor for i in range(n)], [i % factor for i in range(n)])
+        _INDEX_TABLES[factor] = tables
+    return tables
 
 
 def plan_load(

@@ -77,9 +77,9 @@ class KVScopeScheduler:
         self._next_job_id = 0
         self._pending_loads: list[TransferJob] = []
         self._stats = KVScopeStats()
-        # Per group [blocks scanned, null blocks skipped, scan durations]: plain list updates on
-        # the planning path, folded into the stats payload once per stats interval.
-        self._scan_totals = [[0, 0, []] for _ in layouts]
+        # Per group, one (seconds, blocks scanned, null blocks skipped) per scan: a single list
+        # append on the planning path, folded into the stats payload once per stats interval.
+        self._scan_log: list[list[tuple[float, int, int]]] = [[] for _ in layouts]
         self._evicted_reported = 0
 
     # -- keys --
@@ -165,21 +165,21 @@ class KVScopeScheduler:
         job_id = self._new_job_id()
         job = _Job(direction=LOAD, req_id=req_id, keys=[], plan_ns=time.perf_counter_ns())
         parts, failed = [], False
+        num_hashes = len(hashes)
+        pin = self.index.pin_for_load
         for scan in scans:
             if not scan.pending:
                 continue
-            slots = []
-            last_k, last_slot = -1, None
-            for k in scan.offload_indices:
-                if k != last_k:
-                    key = (scan.group_index, hashes[k]) if k < len(hashes) else None
-                    last_slot = self.index.pin_for_load(key) if key is not None else None
-                    if last_slot is None:
-                        failed = True
-                    else:
-                        job.keys.append(key)
-                    last_k = k
-                slots.append(last_slot if last_slot is not None else -1)
+            slots: list[int] = []
+            for k, count in scan.runs:  # one pin per offload block, one slot per device block
+                key = (scan.group_index, hashes[k]) if k < num_hashes else None
+                slot = pin(key) if key is not None else None
+                if slot is None:
+                    failed = True
+                    slot = -1
+                else:
+                    job.keys.append(key)
+                slots += [slot] * count
             parts.append(GroupTransfer(scan.group_index, scan.block_ids, slots, scan.sub_indices))
             job.loaded.append((scan.group_index, scan.pending))
         carrier = None
@@ -213,38 +213,32 @@ class KVScopeScheduler:
     def _scan_groups(self, group_block_ids, local, cached) -> list[GroupScan]:
         scans = []
         clock = time.perf_counter
-        for layout, ids, totals in zip(self.layouts, group_block_ids, self._scan_totals):
+        for layout, ids, log in zip(self.layouts, group_block_ids, self._scan_log):
             t0 = clock()
             scan = scan_group(layout, ids, local, cached, self.block_size)
-            totals[2].append(clock() - t0)
-            totals[0] += scan.blocks_total
-            totals[1] += scan.null_skipped
+            log.append((clock() - t0, scan.blocks_total, scan.null_skipped))
             scans.append(scan)
         return scans
 
     def _scan_groups_traced(self, load_span, group_block_ids, local, cached) -> list[GroupScan]:
         scans = []
-        parent = self.tracing.context_of(load_span)
-        for layout, ids, totals in zip(self.layouts, group_block_ids, self._scan_totals):
-            span = self.tracing.start_span("kvscope.group.scan", context=parent)
-            t0 = time.perf_counter()
+        tracing, parent = self.tracing, self.tracing.context_of(load_span)
+        recording = load_span.is_recording()  # children of a dropped load are dropped with it
+        clock = time.time_ns  # span times are epoch ns; the scan histogram takes the same interval
+        for layout, ids, log in zip(self.layouts, group_block_ids, self._scan_log):
+            t0 = clock()
             scan = scan_group(layout, ids, local, cached, self.block_size)
-            elapsed = time.perf_counter() - t0
-            if span.is_recording():
-                span.set_attributes(
-                    {
-                        "kvscope.group.index": layout.index,
-                        "kvscope.group.kind": layout.kind.value,
-                        "kvscope.group.blocks.total": scan.blocks_total,
-                        "kvscope.group.blocks.null_skipped": scan.null_skipped,
-                        "kvscope.group.blocks.pending": scan.pending,
-                        "kvscope.group.blocks.start": scan.start,
-                    }
-                )
-            span.end()
-            totals[2].append(elapsed)
-            totals[0] += scan.blocks_total
-            totals[1] += scan.null_skipped
+            t1 = clock()
+            if recording:
+                tracing.record_span("kvscope.group.scan", parent, t0, t1, {
+                    "kvscope.group.index": layout.index,
+                    "kvscope.group.kind": layout.kind.value,
+                    "kvscope.group.blocks.total": scan.blocks_total,
+                    "kvscope.group.blocks.null_skipped": scan.null_skipped,
+                    "kvscope.group.blocks.pending": scan.pending,
+                    "kvscope.group.blocks.start": scan.start,
+                })
+            log.append((max(t1 - t0, 0) / 1e9, scan.blocks_total, scan.null_skipped))
             scans.append(scan)
         return scans
 
@@ -377,13 +371,16 @@ class KVScopeScheduler:
         return True
 
     def take_stats(self) -> KVScopeStats | None:
-        for layout, totals in zip(self.layouts, self._scan_totals):
-            blocks, nulls, durations = totals
-            for i, seconds in enumerate(durations):
+        for layout, log in zip(self.layouts, self._scan_log):
+            if not log:
+                continue
+            blocks = sum(entry[1] for entry in log)
+            nulls = sum(entry[2] for entry in log)
+            for i, (seconds, _, _) in enumerate(log):
                 # counts once per group and interval, every duration observed
                 self._stats.record_scan(layout.index, layout.kind.value,
                                         blocks if i == 0 else 0, nulls if i == 0 else 0, seconds)
-            totals[:] = [0, 0, []]
+            log.clear()
         if self._stats.is_empty():
             return None
         stats, self._stats = self._stats, KVScopeStats()

@@ -1,22 +1,24 @@
-"""Tracing for the connector: its own tracer provider, sinks, sampling and W3C propagation.
+"""Tracing for the connector: its own spans, sinks, sampling and W3C propagation.
 
-Why a private ``TracerProvider``: vLLM (and the user's process) may own the global provider; the
-connector must neither replace it nor depend on it. Spans still join vLLM's request trace because
-the parent comes from the request's ``traceparent`` header, not from a shared provider.
+Never the global ``TracerProvider``: vLLM (and the user's process) may own it; the connector
+must neither replace it nor depend on it. Spans still join vLLM's request trace because the
+parent comes from the request's ``traceparent`` header, not from a shared provider. Nor an SDK
+provider of its own: on the engine's hot path a span is a `LightSpan` handed to a `SpanBatcher`
+(a deque append); SDK spans are built, when an SDK exporter needs them, on the export thread.
 
 Free when off: with no sink configured nothing is built, ``enabled`` is False, every span is
 ``INVALID_SPAN`` (a shared non-recording span) and carriers are None. Callers check
 ``span.is_recording()`` before building attributes.
 
 Sinks (any combination):
-- ``trace_file``: OTLP/JSON lines (``trace_file.OtlpJsonLinesExporter``) behind a batching processor.
+- ``trace_file``: OTLP/JSON lines (``trace_file.OtlpJsonLinesExporter``) behind the batching processor.
 - OTLP export, when the standard environment asks for it: ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` or
   ``OTEL_EXPORTER_OTLP_ENDPOINT`` set, or ``OTEL_TRACES_EXPORTER`` naming ``otlp``. The protocol comes
   from ``OTEL_EXPORTER_OTLP_TRACES_PROTOCOL`` / ``OTEL_EXPORTER_OTLP_PROTOCOL``; unset means ``grpc``,
   the default of vLLM's own tracer (``--otlp-traces-endpoint`` exports the variable
   ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` to the engine processes), so one endpoint receives both.
   ``http/protobuf`` selects the HTTP exporter. ``OTEL_SDK_DISABLED=true`` turns all tracing off.
-  A dead endpoint never slows the engine: export runs on the batch processor's thread with a short
+  A dead endpoint never slows the engine: export runs on the batcher's thread with a short
   timeout, the first failure is logged once, and batches are dropped for a cool-down after a failure.
 
 Sampling (the rule of ``ParentBased(root=TraceIdRatioBased(r), remote_parent_sampled=TraceIdRatioBased(r))``).
@@ -40,20 +42,16 @@ from typing import Any
 from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExporter, SpanExportResult
 from opentelemetry.sdk.trace.id_generator import IdGenerator
-from opentelemetry.sdk.trace.export import (
-    BatchSpanProcessor,
-    SimpleSpanProcessor,
-    SpanExporter,
-    SpanExportResult,
-)
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import Span, SpanContext, SpanKind, TraceFlags
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from connector import __version__
-from connector.telemetry.trace_file import OtlpJsonLinesExporter, light_spans_to_json_line
+from connector.telemetry.span_batcher import SpanBatcher
+from connector.telemetry.trace_file import LightSpanJsonEncoder, OtlpJsonLinesExporter
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +62,7 @@ DEFAULT_OTLP_TIMEOUT_S = 2.0
 # After a failed OTLP export, batches are dropped for this long instead of waiting on a dead endpoint.
 OTLP_FAILURE_COOLDOWN_S = 10.0
 # Batch processor settings: a short delay keeps trace files fresh for live dashboards.
-_BATCH_SCHEDULE_DELAY_MS = 1000
+_BATCH_SCHEDULE_DELAY_S = 1.0
 _BATCH_MAX_QUEUE = 8192
 
 _PROPAGATOR = TraceContextTextMapPropagator()
@@ -73,14 +71,14 @@ _PROPAGATOR = TraceContextTextMapPropagator()
 class KVScopeTracing:
     """The connector's tracer, sinks and propagation helpers (one per process)."""
 
-    def __init__(self, provider: TracerProvider | None, sample_ratio: float = 1.0):
-        self._provider = provider
-        self.enabled: bool = provider is not None
-        # Not the SDK's tracer: spans are light records on the engine's hot path and become SDK
-        # spans on the export thread (see `LightSpan`). `_tracer` is kept as the on/off switch.
-        self._tracer = provider if provider is not None else None
-        self._processor = provider._active_span_processor if provider is not None else None
-        self._ids = OsRandomIdGenerator() if provider is not None else None
+    def __init__(self, processor=None, resource: Resource | None = None, sample_ratio: float = 1.0):
+        # `processor` gets every ended, sampled span (`on_end`); None means tracing is off.
+        # No SDK TracerProvider/Tracer: spans are light records on the engine's hot path and
+        # become SDK spans, if ever, on the export thread (see `LightSpan`).
+        self._processor = processor
+        self.enabled: bool = processor is not None
+        self.resource = resource if processor is not None else None
+        self._ids = OsRandomIdGenerator() if processor is not None else None
         self._bound = trace_id_bound(sample_ratio)
         self._shutdown_done = False
 
@@ -108,24 +106,16 @@ class KVScopeTracing:
         exporters: list[SpanExporter] = []
         if trace_file:
             # The file gets light spans encoded directly (no SDK span, no protobuf): the cheap path.
-            exporters.append(OtlpJsonLinesExporter(trace_file, encode=lambda spans: light_spans_to_json_line(
-                spans, resource, SCOPE_NAME, __version__)))
+            encoder = LightSpanJsonEncoder(resource, SCOPE_NAME, __version__)
+            exporters.append(OtlpJsonLinesExporter(trace_file, encode=encoder))
         if otlp_requested(env):
             otlp = build_otlp_exporter(env)
             if otlp is not None:
                 exporters.append(SdkSpanExporter(otlp, resource))
         if not exporters:
             return cls.disabled()
-        provider = TracerProvider(resource=resource)
-        for exporter in exporters:
-            provider.add_span_processor(
-                BatchSpanProcessor(
-                    exporter,
-                    schedule_delay_millis=_BATCH_SCHEDULE_DELAY_MS,
-                    max_queue_size=_BATCH_MAX_QUEUE,
-                )
-            )
-        return cls(provider, ratio)
+        batcher = SpanBatcher(exporters, schedule_delay_s=_BATCH_SCHEDULE_DELAY_S, max_queue=_BATCH_MAX_QUEUE)
+        return cls(batcher, resource, ratio)
 
     @classmethod
     def for_exporter(
@@ -136,36 +126,35 @@ class KVScopeTracing:
         resource: Resource | None = None,
     ) -> KVScopeTracing:
         """Tracing that hands every ended span synchronously to ``exporter`` (tests, benchmarks)."""
-        provider = TracerProvider(
-            resource=resource or Resource.create({"service.name": DEFAULT_SERVICE_NAME}),
-            shutdown_on_exit=False,
-        )
-        provider.add_span_processor(SimpleSpanProcessor(SdkSpanExporter(exporter, provider.resource)))
-        return cls(provider, _check_ratio(sample_ratio))
-
-    @property
-    def provider(self) -> TracerProvider | None:
-        return self._provider
+        resource = resource or Resource.create({"service.name": DEFAULT_SERVICE_NAME})
+        return cls(SimpleSpanProcessor(SdkSpanExporter(exporter, resource)), resource, _check_ratio(sample_ratio))
 
     # ----------------------------------------------------------------- spans
     def start_span(
         self,
         name: str,
-        context: Context | None = None,
+        context: Parent | None = None,
         start_time: int | None = None,
     ) -> Span:
         """Start a span (caller ends it). ``INVALID_SPAN`` when disabled.
 
-        ``context`` None starts a new trace (a request root); pass the request's context for
-        children. ``start_time`` is in ns since the epoch (``time.time_ns()``).
+        ``context`` None starts a new trace (a request root); pass the request's parent (from
+        ``context_of``, ``context_from_trace_headers`` or ``context_from_carrier``) for children.
+        ``start_time`` is in ns since the epoch (``time.time_ns()``).
         """
-        if self._tracer is None:
+        if self._processor is None:
             return trace.INVALID_SPAN
-        parent = trace.get_current_span(context).get_span_context() if context is not None else None
+        if context is None:
+            parent = None
+        elif type(context) is LightSpan:  # a local parent (the hot path): decides for its children
+            return LightSpan(name, context.trace_id, self._ids.generate_span_id(), context, context.sampled,
+                             start_time if start_time is not None else time.time_ns(), self._processor)
+        else:
+            parent = trace.get_current_span(context).get_span_context()
         if parent is not None and parent.is_valid:
             trace_id = parent.trace_id
-            # a local parent decides for its children; a remote one (upstream traceparent, our
-            # carrier on a worker) must be sampled and pass the ratio on the same trace id
+            # a remote parent (upstream traceparent, our carrier on a worker) must be sampled and
+            # pass the ratio on the same trace id
             sampled = parent.trace_flags.sampled and (not parent.is_remote or self._keeps(trace_id))
         else:
             parent = None
@@ -180,7 +169,7 @@ class KVScopeTracing:
     def record_span(
         self,
         name: str,
-        context: Context | None,
+        context: Parent | None,
         start_ns: int,
         end_ns: int,
         attributes: Mapping[str, Any] | None = None,
@@ -192,29 +181,40 @@ class KVScopeTracing:
         (tracing off, or the request not sampled) must therefore skip the call. Returns the span,
         ended, or a non-recording one (``context_of`` works on both). ``INVALID_SPAN`` when disabled.
         """
-        if self._tracer is None:
+        processor = self._processor
+        if processor is None:
             return trace.INVALID_SPAN
-        span = self.start_span(name, context=context, start_time=start_ns)
-        if span.is_recording():
+        if type(context) is LightSpan:  # the hot path (group scans): no start_span call
+            span = LightSpan(name, context.trace_id, self._ids.generate_span_id(), context, context.sampled,
+                             start_ns, processor)
+        else:
+            span = self.start_span(name, context=context, start_time=start_ns)
+        span.end_time = end_ns if end_ns > start_ns else start_ns
+        if span.sampled:
             if attributes:
-                span.set_attributes(attributes)
-            span.end(end_time=max(end_ns, start_ns))
+                span.attributes = dict(attributes)
+            processor.on_end(span)
         return span
 
     # ----------------------------------------------------------------- propagation
     def context_from_trace_headers(self, headers: Mapping[str, str] | None) -> Context | None:
         """Context of the request's upstream trace (vLLM's ``request.trace_headers``), or None."""
-        if self._tracer is None or not headers:
+        if self._processor is None or not headers:
             return None
         return _extract({k.lower(): v for k, v in headers.items()})
 
-    def context_of(self, span: Span) -> Context | None:
-        """Context making ``span`` the parent, to start further spans of the same request.
+    def context_of(self, span: Span) -> Parent | None:
+        """A parent handle making ``span`` the parent of further spans of the same request.
 
         Also for a span dropped by sampling, so its children are dropped with it instead of
-        starting new traces. None when disabled.
+        starting new traces. None when disabled. For kvscope's own spans the handle is the
+        span itself (no OTel ``Context`` to build on the hot path).
         """
-        if self._tracer is None or not span.get_span_context().is_valid:
+        if self._processor is None:
+            return None
+        if type(span) is LightSpan:
+            return span
+        if not span.get_span_context().is_valid:
             return None
         return trace.set_span_in_context(span)
 
@@ -223,30 +223,36 @@ class KVScopeTracing:
 
         None when disabled or the span is not recording: the worker then builds no span.
         """
-        if self._tracer is None or not span.is_recording():
+        if self._processor is None or not span.is_recording():
             return None
-        carrier: dict[str, str] = {}
-        _PROPAGATOR.inject(carrier, context=trace.set_span_in_context(span))
-        return carrier or None
+        if type(span) is not LightSpan:
+            carrier: dict[str, str] = {}
+            _PROPAGATOR.inject(carrier, context=trace.set_span_in_context(span))
+            return carrier or None
+        # What TraceContextTextMapPropagator.inject writes for a sampled span, without a Context.
+        carrier = {"traceparent": f"00-{span.trace_id:032x}-{span.span_id:016x}-01"}
+        if span.trace_state:
+            carrier["tracestate"] = span.trace_state.to_header()
+        return carrier
 
     def context_from_carrier(self, carrier: Mapping[str, str] | None) -> Context | None:
         """Context from a carrier made by ``carrier_of`` (worker side), or None."""
-        if self._tracer is None or not carrier:
+        if self._processor is None or not carrier:
             return None
         return _extract(carrier)
 
     # ----------------------------------------------------------------- lifecycle
     def force_flush(self, timeout_millis: int = 5000) -> bool:
-        if self._provider is None or self._shutdown_done:
+        if self._processor is None or self._shutdown_done:
             return True
-        return self._provider.force_flush(timeout_millis)
+        return self._processor.force_flush(timeout_millis)
 
     def shutdown(self) -> None:
         """Flush and stop the sinks; idempotent. Spans started afterwards are dropped."""
-        if self._provider is None or self._shutdown_done:
+        if self._processor is None or self._shutdown_done:
             return
         self._shutdown_done = True
-        self._provider.shutdown()
+        self._processor.shutdown()
 
 
 class OsRandomIdGenerator(IdGenerator):
@@ -290,11 +296,13 @@ class LightSpan(Span):
     __slots__ = ("name", "trace_id", "span_id", "parent", "sampled", "start_time", "end_time",
                  "attributes", "_processor", "_trace_state", "_context")
 
+    is_remote = False  # as a parent, a LightSpan reads like a local SpanContext to the encoders
+
     def __init__(self, name, trace_id, span_id, parent, sampled, start_time, processor):
         self.name = name
         self.trace_id = trace_id
         self.span_id = span_id
-        self.parent = parent  # SpanContext or None
+        self.parent = parent  # None, a remote SpanContext, or the parent LightSpan
         self.sampled = sampled
         self.start_time = start_time
         self.end_time = None
@@ -351,6 +359,15 @@ class LightSpan(Span):
             self._processor.on_end(self)
 
 
+# What `start_span`'s context may be: an OTel Context (request headers, a worker's carrier) or a
+# kvscope span itself (`context_of`), which costs nothing to make on the hot path.
+Parent = Context | LightSpan
+
+
+def _span_context(parent) -> SpanContext | None:
+    return parent.get_span_context() if type(parent) is LightSpan else parent
+
+
 _SAMPLED = TraceFlags(TraceFlags.SAMPLED)
 _NOT_SAMPLED = TraceFlags(TraceFlags.DEFAULT)
 _SCOPE = InstrumentationScope(SCOPE_NAME, __version__)
@@ -365,7 +382,7 @@ class SdkSpanExporter(SpanExporter):
 
     def export(self, spans: Sequence[LightSpan]) -> SpanExportResult:
         return self._inner.export([
-            ReadableSpan(name=s.name, context=s.get_span_context(), parent=s.parent,
+            ReadableSpan(name=s.name, context=s.get_span_context(), parent=_span_context(s.parent),
                          resource=self._resource, attributes=s.attributes, kind=SpanKind.INTERNAL,
                          start_time=s.start_time, end_time=s.end_time, instrumentation_scope=_SCOPE)
             for s in spans

@@ -29,16 +29,24 @@ def test_planner_vs_vllm_tiny():
                                           min_sample_s=1e-4)
     records = planner_vs_vllm.to_records(results)
     _check(records)
-    # every kvscope side is compared on the same case: the instrumented scans with the same scans
-    # uninstrumented (telemetry overhead), everything else with vLLM's planner
-    sides = {r["name"].split("[")[0] for r in records if r["ratio_of"]}
-    assert sides == {f"planner_vs_vllm.{s}" for s in planner_vs_vllm.SIDES[1:]}
+    # every kvscope side is compared on the same case with vLLM's planner; the instrumented scans
+    # with the same scans uninstrumented; telemetry's cost with the uninstrumented planner
+    names = {r["name"].split("[")[0] for r in records if r["ratio_of"]}
+    expected = set(planner_vs_vllm.SIDES[1:]) | set(planner_vs_vllm.TELEMETRY_SIDES)
+    assert names == {f"planner_vs_vllm.{s}" for s in expected}
+    by_name = {r["name"]: r for r in records}
     for r in records:
         if not r["ratio_of"]:
             continue
         side, case = r["name"].split("[")
-        reference = "kvscope_scan_bare" if side.split(".")[1] in planner_vs_vllm.SCAN_SIDES else "vllm"
+        side = side.split(".")[1]
+        if side in planner_vs_vllm.TELEMETRY_SIDES:
+            reference = "kvscope_bare"
+            assert r["median"] == by_name[f"planner_vs_vllm.{planner_vs_vllm.TELEMETRY_SIDES[side]}[{case}"]["median"]
+        else:
+            reference = "kvscope_scan_bare" if side in planner_vs_vllm.SCAN_SIDES else "vllm"
         assert r["ratio_of"] == f"planner_vs_vllm.{reference}[{case}"
+        assert r["ratio"] == pytest.approx(r["median"] / by_name[r["ratio_of"]]["median"])
     assert {r.pending_blocks for r in results} == {96, 160}  # 1g: 96 blocks; 2g: + 64 in the window
 
 

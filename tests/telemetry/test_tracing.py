@@ -46,7 +46,7 @@ def _one_request(tracing: KVScopeTracing, headers=None) -> None:
 # ------------------------------------------------------------------ disabled: free, builds nothing
 def test_no_sink_builds_nothing_and_spans_do_not_record(disabled_tracing):
     t = disabled_tracing
-    assert t.enabled is False and t.provider is None
+    assert t.enabled is False and t.resource is None
     span = t.start_span("kvscope.load")
     assert span is trace.INVALID_SPAN and not span.is_recording()
     assert t.context_of(span) is None
@@ -74,7 +74,7 @@ def test_own_provider_never_the_global_one(tmp_path):
     before = trace.get_tracer_provider()
     t = KVScopeTracing.from_config(str(tmp_path / "t.jsonl"), None, env={})
     try:
-        assert t.enabled and t.provider is not None
+        assert t.enabled and t.resource is not None
         assert trace.get_tracer_provider() is before
     finally:
         t.shutdown()
@@ -108,7 +108,7 @@ def test_trace_file_sink_through_the_batch_processor(tmp_path):
 def test_default_service_name_is_kvscope(tmp_path):
     t = KVScopeTracing.from_config(str(tmp_path / "t.jsonl"), None, env={})
     try:
-        assert t.provider.resource.attributes["service.name"] == "kvscope"
+        assert t.resource.attributes["service.name"] == "kvscope"
     finally:
         t.shutdown()
 

@@ -6,6 +6,8 @@ token by token and computes every index a different way from the planner.
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -359,6 +361,8 @@ def test_plan_invariants(req):
         assert [block_ids[i] for i in device] == scan.block_ids
         assert all(0 <= s < factor for s in scan.sub_indices)
         assert scan.start == (device[0] if device else -1)
+        # One run per offload block read, counting its pending device blocks (what gets pinned).
+        assert scan.runs == [(k, len(list(g))) for k, g in itertools.groupby(scan.offload_indices)]
         # Every group's own derivation of the first key agrees with the plan's.
         assert (local // bs) // factor == plan.first_offload_index
         assert all(k >= plan.first_offload_index for k in scan.offload_indices)

@@ -1,0 +1,131 @@
+"""A batching span processor whose hot path is one deque append.
+
+Why not the SDK's `BatchSpanProcessor`: its `on_end` costs about 4.5 µs per span here (locks,
+checks, a condition per span), more than a small group scan. kvscope's light spans only need
+to reach the exporters on a background thread, in batches, without ever blocking the engine:
+
+- `on_end` appends to a `collections.deque` (thread-safe, no lock) and wakes the export thread
+  only when a full batch is waiting; otherwise the thread wakes every `schedule_delay_s`.
+- The queue is bounded: past `max_queue` spans are dropped and counted, never waited for, and
+  the first drop is logged once (from the export thread, not the engine's).
+- All exporters share one queue, so a second sink (file and OTLP) costs no second append.
+- After a fork the child gets a fresh queue and thread (as the SDK's processor does).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import weakref
+from collections import deque
+from collections.abc import Sequence
+
+from opentelemetry.context import _SUPPRESS_INSTRUMENTATION_KEY, attach, set_value
+from opentelemetry.sdk.trace.export import SpanExporter
+
+logger = logging.getLogger(__name__)
+
+
+class SpanBatcher:
+    """Queues ended spans; a daemon thread hands them to every exporter in batches."""
+
+    def __init__(
+        self,
+        exporters: Sequence[SpanExporter],
+        schedule_delay_s: float = 1.0,
+        max_queue: int = 8192,
+        max_batch: int = 512,
+    ):
+        if not exporters:
+            raise ValueError("SpanBatcher needs at least one exporter")
+        self._exporters = list(exporters)
+        self._delay_s = schedule_delay_s
+        self._max_queue = max_queue
+        self._max_batch = max_batch
+        self._shutdown = False
+        self._init_thread_state()
+        reinit = weakref.WeakMethod(self._init_thread_state)
+        os.register_at_fork(after_in_child=lambda: (m := reinit()) and m())
+
+    def _init_thread_state(self) -> None:
+        self._queue: deque = deque()
+        self._wake = threading.Event()
+        self._flush_waiters: deque[threading.Event] = deque()
+        self._dropped = 0
+        self._drops_logged = False
+        self._thread = threading.Thread(target=self._run, name="kvscope-span-export", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------ engine thread
+    def on_start(self, span, parent_context=None) -> None:  # the SpanProcessor interface
+        pass
+
+    def on_end(self, span) -> None:
+        queue = self._queue
+        if len(queue) >= self._max_queue:
+            self._dropped += 1
+            return
+        queue.append(span)
+        if len(queue) == self._max_batch:
+            self._wake.set()
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        """Export every span ended before this call; False if that took longer than the timeout."""
+        if self._shutdown:
+            return True
+        done = threading.Event()
+        self._flush_waiters.append(done)
+        self._wake.set()
+        return done.wait(timeout_millis / 1000)
+
+    def shutdown(self) -> None:
+        if self._shutdown:
+            return
+        self._shutdown = True
+        self._wake.set()
+        self._thread.join(timeout=30)
+        for exporter in self._exporters:
+            try:
+                exporter.shutdown()
+            except Exception:  # a sink that fails to close must not stop the engine's shutdown
+                logger.exception("kvscope: span exporter %r failed to shut down", exporter)
+
+    # ------------------------------------------------------------ export thread
+    def _run(self) -> None:
+        # Exporters (HTTP, gRPC clients) must not produce spans of their own from this thread.
+        attach(set_value(_SUPPRESS_INSTRUMENTATION_KEY, True))
+        while True:
+            self._wake.wait(self._delay_s)
+            self._wake.clear()
+            # Waiters taken before draining: every span they wait for is already queued.
+            waiters = [self._flush_waiters.popleft() for _ in range(len(self._flush_waiters))]
+            self._drain()
+            for done in waiters:
+                done.set()
+            if self._shutdown:
+                self._drain()
+                for done in list(self._flush_waiters):
+                    done.set()
+                return
+
+    def _drain(self) -> None:
+        queue, limit = self._queue, self._max_batch
+        while queue:
+            batch = [queue.popleft() for _ in range(min(limit, len(queue)))]
+            for exporter in self._exporters:
+                try:
+                    exporter.export(batch)
+                except Exception:  # kvscope's exporters log their own failures; this is a bug guard
+                    logger.exception("kvscope: span exporter %r raised", exporter)
+        if self._dropped and not self._drops_logged:
+            self._drops_logged = True
+            logger.warning(
+                "kvscope: span queue full (%d spans): spans are dropped until the exporters keep up; "
+                "further drops are not logged",
+                self._max_queue,
+            )
+
+    @property
+    def dropped_spans(self) -> int:
+        return self._dropped
