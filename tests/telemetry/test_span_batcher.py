@@ -1,0 +1,133 @@
+"""SpanBatcher: the engine thread only appends; the export thread batches, flushes and drops."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+
+import pytest
+from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+
+from connector.telemetry.span_batcher import SpanBatcher
+
+
+class Collect(SpanExporter):
+    def __init__(self, block: threading.Event | None = None):
+        self.batches: list[list] = []
+        self.threads: set[str] = set()
+        self.block = block
+        self.shut = False
+
+    def export(self, spans):
+        if self.block is not None:
+            self.block.wait(10)
+        self.threads.add(threading.current_thread().name)
+        self.batches.append(list(spans))
+        return SpanExportResult.SUCCESS
+
+    def shutdown(self):
+        self.shut = True
+
+    @property
+    def spans(self) -> list:
+        return [s for b in self.batches for s in b]
+
+
+def test_flush_exports_every_span_in_order_to_every_exporter_off_the_caller_thread():
+    a, b = Collect(), Collect()
+    batcher = SpanBatcher([a, b], schedule_delay_s=60, max_batch=4)
+    for i in range(10):
+        batcher.on_end(i)
+    assert batcher.force_flush(5000)
+    assert a.spans == b.spans == list(range(10))
+    assert max(len(x) for x in a.batches) <= 4
+    assert a.threads == {"kvscope-span-export"}
+    batcher.shutdown()
+    assert a.shut and b.shut
+
+
+def test_a_full_batch_wakes_the_export_thread_without_waiting_for_the_delay():
+    sink = Collect()
+    batcher = SpanBatcher([sink], schedule_delay_s=60, max_batch=8)
+    for i in range(8):
+        batcher.on_end(i)
+    deadline = time.monotonic() + 5
+    while not sink.spans and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert sink.spans == list(range(8))
+    batcher.shutdown()
+
+
+def test_a_full_queue_drops_instead_of_blocking_and_logs_once(caplog):
+    gate = threading.Event()
+    sink = Collect(block=gate)  # the exporter hangs: the queue fills up
+    batcher = SpanBatcher([sink], schedule_delay_s=0.01, max_queue=16, max_batch=4)
+    batcher.on_end("first")
+    time.sleep(0.2)  # the export thread is now stuck inside export()
+    with caplog.at_level(logging.WARNING, logger="connector.telemetry.span_batcher"):
+        started = time.perf_counter()
+        for i in range(100):
+            batcher.on_end(i)
+        assert time.perf_counter() - started < 0.5  # never waits for the exporter
+        assert batcher.dropped_spans == 100 - 16
+        gate.set()
+        assert batcher.force_flush(5000)
+        batcher.on_end("later")
+        assert batcher.force_flush(5000)
+    assert sink.spans == ["first", *range(16), "later"]
+    drops = [r for r in caplog.records if "span queue full" in r.getMessage()]
+    assert len(drops) == 1
+    batcher.shutdown()
+
+
+def test_a_raising_exporter_neither_stops_the_thread_nor_the_other_exporters(caplog):
+    class Broken(SpanExporter):
+        def export(self, spans):
+            raise RuntimeError("boom")
+
+    good = Collect()
+    batcher = SpanBatcher([Broken(), good], schedule_delay_s=60)
+    with caplog.at_level(logging.ERROR, logger="connector.telemetry.span_batcher"):
+        batcher.on_end(1)
+        assert batcher.force_flush(5000)
+        batcher.on_end(2)
+        assert batcher.force_flush(5000)
+    assert good.spans == [1, 2]
+    batcher.shutdown()
+
+
+def test_shutdown_exports_what_is_queued_and_later_calls_are_harmless():
+    sink = Collect()
+    batcher = SpanBatcher([sink], schedule_delay_s=60)
+    batcher.on_end("a")
+    batcher.shutdown()
+    assert sink.spans == ["a"] and sink.shut
+    batcher.shutdown()
+    assert batcher.force_flush(10) is True
+
+
+def test_needs_an_exporter():
+    with pytest.raises(ValueError, match="exporter"):
+        SpanBatcher([])
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_gets_its_own_queue_and_export_thread():
+    sink = Collect()
+    batcher = SpanBatcher([sink], schedule_delay_s=60)
+    batcher.on_end("parent")
+    pid = os.fork()
+    if pid == 0:  # child: the parent's thread does not exist here
+        try:
+            batcher.on_end("child")
+            ok = batcher.force_flush(5000) and sink.spans[-1:] == ["child"] and "parent" not in sink.spans
+        except BaseException:
+            ok = False
+        os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert batcher.force_flush(5000)
+    assert sink.spans == ["parent"]
+    batcher.shutdown()
