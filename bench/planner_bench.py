@@ -61,9 +61,14 @@ def reference_plan(layouts, group_block_ids, num_local_tokens, num_external_toke
                     continue
                 if scan.start < 0:
                     scan.start = i
+                k = i // factor
                 scan.block_ids.append(block_id)
-                scan.offload_indices.append(i // factor)
+                scan.offload_indices.append(k)
                 scan.sub_indices.append(i % factor)
+                if scan.runs and scan.runs[-1][0] == k:
+                    scan.runs[-1] = (k, scan.runs[-1][1] + 1)
+                else:
+                    scan.runs.append((k, 1))
         scans.append(scan)
     return LoadPlan(scans=scans, first_offload_index=num_local_tokens // b)
 
@@ -147,10 +152,10 @@ class Result:
     reference_s: float
 
 
-def measure_all(quick: bool) -> list[Result]:
-    sizes = (1024, 32768) if quick else (1024, 8192, 32768)
-    repeats = 5 if quick else 21
-    min_sample_s = 0.002 if quick else 0.01
+def measure_all(quick: bool, sizes=None, repeats=None, min_sample_s=None) -> list[Result]:
+    sizes = sizes or ((1024, 32768) if quick else (1024, 8192, 32768))
+    repeats = repeats or (5 if quick else 21)
+    min_sample_s = min_sample_s or (0.002 if quick else 0.01)
     results = []
     for num_groups in sorted(GROUP_MIXES):
         for blocks in sizes:

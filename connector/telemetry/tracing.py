@@ -180,6 +180,7 @@ class KVScopeTracing:
         None starts a new trace, as in ``start_span``; a worker whose job came without a carrier
         (tracing off, or the request not sampled) must therefore skip the call. Returns the span,
         ended, or a non-recording one (``context_of`` works on both). ``INVALID_SPAN`` when disabled.
+        The span keeps ``attributes`` itself (a dict the caller no longer changes).
         """
         processor = self._processor
         if processor is None:
@@ -192,7 +193,7 @@ class KVScopeTracing:
         span.end_time = end_ns if end_ns > start_ns else start_ns
         if span.sampled:
             if attributes:
-                span.attributes = dict(attributes)
+                span.attributes = attributes  # kept, not copied: callers pass a fresh dict
             processor.on_end(span)
         return span
 

@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from bench import copy_bench, planner_vs_vllm, run_all  # noqa: E402
+from bench import copy_bench, planner_bench, planner_vs_vllm, run_all  # noqa: E402
 
 
 def _check(records: list[dict]) -> None:
@@ -48,6 +48,14 @@ def test_planner_vs_vllm_tiny():
         assert r["ratio_of"] == f"planner_vs_vllm.{reference}[{case}"
         assert r["ratio"] == pytest.approx(r["median"] / by_name[r["ratio_of"]]["median"])
     assert {r.pending_blocks for r in results} == {96, 160}  # 1g: 96 blocks; 2g: + 64 in the window
+
+
+def test_planner_bench_tiny():
+    # measure() asserts that plan_load and the plain reference loop build the same plan
+    results = planner_bench.measure_all(quick=True, sizes=(256,), repeats=1, min_sample_s=1e-4)
+    records = planner_bench.to_records(results)
+    _check(records)
+    assert len(records) == 2 * len(planner_bench.GROUP_MIXES)
 
 
 def test_copy_bench_tiny():
