@@ -80,6 +80,7 @@ class KVScopeScheduler:
         # Per group, one (seconds, blocks scanned, null blocks skipped) per scan: a single list
         # append on the planning path, folded into the stats payload once per stats interval.
         self._scan_log: list[list[tuple[float, int, int]]] = [[] for _ in layouts]
+        self._lookup_log: list[tuple[int, int]] = []  # (tokens queried, tokens hit), likewise
         self._evicted_reported = 0
 
     # -- keys --
@@ -123,7 +124,7 @@ class KVScopeScheduler:
         if request.num_computed_tokens == 0 and lookup is not None:
             # Counted like vLLM's external prefix-cache stats: once per scheduling from scratch.
             queried = request.num_tokens - lookup.local_tokens
-            self._stats.record_lookup(queried, num_external_tokens)
+            self._lookup_log.append((queried, num_external_tokens))
             if self.tracing.enabled:
                 self._lookup_span(state, req_id, lookup, queried, num_external_tokens)
         if num_external_tokens == 0:
@@ -213,11 +214,13 @@ class KVScopeScheduler:
     def _scan_groups(self, group_block_ids, local, cached) -> list[GroupScan]:
         scans = []
         clock = time.perf_counter
+        t0 = clock()
         for layout, ids, log in zip(self.layouts, group_block_ids, self._scan_log):
-            t0 = clock()
             scan = scan_group(layout, ids, local, cached, self.block_size)
-            log.append((clock() - t0, scan.blocks_total, scan.null_skipped))
+            t1 = clock()  # one clock read per group: each scan's end starts the next
+            log.append((t1 - t0, scan.blocks_total, scan.null_skipped))
             scans.append(scan)
+            t0 = t1
         return scans
 
     def _scan_groups_traced(self, load_span, group_block_ids, local, cached) -> list[GroupScan]:
@@ -371,6 +374,9 @@ class KVScopeScheduler:
         return True
 
     def take_stats(self) -> KVScopeStats | None:
+        for queried, hit in self._lookup_log:
+            self._stats.record_lookup(queried, hit)
+        self._lookup_log.clear()
         for layout, log in zip(self.layouts, self._scan_log):
             if not log:
                 continue

@@ -188,6 +188,10 @@ class KVScopeTracing:
         if type(context) is LightSpan:  # the hot path (group scans): no start_span call
             span = LightSpan(name, context.trace_id, self._ids.generate_span_id(), context, context.sampled,
                              start_ns, processor)
+        elif context is None:  # a request's root (its lookup)
+            trace_id = self._ids.generate_trace_id()
+            span = LightSpan(name, trace_id, self._ids.generate_span_id(), None, self._keeps(trace_id),
+                             start_ns, processor)
         else:
             span = self.start_span(name, context=context, start_time=start_ns)
         span.end_time = end_ns if end_ns > start_ns else start_ns

@@ -177,6 +177,23 @@ def test_carrier_round_trip_keeps_trace_and_parent(tracing, span_exporter):
     assert not copy.is_recording()  # already ended
 
 
+def test_carrier_is_exactly_what_the_w3c_propagator_writes(tracing):
+    from opentelemetry.trace import NonRecordingSpan
+    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+    upstream = tracing.context_from_trace_headers({"traceparent": _traceparent(True),
+                                                   "tracestate": "vendor=1,other=x"})
+    for root_context in (upstream, None):
+        load = tracing.start_span("kvscope.load", context=root_context)
+        scan = tracing.start_span("kvscope.group.scan", context=tracing.context_of(load))
+        for span in (load, scan):
+            expected: dict[str, str] = {}
+            TraceContextTextMapPropagator().inject(
+                expected, context=trace.set_span_in_context(NonRecordingSpan(span.get_span_context())))
+            assert tracing.carrier_of(span) == expected
+        assert ("tracestate" in tracing.carrier_of(scan)) == (root_context is not None)
+
+
 def test_record_span_without_context_roots_a_trace_that_children_join(tracing, span_exporter):
     lookup = tracing.record_span("kvscope.lookup", None, 1_000, 2_000, {"kvscope.tokens.hit": 16})
     load = tracing.start_span("kvscope.load", context=tracing.context_of(lookup))
