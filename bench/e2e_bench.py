@@ -26,7 +26,9 @@ per-run throughputs are compared: median of each side and the median of the rati
 runs. Two processes can differ by a few percent for reasons of their own (memory placement,
 warm-up), so as a control the `on` engine also runs the workload alternately with its tracer
 swapped for a disabled one and back (`set_tracing`: what the connector does with tracing off)
-and that same-process ratio is reported too. Workload per run: device prefix cache reset, 8 requests
+and that same-process ratio is reported too; and, as an A/A control, the two processes run the
+workload alternately with neither tracing (`process_control`, engine b / engine a): how far two
+identically behaving processes differ here, which the two-engine ratio cannot resolve below. Workload per run: device prefix cache reset, 8 requests
 sharing 2 stored 1024-token prefixes (loaded from the host tier) with fresh 128-token suffixes
 (computed, then stored), generating `max_tokens` greedy tokens each; throughput = generated
 tokens per second of wall time, and per CPU second of the engine process (all its threads, the
@@ -318,9 +320,14 @@ def measure_telemetry(off: EngineProcess, on: EngineProcess, runs: int, max_toke
 
     one = _summary(_alternate({"off": toggled(False), "on": toggled(True)}, runs, max_tokens,
                               "telemetry toggle"), "off", "on")
-    on.call("set_tracing", enabled=True)
     _log_summary(log, "generate throughput, one engine, tracing toggled", one)
-    return {**two, "toggled": one}
+    # An A/A control for the two-engine figure: the same two processes, neither tracing. What it
+    # shows is the difference between the processes themselves, not telemetry.
+    same = _summary(_alternate({"off": lambda **kw: off.call("workload", **kw), "on": toggled(False)}, runs,
+                               max_tokens, "process control"), "off", "on")
+    on.call("set_tracing", enabled=True)
+    _log_summary(log, "generate throughput, two engines, neither tracing (process control)", same)
+    return {**two, "toggled": one, "process_control": same}
 
 
 def measure_all(quick: bool, log=print) -> dict:
@@ -390,13 +397,17 @@ def to_records(result: dict) -> list[dict]:
         records.append({"name": f"e2e.prefill_tps.host_load[{k}]", "median": int(tokens) / row["load_s"],
                         "unit": "tok/s", "ratio": 1 / row["ratio"], "ratio_of": ref_tps})
     t = result["telemetry"]
-    for source, tag in ((t, "telemetry"), (t["toggled"], "tracing_toggled")):
+    # (source, record tag, names of its two sides); the second side's ratio is to the first
+    sources = [(t, "telemetry", ("off", "on")), (t["toggled"], "tracing_toggled", ("off", "on"))]
+    if "process_control" in t:
+        sources.append((t["process_control"], "process_control", ("engine_a", "engine_b")))
+    for source, tag, (first, second) in sources:
         for kind, unit, suffix in (("generate_tps", "tok/s", ""), ("generate_tps_cpu", "tok/CPU-s", "cpu_")):
-            ref = f"e2e.{kind}.{tag}_off"
+            ref = f"e2e.{kind}.{tag}_{first}"
             records.append({"name": ref, "median": source[f"off_{suffix}tps"], "unit": unit, "ratio": None,
                             "ratio_of": None})
-            records.append({"name": f"e2e.{kind}.{tag}_on", "median": source[f"on_{suffix}tps"], "unit": unit,
-                            "ratio": source[f"{suffix}ratio"], "ratio_of": ref})
+            records.append({"name": f"e2e.{kind}.{tag}_{second}", "median": source[f"on_{suffix}tps"],
+                            "unit": unit, "ratio": source[f"{suffix}ratio"], "ratio_of": ref})
     return records
 
 

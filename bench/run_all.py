@@ -94,6 +94,10 @@ def goal_summary(records: list[dict]) -> list[tuple[str, str, str]]:
             out.append((f"end to end: telemetry on costs ≤ {1 - TELEMETRY_GOAL:.0%} generate throughput "
                         f"({TELEMETRY_GOAL_RECORDS[r['name']]})",
                         f"on / off {r['ratio']:.3f} ({1 - r['ratio']:+.1%} cost)", _yes(goal_of(r)[1])))
+    for r in records:
+        if r["name"] == "e2e.generate_tps.process_control_engine_b" and r["ratio"] is not None:
+            out.append(("(control, not a goal) the same two engines, neither tracing: how far the processes "
+                        "differ on their own (wall clock)", f"b / a {r['ratio']:.3f}", "n/a"))
     return out
 
 
@@ -226,9 +230,10 @@ METHOD_NOTES = [
     "two processes (one config each: they cannot share a process), the same workload run "
     "alternately (ABBA), ratio = median of adjacent-run ratios; `tracing_toggled`: the same in the "
     "traced engine with its tracer swapped for a disabled one between runs (a control free of "
-    "process-to-process differences). Throughput per wall second and per CPU second of the engine "
+    "process-to-process differences); `process_control`: the two engines again, neither tracing (an A/A "
+    "control: how much two processes differ on their own). Throughput per wall second and per CPU second of the engine "
     "process (CPU time is much less disturbed by other work on the machine).",
-    "The machine was shared with another engineer's test runs on the same 2 cores: absolute numbers "
+    "The machine is a shared 2-core VM: absolute numbers "
     "are noisy; the ratios come from alternating, same-run measurements.",
 ]
 

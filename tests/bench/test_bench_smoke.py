@@ -87,3 +87,25 @@ def test_bad_records_are_refused():
         run_all.check_records([{"name": "a", "median": 1.0, "unit": "s", "ratio": float("nan"), "ratio_of": "a"}])
     with pytest.raises(ValueError, match="keys"):
         run_all.check_records([{"name": "a", "median": 1.0}])
+
+
+def test_e2e_records_and_the_process_control_row():
+    from bench import e2e_bench
+
+    def summary(off: float, on: float) -> dict:
+        samples = {"wall": {"off": [off, off], "on": [on, on]}, "cpu": {"off": [off, off], "on": [on, on]}}
+        return e2e_bench._summary(samples, "off", "on")
+
+    telemetry = {**summary(100.0, 96.0), "toggled": summary(100.0, 99.0), "process_control": summary(100.0, 97.0)}
+    result = {"prefill": {"2048": {"recompute_s": 2.0, "load_s": 0.2, "ratio": 0.1}}, "telemetry": telemetry}
+    records = {r["name"]: r for r in e2e_bench.to_records(result)}
+    _check(list(records.values()))
+    assert records["e2e.generate_tps.telemetry_on"]["ratio"] == pytest.approx(0.96)
+    assert records["e2e.generate_tps.tracing_toggled_on"]["ratio"] == pytest.approx(0.99)
+    control = records["e2e.generate_tps.process_control_engine_b"]
+    assert control["ratio"] == pytest.approx(0.97)
+    assert control["ratio_of"] == "e2e.generate_tps.process_control_engine_a"
+    assert run_all.goal_of(control) is None  # a control, not a goal
+    rows = run_all.goal_summary(list(records.values()))
+    assert [r for r in rows if r[0].startswith("(control")] == [
+        (rows[-1][0], "b / a 0.970", "n/a")]
