@@ -16,11 +16,13 @@ Timed: `update_state_after_alloc` (vLLM's telemetry is its always-on stats; it h
 
 kvscope's side is `KVScopeScheduler.update_state_after_alloc` (the whole adapter path: block-id
 translation, the per-group scans, host pins, the transfer job), with tracing off and on (a real
-trace file behind the batch span processor, sample ratio 1.0; the timed region ends with a
-flush, so exporting the spans is counted, and none is dropped). The scans alone
-(`_scan_groups`, and a load span around `_scan_groups_traced`) are reported as well, and the
+trace file behind kvscope's span batcher, sample ratio 1.0; the timed region ends with a flush,
+so exporting the spans is counted, and none is dropped), and with its telemetry taken out
+(`kvscope_bare`, `UninstrumentedScheduler`: the reference for what telemetry costs). Also: the
 adapter path with spans recorded and queued as for a trace file but dropped by the export thread
-instead of encoded (`*_noexport`): the engine thread's share, apart from the export thread's.
+instead of encoded (`*_noexport`: the engine thread's share, apart from the export thread's);
+tracing a tenth of the requests (`*_sampled`, `trace_sample_ratio` 0.1, what an operator would
+run under load); and the scans alone (`_scan_groups`, a load span around `_scan_groups_traced`).
 
 Sides are sampled alternately (rotating order) in one process; the per-request bookkeeping that
 must be undone between calls (pins, jobs, request state) is undone outside the timed region.
@@ -68,12 +70,13 @@ GROUP_MIXES: dict[int, list[tuple[GroupKind, int | None]]] = {
 SIZES_FULL = (128, 1024, 8192, 32768)  # device blocks per group (the prompt length / 16)
 SIZES_QUICK = (128, 2048, 32768)
 
-SIDES = ("vllm", "kvscope_bare", "kvscope_off", "kvscope_on", "kvscope_on_noexport", "kvscope_scan_off",
-         "kvscope_scan_on", "kvscope_scan_on_noexport", "kvscope_scan_bare")
+SIDES = ("vllm", "kvscope_bare", "kvscope_off", "kvscope_on", "kvscope_on_noexport", "kvscope_on_sampled",
+         "kvscope_scan_off", "kvscope_scan_on", "kvscope_scan_on_noexport", "kvscope_scan_bare")
+SAMPLED_RATIO = 0.1  # `kvscope_on_sampled`: the trace file with trace_sample_ratio 0.1
 # Telemetry's cost (issue 3), per request: the planner with telemetry off / tracing on / tracing
 # without the export thread's work, against the same planner with its telemetry taken out.
 TELEMETRY_SIDES = {"telemetry_off": "kvscope_off", "telemetry_on": "kvscope_on",
-                   "telemetry_on_noexport": "kvscope_on_noexport"}
+                   "telemetry_on_noexport": "kvscope_on_noexport", "telemetry_on_sampled": "kvscope_on_sampled"}
 # The group scans alone as the scheduler runs them, against plain `scan_group` calls.
 SCAN_SIDES = ("kvscope_scan_off", "kvscope_scan_on", "kvscope_scan_on_noexport")
 
@@ -391,13 +394,16 @@ def measure(case: Case, vllm_config, trace_dir: str, repeats: int, min_sample_s:
     on_tracing = KVScopeTracing.from_config(
         trace_file=os.path.join(trace_dir, f"planner-{case.name.replace('/', '-')}.jsonl"), sample_ratio=1.0)
     on = KVScopeSide(case, on_tracing)
+    sampled_tracing = KVScopeTracing.from_config(
+        trace_file=os.path.join(trace_dir, f"sampled-{case.name.replace('/', '-')}.jsonl"), sample_ratio=SAMPLED_RATIO)
+    sampled = KVScopeSide(case, sampled_tracing)
     # The engine thread's share: spans recorded and queued exactly as with a trace file, then
     # dropped by the export thread instead of encoded.
     noexport_tracing = KVScopeTracing(SpanBatcher([_DropSpans()]), Resource.create({"service.name": "bench"}))
     noexport = KVScopeSide(case, noexport_tracing)
     try:
         # Same plan on every side: the same device blocks, group by group.
-        for side in (vllm, bare, off, on, noexport):
+        for side in (vllm, bare, off, on, noexport, sampled):
             side.call(side.prepare(1))
             planned = side.planned()
             side.reset()
@@ -411,6 +417,7 @@ def measure(case: Case, vllm_config, trace_dir: str, repeats: int, min_sample_s:
             "kvscope_off": (off.prepare, off.call, off.reset),
             "kvscope_on": (on.prepare, on.call, on.reset),
             "kvscope_on_noexport": (noexport.prepare, noexport.call, noexport.reset),
+            "kvscope_on_sampled": (sampled.prepare, sampled.call, sampled.reset),
             "kvscope_scan_off": (lambda n: [None] * n, off.scan, off.reset),
             "kvscope_scan_on": (lambda n: [None] * n, on.scan, on.reset),
             "kvscope_scan_on_noexport": (lambda n: [None] * n, noexport.scan, noexport.reset),
@@ -426,6 +433,7 @@ def measure(case: Case, vllm_config, trace_dir: str, repeats: int, min_sample_s:
     finally:
         on_tracing.shutdown()
         noexport_tracing.shutdown()
+        sampled_tracing.shutdown()
         vllm.sched.shutdown()
     pending = sum(len(ids) for ids in case.expected_block_ids)
     return Result(case, pending, {s: statistics.median(v) for s, v in samples.items()})
@@ -485,7 +493,8 @@ def run(quick: bool = False) -> list[dict]:
 
 def format_table(results: list[Result]) -> str:
     rows = [("case", "pending", "vLLM µs", "kvscope off µs", "on µs", "off/vLLM", "on/vLLM",
-             "on no export/vLLM", "off/bare", "on/bare", "on no export/bare", "scan off/bare", "scan on/bare")]
+             "on no export/vLLM", "off/bare", "on/bare", "on no export/bare", f"on {SAMPLED_RATIO:.0%}/bare",
+             "scan off/bare", "scan on/bare")]
     for r in results:
         s = r.seconds
         rows.append((r.case.name, str(r.pending_blocks), f"{s['vllm'] * 1e6:.1f}",
@@ -495,6 +504,7 @@ def format_table(results: list[Result]) -> str:
                      f"{s['kvscope_off'] / s['kvscope_bare']:.3f}",
                      f"{s['kvscope_on'] / s['kvscope_bare']:.2f}",
                      f"{s['kvscope_on_noexport'] / s['kvscope_bare']:.2f}",
+                     f"{s['kvscope_on_sampled'] / s['kvscope_bare']:.2f}",
                      f"{s['kvscope_scan_off'] / s['kvscope_scan_bare']:.3f}",
                      f"{s['kvscope_scan_on'] / s['kvscope_scan_bare']:.2f}"))
     return render_table(rows)
