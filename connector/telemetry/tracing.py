@@ -21,6 +21,9 @@ Sinks (any combination):
   A dead endpoint never slows the engine: export runs on the batcher's thread with a short
   timeout, the first failure is logged once, and batches are dropped for a cool-down after a failure.
 
+A request that sampling drops builds no span objects either: its spans are all one shared,
+ended, non-recording span, so an unsampled request costs a trace id and a comparison.
+
 Sampling (the rule of ``ParentBased(root=TraceIdRatioBased(r), remote_parent_sampled=TraceIdRatioBased(r))``).
 Children of a local span follow it; a remote parent that is not sampled drops the span. The ratio
 is also applied under a sampled remote parent (an upstream ``traceparent`` or our own carrier on
@@ -81,6 +84,10 @@ class KVScopeTracing:
         self._ids = OsRandomIdGenerator() if processor is not None else None
         self._bound = trace_id_bound(sample_ratio)
         self._shutdown_done = False
+        # Every span of a request that sampling drops is this one shared, ended, non-recording
+        # span (children of it too): an unsampled request costs a trace id and a comparison.
+        self._dropped = LightSpan("kvscope.dropped", 0, 0, None, False, 0, processor)
+        self._dropped.end_time = 0
 
     # ----------------------------------------------------------------- construction
     @classmethod
@@ -147,7 +154,9 @@ class KVScopeTracing:
         if context is None:
             parent = None
         elif type(context) is LightSpan:  # a local parent (the hot path): decides for its children
-            return LightSpan(name, context.trace_id, self._ids.generate_span_id(), context, context.sampled,
+            if not context.sampled:
+                return self._dropped
+            return LightSpan(name, context.trace_id, self._ids.generate_span_id(), context, True,
                              start_time if start_time is not None else time.time_ns(), self._processor)
         else:
             parent = trace.get_current_span(context).get_span_context()
@@ -160,7 +169,9 @@ class KVScopeTracing:
             parent = None
             trace_id = self._ids.generate_trace_id()
             sampled = self._keeps(trace_id)
-        return LightSpan(name, trace_id, self._ids.generate_span_id(), parent, sampled,
+        if not sampled:
+            return self._dropped
+        return LightSpan(name, trace_id, self._ids.generate_span_id(), parent, True,
                          start_time if start_time is not None else time.time_ns(), self._processor)
 
     def _keeps(self, trace_id: int) -> bool:
@@ -186,19 +197,23 @@ class KVScopeTracing:
         if processor is None:
             return trace.INVALID_SPAN
         if type(context) is LightSpan:  # the hot path (group scans): no start_span call
-            span = LightSpan(name, context.trace_id, self._ids.generate_span_id(), context, context.sampled,
+            if not context.sampled:
+                return self._dropped
+            span = LightSpan(name, context.trace_id, self._ids.generate_span_id(), context, True,
                              start_ns, processor)
         elif context is None:  # a request's root (its lookup)
             trace_id = self._ids.generate_trace_id()
-            span = LightSpan(name, trace_id, self._ids.generate_span_id(), None, self._keeps(trace_id),
-                             start_ns, processor)
+            if not self._keeps(trace_id):
+                return self._dropped
+            span = LightSpan(name, trace_id, self._ids.generate_span_id(), None, True, start_ns, processor)
         else:
             span = self.start_span(name, context=context, start_time=start_ns)
+            if not span.sampled:
+                return span
         span.end_time = end_ns if end_ns > start_ns else start_ns
-        if span.sampled:
-            if attributes:
-                span.attributes = attributes  # kept, not copied: callers pass a fresh dict
-            processor.on_end(span)
+        if attributes:
+            span.attributes = attributes  # kept, not copied: callers pass a fresh dict
+        processor.on_end(span)
         return span
 
     # ----------------------------------------------------------------- propagation

@@ -203,6 +203,26 @@ def test_record_span_without_context_roots_a_trace_that_children_join(tracing, s
     assert load_span.parent.span_id == lookup_span.context.span_id
 
 
+def test_a_dropped_request_builds_no_span_objects():
+    class Count:
+        ended = 0
+
+        def on_end(self, span):
+            Count.ended += 1
+
+    t = KVScopeTracing(Count(), sample_ratio=0.0)
+    root = t.record_span("kvscope.lookup", None, 1, 2, {"kvscope.tokens.hit": 1})
+    load = t.start_span("kvscope.load", context=t.context_of(root))
+    scan = t.record_span("kvscope.group.scan", t.context_of(load), 3, 4, {"kvscope.group.index": 0})
+    store = t.start_span("kvscope.store")
+    # one shared, ended, non-recording span stands for all of them
+    assert root is load is scan is store
+    assert not root.is_recording() and t.carrier_of(load) is None
+    load.set_attributes({"kvscope.groups": 2})
+    load.end()
+    assert root.attributes == {} and Count.ended == 0
+
+
 def test_dropped_recorded_span_still_drops_its_children():
     t, exporter = in_memory_tracing(sample_ratio=0.0)
     lookup = t.record_span("kvscope.lookup", None, 1_000, 2_000, {"kvscope.tokens.hit": 16})
