@@ -10,10 +10,13 @@ to reach the exporters on a background thread, in batches, without ever blocking
   the first drop is logged once (from the export thread, not the engine's).
 - All exporters share one queue, so a second sink (file and OTLP) costs no second append.
 - After a fork the child gets a fresh queue and thread (as the SDK's processor does).
+- At interpreter exit whatever is queued is exported (as the SDK's provider does), for processes
+  that end without vLLM calling the connector's `shutdown`.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import threading
@@ -47,6 +50,8 @@ class SpanBatcher:
         self._init_thread_state()
         reinit = weakref.WeakMethod(self._init_thread_state)
         os.register_at_fork(after_in_child=lambda: (m := reinit()) and m())
+        stop = weakref.WeakMethod(self.shutdown)
+        atexit.register(lambda: (m := stop()) and m())
 
     def _init_thread_state(self) -> None:
         self._queue: deque = deque()

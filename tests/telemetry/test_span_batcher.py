@@ -131,3 +131,22 @@ def test_a_forked_child_gets_its_own_queue_and_export_thread():
     assert batcher.force_flush(5000)
     assert sink.spans == ["parent"]
     batcher.shutdown()
+
+
+def test_spans_still_queued_at_interpreter_exit_reach_the_trace_file(tmp_path):
+    """A process that ends without anyone calling shutdown still writes what it traced."""
+    import json
+    import subprocess
+    import sys
+
+    path = tmp_path / "exit.jsonl"
+    script = (
+        "from connector.telemetry.tracing import KVScopeTracing\n"
+        f"t = KVScopeTracing.from_config(trace_file={str(path)!r}, sample_ratio=1.0)\n"
+        "t.start_span('kvscope.load').end()\n"  # queued; the export thread waits up to 1 s
+    )
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=60,
+                   cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    (line,) = path.read_text().splitlines()
+    spans = json.loads(line)["resourceSpans"][0]["scopeSpans"][0]["spans"]
+    assert [s["name"] for s in spans] == ["kvscope.load"]
