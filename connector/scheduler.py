@@ -157,7 +157,7 @@ class KVScopeScheduler:
         cached = local + external
         tracing = self.tracing
         load_span = None
-        if tracing.enabled:
+        if tracing.may_record(state.trace_context):
             load_span = tracing.start_span("kvscope.load", context=state.trace_context)
             scans = self._scan_groups_traced(load_span, group_block_ids, local, cached)
         else:
@@ -303,7 +303,7 @@ class KVScopeScheduler:
         job_id = self._new_job_id()
         self._jobs[job_id] = _Job(direction=STORE, req_id=request.request_id, keys=keys)
         carrier = None
-        if self.tracing.enabled:
+        if self.tracing.may_record(state.trace_context):
             span = self.tracing.start_span("kvscope.store", context=state.trace_context)
             if span.is_recording():
                 span.set_attributes(

@@ -174,6 +174,11 @@ class KVScopeTracing:
         return LightSpan(name, trace_id, self._ids.generate_span_id(), parent, True,
                          start_time if start_time is not None else time.time_ns(), self._processor)
 
+    def may_record(self, parent: Parent | None) -> bool:
+        """False when nothing started under ``parent`` can record (tracing off, or its request was
+        dropped by sampling): callers skip their span bookkeeping altogether."""
+        return self._processor is not None and parent is not self._dropped
+
     def _keeps(self, trace_id: int) -> bool:
         return (trace_id & _TRACE_ID_LOW_BITS) < self._bound
 

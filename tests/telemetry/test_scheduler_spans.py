@@ -156,6 +156,30 @@ def test_tracing_off_builds_no_span_and_still_plans():
     assert job.trace_carrier is None and [len(g.block_ids) for g in job.groups] == [3, 12]
 
 
+def test_a_request_dropped_by_sampling_costs_one_decision_and_no_span_bookkeeping():
+    calls = []
+
+    class Counting(KVScopeTracing):
+        def start_span(self, name, *a, **k):
+            calls.append(name)
+            return super().start_span(name, *a, **k)
+
+        def record_span(self, name, *a, **k):
+            calls.append(name)
+            return super().record_span(name, *a, **k)
+
+    tracing, exporter = in_memory_tracing(sample_ratio=0.0)
+    tracing.__class__ = Counting
+    sched = make_scheduler(tracing)
+    request = make_request("r1", 200)
+    store_everything(sched, request)
+    external, _, _ = plan(sched, request)
+    assert external == 192 and len(sched._pending_loads[0].groups) == 2
+    assert sched._pending_loads[0].trace_carrier is None
+    assert calls == ["kvscope.lookup"]  # the sampling decision; no load or scan span after it
+    assert exporter.get_finished_spans() == ()
+
+
 def test_ids_do_not_repeat_when_python_random_is_seeded():
     """vLLM seeds `random`; trace ids must still differ between runs."""
     import random
