@@ -240,14 +240,6 @@ class VllmSide:
         for req in reqs:
             update(req, blocks, external)
 
-    def scan_bare(self, reqs: list) -> None:
-        """The same scans with no instrumentation: no timer, no stats, no span."""
-        layouts, ids, block = self.sched.layouts, self.group_block_ids, self.sched.block_size
-        local, cached = self.case.local, self.case.local + self.case.external
-        for _ in reqs:
-            for layout, group_ids in zip(layouts, ids):
-                scan_group(layout, group_ids, local, cached, block)
-
     def planned(self) -> list[list[int]]:
         """Per group, the device blocks of the last planned load."""
         job = next(reversed(self.sched._current_batch_load_jobs.values()))

@@ -93,12 +93,11 @@ def scan_group(
     window = block_ids[begin:end]
     if type(window) is not list:
         window = list(window)
-    nulls = window.count(NULL_BLOCK_ID)
+    nulls = scan.null_skipped = window.count(NULL_BLOCK_ID)
     if nulls == 0 or window[:nulls].count(NULL_BLOCK_ID) == nulls:
         # Every null leads (a sliding window's out-of-window blocks) or there is none: the
         # pending blocks are one slice, and their indices slices of a cached table. No loop.
         if nulls == len(window):
-            scan.null_skipped = nulls
             return scan
         first = begin + nulls
         quotients, remainders = _index_tables(factor, end)
@@ -107,7 +106,6 @@ def scan_group(
         scan.sub_indices = remainders[first:end]
         scan.runs = [(k, min(end, (k + 1) * factor) - max(first, k * factor))
                      for k in range(first // factor, (end - 1) // factor + 1)]
-        scan.null_skipped = nulls
         scan.start = first
         return scan
     # Nulls between real blocks (Mamba padding, odd layouts): one block at a time.
@@ -124,7 +122,6 @@ def scan_group(
             runs[-1] = (k, runs[-1][1] + 1)
         else:
             runs.append((k, 1))
-    scan.null_skipped = nulls
     if ids:
         scan.start = begin + _count_leading_nulls(block_ids, begin)
     return scan

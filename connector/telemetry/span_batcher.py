@@ -63,9 +63,6 @@ class SpanBatcher:
         self._thread.start()
 
     # ------------------------------------------------------------ engine thread
-    def on_start(self, span, parent_context=None) -> None:  # the SpanProcessor interface
-        pass
-
     def on_end(self, span) -> None:
         queue = self._queue
         if len(queue) >= self._max_queue:

@@ -198,27 +198,13 @@ class KVScopeTracing:
         ended, or a non-recording one (``context_of`` works on both). ``INVALID_SPAN`` when disabled.
         The span keeps ``attributes`` itself (a dict the caller no longer changes).
         """
-        processor = self._processor
-        if processor is None:
-            return trace.INVALID_SPAN
-        if type(context) is LightSpan:  # the hot path (group scans): no start_span call
-            if not context.sampled:
-                return self._dropped
-            span = LightSpan(name, context.trace_id, self._ids.generate_span_id(), context, True,
-                             start_ns, processor)
-        elif context is None:  # a request's root (its lookup)
-            trace_id = self._ids.generate_trace_id()
-            if not self._keeps(trace_id):
-                return self._dropped
-            span = LightSpan(name, trace_id, self._ids.generate_span_id(), None, True, start_ns, processor)
-        else:
-            span = self.start_span(name, context=context, start_time=start_ns)
-            if not span.sampled:
-                return span
+        span = self.start_span(name, context=context, start_time=start_ns)
+        if type(span) is not LightSpan or not span.sampled:  # tracing off, or the request dropped
+            return span
         span.end_time = end_ns if end_ns > start_ns else start_ns
         if attributes:
             span.attributes = attributes  # kept, not copied: callers pass a fresh dict
-        processor.on_end(span)
+        self._processor.on_end(span)
         return span
 
     # ----------------------------------------------------------------- propagation
