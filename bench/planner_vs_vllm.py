@@ -54,6 +54,7 @@ from connector.groups import GroupKind, GroupLayout  # noqa: E402
 from connector.planning import NULL_BLOCK_ID, cdiv, scan_group  # noqa: E402
 from connector.scheduler import KVScopeScheduler  # noqa: E402
 from connector.telemetry.span_batcher import SpanBatcher  # noqa: E402
+from connector.telemetry.span_records import LOAD_SPAN  # noqa: E402
 from connector.telemetry.tracing import KVScopeTracing  # noqa: E402
 
 DEVICE_BLOCK_SIZE = 16  # tokens per device block, every group (vLLM's chunking needs one size)
@@ -322,10 +323,11 @@ class KVScopeSide:
         sched, ids = self.sched, self.group_block_ids
         local, cached = self.case.local, self.case.local + self.case.external
         if self.tracing.enabled:
+            tracing = self.tracing
             for _ in reqs:
-                span = self.tracing.start_span("kvscope.load")
-                sched._scan_groups_traced(span, ids, local, cached)
-                span.end()
+                load = tracing.open_span(None)
+                sched._scan_groups_traced(load, ids, local, cached)
+                tracing.end_span(LOAD_SPAN, load, time.time_ns(), ("scan", local, cached - local, len(ids)))
             self.tracing.force_flush()
         else:
             for _ in reqs:

@@ -55,7 +55,6 @@ def demo(args) -> int:
             reference = reference or tokens
             d = {k: after.get(k, 0) - before.get(k, 0) for k in after}
             rows.append((round_index, d, elapsed, tokens == reference))
-    stats = sched._stats  # not yet taken by the stats path this step
     print("\nround  queried  host-tier hits  device hits  hit rate  time   outputs==round 0")
     for round_index, d, elapsed, same in rows:
         queried = d.get("vllm:external_prefix_cache_queries", 0)

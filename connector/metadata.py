@@ -29,8 +29,9 @@ class TransferJob:
     req_id: str
     direction: str  # LOAD or STORE
     groups: list[GroupTransfer]
-    # W3C trace carrier of the request's kvscope span, so worker copy spans join its trace.
-    trace_carrier: dict[str, str] | None = None
+    # (trace id, span id, tracestate) of the request's kvscope span, so worker copy spans join its
+    # trace (`KVScopeTracing.carrier_of`).
+    trace_carrier: tuple[int, int, str | None] | None = None
     # Load only: the scheduler could not map every block; the worker fails the load.
     failed_at_plan: bool = False
 

@@ -16,6 +16,7 @@ from .lookup import find_hit_tokens
 from .metadata import LOAD, STORE, GroupTransfer, KVScopeMetadata, KVScopeWorkerMetadata, TransferJob
 from .planning import NULL_BLOCK_ID, GroupScan, scan_group
 from .telemetry.metrics import KVScopeStats
+from .telemetry.span_records import LOAD_SPAN, LOOKUP_SPAN, SCAN_SPAN, STORE_SPAN
 from .telemetry.tracing import KVScopeTracing
 
 logger = logging.getLogger(__name__)
@@ -137,30 +138,21 @@ class KVScopeScheduler:
         self._plan_load(state, request, blocks.get_block_ids(), local, num_external_tokens)
 
     def _lookup_span(self, state, req_id, lookup, queried, hit) -> None:
-        span = self.tracing.record_span(
-            "kvscope.lookup",
-            state.trace_context,
-            lookup.start_ns,
-            lookup.end_ns,
-            {
-                "kvscope.request.id": req_id,
-                "kvscope.tokens.queried": queried,
-                "kvscope.tokens.hit": hit,
-            },
-        )
-        if state.trace_context is None and span is not None:
-            # No incoming trace: the lookup span roots this request's own trace.
-            state.trace_context = self.tracing.context_of(span)
+        span = self.tracing.record(LOOKUP_SPAN, state.trace_context, lookup.start_ns, lookup.end_ns,
+                                   (req_id, queried, hit))
+        if state.trace_context is None:
+            # No incoming trace: the lookup span roots this request's own trace (or drops it whole).
+            state.trace_context = span
 
     def _plan_load(self, state, request, group_block_ids, local: int, external: int) -> None:
         req_id = request.request_id
         cached = local + external
         tracing = self.tracing
-        load_span = None
-        if tracing.may_record(state.trace_context):
-            load_span = tracing.start_span("kvscope.load", context=state.trace_context)
+        load_span = tracing.open_span(state.trace_context) if tracing.may_record(state.trace_context) else None
+        if load_span is not None and tracing.may_record(load_span):
             scans = self._scan_groups_traced(load_span, group_block_ids, local, cached)
         else:
+            load_span = None  # tracing off, or the request dropped by sampling
             scans = self._scan_groups(group_block_ids, local, cached)
         hashes = self._offload_hashes(request)
         job_id = self._new_job_id()
@@ -185,17 +177,8 @@ class KVScopeScheduler:
             job.loaded.append((scan.group_index, scan.pending))
         carrier = None
         if load_span is not None:
-            carrier = tracing.carrier_of(load_span)  # while recording: copy spans join this trace
-            if load_span.is_recording():
-                load_span.set_attributes(
-                    {
-                        "kvscope.request.id": req_id,
-                        "kvscope.tokens.local": local,
-                        "kvscope.tokens.external": external,
-                        "kvscope.groups": len(scans),
-                    }
-                )
-            load_span.end()
+            carrier = tracing.carrier_of(load_span)  # copy spans join this trace
+            tracing.end_span(LOAD_SPAN, load_span, time.time_ns(), (req_id, local, external, len(scans)))
         if failed:
             logger.warning("kvscope: host blocks for request %s vanished before the load; "
                            "vLLM will recompute", req_id)
@@ -224,23 +207,16 @@ class KVScopeScheduler:
         return scans
 
     def _scan_groups_traced(self, load_span, group_block_ids, local, cached) -> list[GroupScan]:
+        """`_scan_groups` with a `kvscope.group.scan` record per group under the (open, sampled) load."""
         scans = []
-        tracing, parent = self.tracing, self.tracing.context_of(load_span)
-        recording = load_span.is_recording()  # children of a dropped load are dropped with it
+        record = self.tracing.record_child
         clock = time.time_ns  # span times are epoch ns; the scan histogram takes the same interval
         for layout, ids, log in zip(self.layouts, group_block_ids, self._scan_log):
             t0 = clock()
             scan = scan_group(layout, ids, local, cached, self.block_size)
             t1 = clock()
-            if recording:
-                tracing.record_span("kvscope.group.scan", parent, t0, t1, {
-                    "kvscope.group.index": layout.index,
-                    "kvscope.group.kind": layout.kind.value,
-                    "kvscope.group.blocks.total": scan.blocks_total,
-                    "kvscope.group.blocks.null_skipped": scan.null_skipped,
-                    "kvscope.group.blocks.pending": scan.pending,
-                    "kvscope.group.blocks.start": scan.start,
-                })
+            record(SCAN_SPAN, load_span, t0, t1, (layout.index, layout.kind.value, scan.blocks_total,
+                                             scan.null_skipped, scan.pending, scan.start))
             log.append((max(t1 - t0, 0) / 1e9, scan.blocks_total, scan.null_skipped))
             scans.append(scan)
         return scans
@@ -303,18 +279,12 @@ class KVScopeScheduler:
         job_id = self._new_job_id()
         self._jobs[job_id] = _Job(direction=STORE, req_id=request.request_id, keys=keys)
         carrier = None
-        if self.tracing.may_record(state.trace_context):
-            span = self.tracing.start_span("kvscope.store", context=state.trace_context)
-            if span.is_recording():
-                span.set_attributes(
-                    {
-                        "kvscope.request.id": request.request_id,
-                        "kvscope.groups": len(parts),
-                        "kvscope.blocks": sum(len(p.block_ids) for p in parts),
-                    }
-                )
-                carrier = self.tracing.carrier_of(span)
-            span.end()
+        tracing = self.tracing
+        if tracing.may_record(state.trace_context):
+            span = tracing.open_span(state.trace_context)
+            carrier = tracing.carrier_of(span)  # None when sampling dropped it
+            tracing.end_span(STORE_SPAN, span, time.time_ns(),
+                             (request.request_id, len(parts), sum(len(p.block_ids) for p in parts)))
         return TransferJob(job_id, request.request_id, STORE, parts, trace_carrier=carrier)
 
     def update_connector_output(self, connector_output) -> None:

@@ -11,6 +11,7 @@ import torch
 from .copy_engine import CopyEngine, CopyResult
 from .metadata import LOAD, STORE, KVScopeMetadata, KVScopeWorkerMetadata, TransferJob
 from .telemetry.metrics import KVScopeStats
+from .telemetry.span_records import COPY_SPAN
 from .telemetry.tracing import KVScopeTracing
 
 logger = logging.getLogger(__name__)
@@ -117,21 +118,8 @@ class KVScopeWorker:
             seconds = (copy.end_ns - copy.start_ns) / 1e9
             self._stats.record_copy(group, kind, job.direction, copy.blocks, copy.nbytes, seconds)
             if context is not None:
-                self.tracing.record_span(
-                    "kvscope.group.copy",
-                    context,
-                    copy.start_ns,
-                    copy.end_ns,
-                    {
-                        "kvscope.group.index": group,
-                        "kvscope.group.kind": kind,
-                        "kvscope.copy.direction": job.direction,
-                        "kvscope.copy.blocks": copy.blocks,
-                        "kvscope.copy.bytes": copy.nbytes,
-                        "kvscope.worker.rank": self.rank,
-                        "kvscope.request.id": job.req_id,
-                    },
-                )
+                self.tracing.record(COPY_SPAN, context, copy.start_ns, copy.end_ns,
+                                    (group, kind, job.direction, copy.blocks, copy.nbytes, self.rank, job.req_id))
 
     # -- results back to vLLM --
     def transfer_results(self) -> tuple[set[str], set[str]]:

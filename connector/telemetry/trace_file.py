@@ -27,6 +27,8 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
+from connector.telemetry.span_records import KINDS, record_attributes, record_name
+
 logger = logging.getLogger(__name__)
 
 # OTLP/JSON encodes these bytes fields as hex; every other bytes field stays base64.
@@ -45,15 +47,14 @@ def spans_to_json_line(spans: Sequence[ReadableSpan]) -> str:
     return request_to_json_line(encode_spans(spans))
 
 
-class LightSpanJsonEncoder:
-    """Encodes kvscope's light spans as one OTLP/JSON line: the same line as `spans_to_json_line`.
+class RecordJsonEncoder:
+    """Encodes span records (`span_records`) as one OTLP/JSON line: the same line as `spans_to_json_line`
+    writes for the SDK spans they stand for.
 
     Skips the SDK span objects, the protobuf message, its JSON printer and even `json.dumps` of
-    a dict tree, which cost about 12 µs per span here: each span is one %-format of a template,
-    attribute keys are encoded once and cached, and the resource/scope envelope is built once.
-    Each span needs `name`, `trace_id`, `span_id`, `parent` (None, or anything with `span_id` and
-    `is_remote`), `trace_state`, `start_time`, `end_time` and `attributes`; all share `resource`
-    and the instrumentation scope (kvscope's always do).
+    a dict tree: a record of a known kind without a ``tracestate`` (the common case) is one
+    %-format of that kind's template, name and attribute keys already in it; other records
+    (`GENERIC_SPAN` spans, a ``tracestate``) take a general path. The resource/scope envelope is built once.
     """
 
     def __init__(self, resource: Any, scope_name: str, scope_version: str):
@@ -63,46 +64,86 @@ class LightSpanJsonEncoder:
             + ']},"scopeSpans":[{"scope":{"name":' + _json_str(scope_name)
             + ',"version":' + _json_str(scope_version) + '},"spans":['
         )
-        self._names: dict[str, str] = {}
+        self._children = [_typed_template(kind, child=True) if kind.attributes else None for kind in KINDS]
+        self._roots = [_typed_template(kind, child=False) if kind.attributes else None for kind in KINDS]
+        self._escapes = [_string_escaper(kind) for kind in KINDS]
 
-    def __call__(self, spans: Sequence[Any]) -> str:
-        names = self._names
+    def __call__(self, records: Sequence[tuple]) -> str:
+        children, roots, escapes = self._children, self._roots, self._escapes
         out = []
-        for s in spans:
-            name = names.get(s.name)
-            if name is None:
-                name = names.setdefault(s.name, _json_str(s.name))
-            parent, attributes = s.parent, s.attributes
-            attributes = '"attributes":[' + _attributes_json(attributes) + "]," if attributes else ""
-            if parent is not None and not s.trace_state:  # the common case: one format call
-                out.append(_CHILD_TEMPLATE % (s.trace_id, s.span_id, parent.span_id, name, s.start_time,
-                                              s.end_time, attributes, 0x300 if parent.is_remote else 0x100))
+        for r in records:
+            kind = r[0]
+            if children[kind] is None or r[5] is not None:  # GENERIC_SPAN, or a tracestate to write
+                out.append(_general_span_json(r))
                 continue
-            ids = f'"traceId":"{s.trace_id:032x}","spanId":"{s.span_id:016x}",'
-            if s.trace_state:
-                ids += '"traceState":' + _json_str(s.trace_state.to_header()) + ","
-            flags = 0x100  # SPAN_FLAGS_CONTEXT_HAS_IS_REMOTE, as the SDK's encoder sets it
-            if parent is not None:
-                ids += f'"parentSpanId":"{parent.span_id:016x}",'
-                if parent.is_remote:
-                    flags |= 0x200  # SPAN_FLAGS_CONTEXT_IS_REMOTE
-            out.append(_SPAN_TEMPLATE % (ids, name, s.start_time, s.end_time, attributes, flags))
+            escape = escapes[kind]
+            values = escape(r[8]) if escape is not None else r[8]
+            if r[3] is not None:
+                out.append(children[kind] % (r[1], r[2], r[3], r[6], r[7], *values, 0x300 if r[4] else 0x100))
+            else:
+                out.append(roots[kind] % (r[1], r[2], r[6], r[7], *values))
         return self._head + ",".join(out) + "]}]}]}\n"
 
 
+def _typed_template(kind, child: bool) -> str:
+    # literal text ('%' doubled) with a conversion per value: %d for ints, %s for escaped strings
+    attributes = ",".join(
+        _key_prefix(key).replace("%", "%%") + ('{"intValue":"%d"}}' if value_type is int else '{"stringValue":%s}}')
+        for key, value_type in kind.attributes
+    )
+    name = _json_str(kind.name).replace("%", "%%")
+    parent = '"parentSpanId":"%016x",' if child else ""
+    flags = "%d" if child else "256"  # a root: SPAN_FLAGS_CONTEXT_HAS_IS_REMOTE only
+    return ('{"traceId":"%032x","spanId":"%016x",' + parent + '"name":' + name + ',"kind":1,'
+            '"startTimeUnixNano":"%d","endTimeUnixNano":"%d","attributes":[' + attributes
+            + '],"status":{},"flags":' + flags + '}')
+
+
+def _string_escaper(kind):
+    """A function giving a record's values with its string values as JSON literals (None: no strings)."""
+    positions = [i for i, (_, value_type) in enumerate(kind.attributes) if value_type is str]
+    if not positions:
+        return None
+
+    def escape(values):
+        values = list(values)
+        for i in positions:
+            values[i] = _json_str(values[i])
+        return values
+
+    return escape
+
+
+def _general_span_json(r: tuple) -> str:
+    ids = f'"traceId":"{r[1]:032x}","spanId":"{r[2]:016x}",'
+    if r[5]:
+        ids += '"traceState":' + _json_str(r[5]) + ","
+    flags = 0x100  # SPAN_FLAGS_CONTEXT_HAS_IS_REMOTE, as the SDK's encoder sets it
+    if r[3] is not None:
+        ids += f'"parentSpanId":"{r[3]:016x}",'
+        if r[4]:
+            flags |= 0x200  # SPAN_FLAGS_CONTEXT_IS_REMOTE
+    attributes = record_attributes(r)
+    attributes = '"attributes":[' + _attributes_json(attributes) + "]," if attributes else ""
+    return _SPAN_TEMPLATE % (ids, _json_str(record_name(r)), r[6], r[7], attributes, flags)
+
+
 _SPAN_TEMPLATE = '{%s"name":%s,"kind":1,"startTimeUnixNano":"%d","endTimeUnixNano":"%d",%s"status":{},"flags":%d}'
-_CHILD_TEMPLATE = ('{"traceId":"%032x","spanId":"%016x","parentSpanId":"%016x","name":%s,"kind":1,'
-                   '"startTimeUnixNano":"%d","endTimeUnixNano":"%d",%s"status":{},"flags":%d}')
 _json_str = encode_basestring  # a JSON string literal, non-ASCII kept (as json.dumps(ensure_ascii=False))
 _KEY_PREFIXES: dict[str, str] = {}
+
+
+def _key_prefix(key: str) -> str:
+    prefix = _KEY_PREFIXES.get(key)
+    if prefix is None:
+        prefix = _KEY_PREFIXES.setdefault(key, '{"key":' + _json_str(key) + ',"value":')
+    return prefix
 
 
 def _attributes_json(attributes) -> str:
     parts = []
     for key, value in attributes.items():
-        prefix = _KEY_PREFIXES.get(key)
-        if prefix is None:
-            prefix = _KEY_PREFIXES.setdefault(key, '{"key":' + _json_str(key) + ',"value":')
+        prefix = _key_prefix(key)
         kind = type(value)
         if kind is int:
             parts.append(f'{prefix}{{"intValue":"{value}"}}}}')
@@ -113,9 +154,9 @@ def _attributes_json(attributes) -> str:
     return ",".join(parts)
 
 
-def light_spans_to_json_line(spans: Sequence[Any], resource: Any, scope_name: str, scope_version: str) -> str:
-    """One-off form of `LightSpanJsonEncoder` (tests, tools)."""
-    return LightSpanJsonEncoder(resource, scope_name, scope_version)(spans)
+def records_to_json_line(records: Sequence[tuple], resource: Any, scope_name: str, scope_version: str) -> str:
+    """One-off form of `RecordJsonEncoder` (tests, tools)."""
+    return RecordJsonEncoder(resource, scope_name, scope_version)(records)
 
 
 def _any_value(value: Any) -> dict[str, Any]:

@@ -3,8 +3,10 @@
 Never the global ``TracerProvider``: vLLM (and the user's process) may own it; the connector
 must neither replace it nor depend on it. Spans still join vLLM's request trace because the
 parent comes from the request's ``traceparent`` header, not from a shared provider. Nor an SDK
-provider of its own: on the engine's hot path a span is a `LightSpan` handed to a `SpanBatcher`
-(a deque append); SDK spans are built, when an SDK exporter needs them, on the export thread.
+provider of its own: on the engine's hot path an ended span is a record (a tuple, see
+`span_records`) handed to a `SpanBatcher` (a deque append); JSON or SDK spans are made from it
+on the export thread. The connector's own spans go through `open_span`/`end_span`/`record`
+with their `RecordKind`; `start_span` gives a general OpenTelemetry `Span` (a `LightSpan`).
 
 Free when off: with no sink configured nothing is built, ``enabled`` is False, every span is
 ``INVALID_SPAN`` (a shared non-recording span) and carriers are None. Callers check
@@ -46,15 +48,16 @@ from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExporter, SpanExportResult
+from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from opentelemetry.sdk.trace.id_generator import IdGenerator
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
-from opentelemetry.trace import Span, SpanContext, SpanKind, TraceFlags
+from opentelemetry.trace import NonRecordingSpan, Span, SpanContext, TraceFlags, TraceState
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from connector import __version__
 from connector.telemetry.span_batcher import SpanBatcher
-from connector.telemetry.trace_file import LightSpanJsonEncoder, OtlpJsonLinesExporter
+from connector.telemetry.span_records import GENERIC_SPAN, RecordKind, to_readable_span
+from connector.telemetry.trace_file import OtlpJsonLinesExporter, RecordJsonEncoder
 
 logger = logging.getLogger(__name__)
 
@@ -75,9 +78,8 @@ class KVScopeTracing:
     """The connector's tracer, sinks and propagation helpers (one per process)."""
 
     def __init__(self, processor=None, resource: Resource | None = None, sample_ratio: float = 1.0):
-        # `processor` gets every ended, sampled span (`on_end`); None means tracing is off.
-        # No SDK TracerProvider/Tracer: spans are light records on the engine's hot path and
-        # become SDK spans, if ever, on the export thread (see `LightSpan`).
+        # `processor` gets the record of every ended, sampled span (`on_end`); None means tracing
+        # is off. No SDK TracerProvider/Tracer: records become SDK spans, if ever, on the export thread.
         self._processor = processor
         self.enabled: bool = processor is not None
         self.resource = resource if processor is not None else None
@@ -112,8 +114,8 @@ class KVScopeTracing:
         resource = _resource(env)
         exporters: list[SpanExporter] = []
         if trace_file:
-            # The file gets light spans encoded directly (no SDK span, no protobuf): the cheap path.
-            encoder = LightSpanJsonEncoder(resource, SCOPE_NAME, __version__)
+            # The file gets records encoded directly (no SDK span, no protobuf): the cheap path.
+            encoder = RecordJsonEncoder(resource, SCOPE_NAME, __version__)
             exporters.append(OtlpJsonLinesExporter(trace_file, encode=encoder))
         if otlp_requested(env):
             otlp = build_otlp_exporter(env)
@@ -132,9 +134,9 @@ class KVScopeTracing:
         *,
         resource: Resource | None = None,
     ) -> KVScopeTracing:
-        """Tracing that hands every ended span synchronously to ``exporter`` (tests, benchmarks)."""
+        """Tracing that hands every ended span synchronously to ``exporter`` as an SDK span (tests)."""
         resource = resource or Resource.create({"service.name": DEFAULT_SERVICE_NAME})
-        return cls(SimpleSpanProcessor(SdkSpanExporter(exporter, resource)), resource, _check_ratio(sample_ratio))
+        return cls(SyncRecordProcessor(SdkSpanExporter(exporter, resource)), resource, _check_ratio(sample_ratio))
 
     # ----------------------------------------------------------------- spans
     def start_span(
@@ -151,28 +153,30 @@ class KVScopeTracing:
         """
         if self._processor is None:
             return trace.INVALID_SPAN
-        if context is None:
-            parent = None
-        elif type(context) is LightSpan:  # a local parent (the hot path): decides for its children
-            if not context.sampled:
-                return self._dropped
-            return LightSpan(name, context.trace_id, self._ids.generate_span_id(), context, True,
-                             start_time if start_time is not None else time.time_ns(), self._processor)
-        else:
-            parent = trace.get_current_span(context).get_span_context()
+        decided = self._decide(context)
+        if decided is None:
+            return self._dropped
+        trace_id, parent = decided
+        return LightSpan(name, trace_id, self._ids.generate_span_id(), parent, True,
+                         start_time if start_time is not None else time.time_ns(), self._processor)
+
+    def _decide(self, context: Parent | None) -> tuple[int, Any] | None:
+        """(trace id, parent) of a span started under ``context``, or None when sampling drops it.
+
+        The parent is None (a new trace), a valid `SpanContext` (remote: a `traceparent` or a carrier),
+        or a local kvscope span.
+        """
+        if type(context) is LightSpan or type(context) is SpanRef:  # a local parent decides for its children
+            return (context.trace_id, context) if context.sampled else None
+        parent = trace.get_current_span(context).get_span_context() if context is not None else None
         if parent is not None and parent.is_valid:
             trace_id = parent.trace_id
             # a remote parent (upstream traceparent, our carrier on a worker) must be sampled and
             # pass the ratio on the same trace id
             sampled = parent.trace_flags.sampled and (not parent.is_remote or self._keeps(trace_id))
-        else:
-            parent = None
-            trace_id = self._ids.generate_trace_id()
-            sampled = self._keeps(trace_id)
-        if not sampled:
-            return self._dropped
-        return LightSpan(name, trace_id, self._ids.generate_span_id(), parent, True,
-                         start_time if start_time is not None else time.time_ns(), self._processor)
+            return (trace_id, parent) if sampled else None
+        trace_id = self._ids.generate_trace_id()
+        return (trace_id, None) if self._keeps(trace_id) else None
 
     def may_record(self, parent: Parent | None) -> bool:
         """False when nothing started under ``parent`` can record (tracing off, or its request was
@@ -201,11 +205,53 @@ class KVScopeTracing:
         span = self.start_span(name, context=context, start_time=start_ns)
         if type(span) is not LightSpan or not span.sampled:  # tracing off, or the request dropped
             return span
-        span.end_time = end_ns if end_ns > start_ns else start_ns
         if attributes:
             span.attributes = attributes  # kept, not copied: callers pass a fresh dict
-        self._processor.on_end(span)
+        span.end(end_ns if end_ns > start_ns else start_ns)
         return span
+
+    # ----------------------------------------------------------------- the connector's own spans
+    # The hot path: a `SpanRef` (ids only) while a span is open, one tuple when it ends.
+    def open_span(self, parent: Parent | None, start_time: int | None = None) -> SpanRef | LightSpan:
+        """Open a span that will end as a record (`end_span`); sampling as in ``start_span``.
+
+        Returns a `SpanRef`, or the shared dropped span when sampling drops it (``may_record`` is
+        then False for its children). Only for enabled tracing: callers check ``may_record`` first.
+        """
+        decided = self._decide(parent)
+        if decided is None:
+            return self._dropped
+        trace_id, parent = decided
+        start = start_time if start_time is not None else time.time_ns()
+        if parent is None:
+            return SpanRef(trace_id, self._ids.generate_span_id(), None, False, None, start)
+        return SpanRef(trace_id, self._ids.generate_span_id(), parent.span_id, parent.is_remote,
+                       parent.trace_state, start)
+
+    def end_span(self, kind: RecordKind, span: SpanRef | LightSpan, end_ns: int, values: tuple) -> None:
+        """End a span from `open_span` with its kind's attribute values; a dropped span is ignored."""
+        if type(span) is SpanRef:
+            start, state = span.start_time, span.trace_state
+            self._processor.on_end((kind.code, span.trace_id, span.span_id, span.parent_span_id,
+                                    span.parent_is_remote, state.to_header() if state else None,
+                                    start, end_ns if end_ns > start else start, values))
+
+    def record(self, kind: RecordKind, parent: Parent | None, start_ns: int, end_ns: int,
+               values: tuple) -> SpanRef | LightSpan:
+        """Record a finished span whose interval was measured elsewhere; returns it as a parent handle.
+
+        ``parent`` None starts a new trace; a worker whose job came without a carrier (tracing off,
+        or the request not sampled) must therefore skip the call.
+        """
+        span = self.open_span(parent, start_ns)
+        self.end_span(kind, span, end_ns, values)
+        return span
+
+    def record_child(self, kind: RecordKind, parent: SpanRef, start_ns: int, end_ns: int, values: tuple) -> None:
+        """Record a finished child of an open, sampled `SpanRef` (the per-group scans of a load)."""
+        state = parent.trace_state
+        self._processor.on_end((kind.code, parent.trace_id, self._ids.generate_span_id(), parent.span_id,
+                                False, state.to_header() if state else None, start_ns, end_ns, values))
 
     # ----------------------------------------------------------------- propagation
     def context_from_trace_headers(self, headers: Mapping[str, str] | None) -> Context | None:
@@ -223,34 +269,38 @@ class KVScopeTracing:
         """
         if self._processor is None:
             return None
-        if type(span) is LightSpan:
+        if type(span) is LightSpan or type(span) is SpanRef:
             return span
         if not span.get_span_context().is_valid:
             return None
         return trace.set_span_in_context(span)
 
-    def carrier_of(self, span: Span) -> dict[str, str] | None:
-        """W3C carrier (``traceparent``, maybe ``tracestate``) of ``span`` for the worker, or None.
+    def carrier_of(self, span: Span) -> TraceCarrier | None:
+        """What a worker needs to put its spans under ``span``: ``(trace id, span id, tracestate)``.
 
-        None when disabled or the span is not recording: the worker then builds no span.
+        The W3C ``traceparent`` fields as ints (``tracestate`` as its header text, or None): the
+        carrier crosses vLLM's own metadata channel, not HTTP, and ints cost nothing to format
+        on the engine's hot path. None when disabled or the span is not recording: the worker then
+        builds no span.
         """
         if self._processor is None or not span.is_recording():
             return None
-        if type(span) is not LightSpan:
-            carrier: dict[str, str] = {}
-            _PROPAGATOR.inject(carrier, context=trace.set_span_in_context(span))
-            return carrier or None
-        # What TraceContextTextMapPropagator.inject writes for a sampled span, without a Context.
-        carrier = {"traceparent": f"00-{span.trace_id:032x}-{span.span_id:016x}-01"}
-        if span.trace_state:
-            carrier["tracestate"] = span.trace_state.to_header()
-        return carrier
+        if type(span) is SpanRef or type(span) is LightSpan:
+            state = span.trace_state
+            return (span.trace_id, span.span_id, state.to_header() if state else None)
+        context = span.get_span_context()
+        state = context.trace_state
+        return (context.trace_id, context.span_id, state.to_header() if state else None)
 
-    def context_from_carrier(self, carrier: Mapping[str, str] | None) -> Context | None:
-        """Context from a carrier made by ``carrier_of`` (worker side), or None."""
+    def context_from_carrier(self, carrier: TraceCarrier | None) -> Context | None:
+        """The parent a carrier from ``carrier_of`` stands for (worker side: a remote, sampled
+        span, as the W3C propagator would extract it from the span's headers), or None."""
         if self._processor is None or not carrier:
             return None
-        return _extract(carrier)
+        trace_id, span_id, state = carrier
+        parent = SpanContext(trace_id, span_id, is_remote=True, trace_flags=_SAMPLED,
+                             trace_state=TraceState.from_header([state]) if state else None)
+        return trace.set_span_in_context(NonRecordingSpan(parent))
 
     # ----------------------------------------------------------------- lifecycle
     def force_flush(self, timeout_millis: int = 5000) -> bool:
@@ -264,6 +314,23 @@ class KVScopeTracing:
             return
         self._shutdown_done = True
         self._processor.shutdown()
+
+
+class SyncRecordProcessor:
+    """Hands each record to an exporter at once, on the caller's thread (tests: an in-memory
+    exporter sees a span as soon as it ends, as with the SDK's `SimpleSpanProcessor`)."""
+
+    def __init__(self, exporter: SpanExporter):
+        self._exporter = exporter
+
+    def on_end(self, record: tuple) -> None:
+        self._exporter.export((record,))
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        return self._exporter.force_flush(timeout_millis)
+
+    def shutdown(self) -> None:
+        self._exporter.shutdown()
 
 
 class OsRandomIdGenerator(IdGenerator):
@@ -296,12 +363,37 @@ def trace_id_bound(ratio: float) -> int:
     return round(ratio * (1 << 64))
 
 
+class SpanRef:
+    """An open (or recorded) kvscope span of a known kind: the ids its record, its children and
+    the worker's carrier need, and nothing else. Always sampled: a dropped span is never a SpanRef."""
+
+    __slots__ = ("trace_id", "span_id", "parent_span_id", "parent_is_remote", "trace_state", "start_time")
+
+    sampled = True
+    is_remote = False  # as a parent, a SpanRef reads like a local SpanContext
+
+    def __init__(self, trace_id, span_id, parent_span_id, parent_is_remote, trace_state, start_time):
+        self.trace_id = trace_id
+        self.span_id = span_id
+        self.parent_span_id = parent_span_id
+        self.parent_is_remote = parent_is_remote
+        self.trace_state = trace_state  # W3C TraceState of the trace, or None
+        self.start_time = start_time
+
+    def is_recording(self) -> bool:
+        return True
+
+    def get_span_context(self) -> SpanContext:
+        return SpanContext(self.trace_id, self.span_id, is_remote=False, trace_flags=_SAMPLED,
+                           trace_state=self.trace_state)
+
+
 class LightSpan(Span):
-    """A span as the engine's hot path sees it: plain fields, no SDK machinery.
+    """A general OpenTelemetry span with plain fields, no SDK machinery.
 
     The OpenTelemetry SDK spends tens of microseconds per span (sampler, attribute cleaning,
-    locks); that is more than a group scan. A `LightSpan` costs a few, and turns into an SDK
-    `ReadableSpan` only in `SdkSpanExporter`, on the span processor's export thread.
+    locks); that is more than a group scan. A `LightSpan` costs a few and ends as a record
+    (`span_records.GENERIC_SPAN`); kvscope's own spans skip even that (`KVScopeTracing.open_span`).
     """
 
     __slots__ = ("name", "trace_id", "span_id", "parent", "sampled", "start_time", "end_time",
@@ -367,16 +459,20 @@ class LightSpan(Span):
             return
         self.end_time = end_time if end_time is not None else time.time_ns()
         if self.sampled:
-            self._processor.on_end(self)
+            parent, state = self.parent, self._trace_state
+            self._processor.on_end((GENERIC_SPAN.code, self.trace_id, self.span_id,
+                                    parent.span_id if parent is not None else None,
+                                    parent is not None and parent.is_remote,
+                                    state.to_header() if state else None,
+                                    self.start_time, self.end_time, (self.name, self.attributes)))
 
+
+# How a span's identity travels to the workers (`carrier_of`): trace id, span id, tracestate header.
+TraceCarrier = tuple[int, int, str | None]
 
 # What `start_span`'s context may be: an OTel Context (request headers, a worker's carrier) or a
 # kvscope span itself (`context_of`), which costs nothing to make on the hot path.
-Parent = Context | LightSpan
-
-
-def _span_context(parent) -> SpanContext | None:
-    return parent.get_span_context() if type(parent) is LightSpan else parent
+Parent = Context | LightSpan | SpanRef
 
 
 _SAMPLED = TraceFlags(TraceFlags.SAMPLED)
@@ -385,19 +481,14 @@ _SCOPE = InstrumentationScope(SCOPE_NAME, __version__)
 
 
 class SdkSpanExporter(SpanExporter):
-    """Turns `LightSpan`s into SDK `ReadableSpan`s (on the export thread) for a real exporter."""
+    """Turns span records into SDK `ReadableSpan`s (on the export thread) for a real exporter."""
 
     def __init__(self, inner: SpanExporter, resource: Resource):
         self._inner = inner
         self._resource = resource
 
-    def export(self, spans: Sequence[LightSpan]) -> SpanExportResult:
-        return self._inner.export([
-            ReadableSpan(name=s.name, context=s.get_span_context(), parent=_span_context(s.parent),
-                         resource=self._resource, attributes=s.attributes, kind=SpanKind.INTERNAL,
-                         start_time=s.start_time, end_time=s.end_time, instrumentation_scope=_SCOPE)
-            for s in spans
-        ])
+    def export(self, records: Sequence[tuple]) -> SpanExportResult:
+        return self._inner.export([to_readable_span(r, self._resource, _SCOPE) for r in records])
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
         return self._inner.force_flush(timeout_millis)

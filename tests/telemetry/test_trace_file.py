@@ -128,27 +128,31 @@ def test_export_appends_to_an_existing_file(tmp_path, tracing, span_exporter):
     assert len(path.read_text().splitlines()) == 2
 
 
-def test_light_span_encoder_writes_exactly_what_the_sdk_encoder_writes(tmp_path):
-    """The trace file's fast path (light spans -> JSON) against the SDK/protobuf path."""
+def test_record_encoder_writes_exactly_what_the_sdk_encoder_writes(tmp_path):
+    """The trace file's fast path (records -> JSON) against the SDK/protobuf path, for every record
+    kind, typed and general, as root, local child, remote child and with a tracestate."""
     import json as _json
 
     from opentelemetry.sdk.resources import Resource
 
     from connector import __version__
-    from connector.telemetry.trace_file import light_spans_to_json_line, spans_to_json_line
+    from connector.telemetry.span_records import COPY_SPAN, LOAD_SPAN, LOOKUP_SPAN, SCAN_SPAN, STORE_SPAN
+    from connector.telemetry.trace_file import records_to_json_line, spans_to_json_line
     from connector.telemetry.tracing import SCOPE_NAME, KVScopeTracing, SdkSpanExporter
 
     captured = []
 
     class Keep:
-        def on_end(self, span):
-            captured.append(span)
+        def on_end(self, record):
+            captured.append(record)
 
     tracing = KVScopeTracing.for_exporter(InMemorySpanExporter())
     tracing._processor = Keep()
     headers = {"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
                "tracestate": "vendor=1,other=x"}
-    root = tracing.start_span("kvscope.load", context=tracing.context_from_trace_headers(headers))
+    upstream = tracing.context_from_trace_headers(headers)
+    # the general span API (GENERIC_SPAN records), with a tracestate and odd attribute types
+    root = tracing.start_span("kvscope.load", context=upstream)
     root.set_attributes({"kvscope.request.id": "r1", "kvscope.tokens.local": 0, "flag": True,
                          "ratio": 0.25, "ids": [1, 2]})
     child = tracing.start_span("kvscope.group.scan", context=tracing.context_of(root))
@@ -156,8 +160,22 @@ def test_light_span_encoder_writes_exactly_what_the_sdk_encoder_writes(tmp_path)
     child.end()
     root.end()
     tracing.record_span("kvscope.lookup", None, 5, 9, {"kvscope.tokens.hit": 0})
+    # typed records: a root, local children (the template path), remote parents, a tracestate
+    odd_id = 'req "1" %d \\ \u00e9\u2603'
+    lookup = tracing.record(LOOKUP_SPAN, None, 10, 12, (odd_id, 64, 32))
+    load = tracing.open_span(lookup, 13)
+    tracing.record_child(SCAN_SPAN, load, 14, 15, (0, "sliding_window", 8, 3, 2, 5))
+    tracing.record_child(SCAN_SPAN, load, 15, 16, (1, "full_attention", 8, 0, 2, 6))
+    tracing.end_span(LOAD_SPAN, load, 17, (odd_id, 16, 32, 2))
+    tracing.record(STORE_SPAN, lookup, 18, 18, (odd_id, 2, 4))
+    carrier = tracing.carrier_of(load)
+    tracing.record(COPY_SPAN, tracing.context_from_carrier(carrier), 20, 25, (1, "full_attention", "load", 2, 4096, 0, odd_id))
+    tracing.record(LOOKUP_SPAN, upstream, 30, 31, ("r2", 1, 0))
+    no_state = tracing.context_from_trace_headers({"traceparent": headers["traceparent"]})
+    tracing.record(LOOKUP_SPAN, no_state, 32, 33, ("r3", 1, 0))
+    assert len(captured) == 11
     resource = Resource.create({"service.name": "kvscope"})
-    fast = light_spans_to_json_line(captured, resource, SCOPE_NAME, __version__)
+    fast = records_to_json_line(captured, resource, SCOPE_NAME, __version__)
     readable = []
     SdkSpanExporter(type("Sink", (), {"export": lambda self, spans: readable.extend(spans)})(), resource).export(captured)
     assert _json.loads(fast) == _json.loads(spans_to_json_line(readable))

@@ -162,7 +162,7 @@ def test_dropped_root_makes_no_carrier_and_no_worker_span():
 def test_carrier_round_trip_keeps_trace_and_parent(tracing, span_exporter):
     load = tracing.start_span("kvscope.load")
     carrier = tracing.carrier_of(load)
-    assert set(carrier) >= {"traceparent"} and all(isinstance(v, str) for v in carrier.values())
+    assert carrier == (load.get_span_context().trace_id, load.get_span_context().span_id, None)
     ctx = tracing.context_from_carrier(carrier)
     copy = tracing.record_span("kvscope.group.copy", ctx, 1_000, 5_000, {"kvscope.copy.direction": "load"})
     load.end()
@@ -177,21 +177,29 @@ def test_carrier_round_trip_keeps_trace_and_parent(tracing, span_exporter):
     assert not copy.is_recording()  # already ended
 
 
-def test_carrier_is_exactly_what_the_w3c_propagator_writes(tracing):
+def test_a_carrier_gives_the_worker_what_the_w3c_propagator_would(tracing):
+    """The carrier is the span's traceparent fields as ints: the worker's parent must be exactly
+    what extracting the span's W3C headers gives, tracestate included."""
     from opentelemetry.trace import NonRecordingSpan
     from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+    from connector.telemetry.span_records import LOOKUP_SPAN
+
+    propagator = TraceContextTextMapPropagator()
     upstream = tracing.context_from_trace_headers({"traceparent": _traceparent(True),
                                                    "tracestate": "vendor=1,other=x"})
     for root_context in (upstream, None):
         load = tracing.start_span("kvscope.load", context=root_context)
         scan = tracing.start_span("kvscope.group.scan", context=tracing.context_of(load))
-        for span in (load, scan):
-            expected: dict[str, str] = {}
-            TraceContextTextMapPropagator().inject(
-                expected, context=trace.set_span_in_context(NonRecordingSpan(span.get_span_context())))
-            assert tracing.carrier_of(span) == expected
-        assert ("tracestate" in tracing.carrier_of(scan)) == (root_context is not None)
+        typed = tracing.open_span(tracing.record(LOOKUP_SPAN, root_context, 1, 2, ("r", 1, 0)))
+        for span in (load, scan, typed):
+            headers: dict[str, str] = {}
+            propagator.inject(headers, context=trace.set_span_in_context(NonRecordingSpan(span.get_span_context())))
+            expected = trace.get_current_span(propagator.extract(headers)).get_span_context()
+            got = trace.get_current_span(tracing.context_from_carrier(tracing.carrier_of(span))).get_span_context()
+            assert got == expected and got.is_remote and got.trace_flags.sampled
+            assert got.trace_state == expected.trace_state
+            assert (tracing.carrier_of(span)[2] is not None) == (root_context is not None)
 
 
 def test_record_span_without_context_roots_a_trace_that_children_join(tracing, span_exporter):

@@ -1,0 +1,100 @@
+"""Ended kvscope spans as plain tuples: what the engine's hot path hands to the export thread.
+
+An object per span with an attribute dict costs microseconds to build on the engine thread,
+as much as a small group scan. A record is one tuple of ints and strings instead; names and
+attribute keys come from its kind, and the export thread turns it into JSON or an SDK span.
+
+A record is ``(kind, trace_id, span_id, parent_span_id, parent_is_remote, trace_state, start_ns,
+end_ns, values)``:
+
+- ``kind``: the code of a `RecordKind` (`KINDS[code]`); its span name and attribute keys.
+- ``parent_span_id``: None for a trace's root; ``parent_is_remote`` True when the parent came from
+  another process (an upstream ``traceparent``, or the scheduler's carrier on a worker).
+- ``trace_state``: the W3C ``tracestate`` header of the trace, or None.
+- ``values``: the attribute values in the order of the kind's keys; for `GENERIC_SPAN` (spans made
+  through the OpenTelemetry span API) ``(name, attributes dict)``.
+
+Only sampled spans become records, so every record's trace flags are "sampled".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+from opentelemetry.trace import SpanContext, SpanKind, TraceFlags, TraceState
+
+KIND, TRACE_ID, SPAN_ID, PARENT_ID, PARENT_REMOTE, TRACE_STATE, START, END, VALUES = range(9)
+
+
+@dataclass(frozen=True)
+class RecordKind:
+    """A span kind of the contract (DESIGN.md §2): its name and attribute keys with value types."""
+
+    code: int
+    name: str
+    attributes: tuple[tuple[str, type], ...]  # (key, int or str), in the order of a record's values
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        return tuple(key for key, _ in self.attributes)
+
+
+GENERIC_SPAN = RecordKind(0, "", ())
+LOOKUP_SPAN = RecordKind(1, "kvscope.lookup", (
+    ("kvscope.request.id", str), ("kvscope.tokens.queried", int), ("kvscope.tokens.hit", int)))
+LOAD_SPAN = RecordKind(2, "kvscope.load", (
+    ("kvscope.request.id", str), ("kvscope.tokens.local", int), ("kvscope.tokens.external", int),
+    ("kvscope.groups", int)))
+SCAN_SPAN = RecordKind(3, "kvscope.group.scan", (
+    ("kvscope.group.index", int), ("kvscope.group.kind", str), ("kvscope.group.blocks.total", int),
+    ("kvscope.group.blocks.null_skipped", int), ("kvscope.group.blocks.pending", int),
+    ("kvscope.group.blocks.start", int)))
+STORE_SPAN = RecordKind(4, "kvscope.store", (
+    ("kvscope.request.id", str), ("kvscope.groups", int), ("kvscope.blocks", int)))
+COPY_SPAN = RecordKind(5, "kvscope.group.copy", (
+    ("kvscope.group.index", int), ("kvscope.group.kind", str), ("kvscope.copy.direction", str),
+    ("kvscope.copy.blocks", int), ("kvscope.copy.bytes", int), ("kvscope.worker.rank", int),
+    ("kvscope.request.id", str)))
+KINDS = (GENERIC_SPAN, LOOKUP_SPAN, LOAD_SPAN, SCAN_SPAN, STORE_SPAN, COPY_SPAN)  # by code
+
+
+def record_name(record: tuple) -> str:
+    kind = record[KIND]
+    return record[VALUES][0] if kind == GENERIC_SPAN.code else KINDS[kind].name
+
+
+def record_attributes(record: tuple) -> dict[str, Any]:
+    kind = record[KIND]
+    if kind == GENERIC_SPAN.code:
+        return dict(record[VALUES][1])
+    return dict(zip(KINDS[kind].keys, record[VALUES]))
+
+
+_SAMPLED = TraceFlags(TraceFlags.SAMPLED)
+
+
+def to_readable_span(record: tuple, resource: Resource, scope: InstrumentationScope) -> ReadableSpan:
+    """The SDK span a record stands for (for SDK exporters: OTLP, in-memory)."""
+    header = record[TRACE_STATE]
+    trace_state = TraceState.from_header([header]) if header else None
+    trace_id = record[TRACE_ID]
+    parent = None
+    if record[PARENT_ID] is not None:
+        parent = SpanContext(trace_id, record[PARENT_ID], is_remote=record[PARENT_REMOTE],
+                             trace_flags=_SAMPLED, trace_state=trace_state)
+    return ReadableSpan(
+        name=record_name(record),
+        context=SpanContext(trace_id, record[SPAN_ID], is_remote=False, trace_flags=_SAMPLED,
+                            trace_state=trace_state),
+        parent=parent,
+        resource=resource,
+        attributes=record_attributes(record),
+        kind=SpanKind.INTERNAL,
+        start_time=record[START],
+        end_time=record[END],
+        instrumentation_scope=scope,
+    )
