@@ -55,7 +55,7 @@ from connector.planning import NULL_BLOCK_ID, cdiv, scan_group  # noqa: E402
 from connector.scheduler import KVScopeScheduler  # noqa: E402
 from connector.telemetry.span_batcher import SpanBatcher  # noqa: E402
 from connector.telemetry.span_records import LOAD_SPAN  # noqa: E402
-from connector.telemetry.tracing import KVScopeTracing  # noqa: E402
+from connector.telemetry.tracing import EXPORT_MODE_VARIABLE, KVScopeTracing  # noqa: E402
 
 DEVICE_BLOCK_SIZE = 16  # tokens per device block, every group (vLLM's chunking needs one size)
 OFFLOAD_BLOCK_SIZE = 256  # tokens per offloaded block: kvscope `block_size`, vLLM `block_size`
@@ -71,13 +71,17 @@ GROUP_MIXES: dict[int, list[tuple[GroupKind, int | None]]] = {
 SIZES_FULL = (128, 1024, 8192, 32768)  # device blocks per group (the prompt length / 16)
 SIZES_QUICK = (128, 2048, 32768)
 
-SIDES = ("vllm", "kvscope_bare", "kvscope_off", "kvscope_on", "kvscope_on_noexport", "kvscope_on_sampled",
-         "kvscope_scan_off", "kvscope_scan_on", "kvscope_scan_on_noexport", "kvscope_scan_bare")
+SIDES = ("vllm", "kvscope_bare", "kvscope_off", "kvscope_on", "kvscope_on_thread", "kvscope_on_noexport",
+         "kvscope_on_sampled", "kvscope_scan_off", "kvscope_scan_on", "kvscope_scan_on_noexport", "kvscope_scan_bare")
+# Sides also reported as the engine process's CPU time per request (all its threads, not the
+# export helper process): with the helper, wall time includes waiting for it at the flush.
+CPU_SIDES = ("vllm", "kvscope_bare", "kvscope_on", "kvscope_on_thread")
 SAMPLED_RATIO = 0.1  # `kvscope_on_sampled`: the trace file with trace_sample_ratio 0.1
 # Telemetry's cost (issue 3), per request: the planner with telemetry off / tracing on / tracing
 # without the export thread's work, against the same planner with its telemetry taken out.
 TELEMETRY_SIDES = {"telemetry_off": "kvscope_off", "telemetry_on": "kvscope_on",
-                   "telemetry_on_noexport": "kvscope_on_noexport", "telemetry_on_sampled": "kvscope_on_sampled"}
+                   "telemetry_on_thread": "kvscope_on_thread", "telemetry_on_noexport": "kvscope_on_noexport",
+                   "telemetry_on_sampled": "kvscope_on_sampled"}
 # The group scans alone as the scheduler runs them, against plain `scan_group` calls.
 SCAN_SIDES = ("kvscope_scan_off", "kvscope_scan_on", "kvscope_scan_on_noexport")
 
@@ -365,20 +369,27 @@ class Result:
     case: Case
     pending_blocks: int
     seconds: dict[str, float]  # side -> median seconds per request
+    cpu_seconds: dict[str, float]  # CPU_SIDES -> median CPU seconds of this process per request
+    export_process_cpu: float = 0.0  # CPU seconds per request of `kvscope_on`'s helper process (mean)
 
 
 def _sample(prepare, run, reset, number: int) -> float:
     """Seconds per request of `run` over `number` prepared requests (gc off while timed)."""
+    return _sample_with_cpu(prepare, run, reset, number)[0]
+
+
+def _sample_with_cpu(prepare, run, reset, number: int) -> tuple[float, float]:
+    """(wall seconds, this process's CPU seconds) per request of `run` over `number` requests."""
     reqs = prepare(number)
     gc.disable()
     try:
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         run(reqs)
-        elapsed = time.perf_counter() - t0
+        elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
     finally:
         gc.enable()
         reset()
-    return elapsed / number
+    return elapsed / number, cpu / number
 
 
 def measure(case: Case, vllm_config, trace_dir: str, repeats: int, min_sample_s: float) -> Result:
@@ -388,6 +399,11 @@ def measure(case: Case, vllm_config, trace_dir: str, repeats: int, min_sample_s:
     on_tracing = KVScopeTracing.from_config(
         trace_file=os.path.join(trace_dir, f"planner-{case.name.replace('/', '-')}.jsonl"), sample_ratio=1.0)
     on = KVScopeSide(case, on_tracing)
+    # The same sink with the spans encoded by the engine process's export thread, not a helper.
+    thread_tracing = KVScopeTracing.from_config(
+        trace_file=os.path.join(trace_dir, f"thread-{case.name.replace('/', '-')}.jsonl"), sample_ratio=1.0,
+        env={**os.environ, EXPORT_MODE_VARIABLE: "thread"})
+    on_thread = KVScopeSide(case, thread_tracing)
     sampled_tracing = KVScopeTracing.from_config(
         trace_file=os.path.join(trace_dir, f"sampled-{case.name.replace('/', '-')}.jsonl"), sample_ratio=SAMPLED_RATIO)
     sampled = KVScopeSide(case, sampled_tracing)
@@ -397,7 +413,7 @@ def measure(case: Case, vllm_config, trace_dir: str, repeats: int, min_sample_s:
     noexport = KVScopeSide(case, noexport_tracing)
     try:
         # Same plan on every side: the same device blocks, group by group.
-        for side in (vllm, bare, off, on, noexport, sampled):
+        for side in (vllm, bare, off, on, on_thread, noexport, sampled):
             side.call(side.prepare(1))
             planned = side.planned()
             side.reset()
@@ -410,6 +426,7 @@ def measure(case: Case, vllm_config, trace_dir: str, repeats: int, min_sample_s:
             "kvscope_bare": (bare.prepare, bare.call, bare.reset),
             "kvscope_off": (off.prepare, off.call, off.reset),
             "kvscope_on": (on.prepare, on.call, on.reset),
+            "kvscope_on_thread": (on_thread.prepare, on_thread.call, on_thread.reset),
             "kvscope_on_noexport": (noexport.prepare, noexport.call, noexport.reset),
             "kvscope_on_sampled": (sampled.prepare, sampled.call, sampled.reset),
             "kvscope_scan_off": (lambda n: [None] * n, off.scan, off.reset),
@@ -417,20 +434,42 @@ def measure(case: Case, vllm_config, trace_dir: str, repeats: int, min_sample_s:
             "kvscope_scan_on_noexport": (lambda n: [None] * n, noexport.scan, noexport.reset),
             "kvscope_scan_bare": (lambda n: [None] * n, off.scan_bare, off.reset),
         }
-        one = max(_sample(*samplers[s], 1) for s in ("vllm", "kvscope_on"))
+        # Requests per sample from the planners' own time: a flush's fixed wait (the export
+        # thread, the helper process) must not shrink the samples it is then spread over.
+        one = max(_sample(*samplers[s], 1) for s in ("vllm", "kvscope_off"))
         number = max(1, min(1000, int(min_sample_s / max(one, 1e-9))))
         samples: dict[str, list[float]] = {s: [] for s in SIDES}
+        cpu_samples: dict[str, list[float]] = {s: [] for s in CPU_SIDES}
+        helper_cpu = 0.0
         for r in range(repeats):
             order = SIDES[r % len(SIDES):] + SIDES[:r % len(SIDES)]
             for side in order:
-                samples[side].append(_sample(*samplers[side], number))
+                before = _export_process_cpu_s(on_tracing) if side == "kvscope_on" else 0.0
+                wall, cpu = _sample_with_cpu(*samplers[side], number)
+                samples[side].append(wall)
+                if side in cpu_samples:
+                    cpu_samples[side].append(cpu)
+                if side == "kvscope_on":
+                    helper_cpu += _export_process_cpu_s(on_tracing) - before
     finally:
         on_tracing.shutdown()
+        thread_tracing.shutdown()
         noexport_tracing.shutdown()
         sampled_tracing.shutdown()
         vllm.sched.shutdown()
     pending = sum(len(ids) for ids in case.expected_block_ids)
-    return Result(case, pending, {s: statistics.median(v) for s, v in samples.items()})
+    medians = {s: statistics.median(v) for s, v in samples.items()}
+    cpu_medians = {s: statistics.median(v) for s, v in cpu_samples.items()}
+    return Result(case, pending, medians, cpu_medians, helper_cpu / (repeats * number))
+
+
+def _export_process_cpu_s(tracing: KVScopeTracing) -> float:
+    """CPU seconds the span export helper process of `tracing` has used so far (0 if none runs)."""
+    pid = tracing._processor._exporters[0].pid  # the ExportProcess behind the batcher
+    if pid is None:
+        return 0.0
+    with open(f"/proc/{pid}/schedstat") as f:  # ns on a CPU (its main thread: the one that encodes)
+        return int(f.read().split()[0]) / 1e9
 
 
 def measure_all(quick: bool, sizes=None, groups=None, repeats=None, min_sample_s=None) -> list[Result]:
@@ -462,14 +501,14 @@ def to_records(results: list[Result]) -> list[dict]:
     """
     records = []
 
-    def record(name: str, side: str, reference: str | None) -> None:
-        seconds = r.seconds
+    def record(name: str, side: str, reference: str | None, cpu: bool = False) -> None:
+        seconds, suffix = (r.cpu_seconds, "_cpu") if cpu else (r.seconds, "")
         records.append({
             "name": f"planner_vs_vllm.{name}[{r.case.name}]",
             "median": seconds[side] * 1e6,
             "unit": "us",
             "ratio": seconds[side] / seconds[reference] if reference else None,
-            "ratio_of": f"planner_vs_vllm.{reference}[{r.case.name}]" if reference else None,
+            "ratio_of": f"planner_vs_vllm.{reference}{suffix}[{r.case.name}]" if reference else None,
         })
 
     for r in results:
@@ -478,6 +517,22 @@ def to_records(results: list[Result]) -> list[dict]:
             record(side, side, "kvscope_scan_bare" if side in SCAN_SIDES else "vllm")
         for name, side in TELEMETRY_SIDES.items():
             record(name, side, "kvscope_bare")
+        # The engine process's CPU per request (all its threads; not the export helper's).
+        record("vllm_cpu", "vllm", None, cpu=True)
+        for side in CPU_SIDES[1:]:
+            record(f"{side}_cpu", side, "vllm", cpu=True)
+        for name, side in TELEMETRY_SIDES.items():
+            if side in CPU_SIDES:
+                record(f"{name}_cpu", side, "kvscope_bare", cpu=True)
+        # Not the engine's time: the CPU that encoding and writing the spans takes in the helper
+        # process (`kvscope_on`), per request, against the uninstrumented planner's time.
+        records.append({
+            "name": f"planner_vs_vllm.export_process_cpu[{r.case.name}]",
+            "median": r.export_process_cpu * 1e6,
+            "unit": "us",
+            "ratio": r.export_process_cpu / r.seconds["kvscope_bare"],
+            "ratio_of": f"planner_vs_vllm.kvscope_bare[{r.case.name}]",
+        })
     return records
 
 
@@ -487,8 +542,8 @@ def run(quick: bool = False) -> list[dict]:
 
 def format_table(results: list[Result]) -> str:
     rows = [("case", "pending", "vLLM µs", "kvscope off µs", "on µs", "off/vLLM", "on/vLLM",
-             "on no export/vLLM", "off/bare", "on/bare", "on no export/bare", f"on {SAMPLED_RATIO:.0%}/bare",
-             "scan off/bare", "scan on/bare")]
+             "on no export/vLLM", "off/bare", "on/bare", "on CPU/bare", "on thread/bare", "on no export/bare",
+             f"on {SAMPLED_RATIO:.0%}/bare", "helper CPU µs", "scan off/bare", "scan on/bare")]
     for r in results:
         s = r.seconds
         rows.append((r.case.name, str(r.pending_blocks), f"{s['vllm'] * 1e6:.1f}",
@@ -497,8 +552,11 @@ def format_table(results: list[Result]) -> str:
                      f"{s['kvscope_on_noexport'] / s['vllm']:.2f}",
                      f"{s['kvscope_off'] / s['kvscope_bare']:.3f}",
                      f"{s['kvscope_on'] / s['kvscope_bare']:.2f}",
+                     f"{r.cpu_seconds['kvscope_on'] / r.cpu_seconds['kvscope_bare']:.2f}",
+                     f"{s['kvscope_on_thread'] / s['kvscope_bare']:.2f}",
                      f"{s['kvscope_on_noexport'] / s['kvscope_bare']:.2f}",
                      f"{s['kvscope_on_sampled'] / s['kvscope_bare']:.2f}",
+                     f"{r.export_process_cpu * 1e6:.1f}",
                      f"{s['kvscope_scan_off'] / s['kvscope_scan_bare']:.3f}",
                      f"{s['kvscope_scan_on'] / s['kvscope_scan_bare']:.2f}"))
     return render_table(rows)

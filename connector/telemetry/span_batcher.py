@@ -103,6 +103,8 @@ class SpanBatcher:
             # Waiters taken before draining: every span they wait for is already queued.
             waiters = [self._flush_waiters.popleft() for _ in range(len(self._flush_waiters))]
             self._drain()
+            if waiters:
+                self._flush_exporters()  # an exporter may hold spans of its own (a helper process)
             for done in waiters:
                 done.set()
             if self._shutdown:
@@ -127,6 +129,13 @@ class SpanBatcher:
                 "further drops are not logged",
                 self._max_queue,
             )
+
+    def _flush_exporters(self) -> None:
+        for exporter in self._exporters:
+            try:
+                exporter.force_flush()
+            except Exception:
+                logger.exception("kvscope: span exporter %r failed to flush", exporter)
 
     @property
     def dropped_spans(self) -> int:

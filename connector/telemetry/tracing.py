@@ -5,8 +5,10 @@ must neither replace it nor depend on it. Spans still join vLLM's request trace 
 parent comes from the request's ``traceparent`` header, not from a shared provider. Nor an SDK
 provider of its own: on the engine's hot path an ended span is a record (a tuple, see
 `span_records`) handed to a `SpanBatcher` (a deque append); JSON or SDK spans are made from it
-on the export thread. The connector's own spans go through `open_span`/`end_span`/`record`
-with their `RecordKind`; `start_span` gives a general OpenTelemetry `Span` (a `LightSpan`).
+off the engine thread: by default in a helper process (`export_process`), with
+``KVSCOPE_TRACE_EXPORT=thread`` on the batcher's thread. The connector's own spans go through
+`open_span`/`end_span`/`record` with their `RecordKind`; `start_span` gives a general
+OpenTelemetry `Span` (a `LightSpan`).
 
 Free when off: with no sink configured nothing is built, ``enabled`` is False, every span is
 ``INVALID_SPAN`` (a shared non-recording span) and carriers are None. Callers check
@@ -20,8 +22,9 @@ Sinks (any combination):
   the default of vLLM's own tracer (``--otlp-traces-endpoint`` exports the variable
   ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` to the engine processes), so one endpoint receives both.
   ``http/protobuf`` selects the HTTP exporter. ``OTEL_SDK_DISABLED=true`` turns all tracing off.
-  A dead endpoint never slows the engine: export runs on the batcher's thread with a short
-  timeout, the first failure is logged once, and batches are dropped for a cool-down after a failure.
+  A dead endpoint never slows the engine: export runs off the engine thread (the helper process,
+  or the batcher's thread) with a short timeout, the first failure is logged once, and batches are
+  dropped for a cool-down after a failure.
 
 A request that sampling drops builds no span objects either: its spans are all one shared,
 ended, non-recording span, so an unsampled request costs a trace id and a comparison.
@@ -55,6 +58,7 @@ from opentelemetry.trace import NonRecordingSpan, Span, SpanContext, TraceFlags,
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from connector import __version__
+from connector.telemetry.export_process import ExportProcess, Sinks
 from connector.telemetry.span_batcher import SpanBatcher
 from connector.telemetry.span_records import GENERIC_SPAN, RecordKind, to_readable_span
 from connector.telemetry.trace_file import OtlpJsonLinesExporter, RecordJsonEncoder
@@ -70,8 +74,13 @@ OTLP_FAILURE_COOLDOWN_S = 10.0
 # Batch processor settings: a short delay keeps trace files fresh for live dashboards.
 _BATCH_SCHEDULE_DELAY_S = 1.0
 _BATCH_MAX_QUEUE = 8192
+# Spans per export batch, and how many queued spans wake the export thread early: small enough that
+# the helper process encodes alongside the engine rather than all at once when a flush waits for it.
+_BATCH_SIZE = 128
 
 _PROPAGATOR = TraceContextTextMapPropagator()
+# Where spans are encoded and exported: "process" (a helper process, the default) or "thread".
+EXPORT_MODE_VARIABLE = "KVSCOPE_TRACE_EXPORT"
 
 
 class KVScopeTracing:
@@ -109,21 +118,20 @@ class KVScopeTracing:
         ``sample_ratio`` None means 1.0. Raises ``ValueError`` for a ratio outside 0..1.
         """
         ratio = _check_ratio(sample_ratio)
-        if _truthy(env.get("OTEL_SDK_DISABLED")):
+        if _truthy(env.get("OTEL_SDK_DISABLED")) or not (trace_file or otlp_requested(env)):
             return cls.disabled()
         resource = _resource(env)
-        exporters: list[SpanExporter] = []
-        if trace_file:
-            # The file gets records encoded directly (no SDK span, no protobuf): the cheap path.
-            encoder = RecordJsonEncoder(resource, SCOPE_NAME, __version__)
-            exporters.append(OtlpJsonLinesExporter(trace_file, encode=encoder))
-        if otlp_requested(env):
-            otlp = build_otlp_exporter(env)
-            if otlp is not None:
-                exporters.append(SdkSpanExporter(otlp, resource))
+        sinks = Sinks(trace_file or None, {k: v for k, v in env.items() if k.startswith("OTEL_")},
+                      dict(resource.attributes))
+        mode = (env.get(EXPORT_MODE_VARIABLE) or "process").strip().lower()
+        if mode not in ("process", "thread"):
+            raise ValueError(f"{EXPORT_MODE_VARIABLE}={mode!r} is invalid: accepted are 'process' "
+                             "(spans are encoded in a helper process, the default) and 'thread'")
+        exporters = [ExportProcess(sinks)] if mode == "process" else build_exporters(sinks)
         if not exporters:
             return cls.disabled()
-        batcher = SpanBatcher(exporters, schedule_delay_s=_BATCH_SCHEDULE_DELAY_S, max_queue=_BATCH_MAX_QUEUE)
+        batcher = SpanBatcher(exporters, schedule_delay_s=_BATCH_SCHEDULE_DELAY_S, max_queue=_BATCH_MAX_QUEUE,
+                              max_batch=_BATCH_SIZE)
         return cls(batcher, resource, ratio)
 
     @classmethod
@@ -314,6 +322,21 @@ class KVScopeTracing:
             return
         self._shutdown_done = True
         self._processor.shutdown()
+
+
+def build_exporters(sinks: Sinks) -> list[SpanExporter]:
+    """The exporters for ``sinks``, taking span records (in the helper process, or in this one)."""
+    resource = Resource(sinks.resource)
+    exporters: list[SpanExporter] = []
+    if sinks.trace_file:
+        # The file gets records encoded directly (no SDK span, no protobuf): the cheap path.
+        encoder = RecordJsonEncoder(resource, SCOPE_NAME, __version__)
+        exporters.append(OtlpJsonLinesExporter(sinks.trace_file, encode=encoder))
+    if otlp_requested(sinks.otel_env):
+        otlp = build_otlp_exporter(sinks.otel_env)
+        if otlp is not None:
+            exporters.append(SdkSpanExporter(otlp, resource))
+    return exporters
 
 
 class SyncRecordProcessor:

@@ -32,7 +32,9 @@ def test_planner_vs_vllm_tiny():
     # every kvscope side is compared on the same case with vLLM's planner; the instrumented scans
     # with the same scans uninstrumented; telemetry's cost with the uninstrumented planner
     names = {r["name"].split("[")[0] for r in records if r["ratio_of"]}
-    expected = set(planner_vs_vllm.SIDES[1:]) | set(planner_vs_vllm.TELEMETRY_SIDES)
+    cpu = {f"{s}_cpu" for s in planner_vs_vllm.CPU_SIDES[1:]}
+    cpu |= {f"{name}_cpu" for name, side in planner_vs_vllm.TELEMETRY_SIDES.items() if side in planner_vs_vllm.CPU_SIDES}
+    expected = set(planner_vs_vllm.SIDES[1:]) | set(planner_vs_vllm.TELEMETRY_SIDES) | {"export_process_cpu"} | cpu
     assert names == {f"planner_vs_vllm.{s}" for s in expected}
     by_name = {r["name"]: r for r in records}
     for r in records:
@@ -40,7 +42,13 @@ def test_planner_vs_vllm_tiny():
             continue
         side, case = r["name"].split("[")
         side = side.split(".")[1]
-        if side in planner_vs_vllm.TELEMETRY_SIDES:
+        if side == "export_process_cpu":  # the span export helper's CPU, not a side's time
+            reference = "kvscope_bare"
+            assert r["median"] >= 0
+        elif side.endswith("_cpu"):  # the engine process's CPU time: against the same measure
+            base = side[: -len("_cpu")]
+            reference = "kvscope_bare_cpu" if base in planner_vs_vllm.TELEMETRY_SIDES else "vllm_cpu"
+        elif side in planner_vs_vllm.TELEMETRY_SIDES:
             reference = "kvscope_bare"
             assert r["median"] == by_name[f"planner_vs_vllm.{planner_vs_vllm.TELEMETRY_SIDES[side]}[{case}"]["median"]
         else:

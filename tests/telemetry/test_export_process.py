@@ -1,0 +1,156 @@
+"""ExportProcess: span records are encoded and exported by a helper process, never lost."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import time
+
+import pytest
+
+from connector.telemetry.export_process import ExportProcess, Sinks
+from connector.telemetry.span_records import LOAD_SPAN, LOOKUP_SPAN, SCAN_SPAN
+from connector.telemetry.tracing import KVScopeTracing, build_exporters
+
+
+class _Keep:
+    def __init__(self):
+        self.records = []
+
+    def on_end(self, record):
+        self.records.append(record)
+
+
+def _records(requests: int = 3) -> list[tuple]:
+    """Records of `requests` traced requests (lookup, load, scan) plus one general span."""
+    keep = _Keep()
+    tracing = KVScopeTracing(keep, None)
+    for i in range(requests):
+        lookup = tracing.record(LOOKUP_SPAN, None, 10, 20, (f"req-{i}", 64, 32))
+        load = tracing.open_span(lookup, 30)
+        tracing.record_child(SCAN_SPAN, load, 31, 32, (0, "sliding_window", 8, 3, 2, 5))
+        tracing.end_span(LOAD_SPAN, load, 40, (f"req-{i}", 16, 32, 1))
+    span = tracing.start_span("custom", start_time=50)
+    span.set_attributes({"flag": True, "ratio": 0.5, "ids": [1, 2]})
+    span.end(60)
+    return keep.records
+
+
+def _spans(path) -> list[dict]:
+    out = []
+    for line in path.read_text().splitlines():
+        for rs in json.loads(line)["resourceSpans"]:
+            for ss in rs["scopeSpans"]:
+                out.extend(ss["spans"])
+    return out
+
+
+def _sinks(path) -> Sinks:
+    return Sinks(str(path), {}, {"service.name": "kvscope-test"})
+
+
+def test_the_helper_writes_exactly_what_the_engine_process_would(tmp_path):
+    records = _records()
+    helper = ExportProcess(_sinks(tmp_path / "helper.jsonl"))
+    try:
+        helper.export(records)
+        helper.export(records[:2])
+        assert helper.force_flush(10_000)
+        assert helper.pid is not None and helper.pid != os.getpid()
+    finally:
+        helper.shutdown()
+    (here,) = build_exporters(_sinks(tmp_path / "here.jsonl"))
+    here.export(records)
+    here.export(records[:2])
+    here.shutdown()
+    assert (tmp_path / "helper.jsonl").read_text() == (tmp_path / "here.jsonl").read_text()
+    assert len(_spans(tmp_path / "helper.jsonl")) == len(records) + 2
+
+
+def test_shutdown_drains_the_helper_and_it_exits(tmp_path):
+    helper = ExportProcess(_sinks(tmp_path / "t.jsonl"))
+    helper.export(_records(50))
+    pid = helper.pid
+    helper.shutdown()  # no flush before: closing the pipe must still write everything
+    assert len(_spans(tmp_path / "t.jsonl")) == 50 * 3 + 1
+    with pytest.raises(ChildProcessError):
+        os.waitpid(pid, os.WNOHANG)  # reaped: gone
+
+
+def test_the_helpers_warnings_are_logged_here_once(tmp_path, caplog):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    bad = blocker / "traces.jsonl"  # a path under a regular file: cannot be created
+    helper = ExportProcess(_sinks(bad))
+    with caplog.at_level(logging.WARNING):
+        try:
+            for _ in range(3):
+                helper.export(_records(1))
+            assert helper.force_flush(10_000)
+        finally:
+            helper.shutdown()
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and str(bad) in warnings[0], warnings
+
+
+def test_a_dead_helper_fails_over_to_this_process_without_losing_later_spans(tmp_path, caplog):
+    path = tmp_path / "t.jsonl"
+    helper = ExportProcess(_sinks(path))
+    helper.export(_records(1))
+    assert helper.force_flush(10_000)
+    os.kill(helper.pid, signal.SIGKILL)
+    time.sleep(0.2)
+    with caplog.at_level(logging.WARNING):
+        for _ in range(3):  # the first write may still fit the dead pipe's buffer: keep going
+            helper.export(_records(1))
+        assert helper.force_flush(10_000)
+    helper.shutdown()
+    failures = [r.getMessage() for r in caplog.records if "export process failed" in r.getMessage()]
+    assert len(failures) == 1
+    names = [s["name"] for s in _spans(path)]
+    # everything before the kill, and every batch after the failure was noticed
+    assert names.count("kvscope.lookup") >= 3
+
+
+def test_a_forked_child_gets_its_own_helper_and_the_parents_still_exits(tmp_path):
+    path = tmp_path / "t.jsonl"
+    helper = ExportProcess(_sinks(path))
+    helper.export(_records(1))
+    assert helper.force_flush(10_000)
+    parent_helper = helper.pid
+    pid = os.fork()
+    if pid == 0:
+        try:
+            helper.export(_records(2))
+            ok = helper.force_flush(10_000) and helper.pid not in (None, parent_helper)
+            helper.shutdown()
+        except BaseException:
+            ok = False
+        os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    helper.export(_records(1))
+    started = time.monotonic()
+    helper.shutdown()  # the child dropped its copy of the pipe: the parent's helper sees the end
+    assert time.monotonic() - started < 10
+    assert [s["name"] for s in _spans(path)].count("kvscope.lookup") == 4
+
+
+def test_tracing_exports_through_a_helper_unless_told_otherwise(tmp_path):
+    for mode, helper_expected in ((None, True), ("thread", False), ("process", True)):
+        env = {} if mode is None else {"KVSCOPE_TRACE_EXPORT": mode}
+        path = tmp_path / f"{mode}.jsonl"
+        tracing = KVScopeTracing.from_config(str(path), 1.0, env=env)
+        tracing.record(LOOKUP_SPAN, None, 1, 2, ("r", 1, 0))
+        assert tracing.force_flush()
+        exporters = tracing._processor._exporters
+        assert isinstance(exporters[0], ExportProcess) == helper_expected
+        tracing.shutdown()
+        assert [s["name"] for s in _spans(path)] == ["kvscope.lookup"]
+
+
+def test_a_bad_export_mode_names_the_variable_and_the_accepted_values(tmp_path):
+    with pytest.raises(ValueError, match=r"KVSCOPE_TRACE_EXPORT='inline'.*'process'.*'thread'"):
+        KVScopeTracing.from_config(str(tmp_path / "t.jsonl"), 1.0, env={"KVSCOPE_TRACE_EXPORT": "inline"})
