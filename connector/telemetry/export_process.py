@@ -12,7 +12,8 @@ process shuts down or dies, and it ignores SIGINT (a Ctrl-C to ``vllm serve`` re
 process group; the engine's shutdown still flushes through it). Its warnings (an unwritable
 trace file, a dead OTLP endpoint) come back over its stdout and are logged by the engine
 process, once, as before. If the helper cannot start or dies, the export falls back to the
-same sinks in the engine process, logged once: spans are never silently lost.
+same sinks in the engine process, logged once: spans are never silently lost. It runs at a lower priority (nice 10) and
+may use every core, not only the ones vLLM pinned the engine's threads to.
 
 ``KVSCOPE_TRACE_EXPORT=thread`` keeps the export in the engine process (debugging, comparison).
 """
@@ -149,8 +150,15 @@ class ExportProcess(SpanExporter):
         _write_all(self._proc.stdin.fileno(), _HEADER.pack(len(payload)) + payload)
 
     def _start(self) -> None:
+        # This very package, whatever the working directory holds: its root first on the path,
+        # and (Python 3.11+) no working directory prepended to it.
+        package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+        safe_path = ["-P"] if sys.version_info >= (3, 11) else []
         proc = subprocess.Popen(
-            [sys.executable, "-m", __name__],
+            [sys.executable, *safe_path, "-m", __name__],
+            env=env,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             bufsize=0,  # raw pipes: no buffer lock that a fork could leave held (see `_after_fork`)
@@ -247,8 +255,22 @@ class _ForwardToParent(logging.Handler):
             pass
 
 
+def _yield_to_the_engine() -> None:
+    """Run below the engine's priority and off its pinned cores: vLLM's CPU backend pins the
+    engine's threads (the one that started this process among them) to cores its compute uses."""
+    try:
+        os.nice(10)
+    except OSError:
+        pass
+    try:
+        os.sched_setaffinity(0, range(os.cpu_count() or 1))  # the kernel keeps it inside any cpuset
+    except (AttributeError, OSError, ValueError):
+        pass
+
+
 def _serve() -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _yield_to_the_engine()
     requests, replies = sys.stdin.buffer, sys.stdout.buffer
     sys.stdout = sys.stderr  # stray prints must not corrupt the reply stream
     reply_lock = threading.Lock()

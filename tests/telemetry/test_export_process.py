@@ -154,3 +154,26 @@ def test_tracing_exports_through_a_helper_unless_told_otherwise(tmp_path):
 def test_a_bad_export_mode_names_the_variable_and_the_accepted_values(tmp_path):
     with pytest.raises(ValueError, match=r"KVSCOPE_TRACE_EXPORT='inline'.*'process'.*'thread'"):
         KVScopeTracing.from_config(str(tmp_path / "t.jsonl"), 1.0, env={"KVSCOPE_TRACE_EXPORT": "inline"})
+
+
+def test_the_helper_yields_to_the_engine_and_ignores_a_decoy_package_in_the_working_directory(
+        tmp_path, monkeypatch):
+    decoy = tmp_path / "cwd" / "connector"
+    decoy.mkdir(parents=True)
+    (decoy / "__init__.py").write_text("raise RuntimeError('decoy package imported')\n")
+    monkeypatch.chdir(decoy.parent)
+    monkeypatch.setenv("PYTHONPATH", str(decoy.parent))
+    allowed = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {min(allowed)})  # as vLLM's CPU backend pins the thread that starts the helper
+    try:
+        helper = ExportProcess(_sinks(tmp_path / "t.jsonl"))
+        helper.export(_records(1))
+        assert helper.force_flush(10_000)
+        with open(f"/proc/{helper.pid}/stat") as f:
+            nice = int(f.read().rsplit(")", 1)[1].split()[16])
+        assert nice == os.nice(0) + 10
+        assert os.sched_getaffinity(helper.pid) == allowed
+        helper.shutdown()
+    finally:
+        os.sched_setaffinity(0, allowed)
+    assert len(_spans(tmp_path / "t.jsonl")) == 4
