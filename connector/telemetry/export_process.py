@@ -5,7 +5,7 @@ more), and in the engine process that time is taken under the GIL the engine thr
 whichever thread does it: at full sampling it was about as much as the planning it describes.
 So the engine's export thread only `marshal`s each batch of records (tuples of ints and
 strings, about 0.3 µs a span) and writes it to a pipe; a helper process, started on the first
-export, builds the real sinks (`tracing.build_exporters`: the trace file, OTLP) and runs them.
+export, builds the real sinks (`sinks.build_exporters`: the trace file, OTLP) and runs them.
 
 Robustness: the helper reads until its stdin closes, so it drains and exits when the engine
 process shuts down or dies, and it ignores SIGINT (a Ctrl-C to ``vllm serve`` reaches the whole
@@ -31,24 +31,17 @@ import sys
 import threading
 import weakref
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+
+from connector.telemetry.sinks import Sinks, build_exporters
 
 logger = logging.getLogger(__name__)
 
 _HEADER = struct.Struct("<Q")  # frame: byte length, then one marshal'd message
 _START_TIMEOUT_S = 30.0
 _STOP_TIMEOUT_S = 30.0
-
-
-@dataclass(frozen=True)
-class Sinks:
-    """Where spans go, as plain data the helper process can rebuild the exporters from."""
-
-    trace_file: str | None
-    otel_env: dict[str, str] = field(default_factory=dict)  # the OTEL_* variables that configure OTLP
-    resource: dict[str, object] = field(default_factory=dict)  # resource attributes, already resolved
 
 
 class ExportProcess(SpanExporter):
@@ -202,8 +195,6 @@ class ExportProcess(SpanExporter):
 
     def _export_here(self, records) -> SpanExportResult:
         if self._local is None:
-            from connector.telemetry.tracing import build_exporters
-
             self._local = build_exporters(self._sinks)
         results = [e.export(records) for e in self._local]
         ok = all(r is SpanExportResult.SUCCESS for r in results)
@@ -285,8 +276,6 @@ def _serve() -> int:
     config = _read_frame(requests)
     if config is None:
         return 0
-    from connector.telemetry.tracing import build_exporters
-
     exporters = build_exporters(Sinks(**config))
     reply(("ready",))
     while True:

@@ -10,9 +10,10 @@ import time
 
 import pytest
 
-from connector.telemetry.export_process import ExportProcess, Sinks
+from connector.telemetry.export_process import ExportProcess
+from connector.telemetry.sinks import Sinks, build_exporters
 from connector.telemetry.span_records import LOAD_SPAN, LOOKUP_SPAN, SCAN_SPAN
-from connector.telemetry.tracing import KVScopeTracing, build_exporters
+from connector.telemetry.tracing import KVScopeTracing
 
 
 class _Keep:

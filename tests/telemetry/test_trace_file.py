@@ -138,7 +138,8 @@ def test_record_encoder_writes_exactly_what_the_sdk_encoder_writes(tmp_path):
     from connector import __version__
     from connector.telemetry.span_records import COPY_SPAN, LOAD_SPAN, LOOKUP_SPAN, SCAN_SPAN, STORE_SPAN
     from connector.telemetry.trace_file import records_to_json_line, spans_to_json_line
-    from connector.telemetry.tracing import SCOPE_NAME, KVScopeTracing, SdkSpanExporter
+    from connector.telemetry.sinks import SCOPE_NAME, SdkSpanExporter
+    from connector.telemetry.tracing import KVScopeTracing
 
     captured = []
 

@@ -13,13 +13,8 @@ from opentelemetry.trace import format_span_id, format_trace_id
 
 from connector import __version__
 from connector.telemetry.testing import in_memory_tracing
-from connector.telemetry.tracing import (
-    KVScopeTracing,
-    LogOnceExporter,
-    build_otlp_exporter,
-    otlp_requested,
-    trace_id_bound,
-)
+from connector.telemetry.sinks import LogOnceExporter, build_otlp_exporter, otlp_requested
+from connector.telemetry.tracing import KVScopeTracing, trace_id_bound
 
 UPSTREAM_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 UPSTREAM_SPAN = "00f067aa0ba902b7"
