@@ -47,8 +47,9 @@ _STOP_TIMEOUT_S = 30.0
 class ExportProcess(SpanExporter):
     """A span exporter that hands record batches to a helper process running the real sinks."""
 
-    def __init__(self, sinks: Sinks):
+    def __init__(self, sinks: Sinks, stop_timeout_s: float = _STOP_TIMEOUT_S):
         self._sinks = sinks
+        self._stop_timeout_s = stop_timeout_s
         self._proc: subprocess.Popen | None = None
         self._reader: threading.Thread | None = None
         self._acks: dict[int, threading.Event] = {}
@@ -120,17 +121,31 @@ class ExportProcess(SpanExporter):
         return ok
 
     def shutdown(self) -> None:
-        with self._lock:
+        # The batcher thread holds the lock while it writes to the pipe: a helper that stopped
+        # reading would hold up the engine's shutdown for ever. Wait a while, then kill it (the
+        # blocked write then fails and that batch is exported here).
+        locked = self._lock.acquire(timeout=self._stop_timeout_s)
+        try:
             if self._closed:
                 return
             self._closed = True
             proc = self._proc
+        finally:
+            if locked:
+                self._lock.release()
         if proc is not None:
             try:
+                if not locked:
+                    raise TimeoutError("the span export helper stopped reading")
                 proc.stdin.close()  # the helper drains, shuts its sinks down and exits
-                proc.wait(_STOP_TIMEOUT_S)
-            except Exception:
+                proc.wait(self._stop_timeout_s)
+            except Exception as exc:
+                logger.warning("kvscope: stopping the span export helper failed (%r); killed it", exc)
                 proc.kill()
+                try:
+                    proc.wait(5)
+                except Exception:
+                    pass
             if self._reader is not None:
                 self._reader.join(timeout=5)
         for exporter in self._local or ():

@@ -212,8 +212,11 @@ class KVScopeTracing:
         """Open a span that will end as a record (`end_span`); sampling as in ``start_span``.
 
         Returns a `SpanRef`, or the shared dropped span when sampling drops it (``may_record`` is
-        then False for its children). Only for enabled tracing: callers check ``may_record`` first.
+        then False for its children); ``INVALID_SPAN`` when tracing is off (callers on the hot path
+        check ``may_record`` first and never get here then).
         """
+        if self._processor is None:
+            return trace.INVALID_SPAN
         decided = self._decide(parent)
         if decided is None:
             return self._dropped

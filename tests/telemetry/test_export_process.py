@@ -178,3 +178,25 @@ def test_the_helper_yields_to_the_engine_and_ignores_a_decoy_package_in_the_work
     finally:
         os.sched_setaffinity(0, allowed)
     assert len(_spans(tmp_path / "t.jsonl")) == 4
+
+
+def test_shutdown_does_not_hang_on_a_helper_that_stopped_reading(tmp_path, caplog):
+    import threading
+
+    helper = ExportProcess(_sinks(tmp_path / "t.jsonl"), stop_timeout_s=1.0)
+    helper.export(_records(1))
+    assert helper.force_flush(10_000)
+    pid = helper.pid
+    os.kill(pid, signal.SIGSTOP)  # alive, never reads again
+    writer = threading.Thread(target=lambda: [helper.export(_records(200)) for _ in range(20)], daemon=True)
+    writer.start()
+    time.sleep(0.5)  # the pipe is full: the writer blocks in write(), holding the exporter's lock
+    started = time.monotonic()
+    with caplog.at_level(logging.WARNING):
+        helper.shutdown()
+    assert time.monotonic() - started < 10
+    writer.join(10)
+    assert not writer.is_alive()  # the kill broke the pipe: the write failed instead of blocking
+    with pytest.raises(ChildProcessError):
+        os.waitpid(pid, os.WNOHANG)
+    assert any("stopped reading" in r.getMessage() for r in caplog.records)

@@ -50,6 +50,14 @@ def test_no_sink_builds_nothing_and_spans_do_not_record(disabled_tracing):
     assert t.context_from_trace_headers({"traceparent": _traceparent(True)}) is None
     assert t.record_span("kvscope.group.copy", None, 1, 2, {"a": 1}) is trace.INVALID_SPAN
     assert t.context_of(t.record_span("kvscope.lookup", None, 1, 2)) is None
+    # the typed API too: nothing recorded, nothing to parent children with
+    from connector.telemetry.span_records import LOAD_SPAN, LOOKUP_SPAN
+
+    lookup = t.record(LOOKUP_SPAN, None, 1, 2, ("r", 1, 0))
+    assert lookup is trace.INVALID_SPAN and not t.may_record(lookup)
+    load = t.open_span(None)
+    t.end_span(LOAD_SPAN, load, 3, ("r", 0, 1, 1))
+    assert t.carrier_of(load) is None
     assert t.force_flush() is True
     t.shutdown()
 
