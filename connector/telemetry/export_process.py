@@ -36,6 +36,7 @@ from dataclasses import asdict
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
 from connector.telemetry.sinks import Sinks, build_exporters
+from connector.telemetry.trace_file import write_all
 
 logger = logging.getLogger(__name__)
 
@@ -155,7 +156,7 @@ class ExportProcess(SpanExporter):
     def _send(self, payload: bytes) -> None:
         if self._proc is None:
             self._start()
-        _write_all(self._proc.stdin.fileno(), _HEADER.pack(len(payload)) + payload)
+        write_all(self._proc.stdin.fileno(), _HEADER.pack(len(payload)) + payload)
 
     def _start(self) -> None:
         # This very package, whatever the working directory holds: its root first on the path,
@@ -174,7 +175,7 @@ class ExportProcess(SpanExporter):
         )
         self._proc = proc
         config = marshal.dumps(asdict(self._sinks))
-        _write_all(proc.stdin.fileno(), _HEADER.pack(len(config)) + config)
+        write_all(proc.stdin.fileno(), _HEADER.pack(len(config)) + config)
         ready = _read_frame(proc.stdout, timeout_s=_START_TIMEOUT_S)
         if ready != ("ready",):
             raise RuntimeError(f"span export process did not start (said {ready!r})")
@@ -214,12 +215,6 @@ class ExportProcess(SpanExporter):
         results = [e.export(records) for e in self._local]
         ok = all(r is SpanExportResult.SUCCESS for r in results)
         return SpanExportResult.SUCCESS if ok else SpanExportResult.FAILURE
-
-
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view):]
 
 
 def _read_exactly(stream, n: int) -> bytes | None:

@@ -243,7 +243,7 @@ class OtlpJsonLinesExporter(SpanExporter):
                 return SpanExportResult.FAILURE
             try:
                 fd = self._open()
-                _write_all(fd, data)
+                write_all(fd, data)
             except OSError as exc:
                 self._close()
                 return self._fail(f"cannot write trace file {self.path!r}: {exc}")
@@ -280,8 +280,8 @@ class OtlpJsonLinesExporter(SpanExporter):
         return SpanExportResult.FAILURE
 
 
-def _write_all(fd: int, data: bytes) -> None:
-    # A regular file takes the whole buffer in one write(); the loop only guards odd file systems.
+def write_all(fd: int, data: bytes) -> None:
+    """Write all of ``data`` to ``fd``: a regular file takes it in one write(), a pipe may not."""
     view = memoryview(data)
     while view:
         written = os.write(fd, view)

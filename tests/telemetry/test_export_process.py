@@ -104,7 +104,7 @@ def test_a_dead_helper_fails_over_to_this_process_without_losing_later_spans(tmp
     os.kill(helper.pid, signal.SIGKILL)
     time.sleep(0.2)
     with caplog.at_level(logging.WARNING):
-        for _ in range(3):  # the first write may still fit the dead pipe's buffer: keep going
+        for _ in range(3):  # the first batch to reach the dead pipe fails over; all three must land
             helper.export(_records(1))
         assert helper.force_flush(10_000)
     helper.shutdown()
