@@ -54,7 +54,6 @@ from connector.groups import GroupKind, GroupLayout  # noqa: E402
 from connector.planning import NULL_BLOCK_ID, cdiv, scan_group  # noqa: E402
 from connector.scheduler import KVScopeScheduler  # noqa: E402
 from connector.telemetry.span_batcher import SpanBatcher  # noqa: E402
-from connector.telemetry.span_records import LOAD_SPAN  # noqa: E402
 from connector.telemetry.tracing import EXPORT_MODE_VARIABLE, KVScopeTracing  # noqa: E402
 
 DEVICE_BLOCK_SIZE = 16  # tokens per device block, every group (vLLM's chunking needs one size)
@@ -330,8 +329,8 @@ class KVScopeSide:
             tracing = self.tracing
             for _ in reqs:
                 load = tracing.open_span(None)
-                sched._scan_groups_traced(load, ids, local, cached)
-                tracing.end_span(LOAD_SPAN, load, time.time_ns(), ("scan", local, cached - local, len(ids)))
+                scans, records = sched._scan_groups_traced(ids, local, cached)
+                tracing.end_load(load, time.time_ns(), ("scan", local, cached - local, len(scans), records, None))
             self.tracing.force_flush()
         else:
             for _ in reqs:

@@ -16,8 +16,8 @@ from .lookup import find_hit_tokens
 from .metadata import LOAD, STORE, GroupTransfer, KVScopeMetadata, KVScopeWorkerMetadata, TransferJob
 from .planning import NULL_BLOCK_ID, GroupScan, scan_group
 from .telemetry.metrics import KVScopeStats
-from .telemetry.span_records import LOAD_SPAN, LOOKUP_SPAN, SCAN_SPAN, STORE_SPAN
-from .telemetry.tracing import KVScopeTracing
+from .telemetry.span_records import LOOKUP_SPAN, STORE_SPAN
+from .telemetry.tracing import KVScopeTracing, SpanRef
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +62,7 @@ class KVScopeScheduler:
         kv_cache_manager_getter,
     ):
         self.layouts = layouts
+        self._kind_names = [layout.kind.value for layout in layouts]  # plain str: an enum's .value is slow
         self.block_size = offload_block_size
         self.hash_block_size = hash_block_size
         self.hashes_per_block = offload_block_size // hash_block_size
@@ -116,18 +117,18 @@ class KVScopeScheduler:
         state = self._requests.get(req_id)
         if state is None:
             state = _RequestState(request=request)
-            if self.tracing.enabled:
-                state.trace_context = self.tracing.context_from_trace_headers(
-                    getattr(request, "trace_headers", None)
-                )
+            headers = getattr(request, "trace_headers", None)
+            if headers and self.tracing.enabled:
+                state.trace_context = self.tracing.parent_from_trace_headers(headers)
             self._requests[req_id] = state
         lookup = self._lookups.pop(req_id, None)
+        lookup_record = None
         if request.num_computed_tokens == 0 and lookup is not None:
             # Counted like vLLM's external prefix-cache stats: once per scheduling from scratch.
             queried = request.num_tokens - lookup.local_tokens
             self._lookup_log.append((queried, num_external_tokens))
             if self.tracing.enabled:
-                self._lookup_span(state, req_id, lookup, queried, num_external_tokens)
+                lookup_record = self._lookup_span(state, req_id, lookup, queried, num_external_tokens)
         if num_external_tokens == 0:
             return
         if lookup is None:
@@ -135,24 +136,37 @@ class KVScopeScheduler:
             local = request.num_computed_tokens
         else:
             local = lookup.local_tokens
-        self._plan_load(state, request, blocks.get_block_ids(), local, num_external_tokens)
+        self._plan_load(state, request, blocks.get_block_ids(), local, num_external_tokens, lookup_record)
 
-    def _lookup_span(self, state, req_id, lookup, queried, hit) -> None:
-        span = self.tracing.record(LOOKUP_SPAN, state.trace_context, lookup.start_ns, lookup.end_ns,
-                                   (req_id, queried, hit))
+    def _lookup_span(self, state, req_id, lookup, queried, hit) -> tuple | None:
+        """The request's lookup span: recorded at once when no load follows (``hit`` 0); otherwise
+        returned as the lookup part of the load's record (`span_records.LOAD_PLAN`). None when
+        sampling drops the request."""
+        span = self.tracing.open_span(state.trace_context, lookup.start_ns)
         if state.trace_context is None:
             # No incoming trace: the lookup span roots this request's own trace (or drops it whole).
             state.trace_context = span
+        if type(span) is not SpanRef:
+            return None
+        if not hit:
+            self.tracing.end_span(LOOKUP_SPAN, span, lookup.end_ns, (req_id, queried, hit))
+            return None
+        return (span.span_id, span.parent_span_id, span.parent_is_remote, span.start_time, lookup.end_ns,
+                queried, hit)
 
-    def _plan_load(self, state, request, group_block_ids, local: int, external: int) -> None:
+    def _plan_load(self, state, request, group_block_ids, local: int, external: int,
+                   lookup_record: tuple | None = None) -> None:
         req_id = request.request_id
         cached = local + external
         tracing = self.tracing
-        load_span = tracing.open_span(state.trace_context) if tracing.may_record(state.trace_context) else None
-        if load_span is not None and tracing.may_record(load_span):
-            scans = self._scan_groups_traced(load_span, group_block_ids, local, cached)
+        parent = state.trace_context
+        # Traced: under the lookup or upstream span (a SpanRef: sampling kept it); with no span before
+        # it (tracing on, no lookup recorded), the load roots a trace. Not: tracing off, or dropped.
+        traced = type(parent) is SpanRef or (parent is None and tracing.enabled)
+        if traced:
+            load_start = time.time_ns()
+            scans, scan_records = self._scan_groups_traced(group_block_ids, local, cached, load_start)
         else:
-            load_span = None  # tracing off, or the request dropped by sampling
             scans = self._scan_groups(group_block_ids, local, cached)
         hashes = self._offload_hashes(request)
         job_id = self._new_job_id()
@@ -176,9 +190,10 @@ class KVScopeScheduler:
             parts.append(GroupTransfer(scan.group_index, scan.block_ids, slots, scan.sub_indices))
             job.loaded.append((scan.group_index, scan.pending))
         carrier = None
-        if load_span is not None:
-            carrier = tracing.carrier_of(load_span)  # copy spans join this trace
-            tracing.end_span(LOAD_SPAN, load_span, time.time_ns(), (req_id, local, external, len(scans)))
+        if traced:
+            # One record for the lookup, the load and its scans; the carrier puts the copy spans under the load.
+            carrier = tracing.end_load(parent, load_start, time.time_ns(),
+                                       (req_id, local, external, len(scans), scan_records, lookup_record))
         if failed:
             logger.warning("kvscope: host blocks for request %s vanished before the load; "
                            "vLLM will recompute", req_id)
@@ -206,20 +221,21 @@ class KVScopeScheduler:
             t0 = t1
         return scans
 
-    def _scan_groups_traced(self, load_span, group_block_ids, local, cached) -> list[GroupScan]:
-        """`_scan_groups` with a `kvscope.group.scan` record per group under the (open, sampled) load."""
-        scans = []
-        record = self.tracing.record_child
+    def _scan_groups_traced(self, group_block_ids, local, cached, t0: int) -> tuple[list[GroupScan], list[tuple]]:
+        """`_scan_groups` for a sampled load starting at ``t0`` (epoch ns): also each group's
+        ``kvscope.group.scan`` values, as the load's record carries them (``(start_ns, end_ns,
+        *SCAN_SPAN values)``, `span_records.LOAD_PLAN`)."""
+        scans, records = [], []
         clock = time.time_ns  # span times are epoch ns; the scan histogram takes the same interval
-        for layout, ids, log in zip(self.layouts, group_block_ids, self._scan_log):
-            t0 = clock()
+        for layout, kind, ids, log in zip(self.layouts, self._kind_names, group_block_ids, self._scan_log):
             scan = scan_group(layout, ids, local, cached, self.block_size)
-            t1 = clock()
-            record(SCAN_SPAN, load_span, t0, t1, (layout.index, layout.kind.value, scan.blocks_total,
-                                             scan.null_skipped, scan.pending, scan.start))
+            t1 = clock()  # one clock read per group: each scan's end starts the next
+            records.append((t0, t1, layout.index, kind, scan.blocks_total, scan.null_skipped,
+                            len(scan.block_ids), scan.start))
             log.append((max(t1 - t0, 0) / 1e9, scan.blocks_total, scan.null_skipped))
             scans.append(scan)
-        return scans
+            t0 = t1
+        return scans, records
 
     def _new_job_id(self) -> int:
         self._next_job_id += 1

@@ -33,7 +33,7 @@ from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
 from connector import __version__
-from connector.telemetry.span_records import to_readable_span
+from connector.telemetry.span_records import expand_records, to_readable_span
 from connector.telemetry.trace_file import OtlpJsonLinesExporter, RecordJsonEncoder
 
 logger = logging.getLogger(__name__)
@@ -81,7 +81,7 @@ class SdkSpanExporter(SpanExporter):
         self._resource = resource
 
     def export(self, records: Sequence[tuple]) -> SpanExportResult:
-        return self._inner.export([to_readable_span(r, self._resource, _SCOPE) for r in records])
+        return self._inner.export([to_readable_span(r, self._resource, _SCOPE) for r in expand_records(records)])
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
         return self._inner.force_flush(timeout_millis)

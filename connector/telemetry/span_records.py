@@ -15,6 +15,11 @@ end_ns, values)``:
   through the OpenTelemetry span API) ``(name, attributes dict)``.
 
 Only sampled spans become records, so every record's trace flags are "sampled".
+
+One compound record stands for several spans: a `LOAD_PLAN` record is a request's load with its
+per-group scans (and its lookup, when it was not recorded alone), handed over as one tuple because
+each record costs the engine thread about a microsecond. `expand_records` turns it back into the
+plain records of those spans before anything encodes them.
 """
 
 from __future__ import annotations
@@ -60,6 +65,50 @@ COPY_SPAN = RecordKind(5, "kvscope.group.copy", (
     ("kvscope.copy.blocks", int), ("kvscope.copy.bytes", int), ("kvscope.worker.rank", int),
     ("kvscope.request.id", str)))
 KINDS = (GENERIC_SPAN, LOOKUP_SPAN, LOAD_SPAN, SCAN_SPAN, STORE_SPAN, COPY_SPAN)  # by code
+
+# The compound load record's kind code (not in KINDS: it is never encoded as itself). Its ids,
+# parent, trace state and times are the load span's; its values are
+# ``(request id, local tokens, external tokens, groups, scans, lookup)`` with
+# - ``scans``: one ``(start_ns, end_ns, *SCAN_SPAN values)`` per group, in the load's group order;
+# - ``lookup``: None, or ``(span_id, parent_span_id, parent_is_remote, start_ns, end_ns, queried, hit)``.
+LOAD_PLAN = 6
+
+_MASK64 = (1 << 64) - 1
+
+
+def child_span_id(parent_span_id: int, index: int) -> int:
+    """The span id of a load's ``index``-th scan: SplitMix64 of the load's (random) span id.
+
+    Derived, not drawn, so that the engine thread draws one id per load and every process that
+    expands the record (the export helper, the engine's export thread, a test) writes the same
+    ids. SplitMix64 is a bijection of 64-bit ints: the scans of one load never share an id.
+    """
+    z = (parent_span_id + 0x9E3779B97F4A7C15 * (index + 1)) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) or 1
+
+
+def expand_records(records) -> list[tuple]:
+    """The plain records of a batch: compound `LOAD_PLAN` records become their lookup, scan and
+    load spans (in the order they ended), every other record passes through."""
+    out: list[tuple] = []
+    for r in records:
+        if r[KIND] != LOAD_PLAN:
+            out.append(r)
+            continue
+        _, trace_id, span_id, parent_id, parent_remote, state, start, end, values = r
+        req_id, local, external, groups, scans, lookup = values
+        if lookup is not None:
+            lookup_id, lookup_parent, lookup_remote, lookup_start, lookup_end, queried, hit = lookup
+            out.append((LOOKUP_SPAN.code, trace_id, lookup_id, lookup_parent, lookup_remote, state,
+                        lookup_start, lookup_end, (req_id, queried, hit)))
+        for i, scan in enumerate(scans):
+            out.append((SCAN_SPAN.code, trace_id, child_span_id(span_id, i), span_id, False, state,
+                        scan[0], scan[1], scan[2:]))
+        out.append((LOAD_SPAN.code, trace_id, span_id, parent_id, parent_remote, state, start, end,
+                    (req_id, local, external, groups)))
+    return out
 
 
 def record_name(record: tuple) -> str:

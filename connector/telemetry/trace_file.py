@@ -27,7 +27,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
-from connector.telemetry.span_records import KINDS, record_attributes, record_name
+from connector.telemetry.span_records import KINDS, expand_records, record_attributes, record_name
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ class RecordJsonEncoder:
     def __call__(self, records: Sequence[tuple]) -> str:
         children, roots, escapes = self._children, self._roots, self._escapes
         out = []
-        for r in records:
+        for r in expand_records(records):
             kind = r[0]
             if children[kind] is None or r[5] is not None:  # GENERIC_SPAN, or a tracestate to write
                 out.append(_general_span_json(r))

@@ -55,7 +55,7 @@ from connector.telemetry.sinks import (
     truthy,
 )
 from connector.telemetry.span_batcher import SpanBatcher
-from connector.telemetry.span_records import GENERIC_SPAN, RecordKind
+from connector.telemetry.span_records import GENERIC_SPAN, LOAD_PLAN, RecordKind
 
 logger = logging.getLogger(__name__)
 
@@ -215,13 +215,21 @@ class KVScopeTracing:
         then False for its children); ``INVALID_SPAN`` when tracing is off (callers on the hot path
         check ``may_record`` first and never get here then).
         """
+        start = start_time if start_time is not None else time.time_ns()
+        if type(parent) is SpanRef:  # the hot path: a child of an open kvscope span, sampled like it
+            return SpanRef(parent.trace_id, self._ids.generate_span_id(), parent.span_id, parent.is_remote,
+                           parent.trace_state, start)
         if self._processor is None:
             return trace.INVALID_SPAN
+        if parent is None:  # the other hot path: a request's root (its lookup span), as `_decide` decides it
+            trace_id = self._ids.generate_trace_id()
+            if (trace_id & _TRACE_ID_LOW_BITS) >= self._bound:
+                return self._dropped
+            return SpanRef(trace_id, self._ids.generate_span_id(), None, False, None, start)
         decided = self._decide(parent)
         if decided is None:
             return self._dropped
         trace_id, parent = decided
-        start = start_time if start_time is not None else time.time_ns()
         if parent is None:
             return SpanRef(trace_id, self._ids.generate_span_id(), None, False, None, start)
         return SpanRef(trace_id, self._ids.generate_span_id(), parent.span_id, parent.is_remote,
@@ -246,6 +254,29 @@ class KVScopeTracing:
         self.end_span(kind, span, end_ns, values)
         return span
 
+    def end_load(self, parent: SpanRef | None, start_ns: int, end_ns: int, values: tuple) -> TraceCarrier | None:
+        """Record a request's load as one compound record (`span_records.LOAD_PLAN`: the load, its scans
+        and the lookup; ``values`` as that kind describes) under ``parent`` (the lookup or upstream
+        span, which sampling kept; None roots a new trace) and return the carrier that puts the
+        workers' copy spans under the load (None when sampling drops the new trace).
+
+        No span object: the load's id is drawn here, and the record is its only trace."""
+        ids = self._ids
+        end = end_ns if end_ns > start_ns else start_ns
+        if parent is None:
+            trace_id = ids.generate_trace_id()
+            if not self._keeps(trace_id):
+                return None
+            span_id = ids.generate_span_id()
+            self._processor.on_end((LOAD_PLAN, trace_id, span_id, None, False, None, start_ns, end, values))
+            return (trace_id, span_id, None)
+        state = parent.trace_state
+        header = state.to_header() if state else None
+        span_id = ids.generate_span_id()
+        self._processor.on_end((LOAD_PLAN, parent.trace_id, span_id, parent.span_id, parent.is_remote, header,
+                                start_ns, end, values))
+        return (parent.trace_id, span_id, header)
+
     def record_child(self, kind: RecordKind, parent: SpanRef, start_ns: int, end_ns: int, values: tuple) -> None:
         """Record a finished child of an open, sampled `SpanRef` (the per-group scans of a load)."""
         state = parent.trace_state
@@ -253,6 +284,19 @@ class KVScopeTracing:
                                 False, state.to_header() if state else None, start_ns, end_ns, values))
 
     # ----------------------------------------------------------------- propagation
+    def parent_from_trace_headers(self, headers: Mapping[str, str] | None) -> SpanRef | LightSpan | None:
+        """The parent of a request's spans from its trace headers, decided once per request: None
+        (no upstream trace: the request roots its own), the upstream span as a remote `SpanRef`, or
+        the shared dropped span when sampling drops the trace."""
+        context = self.context_from_trace_headers(headers)
+        if context is None:
+            return None
+        decided = self._decide(context)
+        if decided is None:
+            return self._dropped
+        upstream = decided[1]
+        return SpanRef(upstream.trace_id, upstream.span_id, None, False, upstream.trace_state, 0, is_remote=True)
+
     def context_from_trace_headers(self, headers: Mapping[str, str] | None) -> Context | None:
         """Context of the request's upstream trace (vLLM's ``request.trace_headers``), or None."""
         if self._processor is None or not headers:
@@ -366,12 +410,16 @@ class SpanRef:
     """An open (or recorded) kvscope span of a known kind: the ids its record, its children and
     the worker's carrier need, and nothing else. Always sampled: a dropped span is never a SpanRef."""
 
-    __slots__ = ("trace_id", "span_id", "parent_span_id", "parent_is_remote", "trace_state", "start_time")
+    __slots__ = ("trace_id", "span_id", "parent_span_id", "parent_is_remote", "trace_state", "start_time",
+                 "is_remote")
 
     sampled = True
-    is_remote = False  # as a parent, a SpanRef reads like a local SpanContext
 
-    def __init__(self, trace_id, span_id, parent_span_id, parent_is_remote, trace_state, start_time):
+    def __init__(self, trace_id, span_id, parent_span_id, parent_is_remote, trace_state, start_time,
+                 is_remote=False):
+        # is_remote: True for an upstream span standing in as a parent (`parent_from_trace_headers`),
+        # never for a span of this process; as a parent a SpanRef reads like a SpanContext
+        self.is_remote = is_remote
         self.trace_id = trace_id
         self.span_id = span_id
         self.parent_span_id = parent_span_id
@@ -383,7 +431,7 @@ class SpanRef:
         return True
 
     def get_span_context(self) -> SpanContext:
-        return SpanContext(self.trace_id, self.span_id, is_remote=False, trace_flags=_SAMPLED,
+        return SpanContext(self.trace_id, self.span_id, is_remote=self.is_remote, trace_flags=_SAMPLED,
                            trace_state=self.trace_state)
 
 

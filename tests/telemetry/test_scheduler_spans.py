@@ -8,7 +8,7 @@ from connector.groups import GroupKind, GroupLayout
 from connector.planning import scan_group
 from connector.scheduler import KVScopeScheduler
 from connector.telemetry.testing import in_memory_tracing
-from connector.telemetry.tracing import KVScopeTracing
+from connector.telemetry.tracing import KVScopeTracing, OsRandomIdGenerator
 
 BS, B = 16, 32  # device block 16 tokens, offload block 32 tokens (factor 2)
 LAYOUTS = [
@@ -110,11 +110,49 @@ def test_incoming_traceparent_parents_the_connector_spans():
     tracing, exporter = in_memory_tracing()
     sched = make_scheduler(tracing)
     trace_id = "0af7651916cd43dd8448eb211c80319c"
-    request = make_request("r1", 200, headers={"traceparent": f"00-{trace_id}-b7ad6b7169203331-01"})
+    request = make_request("r1", 200, headers={"traceparent": f"00-{trace_id}-b7ad6b7169203331-01",
+                                               "tracestate": "vendor=1"})
     store_everything(sched, request)
     plan(sched, request)
     spans = exporter.get_finished_spans()
     assert spans and {format(s.context.trace_id, "032x") for s in spans} == {trace_id}
+    by_name = {}
+    for s in spans:
+        by_name.setdefault(s.name, []).append(s)
+    (lookup,), (load,), scans = by_name["kvscope.lookup"], by_name["kvscope.load"], by_name["kvscope.group.scan"]
+    for span in (lookup, load):  # both directly under the upstream span, a remote parent
+        assert span.parent.span_id == 0xB7AD6B7169203331 and span.parent.is_remote
+    assert len(scans) == 2 and all(s.parent.span_id == load.context.span_id and not s.parent.is_remote for s in scans)
+    assert len({s.context.span_id for s in spans}) == len(spans) == 4
+    assert all(s.context.trace_state.to_header() == "vendor=1" for s in spans)
+    carrier = sched._pending_loads[0].trace_carrier
+    assert carrier == (int(trace_id, 16), load.context.span_id, "vendor=1")  # copy spans go under the load
+
+
+def test_a_miss_records_its_lookup_alone():
+    tracing, exporter = in_memory_tracing()
+    sched = make_scheduler(tracing)
+    request = make_request("r1", 200)  # nothing stored
+    external, _, _ = plan(sched, request)
+    assert external == 0
+    (lookup,) = exporter.get_finished_spans()
+    assert lookup.name == "kvscope.lookup" and lookup.parent is None
+    assert _attrs(lookup) == {"kvscope.request.id": "r1", "kvscope.tokens.queried": 200, "kvscope.tokens.hit": 0}
+
+
+def test_a_load_without_a_lookup_span_roots_its_own_trace():
+    tracing, exporter = in_memory_tracing()
+    sched = make_scheduler(tracing)
+    request = make_request("r1", 200)
+    store_everything(sched, request)
+    sched.get_num_new_matched_tokens(request, 0)
+    request.num_computed_tokens = 16  # not scheduled from scratch: no lookup span (nor lookup stats)
+    blocks, _ = blocks_for(request.num_tokens)
+    sched.update_state_after_alloc(request, blocks, 192)
+    spans = exporter.get_finished_spans()
+    (load,) = [s for s in spans if s.name == "kvscope.load"]
+    assert load.parent is None and {s.name for s in spans} == {"kvscope.load", "kvscope.group.scan"}
+    assert sched._pending_loads[0].trace_carrier[:2] == (load.context.trace_id, load.context.span_id)
 
 
 def test_sampling_keeps_or_drops_whole_requests():
@@ -157,22 +195,26 @@ def test_tracing_off_builds_no_span_and_still_plans():
 
 
 def test_a_request_dropped_by_sampling_costs_one_decision_and_no_span_bookkeeping():
-    calls = []
+    drawn = []
 
-    class Counting(KVScopeTracing):
-        def _decide(self, context):  # every span, of any API, is decided here
-            calls.append(context)
-            return super()._decide(context)
+    class CountingIds(OsRandomIdGenerator):  # a span's (or trace's) existence starts with its id
+        def generate_trace_id(self):
+            drawn.append("trace")
+            return super().generate_trace_id()
+
+        def generate_span_id(self):
+            drawn.append("span")
+            return super().generate_span_id()
 
     tracing, exporter = in_memory_tracing(sample_ratio=0.0)
-    tracing.__class__ = Counting
+    tracing._ids = CountingIds()
     sched = make_scheduler(tracing)
     request = make_request("r1", 200)
     store_everything(sched, request)
     external, _, _ = plan(sched, request)
     assert external == 192 and len(sched._pending_loads[0].groups) == 2
     assert sched._pending_loads[0].trace_carrier is None
-    assert calls == [None]  # the lookup's sampling decision (a new trace); no load or scan span after it
+    assert drawn == ["trace"]  # the lookup's sampling decision (a new trace); no span id, no load or scan span
     assert exporter.get_finished_spans() == ()
 
 

@@ -174,7 +174,13 @@ def test_record_encoder_writes_exactly_what_the_sdk_encoder_writes(tmp_path):
     tracing.record(LOOKUP_SPAN, upstream, 30, 31, ("r2", 1, 0))
     no_state = tracing.context_from_trace_headers({"traceparent": headers["traceparent"]})
     tracing.record(LOOKUP_SPAN, no_state, 32, 33, ("r3", 1, 0))
-    assert len(captured) == 11
+    # compound load records (one per load: lookup, scans and load), under a local and a remote parent
+    scans = [(41, 42, 0, "sliding_window", 8, 3, 2, 5), (42, 43, 1, "full_attention", 8, 0, 2, 6)]
+    tracing.end_load(tracing.open_span(None, 40), 40, 44, (odd_id, 16, 32, 2, scans, None))
+    remote = tracing.parent_from_trace_headers(headers)
+    lookup_part = (0x1234, remote.span_id, True, 50, 51, 64, 32)
+    tracing.end_load(remote, 52, 55, ("r4", 0, 32, 2, scans, lookup_part))
+    assert len(captured) == 13
     resource = Resource.create({"service.name": "kvscope"})
     fast = records_to_json_line(captured, resource, SCOPE_NAME, __version__)
     readable = []
