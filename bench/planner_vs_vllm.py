@@ -75,6 +75,8 @@ SIDES = ("vllm", "kvscope_bare", "kvscope_off", "kvscope_on", "kvscope_on_thread
 # Sides also reported as the engine process's CPU time per request (all its threads, not the
 # export helper process): with the helper, wall time includes waiting for it at the flush.
 CPU_SIDES = ("vllm", "kvscope_bare", "kvscope_on", "kvscope_on_thread")
+_SIZING_REQUESTS = 20  # requests timed to size the samples
+_MAX_SAMPLE_REQUESTS = 10000
 SAMPLED_RATIO = 0.1  # `kvscope_on_sampled`: the trace file with trace_sample_ratio 0.1
 # Telemetry's cost (issue 3), per request: the planner with telemetry off / tracing on / tracing
 # without the export thread's work, against the same planner with its telemetry taken out.
@@ -328,9 +330,9 @@ class KVScopeSide:
         if self.tracing.enabled:
             tracing = self.tracing
             for _ in reqs:
-                load = tracing.open_span(None)
-                scans, records = sched._scan_groups_traced(ids, local, cached)
-                tracing.end_load(load, time.time_ns(), ("scan", local, cached - local, len(scans), records, None))
+                start = time.time_ns()
+                scans, records = sched._scan_groups_traced(ids, local, cached, start)
+                tracing.end_load(None, start, time.time_ns(), ("scan", local, cached - local, len(scans), records, None))
             self.tracing.force_flush()
         else:
             for _ in reqs:
@@ -434,9 +436,12 @@ def measure(case: Case, vllm_config, trace_dir: str, repeats: int, min_sample_s:
             "kvscope_scan_bare": (lambda n: [None] * n, off.scan_bare, off.reset),
         }
         # Requests per sample from the planners' own time: a flush's fixed wait (the export
-        # thread, the helper process) must not shrink the samples it is then spread over.
-        one = max(_sample(*samplers[s], 1) for s in ("vllm", "kvscope_off"))
-        number = max(1, min(1000, int(min_sample_s / max(one, 1e-9))))
+        # thread, the helper process) must not shrink the samples it is then spread over. Timed
+        # over a few requests, not one: a lone first call is several times slower, and samples
+        # sized by it were a few ms long, shorter than CPython's 5 ms GIL switch interval, so the
+        # export thread never ran before the flush and the whole export landed in the wait for it.
+        one = max(_sample(*samplers[s], _SIZING_REQUESTS) for s in ("vllm", "kvscope_off"))
+        number = max(1, min(_MAX_SAMPLE_REQUESTS, int(min_sample_s / max(one, 1e-9))))
         samples: dict[str, list[float]] = {s: [] for s in SIDES}
         cpu_samples: dict[str, list[float]] = {s: [] for s in CPU_SIDES}
         helper_cpu = 0.0
@@ -480,7 +485,10 @@ def measure_all(quick: bool, sizes=None, groups=None, repeats=None, min_sample_s
     init_none_hash(hash_fn)
     sizes = sizes or (SIZES_QUICK if quick else SIZES_FULL)
     repeats = repeats or (7 if quick else 15)
-    min_sample_s = min_sample_s or (0.015 if quick else 0.03)
+    # Long samples: the export helper runs behind the engine by up to CPython's 5 ms GIL switch
+    # interval plus a batch, and each sample's flush waits for that tail, which no engine does;
+    # at 30 ms a sample it was a tenth of the sample at 128 blocks.
+    min_sample_s = min_sample_s or (0.05 if quick else 0.1)
     results = []
     with tempfile.TemporaryDirectory(prefix="kvscope-planner-bench-") as trace_dir:
         for num_groups in groups or sorted(GROUP_MIXES):

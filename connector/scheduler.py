@@ -117,9 +117,10 @@ class KVScopeScheduler:
         state = self._requests.get(req_id)
         if state is None:
             state = _RequestState(request=request)
-            headers = getattr(request, "trace_headers", None)
-            if headers and self.tracing.enabled:
-                state.trace_context = self.tracing.parent_from_trace_headers(headers)
+            if self.tracing.enabled:
+                headers = getattr(request, "trace_headers", None)
+                if headers:
+                    state.trace_context = self.tracing.parent_from_trace_headers(headers)
             self._requests[req_id] = state
         lookup = self._lookups.pop(req_id, None)
         lookup_record = None
