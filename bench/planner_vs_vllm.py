@@ -22,7 +22,7 @@ so exporting the spans is counted, and none is dropped), and with its telemetry 
 adapter path with spans recorded and queued as for a trace file but dropped by the export thread
 instead of encoded (`*_noexport`: the engine thread's share, apart from the export thread's);
 tracing a tenth of the requests (`*_sampled`, `trace_sample_ratio` 0.1, what an operator would
-run under load); and the scans alone (`_scan_groups`, a load span around `_scan_groups_traced`).
+run under load); and the scans alone (`_scan_groups`; traced: `_scan_groups_traced` and the load's record).
 
 Sides are sampled alternately (rotating order) in one process; the per-request bookkeeping that
 must be undone between calls (pins, jobs, request state) is undone outside the timed region.

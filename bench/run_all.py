@@ -231,14 +231,14 @@ METHOD_NOTES = [
     "inputs, same planned blocks (asserted). `kvscope_bare`: the same planner with its telemetry taken "
     "out (no scan timers, no stats, no tracing; the reference of `telemetry_*`). `kvscope_on`: trace "
     "file behind kvscope's span batcher, sample ratio 1.0, spans encoded by the export helper process "
-    "(the default), flushed inside the timed region (the engine's marshalling and the wait for the "
-    "helper are counted); `export_process_cpu`: that helper's CPU time per request (its main thread's "
+    "(the default), flushed at the end of each sample (the engine's marshalling and the wait for the "
+    "helper are counted; samples of at least 100 ms, so that wait is a tail, not the sample); `export_process_cpu`: that helper's CPU time per request (its main thread's "
     "`/proc/PID/schedstat`, over all samples): CPU moved off the engine process, not saved; `kvscope_on_thread`: the "
     "same with `KVSCOPE_TRACE_EXPORT=thread` (encoded by the engine process's export thread, as "
     "before); `kvscope_on_noexport`: spans recorded and queued the same "
     "way, then dropped by the export thread (the engine thread's share). `telemetry_*`: the same "
     "medians as `kvscope_*`, as ratios to `kvscope_bare`. `kvscope_scan_*`: the group scans alone "
-    "(`_scan_groups`, a load span around `_scan_groups_traced`) vs plain `scan_group` calls. "
+    "(`_scan_groups`; traced: `_scan_groups_traced` and the load's record) vs plain `scan_group` calls. "
     "Case `Ng/B`: N groups (1: full; 2: full + sliding 1024; 4: full, sliding 4096, full, sliding "
     "128), B device blocks of 16 tokens per group, a quarter local, offload blocks of 256 tokens.",
     "planner_bench: `plan_load` vs a plain per-block reference loop (pure planning code only).",

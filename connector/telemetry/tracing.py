@@ -7,8 +7,8 @@ provider of its own: on the engine's hot path an ended span is a record (a tuple
 `span_records`) handed to a `SpanBatcher` (a deque append); JSON or SDK spans are made from it
 off the engine thread: by default in a helper process (`export_process`), with
 ``KVSCOPE_TRACE_EXPORT=thread`` on the batcher's thread. The connector's own spans go through
-`open_span`/`end_span`/`record` with their `RecordKind`; `start_span` gives a general
-OpenTelemetry `Span` (a `LightSpan`).
+`open_span`/`end_span`/`record` with their `RecordKind`, and a load with its scans and lookup
+through `end_load` as one record; `start_span` gives a general OpenTelemetry `Span` (a `LightSpan`).
 
 Free when off: with no sink configured nothing is built, ``enabled`` is False, every span is
 ``INVALID_SPAN`` (a shared non-recording span) and carriers are None. Callers check

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -69,8 +70,11 @@ def server():
          "--host", "127.0.0.1", "--port", str(port), "--skip-tokenizer-init", "--dtype", "bfloat16",
          "--max-model-len", "4096", "--enforce-eager", "--max-num-seqs", "8",
          "--kv-transfer-config", json.dumps(transfer),
+         # 0 (the default) aborts on Ctrl-C: every engine process is SIGKILLed at once, spans still queued lost
+         "--shutdown-timeout", "20",
          "--otlp-traces-endpoint", f"http://127.0.0.1:{sink.server_port}/v1/traces"],
-        cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+        start_new_session=True)  # its own process group: the Ctrl-C test signals the group
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.time() + 300
@@ -85,7 +89,7 @@ def server():
             if time.time() > deadline:
                 raise AssertionError("server did not start:\n" + open(log.name).read()[-5000:])
             time.sleep(2)
-        yield base, model, trace_file
+        yield base, model, trace_file, proc
     finally:
         proc.terminate()
         try:
@@ -97,7 +101,7 @@ def server():
 
 @pytest.fixture(scope="module")
 def two_rounds(server):
-    base, model, trace_file = server
+    base, model, trace_file, _ = server
     prompts = prompts_sharing_prefixes()
     sent = {}  # round -> list of trace ids
     for round_ in (0, 1):
@@ -189,7 +193,7 @@ def prometheus_scraping_server(server, two_rounds, tmp_path_factory):
 
     if find_binary("prometheus") is None:
         pytest.skip("prometheus is not installed (.ci/install-prometheus.sh installs it)")
-    base, model, _ = server
+    base, model, _, _ = server
     config = fast_scrape_config("vllm", base.removeprefix("http://"), RULE_FILES)
     prom = PrometheusServer(config, tmp_path_factory.mktemp("prometheus")).start()
     stop = threading.Event()
@@ -236,3 +240,71 @@ def test_every_board_query_and_rule_returns_data_from_the_real_engine(prometheus
         time.sleep(3)
     assert failures == [], "\n".join(failures) + "\n" + prometheus_scraping_server.log_tail()
     assert rule_health_failures(url) == []
+
+
+# ---- last: Ctrl-C (it stops this module's server) ----
+
+def _children_by_parent() -> dict[int, list[int]]:
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    return children
+
+
+def _descendants(pid: int) -> list[int]:
+    children, found, todo = _children_by_parent(), [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), ()):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_ctrl_c_stops_the_server_and_its_export_helper_and_loses_no_span(server, two_rounds):
+    """A terminal's Ctrl-C (SIGINT to the whole process group, the export helper included) right
+    after a request: the server exits, the helper drains and exits with it, and the request's spans
+    are in the trace file, every line whole."""
+    base, model, trace_file, proc = server
+    helpers = [p for p in _descendants(proc.pid) if "connector.telemetry.export_process" in _cmdline(p)]
+    assert helpers, "the engine's spans should go through the export helper process (the default)"
+    trace_id = f"{0xC7:08x}{1:024x}"
+    r = requests.post(base + "/v1/completions", timeout=120,
+                      headers={"traceparent": f"00-{trace_id}-{0xC7:016x}-01"},
+                      json={"model": model, "prompt": prompts_sharing_prefixes()[0], "max_tokens": 2,
+                            "temperature": 0})
+    assert r.status_code == 200, r.text
+    os.killpg(proc.pid, signal.SIGINT)  # likely before the batcher's next export (once a second)
+    proc.wait(timeout=120)
+    deadline = time.time() + 60
+    while any(_alive(p) for p in helpers) and time.time() < deadline:
+        time.sleep(0.5)
+    assert not any(_alive(p) for p in helpers), "the export helper outlived the server"
+    names = set()
+    with open(trace_file) as f:
+        for line in f:  # a torn last line would not parse
+            for rs in parse_json_line(line).resource_spans:
+                for ss in rs.scope_spans:
+                    names |= {span.name for span in ss.spans if span.trace_id.hex() == trace_id}
+    assert "kvscope.lookup" in names
