@@ -1,0 +1,94 @@
+"""The connector's own spans over OTLP/HTTP to a real receiver, through the export helper process:
+what an operator's collector gets for a planned multi-group load."""
+
+from __future__ import annotations
+
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+from connector.planning import scan_group
+from connector.telemetry.tracing import EXPORT_MODE_VARIABLE, KVScopeTracing
+
+from .test_scheduler_spans import B, LAYOUTS, make_request, make_scheduler, plan, store_everything
+
+
+class _Receiver(BaseHTTPRequestHandler):
+    requests: list[ExportTraceServiceRequest] = []
+
+    def do_POST(self):
+        body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        type(self).requests.append(ExportTraceServiceRequest.FromString(body))
+        self.send_response(200)
+        self.send_header("Content-Type", "application/x-protobuf")
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def receiver():
+    _Receiver.requests = []
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Receiver)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield server
+    server.shutdown()
+
+
+def _attributes(span) -> dict:
+    out = {}
+    for kv in span.attributes:
+        value = kv.value
+        out[kv.key] = value.int_value if value.HasField("int_value") else value.string_value
+    return out
+
+
+@pytest.mark.parametrize("mode", ["process", "thread"])
+def test_a_load_reaches_an_otlp_collector_as_lookup_load_and_one_scan_per_group(receiver, mode):
+    env = {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": f"http://127.0.0.1:{receiver.server_port}/v1/traces",
+           "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf", "OTEL_SERVICE_NAME": "kvscope-test",
+           EXPORT_MODE_VARIABLE: mode}
+    tracing = KVScopeTracing.from_config(None, 1.0, env=env)
+    try:
+        sched = make_scheduler(tracing)
+        request = make_request("r1", 200)
+        store_everything(sched, request)
+        _, _, ids = plan(sched, request)
+        assert tracing.force_flush(10_000)
+        deadline = time.monotonic() + 10
+        while not _Receiver.requests and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        tracing.shutdown()
+    spans, services = [], set()
+    for message in _Receiver.requests:
+        for rs in message.resource_spans:
+            services |= {kv.value.string_value for kv in rs.resource.attributes if kv.key == "service.name"}
+            for ss in rs.scope_spans:
+                assert ss.scope.name == "kvscope"
+                spans.extend(ss.spans)
+    assert services == {"kvscope-test"}
+    by_name: dict[str, list] = {}
+    for span in spans:
+        by_name.setdefault(span.name, []).append(span)
+    (lookup,), (load,), scans = by_name.pop("kvscope.lookup"), by_name.pop("kvscope.load"), by_name.pop("kvscope.group.scan")
+    assert not by_name
+    assert len({s.trace_id for s in spans}) == 1 and len({s.span_id for s in spans}) == 4
+    assert lookup.parent_span_id == b"" and load.parent_span_id == lookup.span_id
+    assert [s.parent_span_id for s in scans] == [load.span_id] * len(LAYOUTS)
+    assert _attributes(load) == {"kvscope.request.id": "r1", "kvscope.tokens.local": 0,
+                                 "kvscope.tokens.external": 192, "kvscope.groups": 2}
+    for scan in scans:
+        a = _attributes(scan)
+        g = a["kvscope.group.index"]
+        expect = scan_group(LAYOUTS[g], ids[g], 0, 192, B)
+        assert (a["kvscope.group.blocks.total"], a["kvscope.group.blocks.null_skipped"],
+                a["kvscope.group.blocks.pending"], a["kvscope.group.blocks.start"]) == (
+                    expect.blocks_total, expect.null_skipped, expect.pending, expect.start)
+        assert load.start_time_unix_nano <= scan.start_time_unix_nano <= scan.end_time_unix_nano <= load.end_time_unix_nano
+    carrier = sched._pending_loads[0].trace_carrier  # the workers' copy spans go under this load
+    assert carrier[:2] == (int.from_bytes(load.trace_id, "big"), int.from_bytes(load.span_id, "big"))
