@@ -112,7 +112,7 @@ class KVScopeWorker:
             self._done_loads.add(job.req_id)
 
     def _record(self, job: TransferJob, copies: list[tuple[int, CopyResult]]) -> None:
-        context = self.tracing.context_from_carrier(job.trace_carrier) if job.trace_carrier else None
+        context = self.tracing.parent_from_carrier(job.trace_carrier) if job.trace_carrier else None
         for group, copy in copies:
             kind = self.group_kinds[group]
             seconds = (copy.end_ns - copy.start_ns) / 1e9

@@ -336,6 +336,18 @@ class KVScopeTracing:
         state = context.trace_state
         return (context.trace_id, context.span_id, state.to_header() if state else None)
 
+    def parent_from_carrier(self, carrier: TraceCarrier | None) -> SpanRef | LightSpan | None:
+        """The parent a carrier stands for, as a handle for `record`/`open_span` (the worker's copy
+        spans): the scheduler's span as a remote `SpanRef`, the dropped span when the sample ratio
+        drops its trace (the decision `context_from_carrier` leads to, made once), or None."""
+        if self._processor is None or not carrier:
+            return None
+        trace_id, span_id, state = carrier
+        if not self._keeps(trace_id):
+            return self._dropped
+        return SpanRef(trace_id, span_id, None, False, TraceState.from_header([state]) if state else None, 0,
+                       is_remote=True)
+
     def context_from_carrier(self, carrier: TraceCarrier | None) -> Context | None:
         """The parent a carrier from ``carrier_of`` stands for (worker side: a remote, sampled
         span, as the W3C propagator would extract it from the span's headers), or None."""

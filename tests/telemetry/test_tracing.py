@@ -205,6 +205,37 @@ def test_a_carrier_gives_the_worker_what_the_w3c_propagator_would(tracing):
             assert (tracing.carrier_of(span)[2] is not None) == (root_context is not None)
 
 
+@pytest.mark.parametrize("state", [None, "vendor=1,other=x"])
+@pytest.mark.parametrize("ratio", [1.0, 0.5])
+def test_the_workers_parent_from_a_carrier_records_what_the_carriers_context_would(state, ratio):
+    """`parent_from_carrier` (the worker's fast path) against `context_from_carrier`: the same copy
+    span, but for its own id, and the same sampling decision."""
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from connector.telemetry.span_records import COPY_SPAN
+
+    records = []
+
+    class Keep:
+        def on_end(self, record):
+            records.append(record)
+
+    t = KVScopeTracing.for_exporter(InMemorySpanExporter(), sample_ratio=ratio)
+    t._processor = Keep()
+    values = (1, "full_attention", "load", 2, 4096, 0, "r1")
+    for trace_id in range(1, 1 << 64, (1 << 64) // 40):  # ids on both sides of the ratio's bound
+        carrier = (trace_id << 64 | trace_id, 0xB7AD6B7169203331, state)
+        records.clear()
+        t.record(COPY_SPAN, t.context_from_carrier(carrier), 10, 20, values)
+        t.record(COPY_SPAN, t.parent_from_carrier(carrier), 10, 20, values)
+        if not records:
+            continue  # both dropped it
+        via_context, via_parent = records
+        assert via_parent[:2] == via_context[:2] and via_parent[3:] == via_context[3:]
+        assert via_parent[4] is True and via_parent[5] == state  # a remote parent, the tracestate kept
+    assert t.parent_from_carrier(None) is None and KVScopeTracing.disabled().parent_from_carrier((1, 2, None)) is None
+
+
 def test_record_span_without_context_roots_a_trace_that_children_join(tracing, span_exporter):
     lookup = tracing.record_span("kvscope.lookup", None, 1_000, 2_000, {"kvscope.tokens.hit": 16})
     load = tracing.start_span("kvscope.load", context=tracing.context_of(lookup))
