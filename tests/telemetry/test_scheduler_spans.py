@@ -129,6 +129,37 @@ def test_incoming_traceparent_parents_the_connector_spans():
     assert carrier == (int(trace_id, 16), load.context.span_id, "vendor=1")  # copy spans go under the load
 
 
+def test_an_upstream_trace_that_is_not_sampled_or_not_kept_by_the_ratio_gets_no_span():
+    trace_id = "0af7651916cd43dd8448eb211c80319c"
+    for flags, ratio in (("00", 1.0), ("01", 0.0)):
+        tracing, exporter = in_memory_tracing(sample_ratio=ratio)
+        sched = make_scheduler(tracing)
+        request = make_request("r1", 200, headers={"traceparent": f"00-{trace_id}-b7ad6b7169203331-{flags}"})
+        store_everything(sched, request)
+        external, _, _ = plan(sched, request)
+        assert external == 192 and len(sched._pending_loads[0].groups) == 2  # the load is planned all the same
+        assert sched._pending_loads[0].trace_carrier is None
+        assert exporter.get_finished_spans() == ()
+
+
+def test_a_store_under_an_upstream_trace_hangs_under_the_upstream_span():
+    tracing, exporter = in_memory_tracing()
+    trace_id = "0af7651916cd43dd8448eb211c80319c"
+    request = make_request("r1", 200, headers={"traceparent": f"00-{trace_id}-b7ad6b7169203331-01",
+                                               "tracestate": "vendor=1"})
+    _, ids = blocks_for(request.num_tokens)
+    sched = KVScopeScheduler(LAYOUTS, offload_block_size=B, hash_block_size=BS, num_slots=64, slot_bytes=1024,
+                             group_block_bytes=[256, 256], world_size=1, tracing=tracing,
+                             kv_cache_manager_getter=lambda: SimpleNamespace(get_block_ids=lambda rid: ids))
+    plan(sched, request)  # a miss: the lookup alone
+    job = sched._plan_store(sched._requests["r1"], 192)
+    assert job is not None and job.groups
+    store = next(s for s in exporter.get_finished_spans() if s.name == "kvscope.store")
+    assert store.parent.span_id == 0xB7AD6B7169203331 and store.parent.is_remote
+    assert format(store.context.trace_id, "032x") == trace_id and store.context.trace_state.to_header() == "vendor=1"
+    assert job.trace_carrier == (int(trace_id, 16), store.context.span_id, "vendor=1")  # copy spans under it
+
+
 def test_a_miss_records_its_lookup_alone():
     tracing, exporter = in_memory_tracing()
     sched = make_scheduler(tracing)
