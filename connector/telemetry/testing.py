@@ -68,3 +68,12 @@ def build_prom_metrics(registry: CollectorRegistry, engines: int = 1):
         list(VLLM_LABELNAMES),
         per_engine_labelvalues(engines),
     )
+
+
+def proto_span_attributes(span) -> dict[str, Any]:
+    """A protobuf (OTLP) span's attributes as a dict of ints and strings, the only kinds kvscope writes."""
+    out = {}
+    for kv in span.attributes:
+        value = kv.value
+        out[kv.key] = value.string_value if value.HasField("string_value") else value.int_value
+    return out

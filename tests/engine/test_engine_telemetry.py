@@ -8,6 +8,7 @@ from collections import defaultdict
 
 import pytest
 
+from connector.telemetry.testing import proto_span_attributes
 from connector.telemetry.trace_file import parse_json_line
 
 from .conftest import prompts_sharing_prefixes
@@ -44,14 +45,6 @@ def traced_run(scenarios):
     return result, spans
 
 
-def _attrs(span) -> dict:
-    out = {}
-    for kv in span.attributes:
-        v = kv.value
-        out[kv.key] = v.string_value if v.HasField("string_value") else v.int_value
-    return out
-
-
 def _by_name(spans, name):
     return [s for s in spans if s.name == name]
 
@@ -59,7 +52,7 @@ def _by_name(spans, name):
 def test_each_loading_request_has_one_scan_per_group_under_its_load(traced_run):
     result, spans = traced_run
     loads = _by_name(spans, "kvscope.load")
-    loading = [s for s in loads if _attrs(s)["kvscope.tokens.external"] > 0]
+    loading = [s for s in loads if proto_span_attributes(s)["kvscope.tokens.external"] > 0]
     assert loading, "round 1 planned no load"
     scans_by_parent = defaultdict(list)
     for s in _by_name(spans, "kvscope.group.scan"):
@@ -67,30 +60,30 @@ def test_each_loading_request_has_one_scan_per_group_under_its_load(traced_run):
     groups = len(result["groups"])
     for load in loading:
         scans = scans_by_parent[load.span_id]
-        assert len(scans) == groups == _attrs(load)["kvscope.groups"]
-        assert {_attrs(s)["kvscope.group.index"] for s in scans} == set(range(groups))
+        assert len(scans) == groups == proto_span_attributes(load)["kvscope.groups"]
+        assert {proto_span_attributes(s)["kvscope.group.index"] for s in scans} == set(range(groups))
         assert all(s.trace_id == load.trace_id for s in scans)
 
 
 def test_sliding_window_scan_skips_null_blocks_for_prompts_longer_than_window(traced_run):
     result, spans = traced_run
-    sw = [_attrs(s) for s in _by_name(spans, "kvscope.group.scan")
-          if _attrs(s)["kvscope.group.kind"] == "sliding_window"]
+    sw = [proto_span_attributes(s) for s in _by_name(spans, "kvscope.group.scan")
+          if proto_span_attributes(s)["kvscope.group.kind"] == "sliding_window"]
     assert sw and all(a["kvscope.group.blocks.null_skipped"] > 0 for a in sw
                       if a["kvscope.group.blocks.total"] * 128 > WINDOW + 128)
-    full = [_attrs(s) for s in _by_name(spans, "kvscope.group.scan")
-            if _attrs(s)["kvscope.group.kind"] == "full_attention"]
+    full = [proto_span_attributes(s) for s in _by_name(spans, "kvscope.group.scan")
+            if proto_span_attributes(s)["kvscope.group.kind"] == "full_attention"]
     assert all(a["kvscope.group.blocks.null_skipped"] == 0 for a in full)
 
 
 def test_copy_spans_join_the_request_trace_with_bytes(traced_run):
     _, spans = traced_run
     load_traces = {s.trace_id for s in _by_name(spans, "kvscope.load")
-                   if _attrs(s)["kvscope.tokens.external"] > 0}
+                   if proto_span_attributes(s)["kvscope.tokens.external"] > 0}
     copies = [s for s in _by_name(spans, "kvscope.group.copy")
-              if _attrs(s)["kvscope.copy.direction"] == "load"]
+              if proto_span_attributes(s)["kvscope.copy.direction"] == "load"]
     assert copies and {s.trace_id for s in copies} == load_traces
-    assert all(_attrs(s)["kvscope.copy.bytes"] > 0 for s in copies)
+    assert all(proto_span_attributes(s)["kvscope.copy.bytes"] > 0 for s in copies)
     assert all(s.end_time_unix_nano >= s.start_time_unix_nano > 0 for s in copies)
 
 
@@ -100,7 +93,7 @@ def test_request_with_traceparent_has_its_connector_spans_in_that_trace(traced_r
         mine = [s for s in spans if s.trace_id.hex() == TRACE_IDS[i]]
         names = {s.name for s in mine}
         assert "kvscope.lookup" in names, (i, names)
-        assert all(_attrs(s).get("kvscope.request.id", f"req-{i}").startswith(f"req-{i}")
+        assert all(proto_span_attributes(s).get("kvscope.request.id", f"req-{i}").startswith(f"req-{i}")
                    for s in mine if s.name != "kvscope.group.scan" and s.name != "kvscope.group.copy")
 
 
@@ -115,17 +108,17 @@ def test_requests_without_headers_get_a_trace_of_their_own(traced_run):
 def test_metric_totals_agree_with_span_attributes_and_vllm(traced_run):
     result, spans = traced_run
     kv = result["kvscope"]
-    scans = [_attrs(s) for s in _by_name(spans, "kvscope.group.scan")]
+    scans = [proto_span_attributes(s) for s in _by_name(spans, "kvscope.group.scan")]
     assert kv["kvscope_scan_blocks_total"] == sum(a["kvscope.group.blocks.total"] for a in scans)
     assert kv["kvscope_null_blocks_skipped_total"] == sum(a["kvscope.group.blocks.null_skipped"] for a in scans)
     assert kv["kvscope_loaded_blocks_total"] == sum(a["kvscope.group.blocks.pending"] for a in scans)
-    lookups = [_attrs(s) for s in _by_name(spans, "kvscope.lookup")]
+    lookups = [proto_span_attributes(s) for s in _by_name(spans, "kvscope.lookup")]
     assert kv["kvscope_hit_tokens_total"] == sum(a["kvscope.tokens.hit"] for a in lookups)
     assert kv["kvscope_lookup_tokens_total"] == sum(a["kvscope.tokens.queried"] for a in lookups)
     assert kv["kvscope_hit_tokens_total"] <= kv["kvscope_lookup_tokens_total"]
     vllm_external_hits = sum(c["vllm:external_prefix_cache_hits"] for c in result["counters"])
     assert kv["kvscope_hit_tokens_total"] == vllm_external_hits
-    copies = [_attrs(s) for s in _by_name(spans, "kvscope.group.copy")]
+    copies = [proto_span_attributes(s) for s in _by_name(spans, "kvscope.group.copy")]
     load_bytes = sum(a["kvscope.copy.bytes"] for a in copies if a["kvscope.copy.direction"] == "load")
     store_bytes = sum(a["kvscope.copy.bytes"] for a in copies if a["kvscope.copy.direction"] == "store")
     assert kv["kvscope_load_bytes_total"] == load_bytes > 0
@@ -141,7 +134,7 @@ def test_replay_app_shows_this_runs_hit_rate(traced_run, monkeypatch):
     assert not at.exception, [e.value for e in at.exception]
     last = {}
     for s in sorted(_by_name(spans, "kvscope.lookup"), key=lambda s: s.start_time_unix_nano):
-        last[_attrs(s)["kvscope.request.id"]] = _attrs(s)
+        last[proto_span_attributes(s)["kvscope.request.id"]] = proto_span_attributes(s)
     rate = sum(a["kvscope.tokens.hit"] for a in last.values()) / sum(a["kvscope.tokens.queried"] for a in last.values())
     assert number(metrics(at)["Token hit rate"]) == pytest.approx(round(rate * 100, 1))
     for page in PAGES[1:3]:

@@ -11,9 +11,10 @@ import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 from connector.planning import scan_group
+from connector.telemetry.testing import proto_span_attributes
 from connector.telemetry.tracing import EXPORT_MODE_VARIABLE, KVScopeTracing
 
-from .test_scheduler_spans import B, LAYOUTS, make_request, make_scheduler, plan, store_everything
+from .test_scheduler_spans import LAYOUTS, B, make_request, make_scheduler, plan, store_everything
 
 
 class _Receiver(BaseHTTPRequestHandler):
@@ -37,14 +38,6 @@ def receiver():
     threading.Thread(target=server.serve_forever, daemon=True).start()
     yield server
     server.shutdown()
-
-
-def _attributes(span) -> dict:
-    out = {}
-    for kv in span.attributes:
-        value = kv.value
-        out[kv.key] = value.int_value if value.HasField("int_value") else value.string_value
-    return out
 
 
 @pytest.mark.parametrize("mode", ["process", "thread"])
@@ -80,10 +73,10 @@ def test_a_load_reaches_an_otlp_collector_as_lookup_load_and_one_scan_per_group(
     assert len({s.trace_id for s in spans}) == 1 and len({s.span_id for s in spans}) == 4
     assert lookup.parent_span_id == b"" and load.parent_span_id == lookup.span_id
     assert [s.parent_span_id for s in scans] == [load.span_id] * len(LAYOUTS)
-    assert _attributes(load) == {"kvscope.request.id": "r1", "kvscope.tokens.local": 0,
+    assert proto_span_attributes(load) == {"kvscope.request.id": "r1", "kvscope.tokens.local": 0,
                                  "kvscope.tokens.external": 192, "kvscope.groups": 2}
     for scan in scans:
-        a = _attributes(scan)
+        a = proto_span_attributes(scan)
         g = a["kvscope.group.index"]
         expect = scan_group(LAYOUTS[g], ids[g], 0, 192, B)
         assert (a["kvscope.group.blocks.total"], a["kvscope.group.blocks.null_skipped"],
