@@ -112,13 +112,13 @@ class KVScopeWorker:
             self._done_loads.add(job.req_id)
 
     def _record(self, job: TransferJob, copies: list[tuple[int, CopyResult]]) -> None:
-        context = self.tracing.parent_from_carrier(job.trace_carrier) if job.trace_carrier else None
+        parent = self.tracing.parent_from_carrier(job.trace_carrier) if job.trace_carrier else None
         for group, copy in copies:
             kind = self.group_kinds[group]
             seconds = (copy.end_ns - copy.start_ns) / 1e9
             self._stats.record_copy(group, kind, job.direction, copy.blocks, copy.nbytes, seconds)
-            if context is not None:
-                self.tracing.record(COPY_SPAN, context, copy.start_ns, copy.end_ns,
+            if parent is not None:
+                self.tracing.record(COPY_SPAN, parent, copy.start_ns, copy.end_ns,
                                     (group, kind, job.direction, copy.blocks, copy.nbytes, self.rank, job.req_id))
 
     # -- results back to vLLM --

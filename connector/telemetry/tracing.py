@@ -224,7 +224,7 @@ class KVScopeTracing:
             return trace.INVALID_SPAN
         if parent is None:  # the other hot path: a request's root (its lookup span), as `_decide` decides it
             trace_id = self._ids.generate_trace_id()
-            if (trace_id & _TRACE_ID_LOW_BITS) >= self._bound:
+            if not self._keeps(trace_id):
                 return self._dropped
             return SpanRef(trace_id, self._ids.generate_span_id(), None, False, None, start)
         decided = self._decide(parent)
@@ -261,28 +261,20 @@ class KVScopeTracing:
         span, which sampling kept; None roots a new trace) and return the carrier that puts the
         workers' copy spans under the load (None when sampling drops the new trace).
 
-        No span object: the load's id is drawn here, and the record is its only trace."""
-        ids = self._ids
+        No span object under a parent: the load's id is drawn here, and the record is its only trace."""
         end = end_ns if end_ns > start_ns else start_ns
-        if parent is None:
-            trace_id = ids.generate_trace_id()
-            if not self._keeps(trace_id):
+        if parent is None:  # rare (a load with no lookup span before it): the load is the trace's root
+            root = self.open_span(None, start_ns)
+            if type(root) is not SpanRef:
                 return None
-            span_id = ids.generate_span_id()
-            self._processor.on_end((LOAD_PLAN, trace_id, span_id, None, False, None, start_ns, end, values))
-            return (trace_id, span_id, None)
+            self._processor.on_end((LOAD_PLAN, root.trace_id, root.span_id, None, False, None, start_ns, end, values))
+            return (root.trace_id, root.span_id, None)
         state = parent.trace_state
         header = state.to_header() if state else None
-        span_id = ids.generate_span_id()
+        span_id = self._ids.generate_span_id()
         self._processor.on_end((LOAD_PLAN, parent.trace_id, span_id, parent.span_id, parent.is_remote, header,
                                 start_ns, end, values))
         return (parent.trace_id, span_id, header)
-
-    def record_child(self, kind: RecordKind, parent: SpanRef, start_ns: int, end_ns: int, values: tuple) -> None:
-        """Record a finished child of an open, sampled `SpanRef` (the per-group scans of a load)."""
-        state = parent.trace_state
-        self._processor.on_end((kind.code, parent.trace_id, self._ids.generate_span_id(), parent.span_id,
-                                False, state.to_header() if state else None, start_ns, end_ns, values))
 
     # ----------------------------------------------------------------- propagation
     def parent_from_trace_headers(self, headers: Mapping[str, str] | None) -> SpanRef | LightSpan | None:

@@ -31,7 +31,7 @@ def _records(requests: int = 3) -> list[tuple]:
     for i in range(requests):
         lookup = tracing.record(LOOKUP_SPAN, None, 10, 20, (f"req-{i}", 64, 32))
         load = tracing.open_span(lookup, 30)
-        tracing.record_child(SCAN_SPAN, load, 31, 32, (0, "sliding_window", 8, 3, 2, 5))
+        tracing.record(SCAN_SPAN, load, 31, 32, (0, "sliding_window", 8, 3, 2, 5))
         tracing.end_span(LOAD_SPAN, load, 40, (f"req-{i}", 16, 32, 1))
     span = tracing.start_span("custom", start_time=50)
     span.set_attributes({"flag": True, "ratio": 0.5, "ids": [1, 2]})

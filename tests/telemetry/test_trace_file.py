@@ -165,8 +165,8 @@ def test_record_encoder_writes_exactly_what_the_sdk_encoder_writes(tmp_path):
     odd_id = 'req "1" %d \\ \u00e9\u2603'
     lookup = tracing.record(LOOKUP_SPAN, None, 10, 12, (odd_id, 64, 32))
     load = tracing.open_span(lookup, 13)
-    tracing.record_child(SCAN_SPAN, load, 14, 15, (0, "sliding_window", 8, 3, 2, 5))
-    tracing.record_child(SCAN_SPAN, load, 15, 16, (1, "full_attention", 8, 0, 2, 6))
+    tracing.record(SCAN_SPAN, load, 14, 15, (0, "sliding_window", 8, 3, 2, 5))
+    tracing.record(SCAN_SPAN, load, 15, 16, (1, "full_attention", 8, 0, 2, 6))
     tracing.end_span(LOAD_SPAN, load, 17, (odd_id, 16, 32, 2))
     tracing.record(STORE_SPAN, lookup, 18, 18, (odd_id, 2, 4))
     carrier = tracing.carrier_of(load)
