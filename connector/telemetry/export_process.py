@@ -3,9 +3,12 @@
 Encoding a span as OTLP/JSON costs one to two microseconds of CPython (OTLP protobuf far
 more), and in the engine process that time is taken under the GIL the engine thread needs,
 whichever thread does it: at full sampling it was about as much as the planning it describes.
-So the engine's export thread only `marshal`s each batch of records (tuples of ints and
-strings, about 0.3 µs a span) and writes it to a pipe; a helper process, started on the first
+So the engine process only `marshal`s each batch of records (tuples of ints and strings, well
+under a microsecond a record) and writes it to a pipe; a helper process, started on the first
 export, builds the real sinks (`sinks.build_exporters`: the trace file, OTLP) and runs them.
+A full batch is marshalled and written by the engine thread that filled it, never waiting for
+the helper (a non-blocking pipe; what it cannot take now waits in memory for the next write);
+the export thread starts the helper, sends the tail and waits out a full pipe.
 
 Robustness: the helper reads until its stdin closes, so it drains and exits when the engine
 process shuts down or dies, and it ignores SIGINT (a Ctrl-C to ``vllm serve`` reaches the whole
@@ -29,8 +32,11 @@ import struct
 import subprocess
 import sys
 import threading
+import time
 import weakref
+from collections import deque
 from collections.abc import Sequence
+from itertools import islice
 from dataclasses import asdict
 
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
@@ -43,24 +49,46 @@ logger = logging.getLogger(__name__)
 _HEADER = struct.Struct("<Q")  # frame: byte length, then one marshal'd message
 _START_TIMEOUT_S = 30.0
 _STOP_TIMEOUT_S = 30.0
+# Marshalled batches the helper has not read yet, at most (about 70,000 load records); a helper
+# that falls further behind loses spans rather than the engine memory.
+_MAX_PENDING_BYTES = 16 << 20
+_WRITEV_FRAMES = 64  # frames per writev call
 
 
 class ExportProcess(SpanExporter):
-    """A span exporter that hands record batches to a helper process running the real sinks."""
+    """A span exporter that hands record batches to a helper process running the real sinks.
+
+    Two ways in. `export` (the export thread) may block: it starts the helper, waits for a full
+    pipe, fails over. `export_nowait` (the engine thread, through `SpanBatcher`) never does: it
+    marshals the batch, writes what the pipe takes at once and keeps the rest, in order, for the
+    next write; `catch_up` (the export thread again) finishes what it left behind.
+    """
 
     def __init__(self, sinks: Sinks, stop_timeout_s: float = _STOP_TIMEOUT_S):
         self._sinks = sinks
         self._stop_timeout_s = stop_timeout_s
-        self._proc: subprocess.Popen | None = None
-        self._reader: threading.Thread | None = None
-        self._acks: dict[int, threading.Event] = {}
-        self._next_ack = 0
         self._failed = False  # the helper could not start or died: export here from then on
         self._local: list[SpanExporter] | None = None  # the sinks in this process, built when needed
         self._closed = False
-        self._lock = threading.Lock()  # one writer at a time: the batcher thread, or shutdown
+        self._init_process_state()
         reinit = weakref.WeakMethod(self._after_fork)
         os.register_at_fork(after_in_child=lambda: (m := reinit()) and m())
+
+    def _init_process_state(self) -> None:
+        self._proc: subprocess.Popen | None = None
+        self._fd = -1  # the helper's stdin, non-blocking once it runs
+        self._reader: threading.Thread | None = None
+        self._acks: dict[int, threading.Event] = {}
+        self._next_ack = 0
+        self._lock = threading.Lock()  # one writer at a time
+        # Frames written in part or not at all, in order; `_offset` bytes of the first are written.
+        self._frames: deque[bytes] = deque()
+        self._offset = 0
+        self._pending_bytes = 0
+        self._deferred: list = []  # batches `export_nowait` left to the export thread
+        self._broken: Exception | None = None  # a non-blocking write failed: fail over on the export thread
+        self._dropped = 0  # records dropped because the helper fell too far behind
+        self._drops_logged = False
 
     def _after_fork(self) -> None:
         # The parent's helper and pipe are not ours: a child starts its own on its first export,
@@ -73,37 +101,69 @@ class ExportProcess(SpanExporter):
                     stream.close()
                 except Exception:
                     pass
-        self._proc, self._reader, self._acks = None, None, {}
-        self._lock = threading.Lock()
+        self._init_process_state()
 
     @property
     def pid(self) -> int | None:
         """The helper's process id while it runs (benchmarks read its CPU time)."""
         return self._proc.pid if self._proc is not None and self._proc.poll() is None else None
 
-    # ------------------------------------------------------------ SpanExporter
+    @property
+    def accepts_nowait(self) -> bool:
+        """Whether `export_nowait` can send a batch now: the helper runs and nothing has failed."""
+        return self._proc is not None and self._broken is None and not self._failed and not self._closed
+
+    @property
+    def dropped_spans(self) -> int:
+        return self._dropped
+
+    # ------------------------------------------------------------ the engine thread
+    def export_nowait(self, records: list) -> None:
+        """Send a batch without blocking: marshal it, write what the pipe takes now, keep the rest.
+
+        Nothing here waits for the helper. A batch it cannot send (the helper not running, a record
+        marshal cannot carry) is left to the export thread (`catch_up`); past `_MAX_PENDING_BYTES`
+        waiting for a helper that fell behind, batches are dropped and counted (logged once, by
+        the export thread)."""
+        with self._lock:  # held briefly by anyone but the export thread, which is not exporting now
+            if self._proc is None or self._failed or self._closed or self._broken is not None:
+                self._deferred.append(records)
+                return
+            try:
+                payload = marshal.dumps(("spans", records))
+            except ValueError:  # an attribute value marshal cannot carry (GENERIC spans)
+                self._deferred.append(records)
+                return
+            if self._pending_bytes > _MAX_PENDING_BYTES:
+                self._dropped += len(records)
+                return
+            self._queue_frame(payload)
+            try:
+                self._write_available()
+            except OSError as exc:  # the helper is gone: the export thread fails over
+                self._broken = exc
+
+    # ------------------------------------------------------------ the export thread
+    def catch_up(self) -> None:
+        """Finish what `export_nowait` left: fail over, write a pipe that was full, export deferred batches."""
+        with self._lock:
+            if not self._closed:
+                self._settle()
+
     def export(self, records: Sequence[tuple]) -> SpanExportResult:
         if not records:
             return SpanExportResult.SUCCESS
         with self._lock:
             if self._closed:
                 return SpanExportResult.FAILURE
-            if not self._failed:
-                try:
-                    payload = marshal.dumps(("spans", list(records)))
-                except ValueError as exc:  # an attribute value marshal cannot carry (GENERIC spans)
-                    logger.debug("kvscope: span batch not serialisable (%s); exported in this process", exc)
-                    return self._export_here(records)
-                try:
-                    self._send(payload)
-                    return SpanExportResult.SUCCESS
-                except Exception as exc:
-                    self._fail_over(exc)
-            return self._export_here(records)
+            self._settle()
+            return self._export_locked(records)
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
         """True once the helper has exported (and flushed) everything sent before this call."""
         with self._lock:
+            if not self._closed:
+                self._settle()
             if self._local is not None and not all(e.force_flush(timeout_millis) for e in self._local):
                 return False
             if self._proc is None or self._closed:
@@ -112,7 +172,8 @@ class ExportProcess(SpanExporter):
             token, done = self._next_ack, threading.Event()
             self._acks[token] = done
             try:
-                self._send(marshal.dumps(("flush", token)))
+                self._queue_frame(marshal.dumps(("flush", token)))
+                self._write_pending()
             except Exception as exc:
                 self._acks.pop(token, None)
                 self._fail_over(exc)
@@ -122,13 +183,20 @@ class ExportProcess(SpanExporter):
         return ok
 
     def shutdown(self) -> None:
-        # The batcher thread holds the lock while it writes to the pipe: a helper that stopped
+        # The export thread holds the lock while it waits for a full pipe: a helper that stopped
         # reading would hold up the engine's shutdown for ever. Wait a while, then kill it (the
         # blocked write then fails and that batch is exported here).
         locked = self._lock.acquire(timeout=self._stop_timeout_s)
         try:
             if self._closed:
                 return
+            error = None if locked else TimeoutError("the span export helper stopped reading")
+            if locked and self._proc is not None:
+                try:  # what is still waiting for the pipe goes first
+                    self._settle()
+                    self._write_pending(deadline=time.monotonic() + self._stop_timeout_s)
+                except Exception as exc:
+                    self._fail_over(exc)  # kills the helper; what it had not read is exported here
             self._closed = True
             proc = self._proc
         finally:
@@ -136,8 +204,8 @@ class ExportProcess(SpanExporter):
                 self._lock.release()
         if proc is not None:
             try:
-                if not locked:
-                    raise TimeoutError("the span export helper stopped reading")
+                if error is not None:
+                    raise error
                 proc.stdin.close()  # the helper drains, shuts its sinks down and exits
                 proc.wait(self._stop_timeout_s)
             except Exception as exc:
@@ -152,11 +220,71 @@ class ExportProcess(SpanExporter):
         for exporter in self._local or ():
             exporter.shutdown()
 
-    # ------------------------------------------------------------ the helper
-    def _send(self, payload: bytes) -> None:
-        if self._proc is None:
-            self._start()
-        write_all(self._proc.stdin.fileno(), _HEADER.pack(len(payload)) + payload)
+    # ------------------------------------------------------------ under the lock
+    def _settle(self) -> None:
+        if self._broken is not None:
+            exc, self._broken = self._broken, None
+            self._fail_over(exc)
+        if self._frames and self._proc is not None:
+            try:
+                self._write_pending()
+            except Exception as exc:
+                self._fail_over(exc)
+        deferred, self._deferred = self._deferred, []
+        for batch in deferred:
+            self._export_locked(batch)
+        if self._dropped and not self._drops_logged:
+            self._drops_logged = True
+            logger.warning("kvscope: the span export process fell behind by %d MiB: spans are dropped "
+                           "until it catches up; further drops are not logged", _MAX_PENDING_BYTES >> 20)
+
+    def _export_locked(self, records) -> SpanExportResult:
+        if not self._failed:
+            try:
+                payload = marshal.dumps(("spans", list(records)))
+            except ValueError as exc:  # an attribute value marshal cannot carry (GENERIC spans)
+                logger.debug("kvscope: span batch not serialisable (%s); exported in this process", exc)
+                return self._export_here(records)
+            self._queue_frame(payload)
+            try:
+                if self._proc is None:
+                    self._start()
+                self._write_pending()
+                return SpanExportResult.SUCCESS
+            except Exception as exc:
+                return self._fail_over(exc)  # exports the queued frames, this batch's among them, here
+        return self._export_here(records)
+
+    def _queue_frame(self, payload: bytes) -> None:
+        frame = _HEADER.pack(len(payload)) + payload
+        self._frames.append(frame)
+        self._pending_bytes += len(frame)
+
+    def _write_available(self) -> None:
+        """Write the queued frames as far as the pipe takes them now (the fd is non-blocking)."""
+        frames = self._frames
+        while frames:
+            buffers = [memoryview(frames[0])[self._offset:], *islice(frames, 1, _WRITEV_FRAMES)]
+            try:
+                written = os.writev(self._fd, buffers)
+            except BlockingIOError:
+                return
+            self._pending_bytes -= written
+            written += self._offset
+            while frames and written >= len(frames[0]):
+                written -= len(frames.popleft())
+            self._offset = written
+
+    def _write_pending(self, deadline: float | None = None) -> None:
+        """Write every queued frame, waiting for the helper to read (until ``deadline``)."""
+        while True:
+            self._write_available()
+            if not self._frames:
+                return
+            timeout = 1.0 if deadline is None else deadline - time.monotonic()
+            if timeout <= 0:
+                raise TimeoutError("the span export helper stopped reading")
+            select.select([], [self._fd], [], min(timeout, 1.0))
 
     def _start(self) -> None:
         # This very package, whatever the working directory holds: its root first on the path,
@@ -179,6 +307,8 @@ class ExportProcess(SpanExporter):
         ready = _read_frame(proc.stdout, timeout_s=_START_TIMEOUT_S)
         if ready != ("ready",):
             raise RuntimeError(f"span export process did not start (said {ready!r})")
+        self._fd = proc.stdin.fileno()
+        os.set_blocking(self._fd, False)  # the engine thread's writes must never wait for the helper
         self._reader = threading.Thread(target=self._read_replies, args=(proc,), name="kvscope-export-replies",
                                         daemon=True)
         self._reader.start()
@@ -201,13 +331,21 @@ class ExportProcess(SpanExporter):
         for done in list(self._acks.values()):  # nobody will answer these any more
             done.set()
 
-    def _fail_over(self, exc: Exception) -> None:
+    def _fail_over(self, exc: Exception) -> SpanExportResult:
+        """From now on export here, starting with every batch the helper may not have read whole."""
         logger.warning("kvscope: the span export process failed (%r); spans are exported in this "
                        "process from now on", exc)
         self._failed = True
         proc, self._proc = self._proc, None
         if proc is not None:
             proc.kill()
+        frames, self._frames, self._offset, self._pending_bytes = self._frames, deque(), 0, 0
+        result = SpanExportResult.SUCCESS
+        for frame in frames:
+            message = marshal.loads(memoryview(frame)[_HEADER.size:])
+            if message[0] == "spans" and self._export_here(message[1]) is not SpanExportResult.SUCCESS:
+                result = SpanExportResult.FAILURE
+        return result
 
     def _export_here(self, records) -> SpanExportResult:
         if self._local is None:

@@ -200,3 +200,97 @@ def test_shutdown_does_not_hang_on_a_helper_that_stopped_reading(tmp_path, caplo
     with pytest.raises(ChildProcessError):
         os.waitpid(pid, os.WNOHANG)
     assert any("stopped reading" in r.getMessage() for r in caplog.records)
+
+
+def _numbered(first: int, count: int) -> list[tuple]:
+    """`count` lookup records with request ids req-<first>.. (to check order and loss)."""
+    keep = _Keep()
+    tracing = KVScopeTracing(keep, None)
+    for i in range(first, first + count):
+        tracing.record(LOOKUP_SPAN, None, 10, 20, (f"req-{i}", 64, 32))
+    return keep.records
+
+
+def _request_ids(path) -> list[int]:
+    ids = []
+    for span in _spans(path):
+        (attr,) = [a for a in span["attributes"] if a["key"] == "kvscope.request.id"]
+        ids.append(int(attr["value"]["stringValue"].split("-")[1]))
+    return ids
+
+
+def _started(path) -> ExportProcess:
+    helper = ExportProcess(_sinks(path))
+    helper.export(_numbered(0, 1))
+    assert helper.force_flush(10_000) and helper.accepts_nowait
+    return helper
+
+
+def test_the_engine_threads_batches_never_wait_for_a_helper_that_stopped_reading_and_none_is_lost(tmp_path):
+    path = tmp_path / "t.jsonl"
+    helper = _started(path)
+    os.kill(helper.pid, signal.SIGSTOP)  # alive, reads nothing: the pipe fills up
+    try:
+        started = time.monotonic()
+        for b in range(40):  # ~400 KiB of batches: several times what the pipe holds
+            helper.export_nowait(_numbered(1 + 200 * b, 200))
+        assert time.monotonic() - started < 2  # marshalling only; a blocking write would hang here
+        assert helper._pending_bytes > 0  # what the pipe did not take waits, in order
+    finally:
+        os.kill(helper.pid, signal.SIGCONT)
+    helper.catch_up()  # the export thread's part: waits for the helper to read the rest
+    assert helper._pending_bytes == 0
+    assert helper.force_flush(10_000)
+    helper.shutdown()
+    assert _request_ids(path) == list(range(1 + 200 * 40))
+
+
+def test_a_helper_too_far_behind_loses_whole_batches_counted_and_logged_once(tmp_path, caplog, monkeypatch):
+    import connector.telemetry.export_process as export_process
+
+    monkeypatch.setattr(export_process, "_MAX_PENDING_BYTES", 100_000)
+    path = tmp_path / "t.jsonl"
+    helper = _started(path)
+    os.kill(helper.pid, signal.SIGSTOP)
+    try:
+        for b in range(40):
+            helper.export_nowait(_numbered(1 + 200 * b, 200))
+        dropped = helper.dropped_spans
+        assert dropped > 0 and dropped % 200 == 0  # whole batches, the memory held stays bounded
+        assert helper._pending_bytes < 100_000 + 20_000
+    finally:
+        os.kill(helper.pid, signal.SIGCONT)
+    with caplog.at_level(logging.WARNING):
+        helper.catch_up()
+        helper.export_nowait(_numbered(9000, 1))
+        helper.catch_up()
+    assert helper.force_flush(10_000)
+    helper.shutdown()
+    ids = _request_ids(path)
+    assert len(ids) == 1 + 200 * 40 + 1 - dropped and ids == sorted(ids) and ids[-1] == 9000
+    assert len([r for r in caplog.records if "fell behind" in r.getMessage()]) == 1
+
+
+def test_a_helper_dying_under_the_engine_threads_batches_fails_over_and_loses_none_it_had_not_read(
+        tmp_path, caplog):
+    path = tmp_path / "t.jsonl"
+    helper = _started(path)
+    os.kill(helper.pid, signal.SIGSTOP)
+    for b in range(20):
+        helper.export_nowait(_numbered(1 + 200 * b, 200))  # part in the pipe, the rest waiting here
+    waiting = helper._pending_bytes
+    os.kill(helper.pid, signal.SIGKILL)
+    time.sleep(0.2)
+    with caplog.at_level(logging.WARNING):
+        helper.export_nowait(_numbered(4001, 200))  # the write fails: no waiting, no raising
+        assert not helper.accepts_nowait  # the batcher now leaves batches to the export thread
+        helper.catch_up()  # fails over: what the helper had not read is exported here
+        helper.export(_numbered(4201, 1))
+    assert helper.force_flush(10_000)
+    helper.shutdown()
+    ids = _request_ids(path)
+    # Lost: only the batches already in the dead helper's pipe. Every batch still waiting here
+    # (the one the pipe had taken in part among them) and every later one lands, once, in order.
+    assert waiting > 0 and ids[0] == 0
+    assert ids[1:] == list(range(ids[1], 4202)) and (ids[1] - 1) % 200 == 0
+    assert len([r for r in caplog.records if "export process failed" in r.getMessage()]) == 1

@@ -150,3 +150,73 @@ def test_spans_still_queued_at_interpreter_exit_reach_the_trace_file(tmp_path):
     (line,) = path.read_text().splitlines()
     spans = json.loads(line)["resourceSpans"][0]["scopeSpans"][0]["spans"]
     assert [s["name"] for s in spans] == ["kvscope.load"]
+
+
+class CollectNowait(Collect):
+    """An exporter with a non-blocking path, as the export helper's (`ExportProcess`) has."""
+
+    def __init__(self, accepts: bool = True):
+        super().__init__()
+        self.accepts_nowait = accepts
+        self.caught_up = 0
+
+    def export_nowait(self, spans):
+        self.threads.add(threading.current_thread().name)
+        self.batches.append(list(spans))
+
+    def catch_up(self):
+        self.caught_up += 1
+
+
+def test_full_batches_go_to_a_nonblocking_exporter_from_the_thread_that_filled_them():
+    sink = CollectNowait()
+    batcher = SpanBatcher([sink], schedule_delay_s=60, max_batch=4)
+    for i in range(10):
+        batcher.on_end(i)
+    # Two full batches handed over at once, by this thread; the tail waits for the export thread.
+    assert sink.batches == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert sink.threads == {threading.current_thread().name}
+    assert batcher.force_flush(5000)
+    assert sink.spans == list(range(10)) and "kvscope-span-export" in sink.threads
+    assert sink.caught_up >= 1  # the export thread finishes what the handing over left behind
+    batcher.shutdown()
+
+
+def test_until_the_exporter_accepts_batches_without_blocking_the_export_thread_sends_them_in_order():
+    sink = CollectNowait(accepts=False)  # e.g. the helper process has not started yet
+    batcher = SpanBatcher([sink], schedule_delay_s=60, max_batch=4)
+    for i in range(6):
+        batcher.on_end(i)  # a full batch wakes the export thread instead
+    deadline = time.monotonic() + 5
+    while len(sink.spans) < 4 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert sink.threads == {"kvscope-span-export"} and sink.spans[:4] == [0, 1, 2, 3]
+    sink.accepts_nowait = True
+    for i in range(6, 12):
+        batcher.on_end(i)
+    assert batcher.force_flush(5000)
+    assert sink.spans == list(range(12))  # never out of order, whichever thread sent a batch
+    batcher.shutdown()
+
+
+def test_while_the_export_thread_exports_the_engine_thread_neither_waits_nor_reorders():
+    gate = threading.Event()
+
+    class Slow(CollectNowait):
+        def export(self, spans):
+            gate.wait(10)  # the export thread is stuck (a full pipe)
+            return super().export(spans)
+
+    sink = Slow()
+    batcher = SpanBatcher([sink], schedule_delay_s=0.01, max_batch=4)
+    batcher.on_end("tail")
+    time.sleep(0.2)  # the export thread now holds the export lock inside export()
+    started = time.perf_counter()
+    for i in range(12):
+        batcher.on_end(i)
+    assert time.perf_counter() - started < 0.5
+    assert sink.spans == []  # nothing handed over past the stuck export: it would reorder
+    gate.set()
+    assert batcher.force_flush(5000)
+    assert sink.spans == ["tail", *range(12)]
+    batcher.shutdown()
