@@ -19,8 +19,9 @@ translation, the per-group scans, host pins, the transfer job), with tracing off
 trace file behind kvscope's span batcher, sample ratio 1.0; the timed region ends with a flush,
 so exporting the spans is counted, and none is dropped), and with its telemetry taken out
 (`kvscope_bare`, `UninstrumentedScheduler`: the reference for what telemetry costs). Also: the
-adapter path with spans recorded and queued as for a trace file but dropped by the export thread
-instead of encoded (`*_noexport`: the engine thread's share, apart from the export thread's);
+adapter path with spans recorded and queued as for a trace file, each full batch then dropped by
+the engine thread instead of marshalled for the helper (`*_noexport`: recording and queueing, apart
+from the export);
 tracing a tenth of the requests (`*_sampled`, `trace_sample_ratio` 0.1, what an operator would
 run under load); and the scans alone (`_scan_groups`; traced: `_scan_groups_traced` and the load's record).
 
@@ -54,7 +55,7 @@ from connector.groups import GroupKind, GroupLayout  # noqa: E402
 from connector.planning import NULL_BLOCK_ID, cdiv, scan_group  # noqa: E402
 from connector.scheduler import KVScopeScheduler  # noqa: E402
 from connector.telemetry.span_batcher import SpanBatcher  # noqa: E402
-from connector.telemetry.tracing import EXPORT_MODE_VARIABLE, KVScopeTracing  # noqa: E402
+from connector.telemetry.tracing import _HELPER_BATCH_SIZE, EXPORT_MODE_VARIABLE, KVScopeTracing  # noqa: E402
 
 DEVICE_BLOCK_SIZE = 16  # tokens per device block, every group (vLLM's chunking needs one size)
 OFFLOAD_BLOCK_SIZE = 256  # tokens per offloaded block: kvscope `block_size`, vLLM `block_size`
@@ -88,10 +89,19 @@ SCAN_SIDES = ("kvscope_scan_off", "kvscope_scan_on", "kvscope_scan_on_noexport")
 
 
 class _DropSpans(SpanExporter):
-    """A span exporter that drops everything: the cost of recording spans without exporting them."""
+    """A span exporter that drops everything: the cost of recording spans without exporting them.
+    Batches reach it as they reach the helper's exporter: full ones from the engine thread."""
+
+    accepts_nowait = True
 
     def export(self, spans):
         return SpanExportResult.SUCCESS
+
+    def export_nowait(self, spans) -> None:
+        pass
+
+    def catch_up(self) -> None:
+        pass
 
 
 # ----------------------------------------------------------------------------- vLLM objects
@@ -408,9 +418,10 @@ def measure(case: Case, vllm_config, trace_dir: str, repeats: int, min_sample_s:
     sampled_tracing = KVScopeTracing.from_config(
         trace_file=os.path.join(trace_dir, f"sampled-{case.name.replace('/', '-')}.jsonl"), sample_ratio=SAMPLED_RATIO)
     sampled = KVScopeSide(case, sampled_tracing)
-    # The engine thread's share: spans recorded and queued exactly as with a trace file, then
-    # dropped by the export thread instead of encoded.
-    noexport_tracing = KVScopeTracing(SpanBatcher([_DropSpans()]), Resource.create({"service.name": "bench"}))
+    # Recording and queueing: spans recorded and queued exactly as with a trace file, then dropped
+    # instead of marshalled.
+    noexport_tracing = KVScopeTracing(SpanBatcher([_DropSpans()], max_batch=_HELPER_BATCH_SIZE),
+                                      Resource.create({"service.name": "bench"}))
     noexport = KVScopeSide(case, noexport_tracing)
     try:
         # Same plan on every side: the same device blocks, group by group.

@@ -53,6 +53,8 @@ _STOP_TIMEOUT_S = 30.0
 # that falls further behind loses spans rather than the engine memory.
 _MAX_PENDING_BYTES = 16 << 20
 _WRITEV_FRAMES = 64  # frames per writev call
+_HELPER_EXPORT_RECORDS = 1024  # the helper exports batches that arrived together up to this many records
+_PIPE_BYTES = 1 << 20  # Linux's limit for unprivileged processes (/proc/sys/fs/pipe-max-size)
 
 
 class ExportProcess(SpanExporter):
@@ -309,6 +311,7 @@ class ExportProcess(SpanExporter):
             raise RuntimeError(f"span export process did not start (said {ready!r})")
         self._fd = proc.stdin.fileno()
         os.set_blocking(self._fd, False)  # the engine thread's writes must never wait for the helper
+        _enlarge_pipe(self._fd)
         self._reader = threading.Thread(target=self._read_replies, args=(proc,), name="kvscope-export-replies",
                                         daemon=True)
         self._reader.start()
@@ -353,6 +356,18 @@ class ExportProcess(SpanExporter):
         results = [e.export(records) for e in self._local]
         ok = all(r is SpanExportResult.SUCCESS for r in results)
         return SpanExportResult.SUCCESS if ok else SpanExportResult.FAILURE
+
+
+def _enlarge_pipe(fd: int) -> None:
+    """Room for several batches in the pipe (Linux: 64 KiB by default, less than one batch of 512
+    loads): a batch the pipe takes only in part waits in the engine process for its next batch,
+    and the helper idles meanwhile."""
+    try:
+        import fcntl
+
+        fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, _PIPE_BYTES)
+    except (ImportError, AttributeError, OSError):  # not Linux, or above /proc/sys/fs/pipe-max-size
+        pass
 
 
 def _read_exactly(stream, n: int) -> bytes | None:
@@ -426,23 +441,41 @@ def _serve() -> int:
         return 0
     exporters = build_exporters(Sinks(**config))
     reply(("ready",))
+
+    def export(records) -> None:
+        for exporter in exporters:
+            try:
+                exporter.export(records)
+            except Exception:
+                logging.getLogger(__name__).exception("kvscope: span exporter %r raised", exporter)
+
+    records: list = []  # batches that arrived together, exported as one (one write, one OTLP request)
     while True:
+        if records and (len(records) >= _HELPER_EXPORT_RECORDS or not _readable(requests)):
+            export(records)
+            records = []
         message = _read_frame(requests)
         if message is None:  # the engine process closed the pipe (shutdown) or is gone
             break
         if message[0] == "spans":
-            for exporter in exporters:
-                try:
-                    exporter.export(message[1])
-                except Exception:
-                    logging.getLogger(__name__).exception("kvscope: span exporter %r raised", exporter)
+            records += message[1]
         elif message[0] == "flush":
+            if records:
+                export(records)
+                records = []
             for exporter in exporters:
                 exporter.force_flush()
             reply(("ack", message[1]))
+    if records:
+        export(records)
     for exporter in exporters:
         exporter.shutdown()
     return 0
+
+
+def _readable(stream) -> bool:
+    """Whether more of the engine's frames are waiting (those already buffered by ``stream`` aside)."""
+    return bool(select.select([stream], [], [], 0)[0])
 
 
 if __name__ == "__main__":

@@ -295,7 +295,7 @@ def test_ctrl_c_stops_the_server_and_its_export_helper_and_loses_no_span(server,
                       json={"model": model, "prompt": prompts_sharing_prefixes()[0], "max_tokens": 2,
                             "temperature": 0})
     assert r.status_code == 200, r.text
-    os.killpg(proc.pid, signal.SIGINT)  # likely before the batcher's next export (once a second)
+    os.killpg(proc.pid, signal.SIGINT)  # likely before the batcher's next export (every 0.2 s)
     proc.wait(timeout=120)
     deadline = time.time() + 60
     while any(_alive(p) for p in helpers) and time.time() < deadline:

@@ -57,6 +57,7 @@ def test_the_helper_writes_exactly_what_the_engine_process_would(tmp_path):
     helper = ExportProcess(_sinks(tmp_path / "helper.jsonl"))
     try:
         helper.export(records)
+        assert helper.force_flush(10_000)  # a flush ends a line: batches that arrive together share one
         helper.export(records[:2])
         assert helper.force_flush(10_000)
         assert helper.pid is not None and helper.pid != os.getpid()
@@ -68,6 +69,21 @@ def test_the_helper_writes_exactly_what_the_engine_process_would(tmp_path):
     here.shutdown()
     assert (tmp_path / "helper.jsonl").read_text() == (tmp_path / "here.jsonl").read_text()
     assert len(_spans(tmp_path / "helper.jsonl")) == len(records) + 2
+
+
+def test_batches_that_arrive_together_are_exported_together(tmp_path):
+    path = tmp_path / "t.jsonl"
+    helper = _started(path)
+    os.kill(helper.pid, signal.SIGSTOP)
+    try:
+        for b in range(4):
+            helper.export_nowait(_numbered(1 + 10 * b, 10))
+    finally:
+        os.kill(helper.pid, signal.SIGCONT)
+    assert helper.force_flush(10_000)
+    helper.shutdown()
+    assert _request_ids(path) == list(range(41))
+    assert len(path.read_text().splitlines()) == 2  # the first request's line, then one for all four batches
 
 
 def test_shutdown_drains_the_helper_and_it_exits(tmp_path):
@@ -188,9 +204,9 @@ def test_shutdown_does_not_hang_on_a_helper_that_stopped_reading(tmp_path, caplo
     assert helper.force_flush(10_000)
     pid = helper.pid
     os.kill(pid, signal.SIGSTOP)  # alive, never reads again
-    writer = threading.Thread(target=lambda: [helper.export(_records(200)) for _ in range(20)], daemon=True)
+    writer = threading.Thread(target=lambda: [helper.export(_records(200)) for _ in range(100)], daemon=True)
     writer.start()
-    time.sleep(0.5)  # the pipe is full: the writer blocks in write(), holding the exporter's lock
+    time.sleep(0.5)  # the pipe (1 MiB) is full: the writer waits for it, holding the exporter's lock
     started = time.monotonic()
     with caplog.at_level(logging.WARNING):
         helper.shutdown()
@@ -219,6 +235,19 @@ def _request_ids(path) -> list[int]:
     return ids
 
 
+def _fill_the_pipe(helper: ExportProcess, extra: int) -> int:
+    """Batches of 200 records through `export_nowait` until the (stopped) helper's pipe is full,
+    then ``extra`` more; returns how many."""
+    batches = 0
+    while helper._pending_bytes == 0 and batches < 10_000:
+        helper.export_nowait(_numbered(1 + 200 * batches, 200))
+        batches += 1
+    for _ in range(extra):
+        helper.export_nowait(_numbered(1 + 200 * batches, 200))
+        batches += 1
+    return batches
+
+
 def _started(path) -> ExportProcess:
     helper = ExportProcess(_sinks(path))
     helper.export(_numbered(0, 1))
@@ -232,9 +261,8 @@ def test_the_engine_threads_batches_never_wait_for_a_helper_that_stopped_reading
     os.kill(helper.pid, signal.SIGSTOP)  # alive, reads nothing: the pipe fills up
     try:
         started = time.monotonic()
-        for b in range(40):  # ~400 KiB of batches: several times what the pipe holds
-            helper.export_nowait(_numbered(1 + 200 * b, 200))
-        assert time.monotonic() - started < 2  # marshalling only; a blocking write would hang here
+        batches = _fill_the_pipe(helper, extra=20)
+        assert time.monotonic() - started < 5  # marshalling only; a blocking write would hang here
         assert helper._pending_bytes > 0  # what the pipe did not take waits, in order
     finally:
         os.kill(helper.pid, signal.SIGCONT)
@@ -242,7 +270,7 @@ def test_the_engine_threads_batches_never_wait_for_a_helper_that_stopped_reading
     assert helper._pending_bytes == 0
     assert helper.force_flush(10_000)
     helper.shutdown()
-    assert _request_ids(path) == list(range(1 + 200 * 40))
+    assert _request_ids(path) == list(range(1 + 200 * batches))
 
 
 def test_a_helper_too_far_behind_loses_whole_batches_counted_and_logged_once(tmp_path, caplog, monkeypatch):
@@ -253,8 +281,7 @@ def test_a_helper_too_far_behind_loses_whole_batches_counted_and_logged_once(tmp
     helper = _started(path)
     os.kill(helper.pid, signal.SIGSTOP)
     try:
-        for b in range(40):
-            helper.export_nowait(_numbered(1 + 200 * b, 200))
+        batches = _fill_the_pipe(helper, extra=20)  # 20 batches are ~240 KB: over the limit
         dropped = helper.dropped_spans
         assert dropped > 0 and dropped % 200 == 0  # whole batches, the memory held stays bounded
         assert helper._pending_bytes < 100_000 + 20_000
@@ -262,12 +289,12 @@ def test_a_helper_too_far_behind_loses_whole_batches_counted_and_logged_once(tmp
         os.kill(helper.pid, signal.SIGCONT)
     with caplog.at_level(logging.WARNING):
         helper.catch_up()
-        helper.export_nowait(_numbered(9000, 1))
+        helper.export_nowait(_numbered(9_000_000, 1))
         helper.catch_up()
     assert helper.force_flush(10_000)
     helper.shutdown()
     ids = _request_ids(path)
-    assert len(ids) == 1 + 200 * 40 + 1 - dropped and ids == sorted(ids) and ids[-1] == 9000
+    assert len(ids) == 1 + 200 * batches + 1 - dropped and ids == sorted(ids) and ids[-1] == 9_000_000
     assert len([r for r in caplog.records if "fell behind" in r.getMessage()]) == 1
 
 
@@ -276,21 +303,21 @@ def test_a_helper_dying_under_the_engine_threads_batches_fails_over_and_loses_no
     path = tmp_path / "t.jsonl"
     helper = _started(path)
     os.kill(helper.pid, signal.SIGSTOP)
-    for b in range(20):
-        helper.export_nowait(_numbered(1 + 200 * b, 200))  # part in the pipe, the rest waiting here
+    batches = _fill_the_pipe(helper, extra=5)  # part in the pipe, the rest waiting here
     waiting = helper._pending_bytes
     os.kill(helper.pid, signal.SIGKILL)
     time.sleep(0.2)
+    last = 200 * batches
     with caplog.at_level(logging.WARNING):
-        helper.export_nowait(_numbered(4001, 200))  # the write fails: no waiting, no raising
+        helper.export_nowait(_numbered(last + 1, 200))  # the write fails: no waiting, no raising
         assert not helper.accepts_nowait  # the batcher now leaves batches to the export thread
         helper.catch_up()  # fails over: what the helper had not read is exported here
-        helper.export(_numbered(4201, 1))
+        helper.export(_numbered(last + 201, 1))
     assert helper.force_flush(10_000)
     helper.shutdown()
     ids = _request_ids(path)
     # Lost: only the batches already in the dead helper's pipe. Every batch still waiting here
     # (the one the pipe had taken in part among them) and every later one lands, once, in order.
     assert waiting > 0 and ids[0] == 0
-    assert ids[1:] == list(range(ids[1], 4202)) and (ids[1] - 1) % 200 == 0
+    assert ids[1:] == list(range(ids[1], last + 202)) and (ids[1] - 1) % 200 == 0
     assert len([r for r in caplog.records if "export process failed" in r.getMessage()]) == 1
