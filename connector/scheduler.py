@@ -233,7 +233,7 @@ class KVScopeScheduler:
             t1 = clock()  # one clock read per group: each scan's end starts the next
             records.append((t0, t1, layout.index, kind, scan.blocks_total, scan.null_skipped,
                             len(scan.block_ids), scan.start))
-            log.append((max(t1 - t0, 0) / 1e9, scan.blocks_total, scan.null_skipped))
+            log.append(((t1 - t0 if t1 > t0 else 0) / 1e9, scan.blocks_total, scan.null_skipped))
             scans.append(scan)
             t0 = t1
         return scans, records

@@ -53,6 +53,9 @@ _STOP_TIMEOUT_S = 30.0
 # that falls further behind loses spans rather than the engine memory.
 _MAX_PENDING_BYTES = 16 << 20
 _WRITEV_FRAMES = 64  # frames per writev call
+# Version 2: no back-references. Records share few objects, and tracking them all costs more
+# than it saves (0.67 vs 0.79 µs a load record, measured).
+_MARSHAL_VERSION = 2
 _HELPER_EXPORT_RECORDS = 1024  # the helper exports batches that arrived together up to this many records
 _PIPE_BYTES = 1 << 20  # Linux's limit for unprivileged processes (/proc/sys/fs/pipe-max-size)
 
@@ -132,7 +135,7 @@ class ExportProcess(SpanExporter):
                 self._deferred.append(records)
                 return
             try:
-                payload = marshal.dumps(("spans", records))
+                payload = marshal.dumps(("spans", records), _MARSHAL_VERSION)
             except ValueError:  # an attribute value marshal cannot carry (GENERIC spans)
                 self._deferred.append(records)
                 return
@@ -243,7 +246,7 @@ class ExportProcess(SpanExporter):
     def _export_locked(self, records) -> SpanExportResult:
         if not self._failed:
             try:
-                payload = marshal.dumps(("spans", list(records)))
+                payload = marshal.dumps(("spans", list(records)), _MARSHAL_VERSION)
             except ValueError as exc:  # an attribute value marshal cannot carry (GENERIC spans)
                 logger.debug("kvscope: span batch not serialisable (%s); exported in this process", exc)
                 return self._export_here(records)

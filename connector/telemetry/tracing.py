@@ -230,7 +230,7 @@ class KVScopeTracing:
             return trace.INVALID_SPAN
         if parent is None:  # the other hot path: a request's root (its lookup span), as `_decide` decides it
             trace_id = self._ids.generate_trace_id()
-            if not self._keeps(trace_id):
+            if (trace_id & _TRACE_ID_LOW_BITS) >= self._bound:  # `_keeps`, inline
                 return self._dropped
             return SpanRef(trace_id, self._ids.generate_span_id(), None, False, None, start)
         decided = self._decide(parent)
