@@ -92,9 +92,16 @@ class SpanBatcher:
             if not self._wake.is_set():
                 self._wake.set()
             return
+        queue = self._queue
+        batch = [queue.popleft() for _ in range(min(self._max_batch, len(queue)))]
         try:
-            queue = self._queue
-            exporter.export_nowait([queue.popleft() for _ in range(min(self._max_batch, len(queue)))])
+            exporter.export_nowait(batch)
+        except Exception:  # a bug guard: the engine thread never sees an exporter fail
+            logger.exception("kvscope: span exporter %r failed; its spans go through the export thread "
+                             "from now on", exporter)
+            self._nowait = None
+            queue.extendleft(reversed(batch))
+            self._wake.set()
         finally:
             self._export_lock.release()
 

@@ -220,3 +220,19 @@ def test_while_the_export_thread_exports_the_engine_thread_neither_waits_nor_reo
     assert batcher.force_flush(5000)
     assert sink.spans == ["tail", *range(12)]
     batcher.shutdown()
+
+
+def test_a_failing_nonblocking_path_never_reaches_the_engine_thread_and_loses_nothing(caplog):
+    class Failing(CollectNowait):
+        def export_nowait(self, spans):
+            raise RuntimeError("boom")
+
+    sink = Failing()
+    batcher = SpanBatcher([sink], schedule_delay_s=60, max_batch=4)
+    with caplog.at_level(logging.ERROR, logger="connector.telemetry.span_batcher"):
+        for i in range(10):
+            batcher.on_end(i)  # must not raise
+        assert batcher.force_flush(5000)
+    assert sink.spans == list(range(10)) and sink.threads == {"kvscope-span-export"}
+    assert len([r for r in caplog.records if "failed" in r.getMessage()]) == 1
+    batcher.shutdown()
