@@ -1,8 +1,9 @@
-"""Ended kvscope spans as plain tuples: what the engine's hot path hands to the export thread.
+"""Ended kvscope spans as plain tuples: what the engine's hot path hands to the span batcher.
 
 An object per span with an attribute dict costs microseconds to build on the engine thread,
 as much as a small group scan. A record is one tuple of ints and strings instead; names and
-attribute keys come from its kind, and the export thread turns it into JSON or an SDK span.
+attribute keys come from its kind, and the exporter (the export helper process, or the export
+thread) turns it into JSON or an SDK span.
 
 A record is ``(kind, trace_id, span_id, parent_span_id, parent_is_remote, trace_state, start_ns,
 end_ns, values)``:
