@@ -131,7 +131,7 @@ class ExportProcess(SpanExporter):
         waiting for a helper that fell behind, batches are dropped and counted (logged once, by
         the export thread)."""
         with self._lock:  # held briefly by anyone but the export thread, which is not exporting now
-            if self._proc is None or self._failed or self._closed or self._broken is not None:
+            if not self.accepts_nowait:  # changed since the batcher asked: the export thread takes it
                 self._deferred.append(records)
                 return
             try:
@@ -362,9 +362,9 @@ class ExportProcess(SpanExporter):
 
 
 def _enlarge_pipe(fd: int) -> None:
-    """Room for several batches in the pipe (Linux: 64 KiB by default, less than one batch of 512
-    loads): a batch the pipe takes only in part waits in the engine process for its next batch,
-    and the helper idles meanwhile."""
+    """Room for many batches in the pipe (Linux: 64 KiB by default, about four batches of 64 loads):
+    a batch the pipe takes only in part waits in the engine process for the next one while the
+    helper idles (with batches of 512 at 1g/128, wall clock 1.57x -> 1.33x with 1 MiB)."""
     try:
         import fcntl
 
