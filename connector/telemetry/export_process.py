@@ -428,7 +428,8 @@ def _yield_to_the_engine() -> None:
 def _serve() -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _yield_to_the_engine()
-    requests, replies = sys.stdin.buffer, sys.stdout.buffer
+    # Unbuffered: a buffer could hold frames that `select` (`_readable`) does not see.
+    requests, replies = sys.stdin.buffer.raw, sys.stdout.buffer
     sys.stdout = sys.stderr  # stray prints must not corrupt the reply stream
     reply_lock = threading.Lock()
 
@@ -477,7 +478,7 @@ def _serve() -> int:
 
 
 def _readable(stream) -> bool:
-    """Whether more of the engine's frames are waiting (those already buffered by ``stream`` aside)."""
+    """Whether more of the engine's frames are waiting in the pipe (``stream`` is unbuffered)."""
     return bool(select.select([stream], [], [], 0)[0])
 
 
