@@ -1,0 +1,260 @@
+"""vLLM's own scheduler and KV-connector lifecycle around a fake forward pass: no model, no platform.
+
+What runs is vLLM's code: its `Scheduler` (prefix cache, hybrid KV groups, sliding-window null
+blocks, chunked prefill, asynchronous connector loads) creates the scheduler side of
+`KVScopeConnector` from the `KVTransferConfig`, and vLLM's `KVConnectorModelRunnerMixin` drives the
+worker side (bind metadata, start loads, save, transfer results, worker metadata) as a model runner
+does. Only the forward pass is ours: it writes, into every KV block a step computes, bytes that are
+a function of the layer and of the tokens up to the block's computed end, as real KV depends on the
+whole prefix. Before each forward it checks every block the new tokens attend to (all of the prefix
+for full attention, the last `window - 1` positions for a sliding window) holds exactly those
+bytes. A load that put wrong or misplaced KV into a block a request reads fails that check, whichever
+vLLM version runs it: the test suite's vLLM 0.32, or 0.33's own sources (`scripts/dev compat`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+
+BLOCK = 16  # device block size (tokens)
+PAGE = 2 * BLOCK * 1 * 64 * 2  # bytes of one block of one layer: K and V, 1 head of 64, bf16
+SLIDING = "sliding_window"
+FULL = "full_attention"
+
+
+@dataclass
+class Violation:
+    step: int
+    req_id: str
+    group: int
+    block_index: int
+    block_id: int
+    reason: str
+
+
+@dataclass
+class LoopStats:
+    steps: int = 0
+    loads: dict[str, list] = field(default_factory=dict)  # req id -> its load jobs' GroupTransfers
+    finished_recving: set[str] = field(default_factory=set)
+    failed_recving: set[str] = field(default_factory=set)
+    external_hit_tokens: int = 0  # vLLM's own counter (connector prefix-cache stats)
+    external_queried_tokens: int = 0
+    checked_blocks: int = 0
+    resumed: set[str] = field(default_factory=set)  # requests vLLM preempted and scheduled again
+    violations: list[Violation] = field(default_factory=list)
+
+
+def _pattern(layer: str, tokens: list[int]) -> int:
+    """The 8 bytes every word of a block holds once `tokens` (the prefix up to the block's
+    computed end) are computed: a function of the layer and the whole prefix."""
+    digest = hashlib.blake2b(repr((layer, tokens)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+class ModelFreeEngine:
+    """One vLLM scheduler with KVScopeConnector, layers alternating sliding window and full attention."""
+
+    def __init__(self, model_path: str, extra_config: dict, *, window: int, num_blocks: int = 1200,
+                 max_num_batched_tokens: int = 2048, max_model_len: int = 2048):
+        from vllm.config import KVTransferConfig
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+        from vllm.engine.arg_utils import EngineArgs
+        from vllm.utils.hashing import get_hash_fn_by_name
+        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+        from vllm.v1.core.sched.scheduler import Scheduler
+        from vllm.v1.structured_output import StructuredOutputManager
+
+        from connector import KVScopeConnector
+
+        args = EngineArgs(
+            model=model_path, skip_tokenizer_init=True, enable_prefix_caching=True, block_size=BLOCK,
+            max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens,
+            enable_chunked_prefill=True, max_num_seqs=16,
+            kv_transfer_config=KVTransferConfig(kv_connector="KVScopeConnector", kv_connector_module_path="connector",
+                                                kv_role="kv_both", kv_connector_extra_config=extra_config),
+        )
+        self.vllm_config = args.create_engine_config()
+        self.vllm_config.cache_config.num_gpu_blocks = num_blocks
+        self.window = window
+        self.kv_cache_config = _kv_cache_config(num_blocks, window)
+        self.group_kinds = [SLIDING, FULL]
+        self.group_layers = [g.layer_names for g in self.kv_cache_config.kv_cache_groups]
+        self.caches = {name: torch.zeros(num_blocks, PAGE, dtype=torch.int8)
+                       for names in self.group_layers for name in names}
+        self.words = {name: t.view(torch.int64) for name, t in self.caches.items()}
+        self.worker = KVScopeConnector(self.vllm_config, KVConnectorRole.WORKER, self.kv_cache_config)
+        self.worker.register_kv_caches(self.caches)
+        self.scheduler = Scheduler(vllm_config=self.vllm_config, kv_cache_config=self.kv_cache_config,
+                                   structured_output_manager=StructuredOutputManager(self.vllm_config),
+                                   block_size=BLOCK, log_stats=True)
+        hash_fn = get_hash_fn_by_name(self.vllm_config.cache_config.prefix_caching_hash_algo)
+        init_none_hash(hash_fn)
+        self._block_hasher = get_request_block_hasher(BLOCK, hash_fn)
+        self.tokens: dict[str, list[int]] = {}  # prompt + sampled, as the model runner knows them
+        self.tables: dict[str, list[list[int]]] = {}  # per request, per group: block ids (worker's view)
+        self.stats = LoopStats()
+
+    # ------------------------------------------------------------------ driving
+    def add(self, req_id: str, prompt: list[int], max_tokens: int = 2) -> None:
+        from vllm import SamplingParams
+        from vllm.v1.request import Request
+
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        self.tokens[req_id] = list(prompt)
+        self.scheduler.add_request(Request(req_id, list(prompt), params, None, block_hasher=self._block_hasher))
+
+    def run(self, max_steps: int = 2000) -> None:
+        """Step until every request has finished."""
+        for _ in range(max_steps):
+            if not self.scheduler.has_unfinished_requests():
+                return
+            self.step()
+        raise AssertionError(f"requests still unfinished after {max_steps} steps")
+
+    def step(self) -> None:
+        from vllm.forward_context import set_forward_context
+        from vllm.v1.outputs import ModelRunnerOutput
+        from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin
+
+        out = self.scheduler.schedule()
+        self.stats.steps += 1
+        computed = self._update_tables(out)
+        meta = out.kv_connector_metadata
+        for job in getattr(meta, "loads", ()):
+            self.stats.loads.setdefault(job.req_id, []).append(job)
+        with _as_transfer_group(self.worker), set_forward_context(None, self.vllm_config), \
+                KVConnectorModelRunnerMixin._get_kv_connector_output(out) as kv_output:
+            for req_id, n in out.num_scheduled_tokens.items():
+                self._check_reads(req_id, computed[req_id])
+                self._forward(req_id, computed[req_id], n)
+        self.stats.finished_recving |= kv_output.finished_recving or set()
+        self.stats.failed_recving |= kv_output.failed_recving or set()
+        req_ids = list(out.num_scheduled_tokens)
+        sampled = []
+        for req_id in req_ids:
+            tokens = self.tokens[req_id]
+            if computed[req_id] + out.num_scheduled_tokens[req_id] >= len(tokens):
+                token = (len(tokens) * 31) % 500 + 1
+                tokens.append(token)
+                sampled.append([token])
+            else:
+                sampled.append([])  # a prefill chunk: nothing sampled
+        runner_output = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                                          sampled_token_ids=sampled, kv_connector_output=kv_output)
+        for engine_outputs in self.scheduler.update_from_output(out, runner_output).values():
+            stats = engine_outputs.scheduler_stats
+            connector_stats = stats.connector_prefix_cache_stats if stats is not None else None
+            if connector_stats is not None:
+                self.stats.external_hit_tokens += connector_stats.hits
+                self.stats.external_queried_tokens += connector_stats.queries
+
+    def reset_device_prefix_cache(self) -> None:
+        assert self.scheduler.reset_prefix_cache(), "vLLM refused to reset its prefix cache"
+
+    def shutdown(self) -> None:
+        connector = self.scheduler.get_kv_connector()
+        if connector is not None:
+            connector.shutdown()
+        self.worker.shutdown()
+
+    # ------------------------------------------------------------------ the fake model runner
+    def _update_tables(self, out) -> dict[str, int]:
+        """Block tables as the model runner keeps them, and each scheduled request's computed tokens."""
+        computed = {}
+        for new in out.scheduled_new_reqs:
+            self.tables[new.req_id] = [list(ids) for ids in new.block_ids]
+            computed[new.req_id] = new.num_computed_tokens
+        cached = out.scheduled_cached_reqs
+        resumed = getattr(cached, "resumed_req_ids", set()) or set()
+        self.stats.resumed |= resumed
+        for i, req_id in enumerate(cached.req_ids):
+            new_ids = cached.new_block_ids[i]
+            if new_ids is not None:
+                if req_id in resumed:
+                    self.tables[req_id] = [list(ids) for ids in new_ids]
+                else:
+                    for table, ids in zip(self.tables[req_id], new_ids):
+                        table.extend(ids)
+            computed[req_id] = cached.num_computed_tokens[i]
+        return computed
+
+    def _first_read(self, group: int, computed: int) -> int:
+        """First prefix position the step's first new token (at `computed`) attends to."""
+        if self.group_kinds[group] == SLIDING:
+            return max(0, computed - self.window + 1)
+        return 0
+
+    def _check_reads(self, req_id: str, computed: int) -> None:
+        tokens = self.tokens[req_id]
+        for group, layers in enumerate(self.group_layers):
+            table = self.tables[req_id][group]
+            for i in range(self._first_read(group, computed) // BLOCK, -(-computed // BLOCK)):
+                block_id = table[i] if i < len(table) else None
+                if not block_id:
+                    self.stats.violations.append(Violation(self.stats.steps, req_id, group, i, block_id or 0,
+                                                           "no block where the forward reads"))
+                    continue
+                end = min((i + 1) * BLOCK, computed)
+                for layer in layers:
+                    self.stats.checked_blocks += 1
+                    row = self.words[layer][block_id]
+                    want = _pattern(layer, tokens[:end])
+                    if not bool((row == want).all()):
+                        self.stats.violations.append(Violation(
+                            self.stats.steps, req_id, group, i, block_id,
+                            f"layer {layer}: KV of tokens [{i * BLOCK}, {end}) is not what the forward wrote"))
+
+    def _forward(self, req_id: str, computed: int, n: int) -> None:
+        tokens = self.tokens[req_id]
+        for group, layers in enumerate(self.group_layers):
+            table = self.tables[req_id][group]
+            for i in range(computed // BLOCK, -(-(computed + n) // BLOCK)):
+                end = min((i + 1) * BLOCK, computed + n)
+                for layer in layers:
+                    self.words[layer][table[i]].fill_(_pattern(layer, tokens[:end]))
+
+
+def _kv_cache_config(num_blocks: int, window: int):
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
+
+    common = dict(block_size=BLOCK, num_kv_heads=1, head_size=64, dtype=torch.bfloat16)
+    groups = [
+        KVCacheGroupSpec(["layers.0", "layers.2"], SlidingWindowSpec(**common, sliding_window=window)),
+        KVCacheGroupSpec(["layers.1", "layers.3"], FullAttentionSpec(**common)),
+    ]
+    assert all(g.kv_cache_spec.page_size_bytes == PAGE for g in groups)
+    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
+
+
+class _as_transfer_group:
+    """Make `connector` vLLM's worker-side KV transfer group for the step (what the model runner reads)."""
+
+    def __init__(self, connector):
+        self.connector = connector
+
+    def __enter__(self):
+        from vllm.distributed.kv_transfer import kv_transfer_state
+
+        self._state = kv_transfer_state
+        self._saved = kv_transfer_state._KV_CONNECTOR_AGENT
+        kv_transfer_state._KV_CONNECTOR_AGENT = self.connector
+        return self
+
+    def __exit__(self, *exc):
+        self._state._KV_CONNECTOR_AGENT = self._saved
+        return False
+
+
+def loaded_blocks_by_group(stats: LoopStats, req_ids) -> dict[int, int]:
+    """Device blocks loaded per group for the given requests."""
+    totals: dict[int, int] = defaultdict(int)
+    for req_id in req_ids:
+        for job in stats.loads.get(req_id, ()):
+            for part in job.groups:
+                totals[part.group_index] += len(part.block_ids)
+    return dict(totals)

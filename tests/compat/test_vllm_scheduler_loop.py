@@ -1,0 +1,95 @@
+"""KVScopeConnector under vLLM's own scheduler and connector lifecycle, with a fake forward pass.
+
+No model runs, so this needs no vLLM platform build: the same tests run against the installed vLLM
+(0.32, CPU build) and against vLLM 0.33's own sources (`scripts/dev compat`, called by CI), where no
+engine can start. Every forward checks that the KV its new tokens attend to is what an earlier
+forward wrote for the same prefix (`model_free`): loads from the host tier must reproduce it block
+for block, in each KV group, with the sliding window's null blocks skipped.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from connector.tiny_models import build_model
+from tests.compat.model_free import ModelFreeEngine, loaded_blocks_by_group
+
+WINDOW = 64  # tokens: prompts of 450-750 tokens reach far past it
+
+
+def _prompts() -> list[list[int]]:
+    """Four prompts with a shared 300-token prefix and distinct suffixes (lengths not block multiples)."""
+    shared = [(31 * i + 3) % 509 + 1 for i in range(300)]
+    return [shared + [(17 * i + 11 * j + 5) % 509 + 1 for i in range(150 + 97 * j)] for j in range(4)]
+
+
+@pytest.fixture(scope="module")
+def model_path() -> str:
+    return build_model("gemma3", window=WINDOW)
+
+
+def _two_rounds(model_path: str, block_size: int, max_num_batched_tokens: int, num_blocks: int = 1200,
+                max_tokens: int = 2):
+    """Round 0 computes and stores; the device prefix cache is reset; round 1 sends the same prompts."""
+    engine = ModelFreeEngine(model_path, {"cpu_bytes": 64 << 20, "block_size": block_size}, window=WINDOW,
+                             num_blocks=num_blocks, max_num_batched_tokens=max_num_batched_tokens)
+    try:
+        prompts = _prompts()
+        for j, prompt in enumerate(prompts):
+            engine.add(f"r0-{j}", prompt, max_tokens)
+        engine.run()
+        assert engine.stats.external_hit_tokens == 0
+        engine.reset_device_prefix_cache()
+        for j, prompt in enumerate(prompts):
+            engine.add(f"r1-{j}", prompt, max_tokens)
+        engine.run()
+    finally:
+        engine.shutdown()
+    return engine.stats
+
+
+def _assert_no_violations(stats) -> None:
+    assert stats.checked_blocks > 0
+    shown = "\n".join(map(str, stats.violations[:10]))
+    assert not stats.violations, f"{len(stats.violations)} blocks read wrong KV:\n{shown}"
+
+
+@pytest.mark.parametrize(
+    "block_size, max_num_batched_tokens, num_blocks, max_tokens",
+    [
+        (16, 2048, 1200, 2),  # one device block per offloaded block, whole prompts in one step
+        (64, 100, 1200, 2),  # four per offloaded block, 100-token steps: chunk ends inside offloaded blocks
+        (64, 2048, 180, 64),  # decoding outgrows the device cache: vLLM preempts a request and resumes it
+    ],
+    ids=["bs16-one-step", "bs64-chunked", "bs64-preempting"],
+)
+def test_loads_give_the_forward_the_kv_it_wrote(model_path, block_size, max_num_batched_tokens, num_blocks,
+                                                max_tokens):
+    stats = _two_rounds(model_path, block_size, max_num_batched_tokens, num_blocks, max_tokens)
+    _assert_no_violations(stats)
+    assert bool(stats.resumed) == (num_blocks < 1000), stats.resumed
+    round1 = [f"r1-{j}" for j in range(4)]
+    loading = [r for r in round1 if r in stats.loads]
+    assert loading, "round 1 loaded nothing from the host tier"
+    assert set(loading) <= stats.finished_recving and not stats.failed_recving
+    assert stats.external_hit_tokens > 0  # vLLM's own count of the tokens the connector served
+    loaded = loaded_blocks_by_group(stats, round1)
+    # group 0 is the sliding window: only the blocks inside the window at the hit are loaded
+    assert 0 < loaded.get(0, 0) < loaded[1], loaded
+
+
+def test_a_misplaced_load_is_caught(model_path, monkeypatch):
+    """The check can fail: loads whose destination blocks are reversed within each group feed the
+    forward KV of other positions, and the model-free loop reports it."""
+    from connector import scheduler as scheduler_module
+
+    real = scheduler_module.GroupTransfer
+
+    def reversed_destinations(group_index, block_ids, slots, subs):
+        return real(group_index, list(reversed(block_ids)), slots, subs)
+
+    monkeypatch.setattr(scheduler_module, "GroupTransfer", reversed_destinations)
+    stats = _two_rounds(model_path, 16, 2048)
+    assert any(r.startswith("r1-") for r in stats.loads)
+    assert stats.violations, "reversed load destinations went unnoticed"
+    assert all(v.req_id.startswith("r1-") for v in stats.violations)
