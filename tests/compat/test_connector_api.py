@@ -1,0 +1,47 @@
+"""KVScopeConnector against the connector API of the vLLM that runs the tests (0.32 here, 0.33's
+sources under `scripts/dev compat`): every abstract method implemented, every override callable
+the way the base class declares it."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, SupportsHMA
+
+from connector import KVScopeConnector
+
+
+def test_no_abstract_method_left():
+    assert not getattr(KVScopeConnector, "__abstractmethods__", frozenset())
+    assert issubclass(KVScopeConnector, KVConnectorBase_V1) and issubclass(KVScopeConnector, SupportsHMA)
+
+
+def _overrides():
+    for base in (KVConnectorBase_V1, SupportsHMA):
+        for name, member in vars(base).items():
+            if name.startswith("__") or not callable(getattr(base, name, None)):
+                continue
+            if name in vars(KVScopeConnector):
+                yield pytest.param(base, name, id=f"{base.__name__}.{name}")
+
+
+@pytest.mark.parametrize("base, name", list(_overrides()))
+def test_override_accepts_what_the_base_declares(base, name):
+    """vLLM calls a connector method as its base declares it: by position or by keyword."""
+    ours = inspect.signature(getattr(KVScopeConnector, name))
+    theirs = inspect.signature(getattr(base, name))
+    ours_params = list(ours.parameters.values())
+    takes_var_kw = any(p.kind is p.VAR_KEYWORD for p in ours_params)
+    takes_var_pos = any(p.kind is p.VAR_POSITIONAL for p in ours_params)
+    positional = [p for p in ours_params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    for i, param in enumerate(theirs.parameters.values()):
+        if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+            continue
+        if param.kind in (param.POSITIONAL_ONLY, param.POSITIONAL_OR_KEYWORD):
+            assert i < len(positional) or takes_var_pos, f"{name}: no positional slot for {param.name!r}"
+        if param.kind is not param.POSITIONAL_ONLY:
+            assert param.name in ours.parameters or takes_var_kw, f"{name}: no parameter {param.name!r}"
+    required = [p.name for p in ours_params if p.default is p.empty
+                and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    assert set(required) <= set(theirs.parameters), f"{name}: requires {required}, base passes {list(theirs.parameters)}"
