@@ -46,6 +46,9 @@ class LoopStats:
     external_queried_tokens: int = 0
     checked_blocks: int = 0
     resumed: set[str] = field(default_factory=set)  # requests vLLM preempted and scheduled again
+    # kvscope's stats as vLLM hands them to its stat loggers (`SchedulerStats.kv_connector_stats`),
+    # rebuilt and summed the way the front end does
+    connector: object | None = None
     violations: list[Violation] = field(default_factory=list)
 
 
@@ -87,6 +90,7 @@ class ModelFreeEngine:
         self.caches = {name: torch.zeros(num_blocks, PAGE, dtype=torch.int8)
                        for names in self.group_layers for name in names}
         self.words = {name: t.view(torch.int64) for name, t in self.caches.items()}
+        self._connector_class = KVScopeConnector
         self.worker = KVScopeConnector(self.vllm_config, KVConnectorRole.WORKER, self.kv_cache_config)
         self.worker.register_kv_caches(self.caches)
         self.scheduler = Scheduler(vllm_config=self.vllm_config, kv_cache_config=self.kv_cache_config,
@@ -152,6 +156,11 @@ class ModelFreeEngine:
             if connector_stats is not None:
                 self.stats.external_hit_tokens += connector_stats.hits
                 self.stats.external_queried_tokens += connector_stats.queries
+            payload = stats.kv_connector_stats if stats is not None else None
+            if payload:
+                interval = self._connector_class.build_kv_connector_stats(data=payload)
+                self.stats.connector = interval if self.stats.connector is None else \
+                    self.stats.connector.aggregate(interval)
 
     def reset_device_prefix_cache(self) -> None:
         assert self.scheduler.reset_prefix_cache(), "vLLM refused to reset its prefix cache"

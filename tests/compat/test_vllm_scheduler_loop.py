@@ -76,6 +76,14 @@ def test_loads_give_the_forward_the_kv_it_wrote(model_path, block_size, max_num_
     loaded = loaded_blocks_by_group(stats, round1)
     # group 0 is the sliding window: only the blocks inside the window at the hit are loaded
     assert 0 < loaded.get(0, 0) < loaded[1], loaded
+    # kvscope's own stats, through vLLM's stats path, agree with vLLM and with what was loaded
+    data = stats.connector.data
+    assert data["hit_tokens"] == stats.external_hit_tokens
+    assert data["loaded_blocks"] == {"0|sliding_window": loaded[0], "1|full_attention": loaded[1]}
+    assert data["copy_blocks"]["0|sliding_window|load"] == loaded[0]
+    assert data["copy_blocks"]["1|full_attention|load"] == loaded[1]
+    assert data["null_blocks_skipped"]["0|sliding_window"] > 0
+    assert data["null_blocks_skipped"].get("1|full_attention", 0) == 0
 
 
 def test_a_misplaced_load_is_caught(model_path, monkeypatch):
