@@ -4,7 +4,8 @@ What runs is vLLM's code: its `Scheduler` (prefix cache, hybrid KV groups, slidi
 blocks, chunked prefill, asynchronous connector loads) creates the scheduler side of
 `KVScopeConnector` from the `KVTransferConfig`, and vLLM's `KVConnectorModelRunnerMixin` drives the
 worker side (bind metadata, start loads, save, transfer results, worker metadata) as a model runner
-does. Only the forward pass is ours: it writes, into every KV block a step computes, bytes that are
+does, on one or several workers (tensor-parallel ranks, each with its own KV cache) whose outputs
+vLLM's `KVOutputAggregator` merges as its executors do. Only the forward pass is ours: it writes, into every KV block a step computes, bytes that are
 a function of the layer and of the tokens up to the block's computed end, as real KV depends on the
 whole prefix. Before each forward it checks every block the new tokens attend to (all of the prefix
 for full attention, the last `window - 1` positions for a sliding window) holds exactly those
@@ -29,6 +30,7 @@ FULL = "full_attention"
 @dataclass
 class Violation:
     step: int
+    rank: int
     req_id: str
     group: int
     block_index: int
@@ -52,19 +54,23 @@ class LoopStats:
     violations: list[Violation] = field(default_factory=list)
 
 
-def _pattern(layer: str, tokens: list[int]) -> int:
+def _pattern(rank: int, layer: str, tokens: list[int]) -> int:
     """The 8 bytes every word of a block holds once `tokens` (the prefix up to the block's
-    computed end) are computed: a function of the layer and the whole prefix."""
-    digest = hashlib.blake2b(repr((layer, tokens)).encode(), digest_size=8).digest()
+    computed end) are computed: a function of the worker (its shard of heads), the layer and
+    the whole prefix."""
+    digest = hashlib.blake2b(repr((rank, layer, tokens)).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
 
 class ModelFreeEngine:
-    """One vLLM scheduler with KVScopeConnector, layers alternating sliding window and full attention."""
+    """One vLLM scheduler with KVScopeConnector, layers alternating sliding window and full attention,
+    and `workers` worker-side connectors (tensor parallel ranks), each with its own KV cache, whose
+    outputs vLLM's `KVOutputAggregator` merges as its executors do."""
 
     def __init__(self, model_path: str, extra_config: dict, *, window: int, num_blocks: int = 1200,
-                 max_num_batched_tokens: int = 2048, max_model_len: int = 2048):
+                 max_num_batched_tokens: int = 2048, max_model_len: int = 2048, workers: int = 1):
         from vllm.config import KVTransferConfig
+        from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
         from vllm.engine.arg_utils import EngineArgs
         from vllm.utils.hashing import get_hash_fn_by_name
@@ -77,7 +83,7 @@ class ModelFreeEngine:
         args = EngineArgs(
             model=model_path, skip_tokenizer_init=True, enable_prefix_caching=True, block_size=BLOCK,
             max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens,
-            enable_chunked_prefill=True, max_num_seqs=16,
+            enable_chunked_prefill=True, max_num_seqs=16, tensor_parallel_size=workers,
             kv_transfer_config=KVTransferConfig(kv_connector="KVScopeConnector", kv_connector_module_path="connector",
                                                 kv_role="kv_both", kv_connector_extra_config=extra_config),
         )
@@ -87,12 +93,16 @@ class ModelFreeEngine:
         self.kv_cache_config = _kv_cache_config(num_blocks, window)
         self.group_kinds = [SLIDING, FULL]
         self.group_layers = [g.layer_names for g in self.kv_cache_config.kv_cache_groups]
-        self.caches = {name: torch.zeros(num_blocks, PAGE, dtype=torch.int8)
-                       for names in self.group_layers for name in names}
-        self.words = {name: t.view(torch.int64) for name, t in self.caches.items()}
         self._connector_class = KVScopeConnector
-        self.worker = KVScopeConnector(self.vllm_config, KVConnectorRole.WORKER, self.kv_cache_config)
-        self.worker.register_kv_caches(self.caches)
+        self.workers, self.words = [], []  # per rank: its connector, and its caches as int64 words
+        for _ in range(workers):
+            caches = {name: torch.zeros(num_blocks, PAGE, dtype=torch.int8)
+                      for names in self.group_layers for name in names}
+            connector = KVScopeConnector(self.vllm_config, KVConnectorRole.WORKER, self.kv_cache_config)
+            connector.register_kv_caches(caches)
+            self.workers.append(connector)
+            self.words.append({name: t.view(torch.int64) for name, t in caches.items()})
+        self.aggregator = KVOutputAggregator.from_connector(self.workers[0], workers)
         self.scheduler = Scheduler(vllm_config=self.vllm_config, kv_cache_config=self.kv_cache_config,
                                    structured_output_manager=StructuredOutputManager(self.vllm_config),
                                    block_size=BLOCK, log_stats=True)
@@ -131,13 +141,14 @@ class ModelFreeEngine:
         meta = out.kv_connector_metadata
         for job in getattr(meta, "loads", ()):
             self.stats.loads.setdefault(job.req_id, []).append(job)
-        with _as_transfer_group(self.worker), set_forward_context(None, self.vllm_config), \
-                KVConnectorModelRunnerMixin._get_kv_connector_output(out) as kv_output:
-            for req_id, n in out.num_scheduled_tokens.items():
-                self._check_reads(req_id, computed[req_id])
-                self._forward(req_id, computed[req_id], n)
-        self.stats.finished_recving |= kv_output.finished_recving or set()
-        self.stats.failed_recving |= kv_output.failed_recving or set()
+        kv_outputs = []
+        for rank, worker in enumerate(self.workers):
+            with _as_transfer_group(worker), set_forward_context(None, self.vllm_config), \
+                    KVConnectorModelRunnerMixin._get_kv_connector_output(out) as kv_output:
+                for req_id, n in out.num_scheduled_tokens.items():
+                    self._check_reads(rank, req_id, computed[req_id])
+                    self._forward(rank, req_id, computed[req_id], n)
+            kv_outputs.append(kv_output)
         req_ids = list(out.num_scheduled_tokens)
         sampled = []
         for req_id in req_ids:
@@ -148,8 +159,13 @@ class ModelFreeEngine:
                 sampled.append([token])
             else:
                 sampled.append([])  # a prefill chunk: nothing sampled
-        runner_output = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
-                                          sampled_token_ids=sampled, kv_connector_output=kv_output)
+        index = {r: i for i, r in enumerate(req_ids)}
+        runner_output = self.aggregator.aggregate(
+            [ModelRunnerOutput(req_ids=req_ids, req_id_to_index=index, sampled_token_ids=sampled,
+                               kv_connector_output=kv_output) for kv_output in kv_outputs])
+        merged = runner_output.kv_connector_output
+        self.stats.finished_recving |= (merged.finished_recving or set()) if merged else set()
+        self.stats.failed_recving |= (merged.failed_recving or set()) if merged else set()
         for engine_outputs in self.scheduler.update_from_output(out, runner_output).values():
             stats = engine_outputs.scheduler_stats
             connector_stats = stats.connector_prefix_cache_stats if stats is not None else None
@@ -169,7 +185,8 @@ class ModelFreeEngine:
         connector = self.scheduler.get_kv_connector()
         if connector is not None:
             connector.shutdown()
-        self.worker.shutdown()
+        for worker in self.workers:
+            worker.shutdown()
 
     # ------------------------------------------------------------------ the fake model runner
     def _update_tables(self, out) -> dict[str, int]:
@@ -198,34 +215,34 @@ class ModelFreeEngine:
             return max(0, computed - self.window + 1)
         return 0
 
-    def _check_reads(self, req_id: str, computed: int) -> None:
-        tokens = self.tokens[req_id]
+    def _check_reads(self, rank: int, req_id: str, computed: int) -> None:
+        tokens, words = self.tokens[req_id], self.words[rank]
         for group, layers in enumerate(self.group_layers):
             table = self.tables[req_id][group]
             for i in range(self._first_read(group, computed) // BLOCK, -(-computed // BLOCK)):
                 block_id = table[i] if i < len(table) else None
                 if not block_id:
-                    self.stats.violations.append(Violation(self.stats.steps, req_id, group, i, block_id or 0,
+                    self.stats.violations.append(Violation(self.stats.steps, rank, req_id, group, i, block_id or 0,
                                                            "no block where the forward reads"))
                     continue
                 end = min((i + 1) * BLOCK, computed)
                 for layer in layers:
                     self.stats.checked_blocks += 1
-                    row = self.words[layer][block_id]
-                    want = _pattern(layer, tokens[:end])
+                    row = words[layer][block_id]
+                    want = _pattern(rank, layer, tokens[:end])
                     if not bool((row == want).all()):
                         self.stats.violations.append(Violation(
-                            self.stats.steps, req_id, group, i, block_id,
+                            self.stats.steps, rank, req_id, group, i, block_id,
                             f"layer {layer}: KV of tokens [{i * BLOCK}, {end}) is not what the forward wrote"))
 
-    def _forward(self, req_id: str, computed: int, n: int) -> None:
-        tokens = self.tokens[req_id]
+    def _forward(self, rank: int, req_id: str, computed: int, n: int) -> None:
+        tokens, words = self.tokens[req_id], self.words[rank]
         for group, layers in enumerate(self.group_layers):
             table = self.tables[req_id][group]
             for i in range(computed // BLOCK, -(-(computed + n) // BLOCK)):
                 end = min((i + 1) * BLOCK, computed + n)
                 for layer in layers:
-                    self.words[layer][table[i]].fill_(_pattern(layer, tokens[:end]))
+                    words[layer][table[i]].fill_(_pattern(rank, layer, tokens[:end]))
 
 
 def _kv_cache_config(num_blocks: int, window: int):

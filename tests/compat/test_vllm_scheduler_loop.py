@@ -29,10 +29,11 @@ def model_path() -> str:
 
 
 def _two_rounds(model_path: str, block_size: int, max_num_batched_tokens: int, num_blocks: int = 1200,
-                max_tokens: int = 2):
-    """Round 0 computes and stores; the device prefix cache is reset; round 1 sends the same prompts."""
+                max_tokens: int = 2, workers: int = 1, failing_rank: int | None = None):
+    """Round 0 computes and stores; the device prefix cache is reset; round 1 sends the same prompts
+    (with every load on `failing_rank` failing, when given)."""
     engine = ModelFreeEngine(model_path, {"cpu_bytes": 64 << 20, "block_size": block_size}, window=WINDOW,
-                             num_blocks=num_blocks, max_num_batched_tokens=max_num_batched_tokens)
+                             num_blocks=num_blocks, max_num_batched_tokens=max_num_batched_tokens, workers=workers)
     try:
         prompts = _prompts()
         for j, prompt in enumerate(prompts):
@@ -40,6 +41,8 @@ def _two_rounds(model_path: str, block_size: int, max_num_batched_tokens: int, n
         engine.run()
         assert engine.stats.external_hit_tokens == 0
         engine.reset_device_prefix_cache()
+        if failing_rank is not None:
+            engine.workers[failing_rank]._worker.fail_all_loads = True
         for j, prompt in enumerate(prompts):
             engine.add(f"r1-{j}", prompt, max_tokens)
         engine.run()
@@ -101,3 +104,29 @@ def test_a_misplaced_load_is_caught(model_path, monkeypatch):
     assert any(r.startswith("r1-") for r in stats.loads)
     assert stats.violations, "reversed load destinations went unnoticed"
     assert all(v.req_id.startswith("r1-") for v in stats.violations)
+
+
+def test_two_workers_load_their_own_shards(model_path):
+    """Tensor parallel: each worker loads its own shard, and a load is done when vLLM's
+    `KVOutputAggregator` has it from both."""
+    stats = _two_rounds(model_path, 64, 100, workers=2)
+    _assert_no_violations(stats)
+    round1 = [f"r1-{j}" for j in range(4)]
+    loading = [r for r in round1 if r in stats.loads]
+    assert loading and set(loading) <= stats.finished_recving and not stats.failed_recving
+    data = stats.connector.data
+    loaded = loaded_blocks_by_group(stats, round1)
+    assert data["loaded_blocks"] == {"0|sliding_window": loaded[0], "1|full_attention": loaded[1]}
+    # copies are counted per worker
+    assert data["copy_blocks"]["1|full_attention|load"] == 2 * loaded[1]
+
+
+def test_a_load_failing_on_one_worker_is_recomputed(model_path):
+    """Correctness first: when one worker's loads fail, vLLM recomputes the request on every worker,
+    and no forward reads the half-loaded blocks."""
+    stats = _two_rounds(model_path, 64, 100, workers=2, failing_rank=1)
+    _assert_no_violations(stats)
+    failed = {r for r in stats.failed_recving if r.startswith("r1-")}
+    assert failed and failed == set(stats.loads) - {r for r in stats.loads if r.startswith("r0-")}
+    # counted in blocks: every block of the failed loads
+    assert stats.connector.data["load_failures"] == sum(loaded_blocks_by_group(stats, failed).values())
