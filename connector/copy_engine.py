@@ -5,8 +5,8 @@ with the engine's own block stride (vLLM's kernel-block grouping resolves the la
 Attention pages and raw Mamba pages (int8, padded, strided) are copied byte-exactly the
 same way. A host slot holds, for each layer of one group, `factor` consecutive pages.
 
-CPU backend: plain synchronous tensor copies. CUDA: pinned host memory, a dedicated
-stream, events for completion and timing, no device-wide synchronisation.
+CPU backend: plain synchronous tensor copies. CUDA: pinned host memory, a stream for loads and
+one for stores, events for completion and timing, no device-wide synchronisation.
 """
 
 from __future__ import annotations
@@ -117,7 +117,10 @@ class CopyEngine:
                 regions.append(_Region(view=view, host=host, page=page))
             self.groups.append(regions)
         self._group_block_bytes = [sum(r.page for r in regions) for regions in self.groups]
-        self.stream = torch.cuda.Stream(device=self.device) if self.is_cuda else None
+        # Loads and stores on streams of their own: later compute must wait for stores (the blocks
+        # they read may be reused), never for loads, and a store need not queue behind a large load.
+        self.load_stream = torch.cuda.Stream(device=self.device) if self.is_cuda else None
+        self.store_stream = torch.cuda.Stream(device=self.device) if self.is_cuda else None
         self._clock = _Clock()
 
     def group_block_bytes(self, group: int) -> int:
@@ -147,9 +150,14 @@ class CopyEngine:
         return CopyResult(nbytes, len(block_ids), start, time.time_ns())
 
     def _copy_cuda(self, regions, slots, subs, block_ids, to_device, nbytes) -> CopyResult:
-        stream = self.stream
-        # Stores read what this step's forward wrote: order after the compute stream.
+        stream = self.load_stream if to_device else self.store_stream
+        # Stores read what this step's forward wrote; a load's destination blocks may still be
+        # zeroed by compute vLLM queued earlier: both come after the compute stream's work so far.
         stream.wait_stream(torch.cuda.current_stream(self.device))
+        if to_device:
+            # A destination block may be one an in-flight store still reads (freed when its
+            # request finished, allocated again for this load).
+            stream.wait_stream(self.store_stream)
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(stream):
@@ -179,15 +187,18 @@ class CopyEngine:
         return True
 
     def fence_compute_stream(self) -> None:
-        """Make later compute wait for pending stores (blocks they read may be reused)."""
+        """Make later compute wait for pending stores: vLLM may reuse the blocks they read once their
+        request finishes. Not for loads: vLLM keeps a loading request's blocks until the load is
+        reported done (even when the request is aborted), so a load in flight never holds up the
+        next forward."""
         if self.is_cuda:
-            torch.cuda.current_stream(self.device).wait_stream(self.stream)
+            torch.cuda.current_stream(self.device).wait_stream(self.store_stream)
 
     def _event_wall_ns(self, event) -> int:
         clock = self._clock
         if not clock.ready:
             clock.event = torch.cuda.Event(enable_timing=True)
-            clock.event.record(self.stream)
+            clock.event.record(self.store_stream)
             clock.event.synchronize()  # once per process: calibrate event time to wall time
             clock.wall_ns = time.time_ns()
             clock.ready = True

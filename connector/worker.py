@@ -50,7 +50,6 @@ class KVScopeWorker:
     # -- per step --
     def start_load_kv(self, meta: KVScopeMetadata) -> None:
         assert self.engine is not None
-        self.engine.fence_compute_stream()
         for job in meta.loads:
             self._run(job)
 

@@ -1,0 +1,94 @@
+"""The CUDA path of CopyEngine, run on the CPU with recording stand-ins for CUDA streams and events.
+
+No GPU is lent to this project's CI; these tests run the real `_copy_cuda`, `poll` and
+`fence_compute_stream` code with the copies done on CPU tensors (so the bytes are checked) and
+every stream dependency recorded, to pin the ordering the CUDA path relies on:
+- a store waits for the compute stream (it reads what the step's forward wrote);
+- a load waits for the compute stream (vLLM may still be zeroing its destination blocks) and for
+  the stores before it (a destination block may be one an in-flight store still reads);
+- later compute waits for stores only: a load in flight never holds up the next forward (vLLM keeps
+  a loading request's blocks until the load is reported done, even when the request is aborted).
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import pytest
+import torch
+
+from connector import copy_engine as copy_engine_module
+from tests.unit.test_copy_engine import _block_bytes, _shared_attention_engine
+
+
+class _Stream:
+    def __init__(self, name: str, log: list):
+        self.name, self.log = name, log
+
+    def wait_stream(self, other: _Stream) -> None:
+        self.log.append((self.name, "waits for", other.name))
+
+
+class _Event:
+    def __init__(self, enable_timing: bool = False):
+        self.stream = None
+
+    def record(self, stream=None) -> None:
+        self.stream = stream
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+    def elapsed_time(self, other: _Event) -> float:
+        return 0.5  # ms
+
+
+@pytest.fixture
+def cuda_engine(monkeypatch):
+    """A CopyEngine on CPU tensors taking its CUDA path, with streams that record their waits."""
+    log: list = []
+    compute = _Stream("compute", log)
+    fake_cuda = type("FakeCuda", (), {
+        "Stream": staticmethod(lambda device=None: _Stream("new", log)),
+        "Event": _Event,
+        "current_stream": staticmethod(lambda device=None: compute),
+        "stream": staticmethod(lambda s: nullcontext()),
+    })
+    monkeypatch.setattr(copy_engine_module.torch, "cuda", fake_cuda)
+    engine, t0, t1 = _shared_attention_engine()
+    engine.is_cuda = True
+    engine.load_stream, engine.store_stream = _Stream("load", log), _Stream("store", log)
+    return engine, t0, log
+
+
+def test_store_then_load_round_trip_on_the_cuda_path(cuda_engine):
+    engine, t0, log = cuda_engine
+    before = _block_bytes(t0, 3).clone()
+    stored = engine.store(0, [1], [0], [3])
+    assert stored.done_event is not None and engine.poll(stored) and stored.done_event is None
+    assert stored.end_ns >= stored.start_ns > 0  # the device interval, mapped to wall clock
+    t0.view(torch.int8).zero_()
+    loaded = engine.load(0, [1], [0], [5])
+    assert engine.poll(loaded)
+    assert torch.equal(_block_bytes(t0, 5), before)
+
+
+def test_next_forward_waits_for_stores_not_loads(cuda_engine):
+    engine, _, log = cuda_engine
+    engine.load(0, [0], [0], [2])
+    engine.store(1, [1], [0], [4])
+    log.clear()
+    engine.fence_compute_stream()
+    assert log == [("compute", "waits for", "store")]
+
+
+def test_each_copy_waits_for_what_it_must(cuda_engine):
+    engine, _, log = cuda_engine
+    engine.store(0, [1], [0], [3])
+    assert log == [("store", "waits for", "compute")]
+    log.clear()
+    engine.load(0, [1], [0], [5])
+    assert sorted(log) == [("load", "waits for", "compute"), ("load", "waits for", "store")]
