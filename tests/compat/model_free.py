@@ -16,7 +16,7 @@ vLLM version runs it: the test suite's vLLM 0.32, or 0.33's own sources (`script
 from __future__ import annotations
 
 import hashlib
-from collections import defaultdict
+from collections import defaultdict, deque
 from dataclasses import dataclass, field
 
 import torch
@@ -48,6 +48,7 @@ class LoopStats:
     external_queried_tokens: int = 0
     checked_blocks: int = 0
     resumed: set[str] = field(default_factory=set)  # requests vLLM preempted and scheduled again
+    scheduled_ahead: int = 0  # steps scheduled while the previous one was still in flight
     # kvscope's stats as vLLM hands them to its stat loggers (`SchedulerStats.kv_connector_stats`),
     # rebuilt and summed the way the front end does
     connector: object | None = None
@@ -68,13 +69,15 @@ class ModelFreeEngine:
     outputs vLLM's `KVOutputAggregator` merges as its executors do."""
 
     def __init__(self, model_path: str, extra_config: dict, *, window: int, num_blocks: int = 1200,
-                 max_num_batched_tokens: int = 2048, max_model_len: int = 2048, workers: int = 1):
+                 max_num_batched_tokens: int = 2048, max_model_len: int = 2048, workers: int = 1,
+                 async_scheduling: bool = False):
         from vllm.config import KVTransferConfig
         from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
         from vllm.engine.arg_utils import EngineArgs
         from vllm.utils.hashing import get_hash_fn_by_name
         from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+        from vllm.v1.core.sched.async_scheduler import AsyncScheduler
         from vllm.v1.core.sched.scheduler import Scheduler
         from vllm.v1.structured_output import StructuredOutputManager
 
@@ -88,6 +91,10 @@ class ModelFreeEngine:
                                                 kv_role="kv_both", kv_connector_extra_config=extra_config),
         )
         self.vllm_config = args.create_engine_config()
+        # vLLM's default on GPUs (the CPU platform turns it off): the engine schedules step N+1
+        # before it has step N's output, through `AsyncScheduler`, two batches in flight.
+        self.async_scheduling = async_scheduling
+        self.vllm_config.scheduler_config.async_scheduling = async_scheduling
         self.vllm_config.cache_config.num_gpu_blocks = num_blocks
         self.window = window
         self.kv_cache_config = _kv_cache_config(num_blocks, window)
@@ -103,7 +110,7 @@ class ModelFreeEngine:
             self.workers.append(connector)
             self.words.append({name: t.view(torch.int64) for name, t in caches.items()})
         self.aggregator = KVOutputAggregator.from_connector(self.workers[0], workers)
-        self.scheduler = Scheduler(vllm_config=self.vllm_config, kv_cache_config=self.kv_cache_config,
+        self.scheduler = (AsyncScheduler if async_scheduling else Scheduler)(vllm_config=self.vllm_config, kv_cache_config=self.kv_cache_config,
                                    structured_output_manager=StructuredOutputManager(self.vllm_config),
                                    block_size=BLOCK, log_stats=True)
         hash_fn = get_hash_fn_by_name(self.vllm_config.cache_config.prefix_caching_hash_algo)
@@ -123,20 +130,33 @@ class ModelFreeEngine:
         self.scheduler.add_request(Request(req_id, list(prompt), params, None, block_hasher=self._block_hasher))
 
     def run(self, max_steps: int = 2000) -> None:
-        """Step until every request has finished."""
+        """Step until every request has finished: schedule, execute, update, one step at a time, or
+        with async scheduling as vLLM's engine core does it (`step_with_batch_queue`): schedule the
+        next step before executing and processing the one in flight."""
+        in_flight: deque = deque()
         for _ in range(max_steps):
-            if not self.scheduler.has_unfinished_requests():
+            if not (self.scheduler.has_unfinished_requests() or in_flight):
                 return
-            self.step()
+            if self.scheduler.has_requests():
+                out = self.scheduler.schedule()
+                self.stats.steps += 1
+                self.stats.scheduled_ahead += bool(in_flight) and out.total_num_scheduled_tokens > 0
+                in_flight.appendleft(out)
+                if self.async_scheduling and len(in_flight) < 2 and (
+                        out.total_num_scheduled_tokens > 0 or self.scheduler.has_requests()):
+                    continue
+            if in_flight:
+                out = in_flight.pop()
+                self._process(out, self._execute(out))
         raise AssertionError(f"requests still unfinished after {max_steps} steps")
 
-    def step(self) -> None:
+    def _execute(self, out):
+        """What the workers do with one scheduler output, in scheduling order: their block tables,
+        the connector's hooks around the fake forward, the sampled tokens; merged as vLLM merges them."""
         from vllm.forward_context import set_forward_context
         from vllm.v1.outputs import ModelRunnerOutput
         from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin
 
-        out = self.scheduler.schedule()
-        self.stats.steps += 1
         computed = self._update_tables(out)
         meta = out.kv_connector_metadata
         for job in getattr(meta, "loads", ()):
@@ -166,6 +186,9 @@ class ModelFreeEngine:
         merged = runner_output.kv_connector_output
         self.stats.finished_recving |= (merged.finished_recving or set()) if merged else set()
         self.stats.failed_recving |= (merged.failed_recving or set()) if merged else set()
+        return runner_output
+
+    def _process(self, out, runner_output) -> None:
         for engine_outputs in self.scheduler.update_from_output(out, runner_output).values():
             stats = engine_outputs.scheduler_stats
             connector_stats = stats.connector_prefix_cache_stats if stats is not None else None

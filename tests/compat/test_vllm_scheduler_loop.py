@@ -29,11 +29,13 @@ def model_path() -> str:
 
 
 def _two_rounds(model_path: str, block_size: int, max_num_batched_tokens: int, num_blocks: int = 1200,
-                max_tokens: int = 2, workers: int = 1, failing_rank: int | None = None):
+                max_tokens: int = 2, workers: int = 1, failing_rank: int | None = None,
+                async_scheduling: bool = False):
     """Round 0 computes and stores; the device prefix cache is reset; round 1 sends the same prompts
     (with every load on `failing_rank` failing, when given)."""
     engine = ModelFreeEngine(model_path, {"cpu_bytes": 64 << 20, "block_size": block_size}, window=WINDOW,
-                             num_blocks=num_blocks, max_num_batched_tokens=max_num_batched_tokens, workers=workers)
+                             num_blocks=num_blocks, max_num_batched_tokens=max_num_batched_tokens, workers=workers,
+                             async_scheduling=async_scheduling)
     try:
         prompts = _prompts()
         for j, prompt in enumerate(prompts):
@@ -58,19 +60,26 @@ def _assert_no_violations(stats) -> None:
 
 
 @pytest.mark.parametrize(
-    "block_size, max_num_batched_tokens, num_blocks, max_tokens",
+    "block_size, max_num_batched_tokens, num_blocks, max_tokens, async_scheduling",
     [
-        (16, 2048, 1200, 2),  # one device block per offloaded block, whole prompts in one step
-        (64, 100, 1200, 2),  # four per offloaded block, 100-token steps: chunk ends inside offloaded blocks
-        (64, 2048, 180, 64),  # decoding outgrows the device cache: vLLM preempts a request and resumes it
+        (16, 2048, 1200, 2, False),  # one device block per offloaded block, whole prompts in one step
+        (64, 100, 1200, 2, False),  # four per offloaded block, 100-token steps: chunk ends inside offloaded blocks
+        (64, 2048, 180, 64, False),  # decoding outgrows the device cache: vLLM preempts a request and resumes it
+        # vLLM's default on GPUs: each step scheduled before the previous one's output is in
+        (16, 2048, 1200, 8, True),
+        (64, 100, 1200, 8, True),
+        (64, 2048, 180, 64, True),
     ],
-    ids=["bs16-one-step", "bs64-chunked", "bs64-preempting"],
+    ids=["bs16-one-step", "bs64-chunked", "bs64-preempting",
+         "async-bs16-one-step", "async-bs64-chunked", "async-bs64-preempting"],
 )
 def test_loads_give_the_forward_the_kv_it_wrote(model_path, block_size, max_num_batched_tokens, num_blocks,
-                                                max_tokens):
-    stats = _two_rounds(model_path, block_size, max_num_batched_tokens, num_blocks, max_tokens)
+                                                max_tokens, async_scheduling):
+    stats = _two_rounds(model_path, block_size, max_num_batched_tokens, num_blocks, max_tokens,
+                        async_scheduling=async_scheduling)
     _assert_no_violations(stats)
     assert bool(stats.resumed) == (num_blocks < 1000), stats.resumed
+    assert bool(stats.scheduled_ahead) == async_scheduling
     round1 = [f"r1-{j}" for j in range(4)]
     loading = [r for r in round1 if r in stats.loads]
     assert loading, "round 1 loaded nothing from the host tier"
