@@ -129,10 +129,11 @@ class ModelFreeEngine:
         self.tokens[req_id] = list(prompt)
         self.scheduler.add_request(Request(req_id, list(prompt), params, None, block_hasher=self._block_hasher))
 
-    def run(self, max_steps: int = 2000) -> None:
+    def run(self, max_steps: int = 2000, on_scheduled=None) -> None:
         """Step until every request has finished: schedule, execute, update, one step at a time, or
         with async scheduling as vLLM's engine core does it (`step_with_batch_queue`): schedule the
-        next step before executing and processing the one in flight."""
+        next step before executing and processing the one in flight. `on_scheduled(output)` runs
+        after each schedule, before the workers see it (where a client's abort can land)."""
         in_flight: deque = deque()
         for _ in range(max_steps):
             if not (self.scheduler.has_unfinished_requests() or in_flight):
@@ -141,6 +142,8 @@ class ModelFreeEngine:
                 out = self.scheduler.schedule()
                 self.stats.steps += 1
                 self.stats.scheduled_ahead += bool(in_flight) and out.total_num_scheduled_tokens > 0
+                if on_scheduled is not None:
+                    on_scheduled(out)
                 in_flight.appendleft(out)
                 if self.async_scheduling and len(in_flight) < 2 and (
                         out.total_num_scheduled_tokens > 0 or self.scheduler.has_requests()):
@@ -200,6 +203,19 @@ class ModelFreeEngine:
                 interval = self._connector_class.build_kv_connector_stats(data=payload)
                 self.stats.connector = interval if self.stats.connector is None else \
                     self.stats.connector.aggregate(interval)
+
+    def abort(self, req_ids) -> None:
+        from vllm.v1.request import RequestStatus
+
+        self.scheduler.finish_requests(list(req_ids), RequestStatus.FINISHED_ABORTED)
+
+    def host_tier_leaks(self) -> list[str]:
+        """What the connector still holds once every request is done: pinned or never completed
+        host entries, transfer jobs without their reports. Empty when nothing leaked."""
+        sched = self.scheduler.get_kv_connector()._scheduler
+        leaks = [f"{key}: pins={e.pins} ready={e.ready}" for key, e in sched.index._entries.items()
+                 if e.pins or not e.ready]
+        return leaks + [f"job {job_id}: {job.direction} of {job.req_id}" for job_id, job in sched._jobs.items()]
 
     def reset_device_prefix_cache(self) -> None:
         assert self.scheduler.reset_prefix_cache(), "vLLM refused to reset its prefix cache"

@@ -48,6 +48,7 @@ def _two_rounds(model_path: str, block_size: int, max_num_batched_tokens: int, n
         for j, prompt in enumerate(prompts):
             engine.add(f"r1-{j}", prompt, max_tokens)
         engine.run()
+        assert engine.host_tier_leaks() == []
     finally:
         engine.shutdown()
     return engine.stats
@@ -139,3 +140,41 @@ def test_a_load_failing_on_one_worker_is_recomputed(model_path):
     assert failed and failed == set(stats.loads) - {r for r in stats.loads if r.startswith("r0-")}
     # counted in blocks: every block of the failed loads
     assert stats.connector.data["load_failures"] == sum(loaded_blocks_by_group(stats, failed).values())
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_requests_aborted_while_loading_leak_nothing(model_path, async_scheduling):
+    """A client aborts requests right after vLLM scheduled their loads: vLLM keeps their blocks until
+    the workers report the loads, the connector unpins every host entry, and the same prompts
+    sent again load correct KV."""
+    engine = ModelFreeEngine(model_path, {"cpu_bytes": 64 << 20, "block_size": 64}, window=WINDOW,
+                             max_num_batched_tokens=100, async_scheduling=async_scheduling)
+    aborted: set[str] = set()
+
+    def abort_loading(out) -> None:
+        loading = {job.req_id for job in getattr(out.kv_connector_metadata, "loads", ())} - aborted
+        if loading:
+            aborted.update(loading)
+            engine.abort(loading)
+
+    try:
+        prompts = _prompts()
+        for j, prompt in enumerate(prompts):
+            engine.add(f"r0-{j}", prompt)
+        engine.run()
+        engine.reset_device_prefix_cache()
+        for j, prompt in enumerate(prompts):
+            engine.add(f"r1-{j}", prompt)
+        engine.run(on_scheduled=abort_loading)
+        assert aborted and aborted <= engine.stats.finished_recving
+        assert engine.host_tier_leaks() == []
+        engine.reset_device_prefix_cache()
+        for j, prompt in enumerate(prompts):
+            engine.add(f"r2-{j}", prompt)
+        engine.run()
+    finally:
+        engine.shutdown()
+    stats = engine.stats
+    _assert_no_violations(stats)
+    assert any(r.startswith("r2-") for r in stats.loads)
+    assert engine.host_tier_leaks() == []
