@@ -121,13 +121,14 @@ class ModelFreeEngine:
         self.stats = LoopStats()
 
     # ------------------------------------------------------------------ driving
-    def add(self, req_id: str, prompt: list[int], max_tokens: int = 2) -> None:
+    def add(self, req_id: str, prompt: list[int], max_tokens: int = 2, trace_headers: dict | None = None) -> None:
         from vllm import SamplingParams
         from vllm.v1.request import Request
 
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
         self.tokens[req_id] = list(prompt)
-        self.scheduler.add_request(Request(req_id, list(prompt), params, None, block_hasher=self._block_hasher))
+        self.scheduler.add_request(Request(req_id, list(prompt), params, None, block_hasher=self._block_hasher,
+                                           trace_headers=trace_headers))
 
     def run(self, max_steps: int = 2000, on_scheduled=None) -> None:
         """Step until every request has finished: schedule, execute, update, one step at a time, or

@@ -9,6 +9,10 @@ for block, in each KV group, with the sliding window's null blocks skipped.
 
 from __future__ import annotations
 
+import json
+import secrets
+from collections import defaultdict
+
 import pytest
 
 from connector.tiny_models import build_model
@@ -178,3 +182,58 @@ def test_requests_aborted_while_loading_leak_nothing(model_path, async_schedulin
     _assert_no_violations(stats)
     assert any(r.startswith("r2-") for r in stats.loads)
     assert engine.host_tier_leaks() == []
+
+
+def _spans_by_trace(path) -> dict[str, list[dict]]:
+    """The trace file's spans (OTLP/JSON lines) as {trace id: [{name, id, parent, attrs}]}."""
+    traces = defaultdict(list)
+    for line in path.read_text().splitlines():
+        for resource_spans in json.loads(line)["resourceSpans"]:
+            for scope_spans in resource_spans["scopeSpans"]:
+                for span in scope_spans["spans"]:
+                    attrs = {a["key"]: int(v["intValue"]) if "intValue" in (v := a["value"]) else v.get("stringValue")
+                             for a in span.get("attributes", [])}
+                    traces[span["traceId"]].append({"name": span["name"], "id": span["spanId"],
+                                                    "parent": span.get("parentSpanId", ""), "attrs": attrs})
+    return traces
+
+
+def test_each_loading_request_traced_in_the_trace_it_sent(model_path, tmp_path):
+    """Trace context through vLLM's own `Request.trace_headers` and the connector metadata: a
+    request's lookup, load, per-group scans and both workers' copies are in the trace its
+    `traceparent` names: lookup and load under the client's span, scans and copies under the load."""
+    trace_file = tmp_path / "spans.jsonl"
+    engine = ModelFreeEngine(model_path, {"cpu_bytes": 64 << 20, "block_size": 64, "trace_file": str(trace_file)},
+                             window=WINDOW, max_num_batched_tokens=100, workers=2)
+    upstream = {}  # request id -> (trace id, the client's span id)
+    try:
+        prompts = _prompts()
+        for j, prompt in enumerate(prompts):
+            engine.add(f"r0-{j}", prompt)
+        engine.run()
+        engine.reset_device_prefix_cache()
+        for j, prompt in enumerate(prompts):
+            trace_id, span_id = secrets.token_hex(16), secrets.token_hex(8)
+            upstream[f"r1-{j}"] = (trace_id, span_id)
+            engine.add(f"r1-{j}", prompt, trace_headers={"traceparent": f"00-{trace_id}-{span_id}-01"})
+        engine.run()
+    finally:
+        engine.shutdown()  # flushes every tracer's spans to the file
+    _assert_no_violations(engine.stats)
+    traces = _spans_by_trace(trace_file)
+    loading = [r for r in upstream if r in engine.stats.loads]
+    assert loading
+    for req_id in loading:
+        trace_id, client_span = upstream[req_id]
+        spans = traces[trace_id]
+        (lookup,) = [s for s in spans if s["name"] == "kvscope.lookup"]
+        (load,) = [s for s in spans if s["name"] == "kvscope.load"]
+        assert lookup["parent"] == client_span and load["parent"] == client_span
+        assert load["attrs"]["kvscope.request.id"] == req_id and load["attrs"]["kvscope.groups"] == 2
+        scans = {s["attrs"]["kvscope.group.kind"]: s for s in spans if s["name"] == "kvscope.group.scan"}
+        assert set(scans) == {"sliding_window", "full_attention"}
+        assert all(s["parent"] == load["id"] for s in scans.values())
+        assert scans["sliding_window"]["attrs"]["kvscope.group.blocks.null_skipped"] > 0
+        copies = [s for s in spans if s["name"] == "kvscope.group.copy" and s["attrs"]["kvscope.copy.direction"] == "load"]
+        assert len(copies) == 4 and all(c["parent"] == load["id"] and c["attrs"]["kvscope.copy.bytes"] > 0
+                                        for c in copies)  # two groups on each of two workers
