@@ -45,3 +45,14 @@ def test_override_accepts_what_the_base_declares(base, name):
     required = [p.name for p in ours_params if p.default is p.empty
                 and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
     assert set(required) <= set(theirs.parameters), f"{name}: requires {required}, base passes {list(theirs.parameters)}"
+
+
+def test_the_batched_copy_op_used_on_cuda_is_there():
+    """On CUDA, copies go through vLLM's `swap_blocks_batch(src_ptrs, dst_ptrs, sizes)`."""
+    from connector.copy_engine import _batched_copy_op
+
+    op = _batched_copy_op()
+    assert op is not None
+    params = list(inspect.signature(op).parameters.values())
+    assert [p.name for p in params[:3]] == ["src_ptrs", "dst_ptrs", "sizes"]
+    assert all(p.default is not p.empty for p in params[3:])

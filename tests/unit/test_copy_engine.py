@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from connector import copy_engine as copy_module
 from connector.copy_engine import CopyEngine, CopyError, CopyResult, page_view
 from connector.vllm_layout import SlotLayout
 
@@ -343,3 +344,69 @@ def test_copy_result_counts():
     empty = engine.load(0, [], [], [])
     assert (empty.blocks, empty.nbytes) == (0, 0)
     engine.fence_compute_stream()  # no-op on the CPU
+
+
+# --- (d) the CUDA path's batched copy descriptors -------------------------------------------------
+
+
+def memmove_batch(src_ptrs: torch.Tensor, dst_ptrs: torch.Tensor, sizes: torch.Tensor) -> None:
+    """What vLLM's `swap_blocks_batch` does with its three arrays, done on the CPU."""
+    import ctypes
+
+    for src, dst, size in zip(src_ptrs.tolist(), dst_ptrs.tolist(), sizes.tolist()):
+        ctypes.memmove(dst, src, size)
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    """A writable int8 view of `t`'s whole storage."""
+    storage = t.untyped_storage()
+    return torch.tensor([], dtype=torch.int8).set_(storage, 0, (storage.nbytes(),), (1,))
+
+
+def _engines_with_their_storages():
+    engine, t0, t1 = _shared_attention_engine(num_slots=4, factor0=2, factor1=1)
+    yield "shared attention, factors 2 and 1", engine, [t0, t1]
+    nb, ratio = 6, 2
+    t = _bf16_cache(nb * ratio, HEADS, BS // ratio, TWO_HD)
+    page = ratio * HEADS * (BS // ratio) * TWO_HD * 2
+    layout = SlotLayout(slot_bytes=page, group_layers=[[("l", 0, page)]], group_factors=[1])
+    yield "kernel-block split", CopyEngine({"l": t}, _config(nb), layout, 2), [t]
+    engine, raw_a, raw_b, _ = _mamba_engine()
+    yield "mamba pages", engine, [raw_a, raw_b]
+    # vLLM's layer-interleaved allocation: one tensor, each block row holds every layer's page
+    nb, layers, page = 5, 3, 48
+    raw = _fill_random(torch.empty(nb * layers * page, dtype=torch.int8))
+    caches = {f"l{i}": torch.as_strided(raw, (nb, page), (layers * page, 1), i * page) for i in range(layers)}
+    layout = SlotLayout(slot_bytes=2 * layers * page, group_factors=[2],
+                        group_layers=[[(f"l{i}", 2 * i * page, page) for i in range(layers)]])
+    yield "interleaved layers", CopyEngine(caches, _config(nb), layout, 3), [raw]
+
+
+JOBS = {  # (group, slots, subs, device blocks) per layout: a store, then loads to other blocks
+    "shared attention, factors 2 and 1": [("store", 0, [1, 1, 3], [0, 1, 0], [2, 7, 11]),
+                                          ("store", 1, [0, 2], [0, 0], [5, 0]),
+                                          ("load", 0, [1, 3], [1, 0], [4, 9]), ("load", 1, [2], [0], [11])],
+    "kernel-block split": [("store", 0, [1], [0], [5]), ("load", 0, [1], [0], [0])],
+    "mamba pages": [("store", 0, [2, 0], [0, 0], [3, 6]), ("load", 0, [2, 0], [0, 0], [4, 0])],
+    "interleaved layers": [("store", 0, [2, 2, 0], [0, 1, 1], [1, 4, 0]), ("load", 0, [2, 0], [1, 1], [3, 2])],
+}
+
+
+def test_copy_descriptors_move_exactly_the_bytes_the_block_copies_move():
+    """The pointer triples the CUDA path hands to vLLM's `swap_blocks_batch`, executed with
+    memmove, leave every device and host byte as the per-block copies do."""
+    for name, engine, storages in _engines_with_their_storages():
+        raws = [_raw(t) for t in storages] + [_raw(engine.host)]
+        for direction, group, slots, subs, blocks in JOBS[name]:
+            before = [r.clone() for r in raws]
+            getattr(engine, direction)(group, slots, subs, blocks)  # the CPU path: a copy_ per block
+            expected = [r.clone() for r in raws]
+            for r, b in zip(raws, before):
+                r.copy_(b)
+            arrays = [torch.from_numpy(a) for a in copy_module.copy_descriptors(
+                engine.groups[group], slots, subs, blocks, to_device=direction == "load")]
+            assert len(arrays[0]) == len(blocks) * len(engine.groups[group])
+            memmove_batch(*arrays)
+            for r, e in zip(raws, expected):
+                assert torch.equal(r, e), f"{name}: {direction} {blocks} moved other bytes"
+            assert any(not torch.equal(b, e) for b, e in zip(before, expected))  # the job changed something

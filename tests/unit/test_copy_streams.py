@@ -7,7 +7,9 @@ every stream dependency recorded, to pin the ordering the CUDA path relies on:
 - a load waits for the compute stream (vLLM may still be zeroing its destination blocks) and for
   the stores before it (a destination block may be one an in-flight store still reads);
 - later compute waits for stores only: a load in flight never holds up the next forward (vLLM keeps
-  a loading request's blocks until the load is reported done, even when the request is aborted).
+  a loading request's blocks until the load is reported done, even when the request is aborted);
+- a job's blocks go to vLLM's `swap_blocks_batch` in one call (here: memmove of the same pointer
+  triples), falling back to a copy per block, for good, if that op ever fails.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import pytest
 import torch
 
 from connector import copy_engine as copy_engine_module
-from tests.unit.test_copy_engine import _block_bytes, _shared_attention_engine
+from tests.unit.test_copy_engine import _block_bytes, _shared_attention_engine, memmove_batch
 
 
 class _Stream:
@@ -92,3 +94,40 @@ def test_each_copy_waits_for_what_it_must(cuda_engine):
     log.clear()
     engine.load(0, [1], [0], [5])
     assert sorted(log) == [("load", "waits for", "compute"), ("load", "waits for", "store")]
+
+
+def test_a_job_is_one_batched_call(cuda_engine):
+    engine, t0, _ = cuda_engine
+    calls = []
+
+    def op(src, dst, sizes):
+        calls.append(len(sizes))
+        memmove_batch(src, dst, sizes)
+
+    engine._swap_blocks_batch = op
+    before = [_block_bytes(t0, b).clone() for b in (3, 8)]
+    stored = engine.store(0, [1, 2], [0, 0], [3, 8])
+    assert calls == [2 * 2]  # two blocks of two layers, one call
+    assert stored.keep_alive is not None  # the pointer arrays outlive the call until the copy is done
+    assert engine.poll(stored) and stored.keep_alive is None
+    loaded = engine.load(0, [2, 1], [0, 0], [6, 5])
+    assert calls == [4, 4] and engine.poll(loaded)
+    assert torch.equal(_block_bytes(t0, 5), before[0]) and torch.equal(_block_bytes(t0, 6), before[1])
+
+
+def test_a_failing_batched_op_falls_back_to_block_copies(cuda_engine, caplog):
+    engine, t0, _ = cuda_engine
+    calls = []
+
+    def broken(src, dst, sizes):
+        calls.append(1)
+        raise RuntimeError("no cuMemcpyBatchAsync here")
+
+    engine._swap_blocks_batch = broken
+    before = _block_bytes(t0, 3).clone()
+    with caplog.at_level("ERROR", logger="connector.copy_engine"):
+        engine.store(0, [1], [0], [3])
+        engine.load(0, [1], [0], [7])
+    assert calls == [1] and engine._swap_blocks_batch is None  # tried once, then block by block
+    assert torch.equal(_block_bytes(t0, 7), before)
+    assert sum("swap_blocks_batch failed" in r.getMessage() for r in caplog.records) == 1
