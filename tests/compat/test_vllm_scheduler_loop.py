@@ -32,6 +32,16 @@ def model_path() -> str:
     return build_model("gemma3", window=WINDOW)
 
 
+def _store_round(engine: ModelFreeEngine, prompts, max_tokens: int = 2) -> None:
+    """Round 0: the prompts are computed and stored (nothing to load yet); then vLLM's device prefix
+    cache is reset, so the next round can only hit the host tier."""
+    for j, prompt in enumerate(prompts):
+        engine.add(f"r0-{j}", prompt, max_tokens)
+    engine.run()
+    assert engine.stats.external_hit_tokens == 0
+    engine.reset_device_prefix_cache()
+
+
 def _two_rounds(model_path: str, block_size: int, max_num_batched_tokens: int, num_blocks: int = 1200,
                 max_tokens: int = 2, workers: int = 1, failing_rank: int | None = None,
                 async_scheduling: bool = False):
@@ -42,11 +52,7 @@ def _two_rounds(model_path: str, block_size: int, max_num_batched_tokens: int, n
                              async_scheduling=async_scheduling)
     try:
         prompts = _prompts()
-        for j, prompt in enumerate(prompts):
-            engine.add(f"r0-{j}", prompt, max_tokens)
-        engine.run()
-        assert engine.stats.external_hit_tokens == 0
-        engine.reset_device_prefix_cache()
+        _store_round(engine, prompts, max_tokens)
         if failing_rank is not None:
             engine.workers[failing_rank]._worker.fail_all_loads = True
         for j, prompt in enumerate(prompts):
@@ -163,10 +169,7 @@ def test_requests_aborted_while_loading_leak_nothing(model_path, async_schedulin
 
     try:
         prompts = _prompts()
-        for j, prompt in enumerate(prompts):
-            engine.add(f"r0-{j}", prompt)
-        engine.run()
-        engine.reset_device_prefix_cache()
+        _store_round(engine, prompts)
         for j, prompt in enumerate(prompts):
             engine.add(f"r1-{j}", prompt)
         engine.run(on_scheduled=abort_loading)
@@ -208,10 +211,7 @@ def test_each_loading_request_traced_in_the_trace_it_sent(model_path, tmp_path):
     upstream = {}  # request id -> (trace id, the client's span id)
     try:
         prompts = _prompts()
-        for j, prompt in enumerate(prompts):
-            engine.add(f"r0-{j}", prompt)
-        engine.run()
-        engine.reset_device_prefix_cache()
+        _store_round(engine, prompts)
         for j, prompt in enumerate(prompts):
             trace_id, span_id = secrets.token_hex(16), secrets.token_hex(8)
             upstream[f"r1-{j}"] = (trace_id, span_id)
