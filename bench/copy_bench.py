@@ -11,7 +11,7 @@ slots, as a real load does; the reference is one `copy_` of `n * page` contiguou
 the same two buffers, timed alternately with the engine in the same run. GB/s = 1e9 bytes/s.
 
 On this backend the "device" is CPU memory. With CUDA available, the same cases also run on the
-GPU (pinned host memory, the engine's own stream, H2D / D2H), else that part reports
+GPU (pinned host memory, the engine's load and store streams, H2D / D2H), else that part reports
 "skipped: no GPU". `run(quick)` returns {name, median, unit, ratio, ratio_of} records.
 """
 
@@ -78,8 +78,7 @@ def make_engine(page: int, num_blocks: int, device: str) -> CopyEngine:
 
 def _sync(engine: CopyEngine) -> None:
     if engine.is_cuda:
-        engine.stream.synchronize()
-        torch.cuda.synchronize(engine.device)
+        torch.cuda.synchronize(engine.device)  # every stream: the engine's load and store streams too
 
 
 def _engine_copy(engine: CopyEngine, direction: str, slots, subs, blocks):
@@ -120,12 +119,28 @@ class Result:
     contiguous_gbps: float
 
 
+def check_round_trip(engine: CopyEngine, blocks: list[int], slots: list[int]) -> None:
+    """Store random bytes from `blocks`, load them back into the blocks in reverse order, and
+    compare: on a GPU this checks the batched copy path on real hardware before it is timed."""
+    view = engine.groups[0][0].view
+    view[blocks] = torch.randint(-128, 128, (len(blocks), view.shape[1]), dtype=torch.int8, device=view.device)
+    expected = view[blocks].clone()
+    subs = [0] * len(blocks)
+    for copy, targets in ((engine.store, blocks), (engine.load, blocks[::-1])):
+        result = copy(0, slots, subs, targets)
+        if result.done_event is not None:
+            result.done_event[1].synchronize()
+    if not torch.equal(view[blocks[::-1]], expected):
+        raise AssertionError(f"copy engine round trip on {view.device} moved the wrong bytes")
+
+
 def measure(engine: CopyEngine, case: Case, repeats: int, min_sample_s: float, seed: int = 0) -> Result:
     rng = random.Random(seed)
     n = case.blocks
     blocks = rng.sample(range(engine.groups[0][0].view.shape[0]), n)  # scattered device blocks
     slots = rng.sample(range(engine.num_slots), n)  # scattered host slots
     subs = [0] * n
+    check_round_trip(engine, blocks, slots)
     ours = _engine_copy(engine, case.direction, slots, subs, blocks)
     ref = _contiguous_copy(engine, case.direction, n, case.page)
     ours(), ref()  # warm up

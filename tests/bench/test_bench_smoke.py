@@ -118,3 +118,13 @@ def test_e2e_records_and_the_process_control_row():
     assert [r[1:] for r in rows if r[0].startswith("(control")] == [("b / a 0.970", "n/a")]
     corrected = [r for r in rows if "divided by the A/A control" in r[0]]
     assert [r[1:] for r in corrected] == [("0.960 / 0.970 = 0.990 (+1.0% cost)", "yes")]
+
+
+def test_copy_bench_checks_the_bytes_before_timing(monkeypatch):
+    """The copy bench refuses to time a copy engine that moves the wrong bytes."""
+    engine = copy_bench.make_engine(16 * 1024, 8, "cpu")
+    copy_bench.check_round_trip(engine, [1, 5, 6], [0, 2, 7])
+    real_load = engine.load
+    monkeypatch.setattr(engine, "load", lambda group, slots, subs, blocks: real_load(group, slots[::-1], subs, blocks))
+    with pytest.raises(AssertionError, match="wrong bytes"):
+        copy_bench.check_round_trip(engine, [1, 5, 6], [0, 2, 7])
