@@ -237,3 +237,14 @@ def test_each_loading_request_traced_in_the_trace_it_sent(model_path, tmp_path):
         copies = [s for s in spans if s["name"] == "kvscope.group.copy" and s["attrs"]["kvscope.copy.direction"] == "load"]
         assert len(copies) == 4 and all(c["parent"] == load["id"] and c["attrs"]["kvscope.copy.bytes"] > 0
                                         for c in copies)  # two groups on each of two workers
+
+
+@pytest.mark.parametrize("block_size, warned", [(64, False), (256, True)])
+def test_offload_blocks_larger_than_the_window_are_warned_about(model_path, caplog, block_size, warned):
+    """Sliding-window blocks leave the window while chunked prefill fills an offloaded block larger than
+    the window: such blocks are not stored. The operator is told at start-up."""
+    with caplog.at_level("WARNING", logger="connector.connector"):
+        engine = ModelFreeEngine(model_path, {"cpu_bytes": 64 << 20, "block_size": block_size}, window=WINDOW)
+        engine.shutdown()
+    messages = [r.getMessage() for r in caplog.records if "larger than the sliding window" in r.getMessage()]
+    assert len(messages) == warned  # once: from the scheduler side, not from every worker
