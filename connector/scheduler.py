@@ -264,8 +264,11 @@ class KVScopeScheduler:
 
     def _plan_store(self, state: _RequestState, computed_tokens: int) -> TransferJob | None:
         request = state.request
-        hashes = self._offload_hashes(request)
-        full = min(computed_tokens // self.block_size, len(hashes))
+        # Called for every scheduled request every step: decide before touching the hashes (a
+        # long request's list of offload-block hashes costs tens of µs to build).
+        step = self.hashes_per_block
+        block_hashes = request.block_hashes
+        full = min(computed_tokens // self.block_size, len(block_hashes) // step)
         if full <= state.stored_upto:
             return None
         manager = self._kv_cache_manager()
@@ -280,7 +283,7 @@ class KVScopeScheduler:
                 # Out-of-window / padding positions are null: nothing (whole) to keep here.
                 if len(device) < factor or NULL_BLOCK_ID in device:
                     continue
-                key = (layout.index, hashes[k])
+                key = (layout.index, block_hashes[(k + 1) * step - 1])  # the block's last hash block
                 slot = self.index.reserve_for_store(key)
                 if slot is None:
                     continue  # already stored, or every slot pinned: a later miss, never an error
