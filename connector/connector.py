@@ -55,14 +55,6 @@ class KVScopeConnector(KVConnectorBase_V1, SupportsHMA):
                 # The host tier is a cache: a failed load must mean recompute, never a failed request.
                 logger.info("kvscope: setting kv_load_failure_policy='recompute'")
                 transfer.kv_load_failure_policy = "recompute"
-            windows = [g.sliding_window for g in layouts if g.sliding_window]
-            if windows and block_size > min(windows):
-                # Measured with tests/compat's loop: window 64, block 256, 100-token chunks lost every hit.
-                logger.warning(
-                    "kvscope: block_size=%d is larger than the sliding window (%d tokens): with chunked "
-                    "prefill, an offloaded block whose first tokens leave the window before the block is "
-                    "complete is not stored, and host hits are lost. block_size <= %d avoids it.",
-                    block_size, min(windows), min(windows))
             self._scheduler = KVScopeScheduler(
                 layouts=layouts,
                 offload_block_size=block_size,

@@ -34,7 +34,24 @@ class _Lookup:
 class _RequestState:
     request: object
     trace_context: object | None = None  # parent for this request's kvscope spans
-    stored_upto: int = 0  # offload blocks below this were already considered for storing
+    # per group: device blocks already considered for storing, and the offloaded block being
+    # filled (a _Filling; None: none, or the current one is skipped)
+    stored_blocks: list[int] | None = None
+    filling: list | None = None
+
+
+@dataclass(slots=True)
+class _Filling:
+    """An offloaded block stored piece by piece: each device block in the step that computes it,
+    before a sliding window can drop it. Ready once every piece is planned and every store job
+    carrying one has been reported; aborted (slot freed) once a piece fails or cannot be stored."""
+
+    key: tuple  # (group index, block hash): the host index entry
+    slot: int
+    needed: int  # device blocks per offloaded block in its group
+    planned: int = 0
+    jobs: int = 0  # store jobs with a piece of it, not yet reported
+    failed: bool = False  # a piece failed or will never come: abort when no job is left
 
 
 @dataclass(slots=True)
@@ -78,6 +95,7 @@ class KVScopeScheduler:
         self._jobs: dict[int, _Job] = {}
         self._next_job_id = 0
         self._pending_loads: list[TransferJob] = []
+        self._filling: dict = {}  # host key -> _Filling
         self._stats = KVScopeStats()
         # Per group, one (seconds, blocks scanned, null blocks skipped) per scan: a single list
         # append on the planning path, folded into the stats payload once per stats interval.
@@ -263,37 +281,52 @@ class KVScopeScheduler:
         return meta
 
     def _plan_store(self, state: _RequestState, computed_tokens: int) -> TransferJob | None:
+        """The store job of this step for one request: every device block computed since the last
+        step, in an offloaded block whose key is known (its tokens are all known: the prompt's are
+        from the start), goes to that block's host slot now, before a sliding window can drop it."""
         request = state.request
-        # Called for every scheduled request every step: decide before touching the hashes (a
-        # long request's list of offload-block hashes costs tens of µs to build).
+        layouts = self.layouts
+        if state.stored_blocks is None:
+            state.stored_blocks = [0] * len(layouts)
+            state.filling = [None] * len(layouts)
         step = self.hashes_per_block
         block_hashes = request.block_hashes
-        full = min(computed_tokens // self.block_size, len(block_hashes) // step)
-        if full <= state.stored_upto:
+        known = len(block_hashes) // step  # offloaded blocks whose key (last hash block) exists
+        limits = [min(computed_tokens // layout.block_size, known * layout.blocks_per_offload_block(self.block_size))
+                  for layout in layouts]
+        # Called for every scheduled request every step: decide before asking vLLM for block ids.
+        if all(limit <= done for limit, done in zip(limits, state.stored_blocks)):
             return None
-        manager = self._kv_cache_manager()
-        group_block_ids = manager.get_block_ids(request.request_id)
+        group_block_ids = self._kv_cache_manager().get_block_ids(request.request_id)
         parts: list[GroupTransfer] = []
         keys = []
-        for layout, ids in zip(self.layouts, group_block_ids):
+        for layout, ids, limit in zip(layouts, group_block_ids, limits):
+            g = layout.index
             factor = layout.blocks_per_offload_block(self.block_size)
-            part = GroupTransfer(layout.index, [], [], [])
-            for k in range(state.stored_upto, full):
-                device = ids[k * factor : (k + 1) * factor]
-                # Out-of-window / padding positions are null: nothing (whole) to keep here.
-                if len(device) < factor or NULL_BLOCK_ID in device:
+            part = GroupTransfer(g, [], [], [])
+            end = min(limit, len(ids))
+            for i in range(state.stored_blocks[g], end):
+                k, sub = divmod(i, factor)
+                if sub == 0:
+                    state.filling[g] = self._start_filling((g, block_hashes[(k + 1) * step - 1]), factor, ids[i])
+                filling = state.filling[g]
+                if filling is None:
+                    continue  # skipped: stored already, no free slot, or out of the window from its start
+                if ids[i] == NULL_BLOCK_ID or filling.failed:
+                    # Out-of-window / padding position, or a piece already failed: never complete.
+                    self._give_up(filling)
+                    state.filling[g] = None
                     continue
-                key = (layout.index, block_hashes[(k + 1) * step - 1])  # the block's last hash block
-                slot = self.index.reserve_for_store(key)
-                if slot is None:
-                    continue  # already stored, or every slot pinned: a later miss, never an error
-                keys.append(key)
-                part.block_ids.extend(device)
-                part.slots.extend([slot] * factor)
-                part.subs.extend(range(factor))
+                part.block_ids.append(ids[i])
+                part.slots.append(filling.slot)
+                part.subs.append(sub)
+                filling.planned += 1
+                if not keys or keys[-1] != filling.key:
+                    keys.append(filling.key)
+                    filling.jobs += 1
+            state.stored_blocks[g] = max(state.stored_blocks[g], end)
             if part.block_ids:
                 parts.append(part)
-        state.stored_upto = full
         if not parts:
             return None
         job_id = self._new_job_id()
@@ -327,7 +360,10 @@ class KVScopeScheduler:
         del self._jobs[job_id]
         if job.direction == STORE:
             for key in job.keys:
-                (self.index.abort_store if job.failed else self.index.complete_store)(key)
+                filling = self._filling[key]  # registered while any job carries a piece of it
+                filling.jobs -= 1
+                filling.failed |= job.failed
+                self._settle(filling)
             return
         for key in job.keys:
             self.index.unpin(key)
@@ -344,6 +380,34 @@ class KVScopeScheduler:
                 nbytes = blocks * self.group_block_bytes[group] * self.world_size
                 self._stats.record_loaded_blocks(group, layout.kind.value, blocks, nbytes)
 
+    # -- offloaded blocks stored piece by piece --
+    def _start_filling(self, key, needed: int, first_block_id: int) -> _Filling | None:
+        """Reserve `key`'s host slot for an offloaded block whose first device block is computed;
+        None when the block is skipped (stored already or being stored, no free slot, out of window)."""
+        if first_block_id == NULL_BLOCK_ID:
+            return None
+        slot = self.index.reserve_for_store(key)
+        if slot is None:
+            return None  # a later miss, never an error
+        filling = self._filling[key] = _Filling(key=key, slot=slot, needed=needed)
+        return filling
+
+    def _give_up(self, filling: _Filling) -> None:
+        filling.failed = True
+        self._settle(filling)
+
+    def _settle(self, filling: _Filling) -> None:
+        """Complete or abort a filling once no store job with a piece of it is outstanding. Settled
+        fillings leave the registry; a request may still hold one (then marked failed: skipped)."""
+        if filling.jobs or self._filling.get(filling.key) is not filling:
+            return
+        if filling.failed:
+            del self._filling[filling.key]
+            self.index.abort_store(filling.key)
+        elif filling.planned == filling.needed:
+            del self._filling[filling.key]
+            self.index.complete_store(filling.key)
+
     def _update_capacity_stats(self) -> None:
         evicted = self.index.evicted_total - self._evicted_reported
         if evicted:
@@ -354,8 +418,11 @@ class KVScopeScheduler:
     # -- request end / cache reset --
     def request_finished(self, request) -> tuple[bool, None]:
         req_id = request.request_id
-        self._requests.pop(req_id, None)
+        state = self._requests.pop(req_id, None)
         self._lookups.pop(req_id, None)
+        for filling in (state.filling or ()) if state is not None else ():
+            if filling is not None and filling.planned < filling.needed:
+                self._give_up(filling)  # its remaining pieces will never be computed for this request
         # Stores are complete (CPU) or fenced before block reuse (CUDA): free at once.
         return False, None
 

@@ -1,0 +1,143 @@
+"""Store planning on the scheduler side: offloaded blocks stored piece by piece (no engine).
+
+Offloaded blocks of 4 device blocks (64 tokens of 16), a sliding window of 24 tokens beside full
+attention. The block ids given for each step are what vLLM's manager holds then: the window's
+blocks that fell out of it are null. What runs under vLLM (chunked prefill, preemption, async
+scheduling, aborts) is tested in tests/compat; these pin the bookkeeping's edge cases.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from connector.groups import GroupKind, GroupLayout
+from connector.metadata import KVScopeWorkerMetadata
+from connector.planning import NULL_BLOCK_ID
+from connector.scheduler import KVScopeScheduler, _RequestState
+from connector.telemetry.tracing import KVScopeTracing
+
+BS, B, WINDOW = 16, 64, 24
+LAYOUTS = [GroupLayout(0, GroupKind.SLIDING_WINDOW, BS, sliding_window=WINDOW), GroupLayout(1, GroupKind.FULL_ATTENTION, BS)]
+
+
+class _Manager:
+    """vLLM's block ids per group for the request being stored, as the test sets them."""
+
+    ids: tuple[list[int], list[int]] = ([], [])
+
+    def get_block_ids(self, req_id):
+        return self.ids
+
+
+def _scheduler(num_slots: int = 16) -> tuple[KVScopeScheduler, _Manager]:
+    manager = _Manager()
+    sched = KVScopeScheduler(LAYOUTS, offload_block_size=B, hash_block_size=BS, num_slots=num_slots,
+                             slot_bytes=1024, group_block_bytes=[256, 256], world_size=1,
+                             tracing=KVScopeTracing.disabled(), kv_cache_manager_getter=lambda: manager)
+    return sched, manager
+
+
+def _state(rid: str, num_tokens: int) -> _RequestState:
+    request = SimpleNamespace(request_id=rid, num_tokens=num_tokens,
+                              block_hashes=[f"h{i}" for i in range(num_tokens // BS)])
+    return _RequestState(request=request)
+
+
+def _ids(before: int, n: int = 8) -> tuple[list[int], list[int]]:
+    """Block ids when vLLM schedules a step that starts with `before` tokens computed (and plans
+    its stores): the window's blocks wholly out of it at `before` are null already."""
+    first_kept = max(0, before - WINDOW + 1) // BS
+    sw = [NULL_BLOCK_ID if i < first_kept else 100 + i for i in range(n)]
+    return sw, [200 + i for i in range(n)]
+
+
+def _report(sched, job, failed=False):
+    meta = KVScopeWorkerMetadata(**({"failed_jobs": {job.job_id: 1}} if failed else {"completed_jobs": {job.job_id: 1}}))
+    sched.update_connector_output(SimpleNamespace(kv_connector_worker_meta=meta))
+
+
+def _pieces(job, group):
+    return [(p.block_ids, p.subs) for p in job.groups if p.group_index == group]
+
+
+def test_a_block_larger_than_the_window_is_stored_piece_by_piece():
+    sched, manager = _scheduler()
+    state = _state("r", 128)
+    key0 = (0, "h3")  # the first offloaded block's key: its last hash block
+    manager.ids = _ids(0)
+    first = sched._plan_store(state, 40)  # a step computes 40 tokens: pieces 0 and 1 of block 0
+    assert _pieces(first, 0) == [([100, 101], [0, 1])] and _pieces(first, 1) == [([200, 201], [0, 1])]
+    _report(sched, first)
+    assert sched.index.contains(key0) and not sched.index.is_ready(key0)  # half of it: not loadable yet
+    manager.ids = _ids(40)  # device block 0 of the window has left it by now
+    assert manager.ids[0][0] == NULL_BLOCK_ID
+    second = sched._plan_store(state, 64)
+    assert _pieces(second, 0) == [([102, 103], [2, 3])]
+    _report(sched, second)
+    assert sched.index.is_ready(key0) and sched.index.is_ready((1, "h3"))
+    assert sched._filling == {}
+
+
+def test_a_failed_piece_aborts_the_block_and_its_later_pieces_are_not_stored():
+    sched, manager = _scheduler()
+    state = _state("r", 128)
+    manager.ids = _ids(0)
+    first = sched._plan_store(state, 32)
+    _report(sched, first, failed=True)
+    assert not sched.index.contains((0, "h3")) and not sched.index.contains((1, "h3"))  # slots freed
+    manager.ids = _ids(32)
+    assert sched._plan_store(state, 64) is None  # the rest of that block is not worth storing
+    manager.ids = _ids(64)
+    third = sched._plan_store(state, 128)
+    assert _pieces(third, 1) == [([204, 205, 206, 207], [0, 1, 2, 3])]  # the next block is, whole
+    assert sched.index.used_slots == 2  # (0, h7) and (1, h7), pinned until reported
+
+
+def test_a_request_finishing_mid_block_frees_its_slot_once_its_pieces_are_written():
+    sched, manager = _scheduler()
+    state = _state("r", 128)
+    sched._requests["r"] = state
+    manager.ids = _ids(0)
+    job = sched._plan_store(state, 32)
+    sched.request_finished(state.request)
+    assert sched.index.used_slots == 2  # a store still writes those slots: kept until it reports
+    _report(sched, job)
+    assert sched.index.used_slots == 0 and sched._filling == {}
+
+
+def test_a_fully_planned_block_completes_after_its_request_finished():
+    sched, manager = _scheduler()
+    state = _state("r", 128)
+    sched._requests["r"] = state
+    manager.ids = _ids(0)
+    job = sched._plan_store(state, 64)
+    sched.request_finished(state.request)
+    _report(sched, job)
+    assert sched.index.is_ready((1, "h3")) and sched.index.is_ready((0, "h3"))
+
+
+def test_a_block_another_request_is_filling_is_left_to_it():
+    sched, manager = _scheduler()
+    a, b = _state("a", 128), _state("b", 128)  # the same tokens: the same keys
+    manager.ids = _ids(0)
+    job_a = sched._plan_store(a, 32)
+    assert sched._plan_store(b, 32) is None
+    manager.ids = _ids(32)
+    job_a2 = sched._plan_store(a, 64)
+    assert sched._plan_store(b, 64) is None
+    for job in (job_a, job_a2):
+        _report(sched, job)
+    assert sched.index.is_ready((0, "h3"))
+
+
+def test_a_window_block_null_from_the_start_is_skipped_whole():
+    sched, manager = _scheduler()
+    state = _state("r", 128)
+    # e.g. a request resumed after a prefix hit of 112 tokens: the window's blocks below token 80 are null
+    manager.ids = _ids(112)
+    job = sched._plan_store(state, 128)
+    assert _pieces(job, 0) == []  # both window blocks start with a null device block: nothing to keep
+    _report(sched, job)
+    assert not sched.index.contains((0, "h3")) and not sched.index.contains((0, "h7"))
+    assert sched.index.is_ready((1, "h3")) and sched.index.is_ready((1, "h7"))
+    assert sched._filling == {} and sched.index.used_slots == 2
