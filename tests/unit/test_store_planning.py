@@ -93,25 +93,26 @@ def test_a_failed_piece_aborts_the_block_and_its_later_pieces_are_not_stored():
     assert sched.index.used_slots == 2  # (0, h7) and (1, h7), pinned until reported
 
 
-def test_a_request_finishing_mid_block_frees_its_slot_once_its_pieces_are_written():
+def _finish_after_one_step(computed: int):
+    """A request whose first step stores `computed` tokens' blocks, finishing before that store reports."""
     sched, manager = _scheduler()
     state = _state("r", 128)
     sched._requests["r"] = state
     manager.ids = _ids(0)
-    job = sched._plan_store(state, 32)
+    job = sched._plan_store(state, computed)
     sched.request_finished(state.request)
+    return sched, job
+
+
+def test_a_request_finishing_mid_block_frees_its_slot_once_its_pieces_are_written():
+    sched, job = _finish_after_one_step(32)
     assert sched.index.used_slots == 2  # a store still writes those slots: kept until it reports
     _report(sched, job)
     assert sched.index.used_slots == 0 and sched._filling == {}
 
 
 def test_a_fully_planned_block_completes_after_its_request_finished():
-    sched, manager = _scheduler()
-    state = _state("r", 128)
-    sched._requests["r"] = state
-    manager.ids = _ids(0)
-    job = sched._plan_store(state, 64)
-    sched.request_finished(state.request)
+    sched, job = _finish_after_one_step(64)
     _report(sched, job)
     assert sched.index.is_ready((1, "h3")) and sched.index.is_ready((0, "h3"))
 
