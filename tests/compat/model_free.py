@@ -17,9 +17,12 @@ from __future__ import annotations
 
 import hashlib
 from collections import defaultdict, deque
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
+
+from connector import KVScopeConnector
 
 BLOCK = 16  # device block size (tokens)
 PAGE = 2 * BLOCK * 1 * 64 * 2  # bytes of one block of one layer: K and V, 1 head of 64, bf16
@@ -81,8 +84,6 @@ class ModelFreeEngine:
         from vllm.v1.core.sched.scheduler import Scheduler
         from vllm.v1.structured_output import StructuredOutputManager
 
-        from connector import KVScopeConnector
-
         args = EngineArgs(
             model=model_path, skip_tokenizer_init=True, enable_prefix_caching=True, block_size=BLOCK,
             max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens,
@@ -100,7 +101,6 @@ class ModelFreeEngine:
         self.kv_cache_config = _kv_cache_config(num_blocks, window)
         self.group_kinds = [SLIDING, FULL]
         self.group_layers = [g.layer_names for g in self.kv_cache_config.kv_cache_groups]
-        self._connector_class = KVScopeConnector
         self.workers, self.words = [], []  # per rank: its connector, and its caches as int64 words
         for _ in range(workers):
             caches = {name: torch.zeros(num_blocks, PAGE, dtype=torch.int8)
@@ -110,9 +110,10 @@ class ModelFreeEngine:
             self.workers.append(connector)
             self.words.append({name: t.view(torch.int64) for name, t in caches.items()})
         self.aggregator = KVOutputAggregator.from_connector(self.workers[0], workers)
-        self.scheduler = (AsyncScheduler if async_scheduling else Scheduler)(vllm_config=self.vllm_config, kv_cache_config=self.kv_cache_config,
-                                   structured_output_manager=StructuredOutputManager(self.vllm_config),
-                                   block_size=BLOCK, log_stats=True)
+        scheduler_class = AsyncScheduler if async_scheduling else Scheduler
+        self.scheduler = scheduler_class(vllm_config=self.vllm_config, kv_cache_config=self.kv_cache_config,
+                                         structured_output_manager=StructuredOutputManager(self.vllm_config),
+                                         block_size=BLOCK, log_stats=True)
         hash_fn = get_hash_fn_by_name(self.vllm_config.cache_config.prefix_caching_hash_algo)
         init_none_hash(hash_fn)
         self._block_hasher = get_request_block_hasher(BLOCK, hash_fn)
@@ -201,7 +202,7 @@ class ModelFreeEngine:
                 self.stats.external_queried_tokens += connector_stats.queries
             payload = stats.kv_connector_stats if stats is not None else None
             if payload:
-                interval = self._connector_class.build_kv_connector_stats(data=payload)
+                interval = KVScopeConnector.build_kv_connector_stats(data=payload)
                 self.stats.connector = interval if self.stats.connector is None else \
                     self.stats.connector.aggregate(interval)
 
@@ -297,23 +298,17 @@ def _kv_cache_config(num_blocks: int, window: int):
     return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
 
 
-class _as_transfer_group:
+@contextmanager
+def _as_transfer_group(connector):
     """Make `connector` vLLM's worker-side KV transfer group for the step (what the model runner reads)."""
+    from vllm.distributed.kv_transfer import kv_transfer_state
 
-    def __init__(self, connector):
-        self.connector = connector
-
-    def __enter__(self):
-        from vllm.distributed.kv_transfer import kv_transfer_state
-
-        self._state = kv_transfer_state
-        self._saved = kv_transfer_state._KV_CONNECTOR_AGENT
-        kv_transfer_state._KV_CONNECTOR_AGENT = self.connector
-        return self
-
-    def __exit__(self, *exc):
-        self._state._KV_CONNECTOR_AGENT = self._saved
-        return False
+    saved = kv_transfer_state._KV_CONNECTOR_AGENT
+    kv_transfer_state._KV_CONNECTOR_AGENT = connector
+    try:
+        yield
+    finally:
+        kv_transfer_state._KV_CONNECTOR_AGENT = saved
 
 
 def loaded_blocks_by_group(stats: LoopStats, req_ids) -> dict[int, int]:
