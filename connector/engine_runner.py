@@ -47,13 +47,15 @@ class Completion:
 
 
 def generate(llm, prompts: list[list[int]], max_tokens: int = 8,
-             trace_headers: list[dict | None] | None = None, request_ids: list[str] | None = None) -> list[Completion]:
+             trace_headers: list[dict | None] | None = None, request_ids: list[str] | None = None,
+             ignore_eos: bool = False) -> list[Completion]:
     """Greedy completions in prompt order; with ids or trace headers, requests go in one by one
     through the engine (vLLM's `LLM.generate` takes no trace headers)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=1, detokenize=False)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=1, detokenize=False,
+                            ignore_eos=ignore_eos)
     inputs = [TokensPrompt(prompt_token_ids=p) for p in prompts]
     if trace_headers is None and request_ids is None:
         outs = llm.generate(inputs, params, use_tqdm=False)

@@ -69,6 +69,16 @@ class HostIndex:
         self._entries[key] = _Entry(slot=slot, pins=1)
         return slot
 
+    def rekey(self, old: Key, new: Key) -> bool:
+        """Give a not-yet-ready entry reserved under a placeholder its real key (a block stored
+        before its key existed); False, changing nothing, when `new` is present already."""
+        entry = self._entries.get(old)
+        if new in self._entries or entry is None or entry.ready:
+            return False
+        del self._entries[old]
+        self._entries[new] = entry
+        return True
+
     def complete_store(self, key: Key) -> None:
         entry = self._entries.get(key)
         if entry is not None and not entry.ready:  # the store's own pin, released once

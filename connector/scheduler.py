@@ -10,7 +10,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from .groups import GroupLayout
+from .groups import GroupKind, GroupLayout
 from .host_store import HostIndex
 from .lookup import find_hit_tokens
 from .metadata import LOAD, STORE, GroupTransfer, KVScopeMetadata, KVScopeWorkerMetadata, TransferJob
@@ -43,12 +43,19 @@ class _RequestState:
 @dataclass(slots=True)
 class _Filling:
     """An offloaded block stored piece by piece: each device block in the step that computes it,
-    before a sliding window can drop it. Ready once every piece is planned and every store job
-    carrying one has been reported; aborted (slot freed) once a piece fails or cannot be stored."""
+    before a sliding window can drop it. Ready once every piece is planned, its key is known and
+    every store job carrying a piece has been reported; aborted (slot freed) once a piece fails or
+    cannot be stored, or its key turns out stored already.
 
-    key: tuple  # (group index, block hash): the host index entry
+    A block holding output tokens (or the prompt's last tokens) has no key until its last token is
+    known; in a group whose window is shorter than the block, its first pieces would leave the
+    window before then, so they are stored under a placeholder key that the real one replaces."""
+
+    key: tuple  # (group index, block hash or placeholder): the host index entry
     slot: int
     needed: int  # device blocks per offloaded block in its group
+    block_index: int = 0  # which offloaded block of its request
+    keyed: bool = True  # False while `key` is a placeholder
     planned: int = 0
     jobs: int = 0  # store jobs with a piece of it, not yet reported
     failed: bool = False  # a piece failed or will never come: abort when no job is left
@@ -58,7 +65,8 @@ class _Filling:
 class _Job:
     direction: str
     req_id: str
-    keys: list  # host keys pinned (load) or reserved (store)
+    keys: list  # load: host keys pinned
+    fillings: list = field(default_factory=list)  # store: the offloaded blocks it has pieces of
     plan_ns: int = 0
     loaded: list[tuple[int, int]] = field(default_factory=list)  # load: (group, blocks)
     reports: int = 0
@@ -83,6 +91,13 @@ class KVScopeScheduler:
         self.block_size = offload_block_size
         self.hash_block_size = hash_block_size
         self.hashes_per_block = offload_block_size // hash_block_size
+        # Groups whose sliding window drops an offloaded block's first pieces before its last is
+        # computed (window <= offloaded block - device block, as vLLM frees window blocks): they
+        # store pieces of blocks whose key does not exist yet (`_Filling`).
+        self._stores_ahead = [layout.kind is GroupKind.SLIDING_WINDOW
+                              and layout.sliding_window <= offload_block_size - layout.block_size
+                              for layout in layouts]
+        self._ahead_groups = [layout.index for layout, ahead in zip(layouts, self._stores_ahead) if ahead]
         self.index = HostIndex(num_slots)
         self.slot_bytes = slot_bytes
         self.capacity_bytes = num_slots * slot_bytes
@@ -282,8 +297,10 @@ class KVScopeScheduler:
 
     def _plan_store(self, state: _RequestState, computed_tokens: int) -> TransferJob | None:
         """The store job of this step for one request: every device block computed since the last
-        step, in an offloaded block whose key is known (its tokens are all known: the prompt's are
-        from the start), goes to that block's host slot now, before a sliding window can drop it."""
+        step goes to its offloaded block's host slot now, before a sliding window can drop it. In
+        an offloaded block whose key is known (its tokens are all known: the prompt's are from the
+        start); in a group that stores ahead (`_stores_ahead`), in any block, under a placeholder
+        key until the real one exists."""
         request = state.request
         layouts = self.layouts
         if state.stored_blocks is None:
@@ -292,14 +309,17 @@ class KVScopeScheduler:
         step = self.hashes_per_block
         block_hashes = request.block_hashes
         known = len(block_hashes) // step  # offloaded blocks whose key (last hash block) exists
-        limits = [min(computed_tokens // layout.block_size, known * layout.blocks_per_offload_block(self.block_size))
-                  for layout in layouts]
+        if self._ahead_groups:
+            self._key_fillings(state, known)
+        limits = [computed_tokens // layout.block_size if ahead else
+                  min(computed_tokens // layout.block_size, known * layout.blocks_per_offload_block(self.block_size))
+                  for layout, ahead in zip(layouts, self._stores_ahead)]
         # Called for every scheduled request every step: decide before asking vLLM for block ids.
         if all(limit <= done for limit, done in zip(limits, state.stored_blocks)):
             return None
         group_block_ids = self._kv_cache_manager().get_block_ids(request.request_id)
         parts: list[GroupTransfer] = []
-        keys = []
+        fillings: list[_Filling] = []
         for layout, ids, limit in zip(layouts, group_block_ids, limits):
             g = layout.index
             factor = layout.blocks_per_offload_block(self.block_size)
@@ -308,7 +328,11 @@ class KVScopeScheduler:
             for i in range(state.stored_blocks[g], end):
                 k, sub = divmod(i, factor)
                 if sub == 0:
-                    state.filling[g] = self._start_filling((g, block_hashes[(k + 1) * step - 1]), factor, ids[i])
+                    if k < known:
+                        key, keyed = (g, block_hashes[(k + 1) * step - 1]), True
+                    else:  # a placeholder no block hash equals, until `_key_fillings` gives the real key
+                        key, keyed = (g, ("unkeyed", request.request_id, k)), False
+                    state.filling[g] = self._start_filling(key, factor, ids[i], k, keyed)
                 filling = state.filling[g]
                 if filling is None:
                     continue  # skipped: stored already, no free slot, or out of the window from its start
@@ -321,8 +345,8 @@ class KVScopeScheduler:
                 part.slots.append(filling.slot)
                 part.subs.append(sub)
                 filling.planned += 1
-                if not keys or keys[-1] != filling.key:
-                    keys.append(filling.key)
+                if not fillings or fillings[-1] is not filling:
+                    fillings.append(filling)
                     filling.jobs += 1
             state.stored_blocks[g] = max(state.stored_blocks[g], end)
             if part.block_ids:
@@ -330,7 +354,7 @@ class KVScopeScheduler:
         if not parts:
             return None
         job_id = self._new_job_id()
-        self._jobs[job_id] = _Job(direction=STORE, req_id=request.request_id, keys=keys)
+        self._jobs[job_id] = _Job(direction=STORE, req_id=request.request_id, keys=[], fillings=fillings)
         carrier = None
         tracing = self.tracing
         if tracing.may_record(state.trace_context):
@@ -359,8 +383,7 @@ class KVScopeScheduler:
             return  # a transfer is done only when every worker has reported it
         del self._jobs[job_id]
         if job.direction == STORE:
-            for key in job.keys:
-                filling = self._filling[key]  # registered while any job carries a piece of it
+            for filling in job.fillings:
                 filling.jobs -= 1
                 filling.failed |= job.failed
                 self._settle(filling)
@@ -381,7 +404,8 @@ class KVScopeScheduler:
                 self._stats.record_loaded_blocks(group, layout.kind.value, blocks, nbytes)
 
     # -- offloaded blocks stored piece by piece --
-    def _start_filling(self, key, needed: int, first_block_id: int) -> _Filling | None:
+    def _start_filling(self, key, needed: int, first_block_id: int, block_index: int,
+                       keyed: bool) -> _Filling | None:
         """Reserve `key`'s host slot for an offloaded block whose first device block is computed;
         None when the block is skipped (stored already or being stored, no free slot, out of window)."""
         if first_block_id == NULL_BLOCK_ID:
@@ -389,8 +413,27 @@ class KVScopeScheduler:
         slot = self.index.reserve_for_store(key)
         if slot is None:
             return None  # a later miss, never an error
-        filling = self._filling[key] = _Filling(key=key, slot=slot, needed=needed)
+        filling = self._filling[key] = _Filling(key=key, slot=slot, needed=needed, block_index=block_index,
+                                                keyed=keyed)
         return filling
+
+    def _key_fillings(self, state: _RequestState, known: int) -> None:
+        """Give the request's placeholder-keyed blocks whose key now exists (their last token is
+        known) that key; a block stored or being stored under it already makes ours a duplicate."""
+        hashes, step = state.request.block_hashes, self.hashes_per_block
+        for g in self._ahead_groups:
+            filling = state.filling[g]
+            if filling is None or filling.keyed or filling.failed or filling.block_index >= known:
+                continue
+            placeholder, key = filling.key, (g, hashes[(filling.block_index + 1) * step - 1])
+            if not self.index.rekey(placeholder, key):
+                self._give_up(filling)
+                continue
+            del self._filling[placeholder]
+            self._filling[key] = filling
+            filling.key, filling.keyed = key, True
+            # with async scheduling its last piece can be planned (even written) before its key exists
+            self._settle(filling)
 
     def _give_up(self, filling: _Filling) -> None:
         filling.failed = True
@@ -404,7 +447,7 @@ class KVScopeScheduler:
         if filling.failed:
             del self._filling[filling.key]
             self.index.abort_store(filling.key)
-        elif filling.planned == filling.needed:
+        elif filling.planned == filling.needed and filling.keyed:
             del self._filling[filling.key]
             self.index.complete_store(filling.key)
 
@@ -420,9 +463,12 @@ class KVScopeScheduler:
         req_id = request.request_id
         state = self._requests.pop(req_id, None)
         self._lookups.pop(req_id, None)
-        for filling in (state.filling or ()) if state is not None else ():
-            if filling is not None and filling.planned < filling.needed:
-                self._give_up(filling)  # its remaining pieces will never be computed for this request
+        if state is not None and state.filling is not None:
+            if self._ahead_groups:
+                self._key_fillings(state, len(request.block_hashes) // self.hashes_per_block)
+            for filling in state.filling:
+                if filling is not None and (filling.planned < filling.needed or not filling.keyed):
+                    self._give_up(filling)  # its remaining pieces (or its key) will never come for this request
         # Stores are complete (CPU) or fenced before block reuse (CUDA): free at once.
         return False, None
 

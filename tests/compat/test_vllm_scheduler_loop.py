@@ -250,3 +250,35 @@ def test_offloaded_blocks_larger_than_the_window_survive_chunked_prefill(model_p
         _assert_no_violations(stats)
         hits[chunk] = stats.external_hit_tokens
     assert hits[100] == hits[2048] > 0, hits
+
+
+@pytest.mark.parametrize(
+    "block_size, async_scheduling",
+    [(256, False), (256, True), (64, False)],
+    ids=["bs256-sync", "bs256-async", "bs64-sync"],
+)
+def test_a_conversation_turn_loads_the_previous_turns_output(model_path, block_size, async_scheduling):
+    """Turn 2 of a conversation sends turn 1's prompt, its output and a new message. The blocks of
+    turn 1's output (and the one straddling its prompt's end) have no key until their last token is
+    sampled; with 256-token blocks the 64-token window drops their first pieces long before that,
+    so they are stored under a placeholder key first. Every whole block turn 1 computed is a hit,
+    as with 64-token blocks (which the window cannot outrun), and the KV loaded is right."""
+    engine = ModelFreeEngine(model_path, {"cpu_bytes": 64 << 20, "block_size": block_size}, window=WINDOW,
+                             async_scheduling=async_scheduling)
+    try:
+        for j, prompt in enumerate(_prompts()):
+            engine.add(f"t1-{j}", prompt, max_tokens=200)
+        engine.run()
+        engine.reset_device_prefix_cache()
+        turn1_hits = engine.stats.external_hit_tokens
+        expected = 0
+        for j in range(4):
+            conversation = engine.tokens[f"t1-{j}"]  # prompt + the 200 tokens sampled
+            expected += (len(conversation) - 1) // block_size * block_size  # the last one was never computed
+            engine.add(f"t2-{j}", conversation + [(11 * i + j) % 509 + 1 for i in range(50)], max_tokens=2)
+        engine.run()
+        assert engine.host_tier_leaks() == []
+    finally:
+        engine.shutdown()
+    _assert_no_violations(engine.stats)
+    assert engine.stats.external_hit_tokens - turn1_hits == expected

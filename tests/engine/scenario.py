@@ -56,19 +56,39 @@ def _zero_host_blocks_of(llm, kind: str) -> None:
             engine.host[entry.slot].zero_()
 
 
+def _next_turn(prompts: list[list[int]], outs, new_tokens: int) -> list[list[int]]:
+    """A conversation's next turn: each prompt, its completion, and a new message of `new_tokens`."""
+    return [p + o.tokens + [(29 * i + 7 * j) % 509 + 1 for i in range(new_tokens)]
+            for j, (p, o) in enumerate(zip(prompts, outs))]
+
+
 def run(spec: dict) -> dict:
     engine_env()
     model = build_model(spec["model"], window=spec.get("window", 64), layer_types=spec.get("layer_types"))
     prompts = spec["prompts"]
     max_tokens = spec.get("max_tokens", 8)
     llm_kwargs = spec.get("llm_kwargs", {})
+    # "conversation": round 0 is a first turn of `first_turn_tokens` tokens (EOS ignored); the later
+    # rounds send the second turn (prompt, that output, a new message of `new_tokens`).
+    conversation = spec.get("conversation")
+    first_max_tokens = conversation["first_turn_tokens"] if conversation else max_tokens
+
+    def first_turn(llm):
+        return generate(llm, spec["prompts"], first_max_tokens, ignore_eos=bool(conversation))
+
     if not spec.get("connector", True):
-        outs = generate(make_llm(model, connector=False, **llm_kwargs), prompts, max_tokens)
-        return {"rounds": [[o.__dict__ for o in outs]]}
+        llm = make_llm(model, connector=False, **llm_kwargs)
+        outs = first_turn(llm)
+        rounds = [outs]
+        if conversation:  # the second turn over vLLM's device prefix cache: no reset
+            rounds.append(generate(llm, _next_turn(prompts, outs, conversation["new_tokens"]), max_tokens))
+        return {"rounds": [[o.__dict__ for o in r] for r in rounds]}
     llm = make_llm(model, spec.get("extra", {"cpu_bytes": 64 << 20}), **llm_kwargs)
     rounds, counters = [], []
     before = metric_values(llm)
-    rounds.append(generate(llm, prompts, max_tokens))  # round 0: cold, stores to the host tier
+    rounds.append(first_turn(llm))  # round 0: cold, stores to the host tier
+    if conversation:
+        prompts = _next_turn(prompts, rounds[0], conversation["new_tokens"])
     after0 = metric_values(llm)
     if spec.get("zero_group_kind"):
         _zero_host_blocks_of(llm, spec["zero_group_kind"])
@@ -99,6 +119,7 @@ def run(spec: dict) -> dict:
         "groups": [layout.kind.value for layout in sched.layouts],
         "block_sizes": [layout.block_size for layout in sched.layouts],
         "offload_block_size": sched.block_size,
+        "prompts": prompts,  # of rounds 1 and 2
     }
 
 

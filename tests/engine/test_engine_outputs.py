@@ -82,3 +82,25 @@ def test_offload_blocks_of_two_device_blocks(scenarios):
     # every hit is whole 256-token blocks, leaving at least one token to compute
     expected = sum((len(p) - 1) // 256 * 256 for p in PROMPTS)
     assert result["counters"][1]["vllm:external_prefix_cache_hits"] == expected
+
+
+def test_a_conversation_turn_loads_the_previous_turns_output(scenarios):
+    """Turn 2 sends turn 1's prompt, its 300 generated tokens and a new message. With offloaded
+    blocks of two device blocks (256 tokens) and a 64-token window, the window drops a block's first
+    device block before the block's last token is sampled, so the blocks of turn 1's output are
+    stored before their key exists (`_Filling`). Every whole block turn 1 computed loads, and turn 2's
+    greedy outputs equal an engine's without the connector that kept turn 1 in its device prefix cache."""
+    conversation = {"first_turn_tokens": 300, "new_tokens": 50}
+    result = scenarios.get("gemma3-w64-b256-conversation", spec_for(
+        "gemma3-w64", extra={"cpu_bytes": 64 << 20, "block_size": 256}, conversation=conversation))
+    baseline = scenarios.get("gemma3-w64-conversation:baseline", spec_for(
+        "gemma3-w64", connector=False, conversation=conversation))
+    first, second, _ = result["rounds"]
+    assert _tokens(first) == _tokens(baseline["rounds"][0])
+    assert all(len(c["tokens"]) == 300 for c in first)
+    # turn 1's tokens but the last sampled one, whose KV no forward computed, in whole blocks
+    expected = sum((len(p) - conversation["new_tokens"] - 1) // 256 * 256 for p in result["prompts"])
+    assert result["counters"][1]["vllm:external_prefix_cache_hits"] == expected
+    assert _tokens(second) == _tokens(baseline["rounds"][1])
+    for a, b in zip(second, baseline["rounds"][1]):
+        assert max((abs(x - y) for x, y in zip(a["logprobs"], b["logprobs"])), default=0) <= LOGPROB_TOLERANCE

@@ -229,6 +229,24 @@ def test_abort_then_reserve_again():
     assert index.is_ready("a")
 
 
+def test_rekey_moves_a_pending_store_to_its_real_key():
+    index = HostIndex(2)
+    slot = index.reserve_for_store("placeholder")
+    assert index.rekey("placeholder", "a")
+    assert not index.contains("placeholder") and index.contains("a") and not index.is_ready("a")
+    index.complete_store("a")
+    assert index.is_ready("a") and index.pin_for_load("a") == slot
+
+
+def test_rekey_refuses_a_present_key_and_ready_entries():
+    index = _filled(3, ["a"])
+    index.reserve_for_store("placeholder")
+    assert not index.rekey("placeholder", "a")  # stored already: the placeholder's store is a duplicate
+    assert index.contains("placeholder") and index.is_ready("a")
+    assert not index.rekey("a", "b")  # a ready entry keeps its key
+    assert not index.rekey("missing", "b") and not index.contains("b")
+
+
 # --- drop / clear -------------------------------------------------------------------------------
 
 
@@ -369,6 +387,17 @@ class HostIndexMachine(RuleBasedStateMachine):
         if key in self.model and not self.model[key][1]:
             del self.model[key]
             self.order.remove(key)
+
+    @precondition(lambda self: self.index is not None)
+    @rule(old=keys, new=keys)
+    def rekey(self, old, new):
+        moved = self.index.rekey(old, new)
+        expected = old in self.model and not self.model[old][1] and new not in self.model
+        assert moved == expected
+        if moved:  # the entry keeps its slot and pins, and becomes the most recent
+            self.model[new] = self.model.pop(old)
+            self.order.remove(old)
+            self.order.append(new)
 
     @precondition(lambda self: self.index is not None)
     @rule(key=keys)

@@ -142,3 +142,87 @@ def test_a_window_block_null_from_the_start_is_skipped_whole():
     assert not sched.index.contains((0, "h3")) and not sched.index.contains((0, "h7"))
     assert sched.index.is_ready((1, "h3")) and sched.index.is_ready((1, "h7"))
     assert sched._filling == {} and sched.index.used_slots == 2
+
+
+# --- blocks stored before their key exists (output tokens; the window shorter than a block) ---
+
+
+def _decoding(rid: str = "r") -> _RequestState:
+    """A request whose tokens are known up to 64 (one offloaded block's key, "h3") and that goes on
+    to 128: the second block's key ("h7") exists only once its last token is sampled."""
+    state = _state(rid, 128)
+    state.request.block_hashes = state.request.block_hashes[:4]
+    return state
+
+
+def _sample_up_to(state: _RequestState, num_tokens: int) -> None:
+    state.request.block_hashes = [f"h{i}" for i in range(num_tokens // BS)]
+
+
+def test_the_window_stores_a_block_before_its_key_exists_and_full_attention_waits_for_it():
+    sched, manager = _scheduler()
+    state = _decoding()
+    manager.ids = _ids(0)
+    first = sched._plan_store(state, 96)  # block 0 whole; block 1's first two device blocks computed
+    assert _pieces(first, 0) == [([100, 101, 102, 103, 104, 105], [0, 1, 2, 3, 0, 1])]
+    assert _pieces(first, 1) == [([200, 201, 202, 203], [0, 1, 2, 3])]  # block 1 waits for its key
+    _report(sched, first)
+    assert not sched.index.contains((0, "h7")) and sched.index.used_slots == 3  # h3 twice, block 1 under a placeholder
+    manager.ids = _ids(96)
+    second = sched._plan_store(state, 112)
+    assert _pieces(second, 0) == [([106], [2])] and _pieces(second, 1) == []
+    _report(sched, second)
+    _sample_up_to(state, 128)  # block 1's last token is known: its key exists
+    manager.ids = _ids(112)
+    assert manager.ids[0][4] == NULL_BLOCK_ID  # block 1's first piece has left the window by now
+    third = sched._plan_store(state, 128)
+    assert _pieces(third, 0) == [([107], [3])]
+    assert _pieces(third, 1) == [([204, 205, 206, 207], [0, 1, 2, 3])]
+    assert sched.index.contains((0, "h7")) and not sched.index.is_ready((0, "h7"))
+    _report(sched, third)
+    assert sched.index.is_ready((0, "h7")) and sched.index.is_ready((1, "h7"))
+    assert sched._filling == {} and sched.index.used_slots == 4
+
+
+def test_a_block_whose_key_arrives_after_its_last_piece_completes_then():
+    """Async scheduling: the step computing a block's last token is scheduled before that token's
+    value (so the block's key) is known."""
+    sched, manager = _scheduler()
+    state = _decoding()
+    manager.ids = _ids(0)
+    _report(sched, sched._plan_store(state, 128))  # every piece of block 1 written, its key unknown
+    assert not sched.index.is_ready((0, "h7")) and sched.index.used_slots == 3
+    _sample_up_to(state, 128)
+    manager.ids = _ids(128)
+    job = sched._plan_store(state, 128)  # nothing new for the window: its block gets its key
+    assert _pieces(job, 0) == [] and sched.index.is_ready((0, "h7"))
+    _report(sched, job)  # full attention stores block 1 now that its key exists
+    assert sched.index.is_ready((1, "h7")) and sched._filling == {}
+
+
+def test_a_block_stored_by_another_request_meanwhile_drops_the_placeholder():
+    sched, manager = _scheduler()
+    other = _state("other", 128)  # the same tokens, all known: it stores (0, h7) under its key
+    manager.ids = _ids(0)
+    _report(sched, sched._plan_store(other, 128))
+    state = _decoding()
+    _report(sched, sched._plan_store(state, 96))
+    used = sched.index.used_slots
+    _sample_up_to(state, 128)
+    manager.ids = _ids(96)
+    sched._plan_store(state, 128)
+    assert sched.index.used_slots == used - 1  # the placeholder's slot is freed; the stored block is intact
+    assert sched.index.is_ready((0, "h7")) and sched._filling == {}
+
+
+def test_a_request_finishing_before_its_block_has_a_key_frees_the_placeholder():
+    sched, manager = _scheduler()
+    state = _decoding()
+    sched._requests["r"] = state
+    manager.ids = _ids(0)
+    job = sched._plan_store(state, 128)  # every piece of block 1 planned; its last token never sampled
+    sched.request_finished(state.request)
+    assert sched.index.used_slots == 3  # block 0 of both groups, block 1 of the window: still being written
+    _report(sched, job)
+    assert sched.index.used_slots == 2 and sched._filling == {}  # block 1 never got its key: freed
+    assert sched.index.is_ready((0, "h3")) and sched.index.is_ready((1, "h3"))
