@@ -19,6 +19,7 @@ import hashlib
 from collections import defaultdict, deque
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from unittest import mock
 
 import torch
 
@@ -102,10 +103,12 @@ class ModelFreeEngine:
         self.group_kinds = [SLIDING, FULL]
         self.group_layers = [g.layer_names for g in self.kv_cache_config.kv_cache_groups]
         self.workers, self.words = [], []  # per rank: its connector, and its caches as int64 words
-        for _ in range(workers):
+        for rank in range(workers):
             caches = {name: torch.zeros(num_blocks, PAGE, dtype=torch.int8)
                       for names in self.group_layers for name in names}
-            connector = KVScopeConnector(self.vllm_config, KVConnectorRole.WORKER, self.kv_cache_config)
+            # vLLM's tensor-parallel state is not set up here: each worker is told its rank
+            with mock.patch("connector.connector._worker_rank", return_value=rank):
+                connector = KVScopeConnector(self.vllm_config, KVConnectorRole.WORKER, self.kv_cache_config)
             connector.register_kv_caches(caches)
             self.workers.append(connector)
             self.words.append({name: t.view(torch.int64) for name, t in caches.items()})
