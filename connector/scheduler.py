@@ -329,10 +329,14 @@ class KVScopeScheduler:
                 k, sub = divmod(i, factor)
                 if sub == 0:
                     if k < known:
-                        key, keyed = (g, block_hashes[(k + 1) * step - 1]), True
-                    else:  # a placeholder no block hash equals, until `_key_fillings` gives the real key
-                        key, keyed = (g, ("unkeyed", request.request_id, k)), False
-                    state.filling[g] = self._start_filling(key, factor, ids[i], k, keyed)
+                        state.filling[g] = self._start_filling(
+                            (g, block_hashes[(k + 1) * step - 1]), factor, ids[i], k, keyed=True)
+                    elif self._may_complete(request, k):
+                        # a placeholder no block hash equals, until `_key_fillings` gives the real key
+                        state.filling[g] = self._start_filling(
+                            (g, ("unkeyed", request.request_id, k)), factor, ids[i], k, keyed=False)
+                    else:
+                        state.filling[g] = None  # the request ends before the block does: no slot for it
                 filling = state.filling[g]
                 if filling is None:
                     continue  # skipped: stored already, no free slot, or out of the window from its start
@@ -416,6 +420,14 @@ class KVScopeScheduler:
         filling = self._filling[key] = _Filling(key=key, slot=slot, needed=needed, block_index=block_index,
                                                 keyed=keyed)
         return filling
+
+    def _may_complete(self, request, block_index: int) -> bool:
+        """Whether the request may still compute the offloaded block's last token: the last token
+        it samples is never computed, so its final, partial block would only hold a slot."""
+        max_tokens = getattr(request, "max_tokens", None)
+        if not isinstance(max_tokens, int):
+            return True
+        return (block_index + 1) * self.block_size <= request.num_prompt_tokens + max_tokens - 1
 
     def _key_fillings(self, state: _RequestState, known: int) -> None:
         """Give the request's placeholder-keyed blocks whose key now exists (their last token is

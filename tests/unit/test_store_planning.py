@@ -226,3 +226,15 @@ def test_a_request_finishing_before_its_block_has_a_key_frees_the_placeholder():
     _report(sched, job)
     assert sched.index.used_slots == 2 and sched._filling == {}  # block 1 never got its key: freed
     assert sched.index.is_ready((0, "h3")) and sched.index.is_ready((1, "h3"))
+
+
+def test_a_block_the_request_cannot_complete_gets_no_placeholder():
+    """The last token a request samples is never computed: with 64 prompt tokens and at most 64
+    new ones, token 127 never is, so block 1 would only hold a slot (and evict another block for it)."""
+    for max_tokens, placeholders in ((64, 0), (65, 1)):
+        sched, manager = _scheduler()
+        state = _decoding()
+        state.request.num_prompt_tokens, state.request.max_tokens = 64, max_tokens
+        manager.ids = _ids(0)
+        _report(sched, sched._plan_store(state, 96))
+        assert sched.index.used_slots == 2 + placeholders, max_tokens
