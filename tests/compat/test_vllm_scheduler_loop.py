@@ -255,21 +255,21 @@ def test_offloaded_blocks_larger_than_the_window_survive_chunked_prefill(model_p
 
 
 @pytest.mark.parametrize(
-    "block_size, async_scheduling",
-    [(256, False), (256, True), (64, False)],
-    ids=["bs256-sync", "bs256-async", "bs64-sync"],
+    "block_size, async_scheduling, num_blocks",
+    [(256, False, 1200), (256, True, 1200), (256, True, 150), (64, False, 1200)],
+    ids=["bs256-sync", "bs256-async", "bs256-async-preempting", "bs64-sync"],
 )
-def test_a_conversation_turn_loads_the_previous_turns_output(model_path, block_size, async_scheduling):
+def test_a_conversation_turn_loads_the_previous_turns_output(model_path, block_size, async_scheduling, num_blocks):
     """Turn 2 of a conversation sends turn 1's prompt, its output and a new message. The blocks of
     turn 1's output (and the one straddling its prompt's end) have no key until their last token is
     sampled; with 256-token blocks the 64-token window drops their first pieces long before that,
     so they are stored under a placeholder key first. Every whole block turn 1 computed is a hit,
     as with 64-token blocks (which the window cannot outrun), and the KV loaded is right."""
     engine = ModelFreeEngine(model_path, {"cpu_bytes": 64 << 20, "block_size": block_size}, window=WINDOW,
-                             async_scheduling=async_scheduling)
+                             async_scheduling=async_scheduling, num_blocks=num_blocks)
     try:
         for j, prompt in enumerate(_prompts()):
-            engine.add(f"t1-{j}", prompt, max_tokens=200)
+            engine.add(f"t1-{j}", prompt, max_tokens=200)  # with 150 device blocks, vLLM preempts one
         engine.run()
         engine.reset_device_prefix_cache()
         turn1_hits = engine.stats.external_hit_tokens
@@ -283,4 +283,5 @@ def test_a_conversation_turn_loads_the_previous_turns_output(model_path, block_s
     finally:
         engine.shutdown()
     _assert_no_violations(engine.stats)
+    assert bool(engine.stats.resumed) == (num_blocks < 1000)
     assert engine.stats.external_hit_tokens - turn1_hits == expected
