@@ -21,7 +21,8 @@ from connector.engine_runner import (
 from connector.tiny_models import build_model
 
 COUNTERS = ("vllm:prefix_cache_hits", "vllm:prefix_cache_queries",
-            "vllm:external_prefix_cache_hits", "vllm:external_prefix_cache_queries")
+            "vllm:external_prefix_cache_hits", "vllm:external_prefix_cache_queries",
+            "vllm:spec_decode_num_draft_tokens", "vllm:spec_decode_num_accepted_tokens")
 
 
 def _delta(after: dict, before: dict) -> dict:

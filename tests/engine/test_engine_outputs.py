@@ -104,3 +104,25 @@ def test_a_conversation_turn_loads_the_previous_turns_output(scenarios):
     assert _tokens(second) == _tokens(baseline["rounds"][1])
     for a, b in zip(second, baseline["rounds"][1]):
         assert max((abs(x - y) for x, y in zip(a["logprobs"], b["logprobs"])), default=0) <= LOGPROB_TOLERANCE
+
+
+def test_a_conversation_under_speculative_decoding(scenarios):
+    """The same conversation with n-gram speculative decoding: steps carry draft tokens that vLLM
+    may reject, and only verified tokens' blocks may be stored (ahead of their key, in the window
+    group). Turn 2 still hits every whole block of turn 1, with the outputs of an engine without
+    the connector (speculating alike)."""
+    conversation = {"first_turn_tokens": 300, "new_tokens": 50}
+    speculative = {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3,
+                                          "prompt_lookup_max": 4, "prompt_lookup_min": 2}}
+    result = scenarios.get("gemma3-w64-b256-conversation-ngram", spec_for(
+        "gemma3-w64", extra={"cpu_bytes": 64 << 20, "block_size": 256}, conversation=conversation,
+        llm_kwargs=speculative))
+    baseline = scenarios.get("gemma3-w64-conversation-ngram:baseline", spec_for(
+        "gemma3-w64", connector=False, conversation=conversation, llm_kwargs=speculative))
+    first, second, _ = result["rounds"]
+    turn1 = result["counters"][0]
+    assert turn1["vllm:spec_decode_num_draft_tokens"] > turn1["vllm:spec_decode_num_accepted_tokens"] > 0
+    assert _tokens(first) == _tokens(baseline["rounds"][0])
+    expected = sum((len(p) - conversation["new_tokens"] - 1) // 256 * 256 for p in result["prompts"])
+    assert result["counters"][1]["vllm:external_prefix_cache_hits"] == expected
+    assert _tokens(second) == _tokens(baseline["rounds"][1])
