@@ -126,3 +126,17 @@ def test_a_conversation_under_speculative_decoding(scenarios):
     expected = sum((len(p) - conversation["new_tokens"] - 1) // 256 * 256 for p in result["prompts"])
     assert result["counters"][1]["vllm:external_prefix_cache_hits"] == expected
     assert _tokens(second) == _tokens(baseline["rounds"][1])
+
+
+def test_the_host_tier_serves_an_engine_with_its_prefix_cache_off(scenarios):
+    """`--no-enable-prefix-caching`: vLLM still hashes blocks for the connector, so the host tier is
+    the only prefix cache: every round after the first loads from it, with the same outputs."""
+    result = scenarios.get("gemma3-w64-no-prefix-cache",
+                           spec_for("gemma3-w64", llm_kwargs={"enable_prefix_caching": False}))
+    baseline = scenarios.get("gemma3-w64:baseline", spec_for("gemma3-w64", connector=False))
+    for round_ in result["rounds"]:
+        assert _tokens(round_) == _tokens(baseline["rounds"][0])
+    for counters in result["counters"][1:]:  # no reset needed: nothing is cached on the device
+        assert counters["vllm:prefix_cache_queries"] == 0
+        assert counters["vllm:external_prefix_cache_hits"] > 0
+    assert result["counters"][1]["vllm:external_prefix_cache_hits"] == result["counters"][2]["vllm:external_prefix_cache_hits"]
