@@ -125,14 +125,15 @@ class ModelFreeEngine:
         self.stats = LoopStats()
 
     # ------------------------------------------------------------------ driving
-    def add(self, req_id: str, prompt: list[int], max_tokens: int = 2, trace_headers: dict | None = None) -> None:
+    def add(self, req_id: str, prompt: list[int], max_tokens: int = 2, trace_headers: dict | None = None,
+            cache_salt: str | None = None) -> None:
         from vllm import SamplingParams
         from vllm.v1.request import Request
 
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
         self.tokens[req_id] = list(prompt)
         self.scheduler.add_request(Request(req_id, list(prompt), params, None, block_hasher=self._block_hasher,
-                                           trace_headers=trace_headers))
+                                           trace_headers=trace_headers, cache_salt=cache_salt))
 
     def run(self, max_steps: int = 2000, on_scheduled=None) -> None:
         """Step until every request has finished: schedule, execute, update, one step at a time, or

@@ -285,3 +285,25 @@ def test_a_conversation_turn_loads_the_previous_turns_output(model_path, block_s
     _assert_no_violations(engine.stats)
     assert bool(engine.stats.resumed) == (num_blocks < 1000)
     assert engine.stats.external_hit_tokens - turn1_hits == expected
+
+
+def test_a_cache_salt_keeps_tenants_apart(model_path):
+    """vLLM's `cache_salt` (per-tenant prefix-cache isolation) goes into the block hashes, so into the
+    host tier's keys: another salt, or none, never hits what a salted request stored; the same salt does."""
+    engine = ModelFreeEngine(model_path, {"cpu_bytes": 64 << 20, "block_size": 64}, window=WINDOW)
+    hits = {}
+    try:
+        prompts = _prompts()
+        for round_, salt in enumerate(("tenant-a", "tenant-b", None, "tenant-a")):
+            before = engine.stats.external_hit_tokens
+            for j, prompt in enumerate(prompts):
+                engine.add(f"r{round_}-{j}", prompt, cache_salt=salt)
+            engine.run()
+            engine.reset_device_prefix_cache()
+            hits[round_] = engine.stats.external_hit_tokens - before
+        assert engine.host_tier_leaks() == []
+    finally:
+        engine.shutdown()
+    _assert_no_violations(engine.stats)
+    # each round's prompts run together, so nothing hits within a round: only tenant a's second round hits
+    assert hits[0] == hits[1] == hits[2] == 0 and hits[3] > 0, hits
