@@ -306,9 +306,7 @@ class KVScopeScheduler:
         if state.stored_blocks is None:
             state.stored_blocks = [0] * len(layouts)
             state.filling = [None] * len(layouts)
-        step = self.hashes_per_block
-        block_hashes = request.block_hashes
-        known = len(block_hashes) // step  # offloaded blocks whose key (last hash block) exists
+        known = len(request.block_hashes) // self.hashes_per_block  # offloaded blocks whose key exists
         if self._ahead_groups:
             self._key_fillings(state, known)
         limits = [computed_tokens // layout.block_size if ahead else
@@ -328,15 +326,7 @@ class KVScopeScheduler:
             for i in range(state.stored_blocks[g], end):
                 k, sub = divmod(i, factor)
                 if sub == 0:
-                    if k < known:
-                        state.filling[g] = self._start_filling(
-                            (g, block_hashes[(k + 1) * step - 1]), factor, ids[i], k, keyed=True)
-                    elif self._may_complete(request, k):
-                        # a placeholder no block hash equals, until `_key_fillings` gives the real key
-                        state.filling[g] = self._start_filling(
-                            (g, ("unkeyed", request.request_id, k)), factor, ids[i], k, keyed=False)
-                    else:
-                        state.filling[g] = None  # the request ends before the block does: no slot for it
+                    state.filling[g] = self._start_block(request, g, k, factor, ids[i], known)
                 filling = state.filling[g]
                 if filling is None:
                     continue  # skipped: stored already, no free slot, or out of the window from its start
@@ -408,6 +398,17 @@ class KVScopeScheduler:
                 self._stats.record_loaded_blocks(group, layout.kind.value, blocks, nbytes)
 
     # -- offloaded blocks stored piece by piece --
+    def _start_block(self, request, g: int, k: int, needed: int, first_block_id: int, known: int) -> _Filling | None:
+        """The filling of the request's offloaded block `k` in group `g`, whose first device block is
+        computed: under its key once that exists (`known` blocks have one), else under a placeholder
+        no block hash equals, until `_key_fillings` gives it the key; None when skipped."""
+        if k < known:
+            key = (g, request.block_hashes[(k + 1) * self.hashes_per_block - 1])
+            return self._start_filling(key, needed, first_block_id, k, keyed=True)
+        if not self._may_complete(request, k):
+            return None  # the request ends before the block does: no slot for it
+        return self._start_filling((g, ("unkeyed", request.request_id, k)), needed, first_block_id, k, keyed=False)
+
     def _start_filling(self, key, needed: int, first_block_id: int, block_index: int,
                        keyed: bool) -> _Filling | None:
         """Reserve `key`'s host slot for an offloaded block whose first device block is computed;
