@@ -24,6 +24,8 @@ the engine thread instead of marshalled for the helper (`*_noexport`: recording 
 from the export);
 tracing a tenth of the requests (`*_sampled`, `trace_sample_ratio` 0.1, what an operator would
 run under load); and the scans alone (`_scan_groups`; traced: `_scan_groups_traced` and the load's record).
+Also the lookup that comes before (`get_num_new_matched_tokens`, the same stored blocks) on both sides
+(`vllm_lookup`, `kvscope_lookup`): vLLM calls it for every request it tries to schedule from scratch.
 
 Sides are sampled alternately (rotating order) in one process; the per-request bookkeeping that
 must be undone between calls (pins, jobs, request state) is undone outside the timed region.
@@ -73,6 +75,7 @@ SIZES_QUICK = (128, 2048, 32768)
 
 SIDES = ("vllm", "kvscope_bare", "kvscope_off", "kvscope_on", "kvscope_on_thread", "kvscope_on_noexport",
          "kvscope_on_sampled", "kvscope_scan_off", "kvscope_scan_on", "kvscope_scan_on_noexport", "kvscope_scan_bare")
+LOOKUP_SIDES = ("vllm_lookup", "kvscope_lookup")  # get_num_new_matched_tokens, sampled with SIDES
 # Sides also reported as the engine process's CPU time per request (all its threads, not the
 # export helper process): with the helper, wall time includes waiting for it at the flush.
 CPU_SIDES = ("vllm", "kvscope_bare", "kvscope_on", "kvscope_on_thread")
@@ -256,6 +259,17 @@ class VllmSide:
         for req in reqs:
             update(req, blocks, external)
 
+    def prepare_lookup(self, n: int) -> list:
+        reqs = self._requests(n, "lookup")
+        for req in reqs:
+            self.sched.on_new_request(req)
+        return reqs
+
+    def lookup(self, reqs: list) -> None:
+        lookup, local = self.sched.get_num_new_matched_tokens, self.case.local
+        for req in reqs:
+            lookup(req, local)
+
     def planned(self) -> list[list[int]]:
         """Per group, the device blocks of the last planned load."""
         job = next(reversed(self.sched._current_batch_load_jobs.values()))
@@ -332,6 +346,15 @@ class KVScopeSide:
             update(req, blocks, external)
         if self.tracing.enabled:
             self.tracing.force_flush()  # the span export is part of the cost
+
+    def prepare_lookup(self, n: int) -> list:
+        hashes = self.case.hashes
+        return [_request(f"lookup-{i}", self.case.prompt, lambda r: list(hashes)) for i in range(n)]
+
+    def lookup(self, reqs: list) -> None:
+        lookup, local = self.sched.get_num_new_matched_tokens, self.case.local
+        for req in reqs:
+            lookup(req, local)
 
     def scan(self, reqs: list) -> None:
         """The scans alone, as `_plan_load` runs them (with a load span when tracing)."""
@@ -445,7 +468,15 @@ def measure(case: Case, vllm_config, trace_dir: str, repeats: int, min_sample_s:
             "kvscope_scan_on": (lambda n: [None] * n, on.scan, on.reset),
             "kvscope_scan_on_noexport": (lambda n: [None] * n, noexport.scan, noexport.reset),
             "kvscope_scan_bare": (lambda n: [None] * n, off.scan_bare, off.reset),
+            "vllm_lookup": (vllm.prepare_lookup, vllm.lookup, vllm.reset),
+            "kvscope_lookup": (off.prepare_lookup, off.lookup, off.reset),
         }
+        for name, side in (("vllm_lookup", vllm), ("kvscope_lookup", off)):  # both find the whole hit
+            reqs = side.prepare_lookup(1)
+            hit, _ = side.sched.get_num_new_matched_tokens(reqs[0], case.local)
+            side.reset()
+            if hit != case.external:
+                raise AssertionError(f"{case.name}: {name} found {hit} tokens, expected {case.external}")
         # Requests per sample from the planners' own time: a flush's fixed wait (the export
         # thread, the helper process) must not shrink the samples it is then spread over. Timed
         # over a few requests, not one: a lone first call is several times slower, and samples
@@ -453,11 +484,12 @@ def measure(case: Case, vllm_config, trace_dir: str, repeats: int, min_sample_s:
         # export thread never ran before the flush and the whole export landed in the wait for it.
         one = max(_sample(*samplers[s], _SIZING_REQUESTS) for s in ("vllm", "kvscope_off"))
         number = max(1, min(_MAX_SAMPLE_REQUESTS, int(min_sample_s / max(one, 1e-9))))
-        samples: dict[str, list[float]] = {s: [] for s in SIDES}
+        sides = SIDES + LOOKUP_SIDES
+        samples: dict[str, list[float]] = {s: [] for s in sides}
         cpu_samples: dict[str, list[float]] = {s: [] for s in CPU_SIDES}
         helper_cpu = 0.0
         for r in range(repeats):
-            order = SIDES[r % len(SIDES):] + SIDES[:r % len(SIDES)]
+            order = sides[r % len(sides):] + sides[:r % len(sides)]
             for side in order:
                 before = _export_process_cpu_s(on_tracing) if side == "kvscope_on" else 0.0
                 wall, cpu = _sample_with_cpu(*samplers[side], number)
@@ -533,6 +565,8 @@ def to_records(results: list[Result]) -> list[dict]:
         record("vllm", "vllm", None)
         for side in SIDES[1:]:
             record(side, side, "kvscope_scan_bare" if side in SCAN_SIDES else "vllm")
+        record("vllm_lookup", "vllm_lookup", None)
+        record("kvscope_lookup", "kvscope_lookup", "vllm_lookup")
         for name, side in TELEMETRY_SIDES.items():
             record(name, side, "kvscope_bare")
         # The engine process's CPU per request (all its threads; not the export helper's).
@@ -561,7 +595,8 @@ def run(quick: bool = False) -> list[dict]:
 def format_table(results: list[Result]) -> str:
     rows = [("case", "pending", "vLLM µs", "kvscope off µs", "on µs", "off/vLLM", "on/vLLM",
              "on no export/vLLM", "off/bare", "on/bare", "on CPU/bare", "on thread/bare", "on no export/bare",
-             f"on {SAMPLED_RATIO:.0%}/bare", "helper CPU µs", "scan off/bare", "scan on/bare")]
+             f"on {SAMPLED_RATIO:.0%}/bare", "helper CPU µs", "scan off/bare", "scan on/bare",
+             "lookup vLLM µs", "lookup kvscope/vLLM")]
     for r in results:
         s = r.seconds
         rows.append((r.case.name, str(r.pending_blocks), f"{s['vllm'] * 1e6:.1f}",
@@ -576,7 +611,8 @@ def format_table(results: list[Result]) -> str:
                      f"{s['kvscope_on_sampled'] / s['kvscope_bare']:.2f}",
                      f"{r.export_process_cpu * 1e6:.1f}",
                      f"{s['kvscope_scan_off'] / s['kvscope_scan_bare']:.3f}",
-                     f"{s['kvscope_scan_on'] / s['kvscope_scan_bare']:.2f}"))
+                     f"{s['kvscope_scan_on'] / s['kvscope_scan_bare']:.2f}",
+                     f"{s['vllm_lookup'] * 1e6:.1f}", f"{s['kvscope_lookup'] / s['vllm_lookup']:.2f}"))
     return render_table(rows)
 
 

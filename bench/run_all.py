@@ -52,6 +52,8 @@ def goal_of(record: dict) -> tuple[str, bool] | None:
     if name.startswith(("planner_vs_vllm.kvscope_on[", "planner_vs_vllm.kvscope_off[",
                         "planner_vs_vllm.kvscope_on_cpu[")):
         return f"≤ {PLANNER_GOAL:g} × vLLM", ratio <= PLANNER_GOAL
+    if name.startswith("planner_vs_vllm.kvscope_lookup["):
+        return f"≤ {PLANNER_GOAL:g} × vLLM's lookup", ratio <= PLANNER_GOAL
     if name.startswith("planner_vs_vllm.telemetry_off["):
         return f"≤ {TELEMETRY_OFF_GOAL:g} × uninstrumented", ratio <= TELEMETRY_OFF_GOAL
     if name.startswith(("planner_vs_vllm.telemetry_on[", "planner_vs_vllm.telemetry_on_cpu[")):
@@ -79,6 +81,8 @@ def goal_summary(records: list[dict]) -> list[tuple[str, str, str]]:
                            "planner_vs_vllm.kvscope_on_cpu["),
                           ("planner: kvscope with tracing off no slower than vLLM (off / vLLM ≤ 1, per case)",
                            "planner_vs_vllm.kvscope_off["),
+                          ("lookup: kvscope's host-tier lookup no slower than vLLM's (kvscope / vLLM ≤ 1, per case)",
+                           "planner_vs_vllm.kvscope_lookup["),
                           (f"telemetry off: planner within {TELEMETRY_OFF_GOAL - 1:.0%} of the uninstrumented "
                            "planner (per case)", "planner_vs_vllm.telemetry_off["),
                           (f"telemetry on: planner + spans + their export within {TELEMETRY_ON_GOAL - 1:.0%} of "

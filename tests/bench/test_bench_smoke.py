@@ -34,7 +34,8 @@ def test_planner_vs_vllm_tiny():
     names = {r["name"].split("[")[0] for r in records if r["ratio_of"]}
     cpu = {f"{s}_cpu" for s in planner_vs_vllm.CPU_SIDES[1:]}
     cpu |= {f"{name}_cpu" for name, side in planner_vs_vllm.TELEMETRY_SIDES.items() if side in planner_vs_vllm.CPU_SIDES}
-    expected = set(planner_vs_vllm.SIDES[1:]) | set(planner_vs_vllm.TELEMETRY_SIDES) | {"export_process_cpu"} | cpu
+    expected = (set(planner_vs_vllm.SIDES[1:]) | set(planner_vs_vllm.TELEMETRY_SIDES) | {"export_process_cpu"} | cpu
+                | {"kvscope_lookup"})
     assert names == {f"planner_vs_vllm.{s}" for s in expected}
     by_name = {r["name"]: r for r in records}
     for r in records:
@@ -48,6 +49,8 @@ def test_planner_vs_vllm_tiny():
         elif side.endswith("_cpu"):  # the engine process's CPU time: against the same measure
             base = side[: -len("_cpu")]
             reference = "kvscope_bare_cpu" if base in planner_vs_vllm.TELEMETRY_SIDES else "vllm_cpu"
+        elif side == "kvscope_lookup":
+            reference = "vllm_lookup"
         elif side in planner_vs_vllm.TELEMETRY_SIDES:
             reference = "kvscope_bare"
             assert r["median"] == by_name[f"planner_vs_vllm.{planner_vs_vllm.TELEMETRY_SIDES[side]}[{case}"]["median"]
