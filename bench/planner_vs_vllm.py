@@ -265,11 +265,6 @@ class VllmSide:
             self.sched.on_new_request(req)
         return reqs
 
-    def lookup(self, reqs: list) -> None:
-        lookup, local = self.sched.get_num_new_matched_tokens, self.case.local
-        for req in reqs:
-            lookup(req, local)
-
     def planned(self) -> list[list[int]]:
         """Per group, the device blocks of the last planned load."""
         job = next(reversed(self.sched._current_batch_load_jobs.values()))
@@ -351,11 +346,6 @@ class KVScopeSide:
         hashes = self.case.hashes
         return [_request(f"lookup-{i}", self.case.prompt, lambda r: list(hashes)) for i in range(n)]
 
-    def lookup(self, reqs: list) -> None:
-        lookup, local = self.sched.get_num_new_matched_tokens, self.case.local
-        for req in reqs:
-            lookup(req, local)
-
     def scan(self, reqs: list) -> None:
         """The scans alone, as `_plan_load` runs them (with a load span when tracing)."""
         sched, ids = self.sched, self.group_block_ids
@@ -395,6 +385,15 @@ class KVScopeSide:
         s._requests.clear()
         s._lookups.clear()
         s.take_stats()
+
+
+def _lookups(sched, local: int):
+    """A sampler's run: `sched`'s lookup (`get_num_new_matched_tokens`) of each prepared request."""
+    def run(reqs: list) -> None:
+        lookup = sched.get_num_new_matched_tokens
+        for req in reqs:
+            lookup(req, local)
+    return run
 
 
 # ----------------------------------------------------------------------------- timing
@@ -468,15 +467,10 @@ def measure(case: Case, vllm_config, trace_dir: str, repeats: int, min_sample_s:
             "kvscope_scan_on": (lambda n: [None] * n, on.scan, on.reset),
             "kvscope_scan_on_noexport": (lambda n: [None] * n, noexport.scan, noexport.reset),
             "kvscope_scan_bare": (lambda n: [None] * n, off.scan_bare, off.reset),
-            "vllm_lookup": (vllm.prepare_lookup, vllm.lookup, vllm.reset),
-            "kvscope_lookup": (off.prepare_lookup, off.lookup, off.reset),
+            # the same lookups as `prepare` runs (and checks: both find the whole hit), timed
+            "vllm_lookup": (vllm.prepare_lookup, _lookups(vllm.sched, case.local), vllm.reset),
+            "kvscope_lookup": (off.prepare_lookup, _lookups(off.sched, case.local), off.reset),
         }
-        for name, side in (("vllm_lookup", vllm), ("kvscope_lookup", off)):  # both find the whole hit
-            reqs = side.prepare_lookup(1)
-            hit, _ = side.sched.get_num_new_matched_tokens(reqs[0], case.local)
-            side.reset()
-            if hit != case.external:
-                raise AssertionError(f"{case.name}: {name} found {hit} tokens, expected {case.external}")
         # Requests per sample from the planners' own time: a flush's fixed wait (the export
         # thread, the helper process) must not shrink the samples it is then spread over. Timed
         # over a few requests, not one: a lone first call is several times slower, and samples

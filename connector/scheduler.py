@@ -66,7 +66,7 @@ class _Job:
     direction: str
     req_id: str
     keys: list  # load: host keys pinned
-    fillings: list = field(default_factory=list)  # store: the offloaded blocks it has pieces of
+    fillings: list | tuple = ()  # store: the offloaded blocks it has pieces of (no list made per load)
     plan_ns: int = 0
     loaded: list[tuple[int, int]] = field(default_factory=list)  # load: (group, blocks)
     reports: int = 0
