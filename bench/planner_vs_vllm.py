@@ -295,7 +295,7 @@ class UninstrumentedScheduler(KVScopeScheduler):
     load-latency start stamp (`_Job.plan_ns`, one clock read) and the lookup log (one list append).
     """
 
-    def _scan_groups(self, group_block_ids, local, cached):
+    def _scan_groups(self, group_block_ids, local, cached, t0):
         block = self.block_size
         return [scan_group(layout, ids, local, cached, block) for layout, ids in zip(self.layouts, group_block_ids)]
 
@@ -359,7 +359,7 @@ class KVScopeSide:
             self.tracing.force_flush()
         else:
             for _ in reqs:
-                sched._scan_groups(ids, local, cached)
+                sched._scan_groups(ids, local, cached, time.perf_counter_ns())
 
     def scan_bare(self, reqs: list) -> None:
         """The same scans with no instrumentation: no timer, no stats, no span."""

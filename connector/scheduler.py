@@ -112,9 +112,9 @@ class KVScopeScheduler:
         self._pending_loads: list[TransferJob] = []
         self._filling: dict = {}  # host key -> _Filling
         self._stats = KVScopeStats()
-        # Per group, one (seconds, blocks scanned, null blocks skipped) per scan: a single list
+        # Per group, one (nanoseconds, blocks scanned, null blocks skipped) per scan: a single list
         # append on the planning path, folded into the stats payload once per stats interval.
-        self._scan_log: list[list[tuple[float, int, int]]] = [[] for _ in layouts]
+        self._scan_log: list[list[tuple[int, int, int]]] = [[] for _ in layouts]
         self._lookup_log: list[tuple[int, int]] = []  # (tokens queried, tokens hit), likewise
         self._evicted_reported = 0
 
@@ -197,14 +197,15 @@ class KVScopeScheduler:
         # Traced: under the lookup or upstream span (a SpanRef: sampling kept it); with no span before
         # it (tracing on, no lookup recorded), the load roots a trace. Not: tracing off, or dropped.
         traced = type(parent) is SpanRef or (parent is None and tracing.enabled)
+        plan_ns = time.perf_counter_ns()  # the request's load latency starts here, and so do its scans
         if traced:
             load_start = time.time_ns()
             scans, scan_records = self._scan_groups_traced(group_block_ids, local, cached, load_start)
         else:
-            scans = self._scan_groups(group_block_ids, local, cached)
+            scans = self._scan_groups(group_block_ids, local, cached, plan_ns)
         hashes = self._offload_hashes(request)
         job_id = self._new_job_id()
-        job = _Job(direction=LOAD, req_id=req_id, keys=[], plan_ns=time.perf_counter_ns())
+        job = _Job(direction=LOAD, req_id=req_id, keys=[], plan_ns=plan_ns)
         parts, failed = [], False
         num_hashes = len(hashes)
         pin = self.index.pin_for_load
@@ -243,10 +244,10 @@ class KVScopeScheduler:
             )
         )
 
-    def _scan_groups(self, group_block_ids, local, cached) -> list[GroupScan]:
+    def _scan_groups(self, group_block_ids, local, cached, t0: int) -> list[GroupScan]:
+        """Each group's scan, timed from ``t0`` (``perf_counter_ns``) for the scan histogram."""
         scans = []
-        clock = time.perf_counter
-        t0 = clock()
+        clock = time.perf_counter_ns
         for layout, ids, log in zip(self.layouts, group_block_ids, self._scan_log):
             scan = scan_group(layout, ids, local, cached, self.block_size)
             t1 = clock()  # one clock read per group: each scan's end starts the next
@@ -266,7 +267,7 @@ class KVScopeScheduler:
             t1 = clock()  # one clock read per group: each scan's end starts the next
             records.append((t0, t1, layout.index, kind, scan.blocks_total, scan.null_skipped,
                             len(scan.block_ids), scan.start))
-            log.append(((t1 - t0 if t1 > t0 else 0) / 1e9, scan.blocks_total, scan.null_skipped))
+            log.append((t1 - t0 if t1 > t0 else 0, scan.blocks_total, scan.null_skipped))
             scans.append(scan)
             t0 = t1
         return scans, records
@@ -498,10 +499,10 @@ class KVScopeScheduler:
                 continue
             blocks = sum(entry[1] for entry in log)
             nulls = sum(entry[2] for entry in log)
-            for i, (seconds, _, _) in enumerate(log):
+            for i, (ns, _, _) in enumerate(log):
                 # counts once per group and interval, every duration observed
                 self._stats.record_scan(layout.index, layout.kind.value,
-                                        blocks if i == 0 else 0, nulls if i == 0 else 0, seconds)
+                                        blocks if i == 0 else 0, nulls if i == 0 else 0, ns / 1e9)
             log.clear()
         if self._stats.is_empty():
             return None
