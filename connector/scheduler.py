@@ -1,7 +1,8 @@
 """Scheduler side: host-tier lookups, multi-group load plans and store jobs, as vLLM calls them.
 
 This module adapts vLLM objects (`Request`, `KVCacheBlocks`, `SchedulerOutput`) to the pure
-planning code (`lookup.py`, `planning.py`) and the host index (`host_store.py`).
+planning code (`lookup.py`, `planning.py`), the host index (`host_store.py`) and the blocks being
+stored piece by piece (`piecewise_stores.py`).
 """
 
 from __future__ import annotations
@@ -10,10 +11,11 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from .groups import GroupKind, GroupLayout
+from .groups import GroupLayout
 from .host_store import HostIndex
 from .lookup import find_hit_tokens
 from .metadata import LOAD, STORE, GroupTransfer, KVScopeMetadata, KVScopeWorkerMetadata, TransferJob
+from .piecewise_stores import Filling, PiecewiseStores
 from .planning import NULL_BLOCK_ID, GroupScan, scan_group
 from .telemetry.metrics import KVScopeStats
 from .telemetry.span_records import LOOKUP_SPAN, STORE_SPAN
@@ -35,30 +37,9 @@ class _RequestState:
     request: object
     trace_context: object | None = None  # parent for this request's kvscope spans
     # per group: device blocks already considered for storing, and the offloaded block being
-    # filled (a _Filling; None: none, or the current one is skipped)
+    # filled (a `Filling`; None: none, or the current one is skipped)
     stored_blocks: list[int] | None = None
     filling: list | None = None
-
-
-@dataclass(slots=True)
-class _Filling:
-    """An offloaded block stored piece by piece: each device block in the step that computes it,
-    before a sliding window can drop it. Ready once every piece is planned, its key is known and
-    every store job carrying a piece has been reported; aborted (slot freed) once a piece fails or
-    cannot be stored, or its key turns out stored already.
-
-    A block holding output tokens (or the prompt's last tokens) has no key until its last token is
-    known; in a group whose window is shorter than the block, its first pieces would leave the
-    window before then, so they are stored under a placeholder key that the real one replaces."""
-
-    key: tuple  # (group index, block hash or placeholder): the host index entry
-    slot: int
-    needed: int  # device blocks per offloaded block in its group
-    block_index: int = 0  # which offloaded block of its request
-    keyed: bool = True  # False while `key` is a placeholder
-    planned: int = 0
-    jobs: int = 0  # store jobs with a piece of it, not yet reported
-    failed: bool = False  # a piece failed or will never come: abort when no job is left
 
 
 @dataclass(slots=True)
@@ -91,14 +72,8 @@ class KVScopeScheduler:
         self.block_size = offload_block_size
         self.hash_block_size = hash_block_size
         self.hashes_per_block = offload_block_size // hash_block_size
-        # Groups whose sliding window drops an offloaded block's first pieces before its last is
-        # computed (window <= offloaded block - device block, as vLLM frees window blocks): they
-        # store pieces of blocks whose key does not exist yet (`_Filling`).
-        self._stores_ahead = [layout.kind is GroupKind.SLIDING_WINDOW
-                              and layout.sliding_window <= offload_block_size - layout.block_size
-                              for layout in layouts]
-        self._ahead_groups = [layout.index for layout, ahead in zip(layouts, self._stores_ahead) if ahead]
         self.index = HostIndex(num_slots)
+        self.stores = PiecewiseStores(self.index, layouts, offload_block_size, self.hashes_per_block)
         self.slot_bytes = slot_bytes
         self.capacity_bytes = num_slots * slot_bytes
         self.group_block_bytes = group_block_bytes  # bytes of one device block, per group
@@ -110,7 +85,6 @@ class KVScopeScheduler:
         self._jobs: dict[int, _Job] = {}
         self._next_job_id = 0
         self._pending_loads: list[TransferJob] = []
-        self._filling: dict = {}  # host key -> _Filling
         self._stats = KVScopeStats()
         # Per group, one (nanoseconds, blocks scanned, null blocks skipped) per scan: a single list
         # append on the planning path, folded into the stats payload once per stats interval.
@@ -300,25 +274,26 @@ class KVScopeScheduler:
         """The store job of this step for one request: every device block computed since the last
         step goes to its offloaded block's host slot now, before a sliding window can drop it. In
         an offloaded block whose key is known (its tokens are all known: the prompt's are from the
-        start); in a group that stores ahead (`_stores_ahead`), in any block, under a placeholder
-        key until the real one exists."""
+        start); in a group that stores ahead (`PiecewiseStores.stores_ahead`), in any block, under a
+        placeholder key until the real one exists."""
         request = state.request
         layouts = self.layouts
         if state.stored_blocks is None:
             state.stored_blocks = [0] * len(layouts)
             state.filling = [None] * len(layouts)
         known = len(request.block_hashes) // self.hashes_per_block  # offloaded blocks whose key exists
-        if self._ahead_groups:
-            self._key_fillings(state, known)
+        stores = self.stores
+        if stores.ahead_groups:
+            stores.key_blocks(request, state.filling, known)
         limits = [computed_tokens // layout.block_size if ahead else
                   min(computed_tokens // layout.block_size, known * layout.blocks_per_offload_block(self.block_size))
-                  for layout, ahead in zip(layouts, self._stores_ahead)]
+                  for layout, ahead in zip(layouts, stores.stores_ahead)]
         # Called for every scheduled request every step: decide before asking vLLM for block ids.
         if all(limit <= done for limit, done in zip(limits, state.stored_blocks)):
             return None
         group_block_ids = self._kv_cache_manager().get_block_ids(request.request_id)
         parts: list[GroupTransfer] = []
-        fillings: list[_Filling] = []
+        fillings: list[Filling] = []
         for layout, ids, limit in zip(layouts, group_block_ids, limits):
             g = layout.index
             factor = layout.blocks_per_offload_block(self.block_size)
@@ -327,13 +302,13 @@ class KVScopeScheduler:
             for i in range(state.stored_blocks[g], end):
                 k, sub = divmod(i, factor)
                 if sub == 0:
-                    state.filling[g] = self._start_block(request, g, k, factor, ids[i], known)
+                    state.filling[g] = stores.start_block(request, g, k, factor, ids[i], known)
                 filling = state.filling[g]
                 if filling is None:
                     continue  # skipped: stored already, no free slot, or out of the window from its start
                 if ids[i] == NULL_BLOCK_ID or filling.failed:
                     # Out-of-window / padding position, or a piece already failed: never complete.
-                    self._give_up(filling)
+                    stores.give_up(filling)
                     state.filling[g] = None
                     continue
                 part.block_ids.append(ids[i])
@@ -378,10 +353,7 @@ class KVScopeScheduler:
             return  # a transfer is done only when every worker has reported it
         del self._jobs[job_id]
         if job.direction == STORE:
-            for filling in job.fillings:
-                filling.jobs -= 1
-                filling.failed |= job.failed
-                self._settle(filling)
+            self.stores.job_reported(job.fillings, job.failed)
             return
         for key in job.keys:
             self.index.unpin(key)
@@ -398,73 +370,6 @@ class KVScopeScheduler:
                 nbytes = blocks * self.group_block_bytes[group] * self.world_size
                 self._stats.record_loaded_blocks(group, layout.kind.value, blocks, nbytes)
 
-    # -- offloaded blocks stored piece by piece --
-    def _start_block(self, request, g: int, k: int, needed: int, first_block_id: int, known: int) -> _Filling | None:
-        """The filling of the request's offloaded block `k` in group `g`, whose first device block is
-        computed: under its key once that exists (`known` blocks have one), else under a placeholder
-        no block hash equals, until `_key_fillings` gives it the key; None when skipped."""
-        if k < known:
-            key = (g, request.block_hashes[(k + 1) * self.hashes_per_block - 1])
-            return self._start_filling(key, needed, first_block_id, k, keyed=True)
-        if not self._may_complete(request, k):
-            return None  # the request ends before the block does: no slot for it
-        return self._start_filling((g, ("unkeyed", request.request_id, k)), needed, first_block_id, k, keyed=False)
-
-    def _start_filling(self, key, needed: int, first_block_id: int, block_index: int,
-                       keyed: bool) -> _Filling | None:
-        """Reserve `key`'s host slot for an offloaded block whose first device block is computed;
-        None when the block is skipped (stored already or being stored, no free slot, out of window)."""
-        if first_block_id == NULL_BLOCK_ID:
-            return None
-        slot = self.index.reserve_for_store(key)
-        if slot is None:
-            return None  # a later miss, never an error
-        filling = self._filling[key] = _Filling(key=key, slot=slot, needed=needed, block_index=block_index,
-                                                keyed=keyed)
-        return filling
-
-    def _may_complete(self, request, block_index: int) -> bool:
-        """Whether the request may still compute the offloaded block's last token: the last token
-        it samples is never computed, so its final, partial block would only hold a slot."""
-        max_tokens = getattr(request, "max_tokens", None)
-        if not isinstance(max_tokens, int):
-            return True
-        return (block_index + 1) * self.block_size <= request.num_prompt_tokens + max_tokens - 1
-
-    def _key_fillings(self, state: _RequestState, known: int) -> None:
-        """Give the request's placeholder-keyed blocks whose key now exists (their last token is
-        known) that key; a block stored or being stored under it already makes ours a duplicate."""
-        hashes, step = state.request.block_hashes, self.hashes_per_block
-        for g in self._ahead_groups:
-            filling = state.filling[g]
-            if filling is None or filling.keyed or filling.failed or filling.block_index >= known:
-                continue
-            placeholder, key = filling.key, (g, hashes[(filling.block_index + 1) * step - 1])
-            if not self.index.rekey(placeholder, key):
-                self._give_up(filling)
-                continue
-            del self._filling[placeholder]
-            self._filling[key] = filling
-            filling.key, filling.keyed = key, True
-            # with async scheduling its last piece can be planned (even written) before its key exists
-            self._settle(filling)
-
-    def _give_up(self, filling: _Filling) -> None:
-        filling.failed = True
-        self._settle(filling)
-
-    def _settle(self, filling: _Filling) -> None:
-        """Complete or abort a filling once no store job with a piece of it is outstanding. Settled
-        fillings leave the registry; a request may still hold one (then marked failed: skipped)."""
-        if filling.jobs or self._filling.get(filling.key) is not filling:
-            return
-        if filling.failed:
-            del self._filling[filling.key]
-            self.index.abort_store(filling.key)
-        elif filling.planned == filling.needed and filling.keyed:
-            del self._filling[filling.key]
-            self.index.complete_store(filling.key)
-
     def _update_capacity_stats(self) -> None:
         evicted = self.index.evicted_total - self._evicted_reported
         if evicted:
@@ -478,11 +383,7 @@ class KVScopeScheduler:
         state = self._requests.pop(req_id, None)
         self._lookups.pop(req_id, None)
         if state is not None and state.filling is not None:
-            if self._ahead_groups:
-                self._key_fillings(state, len(request.block_hashes) // self.hashes_per_block)
-            for filling in state.filling:
-                if filling is not None and (filling.planned < filling.needed or not filling.keyed):
-                    self._give_up(filling)  # its remaining pieces (or its key) will never come for this request
+            self.stores.request_finished(request, state.filling)
         # Stores are complete (CPU) or fenced before block reuse (CUDA): free at once.
         return False, None
 

@@ -88,7 +88,7 @@ def test_a_conversation_turn_loads_the_previous_turns_output(scenarios):
     """Turn 2 sends turn 1's prompt, its 300 generated tokens and a new message. With offloaded
     blocks of two device blocks (256 tokens) and a 64-token window, the window drops a block's first
     device block before the block's last token is sampled, so the blocks of turn 1's output are
-    stored before their key exists (`_Filling`). Every whole block turn 1 computed loads, and turn 2's
+    stored before their key exists (`piecewise_stores.Filling`). Every whole block turn 1 computed loads, and turn 2's
     greedy outputs equal an engine's without the connector that kept turn 1 in its device prefix cache."""
     conversation = {"first_turn_tokens": 300, "new_tokens": 50}
     result = scenarios.get("gemma3-w64-b256-conversation", spec_for(

@@ -75,7 +75,7 @@ def test_a_block_larger_than_the_window_is_stored_piece_by_piece():
     assert _pieces(second, 0) == [([102, 103], [2, 3])]
     _report(sched, second)
     assert sched.index.is_ready(key0) and sched.index.is_ready((1, "h3"))
-    assert sched._filling == {}
+    assert sched.stores.by_key == {}
 
 
 def test_a_failed_piece_aborts_the_block_and_its_later_pieces_are_not_stored():
@@ -108,7 +108,7 @@ def test_a_request_finishing_mid_block_frees_its_slot_once_its_pieces_are_writte
     sched, job = _finish_after_one_step(32)
     assert sched.index.used_slots == 2  # a store still writes those slots: kept until it reports
     _report(sched, job)
-    assert sched.index.used_slots == 0 and sched._filling == {}
+    assert sched.index.used_slots == 0 and sched.stores.by_key == {}
 
 
 def test_a_fully_planned_block_completes_after_its_request_finished():
@@ -141,7 +141,7 @@ def test_a_window_block_null_from_the_start_is_skipped_whole():
     _report(sched, job)
     assert not sched.index.contains((0, "h3")) and not sched.index.contains((0, "h7"))
     assert sched.index.is_ready((1, "h3")) and sched.index.is_ready((1, "h7"))
-    assert sched._filling == {} and sched.index.used_slots == 2
+    assert sched.stores.by_key == {} and sched.index.used_slots == 2
 
 
 # --- blocks stored before their key exists (output tokens; the window shorter than a block) ---
@@ -181,7 +181,7 @@ def test_the_window_stores_a_block_before_its_key_exists_and_full_attention_wait
     assert sched.index.contains((0, "h7")) and not sched.index.is_ready((0, "h7"))
     _report(sched, third)
     assert sched.index.is_ready((0, "h7")) and sched.index.is_ready((1, "h7"))
-    assert sched._filling == {} and sched.index.used_slots == 4
+    assert sched.stores.by_key == {} and sched.index.used_slots == 4
 
 
 def test_a_block_whose_key_arrives_after_its_last_piece_completes_then():
@@ -197,7 +197,7 @@ def test_a_block_whose_key_arrives_after_its_last_piece_completes_then():
     job = sched._plan_store(state, 128)  # nothing new for the window: its block gets its key
     assert _pieces(job, 0) == [] and sched.index.is_ready((0, "h7"))
     _report(sched, job)  # full attention stores block 1 now that its key exists
-    assert sched.index.is_ready((1, "h7")) and sched._filling == {}
+    assert sched.index.is_ready((1, "h7")) and sched.stores.by_key == {}
 
 
 def test_a_block_stored_by_another_request_meanwhile_drops_the_placeholder():
@@ -212,7 +212,7 @@ def test_a_block_stored_by_another_request_meanwhile_drops_the_placeholder():
     manager.ids = _ids(96)
     sched._plan_store(state, 128)
     assert sched.index.used_slots == used - 1  # the placeholder's slot is freed; the stored block is intact
-    assert sched.index.is_ready((0, "h7")) and sched._filling == {}
+    assert sched.index.is_ready((0, "h7")) and sched.stores.by_key == {}
 
 
 def test_a_request_finishing_before_its_block_has_a_key_frees_the_placeholder():
@@ -224,7 +224,7 @@ def test_a_request_finishing_before_its_block_has_a_key_frees_the_placeholder():
     sched.request_finished(state.request)
     assert sched.index.used_slots == 3  # block 0 of both groups, block 1 of the window: still being written
     _report(sched, job)
-    assert sched.index.used_slots == 2 and sched._filling == {}  # block 1 never got its key: freed
+    assert sched.index.used_slots == 2 and sched.stores.by_key == {}  # block 1 never got its key: freed
     assert sched.index.is_ready((0, "h3")) and sched.index.is_ready((1, "h3"))
 
 

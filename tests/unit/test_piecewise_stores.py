@@ -1,0 +1,114 @@
+"""The life of an offloaded block stored piece by piece (`PiecewiseStores`), without the scheduler.
+
+Offloaded blocks of 4 device blocks (64 tokens of 16). How the scheduler feeds it under vLLM is
+tested in test_store_planning.py and tests/compat.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from connector.groups import GroupKind, GroupLayout
+from connector.host_store import HostIndex
+from connector.piecewise_stores import PiecewiseStores
+
+BS, B = 16, 64
+FULL = GroupLayout(0, GroupKind.FULL_ATTENTION, BS)
+
+
+def _stores(*layouts: GroupLayout, num_slots: int = 4) -> PiecewiseStores:
+    return PiecewiseStores(HostIndex(num_slots), list(layouts), offload_block_size=B, hashes_per_block=B // BS)
+
+
+def _request(rid: str, num_tokens: int, prompt: int = 0, max_tokens: int | None = None):
+    return SimpleNamespace(request_id=rid, block_hashes=[f"h{i}" for i in range(num_tokens // BS)],
+                           num_prompt_tokens=prompt, max_tokens=max_tokens)
+
+
+def _plan(filling, pieces: int = 1) -> None:
+    """What the scheduler does for a store job carrying ``pieces`` of the block."""
+    filling.planned += pieces
+    filling.jobs += 1
+
+
+@pytest.mark.parametrize("window, ahead", [(24, True), (48, True), (49, False), (64, False)])
+def test_a_window_group_stores_ahead_only_when_its_window_drops_a_blocks_first_piece(window, ahead):
+    stores = _stores(FULL, GroupLayout(1, GroupKind.SLIDING_WINDOW, BS, sliding_window=window))
+    assert stores.stores_ahead == [False, ahead]
+    assert stores.ahead_groups == ([1] if ahead else [])
+
+
+def test_a_block_is_ready_only_with_every_piece_written_and_reported():
+    stores = _stores(FULL)
+    filling = stores.start_block(_request("r", 64), 0, 0, 4, first_block_id=7, known=1)
+    assert filling.key == (0, "h3") and filling.keyed
+    _plan(filling, 3)
+    stores.job_reported([filling], failed=False)
+    assert not stores.index.is_ready((0, "h3"))  # a piece is still to come
+    _plan(filling)
+    assert not stores.index.is_ready((0, "h3"))  # planned, not reported
+    stores.job_reported([filling], failed=False)
+    assert stores.index.is_ready((0, "h3")) and stores.by_key == {}
+
+
+def test_a_failed_piece_frees_the_slot_once_no_job_is_out():
+    stores = _stores(FULL)
+    filling = stores.start_block(_request("r", 64), 0, 0, 4, first_block_id=7, known=1)
+    _plan(filling, 2)
+    _plan(filling, 2)
+    stores.job_reported([filling], failed=True)
+    assert stores.index.used_slots == 1  # the other job still writes into the slot
+    stores.job_reported([filling], failed=False)
+    assert stores.index.used_slots == 0 and not stores.index.contains((0, "h3")) and stores.by_key == {}
+
+
+def test_a_placeholder_gets_its_key_and_completes_even_when_its_pieces_were_written_first():
+    window = GroupLayout(0, GroupKind.SLIDING_WINDOW, BS, sliding_window=24)
+    stores = _stores(window)
+    request = _request("r", 48, prompt=40, max_tokens=100)  # block 0's last token not known yet
+    filling = stores.start_block(request, 0, 0, 4, first_block_id=7, known=0)
+    assert not filling.keyed and filling.key == (0, ("unkeyed", "r", 0))
+    _plan(filling, 4)
+    stores.job_reported([filling], failed=False)
+    assert stores.index.used_slots == 1 and not stores.index.is_ready(filling.key)  # written, no key
+    request.block_hashes.append("h3")  # the block's last token is sampled: its key exists
+    stores.key_blocks(request, [filling], known=1)
+    assert stores.index.is_ready((0, "h3")) and stores.by_key == {}
+
+
+def test_a_placeholder_whose_block_is_stored_already_is_dropped_and_the_stored_block_kept():
+    window = GroupLayout(0, GroupKind.SLIDING_WINDOW, BS, sliding_window=24)
+    stores = _stores(window)
+    request = _request("r", 48, prompt=40, max_tokens=100)
+    filling = stores.start_block(request, 0, 0, 4, first_block_id=7, known=0)
+    _plan(filling, 1)
+    other = stores.index.reserve_for_store((0, "h3"))  # another request stored the same block
+    stores.index.complete_store((0, "h3"))
+    request.block_hashes.append("h3")
+    stores.key_blocks(request, [filling], known=1)
+    assert filling.failed and stores.index.used_slots == 2  # our job is still out
+    stores.job_reported([filling], failed=False)
+    assert stores.index.used_slots == 1 and stores.index.is_ready((0, "h3")) and other is not None
+
+
+def test_no_placeholder_for_a_block_the_request_cannot_finish():
+    window = GroupLayout(0, GroupKind.SLIDING_WINDOW, BS, sliding_window=24)
+    stores = _stores(window)
+    # prompt 40 + at most 24 sampled tokens: the last one is never computed, so token 64 never is
+    assert stores.start_block(_request("r", 48, prompt=40, max_tokens=24), 0, 0, 4, 7, known=0) is None
+    assert stores.start_block(_request("s", 48, prompt=40, max_tokens=25), 0, 0, 4, 7, known=0) is not None
+
+
+def test_a_finished_request_gives_up_what_it_can_no_longer_complete():
+    stores = _stores(FULL)
+    request = _request("r", 128)
+    done = stores.start_block(request, 0, 0, 4, first_block_id=7, known=2)
+    half = stores.start_block(request, 0, 1, 4, first_block_id=11, known=2)
+    _plan(done, 4)
+    _plan(half, 2)
+    stores.request_finished(request, [half])
+    stores.job_reported([done, half], failed=False)
+    assert stores.index.is_ready((0, "h3")) and not stores.index.contains((0, "h7"))
+    assert stores.index.used_slots == 1 and stores.by_key == {}
