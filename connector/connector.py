@@ -108,6 +108,12 @@ class KVScopeConnector(KVConnectorBase_V1, SupportsHMA):
     def update_connector_output(self, connector_output) -> None:
         self._scheduler.update_connector_output(connector_output)
 
+    def has_pending_push_work(self) -> bool:
+        # vLLM keeps stepping while this is True (as for its own offloading connector). On CUDA a
+        # store can outlive its request's last step and only a later step reports it; without steps
+        # its host blocks would wait, not ready, for the next request, whose lookup comes first.
+        return self._scheduler is not None and self._scheduler.has_unreported_jobs()
+
     def request_finished(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
         return self._scheduler.request_finished(request)
 

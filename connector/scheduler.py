@@ -343,6 +343,10 @@ class KVScopeScheduler:
         for job_id, n in meta.failed_jobs.items():
             self._report(job_id, n, failed=True)
 
+    def has_unreported_jobs(self) -> bool:
+        """Whether a load or store job still waits for a worker's report."""
+        return bool(self._jobs)
+
     def _report(self, job_id: int, workers: int, failed: bool) -> None:
         job = self._jobs.get(job_id)
         if job is None:

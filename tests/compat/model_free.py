@@ -136,13 +136,14 @@ class ModelFreeEngine:
                                            trace_headers=trace_headers, cache_salt=cache_salt))
 
     def run(self, max_steps: int = 2000, on_scheduled=None) -> None:
-        """Step until every request has finished: schedule, execute, update, one step at a time, or
+        """Step while vLLM's engine core would (`Scheduler.has_requests`: unfinished or just finished
+        requests, or connector work pending): schedule, execute, update, one step at a time, or
         with async scheduling as vLLM's engine core does it (`step_with_batch_queue`): schedule the
         next step before executing and processing the one in flight. `on_scheduled(output)` runs
         after each schedule, before the workers see it (where a client's abort can land)."""
         in_flight: deque = deque()
         for _ in range(max_steps):
-            if not (self.scheduler.has_unfinished_requests() or in_flight):
+            if not (self.scheduler.has_requests() or in_flight):
                 return
             if self.scheduler.has_requests():
                 out = self.scheduler.schedule()
@@ -157,7 +158,7 @@ class ModelFreeEngine:
             if in_flight:
                 out = in_flight.pop()
                 self._process(out, self._execute(out))
-        raise AssertionError(f"requests still unfinished after {max_steps} steps")
+        raise AssertionError(f"requests still unfinished (or connector work pending) after {max_steps} steps")
 
     def _execute(self, out):
         """What the workers do with one scheduler output, in scheduling order: their block tables,

@@ -187,6 +187,52 @@ def test_requests_aborted_while_loading_leak_nothing(model_path, async_schedulin
     assert engine.host_tier_leaks() == []
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_stores_still_copying_when_the_last_request_ends_are_ready_for_the_next(model_path, monkeypatch,
+                                                                                async_scheduling):
+    """On CUDA a store can still be copying when its request's last step ends, and only a later step
+    reports it. vLLM keeps stepping while the connector has such work (`has_pending_push_work`, as for
+    its own offloading connector): the host blocks become ready then, not when the next request comes,
+    whose lookup would run before that step and miss them. CUDA's copies run here as CPU copies that
+    report done on their fifth poll (a few steps later)."""
+    from connector.copy_engine import CopyEngine
+
+    real_store, real_poll = CopyEngine.store, CopyEngine.poll
+    polls_left = {}  # id of a store's CopyResult -> (the result, polls before it reads as done)
+
+    def store(self, *args):
+        result = real_store(self, *args)
+        polls_left[id(result)] = (result, 4)
+        return result
+
+    def poll(self, result):
+        entry = polls_left.get(id(result))
+        if entry is not None:
+            if entry[1] > 0:
+                polls_left[id(result)] = (result, entry[1] - 1)
+                return False
+            del polls_left[id(result)]
+        return real_poll(self, result)
+
+    monkeypatch.setattr(CopyEngine, "store", store)
+    monkeypatch.setattr(CopyEngine, "poll", poll)
+    engine = ModelFreeEngine(model_path, {"cpu_bytes": 64 << 20, "block_size": 64}, window=WINDOW,
+                             async_scheduling=async_scheduling)
+    try:
+        prompt = _prompts()[0]
+        engine.add("first", prompt)
+        engine.run()
+        assert engine.host_tier_leaks() == []  # every store reported before the engine went idle
+        assert not engine.scheduler.get_kv_connector().has_pending_push_work()
+        engine.reset_device_prefix_cache()
+        engine.add("again", prompt)
+        engine.run()
+    finally:
+        engine.shutdown()
+    assert engine.stats.external_hit_tokens == (len(prompt) - 1) // 64 * 64
+    _assert_no_violations(engine.stats)
+
+
 def _spans_by_trace(path) -> dict[str, list[dict]]:
     """The trace file's spans (OTLP/JSON lines) as {trace id: [{name, id, parent, attrs}]}."""
     traces = defaultdict(list)
