@@ -5,10 +5,11 @@ with the engine's own block stride (vLLM's kernel-block grouping resolves the la
 Attention pages and raw Mamba pages (int8, padded, strided) are copied byte-exactly the
 same way. A host slot holds, for each layer of one group, `factor` consecutive pages.
 
-CPU backend: plain synchronous tensor copies. CUDA: pinned host memory, a stream for loads and
-one for stores, events for completion and timing, no device-wide synchronisation, and a whole
-job's blocks in one call of vLLM's own `swap_blocks_batch` (cuMemcpyBatchAsync on CUDA 12.8+)
-instead of a `copy_` per block and layer, several microseconds of host time each.
+CPU backend: plain synchronous tensor copies. CUDA: pinned host memory (`host_memory`), a stream
+for loads and one for stores, events for completion and timing (`event_clock`), no device-wide
+synchronisation, and a whole job's blocks in one call of vLLM's own `swap_blocks_batch`
+(cuMemcpyBatchAsync on CUDA 12.8+) instead of a `copy_` per block and layer, several microseconds
+of host time each.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ import torch
 
 from vllm.v1.kv_cache_interface import KVCacheConfig, group_kernel_blocks
 
+from .event_clock import EventClock
+from .host_memory import HostBuffer
 from .vllm_layout import SlotLayout
 
 logger = logging.getLogger(__name__)
@@ -87,15 +90,6 @@ class _Region:
         self.host_by_sub = [self.host[:, sub] for sub in range(self.host.shape[1])]
 
 
-@dataclass
-class _Clock:
-    """Maps CUDA event times to wall-clock nanoseconds (one calibration pair)."""
-
-    event: object = None
-    wall_ns: int = 0
-    ready: bool = field(default=False)
-
-
 class CopyEngine:
     def __init__(
         self,
@@ -110,9 +104,8 @@ class CopyEngine:
         self.is_cuda = self.device.type == "cuda"
         self.layout = layout
         self.num_slots = num_slots
-        self.host = torch.empty(
-            (num_slots, layout.slot_bytes), dtype=torch.int8, pin_memory=self.is_cuda
-        )
+        self._host_buffer = HostBuffer(num_slots, layout.slot_bytes, pin=self.is_cuda)
+        self.host = self._host_buffer.tensor
         self.groups: list[list[_Region]] = []
         for layers, factor in zip(layout.group_layers, layout.group_factors):
             regions = []
@@ -129,7 +122,7 @@ class CopyEngine:
         self.load_stream = torch.cuda.Stream(device=self.device) if self.is_cuda else None
         self.store_stream = torch.cuda.Stream(device=self.device) if self.is_cuda else None
         self._swap_blocks_batch = _batched_copy_op() if self.is_cuda else None
-        self._clock = _Clock()
+        self._clock: EventClock | None = None  # made on the first completed CUDA copy
 
     def group_block_bytes(self, group: int) -> int:
         return self._group_block_bytes[group]
@@ -204,8 +197,10 @@ class CopyEngine:
         start, end = result.done_event
         if not end.query():
             return False
-        result.start_ns = self._event_wall_ns(start)
-        result.end_ns = self._event_wall_ns(end)
+        if self._clock is None:  # calibration events go on a stream of their own, never behind copies
+            self._clock = EventClock(lambda: torch.cuda.Event(enable_timing=True),
+                                     torch.cuda.Stream(device=self.device))
+        result.start_ns, result.end_ns = self._clock.interval(start, end)
         result.done_event = result.keep_alive = None
         return True
 
@@ -217,15 +212,9 @@ class CopyEngine:
         if self.is_cuda:
             torch.cuda.current_stream(self.device).wait_stream(self.store_stream)
 
-    def _event_wall_ns(self, event) -> int:
-        clock = self._clock
-        if not clock.ready:
-            clock.event = torch.cuda.Event(enable_timing=True)
-            clock.event.record(self.store_stream)
-            clock.event.synchronize()  # once per process: calibrate event time to wall time
-            clock.wall_ns = time.time_ns()
-            clock.ready = True
-        return clock.wall_ns + int(clock.event.elapsed_time(event) * 1e6)
+    def close(self) -> None:
+        """Unpin the host tier (after every copy is done)."""
+        self._host_buffer.release()
 
 
 def copy_descriptors(regions, slots, subs, block_ids, to_device: bool):

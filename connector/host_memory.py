@@ -80,6 +80,8 @@ class HostBuffer:
 
 
 def _vllm_host_register():
-    from vllm.v1.kv_offload.cpu.host_register import host_register, host_unregister
-
+    try:
+        from vllm.v1.kv_offload.cpu.host_register import host_register, host_unregister
+    except ImportError:  # not in this vLLM: the tier stays pageable (`_register` logs it)
+        return (lambda address, size: False), (lambda address: None)
     return host_register, host_unregister

@@ -142,6 +142,9 @@ class KVScopeWorker:
         return stats
 
     def shutdown(self) -> None:
-        if self.engine is not None and self.engine.is_cuda:
+        if self.engine is None:
+            return
+        if self.engine.is_cuda:
             torch.cuda.synchronize(self.engine.device)
         self._collect()
+        self.engine.close()
