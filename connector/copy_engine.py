@@ -175,7 +175,9 @@ class CopyEngine:
         if op is not None and block_ids:
             try:
                 arrays = tuple(torch.from_numpy(a) for a in copy_descriptors(regions, slots, subs, block_ids, to_device))
-                op(*arrays)
+                # Loads read ready host slots, which nothing writes while they are pinned for the load:
+                # the DMA engine may read them in any order (as vLLM's offloading worker lets it).
+                op(*arrays, to_device)
                 return arrays
             except Exception:
                 logger.exception("kvscope: vLLM's swap_blocks_batch failed; copying block by block from now on")
