@@ -268,6 +268,7 @@ class KVScopeScheduler:
             if job is not None:
                 meta.stores.append(job)
         self._update_capacity_stats()
+        self.tracing.end_step()  # this step's lookup, load and store spans are all recorded
         return meta
 
     def _plan_store(self, state: _RequestState, computed_tokens: int) -> TransferJob | None:

@@ -130,6 +130,7 @@ class KVScopeWorker:
         return done, failed
 
     def build_worker_meta(self) -> KVScopeWorkerMetadata | None:
+        self.tracing.end_step()  # the step's copy spans are recorded (vLLM asks this last)
         if not (self._meta.completed_jobs or self._meta.failed_jobs):
             return None
         meta, self._meta = self._meta, KVScopeWorkerMetadata()

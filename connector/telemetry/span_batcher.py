@@ -84,6 +84,14 @@ class SpanBatcher:
             elif len(queue) == self._max_batch:
                 self._wake.set()
 
+    def hand_over(self) -> None:
+        """Hand what is queued to the exporter now, if that cannot block (the helper's pipe): called
+        at the end of each engine step, so no span waits for the delay in a process that may die
+        before it ends (vLLM's shutdown can SIGTERM the engine core while it tears down, after its
+        last step). With the export thread only, nothing: it exports on its schedule."""
+        if self._queue and self._nowait is not None:
+            self._export_nowait()
+
     def _export_nowait(self) -> None:
         """Hand a full batch to the exporter from this thread, if that cannot block; else wake
         the export thread (the exporter is not ready, or the export thread is exporting)."""

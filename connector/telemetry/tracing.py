@@ -357,6 +357,12 @@ class KVScopeTracing:
         return trace.set_span_in_context(NonRecordingSpan(parent))
 
     # ----------------------------------------------------------------- lifecycle
+    def end_step(self) -> None:
+        """An engine step ends: spans recorded so far leave this process now, without waiting
+        (`SpanBatcher.hand_over`)."""
+        if self._processor is not None:
+            self._processor.hand_over()
+
     def force_flush(self, timeout_millis: int = 5000) -> bool:
         if self._processor is None or self._shutdown_done:
             return True
@@ -379,6 +385,9 @@ class SyncRecordProcessor:
 
     def on_end(self, record: tuple) -> None:
         self._exporter.export((record,))
+
+    def hand_over(self) -> None:
+        pass  # every record left at once
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
         return self._exporter.force_flush(timeout_millis)

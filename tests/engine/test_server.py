@@ -184,10 +184,12 @@ def test_loading_requests_have_their_spans_in_the_trace_they_sent(two_rounds):
 
 # ---- the Grafana boards and Prometheus rules against this real server ----
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def prometheus_scraping_server(server, two_rounds, tmp_path_factory):
     """A real Prometheus scraping this server every second, with the rules loaded, while a
-    background workload keeps hits, loads and stores flowing."""
+    background workload keeps hits, loads and stores flowing. Stopped after its test: a Ctrl-C
+    while a keep-alive scrape connection or a workload request is open can leave the API server
+    (uvicorn) waiting for it past any timeout, which is not what the Ctrl-C test checks."""
     from tests.dashboards.paths import RULE_FILES
     from tests.dashboards.promtools import PrometheusServer, fast_scrape_config, find_binary
 

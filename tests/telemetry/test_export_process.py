@@ -321,3 +321,35 @@ def test_a_helper_dying_under_the_engine_threads_batches_fails_over_and_loses_no
     assert waiting > 0 and ids[0] == 0
     assert ids[1:] == list(range(ids[1], last + 202)) and (ids[1] - 1) % 200 == 0
     assert len([r for r in caplog.records if "export process failed" in r.getMessage()]) == 1
+
+
+def test_spans_of_a_finished_step_survive_the_engine_process_being_killed(tmp_path):
+    """vLLM's shutdown can SIGTERM the engine core while it tears down (its handlers already reset),
+    right after its last step: what the connector recorded up to the end of a step is in the helper's
+    pipe by then, and the helper writes it after the engine process is gone."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "killed.jsonl"
+    script = (
+        "import os, signal, time\n"
+        "from connector.telemetry.span_records import LOOKUP_SPAN\n"
+        "from connector.telemetry.tracing import KVScopeTracing\n"
+        f"t = KVScopeTracing.from_config(trace_file={str(path)!r}, sample_ratio=1.0)\n"
+        "t.record(LOOKUP_SPAN, None, 1, 2, ('warm-up', 1, 1))\n"
+        "assert t.force_flush()\n"  # the helper runs (it starts on the first export)
+        "t.record(LOOKUP_SPAN, None, 3, 4, ('last-step', 64, 32))\n"
+        "t.end_step()\n"
+        "os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], timeout=60,
+                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    assert proc.returncode == -signal.SIGKILL
+    deadline = time.time() + 30  # the orphaned helper drains its pipe, writes and exits
+    while time.time() < deadline:
+        ids = [a["value"]["stringValue"] for span in (_spans(path) if path.exists() else [])
+               for a in span["attributes"] if a["key"] == "kvscope.request.id"]
+        if "last-step" in ids:
+            break
+        time.sleep(0.2)
+    assert ids == ["warm-up", "last-step"]

@@ -182,6 +182,19 @@ def test_full_batches_go_to_a_nonblocking_exporter_from_the_thread_that_filled_t
     batcher.shutdown()
 
 
+def test_at_the_end_of_a_step_the_tail_leaves_at_once_without_waiting_for_the_delay():
+    sink = CollectNowait()
+    batcher = SpanBatcher([sink], schedule_delay_s=60, max_batch=64)
+    for i in range(5):
+        batcher.on_end(i)
+    assert sink.batches == []  # a partial batch waits for the delay
+    batcher.hand_over()
+    assert sink.batches == [[0, 1, 2, 3, 4]] and sink.threads == {threading.current_thread().name}
+    batcher.hand_over()  # nothing queued: nothing sent
+    assert len(sink.batches) == 1
+    batcher.shutdown()
+
+
 def test_until_the_exporter_accepts_batches_without_blocking_the_export_thread_sends_them_in_order():
     sink = CollectNowait(accepts=False)  # e.g. the helper process has not started yet
     batcher = SpanBatcher([sink], schedule_delay_s=60, max_batch=4)
