@@ -2,9 +2,12 @@
 
 What runs is vLLM's code: its `Scheduler` (prefix cache, hybrid KV groups, sliding-window null
 blocks, chunked prefill, asynchronous connector loads) creates the scheduler side of
-`KVScopeConnector` from the `KVTransferConfig`, and vLLM's `KVConnectorModelRunnerMixin` drives the
-worker side (bind metadata, start loads, save, transfer results, worker metadata) as a model runner
-does, on one or several workers (tensor-parallel ranks, each with its own KV cache) whose outputs
+`KVScopeConnector` from the `KVTransferConfig`, and vLLM's own model-runner glue drives the worker side
+(bind metadata, start loads, save, transfer results, worker metadata) as a model runner does: the V1
+runner's `KVConnectorModelRunnerMixin`, or the V2 runner's `ActiveKVConnector` (vLLM's default on
+GPUs since 0.32, which calls the hooks in another order: loads start and stores run after the
+forward and the sampling; with speculative decoding in 0.33 stores run after the step's worker
+metadata is built), on one or several workers (tensor-parallel ranks, each with its own KV cache) whose outputs
 vLLM's `KVOutputAggregator` merges as its executors do. Only the forward pass is ours: it writes, into every KV block a step computes, bytes that are
 a function of the layer and of the tokens up to the block's computed end, as real KV depends on the
 whole prefix. Before each forward it checks every block the new tokens attend to (all of the prefix
@@ -26,6 +29,9 @@ import torch
 from connector import KVScopeConnector
 
 BLOCK = 16  # device block size (tokens)
+# How the worker side is driven: vLLM's V1 model runner, its V2 runner (the default on GPUs), and the V2
+# runner with speculative decoding (vLLM 0.33+: stores after the step's results)
+RUNNERS = ("v1", "v2", "v2-spec")
 PAGE = 2 * BLOCK * 1 * 64 * 2  # bytes of one block of one layer: K and V, 1 head of 64, bf16
 SLIDING = "sliding_window"
 FULL = "full_attention"
@@ -74,7 +80,7 @@ class ModelFreeEngine:
 
     def __init__(self, model_path: str, extra_config: dict, *, window: int, num_blocks: int = 1200,
                  max_num_batched_tokens: int = 2048, max_model_len: int = 2048, workers: int = 1,
-                 async_scheduling: bool = False):
+                 async_scheduling: bool = False, runner: str = "v1"):
         from vllm.config import KVTransferConfig
         from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -102,14 +108,24 @@ class ModelFreeEngine:
         self.kv_cache_config = _kv_cache_config(num_blocks, window)
         self.group_kinds = [SLIDING, FULL]
         self.group_layers = [g.layer_names for g in self.kv_cache_config.kv_cache_groups]
+        if runner not in RUNNERS:
+            raise ValueError(f"runner={runner!r}: accepted are {', '.join(RUNNERS)}")
+        self.runner = runner
         self.workers, self.words = [], []  # per rank: its connector, and its caches as int64 words
+        self.v2_glue = []  # per rank, for the V2 runners: vLLM's ActiveKVConnector around the connector
         for rank in range(workers):
             caches = {name: torch.zeros(num_blocks, PAGE, dtype=torch.int8)
                       for names in self.group_layers for name in names}
             # vLLM's tensor-parallel state is not set up here: each worker is told its rank
             with mock.patch("connector.connector._worker_rank", return_value=rank):
                 connector = KVScopeConnector(self.vllm_config, KVConnectorRole.WORKER, self.kv_cache_config)
-            connector.register_kv_caches(caches)
+            if runner == "v1":
+                connector.register_kv_caches(caches)
+            else:  # the V2 runner's glue registers the caches itself
+                from vllm.v1.worker.gpu.kv_connector import ActiveKVConnector
+
+                with _as_transfer_group(connector):
+                    self.v2_glue.append(ActiveKVConnector(self.vllm_config, caches))
             self.workers.append(connector)
             self.words.append({name: t.view(torch.int64) for name, t in caches.items()})
         self.aggregator = KVOutputAggregator.from_connector(self.workers[0], workers)
@@ -173,11 +189,12 @@ class ModelFreeEngine:
             self.stats.loads.setdefault(job.req_id, []).append(job)
         kv_outputs = []
         for rank, worker in enumerate(self.workers):
+            if self.runner != "v1":
+                kv_outputs.append(self._execute_v2(rank, out, computed))
+                continue
             with _as_transfer_group(worker), set_forward_context(None, self.vllm_config), \
                     KVConnectorModelRunnerMixin._get_kv_connector_output(out) as kv_output:
-                for req_id, n in out.num_scheduled_tokens.items():
-                    self._check_reads(rank, req_id, computed[req_id])
-                    self._forward(rank, req_id, computed[req_id], n)
+                self._forward_all(rank, out, computed)
             kv_outputs.append(kv_output)
         req_ids = list(out.num_scheduled_tokens)
         sampled = []
@@ -197,6 +214,33 @@ class ModelFreeEngine:
         self.stats.finished_recving |= (merged.finished_recving or set()) if merged else set()
         self.stats.failed_recving |= (merged.failed_recving or set()) if merged else set()
         return runner_output
+
+    def _forward_all(self, rank: int, out, computed: dict[str, int]) -> None:
+        for req_id, n in out.num_scheduled_tokens.items():
+            self._check_reads(rank, req_id, computed[req_id])
+            self._forward(rank, req_id, computed[req_id], n)
+
+    def _execute_v2(self, rank: int, out, computed: dict[str, int]):
+        """One worker's step as vLLM's V2 model runner runs it (`execute_model`, then `sample_tokens`):
+        `no_forward` when nothing is scheduled; else `pre_forward` (preemptions, metadata, synchronous
+        loads) and the forward, then after the sampling `post_forward` (asynchronous loads, stores,
+        results); with speculative decoding (0.33) the stores wait for the draft model
+        (`finalize_step`), after the results and the worker metadata."""
+        from vllm.forward_context import set_forward_context
+
+        glue = self.v2_glue[rank]
+        with _as_transfer_group(self.workers[rank]):
+            if out.total_num_scheduled_tokens == 0:
+                return glue.no_forward(out).kv_connector_output
+            with set_forward_context(None, self.vllm_config):
+                glue.pre_forward(out)
+                self._forward_all(rank, out, computed)
+            glue.finish_forward()
+            if self.runner == "v2":
+                return glue.post_forward(out.finished_req_ids)
+            kv_output = glue.post_forward(out.finished_req_ids, defer_finalize=True)
+            glue.finalize_step()  # the draft model has run
+            return kv_output
 
     def _process(self, out, runner_output) -> None:
         for engine_outputs in self.scheduler.update_from_output(out, runner_output).values():

@@ -9,14 +9,24 @@ for block, in each KV group, with the sliding window's null blocks skipped.
 
 from __future__ import annotations
 
+import inspect
 import json
 import secrets
 from collections import defaultdict
 
 import pytest
+from vllm.v1.worker.gpu.kv_connector import ActiveKVConnector
 
 from connector.tiny_models import build_model
 from tests.compat.model_free import ModelFreeEngine, loaded_blocks_by_group
+
+# The V2 runner with speculative decoding runs the stores after the step's results: vLLM 0.33 on
+V2_RUNNERS = [
+    "v2",
+    pytest.param("v2-spec", marks=pytest.mark.skipif(
+        "defer_finalize" not in inspect.signature(ActiveKVConnector.post_forward).parameters,
+        reason="this vLLM's V2 runner has no deferred finalize (speculative decoding)")),
+]
 
 WINDOW = 64  # tokens: prompts of 450-750 tokens reach far past it
 
@@ -44,12 +54,12 @@ def _store_round(engine: ModelFreeEngine, prompts, max_tokens: int = 2) -> None:
 
 def _two_rounds(model_path: str, block_size: int, max_num_batched_tokens: int, num_blocks: int = 1200,
                 max_tokens: int = 2, workers: int = 1, failing_rank: int | None = None,
-                async_scheduling: bool = False):
+                async_scheduling: bool = False, runner: str = "v1"):
     """Round 0 computes and stores; the device prefix cache is reset; round 1 sends the same prompts
     (with every load on `failing_rank` failing, when given)."""
     engine = ModelFreeEngine(model_path, {"cpu_bytes": 64 << 20, "block_size": block_size}, window=WINDOW,
                              num_blocks=num_blocks, max_num_batched_tokens=max_num_batched_tokens, workers=workers,
-                             async_scheduling=async_scheduling)
+                             async_scheduling=async_scheduling, runner=runner)
     try:
         prompts = _prompts()
         _store_round(engine, prompts, max_tokens)
@@ -88,6 +98,26 @@ def test_loads_give_the_forward_the_kv_it_wrote(model_path, block_size, max_num_
                                                 max_tokens, async_scheduling):
     stats = _two_rounds(model_path, block_size, max_num_batched_tokens, num_blocks, max_tokens,
                         async_scheduling=async_scheduling)
+    _assert_loads_right(stats, num_blocks, async_scheduling)
+
+
+@pytest.mark.parametrize("runner", V2_RUNNERS)
+@pytest.mark.parametrize(
+    "block_size, max_num_batched_tokens, num_blocks, max_tokens, async_scheduling",
+    [(64, 100, 1200, 2, False), (16, 2048, 1200, 8, True), (64, 2048, 180, 64, True)],
+    ids=["bs64-chunked", "async-bs16-one-step", "async-bs64-preempting"],
+)
+def test_the_v2_model_runner_gets_the_kv_it_wrote_too(model_path, block_size, max_num_batched_tokens, num_blocks,
+                                                      max_tokens, async_scheduling, runner):
+    """vLLM's V2 model runner (its default on GPUs) calls the connector's hooks in another order:
+    loads start after the forward and the sampling, stores run after the sampling (with speculative
+    decoding, after the step's results are taken). Loads are still right, reported and counted."""
+    stats = _two_rounds(model_path, block_size, max_num_batched_tokens, num_blocks, max_tokens,
+                        async_scheduling=async_scheduling, runner=runner)
+    _assert_loads_right(stats, num_blocks, async_scheduling)
+
+
+def _assert_loads_right(stats, num_blocks: int, async_scheduling: bool) -> None:
     _assert_no_violations(stats)
     assert bool(stats.resumed) == (num_blocks < 1000), stats.resumed
     assert bool(stats.scheduled_ahead) == async_scheduling
@@ -141,10 +171,11 @@ def test_two_workers_load_their_own_shards(model_path):
     assert data["copy_blocks"]["1|full_attention|load"] == 2 * loaded[1]
 
 
-def test_a_load_failing_on_one_worker_is_recomputed(model_path):
+@pytest.mark.parametrize("runner", ["v1", *V2_RUNNERS])
+def test_a_load_failing_on_one_worker_is_recomputed(model_path, runner):
     """Correctness first: when one worker's loads fail, vLLM recomputes the request on every worker,
     and no forward reads the half-loaded blocks."""
-    stats = _two_rounds(model_path, 64, 100, workers=2, failing_rank=1)
+    stats = _two_rounds(model_path, 64, 100, workers=2, failing_rank=1, runner=runner)
     _assert_no_violations(stats)
     failed = {r for r in stats.failed_recving if r.startswith("r1-")}
     assert failed and failed == {r for r in stats.loads if r.startswith("r1-")}
@@ -152,13 +183,14 @@ def test_a_load_failing_on_one_worker_is_recomputed(model_path):
     assert stats.connector.data["load_failures"] == sum(loaded_blocks_by_group(stats, failed).values())
 
 
+@pytest.mark.parametrize("runner", ["v1", *V2_RUNNERS])
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
-def test_requests_aborted_while_loading_leak_nothing(model_path, async_scheduling):
+def test_requests_aborted_while_loading_leak_nothing(model_path, async_scheduling, runner):
     """A client aborts requests right after vLLM scheduled their loads: vLLM keeps their blocks until
     the workers report the loads, the connector unpins every host entry, and the same prompts
     sent again load correct KV."""
     engine = ModelFreeEngine(model_path, {"cpu_bytes": 64 << 20, "block_size": 64}, window=WINDOW,
-                             max_num_batched_tokens=100, async_scheduling=async_scheduling)
+                             max_num_batched_tokens=100, async_scheduling=async_scheduling, runner=runner)
     aborted: set[str] = set()
 
     def abort_loading(out) -> None:
@@ -187,9 +219,10 @@ def test_requests_aborted_while_loading_leak_nothing(model_path, async_schedulin
     assert engine.host_tier_leaks() == []
 
 
+@pytest.mark.parametrize("runner", ["v1", *V2_RUNNERS])
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_stores_still_copying_when_the_last_request_ends_are_ready_for_the_next(model_path, monkeypatch,
-                                                                                async_scheduling):
+                                                                                async_scheduling, runner):
     """On CUDA a store can still be copying when its request's last step ends, and only a later step
     reports it. vLLM keeps stepping while the connector has such work (`has_pending_push_work`, as for
     its own offloading connector): the host blocks become ready then, not when the next request comes,
@@ -217,7 +250,7 @@ def test_stores_still_copying_when_the_last_request_ends_are_ready_for_the_next(
     monkeypatch.setattr(CopyEngine, "store", store)
     monkeypatch.setattr(CopyEngine, "poll", poll)
     engine = ModelFreeEngine(model_path, {"cpu_bytes": 64 << 20, "block_size": 64}, window=WINDOW,
-                             async_scheduling=async_scheduling)
+                             async_scheduling=async_scheduling, runner=runner)
     try:
         prompt = _prompts()[0]
         engine.add("first", prompt)
@@ -301,18 +334,20 @@ def test_offloaded_blocks_larger_than_the_window_survive_chunked_prefill(model_p
 
 
 @pytest.mark.parametrize(
-    "block_size, async_scheduling, num_blocks",
-    [(256, False, 1200), (256, True, 1200), (256, True, 150), (64, False, 1200)],
-    ids=["bs256-sync", "bs256-async", "bs256-async-preempting", "bs64-sync"],
+    "block_size, async_scheduling, num_blocks, runner",
+    [(256, False, 1200, "v1"), (256, True, 1200, "v1"), (256, True, 150, "v1"), (64, False, 1200, "v1"),
+     (256, True, 150, "v2")],
+    ids=["bs256-sync", "bs256-async", "bs256-async-preempting", "bs64-sync", "v2-bs256-async-preempting"],
 )
-def test_a_conversation_turn_loads_the_previous_turns_output(model_path, block_size, async_scheduling, num_blocks):
+def test_a_conversation_turn_loads_the_previous_turns_output(model_path, block_size, async_scheduling, num_blocks,
+                                                             runner):
     """Turn 2 of a conversation sends turn 1's prompt, its output and a new message. The blocks of
     turn 1's output (and the one straddling its prompt's end) have no key until their last token is
     sampled; with 256-token blocks the 64-token window drops their first pieces long before that,
     so they are stored under a placeholder key first. Every whole block turn 1 computed is a hit,
     as with 64-token blocks (which the window cannot outrun), and the KV loaded is right."""
     engine = ModelFreeEngine(model_path, {"cpu_bytes": 64 << 20, "block_size": block_size}, window=WINDOW,
-                             async_scheduling=async_scheduling, num_blocks=num_blocks)
+                             async_scheduling=async_scheduling, num_blocks=num_blocks, runner=runner)
     try:
         for j, prompt in enumerate(_prompts()):
             engine.add(f"t1-{j}", prompt, max_tokens=200)  # with 150 device blocks, vLLM preempts one
