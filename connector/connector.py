@@ -126,6 +126,18 @@ class KVScopeConnector(KVConnectorBase_V1, SupportsHMA):
     # ---- worker side ----
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._worker.register_kv_caches(kv_caches)
+        if self._worker.engine.is_cuda:
+            # vLLM's V1 runner calls handle_preemptions first in each step; its V2 runner (the default)
+            # writes the KV cache (zeroing new blocks) before, but saves after the sampling anyway.
+            self._worker.fence_stores_at_next_step = not _uses_v2_model_runner(self._vllm_config)
+
+    def handle_preemptions(self, kv_connector_metadata) -> None:
+        self._worker.begin_step()
+
+    def bind_connector_metadata(self, connector_metadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None:
+            self._worker.check_stores_fenced()
 
     def start_load_kv(self, forward_context, **kwargs) -> None:
         self._worker.start_load_kv(self._get_connector_metadata())
@@ -171,6 +183,14 @@ class KVScopeConnector(KVConnectorBase_V1, SupportsHMA):
         if config.metrics_port is not None:
             serve_metrics_port(config.metrics_port)  # offline runs: vLLM's and kvscope's metrics
         return KVScopePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+
+def _uses_v2_model_runner(vllm_config) -> bool:
+    """Whether vLLM runs its V2 model runner; True when that cannot be told (the safe answer here)."""
+    try:
+        return bool(vllm_config.use_v2_model_runner)
+    except Exception:  # an older or newer vLLM, or a config the property rejects
+        return True
 
 
 def _worker_rank() -> int:

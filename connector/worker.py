@@ -38,6 +38,12 @@ class KVScopeWorker:
         self._failed_loads: set[str] = set()
         self._meta = KVScopeWorkerMetadata()
         self._stats = KVScopeStats()
+        # CUDA: later compute must not overwrite blocks this step's stores still read. The fence goes
+        # in at once (`wait_for_save`), or at the next step's start (`begin_step`) where the model
+        # runner announces the step before anything of it writes the KV cache (vLLM's V1 runner,
+        # which saves before the sampling: the sampling then need not wait for the stores).
+        self.fence_stores_at_next_step = False
+        self._stores_unfenced = False
         self.lost_slots: set[int] = set()  # host data known to be gone (fault injection, errors)
         # Fault injection for tests of multi-worker runs, where no test can reach a worker object:
         # KVSCOPE_FAIL_LOADS_ON_RANK=<rank> makes every load on that worker fail.
@@ -59,7 +65,26 @@ class KVScopeWorker:
         if meta.stores:
             # CUDA: later work on the compute stream (zeroing, the next forward) may write blocks
             # these stores still read once vLLM frees them; order it after the stores.
+            if self.fence_stores_at_next_step:
+                self._stores_unfenced = True
+            else:
+                self.engine.fence_compute_stream()
+
+    def begin_step(self) -> None:
+        """The model runner starts a step, before any of its KV cache writes (`handle_preemptions`):
+        order them after the last step's stores, if that was left for now."""
+        if self._stores_unfenced:
+            self._stores_unfenced = False
             self.engine.fence_compute_stream()
+
+    def check_stores_fenced(self) -> None:
+        """A step's metadata is bound: the last stores' fence must be in. If the runner did not
+        announce the step (`begin_step`), fence now and, from now on, at once after the stores."""
+        if self._stores_unfenced:
+            logger.error("kvscope: this model runner did not call handle_preemptions before its step; "
+                         "stores are fenced at once from now on")
+            self.fence_stores_at_next_step = False
+            self.begin_step()
 
     def _run(self, job: TransferJob) -> None:
         flight = _InFlight(job=job, copies=[])

@@ -192,6 +192,7 @@ class ModelFreeEngine:
             if self.runner != "v1":
                 kv_outputs.append(self._execute_v2(rank, out, computed))
                 continue
+            worker.handle_preemptions(out.kv_connector_metadata)  # first in the V1 runner's execute_model
             with _as_transfer_group(worker), set_forward_context(None, self.vllm_config), \
                     KVConnectorModelRunnerMixin._get_kv_connector_output(out) as kv_output:
                 self._forward_all(rank, out, computed)

@@ -8,6 +8,8 @@ every stream dependency recorded, to pin the ordering the CUDA path relies on:
   the stores before it (a destination block may be one an in-flight store still reads);
 - later compute waits for stores only: a load in flight never holds up the next forward (vLLM keeps
   a loading request's blocks until the load is reported done, even when the request is aborted);
+- that wait goes in at once after the stores, or, under vLLM's V1 model runner (which saves before
+  the sampling and announces each step before writing the KV cache), at the next step's start;
 - a job's blocks go to vLLM's `swap_blocks_batch` in one call (here: memmove of the same pointer
   triples), falling back to a copy per block, for good, if that op ever fails.
 """
@@ -20,6 +22,10 @@ import pytest
 import torch
 
 from connector import copy_engine as copy_engine_module
+from connector.connector import _uses_v2_model_runner
+from connector.metadata import STORE, GroupTransfer, KVScopeMetadata, TransferJob
+from connector.telemetry.tracing import KVScopeTracing
+from connector.worker import KVScopeWorker
 from tests.unit.test_copy_engine import _block_bytes, _shared_attention_engine, memmove_batch
 
 
@@ -132,3 +138,67 @@ def test_a_failing_batched_op_falls_back_to_block_copies(cuda_engine, caplog):
     assert calls == [1] and engine._swap_blocks_batch is None  # tried once, then block by block
     assert torch.equal(_block_bytes(t0, 7), before)
     assert sum("swap_blocks_batch failed" in r.getMessage() for r in caplog.records) == 1
+
+
+def _worker_on(engine) -> KVScopeWorker:
+    worker = KVScopeWorker(None, engine.layout, engine.num_slots, ["full_attention", "full_attention"], 0,
+                           KVScopeTracing.disabled())
+    worker.engine = engine
+    return worker
+
+
+def _a_store(job_id: int) -> KVScopeMetadata:
+    return KVScopeMetadata(stores=[TransferJob(job_id, f"req-{job_id}", STORE, [GroupTransfer(0, [3], [1], [0])])])
+
+
+def test_stores_are_fenced_at_once_by_default(cuda_engine):
+    engine, _, log = cuda_engine
+    worker = _worker_on(engine)
+    worker.wait_for_save(_a_store(1))
+    assert log[-1] == ("compute", "waits for", "store")
+    log.clear()
+    worker.begin_step()
+    worker.check_stores_fenced()
+    assert log == []
+
+
+def test_under_the_v1_runner_stores_are_fenced_when_the_next_step_begins(cuda_engine):
+    """vLLM's V1 runner saves before the sampling: a fence at once would hold the sampling up
+    behind the stores. Its next step calls handle_preemptions before any KV cache write."""
+    engine, _, log = cuda_engine
+    worker = _worker_on(engine)
+    worker.fence_stores_at_next_step = True
+    worker.wait_for_save(_a_store(1))
+    assert ("compute", "waits for", "store") not in log
+    log.clear()
+    worker.begin_step()
+    assert log == [("compute", "waits for", "store")]
+    log.clear()
+    worker.check_stores_fenced()
+    worker.begin_step()  # nothing stored since
+    assert log == []
+
+
+def test_a_step_that_was_not_announced_is_fenced_when_its_metadata_is_bound(cuda_engine, caplog):
+    engine, _, log = cuda_engine
+    worker = _worker_on(engine)
+    worker.fence_stores_at_next_step = True
+    worker.wait_for_save(_a_store(1))
+    log.clear()
+    worker.check_stores_fenced()  # bind_connector_metadata without handle_preemptions first
+    assert log == [("compute", "waits for", "store")]
+    assert "did not call handle_preemptions" in caplog.text
+    assert not worker.fence_stores_at_next_step
+    log.clear()
+    worker.wait_for_save(_a_store(2))
+    assert log[-1] == ("compute", "waits for", "store")  # at once from now on
+
+
+def test_the_runner_is_taken_for_v2_when_it_cannot_be_told():
+    class Rejecting:
+        @property
+        def use_v2_model_runner(self):
+            raise ValueError("HiSparse requires Model Runner V2")
+
+    assert _uses_v2_model_runner(object()) and _uses_v2_model_runner(Rejecting())
+    assert not _uses_v2_model_runner(type("V1", (), {"use_v2_model_runner": False})())
