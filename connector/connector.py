@@ -87,8 +87,9 @@ class KVScopeConnector(KVConnectorBase_V1, SupportsHMA):
 
     @classmethod
     def supports_sleep_mode(cls, kv_transfer_config) -> bool:
-        # vLLM 0.33+: the copy engine holds views of the KV cache storage, which sleep mode
-        # frees and remaps; refuse rather than copy through stale views.
+        # vLLM 0.33+ asks (and refuses sleep mode with this connector): the copy engine holds views
+        # of the KV cache storage, which sleep mode frees and remaps; refuse rather than copy
+        # through stale views. 0.32 does not ask: there sleep mode is neither refused nor tested.
         return False
 
     @classmethod

@@ -155,7 +155,9 @@ class KVScopeWorker:
         return done, failed
 
     def build_worker_meta(self) -> KVScopeWorkerMetadata | None:
-        self.tracing.end_step()  # the step's copy spans are recorded (vLLM asks this last)
+        # The step's copy spans are recorded: vLLM asks this last, except 0.33's V2 runner with
+        # speculative decoding, which saves after it; those stores are reported a step later.
+        self.tracing.end_step()
         if not (self._meta.completed_jobs or self._meta.failed_jobs):
             return None
         meta, self._meta = self._meta, KVScopeWorkerMetadata()

@@ -63,6 +63,22 @@ def _next_turn(prompts: list[list[int]], outs, new_tokens: int) -> list[list[int
             for j, (p, o) in enumerate(zip(prompts, outs))]
 
 
+def _fence_stores_at_next_step(worker) -> dict:
+    """Place the store fence as on CUDA under vLLM's V1 model runner (a no-op on the CPU), and count
+    the steps that begin (`handle_preemptions`) with stores to fence: the runner must announce
+    every step before binding its metadata, or the worker falls back to fencing at once."""
+    fence = {"fenced_at_step_start": 0}
+    worker.fence_stores_at_next_step = True
+    begin_step = worker.begin_step
+
+    def counting_begin_step():
+        fence["fenced_at_step_start"] += worker._stores_unfenced
+        begin_step()
+
+    worker.begin_step = counting_begin_step
+    return fence
+
+
 def run(spec: dict) -> dict:
     engine_env()
     model = build_model(spec["model"], window=spec.get("window", 64), layer_types=spec.get("layer_types"))
@@ -85,6 +101,8 @@ def run(spec: dict) -> dict:
             rounds.append(generate(llm, _next_turn(prompts, outs, conversation["new_tokens"]), max_tokens))
         return {"rounds": [[o.__dict__ for o in r] for r in rounds]}
     llm = make_llm(model, spec.get("extra", {"cpu_bytes": 64 << 20}), **llm_kwargs)
+    single_worker = llm_kwargs.get("tensor_parallel_size", 1) == 1  # else the workers live in other processes
+    fence = _fence_stores_at_next_step(get_worker_connector()._worker) if single_worker else {}
     rounds, counters = [], []
     before = metric_values(llm)
     rounds.append(first_turn(llm))  # round 0: cold, stores to the host tier
@@ -107,8 +125,9 @@ def run(spec: dict) -> dict:
     counters.append(_delta(metric_values(llm), after1))
     connector = get_scheduler_connector(llm)
     connector.tracing.force_flush()
-    if llm_kwargs.get("tensor_parallel_size", 1) == 1:  # else the workers live in other processes
+    if single_worker:
         get_worker_connector().tracing.force_flush()
+        fence["kept"] = get_worker_connector()._worker.fence_stores_at_next_step
     sched = connector._scheduler
     return {
         "rounds": [[o.__dict__ for o in r] for r in rounds],
@@ -121,6 +140,7 @@ def run(spec: dict) -> dict:
         "block_sizes": [layout.block_size for layout in sched.layouts],
         "offload_block_size": sched.block_size,
         "prompts": prompts,  # of rounds 1 and 2
+        "fence": fence,
     }
 
 

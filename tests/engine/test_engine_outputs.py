@@ -55,6 +55,14 @@ def test_loaded_round_equals_cold_round_and_no_connector(model_run):
         assert max((abs(x - y) for x, y in zip(a["logprobs"], b["logprobs"])), default=0) <= LOGPROB_TOLERANCE
 
 
+def test_the_runner_announces_every_step_before_binding_it(model_run):
+    """The store fence that CUDA places at the next step's start under vLLM's V1 model runner (the
+    CPU engine's): vLLM's own runner calls handle_preemptions before binding every step that
+    follows stores, so the worker never had to fall back to fencing at once."""
+    _, result, _ = model_run
+    assert result["fence"]["fenced_at_step_start"] > 0 and result["fence"]["kept"]
+
+
 def test_round_after_reset_really_loads_from_host_tier(model_run):
     _, result, _ = model_run
     loaded = result["counters"][1]
@@ -102,6 +110,8 @@ def test_a_conversation_turn_loads_the_previous_turns_output(scenarios):
     expected = sum((len(p) - conversation["new_tokens"] - 1) // 256 * 256 for p in result["prompts"])
     assert result["counters"][1]["vllm:external_prefix_cache_hits"] == expected
     assert _tokens(second) == _tokens(baseline["rounds"][1])
+    # the V1 runner saves after the draft model here (in sample_tokens): still before the next step
+    assert result["fence"]["fenced_at_step_start"] > 0 and result["fence"]["kept"]
     for a, b in zip(second, baseline["rounds"][1]):
         assert max((abs(x - y) for x, y in zip(a["logprobs"], b["logprobs"])), default=0) <= LOGPROB_TOLERANCE
 
@@ -126,6 +136,8 @@ def test_a_conversation_under_speculative_decoding(scenarios):
     expected = sum((len(p) - conversation["new_tokens"] - 1) // 256 * 256 for p in result["prompts"])
     assert result["counters"][1]["vllm:external_prefix_cache_hits"] == expected
     assert _tokens(second) == _tokens(baseline["rounds"][1])
+    # the V1 runner saves after the draft model here (in sample_tokens): still before the next step
+    assert result["fence"]["fenced_at_step_start"] > 0 and result["fence"]["kept"]
 
 
 def test_the_host_tier_serves_an_engine_with_its_prefix_cache_off(scenarios):
