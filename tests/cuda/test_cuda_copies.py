@@ -121,7 +121,7 @@ def test_a_load_waits_for_compute_enqueued_before_it(cuda):
     _done(engine, _store(engine, src, slots))
     expected = _rows(t0, src)
     torch.cuda._sleep(50_000_000)  # keep the compute stream busy (tens of ms)
-    t0[dst].fill_(7.0)  # then write the destination blocks, on the compute stream
+    t0[dst] = 7.0  # then write the destination blocks, on the compute stream
     loaded = _load(engine, slots, dst)
     torch.cuda.synchronize()
     _done(engine, loaded)
@@ -156,3 +156,26 @@ def test_copy_times_are_the_device_interval(cuda):
     gbps = stored.nbytes / seconds / 1e9
     print(f"INFO store of {stored.nbytes >> 20} MiB in {seconds * 1e3:.3f} ms: {gbps:.1f} GB/s")
     assert 1 < gbps < 2000
+
+
+def test_mamba_pages_round_trip_byte_exact(cuda):
+    """Raw Mamba pages on the device (a float32 conv state and a bf16 SSM state viewing one int8
+    page per block, with padding at its end), copied whole: padding included, neighbours untouched."""
+    num_blocks, page = 64, 160
+    raw = torch.randint(-128, 128, (num_blocks * page,), dtype=torch.int8, device="cuda")
+    conv = torch.as_strided(raw.view(torch.float32), (num_blocks, 3, 8), (page // 4, 8, 1), 0)
+    ssm = torch.as_strided(raw.view(torch.bfloat16), (num_blocks, 4, 6), (page // 2, 6, 1), 96 // 2)
+    layout = SlotLayout(slot_bytes=page, group_layers=[[("mamba", 0, page)]], group_factors=[1])
+    engine = CopyEngine({"mamba": [conv, ssm]}, SimpleNamespace(num_blocks=num_blocks), layout, 8)
+    try:
+        before = raw.view(num_blocks, page).to("cpu", copy=True)
+        _done(engine, engine.store(0, [5, 2], [0, 0], [3, num_blocks - 1]))
+        raw.random_(-128, 128)
+        mid = raw.view(num_blocks, page).to("cpu", copy=True)
+        _done(engine, engine.load(0, [5, 2], [0, 0], [10, 0]))
+        expected = mid.clone()
+        expected[10], expected[0] = before[3], before[num_blocks - 1]
+        assert torch.equal(raw.view(num_blocks, page).cpu(), expected)
+    finally:
+        torch.cuda.synchronize()
+        engine.close()
