@@ -133,7 +133,8 @@ class KVScopeConnector(KVConnectorBase_V1, SupportsHMA):
             self._worker.fence_stores_at_next_step = not _uses_v2_model_runner(self._vllm_config)
 
     def handle_preemptions(self, kv_connector_metadata) -> None:
-        self._worker.begin_step()
+        if self._worker is not None:
+            self._worker.begin_step()
 
     def bind_connector_metadata(self, connector_metadata) -> None:
         super().bind_connector_metadata(connector_metadata)
