@@ -136,6 +136,7 @@ class ModelFreeEngine:
         hash_fn = get_hash_fn_by_name(self.vllm_config.cache_config.prefix_caching_hash_algo)
         init_none_hash(hash_fn)
         self._block_hasher = get_request_block_hasher(BLOCK, hash_fn)
+        self.after_step: list = []  # callables run after each step's workers (`LateReadingStores.tick`)
         self.tokens: dict[str, list[int]] = {}  # prompt + sampled, as the model runner knows them
         self.tables: dict[str, list[list[int]]] = {}  # per request, per group: block ids (worker's view)
         self.stats = LoopStats()
@@ -197,6 +198,8 @@ class ModelFreeEngine:
                     KVConnectorModelRunnerMixin._get_kv_connector_output(out) as kv_output:
                 self._forward_all(rank, out, computed)
             kv_outputs.append(kv_output)
+        for callback in self.after_step:
+            callback()
         req_ids = list(out.num_scheduled_tokens)
         sampled = []
         for req_id in req_ids:
@@ -369,3 +372,53 @@ def loaded_blocks_by_group(stats: LoopStats, req_ids) -> dict[int, int]:
             for part in job.groups:
                 totals[part.group_index] += len(part.block_ids)
     return dict(totals)
+
+
+class LateReadingStores:
+    """A worker's copy engine whose stores read the device as a DMA does on CUDA: late.
+
+    On the CPU a store copies at once, inside `wait_for_save`, so no later write can reach its
+    source blocks first. Here a store's bytes are read only when it completes: `steps` engine steps
+    later (`tick`, after each step), when a fence orders later compute after it
+    (`fence_compute_stream`), or when a load comes (a load waits for the stores before it, as
+    on CUDA). A fence placed too late, or missing, lets a later forward overwrite a block a store
+    has yet to read, and the host tier then holds what a later load gives the checks as wrong KV."""
+
+    def __init__(self, engine, steps: int = 3):
+        self.engine, self.steps = engine, steps
+        self._pending: dict[int, list] = {}  # id(result) -> [result, store args, steps left]
+        self._copy, self._poll = engine._copy, engine.poll
+        engine.store, engine.poll = self._store, self._poll_late
+        engine.load, engine.fence_compute_stream = self._load, self._read_all
+
+    def _store(self, group, slots, subs, block_ids):
+        from connector.copy_engine import CopyResult
+
+        result = CopyResult(len(block_ids) * self.engine.group_block_bytes(group), len(block_ids), 0, 0,
+                            done_event="pending")
+        self._pending[id(result)] = [result, (group, slots, subs, block_ids), self.steps]
+        return result
+
+    def _poll_late(self, result) -> bool:
+        return id(result) not in self._pending and self._poll(result)
+
+    def tick(self) -> None:
+        """An engine step is over: stores issued `steps` steps ago have read their blocks by now."""
+        for entry in list(self._pending.values()):
+            entry[2] -= 1
+            if entry[2] <= 0:
+                self._read(entry)
+
+    def _read(self, entry) -> None:
+        result, args, _ = entry
+        done = self._copy(*args, to_device=False)
+        result.start_ns, result.end_ns, result.done_event = done.start_ns, done.end_ns, None
+        del self._pending[id(result)]
+
+    def _read_all(self) -> None:
+        for entry in list(self._pending.values()):
+            self._read(entry)
+
+    def _load(self, group, slots, subs, block_ids):
+        self._read_all()  # the load stream waits for the store stream
+        return self._copy(group, slots, subs, block_ids, to_device=True)

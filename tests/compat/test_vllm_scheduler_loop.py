@@ -388,3 +388,56 @@ def test_a_cache_salt_keeps_tenants_apart(model_path):
     _assert_no_violations(engine.stats)
     # each round's prompts run together, so nothing hits within a round: only tenant a's second round hits
     assert hits[0] == hits[1] == hits[2] == 0 and hits[3] > 0, hits
+
+
+@pytest.mark.parametrize("runner", ["v1", *V2_RUNNERS])
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_stores_that_read_the_device_late_store_what_the_forward_wrote(model_path, async_scheduling, runner):
+    """Stores read their blocks late, as DMA does on CUDA (`LateReadingStores`), with vLLM short of
+    blocks, so it preempts and frees blocks whose stores are still pending and gives them to other
+    requests. The fence keeps every later write after those reads: under the V1 runner when the next
+    step begins (`handle_preemptions`), under V2 at once. The loads of round 1 then bring back
+    exactly what the forward wrote."""
+    stats = _late_reading_rounds(model_path, async_scheduling, runner, fenced=True)
+    _assert_no_violations(stats)
+    assert stats.resumed and any(r.startswith("r1-") for r in stats.loads)
+
+
+@pytest.mark.parametrize("runner", ["v1", "v2"])
+def test_without_the_fence_late_reads_store_overwritten_blocks(model_path, runner):
+    """The check above can fail: with no fence, later steps overwrite blocks before their stores read
+    them, and round 1 loads wrong KV."""
+    stats = _late_reading_rounds(model_path, False, runner, fenced=False)
+    assert stats.violations
+
+
+def _late_reading_rounds(model_path, async_scheduling: bool, runner: str, fenced: bool):
+    from tests.compat.model_free import LateReadingStores
+
+    # 150 device blocks, 100-token steps, 200 tokens decoded: vLLM preempts, and the window frees
+    # blocks, while stores read 10 steps late (a stress: a DMA's lag is within a step or two)
+    engine = ModelFreeEngine(model_path, {"cpu_bytes": 64 << 20, "block_size": 64}, window=WINDOW,
+                             num_blocks=150, max_num_batched_tokens=100, async_scheduling=async_scheduling,
+                             runner=runner)
+    for connector in engine.workers:
+        worker = connector._worker
+        late = LateReadingStores(worker.engine, steps=10)
+        engine.after_step.append(late.tick)
+        worker.fence_stores_at_next_step = runner == "v1"  # as on CUDA (`KVScopeConnector.register_kv_caches`)
+        if not fenced:
+            worker.engine.fence_compute_stream = lambda: None
+            late._load = lambda group, slots, subs, block_ids: late._copy(group, slots, subs, block_ids,
+                                                                          to_device=True)
+            worker.engine.load = late._load
+    try:
+        prompts = _prompts()
+        for j, prompt in enumerate(prompts):
+            engine.add(f"r0-{j}", prompt, max_tokens=200)
+        engine.run()
+        engine.reset_device_prefix_cache()
+        for j, prompt in enumerate(prompts):
+            engine.add(f"r1-{j}", prompt, max_tokens=200)
+        engine.run()
+    finally:
+        engine.shutdown()
+    return engine.stats
