@@ -21,7 +21,7 @@ from .telemetry.metrics import KVScopePromMetrics, KVScopeStats, serve_metrics_p
 from .telemetry.tracing import KVScopeTracing
 from .version_check import check_vllm_version
 from .vllm_layout import group_layouts, slot_layout
-from .worker import KVScopeWorker
+from .worker import FENCE_AT_NEXT_STEP, FENCE_AT_ONCE, FENCE_WHEN_REUSED, KVScopeWorker
 
 logger = logging.getLogger(__name__)
 
@@ -128,18 +128,16 @@ class KVScopeConnector(KVConnectorBase_V1, SupportsHMA):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._worker.register_kv_caches(kv_caches)
         if self._worker.engine.is_cuda:
-            # vLLM's V1 runner calls handle_preemptions first in each step; its V2 runner (the default)
-            # writes the KV cache (zeroing new blocks) before, but saves after the sampling anyway.
-            self._worker.fence_stores_at_next_step = not _uses_v2_model_runner(self._vllm_config)
+            self._worker.store_fence = _store_fence(self._vllm_config, self._kv_cache_config)
 
     def handle_preemptions(self, kv_connector_metadata) -> None:
         if self._worker is not None:
-            self._worker.begin_step()
+            self._worker.begin_step(kv_connector_metadata)
 
     def bind_connector_metadata(self, connector_metadata) -> None:
         super().bind_connector_metadata(connector_metadata)
         if self._worker is not None:
-            self._worker.check_stores_fenced()
+            self._worker.check_stores_fenced(connector_metadata)
 
     def start_load_kv(self, forward_context, **kwargs) -> None:
         self._worker.start_load_kv(self._get_connector_metadata())
@@ -187,12 +185,27 @@ class KVScopeConnector(KVConnectorBase_V1, SupportsHMA):
         return KVScopePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
 
-def _uses_v2_model_runner(vllm_config) -> bool:
-    """Whether vLLM runs its V2 model runner; True when that cannot be told (the safe answer here)."""
+def _store_fence(vllm_config, kv_cache_config) -> str:
+    """Where a CUDA worker fences its stores (`worker.FENCE_*`).
+
+    Both of vLLM's runners call handle_preemptions before their forward. Only where a cache's
+    blocks are written in place (Mamba states) or zeroed when allocated (Mamba, mixed precision:
+    the V2 runner zeroes before handle_preemptions) must every step wait for the stores before it;
+    elsewhere only a step that allocates a block a store still reads. Unknown runner: at once."""
+    v2 = _uses_v2_model_runner(vllm_config)
+    if v2 is None:
+        return FENCE_AT_ONCE
+    if not getattr(kv_cache_config, "needs_kv_cache_zeroing", True):
+        return FENCE_WHEN_REUSED
+    return FENCE_AT_ONCE if v2 else FENCE_AT_NEXT_STEP
+
+
+def _uses_v2_model_runner(vllm_config) -> bool | None:
+    """Whether vLLM runs its V2 model runner; None when that cannot be told."""
     try:
         return bool(vllm_config.use_v2_model_runner)
     except Exception:  # an older or newer vLLM, or a config the property rejects
-        return True
+        return None
 
 
 def _worker_rank() -> int:

@@ -40,6 +40,9 @@ class TransferJob:
 class KVScopeMetadata(KVConnectorMetadata):
     loads: list[TransferJob] = field(default_factory=list)
     stores: list[TransferJob] = field(default_factory=list)
+    # This step allocates a device block that an unreported store (of an earlier step) reads:
+    # workers that fence stores only when needed order the step's writes after the stores.
+    fence_stores: bool = False
 
 
 @dataclass

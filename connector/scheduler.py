@@ -48,6 +48,7 @@ class _Job:
     req_id: str
     keys: list  # load: host keys pinned
     fillings: list | tuple = ()  # store: the offloaded blocks it has pieces of (no list made per load)
+    sources: list | tuple = ()  # store: the device blocks it reads
     plan_ns: int = 0
     loaded: list[tuple[int, int]] = field(default_factory=list)  # load: (group, blocks)
     reports: int = 0
@@ -85,6 +86,9 @@ class KVScopeScheduler:
         self._jobs: dict[int, _Job] = {}
         self._next_job_id = 0
         self._pending_loads: list[TransferJob] = []
+        # device block -> unreported store jobs reading it: a step that allocates such a block
+        # again must not write it before they have read it (`_sources_reallocated`)
+        self._store_sources: dict[int, set[int]] = {}
         self._stats = KVScopeStats()
         # Per group, one (nanoseconds, blocks scanned, null blocks skipped) per scan: a single list
         # append on the planning path, folded into the stats payload once per stats interval.
@@ -254,6 +258,8 @@ class KVScopeScheduler:
     def build_connector_meta(self, scheduler_output) -> KVScopeMetadata:
         meta = KVScopeMetadata(loads=self._pending_loads)
         self._pending_loads = []
+        if self._store_sources:
+            meta.fence_stores = self._sources_reallocated(scheduler_output)
         computed = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -270,6 +276,38 @@ class KVScopeScheduler:
         self._update_capacity_stats()
         self.tracing.end_step()  # this step's lookup, load and store spans are all recorded
         return meta
+
+    def _sources_reallocated(self, scheduler_output) -> bool:
+        """Whether this step allocates a device block that an unreported store reads (vLLM freed it,
+        its request finished, was preempted or left it behind its window, and gives it out again).
+
+        This step's writes to such a block must wait for those stores (`KVScopeMetadata.fence_stores`).
+        A block copy vLLM applies before the workers hear of the step (V2 runner) cannot wait: the
+        stores reading its destination are failed instead, so their host blocks never become ready.
+        Blocks a request finds in vLLM's prefix cache are not written, so they do not count."""
+        sources = self._store_sources
+        reallocated = False
+        for new in scheduler_output.scheduled_new_reqs:
+            reallocated |= self._any_source(new.block_ids, new.num_computed_tokens)
+        cached = scheduler_output.scheduled_cached_reqs
+        resumed = getattr(cached, "resumed_req_ids", None) or ()
+        for i, req_id in enumerate(cached.req_ids):
+            groups = cached.new_block_ids[i]
+            if groups is not None:
+                # a resumed request's list is whole (prefix-cache hits first); others' are appended blocks
+                reallocated |= self._any_source(groups, cached.num_computed_tokens[i] if req_id in resumed else 0)
+        for copy in getattr(scheduler_output, "kv_cache_block_copies", None) or ():
+            for job_id in sources.get(copy.dst_block_id, ()):
+                self._jobs[job_id].failed = True
+        return reallocated
+
+    def _any_source(self, group_block_ids, computed_tokens: int) -> bool:
+        sources = self._store_sources
+        for layout, ids in zip(self.layouts, group_block_ids):
+            for block_id in ids[computed_tokens // layout.block_size:]:
+                if block_id in sources:
+                    return True
+        return False
 
     def _plan_store(self, state: _RequestState, computed_tokens: int) -> TransferJob | None:
         """The store job of this step for one request: every device block computed since the last
@@ -325,7 +363,11 @@ class KVScopeScheduler:
         if not parts:
             return None
         job_id = self._new_job_id()
-        self._jobs[job_id] = _Job(direction=STORE, req_id=request.request_id, keys=[], fillings=fillings)
+        sources = [block_id for part in parts for block_id in part.block_ids]
+        self._jobs[job_id] = _Job(direction=STORE, req_id=request.request_id, keys=[], fillings=fillings,
+                                  sources=sources)
+        for block_id in sources:
+            self._store_sources.setdefault(block_id, set()).add(job_id)
         carrier = None
         tracing = self.tracing
         if tracing.may_record(state.trace_context):
@@ -358,6 +400,13 @@ class KVScopeScheduler:
             return  # a transfer is done only when every worker has reported it
         del self._jobs[job_id]
         if job.direction == STORE:
+            sources = self._store_sources
+            for block_id in job.sources:
+                readers = sources.get(block_id)
+                if readers is not None:
+                    readers.discard(job_id)
+                    if not readers:
+                        del sources[block_id]
             self.stores.job_reported(job.fillings, job.failed)
             return
         for key in job.keys:

@@ -17,6 +17,16 @@ from .telemetry.tracing import KVScopeTracing
 logger = logging.getLogger(__name__)
 
 
+# Where a worker orders later compute after its stores (CUDA; CPU copies finish inside the step):
+FENCE_AT_ONCE = "at_once"  # right after the step's stores
+# when the next step begins (`handle_preemptions`), under a runner that writes nothing before it
+# (vLLM's V1 runner, which saves before the sampling: the sampling need not wait)
+FENCE_AT_NEXT_STEP = "at_next_step"
+# only in a step that allocates a block an unreported store reads (`KVScopeMetadata.fence_stores`),
+# when it begins: for caches whose blocks nothing rewrites in place or zeroes (no Mamba, one precision)
+FENCE_WHEN_REUSED = "when_reused"
+
+
 @dataclass
 class _InFlight:
     job: TransferJob
@@ -38,12 +48,10 @@ class KVScopeWorker:
         self._failed_loads: set[str] = set()
         self._meta = KVScopeWorkerMetadata()
         self._stats = KVScopeStats()
-        # CUDA: later compute must not overwrite blocks this step's stores still read. The fence goes
-        # in at once (`wait_for_save`), or at the next step's start (`begin_step`) where the model
-        # runner announces the step before anything of it writes the KV cache (vLLM's V1 runner,
-        # which saves before the sampling: the sampling then need not wait for the stores).
-        self.fence_stores_at_next_step = False
+        # CUDA: later compute must not overwrite blocks the stores still read (`store_fence`).
+        self.store_fence = FENCE_AT_ONCE
         self._stores_unfenced = False
+        self._step_announced = False
         self.lost_slots: set[int] = set()  # host data known to be gone (fault injection, errors)
         # Fault injection for tests of multi-worker runs, where no test can reach a worker object:
         # KVSCOPE_FAIL_LOADS_ON_RANK=<rank> makes every load on that worker fail.
@@ -65,26 +73,32 @@ class KVScopeWorker:
         if meta.stores:
             # CUDA: later work on the compute stream (zeroing, the next forward) may write blocks
             # these stores still read once vLLM frees them; order it after the stores.
-            if self.fence_stores_at_next_step:
-                self._stores_unfenced = True
-            else:
+            if self.store_fence == FENCE_AT_ONCE:
                 self.engine.fence_compute_stream()
+            elif self.store_fence == FENCE_AT_NEXT_STEP:
+                self._stores_unfenced = True
 
-    def begin_step(self) -> None:
-        """The model runner starts a step, before any of its KV cache writes (`handle_preemptions`):
-        order them after the last step's stores, if that was left for now."""
-        if self._stores_unfenced:
+    def begin_step(self, meta: KVScopeMetadata | None = None) -> None:
+        """The model runner starts a step (`handle_preemptions`), before the step's forward writes
+        the KV cache: order those writes after the stores, where the fence was left for now."""
+        self._step_announced = True
+        if self._stores_unfenced or (self.store_fence == FENCE_WHEN_REUSED and meta is not None and meta.fence_stores):
             self._stores_unfenced = False
             self.engine.fence_compute_stream()
 
-    def check_stores_fenced(self) -> None:
-        """A step's metadata is bound: the last stores' fence must be in. If the runner did not
-        announce the step (`begin_step`), fence now and, from now on, at once after the stores."""
-        if self._stores_unfenced:
-            logger.error("kvscope: this model runner did not call handle_preemptions before its step; "
-                         "stores are fenced at once from now on")
-            self.fence_stores_at_next_step = False
-            self.begin_step()
+    def check_stores_fenced(self, meta: KVScopeMetadata | None = None) -> None:
+        """A step's metadata is bound: the stores' fence must be in. If the runner did not announce
+        the step (`begin_step`), fence now if it was due, and from now on at once after the stores."""
+        announced, self._step_announced = self._step_announced, False
+        if announced or self.store_fence == FENCE_AT_ONCE:
+            return
+        due = self._stores_unfenced or (meta is not None and meta.fence_stores)
+        logger.error("kvscope: this model runner did not call handle_preemptions before its step; "
+                     "stores are fenced at once from now on")
+        self.store_fence = FENCE_AT_ONCE
+        if due:
+            self._stores_unfenced = False
+            self.engine.fence_compute_stream()
 
     def _run(self, job: TransferJob) -> None:
         flight = _InFlight(job=job, copies=[])

@@ -18,15 +18,14 @@ import pytest
 from vllm.v1.worker.gpu.kv_connector import ActiveKVConnector
 
 from connector.tiny_models import build_model
+from connector.worker import FENCE_AT_NEXT_STEP, FENCE_AT_ONCE, FENCE_WHEN_REUSED
 from tests.compat.model_free import ModelFreeEngine, loaded_blocks_by_group
 
 # The V2 runner with speculative decoding runs the stores after the step's results: vLLM 0.33 on
-V2_RUNNERS = [
-    "v2",
-    pytest.param("v2-spec", marks=pytest.mark.skipif(
-        "defer_finalize" not in inspect.signature(ActiveKVConnector.post_forward).parameters,
-        reason="this vLLM's V2 runner has no deferred finalize (speculative decoding)")),
-]
+_DEFERRED_FINALIZE = pytest.mark.skipif(
+    "defer_finalize" not in inspect.signature(ActiveKVConnector.post_forward).parameters,
+    reason="this vLLM's V2 runner has no deferred finalize (speculative decoding)")
+V2_RUNNERS = ["v2", pytest.param("v2-spec", marks=_DEFERRED_FINALIZE)]
 
 WINDOW = 64  # tokens: prompts of 450-750 tokens reach far past it
 
@@ -390,28 +389,40 @@ def test_a_cache_salt_keeps_tenants_apart(model_path):
     assert hits[0] == hits[1] == hits[2] == 0 and hits[3] > 0, hits
 
 
-@pytest.mark.parametrize("runner", ["v1", *V2_RUNNERS])
+@pytest.mark.parametrize("runner, fence", [
+    # the placements CUDA picks (`connector._store_fence`): per runner, for caches that are zeroed
+    # when allocated (Mamba, mixed precision) and for the others
+    ("v1", FENCE_AT_NEXT_STEP), ("v1", FENCE_WHEN_REUSED), ("v2", FENCE_AT_ONCE), ("v2", FENCE_WHEN_REUSED),
+    pytest.param("v2-spec", FENCE_AT_ONCE, marks=_DEFERRED_FINALIZE),
+    pytest.param("v2-spec", FENCE_WHEN_REUSED, marks=_DEFERRED_FINALIZE),
+])
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
-def test_stores_that_read_the_device_late_store_what_the_forward_wrote(model_path, async_scheduling, runner):
+def test_stores_that_read_the_device_late_store_what_the_forward_wrote(model_path, async_scheduling, runner, fence):
     """Stores read their blocks late, as DMA does on CUDA (`LateReadingStores`), with vLLM short of
     blocks, so it preempts and frees blocks whose stores are still pending and gives them to other
-    requests. The fence keeps every later write after those reads: under the V1 runner when the next
-    step begins (`handle_preemptions`), under V2 at once. The loads of round 1 then bring back
-    exactly what the forward wrote."""
-    stats = _late_reading_rounds(model_path, async_scheduling, runner, fenced=True)
+    requests. Each fence placement CUDA may pick for a runner keeps every later write after those
+    reads: at once, when the next step begins (V1: `handle_preemptions`), or only in a step that
+    allocates a block a store still reads (the scheduler's `fence_stores`). The loads of round 1
+    then bring back exactly what the forward wrote."""
+    stats, fences = _late_reading_rounds(model_path, async_scheduling, runner, fence)
     _assert_no_violations(stats)
     assert stats.resumed and any(r.startswith("r1-") for r in stats.loads)
+    if fence == FENCE_WHEN_REUSED:  # it did fence, but in few of the steps
+        assert 0 < fences < stats.steps / 4, (fences, stats.steps)
 
 
 @pytest.mark.parametrize("runner", ["v1", "v2"])
-def test_without_the_fence_late_reads_store_overwritten_blocks(model_path, runner):
-    """The check above can fail: with no fence, later steps overwrite blocks before their stores read
-    them, and round 1 loads wrong KV."""
-    stats = _late_reading_rounds(model_path, False, runner, fenced=False)
+@pytest.mark.parametrize("fence", [None, FENCE_WHEN_REUSED], ids=["no-fence", "reuse-never-flagged"])
+def test_without_the_fence_late_reads_store_overwritten_blocks(model_path, runner, fence):
+    """The check above can fail: with no fence, or with the fence only on reuse but the scheduler
+    never flagging a reused block, later steps overwrite blocks before their stores read them,
+    and round 1 loads wrong KV."""
+    stats, _ = _late_reading_rounds(model_path, False, runner, fence, flag_reuse=False)
     assert stats.violations
 
 
-def _late_reading_rounds(model_path, async_scheduling: bool, runner: str, fenced: bool):
+def _late_reading_rounds(model_path, async_scheduling: bool, runner: str, fence: str | None,
+                         flag_reuse: bool = True):
     from tests.compat.model_free import LateReadingStores
 
     # 150 device blocks, 100-token steps, 200 tokens decoded: vLLM preempts, and the window frees
@@ -419,16 +430,24 @@ def _late_reading_rounds(model_path, async_scheduling: bool, runner: str, fenced
     engine = ModelFreeEngine(model_path, {"cpu_bytes": 64 << 20, "block_size": 64}, window=WINDOW,
                              num_blocks=150, max_num_batched_tokens=100, async_scheduling=async_scheduling,
                              runner=runner)
+    if not flag_reuse:
+        engine.scheduler.get_kv_connector()._scheduler._sources_reallocated = lambda out: False
+    fences = [0]
     for connector in engine.workers:
         worker = connector._worker
         late = LateReadingStores(worker.engine, steps=10)
         engine.after_step.append(late.tick)
-        worker.fence_stores_at_next_step = runner == "v1"  # as on CUDA (`KVScopeConnector.register_kv_caches`)
-        if not fenced:
-            worker.engine.fence_compute_stream = lambda: None
-            late._load = lambda group, slots, subs, block_ids: late._copy(group, slots, subs, block_ids,
-                                                                          to_device=True)
-            worker.engine.load = late._load
+        worker.store_fence = fence or FENCE_WHEN_REUSED  # as CUDA would (`connector._store_fence`)
+
+        def fence_compute_stream(late=late):
+            fences[0] += 1
+            if fence is not None:
+                late._read_all()
+
+        worker.engine.fence_compute_stream = fence_compute_stream
+        if fence is None:  # nor do loads wait for the stores
+            worker.engine.load = lambda group, slots, subs, block_ids, late=late: late._copy(
+                group, slots, subs, block_ids, to_device=True)
     try:
         prompts = _prompts()
         for j, prompt in enumerate(prompts):
@@ -440,4 +459,4 @@ def _late_reading_rounds(model_path, async_scheduling: bool, runner: str, fenced
         engine.run()
     finally:
         engine.shutdown()
-    return engine.stats
+    return engine.stats, fences[0]

@@ -19,6 +19,7 @@ from connector.engine_runner import (
     metric_values,
 )
 from connector.tiny_models import build_model
+from connector.worker import FENCE_AT_NEXT_STEP
 
 COUNTERS = ("vllm:prefix_cache_hits", "vllm:prefix_cache_queries",
             "vllm:external_prefix_cache_hits", "vllm:external_prefix_cache_queries",
@@ -68,12 +69,12 @@ def _fence_stores_at_next_step(worker) -> dict:
     the steps that begin (`handle_preemptions`) with stores to fence: the runner must announce
     every step before binding its metadata, or the worker falls back to fencing at once."""
     fence = {"fenced_at_step_start": 0}
-    worker.fence_stores_at_next_step = True
+    worker.store_fence = FENCE_AT_NEXT_STEP
     begin_step = worker.begin_step
 
-    def counting_begin_step():
+    def counting_begin_step(meta=None):
         fence["fenced_at_step_start"] += worker._stores_unfenced
-        begin_step()
+        begin_step(meta)
 
     worker.begin_step = counting_begin_step
     return fence
@@ -127,7 +128,7 @@ def run(spec: dict) -> dict:
     connector.tracing.force_flush()
     if single_worker:
         get_worker_connector().tracing.force_flush()
-        fence["kept"] = get_worker_connector()._worker.fence_stores_at_next_step
+        fence["kept"] = get_worker_connector()._worker.store_fence == FENCE_AT_NEXT_STEP
     sched = connector._scheduler
     return {
         "rounds": [[o.__dict__ for o in r] for r in rounds],

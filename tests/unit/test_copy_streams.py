@@ -22,10 +22,10 @@ import pytest
 import torch
 
 from connector import copy_engine as copy_engine_module
-from connector.connector import _uses_v2_model_runner
+from connector.connector import _store_fence, _uses_v2_model_runner
 from connector.metadata import STORE, GroupTransfer, KVScopeMetadata, TransferJob
 from connector.telemetry.tracing import KVScopeTracing
-from connector.worker import KVScopeWorker
+from connector.worker import FENCE_AT_NEXT_STEP, FENCE_AT_ONCE, FENCE_WHEN_REUSED, KVScopeWorker
 from tests.unit.test_copy_engine import _block_bytes, _shared_attention_engine, memmove_batch
 
 
@@ -157,8 +157,8 @@ def test_stores_are_fenced_at_once_by_default(cuda_engine):
     worker.wait_for_save(_a_store(1))
     assert log[-1] == ("compute", "waits for", "store")
     log.clear()
-    worker.begin_step()
-    worker.check_stores_fenced()
+    worker.begin_step(KVScopeMetadata())
+    worker.check_stores_fenced(KVScopeMetadata())
     assert log == []
 
 
@@ -167,38 +167,68 @@ def test_under_the_v1_runner_stores_are_fenced_when_the_next_step_begins(cuda_en
     behind the stores. Its next step calls handle_preemptions before any KV cache write."""
     engine, _, log = cuda_engine
     worker = _worker_on(engine)
-    worker.fence_stores_at_next_step = True
+    worker.store_fence = FENCE_AT_NEXT_STEP
     worker.wait_for_save(_a_store(1))
     assert ("compute", "waits for", "store") not in log
     log.clear()
-    worker.begin_step()
+    worker.begin_step(KVScopeMetadata())
     assert log == [("compute", "waits for", "store")]
     log.clear()
-    worker.check_stores_fenced()
-    worker.begin_step()  # nothing stored since
+    worker.check_stores_fenced(KVScopeMetadata())
+    worker.begin_step(KVScopeMetadata())  # nothing stored since
     assert log == []
 
 
-def test_a_step_that_was_not_announced_is_fenced_when_its_metadata_is_bound(cuda_engine, caplog):
+def test_when_reused_only_a_step_reallocating_a_store_source_waits(cuda_engine):
+    """Caches nothing rewrites in place or zeroes: no step waits for the stores, except one that
+    allocates a block a store still reads (the scheduler's `fence_stores`), when it begins."""
     engine, _, log = cuda_engine
     worker = _worker_on(engine)
-    worker.fence_stores_at_next_step = True
+    worker.store_fence = FENCE_WHEN_REUSED
+    worker.wait_for_save(_a_store(1))
+    assert ("compute", "waits for", "store") not in log
+    for fence_stores in (False, True):
+        log.clear()
+        meta = KVScopeMetadata(fence_stores=fence_stores)
+        worker.begin_step(meta)
+        worker.check_stores_fenced(meta)
+        assert log == ([("compute", "waits for", "store")] if fence_stores else [])
+    assert worker.store_fence == FENCE_WHEN_REUSED
+
+
+@pytest.mark.parametrize("mode", [FENCE_AT_NEXT_STEP, FENCE_WHEN_REUSED])
+def test_a_step_that_was_not_announced_is_fenced_when_its_metadata_is_bound(cuda_engine, caplog, mode):
+    engine, _, log = cuda_engine
+    worker = _worker_on(engine)
+    worker.store_fence = mode
     worker.wait_for_save(_a_store(1))
     log.clear()
-    worker.check_stores_fenced()  # bind_connector_metadata without handle_preemptions first
+    worker.check_stores_fenced(KVScopeMetadata(fence_stores=True))  # bound without handle_preemptions first
     assert log == [("compute", "waits for", "store")]
     assert "did not call handle_preemptions" in caplog.text
-    assert not worker.fence_stores_at_next_step
+    assert worker.store_fence == FENCE_AT_ONCE
     log.clear()
     worker.wait_for_save(_a_store(2))
     assert log[-1] == ("compute", "waits for", "store")  # at once from now on
 
 
-def test_the_runner_is_taken_for_v2_when_it_cannot_be_told():
+def test_where_the_fence_goes_by_runner_and_cache():
     class Rejecting:
         @property
         def use_v2_model_runner(self):
             raise ValueError("HiSparse requires Model Runner V2")
 
-    assert _uses_v2_model_runner(object()) and _uses_v2_model_runner(Rejecting())
-    assert not _uses_v2_model_runner(type("V1", (), {"use_v2_model_runner": False})())
+    def config(v2):
+        return type("Config", (), {"use_v2_model_runner": v2})()
+
+    def cache(zeroing):
+        return type("KVCacheConfig", (), {"needs_kv_cache_zeroing": zeroing})()
+
+    assert _uses_v2_model_runner(object()) is None and _uses_v2_model_runner(Rejecting()) is None
+    assert _store_fence(Rejecting(), cache(False)) == FENCE_AT_ONCE  # an unknown runner
+    for v2 in (False, True):
+        assert _store_fence(config(v2), cache(False)) == FENCE_WHEN_REUSED
+    # blocks zeroed when allocated: V2 zeroes before handle_preemptions, V1 after
+    assert _store_fence(config(True), cache(True)) == FENCE_AT_ONCE
+    assert _store_fence(config(False), cache(True)) == FENCE_AT_NEXT_STEP
+    assert _store_fence(config(False), object()) == FENCE_AT_NEXT_STEP  # a vLLM that cannot tell: as zeroing
