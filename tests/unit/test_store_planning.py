@@ -238,3 +238,54 @@ def test_a_block_the_request_cannot_complete_gets_no_placeholder():
         manager.ids = _ids(0)
         _report(sched, sched._plan_store(state, 96))
         assert sched.index.used_slots == 2 + placeholders, max_tokens
+
+
+def _output(new=(), cached=(), resumed=(), copies=()):
+    """A scheduler output: `new` as (block ids per group, computed tokens), `cached` as
+    (request id, new block ids per group, computed tokens)."""
+    return SimpleNamespace(
+        scheduled_new_reqs=[SimpleNamespace(req_id=f"n{i}", block_ids=ids, num_computed_tokens=computed)
+                            for i, (ids, computed) in enumerate(new)],
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=[rid for rid, _, _ in cached], new_block_ids=[ids for _, ids, _ in cached],
+            num_computed_tokens=[computed for _, _, computed in cached], resumed_req_ids=set(resumed)),
+        kv_cache_block_copies=[SimpleNamespace(src_block_id=src, dst_block_id=dst) for src, dst in copies],
+        num_scheduled_tokens={}, scheduled_spec_decode_tokens={})
+
+
+def _pending_store(sched, manager):
+    """A store job reading full-attention blocks 200..203 (and window blocks 100..103), unreported."""
+    manager.ids = _ids(0)
+    job = sched._plan_store(_state("r", 128), 64)
+    assert {200, 203, 100} <= set(job.groups[0].block_ids + job.groups[1].block_ids)
+    return job
+
+
+def test_a_step_allocating_a_block_a_pending_store_reads_is_flagged():
+    """Until its store is reported, a device block vLLM gives out again (freed by a finished,
+    preempted or windowed request) makes the step fence the stores; blocks found in vLLM's prefix
+    cache are not written and do not count."""
+    sched, manager = _scheduler()
+    job = _pending_store(sched, manager)
+    flagged = sched.build_connector_meta
+    assert not flagged(_output()).fence_stores
+    assert not flagged(_output(new=[(([], [200, 201, 500]), 32)])).fence_stores  # 200, 201: prefix-cache hits
+    assert flagged(_output(new=[(([], [200, 201, 500]), 16)])).fence_stores  # 201 newly allocated
+    assert flagged(_output(cached=[("c", ([101], [600]), 96)])).fence_stores  # appended to a running request
+    # a resumed request's list is whole: its first blocks are prefix-cache hits
+    assert not flagged(_output(cached=[("c", ([101], [203, 601]), 16)], resumed=["c"])).fence_stores
+    assert flagged(_output(cached=[("c", ([101], [203, 601]), 0)], resumed=["c"])).fence_stores
+    assert not flagged(_output(cached=[("c", ([NULL_BLOCK_ID, 900], [602, 601]), 0)], resumed=["c"])).fence_stores
+    _report(sched, job)
+    assert sched._store_sources == {}
+    assert not flagged(_output(new=[(([100], [200, 201]), 0)])).fence_stores  # reported: read already
+
+
+def test_a_block_copy_into_a_block_a_pending_store_reads_fails_the_store():
+    """vLLM's V2 runner applies block copies before the workers hear of the step, so no fence can
+    come first: the store is failed, and its offloaded block never becomes ready."""
+    sched, manager = _scheduler()
+    job = _pending_store(sched, manager)
+    sched.build_connector_meta(_output(copies=[(7, 202)]))
+    _report(sched, job)
+    assert not sched.index.is_ready((1, "h3")) and sched.index.used_slots == 0
