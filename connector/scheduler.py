@@ -269,7 +269,10 @@ class KVScopeScheduler:
             state = self._requests.get(req_id)
             if state is None or req_id not in computed:
                 continue
-            done_after_step = computed[req_id] + scheduled - len(spec.get(req_id, ()))
+            # KV final by the end of this step: not its drafts, nor, under async scheduling, the
+            # previous step's (counted as computed before vLLM knows which it accepts; a rejected
+            # one's KV is rewritten in place): only tokens the request knows
+            done_after_step = min(computed[req_id] + scheduled - len(spec.get(req_id, ())), state.request.num_tokens)
             job = self._plan_store(state, done_after_step)
             if job is not None:
                 meta.stores.append(job)

@@ -289,3 +289,21 @@ def test_a_block_copy_into_a_block_a_pending_store_reads_fails_the_store():
     sched.build_connector_meta(_output(copies=[(7, 202)]))
     _report(sched, job)
     assert not sched.index.is_ready((1, "h3")) and sched.index.used_slots == 0
+
+
+def test_tokens_not_yet_verified_are_never_stored():
+    """vLLM's async scheduler counts the previous step's draft tokens as computed before it knows
+    which were accepted. A rejected draft's KV is rewritten at the same positions, so a store must
+    stop at the tokens the request knows (`num_tokens`), in a group that stores ahead of the key
+    (the window) as in one that waits for it."""
+    sched, manager = _scheduler()
+    state = _state("r", 79)  # 79 known tokens; the previous step's 3 drafts sit at 79, 80, 81
+    sched._requests["r"] = state
+    manager.ids = _ids(0)
+    out = _output(cached=[("r", ([], []), 82)])  # computed: 79 + the 3 unverified drafts
+    out.num_scheduled_tokens = {"r": 3}  # this step: a sampled token and 2 drafts
+    out.scheduled_spec_decode_tokens = {"r": [1, 2]}
+    meta = sched.build_connector_meta(out)
+    stored = {p.group_index: p.block_ids for job in meta.stores for p in job.groups}
+    assert stored[0] == [100, 101, 102, 103]  # not block 4: its position 79 holds a draft
+    assert stored[1] == [200, 201, 202, 203]
