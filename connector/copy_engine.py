@@ -214,6 +214,14 @@ class CopyEngine:
         if self.is_cuda:
             torch.cuda.current_stream(self.device).wait_stream(self.store_stream)
 
+    def drain(self) -> None:
+        """Wait until every copy enqueued so far is done. After a copy failed part way through
+        enqueueing (no event marks its end), its job may release its host slots and device blocks
+        only once nothing reads or writes them any more."""
+        if self.is_cuda:
+            self.load_stream.synchronize()
+            self.store_stream.synchronize()
+
     def close(self) -> None:
         """Unpin the host tier (after every copy is done)."""
         self._host_buffer.release()

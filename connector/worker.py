@@ -119,6 +119,7 @@ class KVScopeWorker:
             except Exception:  # a copy must never take the engine down: fail the job instead
                 logger.exception("kvscope: %s job %d for request %s failed", job.direction, job.job_id, job.req_id)
                 flight.failed = True
+                self.engine.drain()  # part of it may be enqueued: its slots and blocks are in use until done
         self._in_flight.append(flight)
         self._collect()
 

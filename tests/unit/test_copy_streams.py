@@ -36,6 +36,9 @@ class _Stream:
     def wait_stream(self, other: _Stream) -> None:
         self.log.append((self.name, "waits for", other.name))
 
+    def synchronize(self) -> None:
+        self.log.append((self.name, "synchronized"))
+
 
 class _Event:
     def __init__(self, enable_timing: bool = False):
@@ -232,3 +235,21 @@ def test_where_the_fence_goes_by_runner_and_cache():
     assert _store_fence(config(True), cache(True)) == FENCE_AT_ONCE
     assert _store_fence(config(False), cache(True)) == FENCE_AT_NEXT_STEP
     assert _store_fence(config(False), object()) == FENCE_AT_NEXT_STEP  # a vLLM that cannot tell: as zeroing
+
+
+def test_a_store_failing_part_way_is_reported_once_nothing_copies_any_more(cuda_engine, monkeypatch):
+    """A copy that raises after enqueueing part of its blocks leaves no event behind: the worker
+    waits for the copy streams before the job's failure releases its host slots and blocks."""
+    engine, _, log = cuda_engine
+    worker = _worker_on(engine)
+
+    def enqueue_then_fail(*args):
+        log.append(("store", "enqueued part"))
+        raise RuntimeError("the copy failed part way")
+
+    monkeypatch.setattr(engine, "_enqueue", enqueue_then_fail)
+    worker.wait_for_save(_a_store(7))
+    assert log.index(("store", "enqueued part")) < log.index(("store", "synchronized"))
+    assert ("load", "synchronized") in log
+    meta = worker.build_worker_meta()
+    assert meta is not None and meta.failed_jobs == {7: 1}
