@@ -20,7 +20,7 @@ from .scheduler import KVScopeScheduler
 from .telemetry.metrics import KVScopePromMetrics, KVScopeStats, serve_metrics_port
 from .telemetry.tracing import KVScopeTracing
 from .version_check import check_vllm_version
-from .vllm_layout import group_layouts, slot_layout
+from .vllm_layout import check_parallelism, group_layouts, slot_layout
 from .worker import FENCE_AT_NEXT_STEP, FENCE_AT_ONCE, FENCE_WHEN_REUSED, KVScopeWorker
 
 logger = logging.getLogger(__name__)
@@ -32,6 +32,7 @@ class KVScopeConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         transfer = vllm_config.kv_transfer_config
         self.config = parse_config(transfer.kv_connector_extra_config)
+        check_parallelism(vllm_config.parallel_config)
         layouts = group_layouts(kv_cache_config)
         block_size = self.config.offload_block_size([g.block_size for g in layouts])
         hash_block_size = kv_cache_config.hash_block_size or vllm_config.cache_config.block_size

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from vllm.v1.kv_cache_interface import (
     AttentionSpec,
     ChunkedLocalAttentionSpec,
+    CircularBufferSpec,
     KVCacheConfig,
     KVCacheSpec,
     MambaSpec,
@@ -30,9 +31,23 @@ def _kind(spec: KVCacheSpec) -> tuple[GroupKind, int | None]:
         return GroupKind.MAMBA, None
     if isinstance(spec, ChunkedLocalAttentionSpec):
         raise UnsupportedKVCache("chunked local attention groups are not supported by kvscope")
+    if isinstance(spec, CircularBufferSpec):
+        # one block per request, rewritten every step: a stored copy would be stale at once
+        raise UnsupportedKVCache("circular-buffer KV groups (one block per request, rewritten in place "
+                                 "every step) are not supported by kvscope")
     if isinstance(spec, AttentionSpec):
         return GroupKind.FULL_ATTENTION, None
     raise UnsupportedKVCache(f"KV cache spec {type(spec).__name__} is not supported by kvscope")
+
+
+def check_parallelism(parallel_config) -> None:
+    """Refuse context parallelism: a device block then holds more tokens than its spec's block size
+    (each rank's share of a longer span), which kvscope's block arithmetic does not follow."""
+    for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
+        size = getattr(parallel_config, name, 1)
+        if size > 1:
+            raise UnsupportedKVCache(f"{name}={size} is not supported by kvscope: context parallelism "
+                                     "shards each device block's tokens across ranks; accepted is 1")
 
 
 def group_layouts(kv_cache_config: KVCacheConfig) -> list[GroupLayout]:

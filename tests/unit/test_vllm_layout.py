@@ -1,0 +1,49 @@
+"""What kvscope refuses to offload, with a message naming it: layouts its block arithmetic does not follow."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from vllm.v1.kv_cache_interface import (
+    ChunkedLocalAttentionSpec,
+    CircularBufferSpec,
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    SlidingWindowSpec,
+)
+
+from connector.groups import GroupKind
+from connector.vllm_layout import UnsupportedKVCache, check_parallelism, group_layouts
+
+COMMON = dict(block_size=16, num_kv_heads=1, head_size=64, dtype=torch.bfloat16)
+
+
+def _config(*specs) -> KVCacheConfig:
+    groups = [KVCacheGroupSpec([f"layers.{i}"], spec) for i, spec in enumerate(specs)]
+    return KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=groups)
+
+
+def test_full_attention_and_sliding_window_groups_are_taken():
+    layouts = group_layouts(_config(FullAttentionSpec(**COMMON), SlidingWindowSpec(**COMMON, sliding_window=64)))
+    assert [(g.kind, g.sliding_window) for g in layouts] == [(GroupKind.FULL_ATTENTION, None),
+                                                           (GroupKind.SLIDING_WINDOW, 64)]
+
+
+@pytest.mark.parametrize("spec, named", [
+    (CircularBufferSpec(**COMMON), "circular-buffer"),
+    (ChunkedLocalAttentionSpec(**COMMON, attention_chunk_size=64), "chunked local attention"),
+])
+def test_groups_rewritten_in_place_or_chunked_are_refused(spec, named):
+    with pytest.raises(UnsupportedKVCache, match=named):
+        group_layouts(_config(FullAttentionSpec(**COMMON), spec))
+
+
+@pytest.mark.parametrize("name", ["decode_context_parallel_size", "prefill_context_parallel_size"])
+def test_context_parallelism_is_refused(name):
+    check_parallelism(SimpleNamespace(decode_context_parallel_size=1, prefill_context_parallel_size=1))
+    with pytest.raises(UnsupportedKVCache, match=f"{name}=2 .*accepted is 1"):
+        check_parallelism(SimpleNamespace(**{"decode_context_parallel_size": 1, "prefill_context_parallel_size": 1,
+                                             name: 2}))
