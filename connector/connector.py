@@ -66,6 +66,7 @@ class KVScopeConnector(KVConnectorBase_V1, SupportsHMA):
                 world_size=vllm_config.parallel_config.world_size,
                 tracing=self.tracing,
                 kv_cache_manager_getter=lambda: self._kv_cache_manager,
+                reprefillable_tokens=max(0, getattr(vllm_config, "num_prefill_lookahead_tokens", 0) - 1),
             )
         else:
             self._worker = KVScopeWorker(

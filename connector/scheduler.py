@@ -67,6 +67,7 @@ class KVScopeScheduler:
         world_size: int,
         tracing: KVScopeTracing,
         kv_cache_manager_getter,
+        reprefillable_tokens: int = 0,
     ):
         self.layouts = layouts
         self._kind_names = [layout.kind.value for layout in layouts]  # plain str: an enum's .value is slow
@@ -81,6 +82,9 @@ class KVScopeScheduler:
         self.world_size = world_size
         self.tracing = tracing
         self._kv_cache_manager = kv_cache_manager_getter
+        # The last tokens whose KV a drafter may write again (vLLM's multi-module MTP re-prefills
+        # them): not final, so not stored, as vLLM does not cache them (`get_num_cacheable_tokens`)
+        self.reprefillable_tokens = reprefillable_tokens
         self._lookups: dict[str, _Lookup] = {}
         self._requests: dict[str, _RequestState] = {}
         self._jobs: dict[int, _Job] = {}
@@ -272,7 +276,8 @@ class KVScopeScheduler:
             # KV final by the end of this step: not its drafts, nor, under async scheduling, the
             # previous step's (counted as computed before vLLM knows which it accepts; a rejected
             # one's KV is rewritten in place): only tokens the request knows
-            done_after_step = min(computed[req_id] + scheduled - len(spec.get(req_id, ())), state.request.num_tokens)
+            done_after_step = min(computed[req_id] + scheduled - len(spec.get(req_id, ())),
+                                  state.request.num_tokens) - self.reprefillable_tokens
             job = self._plan_store(state, done_after_step)
             if job is not None:
                 meta.stores.append(job)

@@ -307,3 +307,19 @@ def test_tokens_not_yet_verified_are_never_stored():
     stored = {p.group_index: p.block_ids for job in meta.stores for p in job.groups}
     assert stored[0] == [100, 101, 102, 103]  # not block 4: its position 79 holds a draft
     assert stored[1] == [200, 201, 202, 203]
+
+
+def test_tokens_a_drafter_may_write_again_are_not_stored():
+    """vLLM's multi-module MTP re-prefills the last `num_prefill_lookahead_tokens - 1` tokens'
+    drafter KV; vLLM does not cache them as final, nor does kvscope store them."""
+    sched, manager = _scheduler()
+    sched.reprefillable_tokens = 2
+    state = _state("r", 200)
+    sched._requests["r"] = state
+    manager.ids = _ids(0)
+    out = _output(cached=[("r", ([], []), 0)])
+    out.num_scheduled_tokens = {"r": 65}  # 65 computed: 63 final
+    meta = sched.build_connector_meta(out)
+    stored = {p.group_index: p.block_ids for job in meta.stores for p in job.groups}
+    # not block 3 (tokens 48..63): 62 and 63 are not final yet, in either group
+    assert stored[0] == [100, 101, 102] and stored[1] == [200, 201, 202]
