@@ -293,19 +293,15 @@ class KVScopeScheduler:
         A block copy vLLM applies before the workers hear of the step (V2 runner) cannot wait: the
         stores reading its destination are failed instead, so their host blocks never become ready.
         Blocks a request finds in vLLM's prefix cache are not written, so they do not count."""
-        sources = self._store_sources
-        reallocated = False
-        for new in scheduler_output.scheduled_new_reqs:
-            reallocated |= self._any_source(new.block_ids, new.num_computed_tokens)
         cached = scheduler_output.scheduled_cached_reqs
         resumed = getattr(cached, "resumed_req_ids", None) or ()
-        for i, req_id in enumerate(cached.req_ids):
-            groups = cached.new_block_ids[i]
-            if groups is not None:
-                # a resumed request's list is whole (prefix-cache hits first); others' are appended blocks
-                reallocated |= self._any_source(groups, cached.num_computed_tokens[i] if req_id in resumed else 0)
+        # a resumed request's list is whole (prefix-cache hits first); others' are appended blocks
+        reallocated = any(self._any_source(new.block_ids, new.num_computed_tokens)
+                          for new in scheduler_output.scheduled_new_reqs) or any(
+            self._any_source(groups, cached.num_computed_tokens[i] if req_id in resumed else 0)
+            for i, (req_id, groups) in enumerate(zip(cached.req_ids, cached.new_block_ids)) if groups is not None)
         for copy in getattr(scheduler_output, "kv_cache_block_copies", None) or ():
-            for job_id in sources.get(copy.dst_block_id, ()):
+            for job_id in self._store_sources.get(copy.dst_block_id, ()):
                 self._jobs[job_id].failed = True
         return reallocated
 
