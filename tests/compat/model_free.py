@@ -1,19 +1,25 @@
 """vLLM's own scheduler and KV-connector lifecycle around a fake forward pass: no model, no platform.
 
 What runs is vLLM's code: its `Scheduler` (prefix cache, hybrid KV groups, sliding-window null
-blocks, chunked prefill, asynchronous connector loads) creates the scheduler side of
-`KVScopeConnector` from the `KVTransferConfig`, and vLLM's own model-runner glue drives the worker side
-(bind metadata, start loads, save, transfer results, worker metadata) as a model runner does: the V1
-runner's `KVConnectorModelRunnerMixin`, or the V2 runner's `ActiveKVConnector` (vLLM's default on
-GPUs since 0.32, which calls the hooks in another order: loads start and stores run after the
-forward and the sampling; with speculative decoding in 0.33 stores run after the step's worker
-metadata is built), on one or several workers (tensor-parallel ranks, each with its own KV cache) whose outputs
-vLLM's `KVOutputAggregator` merges as its executors do. Only the forward pass is ours: it writes, into every KV block a step computes, bytes that are
-a function of the layer and of the tokens up to the block's computed end, as real KV depends on the
-whole prefix. Before each forward it checks every block the new tokens attend to (all of the prefix
-for full attention, the last `window - 1` positions for a sliding window) holds exactly those
-bytes. A load that put wrong or misplaced KV into a block a request reads fails that check, whichever
-vLLM version runs it: the test suite's vLLM 0.32, or 0.33's own sources (`scripts/dev compat`).
+blocks, chunked prefill, asynchronous connector loads, speculative decoding) creates the scheduler
+side of `KVScopeConnector` from the `KVTransferConfig`, and vLLM's own model-runner glue drives the
+worker side (bind metadata, start loads, save, transfer results, worker metadata) as a model runner
+does: the V1 runner's `KVConnectorModelRunnerMixin`, or the V2 runner's `ActiveKVConnector` (vLLM's
+default on GPUs since 0.32, which calls the hooks in another order: loads start and stores run after
+the forward and the sampling; with speculative decoding in 0.33 stores run after the step's worker
+metadata is built), on one or several workers (tensor-parallel ranks, each with its own KV cache)
+whose outputs vLLM's `KVOutputAggregator` merges as its executors do.
+
+Only the forward pass is ours: it writes, into the slot of every position a step computes, bytes
+that are a function of the worker, the layer and the tokens up to that position, as real KV depends
+on the whole prefix. Before each forward it checks every position the new tokens attend to (all of
+the prefix for full attention, the last `window - 1` positions for a sliding window) holds exactly
+those bytes. With speculative decoding (`spec_tokens`) the forward also writes the KV of draft
+tokens, some of them wrong, which vLLM rejects and the next step overwrites in place; under async
+scheduling each step is scheduled as if all the previous step's drafts were accepted, and the runner
+corrects that, as vLLM's model runners do. A load that put wrong or misplaced KV into a block a
+request reads fails that check, whichever vLLM version runs it: the test suite's vLLM 0.32, or
+0.33's own sources (`scripts/dev compat`).
 """
 
 from __future__ import annotations
@@ -33,6 +39,8 @@ BLOCK = 16  # device block size (tokens)
 # runner with speculative decoding (vLLM 0.33+: stores after the step's results)
 RUNNERS = ("v1", "v2", "v2-spec")
 PAGE = 2 * BLOCK * 1 * 64 * 2  # bytes of one block of one layer: K and V, 1 head of 64, bf16
+WORDS_PER_TOKEN = PAGE // 8 // BLOCK  # each position's slot in a block, as int64 words
+_MASK = (1 << 63) - 1
 SLIDING = "sliding_window"
 FULL = "full_attention"
 
@@ -59,18 +67,40 @@ class LoopStats:
     checked_blocks: int = 0
     resumed: set[str] = field(default_factory=set)  # requests vLLM preempted and scheduled again
     scheduled_ahead: int = 0  # steps scheduled while the previous one was still in flight
+    drafts_rejected: int = 0  # draft tokens whose KV the forward wrote and the next step overwrote
+    runner_corrections: int = 0  # forwards started before where vLLM counted (its drafts rejected)
     # kvscope's stats as vLLM hands them to its stat loggers (`SchedulerStats.kv_connector_stats`),
     # rebuilt and summed the way the front end does
     connector: object | None = None
     violations: list[Violation] = field(default_factory=list)
 
 
-def _pattern(rank: int, layer: str, tokens: list[int]) -> int:
-    """The 8 bytes every word of a block holds once `tokens` (the prefix up to the block's
-    computed end) are computed: a function of the worker (its shard of heads), the layer and
-    the whole prefix."""
-    digest = hashlib.blake2b(repr((rank, layer, tokens)).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+def _extend_chain(chain: list[int], tokens) -> list[int]:
+    """Append the identity of each position's KV: a function of the whole prefix through it."""
+    h = chain[-1] if chain else 0
+    for token in tokens:
+        h = hash((h, token)) & _MASK
+        chain.append(h)
+    return chain
+
+
+def _salt(rank: int, layer: str) -> int:
+    """What makes a worker's (its shard of heads) and a layer's KV of the same prefix differ."""
+    return int.from_bytes(hashlib.blake2b(repr((rank, layer)).encode(), digest_size=8).digest(), "little") & _MASK
+
+
+def true_token(position: int) -> int:
+    """The token the fake model samples at `position`, whatever was drafted."""
+    return (position * 31) % 500 + 1
+
+
+def propose_drafts(tokens: list[int], k: int) -> list[int]:
+    """The fake drafter: `k` tokens after `tokens`, about a third of them wrong."""
+    drafts = []
+    for position in range(len(tokens), len(tokens) + k):
+        right = true_token(position)
+        drafts.append(right if (position * 2654435761 >> 7) % 3 else right % 500 + 2)
+    return drafts
 
 
 class ModelFreeEngine:
@@ -80,7 +110,7 @@ class ModelFreeEngine:
 
     def __init__(self, model_path: str, extra_config: dict, *, window: int, num_blocks: int = 1200,
                  max_num_batched_tokens: int = 2048, max_model_len: int = 2048, workers: int = 1,
-                 async_scheduling: bool = False, runner: str = "v1"):
+                 async_scheduling: bool = False, runner: str = "v1", spec_tokens: int = 0):
         from vllm.config import KVTransferConfig
         from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -97,6 +127,9 @@ class ModelFreeEngine:
             enable_chunked_prefill=True, max_num_seqs=16, tensor_parallel_size=workers,
             kv_transfer_config=KVTransferConfig(kv_connector="KVScopeConnector", kv_connector_module_path="connector",
                                                 kv_role="kv_both", kv_connector_extra_config=extra_config),
+            # vLLM schedules `spec_tokens` drafts per decode step; the drafter here is `propose_drafts`
+            speculative_config={"method": "ngram", "num_speculative_tokens": spec_tokens,
+                                "prompt_lookup_max": 2, "prompt_lookup_min": 1} if spec_tokens else None,
         )
         self.vllm_config = args.create_engine_config()
         # vLLM's default on GPUs (the CPU platform turns it off): the engine schedules step N+1
@@ -138,6 +171,11 @@ class ModelFreeEngine:
         self._block_hasher = get_request_block_hasher(BLOCK, hash_fn)
         self.after_step: list = []  # callables run after each step's workers (`LateReadingStores.tick`)
         self.tokens: dict[str, list[int]] = {}  # prompt + sampled, as the model runner knows them
+        self._chains: dict[str, list[int]] = {}  # per request: its positions' KV identities (`_extend_chain`)
+        self._salts = {(rank, name): _salt(rank, name) for rank in range(workers)
+                       for names in self.group_layers for name in names}
+        self.spec_tokens = spec_tokens
+        self._rejected: dict[str, int] = {}  # drafts each request of the last step had rejected
         self.tables: dict[str, list[list[int]]] = {}  # per request, per group: block ids (worker's view)
         self.stats = LoopStats()
 
@@ -188,28 +226,24 @@ class ModelFreeEngine:
         meta = out.kv_connector_metadata
         for job in getattr(meta, "loads", ()):
             self.stats.loads.setdefault(job.req_id, []).append(job)
+        forwards = {req_id: self._plan_forward(out, req_id, computed[req_id]) for req_id in out.num_scheduled_tokens}
         kv_outputs = []
         for rank, worker in enumerate(self.workers):
             if self.runner != "v1":
-                kv_outputs.append(self._execute_v2(rank, out, computed))
+                kv_outputs.append(self._execute_v2(rank, out, forwards))
                 continue
             worker.handle_preemptions(out.kv_connector_metadata)  # first in the V1 runner's execute_model
             with _as_transfer_group(worker), set_forward_context(None, self.vllm_config), \
                     KVConnectorModelRunnerMixin._get_kv_connector_output(out) as kv_output:
-                self._forward_all(rank, out, computed)
+                self._forward_all(rank, forwards)
             kv_outputs.append(kv_output)
         for callback in self.after_step:
             callback()
         req_ids = list(out.num_scheduled_tokens)
-        sampled = []
-        for req_id in req_ids:
-            tokens = self.tokens[req_id]
-            if computed[req_id] + out.num_scheduled_tokens[req_id] >= len(tokens):
-                token = (len(tokens) * 31) % 500 + 1
-                tokens.append(token)
-                sampled.append([token])
-            else:
-                sampled.append([])  # a prefill chunk: nothing sampled
+        sampled = [self._sample(req_id, *forwards[req_id]) for req_id in req_ids]
+        self._rejected = {req_id: len(forwards[req_id][1]) - (len(tokens) - 1)
+                          for req_id, tokens in zip(req_ids, sampled) if tokens and forwards[req_id][1]}
+        self.stats.drafts_rejected += sum(self._rejected.values())
         index = {r: i for i, r in enumerate(req_ids)}
         runner_output = self.aggregator.aggregate(
             [ModelRunnerOutput(req_ids=req_ids, req_id_to_index=index, sampled_token_ids=sampled,
@@ -219,12 +253,56 @@ class ModelFreeEngine:
         self.stats.failed_recving |= (merged.failed_recving or set()) if merged else set()
         return runner_output
 
-    def _forward_all(self, rank: int, out, computed: dict[str, int]) -> None:
-        for req_id, n in out.num_scheduled_tokens.items():
-            self._check_reads(rank, req_id, computed[req_id])
-            self._forward(rank, req_id, computed[req_id], n)
+    def _plan_forward(self, out, req_id: str, scheduled_computed: int) -> tuple[int, list[int], list[int]]:
+        """Where one request's forward starts, its draft tokens, and the KV identities it writes.
 
-    def _execute_v2(self, rank: int, out, computed: dict[str, int]):
+        Under async scheduling with drafts, vLLM schedules a step before it knows which of the
+        previous step's drafts were accepted, counting them all as computed; the model runner starts
+        the forward after the last accepted one instead (V1 `_update_states`' deferred correction)."""
+        tokens = self.tokens[req_id]
+        start = min(scheduled_computed, len(tokens) - 1)
+        correction = scheduled_computed - start
+        self.stats.runner_corrections += correction > 0
+        assert correction in (0, self._rejected.get(req_id, 0)) and (self.async_scheduling or not correction), \
+            f"{req_id}: vLLM counts {scheduled_computed} tokens computed, the runner {start}"
+        n = out.num_scheduled_tokens[req_id]
+        drafts = list((out.scheduled_spec_decode_tokens or {}).get(req_id, ()))
+        if drafts and drafts[0] < 0:  # async scheduling: the drafter's tokens stay on the worker
+            drafts = propose_drafts(tokens, len(drafts))
+        assert not drafts or (start == len(tokens) - 1 and n == 1 + len(drafts)), (req_id, start, n, drafts)
+        chain = self._chain(req_id)
+        if drafts:
+            values = _extend_chain(chain[:start + 1], drafts)[start:]
+        else:
+            values = chain[start:start + n]
+        return start, drafts, values
+
+    def _sample(self, req_id: str, start: int, drafts: list[int], values: list[int]) -> list[int]:
+        """The tokens one request's step samples: none for a prefill chunk; else its drafts up to the
+        first wrong one, and the token after them (vLLM's rejection sampling, greedy)."""
+        tokens = self.tokens[req_id]
+        if start + len(values) < len(tokens):
+            return []  # a prefill chunk: nothing sampled
+        sampled = []
+        for draft in drafts:
+            if draft != true_token(len(tokens) + len(sampled)):
+                break
+            sampled.append(draft)
+        sampled.append(true_token(len(tokens) + len(sampled)))
+        tokens.extend(sampled)
+        return sampled
+
+    def _chain(self, req_id: str) -> list[int]:
+        """KV identities of the request's known tokens (`_extend_chain`), extended as it grows."""
+        chain, tokens = self._chains.setdefault(req_id, []), self.tokens[req_id]
+        return _extend_chain(chain, tokens[len(chain):])
+
+    def _forward_all(self, rank: int, forwards) -> None:
+        for req_id, (start, _, values) in forwards.items():
+            self._check_reads(rank, req_id, start)
+            self._forward(rank, req_id, start, values)
+
+    def _execute_v2(self, rank: int, out, forwards):
         """One worker's step as vLLM's V2 model runner runs it (`execute_model`, then `sample_tokens`):
         `no_forward` when nothing is scheduled; else `pre_forward` (preemptions, metadata, synchronous
         loads) and the forward, then after the sampling `post_forward` (asynchronous loads, stores,
@@ -238,7 +316,7 @@ class ModelFreeEngine:
                 return glue.no_forward(out).kv_connector_output
             with set_forward_context(None, self.vllm_config):
                 glue.pre_forward(out)
-                self._forward_all(rank, out, computed)
+                self._forward_all(rank, forwards)
             glue.finish_forward()
             if self.runner == "v2":
                 return glue.post_forward(out.finished_req_ids)
@@ -247,6 +325,17 @@ class ModelFreeEngine:
             return kv_output
 
     def _process(self, out, runner_output) -> None:
+        self._process_outputs(out, runner_output)
+        if self.spec_tokens and not self.async_scheduling and out.total_num_scheduled_tokens:
+            # vLLM's engine core hands the drafter's tokens to the scheduler after each step
+            # (`EngineCore.post_step`); under async scheduling they stay on the worker
+            from vllm.v1.outputs import DraftTokenIds
+
+            req_ids = list(out.num_scheduled_tokens)
+            self.scheduler.update_draft_token_ids(DraftTokenIds(
+                req_ids, [propose_drafts(self.tokens[r], self.spec_tokens) for r in req_ids]))
+
+    def _process_outputs(self, out, runner_output) -> None:
         for engine_outputs in self.scheduler.update_from_output(out, runner_output).values():
             stats = engine_outputs.scheduler_stats
             connector_stats = stats.connector_prefix_cache_stats if stats is not None else None
@@ -310,7 +399,10 @@ class ModelFreeEngine:
         return 0
 
     def _check_reads(self, rank: int, req_id: str, computed: int) -> None:
-        tokens, words = self.tokens[req_id], self.words[rank]
+        """Every position the step's first new token (at `computed`) attends to holds the KV the
+        forward wrote for the same prefix, each block from its first position."""
+        words = self.words[rank]
+        want_all = torch.tensor(self._chain(req_id)[:computed], dtype=torch.int64)
         for group, layers in enumerate(self.group_layers):
             table = self.tables[req_id][group]
             for i in range(self._first_read(group, computed) // BLOCK, -(-computed // BLOCK)):
@@ -322,21 +414,25 @@ class ModelFreeEngine:
                 end = min((i + 1) * BLOCK, computed)
                 for layer in layers:
                     self.stats.checked_blocks += 1
-                    row = words[layer][block_id]
-                    want = _pattern(rank, layer, tokens[:end])
-                    if not bool((row == want).all()):
+                    slots = words[layer][block_id].view(BLOCK, WORDS_PER_TOKEN)[:end - i * BLOCK]
+                    want = want_all[i * BLOCK:end] ^ self._salts[rank, layer]
+                    if not bool((slots == want[:, None]).all()):
                         self.stats.violations.append(Violation(
                             self.stats.steps, rank, req_id, group, i, block_id,
                             f"layer {layer}: KV of tokens [{i * BLOCK}, {end}) is not what the forward wrote"))
 
-    def _forward(self, rank: int, req_id: str, computed: int, n: int) -> None:
-        tokens, words = self.tokens[req_id], self.words[rank]
+    def _forward(self, rank: int, req_id: str, start: int, values: list[int]) -> None:
+        """Write the KV of positions [start, start + len(values)): each its own slot of its block."""
+        words, end = self.words[rank], start + len(values)
+        values = torch.tensor(values, dtype=torch.int64)
         for group, layers in enumerate(self.group_layers):
             table = self.tables[req_id][group]
-            for i in range(computed // BLOCK, -(-(computed + n) // BLOCK)):
-                end = min((i + 1) * BLOCK, computed + n)
+            for i in range(start // BLOCK, -(-end // BLOCK)):
+                lo, hi = max(start, i * BLOCK), min(end, (i + 1) * BLOCK)
                 for layer in layers:
-                    words[layer][table[i]].fill_(_pattern(rank, layer, tokens[:end]))
+                    slots = words[layer][table[i]].view(BLOCK, WORDS_PER_TOKEN)
+                    written = values[lo - start:hi - start] ^ self._salts[rank, layer]
+                    slots[lo - i * BLOCK:hi - i * BLOCK] = written[:, None]
 
 
 def _kv_cache_config(num_blocks: int, window: int):

@@ -367,6 +367,44 @@ def test_a_conversation_turn_loads_the_previous_turns_output(model_path, block_s
     assert engine.stats.external_hit_tokens - turn1_hits == expected
 
 
+@pytest.mark.parametrize(
+    "block_size, async_scheduling, runner",
+    [(256, False, "v1"), (256, True, "v1"), (64, True, "v1"), (256, True, "v2"),
+     pytest.param(256, True, "v2-spec", marks=_DEFERRED_FINALIZE)],
+    ids=["bs256-sync", "bs256-async", "bs64-async", "v2-bs256-async", "v2-spec-bs256-async"],
+)
+def test_speculative_decoding_stores_only_the_kv_of_accepted_tokens(model_path, block_size, async_scheduling,
+                                                                     runner):
+    """Turn 1 decodes with three drafts a step, about a third wrong: the forward writes the KV of
+    rejected drafts, and the next step overwrites it in place. Under async scheduling vLLM counts a
+    step's drafts as computed before it knows which it accepts. 256-token blocks store ahead of
+    their key (the 64-token window drops their first pieces first), so a store taken too early
+    would keep rejected drafts' KV under the real key; turn 2 loads every whole block turn 1
+    computed and checks each position."""
+    engine = ModelFreeEngine(model_path, {"cpu_bytes": 64 << 20, "block_size": block_size}, window=WINDOW,
+                             async_scheduling=async_scheduling, runner=runner, spec_tokens=3)
+    try:
+        prompts = _prompts()
+        for j, prompt in enumerate(prompts):
+            engine.add(f"t1-{j}", prompt, max_tokens=200)
+        engine.run()
+        engine.reset_device_prefix_cache()
+        turn1_hits, expected = engine.stats.external_hit_tokens, 0
+        for j, prompt in enumerate(prompts):
+            conversation = engine.tokens[f"t1-{j}"][:len(prompt) + 200]  # the worker may hold drafts past the end
+            expected += (len(conversation) - 1) // block_size * block_size
+            engine.add(f"t2-{j}", conversation + [(11 * i + j) % 509 + 1 for i in range(50)], max_tokens=2)
+        engine.run()
+        assert engine.host_tier_leaks() == []
+    finally:
+        engine.shutdown()
+    stats = engine.stats
+    _assert_no_violations(stats)
+    assert stats.drafts_rejected > 100, stats.drafts_rejected
+    assert bool(stats.runner_corrections) == async_scheduling
+    assert stats.external_hit_tokens - turn1_hits == expected
+
+
 def test_a_cache_salt_keeps_tenants_apart(model_path):
     """vLLM's `cache_salt` (per-tenant prefix-cache isolation) goes into the block hashes, so into the
     host tier's keys: another salt, or none, never hits what a salted request stored; the same salt does."""
