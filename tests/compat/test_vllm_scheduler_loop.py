@@ -459,15 +459,27 @@ def test_without_the_fence_late_reads_store_overwritten_blocks(model_path, runne
     assert stats.violations
 
 
+@pytest.mark.parametrize("runner", ["v1", "v2"])
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_late_reading_stores_with_speculative_decoding(model_path, async_scheduling, runner):
+    """With drafts, the forward rewrites the KV of rejected ones in place, in blocks their request
+    still holds, so the fence's premise (only a block given out again is rewritten) must hold there
+    too: stores take only blocks whose every position is final, and the fence on reuse is enough."""
+    stats, fences = _late_reading_rounds(model_path, async_scheduling, runner, FENCE_WHEN_REUSED, spec_tokens=3)
+    _assert_no_violations(stats)
+    assert stats.drafts_rejected > 100 and stats.resumed and any(r.startswith("r1-") for r in stats.loads)
+    assert 0 < fences < stats.steps / 4, (fences, stats.steps)
+
+
 def _late_reading_rounds(model_path, async_scheduling: bool, runner: str, fence: str | None,
-                         flag_reuse: bool = True):
+                         flag_reuse: bool = True, spec_tokens: int = 0):
     from tests.compat.model_free import LateReadingStores
 
     # 150 device blocks, 100-token steps, 200 tokens decoded: vLLM preempts, and the window frees
     # blocks, while stores read 10 steps late (a stress: a DMA's lag is within a step or two)
     engine = ModelFreeEngine(model_path, {"cpu_bytes": 64 << 20, "block_size": 64}, window=WINDOW,
                              num_blocks=150, max_num_batched_tokens=100, async_scheduling=async_scheduling,
-                             runner=runner)
+                             runner=runner, spec_tokens=spec_tokens)
     if not flag_reuse:
         engine.scheduler.get_kv_connector()._scheduler._sources_reallocated = lambda out: False
     fences = [0]
