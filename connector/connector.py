@@ -20,7 +20,7 @@ from .scheduler import KVScopeScheduler
 from .telemetry.metrics import KVScopePromMetrics, KVScopeStats, serve_metrics_port
 from .telemetry.tracing import KVScopeTracing
 from .version_check import check_vllm_version
-from .vllm_layout import check_parallelism, group_layouts, slot_layout
+from .vllm_layout import check_parallelism, check_sleep_mode, group_layouts, slot_layout
 from .worker import FENCE_AT_NEXT_STEP, FENCE_AT_ONCE, FENCE_WHEN_REUSED, KVScopeWorker
 
 logger = logging.getLogger(__name__)
@@ -33,6 +33,7 @@ class KVScopeConnector(KVConnectorBase_V1, SupportsHMA):
         transfer = vllm_config.kv_transfer_config
         self.config = parse_config(transfer.kv_connector_extra_config)
         check_parallelism(vllm_config.parallel_config)
+        check_sleep_mode(vllm_config.model_config)
         layouts = group_layouts(kv_cache_config)
         block_size = self.config.offload_block_size([g.block_size for g in layouts])
         hash_block_size = kv_cache_config.hash_block_size or vllm_config.cache_config.block_size
@@ -91,7 +92,7 @@ class KVScopeConnector(KVConnectorBase_V1, SupportsHMA):
     def supports_sleep_mode(cls, kv_transfer_config) -> bool:
         # vLLM 0.33+ asks (and refuses sleep mode with this connector): the copy engine holds views
         # of the KV cache storage, which sleep mode frees and remaps; refuse rather than copy
-        # through stale views. 0.32 does not ask: there sleep mode is neither refused nor tested.
+        # through stale views. 0.32 does not ask: the constructor refuses it (`check_sleep_mode`).
         return False
 
     @classmethod

@@ -50,6 +50,14 @@ def check_parallelism(parallel_config) -> None:
                                      "shards each device block's tokens across ranks; accepted is 1")
 
 
+def check_sleep_mode(model_config) -> None:
+    """Refuse sleep mode: it frees the KV cache's memory and maps it again, while the copy engine
+    holds views of it (vLLM 0.33 refuses first, through `supports_sleep_mode`; 0.32 does not ask)."""
+    if getattr(model_config, "enable_sleep_mode", False):
+        raise UnsupportedKVCache("enable_sleep_mode=True is not supported by kvscope: sleep mode remaps "
+                                 "the KV cache the host tier copies from and to; accepted is False")
+
+
 def group_layouts(kv_cache_config: KVCacheConfig) -> list[GroupLayout]:
     layouts = []
     for index, group in enumerate(kv_cache_config.kv_cache_groups):

@@ -510,3 +510,25 @@ def _late_reading_rounds(model_path, async_scheduling: bool, runner: str, fence:
     finally:
         engine.shutdown()
     return engine.stats, fences[0]
+
+
+@pytest.mark.parametrize("role", ["SCHEDULER", "WORKER"])
+def test_sleep_mode_is_refused_at_start_up(model_path, role):
+    """Sleep mode remaps the KV cache under the copy engine's views. vLLM 0.33 asks the connector
+    (`supports_sleep_mode`); 0.32 does not, so the connector refuses it when it is built."""
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.engine.arg_utils import EngineArgs
+
+    from connector import KVScopeConnector
+    from connector.vllm_layout import UnsupportedKVCache
+    from tests.compat.model_free import _kv_cache_config
+
+    transfer = KVTransferConfig(kv_connector="KVScopeConnector", kv_connector_module_path="connector",
+                                kv_role="kv_both", kv_connector_extra_config={"cpu_bytes": 64 << 20})
+    config = EngineArgs(model=model_path, skip_tokenizer_init=True, block_size=16,
+                        kv_transfer_config=transfer).create_engine_config()
+    assert KVScopeConnector.supports_sleep_mode(transfer) is False
+    config.model_config.enable_sleep_mode = True  # the CPU platform has no sleep mode to turn on
+    with pytest.raises(UnsupportedKVCache, match="enable_sleep_mode=True"):
+        KVScopeConnector(config, getattr(KVConnectorRole, role), _kv_cache_config(64, WINDOW))

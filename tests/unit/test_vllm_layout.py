@@ -16,7 +16,7 @@ from vllm.v1.kv_cache_interface import (
 )
 
 from connector.groups import GroupKind
-from connector.vllm_layout import UnsupportedKVCache, check_parallelism, group_layouts
+from connector.vllm_layout import UnsupportedKVCache, check_parallelism, check_sleep_mode, group_layouts
 
 COMMON = dict(block_size=16, num_kv_heads=1, head_size=64, dtype=torch.bfloat16)
 
@@ -47,3 +47,10 @@ def test_context_parallelism_is_refused(name):
     with pytest.raises(UnsupportedKVCache, match=f"{name}=2 .*accepted is 1"):
         check_parallelism(SimpleNamespace(**{"decode_context_parallel_size": 1, "prefill_context_parallel_size": 1,
                                              name: 2}))
+
+
+def test_sleep_mode_is_refused():
+    """vLLM 0.32 does not ask the connector (`supports_sleep_mode`, 0.33+): the connector refuses it."""
+    check_sleep_mode(SimpleNamespace(enable_sleep_mode=False))
+    with pytest.raises(UnsupportedKVCache, match="enable_sleep_mode=True .*accepted is False"):
+        check_sleep_mode(SimpleNamespace(enable_sleep_mode=True))
