@@ -347,24 +347,32 @@ def test_a_conversation_turn_loads_the_previous_turns_output(model_path, block_s
     as with 64-token blocks (which the window cannot outrun), and the KV loaded is right."""
     engine = ModelFreeEngine(model_path, {"cpu_bytes": 64 << 20, "block_size": block_size}, window=WINDOW,
                              async_scheduling=async_scheduling, num_blocks=num_blocks, runner=runner)
+    turn2_hits, expected = _two_turns(engine, block_size)  # with 150 device blocks, vLLM preempts one
+    _assert_no_violations(engine.stats)
+    assert bool(engine.stats.resumed) == (num_blocks < 1000)
+    assert turn2_hits == expected
+
+
+def _two_turns(engine: ModelFreeEngine, block_size: int) -> tuple[int, int]:
+    """Turn 1 decodes 200 tokens after each prompt; the device prefix cache is reset; turn 2 sends
+    each conversation with a new message. Returns turn 2's host hits (vLLM's count) and the whole
+    blocks turn 1 computed."""
     try:
-        for j, prompt in enumerate(_prompts()):
-            engine.add(f"t1-{j}", prompt, max_tokens=200)  # with 150 device blocks, vLLM preempts one
+        prompts = _prompts()
+        for j, prompt in enumerate(prompts):
+            engine.add(f"t1-{j}", prompt, max_tokens=200)
         engine.run()
         engine.reset_device_prefix_cache()
-        turn1_hits = engine.stats.external_hit_tokens
-        expected = 0
-        for j in range(4):
-            conversation = engine.tokens[f"t1-{j}"]  # prompt + the 200 tokens sampled
+        turn1_hits, expected = engine.stats.external_hit_tokens, 0
+        for j, prompt in enumerate(prompts):
+            conversation = engine.tokens[f"t1-{j}"][:len(prompt) + 200]  # the worker may hold drafts past the end
             expected += (len(conversation) - 1) // block_size * block_size  # the last one was never computed
             engine.add(f"t2-{j}", conversation + [(11 * i + j) % 509 + 1 for i in range(50)], max_tokens=2)
         engine.run()
         assert engine.host_tier_leaks() == []
     finally:
         engine.shutdown()
-    _assert_no_violations(engine.stats)
-    assert bool(engine.stats.resumed) == (num_blocks < 1000)
-    assert engine.stats.external_hit_tokens - turn1_hits == expected
+    return engine.stats.external_hit_tokens - turn1_hits, expected
 
 
 @pytest.mark.parametrize(
@@ -383,26 +391,12 @@ def test_speculative_decoding_stores_only_the_kv_of_accepted_tokens(model_path, 
     computed and checks each position."""
     engine = ModelFreeEngine(model_path, {"cpu_bytes": 64 << 20, "block_size": block_size}, window=WINDOW,
                              async_scheduling=async_scheduling, runner=runner, spec_tokens=3)
-    try:
-        prompts = _prompts()
-        for j, prompt in enumerate(prompts):
-            engine.add(f"t1-{j}", prompt, max_tokens=200)
-        engine.run()
-        engine.reset_device_prefix_cache()
-        turn1_hits, expected = engine.stats.external_hit_tokens, 0
-        for j, prompt in enumerate(prompts):
-            conversation = engine.tokens[f"t1-{j}"][:len(prompt) + 200]  # the worker may hold drafts past the end
-            expected += (len(conversation) - 1) // block_size * block_size
-            engine.add(f"t2-{j}", conversation + [(11 * i + j) % 509 + 1 for i in range(50)], max_tokens=2)
-        engine.run()
-        assert engine.host_tier_leaks() == []
-    finally:
-        engine.shutdown()
+    turn2_hits, expected = _two_turns(engine, block_size)
     stats = engine.stats
     _assert_no_violations(stats)
     assert stats.drafts_rejected > 100, stats.drafts_rejected
     assert bool(stats.runner_corrections) == async_scheduling
-    assert stats.external_hit_tokens - turn1_hits == expected
+    assert turn2_hits == expected
 
 
 def test_a_cache_salt_keeps_tenants_apart(model_path):
