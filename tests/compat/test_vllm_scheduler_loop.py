@@ -376,13 +376,15 @@ def _two_turns(engine: ModelFreeEngine, block_size: int) -> tuple[int, int]:
 
 
 @pytest.mark.parametrize(
-    "block_size, async_scheduling, runner",
-    [(256, False, "v1"), (256, True, "v1"), (64, True, "v1"), (256, True, "v2"),
-     pytest.param(256, True, "v2-spec", marks=_DEFERRED_FINALIZE)],
-    ids=["bs256-sync", "bs256-async", "bs64-async", "v2-bs256-async", "v2-spec-bs256-async"],
+    "block_size, async_scheduling, runner, num_blocks, max_num_batched_tokens",
+    [(256, False, "v1", 1200, 2048), (256, True, "v1", 1200, 2048), (64, True, "v1", 1200, 2048),
+     (256, True, "v1", 150, 100), (256, True, "v2", 1200, 2048),
+     pytest.param(256, True, "v2-spec", 1200, 2048, marks=_DEFERRED_FINALIZE)],
+    ids=["bs256-sync", "bs256-async", "bs64-async", "bs256-async-preempting-chunked", "v2-bs256-async",
+         "v2-spec-bs256-async"],
 )
 def test_speculative_decoding_stores_only_the_kv_of_accepted_tokens(model_path, block_size, async_scheduling,
-                                                                     runner):
+                                                                     runner, num_blocks, max_num_batched_tokens):
     """Turn 1 decodes with three drafts a step, about a third wrong: the forward writes the KV of
     rejected drafts, and the next step overwrites it in place. Under async scheduling vLLM counts a
     step's drafts as computed before it knows which it accepts. 256-token blocks store ahead of
@@ -390,12 +392,14 @@ def test_speculative_decoding_stores_only_the_kv_of_accepted_tokens(model_path, 
     would keep rejected drafts' KV under the real key; turn 2 loads every whole block turn 1
     computed and checks each position."""
     engine = ModelFreeEngine(model_path, {"cpu_bytes": 64 << 20, "block_size": block_size}, window=WINDOW,
-                             async_scheduling=async_scheduling, runner=runner, spec_tokens=3)
+                             async_scheduling=async_scheduling, runner=runner, spec_tokens=3,
+                             num_blocks=num_blocks, max_num_batched_tokens=max_num_batched_tokens)
     turn2_hits, expected = _two_turns(engine, block_size)
     stats = engine.stats
     _assert_no_violations(stats)
     assert stats.drafts_rejected > 100, stats.drafts_rejected
     assert bool(stats.runner_corrections) == async_scheduling
+    assert bool(stats.resumed) == (num_blocks < 1000)
     assert turn2_hits == expected
 
 
