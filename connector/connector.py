@@ -68,6 +68,7 @@ class KVScopeConnector(KVConnectorBase_V1, SupportsHMA):
                 tracing=self.tracing,
                 kv_cache_manager_getter=lambda: self._kv_cache_manager,
                 reprefillable_tokens=max(0, getattr(vllm_config, "num_prefill_lookahead_tokens", 0) - 1),
+                speculative=getattr(vllm_config, "speculative_config", None) is not None,
             )
         else:
             self._worker = KVScopeWorker(

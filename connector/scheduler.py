@@ -11,12 +11,13 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from .groups import GroupLayout
+from .groups import GroupKind, GroupLayout
 from .host_store import HostIndex
 from .lookup import find_hit_tokens
 from .metadata import LOAD, STORE, GroupTransfer, KVScopeMetadata, KVScopeWorkerMetadata, TransferJob
 from .piecewise_stores import Filling, PiecewiseStores
 from .planning import NULL_BLOCK_ID, GroupScan, scan_group
+from .state_blocks import StateBlocks
 from .telemetry.metrics import KVScopeStats
 from .telemetry.span_records import LOOKUP_SPAN, STORE_SPAN
 from .telemetry.tracing import KVScopeTracing, SpanRef
@@ -40,6 +41,8 @@ class _RequestState:
     # filled (a `Filling`; None: none, or the current one is skipped)
     stored_blocks: list[int] | None = None
     filling: list | None = None
+    # Mamba blocks a forward of the request ended in: (group, block index) -> block id (`StateBlocks`)
+    witnessed_states: dict = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -68,6 +71,7 @@ class KVScopeScheduler:
         tracing: KVScopeTracing,
         kv_cache_manager_getter,
         reprefillable_tokens: int = 0,
+        speculative: bool = False,
     ):
         self.layouts = layouts
         self._kind_names = [layout.kind.value for layout in layouts]  # plain str: an enum's .value is slow
@@ -82,6 +86,7 @@ class KVScopeScheduler:
         self.world_size = world_size
         self.tracing = tracing
         self._kv_cache_manager = kv_cache_manager_getter
+        self.states = StateBlocks(layouts, speculative)
         # The last tokens whose KV a drafter may write again (vLLM's multi-module MTP re-prefills
         # them): not final, so not stored, as vLLM does not cache them (`get_num_cacheable_tokens`)
         self.reprefillable_tokens = reprefillable_tokens
@@ -269,6 +274,8 @@ class KVScopeScheduler:
         for i, req_id in enumerate(cached.req_ids):
             computed[req_id] = cached.num_computed_tokens[i]
         spec = scheduler_output.scheduled_spec_decode_tokens or {}
+        if self.states.groups:
+            self._note_state_ends(scheduler_output, computed)
         for req_id, scheduled in scheduler_output.num_scheduled_tokens.items():
             state = self._requests.get(req_id)
             if state is None or req_id not in computed:
@@ -284,6 +291,22 @@ class KVScopeScheduler:
         self._update_capacity_stats()
         self.tracing.end_step()  # this step's lookup, load and store spans are all recorded
         return meta
+
+    def _note_state_ends(self, scheduler_output, computed: dict[str, int]) -> None:
+        """Witness the Mamba blocks this step's forwards end in (`StateBlocks`); a request that
+        starts again (new, or resumed after preemption) has new blocks: forget the old ones."""
+        cached = scheduler_output.scheduled_cached_reqs
+        restarted = {r.req_id for r in scheduler_output.scheduled_new_reqs}
+        restarted.update(getattr(cached, "resumed_req_ids", None) or ())
+        manager = self._kv_cache_manager()
+        for req_id, scheduled in scheduler_output.num_scheduled_tokens.items():
+            state = self._requests.get(req_id)
+            if state is None or req_id not in computed:
+                continue
+            if req_id in restarted:
+                state.witnessed_states.clear()
+            self.states.note_forward_end(state.witnessed_states, computed[req_id] + scheduled,
+                                         lambda req_id=req_id: manager.get_block_ids(req_id))
 
     def _sources_reallocated(self, scheduler_output) -> bool:
         """Whether this step allocates a device block that an unreported store reads (vLLM freed it,
@@ -334,7 +357,12 @@ class KVScopeScheduler:
         # Called for every scheduled request every step: decide before asking vLLM for block ids.
         if all(limit <= done for limit, done in zip(limits, state.stored_blocks)):
             return None
-        group_block_ids = self._kv_cache_manager().get_block_ids(request.request_id)
+        state_blocks = None
+        if self.states.groups:  # Mamba blocks count only where they hold their own end's state
+            state_blocks = self._kv_cache_manager().get_blocks(request.request_id).blocks
+            group_block_ids = [[block.block_id for block in blocks] for blocks in state_blocks]
+        else:
+            group_block_ids = self._kv_cache_manager().get_block_ids(request.request_id)
         parts: list[GroupTransfer] = []
         fillings: list[Filling] = []
         for layout, ids, limit in zip(layouts, group_block_ids, limits):
@@ -342,19 +370,24 @@ class KVScopeScheduler:
             factor = layout.blocks_per_offload_block(self.block_size)
             part = GroupTransfer(g, [], [], [])
             end = min(limit, len(ids))
+            states = state_blocks[g] if state_blocks is not None and layout.kind is GroupKind.MAMBA else None
             for i in range(state.stored_blocks[g], end):
+                block_id = ids[i]
+                if states is not None and block_id != NULL_BLOCK_ID and not StateBlocks.holds_own_state(
+                        states[i], g, i, layout.block_size, state.witnessed_states):
+                    block_id = NULL_BLOCK_ID  # another state, or none: never stored under this block's key
                 k, sub = divmod(i, factor)
                 if sub == 0:
-                    state.filling[g] = stores.start_block(request, g, k, factor, ids[i], known)
+                    state.filling[g] = stores.start_block(request, g, k, factor, block_id, known)
                 filling = state.filling[g]
                 if filling is None:
                     continue  # skipped: stored already, no free slot, or out of the window from its start
-                if ids[i] == NULL_BLOCK_ID or filling.failed:
+                if block_id == NULL_BLOCK_ID or filling.failed:
                     # Out-of-window / padding position, or a piece already failed: never complete.
                     stores.give_up(filling)
                     state.filling[g] = None
                     continue
-                part.block_ids.append(ids[i])
+                part.block_ids.append(block_id)
                 part.slots.append(filling.slot)
                 part.subs.append(sub)
                 filling.planned += 1

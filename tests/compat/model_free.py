@@ -43,6 +43,18 @@ WORDS_PER_TOKEN = PAGE // 8 // BLOCK  # each position's slot in a block, as int6
 _MASK = (1 << 63) - 1
 SLIDING = "sliding_window"
 FULL = "full_attention"
+MAMBA = "mamba"
+
+
+@dataclass(frozen=True)
+class MambaAlign:
+    """A Mamba state group in vLLM's align mode in place of the sliding window (Mamba2-like: the
+    prompt's last chunk also saves a checkpoint state, `num_prefill_checkpoint_blocks`), with state
+    blocks of `block` tokens and prefix-cache hashes of `hash_block` tokens: finer hashes turn on
+    vLLM's partial hash hits, and the checkpoint then holds the state at the last hash boundary."""
+
+    block: int = 64
+    hash_block: int = BLOCK
 
 
 @dataclass
@@ -110,7 +122,8 @@ class ModelFreeEngine:
 
     def __init__(self, model_path: str, extra_config: dict, *, window: int, num_blocks: int = 1200,
                  max_num_batched_tokens: int = 2048, max_model_len: int = 2048, workers: int = 1,
-                 async_scheduling: bool = False, runner: str = "v1", spec_tokens: int = 0):
+                 async_scheduling: bool = False, runner: str = "v1", spec_tokens: int = 0,
+                 mamba: MambaAlign | None = None):
         from vllm.config import KVTransferConfig
         from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -137,9 +150,20 @@ class ModelFreeEngine:
         self.async_scheduling = async_scheduling
         self.vllm_config.scheduler_config.async_scheduling = async_scheduling
         self.vllm_config.cache_config.num_gpu_blocks = num_blocks
-        self.window = window
-        self.kv_cache_config = _kv_cache_config(num_blocks, window)
-        self.group_kinds = [SLIDING, FULL]
+        self.window, self.mamba = window, mamba
+        self.kv_cache_config = _kv_cache_config(num_blocks, window, mamba)
+        self.group_kinds = [MAMBA if mamba else SLIDING, FULL]
+        scheduler_block, hash_block = (mamba.block, mamba.hash_block) if mamba else (BLOCK, BLOCK)
+        if mamba:  # what vLLM resolves for a hybrid Mamba model in align mode (`engine/core.py`)
+            cache = self.vllm_config.cache_config
+            cache.block_size = cache.mamba_block_size = mamba.block
+            cache.mamba_cache_mode = "align"
+            cache.hash_block_size = cache.cache_hit_alignment_tokens = hash_block
+            self.kv_cache_config.hash_block_size = hash_block
+            self.kv_cache_config.cache_hit_alignment_tokens = hash_block
+            # vLLM's default (0): it keys only the states a later request is known to resume from
+            # (the prompt's, shared-prefix junctions), not every block boundary
+            self.kv_cache_config.prefix_cache_retention_interval = cache.prefix_cache_retention_interval
         self.group_layers = [g.layer_names for g in self.kv_cache_config.kv_cache_groups]
         if runner not in RUNNERS:
             raise ValueError(f"runner={runner!r}: accepted are {', '.join(RUNNERS)}")
@@ -165,10 +189,10 @@ class ModelFreeEngine:
         scheduler_class = AsyncScheduler if async_scheduling else Scheduler
         self.scheduler = scheduler_class(vllm_config=self.vllm_config, kv_cache_config=self.kv_cache_config,
                                          structured_output_manager=StructuredOutputManager(self.vllm_config),
-                                         block_size=BLOCK, log_stats=True)
+                                         block_size=scheduler_block, hash_block_size=hash_block, log_stats=True)
         hash_fn = get_hash_fn_by_name(self.vllm_config.cache_config.prefix_caching_hash_algo)
         init_none_hash(hash_fn)
-        self._block_hasher = get_request_block_hasher(BLOCK, hash_fn)
+        self._block_hasher = get_request_block_hasher(hash_block, hash_fn)
         self.after_step: list = []  # callables run after each step's workers (`LateReadingStores.tick`)
         self.tokens: dict[str, list[int]] = {}  # prompt + sampled, as the model runner knows them
         self._chains: dict[str, list[int]] = {}  # per request: its positions' KV identities (`_extend_chain`)
@@ -405,6 +429,9 @@ class ModelFreeEngine:
         want_all = torch.tensor(self._chain(req_id)[:computed], dtype=torch.int64)
         for group, layers in enumerate(self.group_layers):
             table = self.tables[req_id][group]
+            if self.group_kinds[group] == MAMBA:
+                self._check_state(rank, req_id, group, computed)
+                continue
             for i in range(self._first_read(group, computed) // BLOCK, -(-computed // BLOCK)):
                 block_id = table[i] if i < len(table) else None
                 if not block_id:
@@ -424,9 +451,13 @@ class ModelFreeEngine:
     def _forward(self, rank: int, req_id: str, start: int, values: list[int]) -> None:
         """Write the KV of positions [start, start + len(values)): each its own slot of its block."""
         words, end = self.words[rank], start + len(values)
+        states = values
         values = torch.tensor(values, dtype=torch.int64)
         for group, layers in enumerate(self.group_layers):
             table = self.tables[req_id][group]
+            if self.group_kinds[group] == MAMBA:
+                self._write_states(rank, req_id, group, start, states)
+                continue
             for i in range(start // BLOCK, -(-end // BLOCK)):
                 lo, hi = max(start, i * BLOCK), min(end, (i + 1) * BLOCK)
                 for layer in layers:
@@ -435,12 +466,59 @@ class ModelFreeEngine:
                     slots[lo - i * BLOCK:hi - i * BLOCK] = written[:, None]
 
 
-def _kv_cache_config(num_blocks: int, window: int):
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
+    # ------------------------------------------------------------------ Mamba states (align mode)
+    def _check_state(self, rank: int, req_id: str, group: int, computed: int) -> None:
+        """The step starts from the state after `computed` tokens, in the block holding that
+        position (vLLM's runner reads block ``(computed - 1) // block``): it must be that state."""
+        if computed == 0:
+            return
+        index = (computed - 1) // self.mamba.block
+        table = self.tables[req_id][group]
+        block_id = table[index] if index < len(table) else 0
+        want = self._chain(req_id)[computed - 1]
+        for layer in self.group_layers[group]:
+            self.stats.checked_blocks += 1
+            if not block_id or not bool((self.words[rank][layer][block_id] == want ^ self._salts[rank, layer]).all()):
+                self.stats.violations.append(Violation(
+                    self.stats.steps, rank, req_id, group, index, block_id,
+                    f"layer {layer}: not the state after {computed} tokens"))
+
+    def _write_states(self, rank: int, req_id: str, group: int, start: int, identities: list[int]) -> None:
+        """The states a step leaves, where vLLM's runner puts them: the state after the step in the
+        block of its last position; on a prompt's last chunk, the checkpoint state at vLLM's
+        checkpoint position in the block before (`compute_mamba_prefill_checkpoints`)."""
+        from vllm.model_executor.layers.mamba.checkpoint import compute_mamba_prefill_checkpoints
+        from vllm.v1.kv_cache_interface import MambaSpec
+
+        mamba, end, table = self.mamba, start + len(identities), self.tables[req_id][group]
+        writes = [(-(-end // mamba.block) - 1, identities[-1])]
+        spec = self.kv_cache_config.kv_cache_groups[group].kv_cache_spec
+        assert isinstance(spec, MambaSpec)
+        offsets, cols = compute_mamba_prefill_checkpoints(
+            [end], [len(identities)], mamba.hash_block, mamba.block, spec.prefill_checkpoint_alignment,
+            drop_eagle_block=False, cache_hit_alignment_tokens=mamba.hash_block)
+        if cols[0] >= 0:
+            writes.append((cols[0], identities[offsets[0] - 1]))
+        for index, identity in writes:
+            for layer in self.group_layers[group]:
+                self.words[rank][layer][table[index]].fill_(identity ^ self._salts[rank, layer])
+
+
+def _kv_cache_config(num_blocks: int, window: int, mamba: MambaAlign | None):
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        MambaSpec,
+        SlidingWindowSpec,
+    )
 
     common = dict(block_size=BLOCK, num_kv_heads=1, head_size=64, dtype=torch.bfloat16)
+    first = (MambaSpec(shapes=((PAGE,),), dtypes=(torch.int8,), block_size=mamba.block, mamba_cache_mode="align",
+                       num_prefill_checkpoint_blocks=1, prefill_checkpoint_alignment=1) if mamba
+             else SlidingWindowSpec(**common, sliding_window=window))
     groups = [
-        KVCacheGroupSpec(["layers.0", "layers.2"], SlidingWindowSpec(**common, sliding_window=window)),
+        KVCacheGroupSpec(["layers.0", "layers.2"], first),
         KVCacheGroupSpec(["layers.1", "layers.3"], FullAttentionSpec(**common)),
     ]
     assert all(g.kv_cache_spec.page_size_bytes == PAGE for g in groups)

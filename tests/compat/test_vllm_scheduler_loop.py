@@ -530,3 +530,56 @@ def test_sleep_mode_is_refused_at_start_up(model_path, role):
     config.model_config.enable_sleep_mode = True  # the CPU platform has no sleep mode to turn on
     with pytest.raises(UnsupportedKVCache, match="enable_sleep_mode=True"):
         KVScopeConnector(config, getattr(KVConnectorRole, role), _kv_cache_config(64, WINDOW))
+
+
+@pytest.mark.parametrize("mamba_block, hash_block, max_num_batched_tokens",
+                         [(64, 16, 2048), (64, 16, 100), (16, 16, 2048), (16, 16, 100)],
+                         ids=["partial-hits-one-step", "partial-hits-chunked", "one-step", "chunked"])
+def test_mamba_states_are_stored_only_at_their_own_boundary(model_path, mamba_block, hash_block,
+                                                             max_num_batched_tokens):
+    """A Mamba group in vLLM's align mode: a block holds the state at its end, except the checkpoint
+    a prompt's last chunk saves into the block before its last, which holds the state at the last
+    hash boundary: with hash blocks finer than state blocks (vLLM's partial hash hits), not that
+    block's end. Stored under that block's key, it would give a later request sharing the prefix
+    the state of other tokens. Round 1 loads states and KV, and each step's first state is checked."""
+    from tests.compat.model_free import MambaAlign
+
+    engine = ModelFreeEngine(model_path, {"cpu_bytes": 64 << 20, "block_size": mamba_block}, window=WINDOW,
+                             max_num_batched_tokens=max_num_batched_tokens, mamba=MambaAlign(mamba_block, hash_block))
+    try:
+        prompts = _prompts()
+        for j, prompt in enumerate(prompts):  # vLLM keeps few states: round 0 may hit the host tier already
+            engine.add(f"r0-{j}", prompt)
+        engine.run()
+        engine.reset_device_prefix_cache()
+        round0_hits = engine.stats.external_hit_tokens
+        for j, prompt in enumerate(prompts):
+            engine.add(f"r1-{j}", prompt)
+        engine.run()
+        assert engine.host_tier_leaks() == []
+    finally:
+        engine.shutdown()
+    stats = engine.stats
+    _assert_no_violations(stats)
+    loaded = loaded_blocks_by_group(stats, [f"r1-{j}" for j in range(4)])
+    assert loaded.get(0) and loaded[1], loaded  # states (one per loading request) and KV were loaded
+    if mamba_block == hash_block:  # checkpoints land on block ends: every prompt's last one is a hit
+        expected = sum((len(p) - 1) // mamba_block * mamba_block for p in prompts)
+        assert stats.external_hit_tokens - round0_hits == expected
+
+
+@pytest.mark.parametrize("mamba_block, hash_block", [(64, 16), (16, 16)], ids=["partial-hits", "default"])
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_a_conversation_turn_loads_mamba_states_decode_steps_left(model_path, mamba_block, hash_block,
+                                                                  async_scheduling):
+    """vLLM keys Mamba states at the prompt's boundaries only; past them, a decode step that ends
+    at a block's end leaves the state there (its runner writes the state after each step into the
+    block of its last position), which kvscope stores: turn 2 hits every whole block of turn 1,
+    state and KV checked."""
+    from tests.compat.model_free import MambaAlign
+
+    engine = ModelFreeEngine(model_path, {"cpu_bytes": 64 << 20, "block_size": mamba_block}, window=WINDOW,
+                             async_scheduling=async_scheduling, mamba=MambaAlign(mamba_block, hash_block))
+    turn2_hits, expected = _two_turns(engine, mamba_block)
+    _assert_no_violations(engine.stats)
+    assert turn2_hits == expected

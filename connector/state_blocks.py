@@ -1,0 +1,54 @@
+"""Which Mamba state blocks hold the state at their own end: the only ones a store may key by position.
+
+In vLLM's align mode, block ``i`` of a Mamba group stands for the state after ``(i + 1) *
+block_size`` tokens, but its position alone does not say what it holds:
+- a prompt's last chunk saves a checkpoint into the block before its last one, holding the state at
+  the last hash boundary before the prompt's end: not that block's end once hash blocks are finer
+  than state blocks (vLLM's partial hash hits), or when EAGLE drops a block;
+- a block that no forward ended in holds no state, or a stale one.
+
+Two witnesses say a block holds its own end's state. vLLM's prefix cache keys it for exactly that
+many tokens (`block_hash_num_tokens`, set when vLLM schedules the step that writes the block, and
+re-keyed for a checkpoint). Or a forward of the request ended exactly there, so vLLM's runner wrote
+the state after that step into it: decode states past the prompt, which vLLM does not key. A block
+keyed for another number of tokens is never stored.
+"""
+
+from __future__ import annotations
+
+from .groups import GroupKind, GroupLayout
+from .planning import NULL_BLOCK_ID
+
+
+class StateBlocks:
+    """The Mamba groups of a layout, and the exact forward ends each request's blocks witnessed."""
+
+    def __init__(self, layouts: list[GroupLayout], speculative: bool):
+        self.groups = [(layout.index, layout.block_size) for layout in layouts if layout.kind is GroupKind.MAMBA]
+        # With drafts a forward's end is not where its state is kept (the accepted draft decides), and
+        # under async scheduling vLLM counts drafts as computed before it knows: only keys witness.
+        self.forward_ends_witness = not speculative
+
+    def note_forward_end(self, witnessed: dict, end: int, block_ids_of) -> None:
+        """A forward of the request ends after ``end`` tokens: the block holding its last position
+        holds the state after it (``witnessed``: (group, block index) -> block id, per request).
+        ``block_ids_of()`` gives vLLM's block ids of the request, asked for only at a block's end."""
+        if not self.forward_ends_witness or end <= 0:
+            return
+        group_block_ids = None
+        for g, size in self.groups:
+            if end % size:
+                continue
+            group_block_ids = group_block_ids or block_ids_of()
+            index, ids = end // size - 1, group_block_ids[g]
+            if index < len(ids) and ids[index] != NULL_BLOCK_ID:
+                witnessed[(g, index)] = ids[index]
+
+    @staticmethod
+    def holds_own_state(block, g: int, index: int, size: int, witnessed: dict) -> bool:
+        """Whether vLLM's block ``block``, at ``index`` of group ``g``, holds the state after
+        ``(index + 1) * size`` tokens."""
+        keyed_tokens = block.block_hash_num_tokens
+        if keyed_tokens is not None:
+            return keyed_tokens == (index + 1) * size
+        return witnessed.get((g, index)) == block.block_id
