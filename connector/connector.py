@@ -36,7 +36,9 @@ class KVScopeConnector(KVConnectorBase_V1, SupportsHMA):
         check_sleep_mode(vllm_config.model_config)
         layouts = group_layouts(kv_cache_config)
         block_size = self.config.offload_block_size([g.block_size for g in layouts])
-        hash_block_size = kv_cache_config.hash_block_size or vllm_config.cache_config.block_size
+        cache_config = vllm_config.cache_config
+        hash_block_size = (kv_cache_config.hash_block_size or getattr(cache_config, "hash_block_size", None)
+                           or cache_config.block_size)
         if block_size % hash_block_size:
             raise ConfigError(
                 f"kv_connector_extra_config.block_size={block_size} is not accepted: it must be a "

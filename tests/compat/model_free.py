@@ -504,7 +504,7 @@ class ModelFreeEngine:
                 self.words[rank][layer][table[index]].fill_(identity ^ self._salts[rank, layer])
 
 
-def _kv_cache_config(num_blocks: int, window: int, mamba: MambaAlign | None):
+def _kv_cache_config(num_blocks: int, window: int, mamba: MambaAlign | None = None):
     from vllm.v1.kv_cache_interface import (
         FullAttentionSpec,
         KVCacheConfig,
