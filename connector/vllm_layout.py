@@ -28,6 +28,13 @@ def _kind(spec: KVCacheSpec) -> tuple[GroupKind, int | None]:
     if isinstance(spec, SlidingWindowSpec):
         return GroupKind.SLIDING_WINDOW, spec.sliding_window
     if isinstance(spec, MambaSpec):
+        if spec.mamba_cache_mode != "align":
+            # vLLM's "none" mode (prefix caching off): one state per request, rewritten every step,
+            # so no state at a block boundary is ever kept to offload
+            raise UnsupportedKVCache(
+                f"Mamba groups with mamba_cache_mode={spec.mamba_cache_mode!r} are not supported by kvscope: "
+                "it keeps one state per request, rewritten every step; accepted is 'align', which vLLM "
+                "sets when prefix caching is on (--enable-prefix-caching)")
         return GroupKind.MAMBA, None
     if isinstance(spec, ChunkedLocalAttentionSpec):
         raise UnsupportedKVCache("chunked local attention groups are not supported by kvscope")

@@ -12,6 +12,7 @@ from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
+    MambaSpec,
     SlidingWindowSpec,
 )
 
@@ -54,3 +55,12 @@ def test_sleep_mode_is_refused():
     check_sleep_mode(SimpleNamespace(enable_sleep_mode=False))
     with pytest.raises(UnsupportedKVCache, match="enable_sleep_mode=True .*accepted is False"):
         check_sleep_mode(SimpleNamespace(enable_sleep_mode=True))
+
+
+def test_mamba_groups_need_vllms_align_mode():
+    """With prefix caching off vLLM keeps one Mamba state per request, rewritten every step."""
+    state = dict(shapes=((4096,),), dtypes=(torch.int8,), block_size=64)
+    layouts = group_layouts(_config(MambaSpec(**state, mamba_cache_mode="align"), FullAttentionSpec(**COMMON)))
+    assert [g.kind for g in layouts] == [GroupKind.MAMBA, GroupKind.FULL_ATTENTION]
+    with pytest.raises(UnsupportedKVCache, match="mamba_cache_mode='none' .*accepted is 'align'.*enable-prefix-caching"):
+        group_layouts(_config(MambaSpec(**state, mamba_cache_mode="none"), FullAttentionSpec(**COMMON)))
