@@ -41,7 +41,8 @@ class _RequestState:
     # filled (a `Filling`; None: none, or the current one is skipped)
     stored_blocks: list[int] | None = None
     filling: list | None = None
-    # Mamba blocks a forward of the request ended in: (group, block index) -> block id (`StateBlocks`)
+    # Mamba blocks a forward of the request ended in: (group, block index) -> block id, or None for
+    # one a forward started inside and left (`StateBlocks`)
     witnessed_states: dict = field(default_factory=dict)
 
 
@@ -305,8 +306,8 @@ class KVScopeScheduler:
                 continue
             if req_id in restarted:
                 state.witnessed_states.clear()
-            self.states.note_forward_end(state.witnessed_states, computed[req_id] + scheduled,
-                                         lambda req_id=req_id: manager.get_block_ids(req_id))
+            self.states.note_forward(state.witnessed_states, computed[req_id], computed[req_id] + scheduled,
+                                     lambda req_id=req_id: manager.get_block_ids(req_id))
 
     def _sources_reallocated(self, scheduler_output) -> bool:
         """Whether this step allocates a device block that an unreported store reads (vLLM freed it,

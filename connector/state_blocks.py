@@ -11,7 +11,9 @@ Two witnesses say a block holds its own end's state. vLLM's prefix cache keys it
 many tokens (`block_hash_num_tokens`, set when vLLM schedules the step that writes the block, and
 re-keyed for a checkpoint). Or a forward of the request ended exactly there, so vLLM's runner wrote
 the state after that step into it: decode states past the prompt, which vLLM does not key. A block
-keyed for another number of tokens is never stored.
+keyed for another number of tokens is never stored, nor one a forward started inside and ran past:
+it keeps the state at that start (a partial prefix-cache hit's private copy), even where vLLM,
+keeping every state (`prefix_cache_retention_interval` None or periodic), keys it for its end.
 """
 
 from __future__ import annotations
@@ -29,15 +31,17 @@ class StateBlocks:
         # under async scheduling vLLM counts drafts as computed before it knows: only keys witness.
         self.forward_ends_witness = not speculative
 
-    def note_forward_end(self, witnessed: dict, end: int, block_ids_of) -> None:
-        """A forward of the request ends after ``end`` tokens: the block holding its last position
-        holds the state after it (``witnessed``: (group, block index) -> block id, per request).
-        ``block_ids_of()`` gives vLLM's block ids of the request, asked for only at a block's end."""
-        if not self.forward_ends_witness or end <= 0:
-            return
+    def note_forward(self, witnessed: dict, start: int, end: int, block_ids_of) -> None:
+        """A forward of the request computes tokens [start, end). The block holding its last
+        position then holds the state after ``end``; a block it started inside and left holds the
+        state at ``start`` for good (``witnessed``: (group, block index) -> block id, or None for
+        such a block; per request). ``block_ids_of()`` gives vLLM's block ids of the request, asked
+        for only at a block's end."""
         group_block_ids = None
         for g, size in self.groups:
-            if end % size:
+            if start % size and end > (start // size + 1) * size:
+                witnessed[(g, start // size)] = None
+            if not self.forward_ends_witness or end <= 0 or end % size:
                 continue
             group_block_ids = group_block_ids or block_ids_of()
             index, ids = end // size - 1, group_block_ids[g]
@@ -48,7 +52,10 @@ class StateBlocks:
     def holds_own_state(block, g: int, index: int, size: int, witnessed: dict) -> bool:
         """Whether vLLM's block ``block``, at ``index`` of group ``g``, holds the state after
         ``(index + 1) * size`` tokens."""
+        seen = witnessed.get((g, index), NULL_BLOCK_ID)
+        if seen is None:
+            return False  # a forward started inside it and went on: it keeps the state at that start
         keyed_tokens = block.block_hash_num_tokens
         if keyed_tokens is not None:
             return keyed_tokens == (index + 1) * size
-        return witnessed.get((g, index)) == block.block_id
+        return seen == block.block_id

@@ -55,6 +55,9 @@ class MambaAlign:
 
     block: int = 64
     hash_block: int = BLOCK
+    # vLLM's `prefix_cache_retention_interval`: 0 (its default) keys only the states a later
+    # request is known to resume from (the prompt's, shared-prefix junctions); None keys every one
+    retention: int | None = 0
 
 
 @dataclass
@@ -161,9 +164,8 @@ class ModelFreeEngine:
             cache.hash_block_size = cache.cache_hit_alignment_tokens = hash_block
             self.kv_cache_config.hash_block_size = hash_block
             self.kv_cache_config.cache_hit_alignment_tokens = hash_block
-            # vLLM's default (0): it keys only the states a later request is known to resume from
-            # (the prompt's, shared-prefix junctions), not every block boundary
-            self.kv_cache_config.prefix_cache_retention_interval = cache.prefix_cache_retention_interval
+            cache.prefix_cache_retention_interval = mamba.retention
+            self.kv_cache_config.prefix_cache_retention_interval = mamba.retention
         self.group_layers = [g.layer_names for g in self.kv_cache_config.kv_cache_groups]
         if runner not in RUNNERS:
             raise ValueError(f"runner={runner!r}: accepted are {', '.join(RUNNERS)}")
@@ -257,6 +259,7 @@ class ModelFreeEngine:
                 kv_outputs.append(self._execute_v2(rank, out, forwards))
                 continue
             worker.handle_preemptions(out.kv_connector_metadata)  # first in the V1 runner's execute_model
+            self._copy_blocks(rank, out)  # `_update_states`, before the forward
             with _as_transfer_group(worker), set_forward_context(None, self.vllm_config), \
                     KVConnectorModelRunnerMixin._get_kv_connector_output(out) as kv_output:
                 self._forward_all(rank, forwards)
@@ -321,6 +324,13 @@ class ModelFreeEngine:
         chain, tokens = self._chains.setdefault(req_id, []), self.tokens[req_id]
         return _extend_chain(chain, tokens[len(chain):])
 
+    def _copy_blocks(self, rank: int, out) -> None:
+        """vLLM's copy-on-write block copies (`kv_cache_block_copies`: a partial prefix-cache hit's
+        shared last block given to the request as a private copy), whole blocks of every layer."""
+        for copy in getattr(out, "kv_cache_block_copies", None) or ():
+            for words in self.words[rank].values():
+                words[copy.dst_block_id] = words[copy.src_block_id]
+
     def _forward_all(self, rank: int, forwards) -> None:
         for req_id, (start, _, values) in forwards.items():
             self._check_reads(rank, req_id, start)
@@ -338,6 +348,7 @@ class ModelFreeEngine:
         with _as_transfer_group(self.workers[rank]):
             if out.total_num_scheduled_tokens == 0:
                 return glue.no_forward(out).kv_connector_output
+            self._copy_blocks(rank, out)  # `update_requests`, before `pre_forward`
             with set_forward_context(None, self.vllm_config):
                 glue.pre_forward(out)
                 self._forward_all(rank, forwards)

@@ -587,3 +587,31 @@ def test_a_conversation_turn_loads_mamba_states_decode_steps_left(model_path, ma
     _assert_no_violations(engine.stats)
     assert bool(engine.stats.resumed) == (num_blocks < 1000)
     assert turn2_hits == expected
+
+
+@pytest.mark.parametrize("retention", [None, 128, 0], ids=["dense", "every-128", "default"])
+def test_a_mamba_block_a_chunk_started_inside_keeps_that_state(model_path, retention):
+    """A request hits vLLM's prefix cache inside a state block (partial hash hits: at 80 of a
+    64-token block), gets a private copy of that block (copy-on-write) and, its prompt's
+    checkpoint saved in the same chunk, runs past the block's end in one chunk: the block keeps
+    the state at 80. vLLM keys it for 128 tokens when it keeps every state (dense or periodic
+    retention); kvscope must not store it under that key, or a later request sharing 128 tokens
+    would resume from the state at 80."""
+    from tests.compat.model_free import MambaAlign
+
+    engine = ModelFreeEngine(model_path, {"cpu_bytes": 64 << 20, "block_size": 64}, window=WINDOW,
+                             mamba=MambaAlign(64, 16, retention=retention))
+    first = [(31 * i + 3) % 509 + 1 for i in range(90)]
+    second = first + [(17 * i + 5) % 509 + 1 for i in range(210)]
+    try:
+        engine.add("a", first, max_tokens=1)
+        engine.run()
+        engine.add("b", second, max_tokens=1)  # a local hit at 80 (the checkpoint of `a`)
+        engine.run()
+        engine.reset_device_prefix_cache()
+        engine.add("c", second + [7, 8, 9], max_tokens=1)  # shares 128 tokens and more with `b`
+        engine.run()
+        assert engine.host_tier_leaks() == []
+    finally:
+        engine.shutdown()
+    _assert_no_violations(engine.stats)

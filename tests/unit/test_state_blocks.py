@@ -40,17 +40,26 @@ def test_forward_ends_are_witnessed_at_block_ends_only():
         asked.append(1)
         return [[NULL_BLOCK_ID, 11, 12, NULL_BLOCK_ID], list(range(20, 36))]
 
-    states.note_forward_end(witnessed, 100, block_ids)
+    states.note_forward(witnessed, 0, 100, block_ids)
     assert witnessed == {} and not asked  # not a state block's end: vLLM is not asked
-    states.note_forward_end(witnessed, 128, block_ids)
-    states.note_forward_end(witnessed, 192, block_ids)
-    states.note_forward_end(witnessed, 256, block_ids)  # a null block there: nothing to witness
+    states.note_forward(witnessed, 100, 128, block_ids)
+    states.note_forward(witnessed, 128, 192, block_ids)
+    states.note_forward(witnessed, 192, 256, block_ids)  # a null block there: nothing to witness
     assert witnessed == {(0, 1): 11, (0, 2): 12}
+
+
+def test_a_block_a_forward_started_inside_and_left_keeps_that_state_whatever_its_key():
+    states, witnessed = StateBlocks(LAYOUTS, speculative=True), {}
+    states.note_forward(witnessed, 80, 128, lambda: [[0, 11], []])  # ends at the block's end: not left
+    assert witnessed == {}
+    states.note_forward(witnessed, 80, 300, lambda: [[0, 11, 12, 13, 14], []])  # a partial hit at 80, then on
+    assert witnessed == {(0, 1): None}
+    assert not StateBlocks.holds_own_state(_block(11, 128), 0, 1, 64, witnessed)
 
 
 def test_with_speculative_decoding_only_keys_witness():
     states, witnessed = StateBlocks(LAYOUTS, speculative=True), {}
-    states.note_forward_end(witnessed, 128, lambda: [[0, 11], []])
+    states.note_forward(witnessed, 64, 128, lambda: [[0, 11], []])
     assert witnessed == {}
 
 
