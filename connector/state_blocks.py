@@ -21,6 +21,8 @@ from __future__ import annotations
 from .groups import GroupKind, GroupLayout
 from .planning import NULL_BLOCK_ID
 
+_UNSEEN = -1  # no forward ended or started in the block: not a block id
+
 
 class StateBlocks:
     """The Mamba groups of a layout, and the exact forward ends each request's blocks witnessed."""
@@ -52,7 +54,7 @@ class StateBlocks:
     def holds_own_state(block, g: int, index: int, size: int, witnessed: dict) -> bool:
         """Whether vLLM's block ``block``, at ``index`` of group ``g``, holds the state after
         ``(index + 1) * size`` tokens."""
-        seen = witnessed.get((g, index), NULL_BLOCK_ID)
+        seen = witnessed.get((g, index), _UNSEEN)
         if seen is None:
             return False  # a forward started inside it and went on: it keeps the state at that start
         keyed_tokens = block.block_hash_num_tokens

@@ -31,6 +31,7 @@ def test_an_unkeyed_block_holds_its_state_only_if_a_forward_ended_in_it():
     assert StateBlocks.holds_own_state(_block(7), 0, 2, 64, {(0, 2): 7})
     assert not StateBlocks.holds_own_state(_block(7), 0, 2, 64, {})
     assert not StateBlocks.holds_own_state(_block(8), 0, 2, 64, {(0, 2): 7})  # the block was given out again
+    assert not StateBlocks.holds_own_state(_block(NULL_BLOCK_ID), 0, 2, 64, {})
 
 
 def test_forward_ends_are_witnessed_at_block_ends_only():
