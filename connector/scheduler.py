@@ -88,6 +88,7 @@ class KVScopeScheduler:
         self.tracing = tracing
         self._kv_cache_manager = kv_cache_manager_getter
         self.states = StateBlocks(layouts, speculative)
+        self._foreign_state_logged = False
         # The last tokens whose KV a drafter may write again (vLLM's multi-module MTP re-prefills
         # them): not final, so not stored, as vLLM does not cache them (`get_num_cacheable_tokens`)
         self.reprefillable_tokens = reprefillable_tokens
@@ -376,6 +377,7 @@ class KVScopeScheduler:
                 block_id = ids[i]
                 if states is not None and block_id != NULL_BLOCK_ID and not StateBlocks.holds_own_state(
                         states[i], g, i, layout.block_size, state.witnessed_states):
+                    self._log_foreign_state(states[i], (i + 1) * layout.block_size)
                     block_id = NULL_BLOCK_ID  # another state, or none: never stored under this block's key
                 k, sub = divmod(i, factor)
                 if sub == 0:
@@ -414,6 +416,16 @@ class KVScopeScheduler:
             tracing.end_span(STORE_SPAN, span, time.time_ns(),
                              (request.request_id, len(parts), sum(len(p.block_ids) for p in parts)))
         return TransferJob(job_id, request.request_id, STORE, parts, trace_carrier=carrier)
+
+    def _log_foreign_state(self, block, block_end: int) -> None:
+        """Say once why a model's Mamba states are stored less often than its blocks end."""
+        keyed_tokens = block.block_hash_num_tokens
+        if self._foreign_state_logged or keyed_tokens in (None, block_end):
+            return
+        self._foreign_state_logged = True
+        logger.info("kvscope: a Mamba block ending at token %d holds vLLM's state at token %d (a prefill "
+                    "checkpoint at a finer hash boundary, or EAGLE's dropped block): such blocks are not "
+                    "stored, so fewer Mamba states reach the host tier", block_end, keyed_tokens)
 
     def update_connector_output(self, connector_output) -> None:
         meta = getattr(connector_output, "kv_connector_worker_meta", None)

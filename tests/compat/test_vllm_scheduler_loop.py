@@ -536,7 +536,7 @@ def test_sleep_mode_is_refused_at_start_up(model_path, role):
                          [(64, 16, 2048), (64, 16, 100), (16, 16, 2048), (16, 16, 100)],
                          ids=["partial-hits-one-step", "partial-hits-chunked", "one-step", "chunked"])
 def test_mamba_states_are_stored_only_at_their_own_boundary(model_path, mamba_block, hash_block,
-                                                             max_num_batched_tokens):
+                                                             max_num_batched_tokens, caplog):
     """A Mamba group in vLLM's align mode: a block holds the state at its end, except the checkpoint
     a prompt's last chunk saves into the block before its last, which holds the state at the last
     hash boundary: with hash blocks finer than state blocks (vLLM's partial hash hits), not that
@@ -544,6 +544,7 @@ def test_mamba_states_are_stored_only_at_their_own_boundary(model_path, mamba_bl
     the state of other tokens. Round 1 loads states and KV, and each step's first state is checked."""
     from tests.compat.model_free import MambaAlign
 
+    caplog.set_level("INFO", logger="connector.scheduler")
     engine = ModelFreeEngine(model_path, {"cpu_bytes": 64 << 20, "block_size": mamba_block}, window=WINDOW,
                              max_num_batched_tokens=max_num_batched_tokens, mamba=MambaAlign(mamba_block, hash_block))
     try:
@@ -563,6 +564,8 @@ def test_mamba_states_are_stored_only_at_their_own_boundary(model_path, mamba_bl
     _assert_no_violations(stats)
     loaded = loaded_blocks_by_group(stats, [f"r1-{j}" for j in range(4)])
     assert loaded.get(0) and loaded[1], loaded  # states (one per loading request) and KV were loaded
+    skipped = [r for r in caplog.records if "holds vLLM's state at token" in r.getMessage()]
+    assert len(skipped) == (mamba_block != hash_block), skipped  # said once, where it happens
     if mamba_block == hash_block:  # checkpoints land on block ends: every prompt's last one is a hit
         expected = sum((len(p) - 1) // mamba_block * mamba_block for p in prompts)
         assert stats.external_hit_tokens - round0_hits == expected
