@@ -572,11 +572,12 @@ def test_mamba_states_are_stored_only_at_their_own_boundary(model_path, mamba_bl
 
 
 @pytest.mark.parametrize("mamba_block, hash_block", [(64, 16), (16, 16)], ids=["partial-hits", "default"])
-@pytest.mark.parametrize("async_scheduling, runner, num_blocks",
-                         [(False, "v1", 1200), (True, "v1", 1200), (True, "v2", 1200), (True, "v1", 140)],
-                         ids=["sync", "async", "v2-async", "async-preempting"])
+@pytest.mark.parametrize("async_scheduling, runner, num_blocks, workers",
+                         [(False, "v1", 1200, 1), (True, "v1", 1200, 1), (True, "v2", 1200, 1), (True, "v1", 140, 1),
+                          (False, "v1", 1200, 2)],
+                         ids=["sync", "async", "v2-async", "async-preempting", "two-workers"])
 def test_a_conversation_turn_loads_mamba_states_decode_steps_left(model_path, mamba_block, hash_block,
-                                                                  async_scheduling, runner, num_blocks):
+                                                                  async_scheduling, runner, num_blocks, workers):
     """vLLM keys Mamba states at the prompt's boundaries only; past them, a decode step that ends
     at a block's end leaves the state there (its runner writes the state after each step into the
     block of its last position), which kvscope stores: turn 2 hits every whole block of turn 1,
@@ -585,7 +586,7 @@ def test_a_conversation_turn_loads_mamba_states_decode_steps_left(model_path, ma
 
     engine = ModelFreeEngine(model_path, {"cpu_bytes": 64 << 20, "block_size": mamba_block}, window=WINDOW,
                              async_scheduling=async_scheduling, runner=runner, num_blocks=num_blocks,
-                             mamba=MambaAlign(mamba_block, hash_block))
+                             workers=workers, mamba=MambaAlign(mamba_block, hash_block))
     turn2_hits, expected = _two_turns(engine, mamba_block)
     _assert_no_violations(engine.stats)
     assert bool(engine.stats.resumed) == (num_blocks < 1000)
