@@ -276,12 +276,13 @@ class KVScopeScheduler:
         for i, req_id in enumerate(cached.req_ids):
             computed[req_id] = cached.num_computed_tokens[i]
         spec = scheduler_output.scheduled_spec_decode_tokens or {}
-        if self.states.groups:
-            self._note_state_ends(scheduler_output, computed)
+        restarted = self._restarted(scheduler_output) if self.states.groups else None
         for req_id, scheduled in scheduler_output.num_scheduled_tokens.items():
             state = self._requests.get(req_id)
             if state is None or req_id not in computed:
                 continue
+            if restarted is not None:
+                self._note_state_end(state, computed[req_id], scheduled, req_id in restarted)
             # KV final by the end of this step: not its drafts, nor, under async scheduling, the
             # previous step's (counted as computed before vLLM knows which it accepts; a rejected
             # one's KV is rewritten in place): only tokens the request knows
@@ -294,21 +295,21 @@ class KVScopeScheduler:
         self.tracing.end_step()  # this step's lookup, load and store spans are all recorded
         return meta
 
-    def _note_state_ends(self, scheduler_output, computed: dict[str, int]) -> None:
-        """Witness the Mamba blocks this step's forwards end in (`StateBlocks`); a request that
-        starts again (new, or resumed after preemption) has new blocks: forget the old ones."""
-        cached = scheduler_output.scheduled_cached_reqs
+    @staticmethod
+    def _restarted(scheduler_output) -> set[str]:
+        """Requests that start again this step (new, or resumed after preemption): new blocks."""
         restarted = {r.req_id for r in scheduler_output.scheduled_new_reqs}
-        restarted.update(getattr(cached, "resumed_req_ids", None) or ())
-        manager = self._kv_cache_manager()
-        for req_id, scheduled in scheduler_output.num_scheduled_tokens.items():
-            state = self._requests.get(req_id)
-            if state is None or req_id not in computed:
-                continue
-            if req_id in restarted:
-                state.witnessed_states.clear()
-            self.states.note_forward(state.witnessed_states, computed[req_id], computed[req_id] + scheduled,
-                                     lambda req_id=req_id: manager.get_block_ids(req_id))
+        restarted.update(getattr(scheduler_output.scheduled_cached_reqs, "resumed_req_ids", None) or ())
+        return restarted
+
+    def _note_state_end(self, state: _RequestState, computed: int, scheduled: int, restarted: bool) -> None:
+        """Witness the Mamba blocks this step's forward of the request ends in (`StateBlocks`); a
+        request that starts again has new blocks: forget the old ones."""
+        if restarted:
+            state.witnessed_states.clear()
+        req_id = state.request.request_id
+        self.states.note_forward(state.witnessed_states, computed, computed + scheduled,
+                                 lambda: self._kv_cache_manager().get_block_ids(req_id))
 
     def _sources_reallocated(self, scheduler_output) -> bool:
         """Whether this step allocates a device block that an unreported store reads (vLLM freed it,

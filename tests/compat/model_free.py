@@ -459,15 +459,15 @@ class ModelFreeEngine:
                             self.stats.steps, rank, req_id, group, i, block_id,
                             f"layer {layer}: KV of tokens [{i * BLOCK}, {end}) is not what the forward wrote"))
 
-    def _forward(self, rank: int, req_id: str, start: int, values: list[int]) -> None:
-        """Write the KV of positions [start, start + len(values)): each its own slot of its block."""
-        words, end = self.words[rank], start + len(values)
-        states = values
-        values = torch.tensor(values, dtype=torch.int64)
+    def _forward(self, rank: int, req_id: str, start: int, identities: list[int]) -> None:
+        """Write the KV of positions [start, start + len(identities)): each its own slot of its block
+        (Mamba groups: the states the step leaves)."""
+        words, end = self.words[rank], start + len(identities)
+        values = torch.tensor(identities, dtype=torch.int64)
         for group, layers in enumerate(self.group_layers):
             table = self.tables[req_id][group]
             if self.group_kinds[group] == MAMBA:
-                self._write_states(rank, req_id, group, start, states)
+                self._write_states(rank, req_id, group, start, identities)
                 continue
             for i in range(start // BLOCK, -(-end // BLOCK)):
                 lo, hi = max(start, i * BLOCK), min(end, (i + 1) * BLOCK)
