@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from dashboard import traces
+from dashboard.traces import reader, schema
 
 try:
     import pyarrow as pa
@@ -23,7 +23,7 @@ try:
 except ImportError:  # pragma: no cover - pyarrow comes with streamlit
     pa = None
 
-KNOWN_KEYS = list(traces.ATTRIBUTE_COLUMNS)
+KNOWN_KEYS = list(schema.ATTRIBUTE_COLUMNS)
 _VALUE_FIELDS = ("stringValue", "intValue", "doubleValue", "boolValue", "arrayValue", "kvlistValue", "bytesValue")
 
 
@@ -31,7 +31,7 @@ class _Declined(Exception):
     """The file is not in the shape this decoder handles; use the line-by-line decoder."""
 
 
-def decode(data: bytes, label: str, lines: list[bytes]) -> traces.DecodedSpans | None:
+def decode(data: bytes, label: str, lines: list[bytes]) -> reader.DecodedSpans | None:
     """Decode a whole file, or None when the line-by-line decoder must do it."""
     if pa is None:
         return None
@@ -51,15 +51,15 @@ def decode(data: bytes, label: str, lines: list[bytes]) -> traces.DecodedSpans |
         return None
 
 
-def _unnest(table: pa.Table, label: str, line_numbers: np.ndarray) -> traces.DecodedSpans:
-    problems: list[traces.Problem] = []
+def _unnest(table: pa.Table, label: str, line_numbers: np.ndarray) -> reader.DecodedSpans:
+    problems: list[reader.Problem] = []
     rs = table.column("resourceSpans").combine_chunks() if "resourceSpans" in table.column_names else None
     no_spans = (np.ones(table.num_rows, dtype=bool) if rs is None or pa.types.is_null(rs.type)
                 else rs.is_null().to_numpy(zero_copy_only=False))
     for row in np.flatnonzero(no_spans):
         doc = {k: table.column(k)[int(row)].as_py() for k in ("resourceMetrics", "resourceLogs")
                if k in table.column_names}
-        problems.append(traces.Problem(label, int(line_numbers[row]), traces._not_a_trace_export(doc)))
+        problems.append(reader.Problem(label, int(line_numbers[row]), reader.not_a_trace_export_reason(doc)))
 
     rs_items, rs_row = _flatten(rs)
     ss_items, ss_rs = _flatten(_field(rs_items, "scopeSpans", legacy="instrumentationLibrarySpans"))
@@ -71,7 +71,7 @@ def _unnest(table: pa.Table, label: str, line_numbers: np.ndarray) -> traces.Dec
     scope = _field(ss_items, "scope", legacy="instrumentationLibrary")
     scope_names = _pylist(_field(scope, "name"), len(ss_items))
     scope_versions = _pylist(_field(scope, "version"), len(ss_items))
-    bad_scope = np.array([n == traces.SCOPE_NAME and not traces.supported_version(v)
+    bad_scope = np.array([n == schema.SCOPE_NAME and not reader.supported_version(v)
                           for n, v in zip(scope_names, scope_versions)], dtype=bool)
 
     name = _field(sp, "name")
@@ -83,8 +83,8 @@ def _unnest(table: pa.Table, label: str, line_numbers: np.ndarray) -> traces.Dec
     if version_skipped.any():
         counts = Counter(zip(sp_row[version_skipped].tolist(), sp_ss[version_skipped].tolist()))
         for (row, ss), n in sorted(counts.items()):
-            reason = traces.unsupported_version_reason(scope_versions[ss] or "")
-            problems.append(traces.Problem(label, int(line_numbers[row]), reason, n))
+            reason = reader.unsupported_version_reason(scope_versions[ss] or "")
+            problems.append(reader.Problem(label, int(line_numbers[row]), reason, n))
     keep = np.flatnonzero(is_kv & ~span_bad_scope)
     other = int(len(is_kv) - is_kv.sum())
     n = len(keep)
@@ -97,7 +97,7 @@ def _unnest(table: pa.Table, label: str, line_numbers: np.ndarray) -> traces.Dec
     parent = column("parentSpanId")
     status = _field(sp, "status")
     code = _field(status, "code")
-    return traces.DecodedSpans(
+    return reader.DecodedSpans(
         trace_id=_strings(column("traceId"), "traceId"),
         span_id=_strings(column("spanId"), "spanId"),
         parent_span_id=(np.full(n, "", dtype=object) if parent is None or pa.types.is_null(parent.type)
@@ -116,8 +116,8 @@ def _unnest(table: pa.Table, label: str, line_numbers: np.ndarray) -> traces.Dec
     )
 
 
-def _empty(problems: list[traces.Problem], lines: int) -> traces.DecodedSpans:
-    decoded = traces.decode_lines("", [])
+def _empty(problems: list[reader.Problem], lines: int) -> reader.DecodedSpans:
+    decoded = reader.decode_lines("", [])
     decoded.problems = problems
     decoded.lines = lines
     return decoded
@@ -200,7 +200,7 @@ def _attributes(attributes, keep: np.ndarray, total: int) -> tuple[dict[str, np.
         mine = np.flatnonzero(span_of >= 0)
         items, span_of = items.take(pa.array(mine)), span_of[mine]
     if items is None or len(items) == 0:
-        for key, (_, is_int) in traces.ATTRIBUTE_COLUMNS.items():
+        for key, (_, is_int) in schema.ATTRIBUTE_COLUMNS.items():
             values[key] = np.full(n, np.nan) if is_int else np.full(n, None, dtype=object)
             invalid[key] = np.zeros(n, dtype=bool)
         return values, invalid, [None] * n
@@ -211,7 +211,7 @@ def _attributes(attributes, keep: np.ndarray, total: int) -> tuple[dict[str, np.
     text = _field(value, "stringValue")
     text = _as_numpy(_string_typed(text)) if text is not None and not pa.types.is_null(text.type) else None
 
-    for j, (key, (_, is_int)) in enumerate(traces.ATTRIBUTE_COLUMNS.items()):
+    for j, (key, (_, is_int)) in enumerate(schema.ATTRIBUTE_COLUMNS.items()):
         rows = np.flatnonzero(key_index == j)
         present = np.zeros(n, dtype=bool)
         present[span_of[rows]] = True
@@ -221,7 +221,7 @@ def _attributes(attributes, keep: np.ndarray, total: int) -> tuple[dict[str, np.
                 raise _Declined(f"non-numeric {key}")
             col = np.full(n, np.nan)
             col[span_of[rows]] = got
-            invalid[key] = present & ~traces._integral(col)
+            invalid[key] = present & ~reader.integral_mask(col)
         else:
             got = text[rows] if text is not None else np.full(len(rows), None, dtype=object)
             if len(rows) and np.equal(got, None).any():

@@ -11,6 +11,7 @@ import pandas as pd
 import pytest
 
 from dashboard import otlp_arrow, traces
+from dashboard.traces import reader
 
 from .conftest import MALFORMED, TWO_ROUNDS, raw_spans
 
@@ -85,8 +86,8 @@ def test_arrow_and_line_decoders_agree_on_clean_files(tmp_path, monkeypatch):
         fast = otlp_arrow.decode(data, str(path), lines)
         assert fast is not None, "the Arrow decoder declined a clean file"
         slow = traces.decode_lines(str(path), lines)
-        fast_frame, fast_problems = traces._validated_frame(fast, str(path))
-        slow_frame, slow_problems = traces._validated_frame(slow, str(path))
+        fast_frame, fast_problems = reader._validated_frame(fast, str(path))
+        slow_frame, slow_problems = reader._validated_frame(slow, str(path))
         pd.testing.assert_frame_equal(fast_frame.reset_index(drop=True), slow_frame.reset_index(drop=True))
         assert fast_problems == slow_problems == []
         assert (fast.other_spans, fast.lines) == (slow.other_spans, slow.lines)

@@ -1,0 +1,68 @@
+"""kvscope trace files -> pandas frames, and the shaping behind every dashboard view.
+
+Pure: no Streamlit, no clock, no network. `reader` turns OTLP/JSON lines into one row per kvscope
+span plus the problems it skipped; the other modules shape that span frame into the tables and
+series the pages show, and never re-read files:
+
+- `schema`: the span contract as frame columns;  `request_table`: one row per request;
+- `hit_rates`, `group_stats`, `headline`: the overview;  `waterfall`: one request;  `replay`.
+
+The names pages use are re-exported here (``traces.requests_table(...)``).
+"""
+
+from dashboard.traces.group_stats import (
+    copy_throughput,
+    group_summary,
+    load_latency_distribution,
+    load_latency_quantiles,
+    null_skip_by_group,
+)
+from dashboard.traces.headline import overview_numbers, top_slow_loads
+from dashboard.traces.hit_rates import (
+    GROUP_HIT_RATE_DEFINITION,
+    HIT_RATE_DEFINITION,
+    hit_rate,
+    hit_rate_by_group,
+    hit_rate_over_time,
+    pick_bucket_seconds,
+)
+from dashboard.traces.reader import (
+    DecodedSpans,
+    Problem,
+    Traces,
+    TraceSource,
+    decode_lines,
+    decode_spans,
+    problem_lines,
+    problems_frame,
+    read_trace_files,
+    supported_version,
+    unsupported_version_reason,
+)
+from dashboard.traces.replay import REPLAY_COLUMNS, REPLAY_DEFINITION, replay_state, replay_timeline
+from dashboard.traces.request_table import LOAD_TIME_DEFINITION, REQUEST_COLUMNS, requests_table, search_requests
+from dashboard.traces.schema import (
+    ATTRIBUTE_COLUMNS,
+    COPY,
+    GROUP_KINDS,
+    LOAD,
+    LOOKUP,
+    SCAN,
+    SCOPE_NAME,
+    SPAN_COLUMNS,
+    SPAN_NAMES,
+    STORE,
+    group_label,
+)
+from dashboard.traces.waterfall import waterfall_rows
+
+__all__ = [
+    "ATTRIBUTE_COLUMNS", "COPY", "GROUP_HIT_RATE_DEFINITION", "GROUP_KINDS", "HIT_RATE_DEFINITION", "LOAD",
+    "LOAD_TIME_DEFINITION", "LOOKUP", "REPLAY_COLUMNS", "REPLAY_DEFINITION", "REQUEST_COLUMNS", "SCAN", "SCOPE_NAME",
+    "SPAN_COLUMNS", "SPAN_NAMES", "STORE", "DecodedSpans", "Problem", "TraceSource", "Traces", "copy_throughput",
+    "decode_lines", "decode_spans", "group_label", "group_summary", "hit_rate", "hit_rate_by_group",
+    "hit_rate_over_time", "load_latency_distribution", "load_latency_quantiles", "null_skip_by_group",
+    "overview_numbers", "pick_bucket_seconds", "problem_lines", "problems_frame", "read_trace_files",
+    "replay_state", "replay_timeline", "requests_table", "search_requests", "supported_version", "top_slow_loads",
+    "unsupported_version_reason", "waterfall_rows",
+]

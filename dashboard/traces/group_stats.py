@@ -1,0 +1,115 @@
+"""Per KV group: null blocks skipped, load latency, copy throughput, and the overview's group table."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pandas as pd
+
+from dashboard.traces.hit_rates import hit_rate_by_group
+from dashboard.traces.schema import DIRECTIONS, GROUP_KEYS, PAST_TENSE, copies_of, group_label, scans_of
+
+
+def _observed_groupby(frame: pd.DataFrame, keys: list[str]):
+    return frame.assign(group_kind=frame["group_kind"].astype(str)).groupby(keys, sort=True, observed=True)
+
+
+def null_skip_by_group(spans: pd.DataFrame) -> pd.DataFrame:
+    """Per group: scans, blocks scanned, skipped as null, loaded (pending), and the null-skip share."""
+    cols = [*GROUP_KEYS, "scans", "blocks_scanned", "blocks_null_skipped", "blocks_loaded", "null_skip_share"]
+    scans = scans_of(spans)
+    if scans.empty:
+        return pd.DataFrame(columns=cols)
+    g = _observed_groupby(scans, GROUP_KEYS)
+    out = pd.DataFrame({
+        "scans": g.size(),
+        "blocks_scanned": g["blocks_total"].sum(),
+        "blocks_null_skipped": g["blocks_null_skipped"].sum(),
+        "blocks_loaded": g["blocks_pending"].sum(),
+    })
+    out["null_skip_share"] = out["blocks_null_skipped"].astype(float) / out["blocks_scanned"].astype(
+        float
+    ).where(out["blocks_scanned"] > 0)
+    return out.reset_index()[cols]
+
+
+QUANTILES = (0.5, 0.95, 0.99)
+
+
+def _quantile_row(values: pd.Series) -> dict[str, float]:
+    values = values.dropna().astype(float)
+    if values.empty:
+        return {"count": 0, "p50_ms": math.nan, "p95_ms": math.nan, "p99_ms": math.nan, "max_ms": math.nan}
+    q = np.percentile(values.to_numpy(), [q * 100 for q in QUANTILES])
+    return {"count": int(len(values)), "p50_ms": q[0], "p95_ms": q[1], "p99_ms": q[2],
+            "max_ms": float(values.max())}
+
+
+def load_latency_quantiles(spans: pd.DataFrame, requests: pd.DataFrame) -> pd.DataFrame:
+    """p50/p95/p99 (linear interpolation) of request load time, then of load copies per group."""
+    rows = [{"scope": "request load (all groups)", "group_index": pd.NA, "group_kind": "",
+             **_quantile_row(requests["load_ms"])}]
+    copies = copies_of(spans, "load")
+    if not copies.empty:
+        for (index, kind), grp in _observed_groupby(copies, GROUP_KEYS):
+            rows.append({"scope": f"copy {group_label(index, kind)}", "group_index": index,
+                         "group_kind": kind, **_quantile_row(grp["duration_ms"])})
+    return pd.DataFrame(rows, columns=["scope", "group_index", "group_kind", "count", "p50_ms",
+                                       "p95_ms", "p99_ms", "max_ms"])
+
+
+def load_latency_distribution(spans: pd.DataFrame, requests: pd.DataFrame) -> pd.DataFrame:
+    """Long table (series, ms): request load times and load-copy durations per group."""
+    parts = [pd.DataFrame({"series": "request load", "ms": requests["load_ms"].dropna().astype(float)})]
+    copies = copies_of(spans, "load")
+    if not copies.empty:
+        labels = "copy g" + copies["group_index"].astype(str) + " " + copies["group_kind"].astype(str)
+        parts.append(pd.DataFrame({"series": labels, "ms": copies["duration_ms"].astype(float)}))
+    return pd.concat(parts, ignore_index=True)
+
+
+def copy_throughput(spans: pd.DataFrame) -> pd.DataFrame:
+    """Per group and direction: copies, bytes, summed copy time and throughput.
+
+    `gb_per_s` is Σ bytes / Σ copy seconds (1 GB = 1e9 bytes); `p50_gb_per_s` is the median of the
+    per-copy throughputs.
+    """
+    cols = [*GROUP_KEYS, "direction", "copies", "blocks", "bytes", "copy_seconds", "gb_per_s", "p50_gb_per_s"]
+    copies = copies_of(spans)
+    if copies.empty:
+        return pd.DataFrame(columns=cols)
+    copies = copies.assign(
+        direction=copies["copy_direction"].astype(str),
+        seconds=copies["duration_ms"] / 1e3,
+    )
+    per_copy = copies["copy_bytes"].astype(float) / copies["seconds"].where(copies["seconds"] > 0) / 1e9
+    copies = copies.assign(per_copy=per_copy)
+    g = _observed_groupby(copies, [*GROUP_KEYS, "direction"])
+    out = pd.DataFrame({
+        "copies": g.size(),
+        "blocks": g["copy_blocks"].sum(),
+        "bytes": g["copy_bytes"].sum(),
+        "copy_seconds": g["seconds"].sum(),
+        "p50_gb_per_s": g["per_copy"].median(),
+    })
+    out["gb_per_s"] = out["bytes"].astype(float) / out["copy_seconds"].where(out["copy_seconds"] > 0) / 1e9
+    return out.reset_index()[cols]
+
+
+def group_summary(spans: pd.DataFrame, requests: pd.DataFrame) -> pd.DataFrame:
+    """One row per group for the overview: hit rate, null skip, load copy latency and throughput."""
+    skip = null_skip_by_group(spans)
+    if skip.empty:
+        return pd.DataFrame(columns=["group", *GROUP_KEYS])
+    out = skip.merge(hit_rate_by_group(spans, requests)[[*GROUP_KEYS, "hit_rate"]], on=GROUP_KEYS, how="left")
+    lat = load_latency_quantiles(spans, requests).iloc[1:]
+    lat = lat.assign(group_index=lat["group_index"].astype("Int64"))
+    out = out.merge(lat[[*GROUP_KEYS, "p50_ms", "p95_ms", "p99_ms"]], on=GROUP_KEYS, how="left")
+    tp = copy_throughput(spans)
+    for direction in DIRECTIONS:
+        part = tp.loc[tp["direction"] == direction, [*GROUP_KEYS, "bytes", "gb_per_s"]]
+        part = part.rename(columns={"bytes": f"bytes_{PAST_TENSE[direction]}", "gb_per_s": f"{direction}_gb_per_s"})
+        out = out.merge(part, on=GROUP_KEYS, how="left")
+    out.insert(0, "group", [group_label(i, k) for i, k in zip(out["group_index"], out["group_kind"])])
+    return out

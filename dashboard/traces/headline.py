@@ -1,0 +1,44 @@
+"""The overview's headline numbers and its slowest loads."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pandas as pd
+
+from dashboard.traces.hit_rates import hit_rate
+from dashboard.traces.schema import copies_of
+
+
+def top_slow_loads(requests: pd.DataFrame, n: int = 10) -> pd.DataFrame:
+    """The `n` requests with the longest load time."""
+    timed = requests[requests["load_ms"].notna()]
+    return timed.nlargest(n, "load_ms")[
+        ["request_id", "t_s", "load_ms", "tokens_external", "bytes_loaded", "trace_id"]
+    ].reset_index(drop=True)
+
+
+def overview_numbers(requests: pd.DataFrame, spans: pd.DataFrame) -> dict[str, float]:
+    """Headline numbers for the overview page."""
+    load_ms = requests["load_ms"].dropna().astype(float)
+    q = np.percentile(load_ms, [50, 95, 99]) if len(load_ms) else [math.nan] * 3
+    copies = copies_of(spans)
+    by_dir = copies.groupby(copies["copy_direction"].astype(str))["copy_bytes"].sum()
+    start = spans["start_ns"].min() if len(spans) else 0
+    end = spans["end_ns"].max() if len(spans) else 0
+    return {
+        "requests": int(len(requests)),
+        "requests_with_hit": int((requests["tokens_hit"].fillna(0) > 0).sum()),
+        "tokens_queried": int(requests["tokens_queried"].sum()),
+        "tokens_hit": int(requests["tokens_hit"].sum()),
+        "hit_rate": hit_rate(requests),
+        "loads_timed": int(len(load_ms)),
+        "load_p50_ms": float(q[0]),
+        "load_p95_ms": float(q[1]),
+        "load_p99_ms": float(q[2]),
+        "bytes_loaded": int(by_dir.get("load", 0)),
+        "bytes_stored": int(by_dir.get("store", 0)),
+        "spans": int(len(spans)),
+        "duration_s": (int(end) - int(start)) / 1e9,
+    }

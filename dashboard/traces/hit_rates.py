@@ -1,0 +1,90 @@
+"""Token hit rates: over all requests, per time bucket of arrival, and per KV group."""
+
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+
+from dashboard.traces.schema import GROUP_KEYS, LOAD, scans_of
+
+HIT_RATE_DEFINITION = (
+    "Token hit rate: Σ `tokens.hit` / Σ `tokens.queried` over requests, using each request's "
+    "last `kvscope.lookup` (a request looked up again while it waited is counted once)."
+)
+GROUP_HIT_RATE_DEFINITION = (
+    "A lookup is joint over all KV groups (a prefix hits only where every group can serve it), so a "
+    "group's hit rate is the token hit rate of the requests whose load scanned that group."
+)
+
+
+def _ratio(num: float, den: float) -> float:
+    return float(num) / float(den) if den else math.nan
+
+
+def hit_rate(requests: pd.DataFrame) -> float:
+    """Token hit rate over all requests (NaN when nothing was queried)."""
+    return _ratio(requests["tokens_hit"].sum(), requests["tokens_queried"].sum())
+
+
+_NICE_BUCKETS_S = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 15, 30, 60,
+                   120, 300, 600, 900, 1800, 3600, 7200, 21600, 43200, 86400)
+
+
+def pick_bucket_seconds(duration_s: float, max_buckets: int = 60) -> float:
+    """The smallest round bucket width that cuts `duration_s` into at most `max_buckets`."""
+    for width in _NICE_BUCKETS_S:
+        if duration_s / width <= max_buckets:
+            return width
+    return _NICE_BUCKETS_S[-1]
+
+
+def hit_rate_over_time(requests: pd.DataFrame, bucket_s: float | None = None) -> pd.DataFrame:
+    """Token hit rate per time bucket of request arrival; buckets without requests are left out."""
+    cols = ["bucket_start", "t_s", "requests", "tokens_queried", "tokens_hit", "hit_rate"]
+    if requests.empty:
+        return pd.DataFrame(columns=cols)
+    t0 = int(requests["arrival_ns"].min())
+    if bucket_s is None:
+        bucket_s = pick_bucket_seconds((int(requests["arrival_ns"].max()) - t0) / 1e9)
+    width_ns = int(round(bucket_s * 1e9))
+    bucket = (requests["arrival_ns"] - t0) // width_ns
+    grouped = requests.assign(bucket=bucket).groupby("bucket", sort=True)
+    out = pd.DataFrame({
+        "requests": grouped.size(),
+        "tokens_queried": grouped["tokens_queried"].sum(),
+        "tokens_hit": grouped["tokens_hit"].sum(),
+    })
+    out["hit_rate"] = out["tokens_hit"].astype(float) / out["tokens_queried"].astype(float).where(
+        out["tokens_queried"] > 0
+    )
+    start_ns = t0 + out.index.to_numpy() * width_ns
+    out["t_s"] = (start_ns - t0) / 1e9
+    out["bucket_start"] = pd.to_datetime(start_ns, unit="ns", utc=True)
+    return out.reset_index(drop=True)[cols]
+
+
+def hit_rate_by_group(spans: pd.DataFrame, requests: pd.DataFrame) -> pd.DataFrame:
+    """Per group: token hit rate of the requests whose load scanned it (`GROUP_HIT_RATE_DEFINITION`)."""
+    cols = [*GROUP_KEYS, "requests", "tokens_queried", "tokens_hit", "hit_rate"]
+    scans = scans_of(spans)
+    if scans.empty:
+        return pd.DataFrame(columns=cols)
+    load_req = spans.loc[spans["name"] == LOAD, ["span_id", "request_id"]]
+    pairs = scans[["parent_span_id", *GROUP_KEYS]].merge(
+        load_req, left_on="parent_span_id", right_on="span_id", how="inner"
+    )
+    pairs = pairs.assign(group_kind=pairs["group_kind"].astype(str))
+    pairs = pairs.drop_duplicates(["request_id", *GROUP_KEYS])
+    tokens = requests[["request_id", "tokens_queried", "tokens_hit"]]
+    merged = pairs.merge(tokens, on="request_id", how="inner")
+    g = merged.groupby(GROUP_KEYS, sort=True, observed=True)
+    out = pd.DataFrame({
+        "requests": g.size(),
+        "tokens_queried": g["tokens_queried"].sum(),
+        "tokens_hit": g["tokens_hit"].sum(),
+    })
+    out["hit_rate"] = out["tokens_hit"].astype(float) / out["tokens_queried"].astype(float).where(
+        out["tokens_queried"] > 0
+    )
+    return out.reset_index()[cols]

@@ -1,0 +1,486 @@
+"""Trace files (OTLP/JSON lines) -> one row per kvscope span, and a problem for all it skipped.
+
+Takes the lines the connector and the OpenTelemetry Collector's file exporter write (one
+``ExportTraceServiceRequest`` per line). Never raises on bad input: each skipped line or span is a
+`Problem` naming the file, the line and the reason.
+
+Speed: parsing costs one ``json.loads`` per line and one small loop per span that only copies
+fields; converting, validating and joining are done column-wise afterwards. A clean file takes
+the Arrow decoder (`otlp_arrow`) instead.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import gzip
+import json
+import os
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from dashboard.traces.schema import (
+    ALLOWED_VALUES,
+    ATTRIBUTE_COLUMNS,
+    COPY,
+    LOAD,
+    REQUIRED_ATTRIBUTES,
+    SCOPE_NAME,
+    SPAN_COLUMNS,
+    STORE,
+    SUPPORTED_SCOPE_VERSIONS,
+)
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Something the reader skipped: `line` is 1-based, 0 when it concerns the whole file."""
+
+    file: str
+    line: int
+    reason: str
+    spans: int = 0  # kvscope spans skipped because of it
+
+
+@dataclass(frozen=True)
+class Traces:
+    """Result of reading trace files: one row per kvscope span, and what was skipped."""
+
+    spans: pd.DataFrame
+    problems: list[Problem] = field(default_factory=list)
+    files: list[str] = field(default_factory=list)
+    lines: int = 0  # non-empty lines read
+    other_spans: int = 0  # spans outside kvscope (e.g. vLLM's own request spans), left out
+
+    @property
+    def empty(self) -> bool:
+        return self.spans.empty
+
+
+@dataclass(frozen=True)
+class TraceSource:
+    """In-memory trace file (e.g. an upload): a label for messages and its bytes."""
+
+    name: str
+    data: bytes
+
+
+@dataclass
+class DecodedSpans:
+    """The kvscope spans of one file, column-wise, before validation (both decoders' output).
+
+    `values[key]` holds one entry per span: float64 with NaN for integer attributes, objects with
+    None for string attributes; `invalid[key]` marks values present but not convertible.
+    """
+
+    trace_id: Sequence[Any]
+    span_id: Sequence[Any]
+    parent_span_id: Sequence[Any]
+    name: Sequence[Any]
+    start_ns: np.ndarray
+    end_ns: np.ndarray
+    status_code: np.ndarray
+    source_line: np.ndarray
+    values: dict[str, np.ndarray]
+    invalid: dict[str, np.ndarray]
+    extra_attributes: list[dict[str, Any] | None]
+    problems: list[Problem] = field(default_factory=list)
+    other_spans: int = 0
+    lines: int = 0
+
+
+def read_trace_files(sources: Iterable[str | os.PathLike[str] | TraceSource]) -> Traces:
+    """Read trace files (paths, ``.gz`` allowed, or in-memory sources) into one span frame.
+
+    Never raises on bad input: unreadable files, lines that are not OTLP/JSON, spans without the
+    attributes their name requires, duplicate spans and unknown kvscope scope versions become
+    `Problem`s, and everything else loads.
+    """
+    frames: list[pd.DataFrame] = []
+    problems: list[Problem] = []
+    files: list[str] = []
+    lines = other = 0
+    for source in sources:
+        if isinstance(source, TraceSource):
+            label, data = source.name, source.data
+        else:
+            label = os.fspath(source)
+            try:
+                data = Path(label).read_bytes()
+            except OSError as exc:
+                files.append(label)
+                problems.append(Problem(label, 0, f"cannot read file: {exc.strerror or exc}"))
+                continue
+        files.append(label)
+        try:
+            data = _maybe_gunzip(data)
+        except (OSError, EOFError) as exc:
+            problems.append(Problem(label, 0, f"cannot decompress: {exc}"))
+            continue
+        decoded = decode_spans(label, data)
+        frame, rejected = _validated_frame(decoded, label)
+        frames.append(frame)
+        problems += decoded.problems + rejected
+        lines += decoded.lines
+        other += decoded.other_spans
+    spans, duplicates = _combine(frames)
+    order = {name: i for i, name in enumerate(files)}
+    problems = sorted(problems + duplicates, key=lambda p: (order.get(p.file, len(order)), p.line))
+    return Traces(spans=spans, problems=problems, files=files, lines=lines, other_spans=other)
+
+
+def decode_spans(label: str, data: bytes) -> DecodedSpans:
+    """Decode one file's bytes: the Arrow decoder when the file is clean, else line by line.
+
+    The Arrow decoder parses the whole file in C++ and unnests it column-wise; it declines
+    (returns None) on anything unusual, such as a line that does not parse or a value of an
+    unexpected type, and the line-by-line decoder then reports each problem with its line.
+    """
+    from dashboard import otlp_arrow  # noqa: PLC0415 - imported here: otlp_arrow imports this module
+
+    lines = _split_lines(data)
+    fast = otlp_arrow.decode(data, label, lines)
+    return fast if fast is not None else decode_lines(label, lines)
+
+
+def problems_frame(problems: Sequence[Problem]) -> pd.DataFrame:
+    """Problems as a table sorted by file and line."""
+    frame = pd.DataFrame(
+        [(p.file, p.line, p.reason, p.spans) for p in problems],
+        columns=["file", "line", "reason", "spans skipped"],
+    )
+    return frame.sort_values(["file", "line"], kind="stable").reset_index(drop=True)
+
+
+def problem_lines(problems: Sequence[Problem], limit: int = 8) -> str:
+    """Where the problems are, briefly: "a.jsonl lines 3, 4, 10; b.jsonl (whole file)"."""
+    by_file: dict[str, list[int]] = {}
+    for p in problems:
+        by_file.setdefault(p.file, [])
+        if p.line and p.line not in by_file[p.file]:
+            by_file[p.file].append(p.line)
+    parts = []
+    for file, lines in by_file.items():
+        name = Path(file).name if not file.startswith("upload: ") else file
+        if not lines:
+            parts.append(f"{name} (whole file)")
+            continue
+        shown = ", ".join(map(str, sorted(lines)[:limit]))
+        more = f" and {len(lines) - limit} more" if len(lines) > limit else ""
+        parts.append(f"{name} line{'s' if len(lines) > 1 else ''} {shown}{more}")
+    return "; ".join(parts)
+
+
+def _maybe_gunzip(data: bytes) -> bytes:
+    return gzip.decompress(data) if data[:2] == b"\x1f\x8b" else data
+
+
+def _split_lines(data: bytes) -> list[bytes]:
+    return data.split(b"\n")
+
+
+def decode_lines(label: str, lines: Iterable[bytes]) -> DecodedSpans:
+    """The line-by-line decoder: one `json.loads` per line, one small loop per span."""
+    rows: list[tuple] = []
+    problems: list[Problem] = []
+    other = count = 0
+    for lineno, raw in enumerate(lines, 1):
+        if not raw.strip():
+            continue
+        count += 1
+        try:
+            doc = json.loads(raw)
+        except json.JSONDecodeError as exc:
+            problems.append(Problem(label, lineno, f"not JSON: {exc.msg} (column {exc.colno})"))
+            continue
+        except ValueError as exc:  # UnicodeDecodeError
+            problems.append(Problem(label, lineno, f"not UTF-8 text: {_short(exc)}"))
+            continue
+        if not isinstance(doc, dict):
+            problems.append(Problem(label, lineno, f"expected a JSON object, got {type(doc).__name__}"))
+            continue
+        resource_spans = doc.get("resourceSpans")
+        if resource_spans is None:
+            problems.append(Problem(label, lineno, not_a_trace_export_reason(doc)))
+            continue
+        try:
+            line_rows, line_other, line_problems = _parse_export(resource_spans, label, lineno)
+        except (AttributeError, TypeError, KeyError, ValueError) as exc:
+            problems.append(Problem(label, lineno, f"not an OTLP trace export: {_short(exc)}"))
+            continue
+        rows += line_rows
+        other += line_other
+        problems += line_problems
+    return _columns_from_rows(rows, problems, other, count)
+
+
+def not_a_trace_export_reason(doc: dict) -> str:
+    other = [k for k in ("resourceMetrics", "resourceLogs") if doc.get(k) is not None]
+    hint = f" (a {other[0]} export)" if other else ""
+    return f"no resourceSpans: not a trace export{hint}"
+
+
+def unsupported_version_reason(version: Any) -> str:
+    supported = ", ".join(v + ".x" for v in SUPPORTED_SCOPE_VERSIONS)
+    return f"kvscope scope version {version!r} is not supported (this dashboard reads {supported})"
+
+
+def _parse_export(resource_spans: list, label: str, lineno: int) -> tuple[list[tuple], int, list[Problem]]:
+    """Copy the fields of every kvscope span of one line; conversion happens column-wise later."""
+    rows: list[tuple] = []
+    other = 0
+    bad: Counter[str] = Counter()
+    for rs in resource_spans:
+        # "instrumentationLibrarySpans" is the pre-1.0 OTLP name some old Collectors still write.
+        for ss in rs.get("scopeSpans") or rs.get("instrumentationLibrarySpans") or ():
+            scope = ss.get("scope") or ss.get("instrumentationLibrary") or {}
+            spans = ss.get("spans") or ()
+            if scope.get("name") == SCOPE_NAME and not supported_version(scope.get("version")):
+                n = sum(1 for s in spans if str(s.get("name", "")).startswith("kvscope."))
+                other += len(spans) - n
+                bad[unsupported_version_reason(scope.get("version", ""))] += n
+                continue
+            for sp in spans:
+                name = sp.get("name") or ""
+                if not name.startswith("kvscope."):
+                    other += 1
+                    continue
+                try:
+                    attrs = {}
+                    for a in sp.get("attributes") or ():
+                        for value in a["value"].values():  # {"intValue": "128"}: the one entry
+                            attrs[a["key"]] = value
+                            break
+                    status = sp.get("status")
+                    rows.append((
+                        sp["traceId"],
+                        sp["spanId"],
+                        sp.get("parentSpanId") or "",
+                        name,
+                        int(sp["startTimeUnixNano"]),
+                        int(sp["endTimeUnixNano"]),
+                        _status_code(status.get("code")) if status else 0,
+                        attrs,
+                        lineno,
+                    ))
+                except KeyError as exc:
+                    bad[f"{name} span without {exc.args[0]}"] += 1
+                except (AttributeError, TypeError, ValueError) as exc:
+                    bad[f"malformed {name} span: {_short(exc)}"] += 1
+    problems = [Problem(label, lineno, reason, n) for reason, n in bad.items()]
+    return rows, other, problems
+
+
+_STATUS_CODES = {"STATUS_CODE_UNSET": 0, "STATUS_CODE_OK": 1, "STATUS_CODE_ERROR": 2}
+
+
+def _status_code(code: Any) -> int:
+    if code is None:
+        return 0
+    return _STATUS_CODES[code] if isinstance(code, str) else int(code)
+
+
+def supported_version(version: Any) -> bool:
+    return isinstance(version, str) and any(
+        version == v or version.startswith(v + ".") for v in SUPPORTED_SCOPE_VERSIONS
+    )
+
+
+def _short(exc: BaseException, limit: int = 160) -> str:
+    text = str(exc) or type(exc).__name__
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _columns_from_rows(rows: list[tuple], problems: list[Problem], other: int, lines: int) -> DecodedSpans:
+    n = len(rows)
+    base = list(zip(*rows)) if rows else [()] * 9
+    attrs_list: Sequence[dict[str, Any]] = base[7]
+    values: dict[str, np.ndarray] = {}
+    invalid: dict[str, np.ndarray] = {}
+    for key, (_, is_int) in ATTRIBUTE_COLUMNS.items():
+        raw = np.empty(n, dtype=object)
+        raw[:] = [a.get(key) for a in attrs_list]
+        present = np.not_equal(raw, None)
+        if is_int:
+            out = np.full(n, np.nan)
+            if present.any():
+                out[present] = pd.to_numeric(pd.Series(raw[present], dtype=object), errors="coerce")
+            values[key] = out
+            invalid[key] = present & ~integral_mask(out)
+        else:
+            out = np.full(n, None, dtype=object)
+            out[present] = [v if isinstance(v, str) else json.dumps(v) for v in raw[present]]
+            values[key] = out
+            invalid[key] = np.zeros(n, dtype=bool)
+    known = ATTRIBUTE_COLUMNS.keys()
+    extras = [{k: v for k, v in a.items() if k not in known} or None for a in attrs_list]
+    return DecodedSpans(
+        trace_id=base[0],
+        span_id=base[1],
+        parent_span_id=base[2],
+        name=base[3],
+        start_ns=np.asarray(base[4], dtype=np.int64),
+        end_ns=np.asarray(base[5], dtype=np.int64),
+        status_code=np.asarray(base[6], dtype=np.int64),
+        source_line=np.asarray(base[8], dtype=np.int64),
+        values=values,
+        invalid=invalid,
+        extra_attributes=extras,
+        problems=problems,
+        other_spans=other,
+        lines=lines,
+    )
+
+
+def integral_mask(values: np.ndarray) -> np.ndarray:
+    with np.errstate(invalid="ignore"):
+        return np.isfinite(values) & (np.floor(values) == values)
+
+
+def _empty_spans() -> pd.DataFrame:
+    frame = pd.DataFrame({col: pd.Series(dtype=object) for col in SPAN_COLUMNS})
+    for col in ("start_ns", "end_ns", "source_line", "status_code"):
+        frame[col] = frame[col].astype("int64")
+    frame["duration_ms"] = frame["duration_ms"].astype(float)
+    for col, is_int in ATTRIBUTE_COLUMNS.values():
+        if is_int:
+            frame[col] = frame[col].astype("Int64")
+    for col in ("name", "group_kind", "copy_direction", "source_file"):
+        frame[col] = frame[col].astype("category")
+    return frame
+
+
+def _validated_frame(d: DecodedSpans, label: str) -> tuple[pd.DataFrame, list[Problem]]:
+    """The spans of one file that satisfy the contract, and a problem for each kind of violation."""
+    n = len(d.start_ns)
+    frame = pd.DataFrame({
+        "trace_id": pd.Series(d.trace_id, dtype=object),
+        "span_id": pd.Series(d.span_id, dtype=object),
+        "parent_span_id": pd.Series(d.parent_span_id, dtype=object),
+        "name": pd.Series(d.name, dtype=object),
+        "start_ns": d.start_ns,
+        "end_ns": d.end_ns,
+    })
+    reasons: list[tuple[np.ndarray, str]] = []
+
+    # Ids: OTLP/JSON writes lowercase hex; protobuf-JSON tools write base64. Accept both.
+    for col, width in (("trace_id", 32), ("span_id", 16), ("parent_span_id", 16)):
+        original = frame[col].astype(str)
+        ids = original.str.lower()
+        ok = ids.str.fullmatch(f"[0-9a-f]{{{width}}}").to_numpy(dtype=bool, copy=True)
+        if col == "parent_span_id":
+            ok |= (ids == "").to_numpy(dtype=bool)
+        if not ok.all():
+            fixed = original[~ok].map(lambda v, w=width: _b64_id(v, w))
+            ids.loc[~ok] = fixed.fillna(ids[~ok])
+            still = np.zeros(n, dtype=bool)
+            still[~ok] = fixed.isna().to_numpy()
+            reasons.append((still, f"span with an invalid {col.replace('_', ' ')}"))
+        frame[col] = ids
+
+    for key, (col, is_int) in ATTRIBUTE_COLUMNS.items():
+        values = d.values[key]
+        if d.invalid[key].any():
+            reasons.append((d.invalid[key], f"{key} is not an integer"))
+        if is_int:
+            frame[col] = pd.array(np.where(integral_mask(values), values, np.nan), dtype="Int64")
+            continue
+        allowed = ALLOWED_VALUES.get(key)
+        if allowed is not None:
+            bad = np.not_equal(values, None) & ~np.isin(values, allowed)
+            if bad.any():
+                reasons.append((bad, f"{key} is not one of {', '.join(allowed)}"))
+        frame[col] = values
+
+    names = frame["name"].to_numpy()
+    for span_name, required in REQUIRED_ATTRIBUTES.items():
+        is_name = names == span_name
+        if not is_name.any():
+            continue
+        for key in required:
+            missing = is_name & frame[ATTRIBUTE_COLUMNS[key][0]].isna().to_numpy()
+            if missing.any():
+                reasons.append((missing, f"{span_name} span lacks {key}"))
+
+    frame["status_code"] = d.status_code
+    frame["attributes"] = pd.Series(d.extra_attributes, dtype=object)
+    frame["source_file"] = label
+    frame["source_line"] = d.source_line
+
+    problems: list[Problem] = []
+    bad = np.zeros(n, dtype=bool)
+    for mask, reason in reasons:
+        mask = mask & ~bad  # report each span once, under its first problem
+        if mask.any():
+            problems += _problems_at(frame, mask, reason)
+            bad |= mask
+    return frame[~bad], problems
+
+
+def _combine(frames: list[pd.DataFrame]) -> tuple[pd.DataFrame, list[Problem]]:
+    frames = [f for f in frames if len(f)]
+    if not frames:
+        return _empty_spans(), []
+    frame = pd.concat(frames, ignore_index=True) if len(frames) > 1 else frames[0].reset_index(drop=True)
+    problems: list[Problem] = []
+    ids = ["trace_id", "span_id"]
+    dup = frame.duplicated([*ids, "name", "start_ns", "end_ns"], keep="first").to_numpy()
+    if dup.any():  # the same span twice: a file read twice, or a Collector copy beside the connector's
+        problems = _problems_at(frame, dup, "duplicate span (same ids and times as an earlier one)")
+        frame = frame[~dup].reset_index(drop=True)
+    reused = frame.duplicated(ids, keep=False).to_numpy()
+    if reused.any():  # kept: different spans, but joins by id may mix them up
+        problems += _problems_at(frame, reused, "traceId and spanId also used by a different span (runs whose "
+                                 "id generator was seeded alike?); copies may join the wrong load", skipped=False)
+    frame["duration_ms"] = (frame["end_ns"] - frame["start_ns"]) / 1e6
+    for col in ("name", "group_kind", "copy_direction", "source_file"):
+        frame[col] = frame[col].astype("category")
+    frame["owner_span_id"] = _copy_owners(frame)
+    return frame[list(SPAN_COLUMNS)], problems
+
+
+def _b64_id(value: str, width: int) -> str | None:
+    try:
+        raw = base64.b64decode(value, validate=True)
+    except (binascii.Error, ValueError):
+        return None
+    return raw.hex() if len(raw) * 2 == width else None
+
+
+def _problems_at(frame: pd.DataFrame, mask: np.ndarray, reason: str, skipped: bool = True) -> list[Problem]:
+    """One problem per (file, line) of the masked spans; `skipped` False: the spans stay, counted in the text."""
+    hits = frame.loc[mask, ["source_file", "source_line"]]
+    counts = hits.groupby(["source_file", "source_line"], observed=True, sort=True).size()
+    if skipped:
+        return [Problem(str(f), int(line), reason, int(n)) for (f, line), n in counts.items()]
+    return [Problem(str(f), int(line), f"{reason} ({n} span(s), kept)") for (f, line), n in counts.items()]
+
+
+def _copy_owners(spans: pd.DataFrame) -> pd.Series:
+    """The load or store span each copy span belongs to ("" when none can be found).
+
+    A copy joins the span it is a child of when that is a load (for direction load) or a store
+    (direction store); otherwise the only span of that kind in its trace.
+    """
+    owner = pd.Series("", index=spans.index, dtype=object)
+    is_copy = (spans["name"] == COPY).to_numpy()
+    if not is_copy.any():
+        return owner
+    copies = spans.loc[is_copy, ["trace_id", "parent_span_id", "copy_direction"]]
+    want = copies["copy_direction"].map({"load": LOAD, "store": STORE}).astype(object)
+    owners = spans.loc[spans["name"].isin([LOAD, STORE]), ["trace_id", "span_id", "name"]]
+    owners = owners.assign(name=owners["name"].astype(object))
+    kind_by_id = dict(zip(owners["span_id"], owners["name"]))
+    by_parent = copies["parent_span_id"].where(copies["parent_span_id"].map(kind_by_id) == want)
+    per_trace = owners.groupby(["trace_id", "name"], sort=False)["span_id"].agg(["first", "size"])
+    unique = per_trace.loc[per_trace["size"] == 1, "first"]
+    keys = pd.MultiIndex.from_arrays([copies["trace_id"], want])
+    by_trace = pd.Series(unique.reindex(keys).to_numpy(), index=copies.index)
+    owner.loc[is_copy] = by_parent.fillna(by_trace).fillna("").to_numpy()
+    return owner

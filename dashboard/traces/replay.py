@@ -1,0 +1,51 @@
+"""Requests replayed in arrival order: the cumulative hit rate and host traffic at each step."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from dashboard.traces.schema import DIRECTIONS, PAST_TENSE, copies_of
+
+REPLAY_DEFINITION = (
+    "Step i shows the state right before request i+1 arrives: hit rate over requests 1..i, and host "
+    "traffic of the copies that had finished by then (all copies at the last step)."
+)
+
+
+REPLAY_COLUMNS = ("step", "request_id", "t_s", "tokens_queried", "tokens_hit", "cum_tokens_queried",
+                  "cum_tokens_hit", "cum_hit_rate", "cum_bytes_loaded", "cum_bytes_stored")
+
+
+def replay_timeline(requests: pd.DataFrame, spans: pd.DataFrame) -> pd.DataFrame:
+    """One row per request in arrival order with the cumulative state (see `REPLAY_DEFINITION`)."""
+    if requests.empty:
+        return pd.DataFrame(columns=list(REPLAY_COLUMNS))
+    reqs = requests.sort_values(["arrival_ns", "request_id"], kind="stable").reset_index(drop=True)
+    out = pd.DataFrame({
+        "step": np.arange(1, len(reqs) + 1),
+        "request_id": reqs["request_id"],
+        "t_s": reqs["t_s"],
+        "tokens_queried": reqs["tokens_queried"],
+        "tokens_hit": reqs["tokens_hit"],
+    })
+    out["cum_tokens_queried"] = reqs["tokens_queried"].fillna(0).astype("int64").cumsum()
+    out["cum_tokens_hit"] = reqs["tokens_hit"].fillna(0).astype("int64").cumsum()
+    out["cum_hit_rate"] = out["cum_tokens_hit"] / out["cum_tokens_queried"].where(out["cum_tokens_queried"] > 0)
+    cutoff = np.append(reqs["arrival_ns"].to_numpy()[1:], np.iinfo(np.int64).max)
+    for direction in DIRECTIONS:
+        copies = copies_of(spans, direction).sort_values("end_ns")
+        cum = np.concatenate([[0], copies["copy_bytes"].fillna(0).astype("int64").cumsum().to_numpy()])
+        idx = np.searchsorted(copies["end_ns"].to_numpy(), cutoff, side="right")
+        out[f"cum_bytes_{PAST_TENSE[direction]}"] = cum[idx]
+    return out[list(REPLAY_COLUMNS)]
+
+
+def replay_state(timeline: pd.DataFrame, step: int) -> dict[str, Any]:
+    """The state after `step` requests (1-based, clamped to the timeline)."""
+    if timeline.empty:
+        raise ValueError("no requests to replay")
+    step = min(max(int(step), 1), len(timeline))
+    return timeline.iloc[step - 1].to_dict()

@@ -1,0 +1,107 @@
+"""The span contract (DESIGN.md §2) as the trace reader's span frame holds it.
+
+Span names, the attributes each requires, the column each known attribute becomes, and the
+selections and labels every shaping module shares.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pandas as pd
+
+SCOPE_NAME = "kvscope"
+# Scope versions whose span schema this reader knows ("0.1" accepts 0.1, 0.1.0, 0.1.3.dev1, ...).
+SUPPORTED_SCOPE_VERSIONS = ("0.1",)
+
+LOOKUP = "kvscope.lookup"
+LOAD = "kvscope.load"
+SCAN = "kvscope.group.scan"
+COPY = "kvscope.group.copy"
+STORE = "kvscope.store"
+SPAN_NAMES = (LOOKUP, LOAD, SCAN, COPY, STORE)
+
+GROUP_KINDS = ("full_attention", "sliding_window", "mamba")
+DIRECTIONS = ("load", "store")
+PAST_TENSE = {"load": "loaded", "store": "stored"}  # column names: bytes_loaded, bytes_stored
+
+# Attribute key -> (column, is integer). Every other attribute stays in the `attributes` dict.
+ATTRIBUTE_COLUMNS: dict[str, tuple[str, bool]] = {
+    "kvscope.request.id": ("request_id", False),
+    "kvscope.tokens.queried": ("tokens_queried", True),
+    "kvscope.tokens.hit": ("tokens_hit", True),
+    "kvscope.tokens.local": ("tokens_local", True),
+    "kvscope.tokens.external": ("tokens_external", True),
+    "kvscope.groups": ("groups", True),
+    "kvscope.blocks": ("blocks", True),
+    "kvscope.group.index": ("group_index", True),
+    "kvscope.group.kind": ("group_kind", False),
+    "kvscope.group.blocks.total": ("blocks_total", True),
+    "kvscope.group.blocks.null_skipped": ("blocks_null_skipped", True),
+    "kvscope.group.blocks.pending": ("blocks_pending", True),
+    "kvscope.group.blocks.start": ("blocks_start", True),
+    "kvscope.copy.direction": ("copy_direction", False),
+    "kvscope.copy.blocks": ("copy_blocks", True),
+    "kvscope.copy.bytes": ("copy_bytes", True),
+    "kvscope.worker.rank": ("worker_rank", True),
+}
+
+REQUIRED_ATTRIBUTES: dict[str, tuple[str, ...]] = {
+    LOOKUP: ("kvscope.request.id", "kvscope.tokens.queried", "kvscope.tokens.hit"),
+    LOAD: ("kvscope.request.id", "kvscope.tokens.local", "kvscope.tokens.external", "kvscope.groups"),
+    SCAN: (
+        "kvscope.group.index",
+        "kvscope.group.kind",
+        "kvscope.group.blocks.total",
+        "kvscope.group.blocks.null_skipped",
+        "kvscope.group.blocks.pending",
+        "kvscope.group.blocks.start",
+    ),
+    COPY: (
+        "kvscope.group.index",
+        "kvscope.group.kind",
+        "kvscope.copy.direction",
+        "kvscope.copy.blocks",
+        "kvscope.copy.bytes",
+    ),
+    STORE: ("kvscope.request.id", "kvscope.groups", "kvscope.blocks"),
+}
+
+ALLOWED_VALUES: dict[str, tuple[str, ...]] = {
+    "kvscope.group.kind": GROUP_KINDS,
+    "kvscope.copy.direction": DIRECTIONS,
+}
+
+# `attributes` holds the attributes that have no column of their own (dict or None).
+SPAN_COLUMNS = (
+    "trace_id",
+    "span_id",
+    "parent_span_id",
+    "name",
+    "start_ns",
+    "end_ns",
+    "duration_ms",
+    *(col for col, _ in ATTRIBUTE_COLUMNS.values()),
+    "owner_span_id",
+    "status_code",
+    "attributes",
+    "source_file",
+    "source_line",
+)
+
+GROUP_KEYS = ["group_index", "group_kind"]
+
+
+def group_label(index: Any, kind: Any) -> str:
+    return f"g{index} {kind}"
+
+
+def scans_of(spans: pd.DataFrame) -> pd.DataFrame:
+    return spans[spans["name"] == SCAN]
+
+
+def copies_of(spans: pd.DataFrame, direction: str | None = None) -> pd.DataFrame:
+    copies = spans[spans["name"] == COPY]
+    if direction is not None:
+        copies = copies[copies["copy_direction"] == direction]
+    return copies

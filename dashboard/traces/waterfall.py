@@ -1,0 +1,87 @@
+"""One request's kvscope spans on one time axis, with their attributes as text."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import pandas as pd
+
+from dashboard.traces.schema import ATTRIBUTE_COLUMNS, COPY, LOAD, LOOKUP, SCAN, STORE, group_label
+
+_ROW_ORDER = {LOOKUP: 0, LOAD: 1, SCAN: 2, "copy load": 3, STORE: 4, "copy store": 5}
+_SHOWN_AS = {"request_id", "group_index", "group_kind", "copy_direction"}  # already in the row label
+
+
+def waterfall_rows(spans: pd.DataFrame, requests: pd.DataFrame, request_id: str) -> pd.DataFrame:
+    """The kvscope spans of one request on one time axis (ms from its first span).
+
+    Rows: lookups, loads, each group's scan, the load copies, stores and store copies, each with
+    its attributes as text. Other kvscope spans in the request's trace are included too.
+    """
+    cols = ["row", "kind", "name", "start_ms", "end_ms", "duration_ms", "group_index", "group_kind",
+            "direction", "attributes", "status_code", "span_id", "parent_span_id", "trace_id"]
+    req = requests[requests["request_id"] == request_id]
+    if req.empty:
+        return pd.DataFrame(columns=cols)
+    trace_id = req["trace_id"].iloc[0]
+    own = spans["request_id"] == request_id
+    owner_ids = set(spans.loc[own & spans["name"].isin([LOAD, STORE]), "span_id"])
+    related = own | ((spans["name"] == COPY) & spans["owner_span_id"].isin(owner_ids))
+    related |= (spans["name"] == SCAN) & spans["parent_span_id"].isin(owner_ids)
+    related |= spans["trace_id"] == trace_id
+    rows = spans[related].copy()
+    kind = rows["name"].astype(str)
+    is_copy = kind == COPY
+    kind = kind.where(~is_copy, "copy " + rows["copy_direction"].astype(str))
+    rows["kind"] = kind.str.replace("kvscope.", "", regex=False)
+    rows["_order"] = kind.map(_ROW_ORDER).fillna(9)
+    t0 = rows["start_ns"].min()
+    rows["start_ms"] = (rows["start_ns"] - t0) / 1e6
+    rows["end_ms"] = (rows["end_ns"] - t0) / 1e6
+    rows["direction"] = rows["copy_direction"].astype(object)
+    rows = rows.sort_values(["_order", "group_index", "worker_rank", "start_ns"], kind="stable", na_position="first")
+    rows["row"] = _unique([_row_label(r) for r in rows.itertuples(index=False)])
+    rows["attributes"] = [_attribute_text(r) for r in rows.to_dict("records")]
+    return rows[cols].reset_index(drop=True)
+
+
+def _row_label(r) -> str:
+    label = r.kind
+    if not pd.isna(r.group_index):
+        label += f" {group_label(r.group_index, r.group_kind)}"
+    if not pd.isna(r.worker_rank):
+        label += f" rank {r.worker_rank}"
+    return label
+
+
+def _unique(labels: list[str]) -> list[str]:
+    seen: Counter[str] = Counter()
+    out = []
+    for label in labels:
+        seen[label] += 1
+        out.append(label if seen[label] == 1 else f"{label} #{seen[label]}")
+    return out
+
+
+def _short_key(key: str) -> str:
+    # The row label already says lookup/load/scan/copy: "kvscope.group.blocks.total" -> "blocks.total".
+    for prefix in ("kvscope.group.", "kvscope.copy.", "kvscope."):
+        if key.startswith(prefix):
+            return key[len(prefix):]
+    return key
+
+
+def _attribute_text(row: dict[str, Any]) -> str:
+    parts = []
+    known = set()
+    for key, (col, _) in ATTRIBUTE_COLUMNS.items():
+        known.add(key)
+        value = row.get(col)
+        if col in _SHOWN_AS or value is None or pd.isna(value):
+            continue
+        parts.append(f"{_short_key(key)}={value}")
+    for key, value in (row.get("attributes") or {}).items():
+        if key not in known:
+            parts.append(f"{key}={value}")
+    return ", ".join(parts)
