@@ -20,6 +20,8 @@ class _Entry:
     slot: int
     ready: bool = False  # the store that fills the slot has completed on every worker
     pins: int = 0
+    # forgotten by `clear` while a load still read it: never ready again, freed when unpinned
+    stale: bool = False
 
 
 class HostIndex:
@@ -57,6 +59,9 @@ class HostIndex:
         entry = self._entries.get(key)
         if entry is not None and entry.pins > 0:
             entry.pins -= 1
+            if entry.stale and entry.pins == 0:
+                del self._entries[key]
+                self._free.append(entry.slot)
 
     # -- stores --
     def reserve_for_store(self, key: Key) -> int | None:
@@ -73,7 +78,7 @@ class HostIndex:
         """Give a not-yet-ready entry reserved under a placeholder its real key (a block stored
         before its key existed); False, changing nothing, when `new` is present already."""
         entry = self._entries.get(old)
-        if new in self._entries or entry is None or entry.ready:
+        if new in self._entries or entry is None or entry.ready or entry.stale:
             return False
         del self._entries[old]
         self._entries[new] = entry
@@ -81,13 +86,13 @@ class HostIndex:
 
     def complete_store(self, key: Key) -> None:
         entry = self._entries.get(key)
-        if entry is not None and not entry.ready:  # the store's own pin, released once
+        if entry is not None and not entry.ready and not entry.stale:  # the store's own pin, released once
             entry.ready = True
             entry.pins = max(0, entry.pins - 1)
 
     def abort_store(self, key: Key) -> None:
         entry = self._entries.get(key)
-        if entry is not None and not entry.ready:
+        if entry is not None and not entry.ready and not entry.stale:
             del self._entries[key]
             self._free.append(entry.slot)
 
@@ -103,8 +108,15 @@ class HostIndex:
         return dropped
 
     def clear(self) -> None:
-        """Forget every unpinned entry."""
-        self.drop(list(self._entries))
+        """Forget every stored block (vLLM resets its caches, e.g. after a weight update): unpinned
+        entries at once; one a load still reads is never found again and frees its slot once
+        unpinned. Slots reserved for stores stay with them: their owners abort them."""
+        for key, entry in list(self._entries.items()):
+            if entry.pins == 0:
+                del self._entries[key]
+                self._free.append(entry.slot)
+            elif entry.ready:
+                entry.ready, entry.stale = False, True
 
     def _evict_one(self) -> int | None:
         for key, entry in self._entries.items():

@@ -146,8 +146,11 @@ class KVScopeScheduler:
             self._requests[req_id] = state
         lookup = self._lookups.pop(req_id, None)
         lookup_record = None
-        if request.num_computed_tokens == 0 and lookup is not None:
-            # Counted like vLLM's external prefix-cache stats: once per scheduling from scratch.
+        if request.num_computed_tokens == 0 and lookup is not None and not getattr(request, "num_preemptions", 0):
+            # Counted like vLLM's external prefix-cache hits: once per request, when first scheduled.
+            # A request resumed after preemption is looked up again, but vLLM counts that apart
+            # (`preempted_hits`, not exported): so neither the lookup metrics nor a lookup span
+            # count it here either; its load is traced under the request's first lookup.
             queried = request.num_tokens - lookup.local_tokens
             self._lookup_log.append((queried, num_external_tokens))
             if self.tracing.enabled:
@@ -493,6 +496,16 @@ class KVScopeScheduler:
         return False, None
 
     def reset_cache(self) -> bool:
+        """vLLM resets its caches (`reset_prefix_cache(reset_connector=True)`, e.g. after a weight
+        update): KV computed before must never load after. Every stored block is forgotten (one a
+        load still reads, once read); offloaded blocks still being filled or written are given up,
+        so their earlier pieces never complete with later ones; requests' stores go on from the
+        next offloaded block (blocks before are not stored again: lost hits, never stale KV)."""
+        for filling in list(self.stores.by_key.values()):
+            self.stores.give_up(filling)
+        for state in self._requests.values():
+            if state.filling is not None:
+                state.filling = [None] * len(state.filling)
         self.index.clear()
         return True
 

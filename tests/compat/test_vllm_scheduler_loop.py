@@ -138,6 +138,20 @@ def _assert_loads_right(stats, num_blocks: int, async_scheduling: bool) -> None:
     assert data["null_blocks_skipped"].get("1|full_attention", 0) == 0
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_a_request_resumed_after_preemption_counts_its_host_hits_once_as_vllm_does(model_path, async_scheduling):
+    """vLLM preempts requests that loaded from the host tier (or stored to it) and looks them up again
+    when it resumes them; its external prefix-cache hits count only a request's first scheduling.
+    kvscope's hit and lookup tokens must too (they counted the resumed lookups as well, +832 hits)."""
+    stats = _two_rounds(model_path, 64, 100, num_blocks=150, max_tokens=200, async_scheduling=async_scheduling)
+    _assert_no_violations(stats)
+    # a request resumed with a hit: in round 0 (its own stored blocks) or round 1
+    assert stats.resumed & set(stats.loads), (stats.resumed, sorted(stats.loads))
+    data = stats.connector.data
+    assert data["hit_tokens"] == stats.external_hit_tokens > 0
+    assert data["lookup_tokens"] == stats.external_queried_tokens
+
+
 def test_a_misplaced_load_is_caught(model_path, monkeypatch):
     """The check can fail: loads whose destination blocks are reversed within each group feed the
     forward KV of other positions, and the model-free loop reports it."""

@@ -275,17 +275,23 @@ def test_dropped_slot_is_reused_before_evicting():
     assert index.contains("a") and index.evicted_total == 0
 
 
-def test_clear_keeps_pinned():
+def test_clear_forgets_blocks_a_load_still_reads_and_frees_them_when_unpinned():
     index = _filled(4, ["a", "b", "c"])
-    index.pin_for_load("a")
+    slot_a = index.pin_for_load("a")
     index.reserve_for_store("p")
     index.clear()
-    assert sorted(_slots(index)) == ["a", "p"]
-    assert index.used_slots == 2
+    # "a" is read by a load: its slot stays taken, but nothing finds it again
+    assert sorted(_slots(index)) == ["a", "p"] and index.used_slots == 2
+    assert not index.is_ready("a") and index.pin_for_load("a") is None
+    assert index.reserve_for_store("a") is None  # not stored again while the old copy is read
+    index.complete_store("a")
+    index.abort_store("a")
+    assert not index.is_ready("a") and index.used_slots == 2  # neither makes it ready nor frees it early
     index.unpin("a")
-    index.complete_store("p")
+    assert not index.contains("a") and slot_a in index._free
+    index.complete_store("p")  # "p" was reserved before the clear; its owner decides (see scheduler)
     index.clear()
-    assert index.used_slots == 0 and not index.contains("a") and not index.contains("p")
+    assert index.used_slots == 0 and not index.contains("p")
     # every slot usable again
     assert sorted(index.reserve_for_store(k) for k in "wxyz") == [0, 1, 2, 3]
 
@@ -325,7 +331,7 @@ class HostIndexMachine(RuleBasedStateMachine):
         super().__init__()
         self.n = 0
         self.index: HostIndex | None = None
-        self.model: dict = {}  # key -> [slot, ready, pins]
+        self.model: dict = {}  # key -> [slot, ready, pins, stale]
         self.order: list = []  # LRU, oldest first
         self.evicted = 0
         self.ever_completed: set = set()
@@ -341,7 +347,7 @@ class HostIndexMachine(RuleBasedStateMachine):
         return key
 
     def _pinned(self):
-        return {k for k, (_, _, pins) in self.model.items() if pins > 0}
+        return {k for k, (_, _, pins, _) in self.model.items() if pins > 0}
 
     @precondition(lambda self: self.index is not None)
     @rule(key=keys)
@@ -353,7 +359,7 @@ class HostIndexMachine(RuleBasedStateMachine):
             return
         if len(self.model) < self.n:
             assert slot is not None
-            assert slot not in {s for s, _, _ in self.model.values()}
+            assert slot not in {s for s, _, _, _ in self.model.values()}
         else:
             victims = [k for k in self.order if self.model[k][1] and self.model[k][2] == 0]
             if not victims:
@@ -365,7 +371,7 @@ class HostIndexMachine(RuleBasedStateMachine):
             self.order.remove(victim)
             self.evicted += 1
         assert 0 <= slot < self.n
-        self.model[key] = [slot, False, 1]
+        self.model[key] = [slot, False, 1, False]
         self.order.append(key)
         for k, s in pinned_before.items():  # pinned entries survive, in place
             assert self.index.contains(k) and k in self.model and self.model[k][0] == s
@@ -374,7 +380,7 @@ class HostIndexMachine(RuleBasedStateMachine):
     @rule(key=keys)
     def complete(self, key):
         self.index.complete_store(key)
-        if key in self.model and not self.model[key][1]:  # the store's pin is released once
+        if key in self.model and not self.model[key][1] and not self.model[key][3]:  # the store's pin, once
             entry = self.model[key]
             entry[1] = True
             entry[2] = max(0, entry[2] - 1)
@@ -384,7 +390,7 @@ class HostIndexMachine(RuleBasedStateMachine):
     @rule(key=keys)
     def abort(self, key):
         self.index.abort_store(key)
-        if key in self.model and not self.model[key][1]:
+        if key in self.model and not self.model[key][1] and not self.model[key][3]:
             del self.model[key]
             self.order.remove(key)
 
@@ -392,7 +398,7 @@ class HostIndexMachine(RuleBasedStateMachine):
     @rule(old=keys, new=keys)
     def rekey(self, old, new):
         moved = self.index.rekey(old, new)
-        expected = old in self.model and not self.model[old][1] and new not in self.model
+        expected = old in self.model and not self.model[old][1] and not self.model[old][3] and new not in self.model
         assert moved == expected
         if moved:  # the entry keeps its slot and pins, and becomes the most recent
             self.model[new] = self.model.pop(old)
@@ -417,6 +423,9 @@ class HostIndexMachine(RuleBasedStateMachine):
         self.index.unpin(key)
         if key in self.model and self.model[key][2] > 0:
             self.model[key][2] -= 1
+            if self.model[key][3] and self.model[key][2] == 0:  # forgotten by a clear: freed now
+                del self.model[key]
+                self.order.remove(key)
 
     @precondition(lambda self: self.index is not None)
     @rule(ks=st.lists(keys, max_size=4))
@@ -439,7 +448,10 @@ class HostIndexMachine(RuleBasedStateMachine):
             if k not in pinned:
                 del self.model[k]
                 self.order.remove(k)
+            elif self.model[k][1]:  # read by a load: forgotten, its slot kept until unpinned
+                self.model[k][1], self.model[k][3] = False, True
         assert all(self.index.contains(k) for k in pinned)
+        assert not any(self.index.is_ready(k) for k in pinned)
 
     @invariant()
     def matches_model(self):
@@ -454,9 +466,9 @@ class HostIndexMachine(RuleBasedStateMachine):
         assert set(slots).isdisjoint(index._free)
         assert set(slots) | set(index._free) == set(range(index.num_slots))
         assert list(index._entries) == self.order
-        for k, (slot, ready, pins) in self.model.items():
+        for k, (slot, ready, pins, stale) in self.model.items():
             entry = index._entries[k]
-            assert (entry.slot, entry.ready, entry.pins) == (slot, ready, pins)
+            assert (entry.slot, entry.ready, entry.pins, entry.stale) == (slot, ready, pins, stale)
             assert index.is_ready(k) == ready
             if ready:
                 assert k in self.ever_completed

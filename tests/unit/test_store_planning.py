@@ -323,3 +323,27 @@ def test_tokens_a_drafter_may_write_again_are_not_stored():
     stored = {p.group_index: p.block_ids for job in meta.stores for p in job.groups}
     # not block 3 (tokens 48..63): 62 and 63 are not final yet, in either group
     assert stored[0] == [100, 101, 102] and stored[1] == [200, 201, 202]
+
+
+def test_a_cache_reset_never_lets_blocks_computed_before_it_load_after():
+    """A reset (vLLM's `reset_prefix_cache(reset_connector=True)`, e.g. after a weight update)
+    while offloaded blocks are half filled or their stores are still being written: neither ever
+    becomes ready, nor does a block a load was reading; later blocks are stored as usual."""
+    sched, manager = _scheduler()
+    ready = (1, "h3")
+    state = _state("r", 256)
+    manager.ids = _ids(0, 16)
+    _report(sched, sched._plan_store(state, 64))  # offloaded block 0: stored
+    assert sched.index.is_ready(ready)
+    sched.index.pin_for_load(ready)  # a load still reading it
+    half = sched._plan_store(state, 96)  # offloaded block 1 half filled, its store unreported
+    sched.reset_cache()
+    assert not sched.index.is_ready(ready) and sched.index.pin_for_load(ready) is None
+    _report(sched, half)
+    manager.ids = _ids(96, 16)
+    rest = sched._plan_store(state, 192)  # block 1's other half (after the reset), and block 2
+    _report(sched, rest)
+    assert not sched.index.contains((1, "h7")) and not sched.index.contains((0, "h7"))
+    assert sched.index.is_ready((1, "h11")) and sched.index.is_ready((0, "h11"))
+    sched.index.unpin(ready)
+    assert sched.index.used_slots == 2 and sched.stores.by_key == {}
