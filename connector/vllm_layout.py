@@ -49,7 +49,14 @@ def _kind(spec: KVCacheSpec) -> tuple[GroupKind, int | None]:
 
 def check_parallelism(parallel_config) -> None:
     """Refuse context parallelism: a device block then holds more tokens than its spec's block size
-    (each rank's share of a longer span), which kvscope's block arithmetic does not follow."""
+    (each rank's share of a longer span), which kvscope's block arithmetic does not follow. Refuse
+    pipeline parallelism: each stage holds other layers, but vLLM's scheduler sees the first
+    stage's, so its host slots would be sized for them and would not fit the other stages' buffers."""
+    stages = getattr(parallel_config, "pipeline_parallel_size", 1)
+    if stages > 1:
+        raise UnsupportedKVCache(f"pipeline_parallel_size={stages} is not supported by kvscope: the scheduler "
+                                 "sizes host slots from the first stage's layers, which other stages do not "
+                                 "share; accepted is 1 (tensor parallelism is supported)")
     for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
         size = getattr(parallel_config, name, 1)
         if size > 1:
@@ -71,6 +78,7 @@ def group_layouts(kv_cache_config: KVCacheConfig) -> list[GroupLayout]:
         if getattr(group, "host_resident", False):
             raise UnsupportedKVCache(f"KV group {index} is host-resident (HiSparse): not supported")
         kind, window = _kind(group.kv_cache_spec)
+        _check_one_page_size(index, group.kv_cache_spec)
         layouts.append(
             GroupLayout(
                 index=index,
@@ -80,6 +88,20 @@ def group_layouts(kv_cache_config: KVCacheConfig) -> list[GroupLayout]:
             )
         )
     return layouts
+
+
+def _check_one_page_size(index: int, spec: KVCacheSpec) -> None:
+    """Refuse a group whose layers' pages differ in size (vLLM's `UniformTypeKVCacheSpecs`: other
+    head counts or sizes). vLLM's scheduler sees only its first layer's spec, so the scheduler would
+    size host slots differently from the workers and address slots past their host buffers."""
+    if not isinstance(spec, UniformTypeKVCacheSpecs):
+        return
+    sizes = sorted({layer.page_size_bytes for layer in spec.kv_cache_specs.values()})
+    if len(sizes) > 1:
+        raise UnsupportedKVCache(
+            f"KV group {index} mixes layers whose device blocks take {sizes} bytes: not supported by "
+            "kvscope, whose scheduler (vLLM gives it the first layer's size only) would size host slots "
+            "differently from the workers; accepted are groups of layers with one page size")
 
 
 def layer_page_bytes(kv_cache_config: KVCacheConfig, group_index: int) -> dict[str, int]:

@@ -53,6 +53,7 @@ class KVScopeWorker:
         self._stores_unfenced = False
         self._step_announced = False
         self.lost_slots: set[int] = set()  # host data known to be gone (fault injection, errors)
+        self._slot_range_logged = False
         # Fault injection for tests of multi-worker runs, where no test can reach a worker object:
         # KVSCOPE_FAIL_LOADS_ON_RANK=<rank> makes every load on that worker fail.
         fail_rank = os.environ.get("KVSCOPE_FAIL_LOADS_ON_RANK")
@@ -106,6 +107,8 @@ class KVScopeWorker:
             job.failed_at_plan or self.fail_all_loads or self._touches_lost_slot(job)
         ):
             flight.failed = True
+        elif not self._slots_in_buffer(job):
+            flight.failed = True
         else:
             try:
                 for part in job.groups:
@@ -122,6 +125,21 @@ class KVScopeWorker:
                 self.engine.drain()  # part of it may be enqueued: its slots and blocks are in use until done
         self._in_flight.append(flight)
         self._collect()
+
+    def _slots_in_buffer(self, job: TransferJob) -> bool:
+        """Whether every slot of the job lies in this worker's host buffer. Never otherwise: a slot
+        past it would be a raw address past the pinned buffer on CUDA. Only a scheduler that sized
+        its slots differently from this worker gets here (start-up refuses the layouts known to)."""
+        n = self.num_slots
+        if all(0 <= min(p.slots) and max(p.slots) < n for p in job.groups if p.slots):
+            return True
+        if not self._slot_range_logged:
+            self._slot_range_logged = True
+            logger.error("kvscope: %s job %d for request %s addresses host slots outside this worker's %d; "
+                         "it fails (a load is recomputed). The scheduler and the workers disagree on the "
+                         "host slot size: please report the model and its parallel configuration",
+                         job.direction, job.job_id, job.req_id, n)
+        return False
 
     def _touches_lost_slot(self, job: TransferJob) -> bool:
         return bool(self.lost_slots) and any(

@@ -410,3 +410,28 @@ def test_copy_descriptors_move_exactly_the_bytes_the_block_copies_move():
             for r, e in zip(raws, expected):
                 assert torch.equal(r, e), f"{name}: {direction} {blocks} moved other bytes"
             assert any(not torch.equal(b, e) for b, e in zip(before, expected))  # the job changed something
+
+
+def test_a_job_addressing_slots_past_the_host_buffer_fails_without_copying(caplog):
+    """A scheduler that sized its slots differently from this worker must never make it copy past
+    its host buffer (on CUDA a raw address): the job fails, so a load is recomputed."""
+    from connector.metadata import LOAD, STORE, GroupTransfer, KVScopeMetadata, TransferJob
+    from connector.telemetry.tracing import KVScopeTracing
+    from connector.worker import KVScopeWorker
+
+    engine, t0, _ = _shared_attention_engine(num_slots=4)
+    worker = KVScopeWorker(None, engine.layout, engine.num_slots, ["full_attention", "full_attention"], 0,
+                           KVScopeTracing.disabled())
+    worker.engine = engine
+    before = _block_bytes(t0, 2).clone()
+    with caplog.at_level("ERROR", logger="connector.worker"):
+        worker.wait_for_save(KVScopeMetadata(stores=[TransferJob(1, "a", STORE, [GroupTransfer(0, [3], [4], [0])])]))
+        worker.start_load_kv(KVScopeMetadata(loads=[TransferJob(2, "b", LOAD, [GroupTransfer(0, [2], [9], [0])])]))
+        worker.wait_for_save(KVScopeMetadata(stores=[TransferJob(3, "c", STORE, [GroupTransfer(0, [3], [3], [0])])]))
+        # a negative slot would silently be the last one to a Python index
+        worker.wait_for_save(KVScopeMetadata(stores=[TransferJob(4, "d", STORE, [GroupTransfer(0, [2], [-1], [0])])]))
+    meta = worker.build_worker_meta()
+    assert meta.failed_jobs == {1: 1, 2: 1, 4: 1} and meta.completed_jobs == {3: 1}
+    assert worker.transfer_results() == ({"b"}, {"b"})
+    assert torch.equal(_block_bytes(t0, 2), before)
+    assert sum("outside this worker's 4" in r.getMessage() for r in caplog.records) == 1  # said once

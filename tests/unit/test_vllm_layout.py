@@ -14,6 +14,7 @@ from vllm.v1.kv_cache_interface import (
     KVCacheGroupSpec,
     MambaSpec,
     SlidingWindowSpec,
+    UniformTypeKVCacheSpecs,
 )
 
 from connector.groups import GroupKind
@@ -48,6 +49,28 @@ def test_context_parallelism_is_refused(name):
     with pytest.raises(UnsupportedKVCache, match=f"{name}=2 .*accepted is 1"):
         check_parallelism(SimpleNamespace(**{"decode_context_parallel_size": 1, "prefill_context_parallel_size": 1,
                                              name: 2}))
+
+
+def test_pipeline_parallelism_is_refused():
+    """Each stage holds other layers, but the scheduler sizes host slots from the first stage's."""
+    single = dict(decode_context_parallel_size=1, prefill_context_parallel_size=1)
+    check_parallelism(SimpleNamespace(pipeline_parallel_size=1, tensor_parallel_size=4, **single))
+    with pytest.raises(UnsupportedKVCache, match="pipeline_parallel_size=2 .*accepted is 1"):
+        check_parallelism(SimpleNamespace(pipeline_parallel_size=2, **single))
+
+
+def test_a_group_of_layers_with_different_page_sizes_is_refused():
+    """vLLM's scheduler sees such a group (`UniformTypeKVCacheSpecs`) as its first layer's spec: its
+    host slots would be smaller than the workers', and it would address slots past their buffers."""
+    def uniform(heads_of_second: int) -> KVCacheConfig:
+        specs = {"layers.0": FullAttentionSpec(**COMMON),
+                 "layers.1": FullAttentionSpec(**{**COMMON, "num_kv_heads": heads_of_second})}
+        group = KVCacheGroupSpec(list(specs), UniformTypeKVCacheSpecs(block_size=16, kv_cache_specs=specs))
+        return KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[group])
+
+    assert [g.kind for g in group_layouts(uniform(1))] == [GroupKind.FULL_ATTENTION]
+    with pytest.raises(UnsupportedKVCache, match=r"KV group 0 mixes layers whose device blocks take \[4096, 36864\] bytes"):
+        group_layouts(uniform(9))
 
 
 def test_sleep_mode_is_refused():
