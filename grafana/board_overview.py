@@ -218,7 +218,8 @@ def host_used_vs_capacity():
         "Host tier used vs capacity",
         "Bytes of host memory holding offloaded KV blocks, against the configured capacity "
         "(cpu_bytes), per engine. Used climbs with new prefixes and stays at capacity once the LRU "
-        "starts evicting. Capacity is pinned host memory: make sure the machine has it to spare.",
+        "starts evicting. Both are one worker's (cpu_bytes is per worker): a tensor-parallel engine pins "
+        "the capacity once per GPU, so make sure the machine has that to spare.",
         pc.queries(
             (f"sum by (instance, engine) (kvscope_host_used_bytes{sel()})", "used {{instance}} engine {{engine}}"),
             (f"sum by (instance, engine) (kvscope_host_capacity_bytes{sel()})", "capacity {{instance}} engine {{engine}}"),
@@ -249,10 +250,11 @@ def evictions():
 def load_failures_stat():
     return pc.stat(
         "Load failures in range",
-        "Loads from the host tier that failed during the selected time range "
-        "(kvscope_load_failures_total). Depending on vLLM's KV load failure policy the affected "
-        "tokens are recomputed (slower requests) or the requests fail. Should be 0: any failure "
-        "fires KVScopeLoadFailures; check the vLLM log for the connector's error message.",
+        "Blocks whose load from the host tier failed during the selected time range "
+        "(kvscope_load_failures_total counts blocks, not requests). kvscope sets vLLM's KV load "
+        "failure policy to recompute, so their tokens are recomputed (slower requests); no request "
+        "fails. Should be 0: any failure fires KVScopeLoadFailures; check the vLLM log for the "
+        "connector's error message.",
         pc.instant(f"sum(increase(kvscope_load_failures_total{sel()}[$__range]))", "failures"),
         "short",
         [(None, "green"), (1, "red")],
@@ -263,7 +265,7 @@ def load_failures_stat():
 def load_failures_over_time():
     return pc.timeseries(
         "Load failures over time",
-        "Failed host-tier loads per rate interval, per engine. Correlate spikes with evictions (a "
+        "Blocks whose host-tier load failed, per rate interval and engine. Correlate spikes with evictions (a "
         "block evicted between lookup and load), with restarts and with the vLLM log.",
         pc.queries((
             f"sum by (model_name, engine) (increase(kvscope_load_failures_total{sel()}{RATE}))",
