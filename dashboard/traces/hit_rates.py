@@ -49,15 +49,7 @@ def hit_rate_over_time(requests: pd.DataFrame, bucket_s: float | None = None) ->
         bucket_s = pick_bucket_seconds((int(requests["arrival_ns"].max()) - t0) / 1e9)
     width_ns = int(round(bucket_s * 1e9))
     bucket = (requests["arrival_ns"] - t0) // width_ns
-    grouped = requests.assign(bucket=bucket).groupby("bucket", sort=True)
-    out = pd.DataFrame({
-        "requests": grouped.size(),
-        "tokens_queried": grouped["tokens_queried"].sum(),
-        "tokens_hit": grouped["tokens_hit"].sum(),
-    })
-    out["hit_rate"] = out["tokens_hit"].astype(float) / out["tokens_queried"].astype(float).where(
-        out["tokens_queried"] > 0
-    )
+    out = _token_hit_rates(requests.assign(bucket=bucket).groupby("bucket", sort=True))
     start_ns = t0 + out.index.to_numpy() * width_ns
     out["t_s"] = (start_ns - t0) / 1e9
     out["bucket_start"] = pd.to_datetime(start_ns, unit="ns", utc=True)
@@ -78,13 +70,17 @@ def hit_rate_by_group(spans: pd.DataFrame, requests: pd.DataFrame) -> pd.DataFra
     pairs = pairs.drop_duplicates(["request_id", *GROUP_KEYS])
     tokens = requests[["request_id", "tokens_queried", "tokens_hit"]]
     merged = pairs.merge(tokens, on="request_id", how="inner")
-    g = merged.groupby(GROUP_KEYS, sort=True, observed=True)
+    return _token_hit_rates(merged.groupby(GROUP_KEYS, sort=True, observed=True)).reset_index()[cols]
+
+
+def _token_hit_rates(grouped) -> pd.DataFrame:
+    """Per group of requests: how many, tokens queried and hit, and the token hit rate (NaN for none queried)."""
     out = pd.DataFrame({
-        "requests": g.size(),
-        "tokens_queried": g["tokens_queried"].sum(),
-        "tokens_hit": g["tokens_hit"].sum(),
+        "requests": grouped.size(),
+        "tokens_queried": grouped["tokens_queried"].sum(),
+        "tokens_hit": grouped["tokens_hit"].sum(),
     })
     out["hit_rate"] = out["tokens_hit"].astype(float) / out["tokens_queried"].astype(float).where(
         out["tokens_queried"] > 0
     )
-    return out.reset_index()[cols]
+    return out
