@@ -21,7 +21,9 @@ class GroupLayout:
     index: int
     kind: GroupKind
     block_size: int  # tokens per device block of this group
-    sliding_window: int | None = None  # tokens, SLIDING_WINDOW only
+    # SLIDING_WINDOW only: tokens vLLM keeps behind the next one, the window plus the trailing
+    # tokens multi-module MTP may prefill again (vLLM's `extra_retained_tokens`)
+    sliding_window: int | None = None
 
     def blocks_per_offload_block(self, offload_block_size: int) -> int:
         return offload_block_size // self.block_size

@@ -26,7 +26,9 @@ def _kind(spec: KVCacheSpec) -> tuple[GroupKind, int | None]:
     if isinstance(spec, UniformTypeKVCacheSpecs):
         return _kind(spec.first_spec)
     if isinstance(spec, SlidingWindowSpec):
-        return GroupKind.SLIDING_WINDOW, spec.sliding_window
+        # vLLM also keeps `extra_retained_tokens` behind the window (multi-module MTP): those
+        # blocks are allocated, so a hit must have them stored and a load fills them
+        return GroupKind.SLIDING_WINDOW, spec.sliding_window + getattr(spec, "extra_retained_tokens", 0)
     if isinstance(spec, MambaSpec):
         if spec.mamba_cache_mode != "align":
             # vLLM's "none" mode (prefix caching off): one state per request, rewritten every step,

@@ -34,6 +34,19 @@ def test_full_attention_and_sliding_window_groups_are_taken():
                                                            (GroupKind.SLIDING_WINDOW, 64)]
 
 
+@pytest.mark.parametrize("extra", [0, 1, 3])
+def test_a_window_keeps_the_blocks_vllm_keeps_for_multi_module_mtp(extra):
+    """With multi-module MTP vLLM keeps `extra_retained_tokens` more behind the window: the lookup
+    must find them stored and the load fill them, as vLLM allocates them (not null)."""
+    from vllm.v1.core.single_type_kv_cache_manager import SlidingWindowManager
+
+    spec = SlidingWindowSpec(**COMMON, sliding_window=64, extra_retained_tokens=extra)
+    layout = group_layouts(_config(FullAttentionSpec(**COMMON), spec))[1]
+    for computed in (0, 10, 63, 64, 65, 66, 67, 1000):
+        vllm_skips = SlidingWindowManager.get_num_skipped_tokens(spec, computed)
+        assert layout.first_retained_token(computed) == vllm_skips, computed
+
+
 @pytest.mark.parametrize("spec, named", [
     (CircularBufferSpec(**COMMON), "circular-buffer"),
     (ChunkedLocalAttentionSpec(**COMMON, attention_chunk_size=64), "chunked local attention"),
