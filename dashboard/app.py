@@ -47,7 +47,12 @@ with st.sidebar:
         key="uploads",
         help="OTLP/JSON lines, as the connector's trace_file or the OpenTelemetry Collector's file exporter write.",
     )
-loaded = data.load(paths, uploads or [])
+try:
+    loaded = data.load(paths, uploads or [])
+except Exception as exc:  # the reader reports bad input as problems (file, line): this is a bug's last guard
+    st.error(f"kvscope could not read these trace files ({type(exc).__name__}: {exc}). Nothing is shown; "
+             "please report this with the file.")
+    st.stop()
 with st.sidebar:
     for path in paths:
         st.caption(f":material/description: {Path(path).name}", help=path)

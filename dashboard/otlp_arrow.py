@@ -181,7 +181,10 @@ def _status_codes(code, keep: np.ndarray, total: int) -> np.ndarray:
         return np.zeros(len(keep), dtype=np.int64)
     if not pa.types.is_integer(code.type):
         raise _Declined("status code names")
-    return _as_numpy(pc.fill_null(code, 0)).astype(np.int64)[keep]
+    codes = _as_numpy(pc.fill_null(code, 0)).astype(np.int64)[keep]
+    if ((codes < 0) | (codes > 2)).any():
+        raise _Declined("unknown status codes")  # the line decoder names each line
+    return codes
 
 
 def _attributes(attributes, keep: np.ndarray, total: int) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], list]:

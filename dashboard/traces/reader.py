@@ -16,6 +16,7 @@ import binascii
 import gzip
 import json
 import os
+import zlib
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -120,7 +121,7 @@ def read_trace_files(sources: Iterable[str | os.PathLike[str] | TraceSource]) ->
         files.append(label)
         try:
             data = _maybe_gunzip(data)
-        except (OSError, EOFError) as exc:
+        except (OSError, EOFError, zlib.error) as exc:
             problems.append(Problem(label, 0, f"cannot decompress: {exc}"))
             continue
         decoded = decode_spans(label, data)
@@ -202,6 +203,9 @@ def decode_lines(label: str, lines: Iterable[bytes]) -> DecodedSpans:
         except ValueError as exc:  # UnicodeDecodeError
             problems.append(Problem(label, lineno, f"not UTF-8 text: {_short(exc)}"))
             continue
+        except RecursionError:
+            problems.append(Problem(label, lineno, "JSON nested too deeply to be an OTLP trace export"))
+            continue
         if not isinstance(doc, dict):
             problems.append(Problem(label, lineno, f"expected a JSON object, got {type(doc).__name__}"))
             continue
@@ -263,15 +267,15 @@ def _parse_export(resource_spans: list, label: str, lineno: int) -> tuple[list[t
                         sp["spanId"],
                         sp.get("parentSpanId") or "",
                         name,
-                        int(sp["startTimeUnixNano"]),
-                        int(sp["endTimeUnixNano"]),
+                        _unix_nanos(sp["startTimeUnixNano"]),
+                        _unix_nanos(sp["endTimeUnixNano"]),
                         _status_code(status.get("code")) if status else 0,
                         attrs,
                         lineno,
                     ))
                 except KeyError as exc:
                     bad[f"{name} span without {exc.args[0]}"] += 1
-                except (AttributeError, TypeError, ValueError) as exc:
+                except (AttributeError, TypeError, ValueError, OverflowError) as exc:
                     bad[f"malformed {name} span: {_short(exc)}"] += 1
     problems = [Problem(label, lineno, reason, n) for reason, n in bad.items()]
     return rows, other, problems
@@ -283,7 +287,25 @@ _STATUS_CODES = {"STATUS_CODE_UNSET": 0, "STATUS_CODE_OK": 1, "STATUS_CODE_ERROR
 def _status_code(code: Any) -> int:
     if code is None:
         return 0
-    return _STATUS_CODES[code] if isinstance(code, str) else int(code)
+    if isinstance(code, str):
+        if code not in _STATUS_CODES:
+            raise ValueError(f"unknown status code {code!r}")
+        return _STATUS_CODES[code]
+    value = int(code)
+    if value not in _STATUS_CODES.values():
+        raise ValueError(f"unknown status code {code!r}")
+    return value
+
+
+_INT64_LIMIT = 1 << 63
+
+
+def _unix_nanos(value: Any) -> int:
+    """A span time: an integer (or its decimal string, as OTLP/JSON writes it) of ns since the epoch."""
+    nanos = int(value)
+    if not 0 <= nanos < _INT64_LIMIT:
+        raise ValueError(f"time {value!r} is outside 0..2^63 ns")
+    return nanos
 
 
 def supported_version(version: Any) -> bool:
@@ -338,9 +360,15 @@ def _columns_from_rows(rows: list[tuple], problems: list[Problem], other: int, l
     )
 
 
+# Integer attributes are counts and sizes: as float64 they are exact up to 2^53, and beyond it
+# they would not fit the frame's Int64 columns either.
+_EXACT_INT_LIMIT = float(1 << 53)
+
+
 def integral_mask(values: np.ndarray) -> np.ndarray:
+    """Which values are integers the frame can hold (NaN, fractions, infinities and beyond ±2^53 are not)."""
     with np.errstate(invalid="ignore"):
-        return np.isfinite(values) & (np.floor(values) == values)
+        return np.isfinite(values) & (np.floor(values) == values) & (np.abs(values) <= _EXACT_INT_LIMIT)
 
 
 def _empty_spans() -> pd.DataFrame:
@@ -387,7 +415,7 @@ def _validated_frame(d: DecodedSpans, label: str) -> tuple[pd.DataFrame, list[Pr
     for key, (col, is_int) in ATTRIBUTE_COLUMNS.items():
         values = d.values[key]
         if d.invalid[key].any():
-            reasons.append((d.invalid[key], f"{key} is not an integer"))
+            reasons.append((d.invalid[key], f"{key} is not an integer (or beyond ±2^53)"))
         if is_int:
             frame[col] = pd.array(np.where(integral_mask(values), values, np.nan), dtype="Int64")
             continue

@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import gzip
 import json
+import re
 from pathlib import Path
 
 import pandas as pd
@@ -162,6 +163,42 @@ def test_span_breaking_the_contract_is_skipped_and_reported(tmp_path, decoder, b
     assert list(read.spans["span_id"]) == ["11" * 8]
     assert len(read.problems) == 1
     assert read.problems[0].line == 2 and read.problems[0].spans == 1 and reason in read.problems[0].reason
+
+
+def _bad_lookup_line(**edits: str) -> str:
+    """A lookup line with fields replaced by raw JSON text (values `json.dumps` cannot write)."""
+    text = line(lookup("r9", span_id="22" * 8))
+    for field, raw in edits.items():
+        text = re.sub(rf'"{field}": ("[^"]*"|\{{\}})', f'"{field}": {raw}', text, count=1)
+    return text
+
+
+@pytest.mark.parametrize(
+    ("bad", "reason"),
+    [
+        ("[" * 100_000 + "]" * 100_000, "nested too deeply"),
+        (_bad_lookup_line(startTimeUnixNano="1e400"), "malformed kvscope.lookup"),
+        (_bad_lookup_line(startTimeUnixNano='"99999999999999999999"'), "outside 0..2^63"),
+        (_bad_lookup_line(status='{"code": 1e400}'), "malformed kvscope.lookup"),
+        (_bad_lookup_line(status='{"code": 7}'), "unknown status code 7"),
+        (line(lookup("r9", span_id="22" * 8, queried=99999999999999999999)), "tokens.queried is not an integer"),
+    ],
+    ids=["deep", "infinite-time", "time-past-int64", "infinite-status", "unknown-status", "huge-int"],
+)
+def test_values_no_frame_can_hold_are_problems_not_crashes(tmp_path, decoder, bad, reason):
+    path = write(tmp_path, line(lookup("r1", span_id="11" * 8)), bad)
+    read = traces.read_trace_files([path])
+    assert list(read.spans["span_id"]) == ["11" * 8]
+    assert [p.line for p in read.problems] == [2] and reason in read.problems[0].reason, read.problems
+
+
+def test_a_corrupted_gzip_file_is_a_problem_not_an_error(tmp_path):
+    data = bytearray(gzip.compress((line(lookup()) + "\n").encode() * 50))
+    data[20:40] = b"\xff" * 20
+    (tmp_path / "bad.jsonl.gz").write_bytes(bytes(data))
+    read = traces.read_trace_files([tmp_path / "bad.jsonl.gz", TWO_ROUNDS])
+    assert [(p.line, p.reason.split(":")[0]) for p in read.problems] == [(0, "cannot decompress")]
+    assert len(read.spans) == len(raw_spans(TWO_ROUNDS))
 
 
 def test_span_without_ids_or_times_is_reported(tmp_path, decoder):
