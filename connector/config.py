@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -37,7 +38,7 @@ class KVScopeConfig:
 _ACCEPTED = {
     "cpu_bytes": "an integer number of bytes > 0 (required)",
     "block_size": "a positive integer number of tokens, a multiple of the device block size",
-    "trace_file": "a file path (string) for OTLP/JSON lines",
+    "trace_file": "a path (string) of a file to append OTLP/JSON lines to, in an existing folder",
     "trace_sample_ratio": "a number between 0 and 1",
     "metrics_port": "a TCP port 1..65535 to serve Prometheus metrics on (offline runs)",
 }
@@ -61,6 +62,25 @@ def _positive_int(key: str, value: Any, upper: int | None = None) -> int:
     return number
 
 
+def _writable_file(key: str, value: Any) -> str:
+    """A file path the engine can append to (``~`` expanded): checked at start-up, because a sink
+    that cannot write is otherwise only noticed, by a warning, when the first spans are lost."""
+    if not isinstance(value, str) or not value.strip():
+        raise _bad(key, value)
+    path = os.path.expanduser(value)
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        problem = "it is a folder"
+    elif not os.path.isdir(folder):
+        problem = f"its folder {folder} does not exist"
+    elif not os.access(folder if not os.path.exists(path) else path, os.W_OK):
+        problem = "it cannot be written by this process"
+    else:
+        return path
+    raise ConfigError(f"kv_connector_extra_config.{key}={value!r} is not accepted: {problem}; "
+                      f"expected {_ACCEPTED[key]}")
+
+
 def parse_config(extra: Mapping[str, Any] | None) -> KVScopeConfig:
     extra = dict(extra or {})
     unknown = sorted(set(extra) - set(_ACCEPTED))
@@ -78,8 +98,8 @@ def parse_config(extra: Mapping[str, Any] | None) -> KVScopeConfig:
     if block_size is not None:
         block_size = _positive_int("block_size", block_size)
     trace_file = extra.get("trace_file")
-    if trace_file is not None and (not isinstance(trace_file, str) or not trace_file.strip()):
-        raise _bad("trace_file", trace_file)
+    if trace_file is not None:
+        trace_file = _writable_file("trace_file", trace_file)
     ratio = extra.get("trace_sample_ratio")
     if ratio is not None:
         if isinstance(ratio, bool) or not isinstance(ratio, (int, float)):

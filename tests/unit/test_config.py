@@ -177,3 +177,23 @@ def test_bad_metrics_port(value):
 @pytest.mark.parametrize("value", ["", "   ", 5, b"/tmp/x", ["/tmp/x"]])
 def test_bad_trace_file(value):
     _assert_names(_error({"cpu_bytes": 1, "trace_file": value}), "trace_file", value)
+
+
+def test_a_trace_file_that_cannot_be_written_stops_start_up(tmp_path):
+    """A folder, or a file in a folder that does not exist: said at start-up, naming the key,
+    not by a warning when the first spans are lost."""
+    folder = str(tmp_path)
+    message = _error({"cpu_bytes": 1, "trace_file": folder})
+    _assert_names(message, "trace_file", folder)
+    assert "it is a folder" in message
+    missing = str(tmp_path / "no" / "t.jsonl")
+    message = _error({"cpu_bytes": 1, "trace_file": missing})
+    _assert_names(message, "trace_file", missing)
+    assert f"its folder {tmp_path / 'no'} does not exist" in message
+    assert parse_config({"cpu_bytes": 1, "trace_file": str(tmp_path / "t.jsonl")}).trace_file == str(
+        tmp_path / "t.jsonl")
+
+
+def test_a_trace_file_under_home_is_expanded(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert parse_config({"cpu_bytes": 1, "trace_file": "~/kvscope.jsonl"}).trace_file == str(tmp_path / "kvscope.jsonl")
