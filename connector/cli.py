@@ -103,20 +103,35 @@ def bench(args) -> int:
     return run_all(quick=args.quick)
 
 
+def _at_least(lowest: int):
+    """An argparse type: an integer >= `lowest` (argparse names the option when it is not)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < lowest:
+            raise argparse.ArgumentTypeError(f"{value} is too small: accepted are integers >= {lowest}")
+        return value
+
+    parse.__name__ = f"integer >= {lowest}"
+    return parse
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvscope")
     sub = parser.add_subparsers(dest="command", required=True)
     d = sub.add_parser("demo", help="real vLLM engine + kvscope on a small hybrid model")
     d.add_argument("--model", default="gemma3", choices=["gemma3", "gptoss", "llama"])
-    d.add_argument("--window", type=int, default=64)
-    d.add_argument("--prefixes", type=int, default=4)
-    d.add_argument("--per-prefix", type=int, default=4)
-    d.add_argument("--prefix-len", type=int, default=700)
-    d.add_argument("--suffix-len", type=int, default=200)
-    d.add_argument("--rounds", type=int, default=3)
-    d.add_argument("--batch", type=int, default=4)
-    d.add_argument("--max-tokens", type=int, default=8)
-    d.add_argument("--cpu-mib", type=int, default=256)
+    d.add_argument("--window", type=_at_least(1), default=64)
+    d.add_argument("--prefixes", type=_at_least(1), default=4)
+    d.add_argument("--per-prefix", type=_at_least(1), default=4)
+    d.add_argument("--prefix-len", type=_at_least(1), default=700)
+    d.add_argument("--suffix-len", type=_at_least(2), default=200)  # suffixes of 1..N-1 random tokens
+    d.add_argument("--rounds", type=_at_least(1), default=3)
+    d.add_argument("--batch", type=_at_least(1), default=4)
+    d.add_argument("--max-tokens", type=_at_least(1), default=8)
+    d.add_argument("--cpu-mib", type=_at_least(1), default=256)
     d.add_argument("--trace-file", default=None)
     d.add_argument("--seed", type=int, default=0)
     d.set_defaults(func=demo)
