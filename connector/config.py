@@ -38,7 +38,7 @@ class KVScopeConfig:
 _ACCEPTED = {
     "cpu_bytes": "an integer number of bytes > 0 (required)",
     "block_size": "a positive integer number of tokens, a multiple of the device block size",
-    "trace_file": "a path (string) of a file to append OTLP/JSON lines to, in an existing folder",
+    "trace_file": "a path (string) of a file to append OTLP/JSON lines to (missing folders are made)",
     "trace_sample_ratio": "a number between 0 and 1",
     "metrics_port": "a TCP port 1..65535 to serve Prometheus metrics on (offline runs)",
 }
@@ -68,12 +68,14 @@ def _writable_file(key: str, value: Any) -> str:
     if not isinstance(value, str) or not value.strip():
         raise _bad(key, value)
     path = os.path.expanduser(value)
-    folder = os.path.dirname(os.path.abspath(path))
+    existing = os.path.dirname(os.path.abspath(path))  # missing folders are made at the first write
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
     if os.path.isdir(path):
         problem = "it is a folder"
-    elif not os.path.isdir(folder):
-        problem = f"its folder {folder} does not exist"
-    elif not os.access(folder if not os.path.exists(path) else path, os.W_OK):
+    elif not os.path.isdir(existing):
+        problem = f"{existing} is a file, not a folder"
+    elif not os.access(path if os.path.exists(path) else existing, os.W_OK):
         problem = "it cannot be written by this process"
     else:
         return path

@@ -221,6 +221,7 @@ class OtlpJsonLinesExporter(SpanExporter):
         self._encode = encode  # spans -> one line; kvscope's tracing passes a light-span encoder
         self._lock = threading.Lock()
         self._fd: int | None = None
+        self._torn = False  # a write failed part way: the file may end in a partial line
         self._warned = False
         self._shutdown = False
         if hasattr(os, "register_at_fork"):
@@ -243,8 +244,12 @@ class OtlpJsonLinesExporter(SpanExporter):
                 return SpanExportResult.FAILURE
             try:
                 fd = self._open()
-                write_all(fd, data)
+                # after a failed write (a full disk) end its partial line first, or this line would be
+                # glued to it and both lost to readers (a blank line is skipped)
+                write_all(fd, b"\n" + data if self._torn else data)
+                self._torn = False
             except OSError as exc:
+                self._torn = True
                 self._close()
                 return self._fail(f"cannot write trace file {self.path!r}: {exc}")
         return SpanExportResult.SUCCESS
@@ -259,11 +264,22 @@ class OtlpJsonLinesExporter(SpanExporter):
             self._close()
 
     def _open(self) -> int:
+        if self._fd is not None and not self._still_at_path(self._fd):
+            self._close()  # rotated or deleted (logrotate, an operator): write to the path again
         if self._fd is None:
             directory = os.path.dirname(os.path.abspath(self.path))
             os.makedirs(directory, exist_ok=True)
             self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
         return self._fd
+
+    def _still_at_path(self, fd: int) -> bool:
+        """Whether the open file is still the one at the path (one stat a batch, as logging's
+        `WatchedFileHandler` does)."""
+        try:
+            at_path, open_file = os.stat(self.path), os.fstat(fd)
+        except OSError:
+            return False
+        return (at_path.st_dev, at_path.st_ino) == (open_file.st_dev, open_file.st_ino)
 
     def _close(self) -> None:
         if self._fd is not None:

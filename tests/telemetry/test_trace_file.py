@@ -186,3 +186,47 @@ def test_record_encoder_writes_exactly_what_the_sdk_encoder_writes(tmp_path):
     readable = []
     SdkSpanExporter(type("Sink", (), {"export": lambda self, spans: readable.extend(spans)})(), resource).export(captured)
     assert _json.loads(fast) == _json.loads(spans_to_json_line(readable))
+
+
+def test_a_rotated_or_deleted_trace_file_is_written_again_at_its_path(tmp_path, tracing, span_exporter):
+    """logrotate renames the file, an operator deletes it: later spans go to the path, not the
+    old, unlinked file."""
+    _make_spans(tracing)
+    spans = span_exporter.get_finished_spans()
+    path = tmp_path / "t.jsonl"
+    exporter = OtlpJsonLinesExporter(path)
+    exporter.export(spans)
+    path.rename(tmp_path / "t.jsonl.1")
+    assert exporter.export(spans) is SpanExportResult.SUCCESS
+    path.unlink()
+    assert exporter.export(spans) is SpanExportResult.SUCCESS
+    exporter.shutdown()
+    assert len((tmp_path / "t.jsonl.1").read_text().splitlines()) == 1
+    assert len(path.read_text().splitlines()) == 1
+
+
+def test_a_write_failing_part_way_does_not_take_the_next_line_with_it(tmp_path, tracing, span_exporter,
+                                                                    monkeypatch):
+    """A full disk: a write stops after some bytes. The next line must still parse."""
+    import os
+
+    from connector.telemetry import trace_file
+
+    _make_spans(tracing)
+    spans = span_exporter.get_finished_spans()
+    path = tmp_path / "t.jsonl"
+    exporter = OtlpJsonLinesExporter(path)
+    real_write = os.write
+
+    def disk_full(fd, data):
+        real_write(fd, bytes(data[:40]))
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(trace_file.os, "write", disk_full)
+    assert exporter.export(spans) is SpanExportResult.FAILURE
+    monkeypatch.setattr(trace_file.os, "write", real_write)
+    assert exporter.export(spans) is SpanExportResult.SUCCESS
+    exporter.shutdown()
+    lines = path.read_text().split("\n")
+    assert len(lines[0]) == 40 and lines[-1] == ""  # the torn line, then the next one whole
+    assert len(parse_json_line(lines[1]).resource_spans[0].scope_spans[0].spans) == len(spans)

@@ -180,18 +180,19 @@ def test_bad_trace_file(value):
 
 
 def test_a_trace_file_that_cannot_be_written_stops_start_up(tmp_path):
-    """A folder, or a file in a folder that does not exist: said at start-up, naming the key,
-    not by a warning when the first spans are lost."""
+    """A folder, or a path through a file: said at start-up, naming the key, not by a warning when
+    the first spans are lost."""
     folder = str(tmp_path)
     message = _error({"cpu_bytes": 1, "trace_file": folder})
     _assert_names(message, "trace_file", folder)
     assert "it is a folder" in message
-    missing = str(tmp_path / "no" / "t.jsonl")
-    message = _error({"cpu_bytes": 1, "trace_file": missing})
-    _assert_names(message, "trace_file", missing)
-    assert f"its folder {tmp_path / 'no'} does not exist" in message
-    assert parse_config({"cpu_bytes": 1, "trace_file": str(tmp_path / "t.jsonl")}).trace_file == str(
-        tmp_path / "t.jsonl")
+    (tmp_path / "a-file").write_text("")
+    under_a_file = str(tmp_path / "a-file" / "deeper" / "t.jsonl")
+    message = _error({"cpu_bytes": 1, "trace_file": under_a_file})
+    _assert_names(message, "trace_file", under_a_file)
+    assert f"{tmp_path / 'a-file'} is a file, not a folder" in message
+    for fine in (tmp_path / "t.jsonl", tmp_path / "new" / "folders" / "t.jsonl"):  # folders made at the first write
+        assert parse_config({"cpu_bytes": 1, "trace_file": str(fine)}).trace_file == str(fine)
 
 
 def test_a_trace_file_under_home_is_expanded(tmp_path, monkeypatch):
