@@ -187,7 +187,13 @@ class KVScopeConnector(KVConnectorBase_V1, SupportsHMA):
     def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
         config = parse_config(vllm_config.kv_transfer_config.kv_connector_extra_config)
         if config.metrics_port is not None:
-            serve_metrics_port(config.metrics_port)  # offline runs: vLLM's and kvscope's metrics
+            try:
+                serve_metrics_port(config.metrics_port)  # offline runs: vLLM's and kvscope's metrics
+            except OSError as exc:
+                raise ConfigError(
+                    f"kv_connector_extra_config.metrics_port={config.metrics_port} is not accepted: cannot "
+                    f"serve on 127.0.0.1:{config.metrics_port} ({exc.strerror or exc}); expected a free TCP "
+                    "port 1..65535 this process may bind") from exc
         return KVScopePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
 

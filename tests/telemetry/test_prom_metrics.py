@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import urllib.request
 
+import pytest
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
 from connector.telemetry.metrics import (
@@ -164,3 +165,25 @@ def test_serve_metrics_port_is_idempotent_and_serves_the_registry(registry, prom
     assert serve_metrics_port(0, registry=registry) == port
     body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
     assert 'kvscope_hit_tokens_total{engine="0",model_name="test-model"} 64.0' in body
+
+
+def test_a_metrics_port_in_use_stops_start_up_naming_the_key():
+    """vLLM builds the connector's Prometheus metrics when it starts an offline `LLM`: a port it
+    cannot bind is said as the config key, not as a bare OSError."""
+    import socket
+    from types import SimpleNamespace
+
+    from connector import KVScopeConnector
+    from connector.config import ConfigError
+    from connector.telemetry.testing import VLLM_LABELNAMES, metric_types_for, per_engine_labelvalues
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        config = SimpleNamespace(kv_transfer_config=SimpleNamespace(
+            kv_connector_extra_config={"cpu_bytes": 1 << 20, "metrics_port": port}))
+        with pytest.raises(ConfigError, match=f"metrics_port={port} is not accepted: cannot serve on "
+                                              f"127.0.0.1:{port} .*Address already in use"):
+            KVScopeConnector.build_prom_metrics(config, metric_types_for(CollectorRegistry()),
+                                                list(VLLM_LABELNAMES), per_engine_labelvalues(1))
