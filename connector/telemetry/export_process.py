@@ -15,7 +15,8 @@ process shuts down or dies, and it ignores SIGINT (a Ctrl-C to ``vllm serve`` re
 process group; the engine's shutdown still flushes through it). Its warnings (an unwritable
 trace file, a dead OTLP endpoint) come back over its stdout and are logged by the engine
 process, once, as before. If the helper cannot start or dies, the export falls back to the
-same sinks in the engine process, logged once: spans are never silently lost. It runs at a lower priority (nice 10) and
+same sinks in the engine process, logged once; what a dead helper had read but not yet written
+(at most the pipe's 1 MiB) is lost, counted in `dropped_spans` and said in that log line. It runs at a lower priority (nice 10) and
 may use every core, not only the ones vLLM pinned the engine's threads to.
 
 ``KVSCOPE_TRACE_EXPORT=thread`` keeps the export in the engine process (debugging, comparison).
@@ -92,8 +93,10 @@ class ExportProcess(SpanExporter):
         self._pending_bytes = 0
         self._deferred: list = []  # batches `export_nowait` left to the export thread
         self._broken: Exception | None = None  # a non-blocking write failed: fail over on the export thread
-        self._dropped = 0  # records dropped because the helper fell too far behind
+        self._dropped = 0  # records lost: the helper fell too far behind, or died holding them
         self._drops_logged = False
+        self._queued_records = 0  # records of every frame queued for the helper
+        self._helper_exported = 0  # records the helper said it exported
 
     def _after_fork(self) -> None:
         # The parent's helper and pipe are not ours: a child starts its own on its first export,
@@ -143,6 +146,7 @@ class ExportProcess(SpanExporter):
                 self._dropped += len(records)
                 return
             self._queue_frame(payload)
+            self._queued_records += len(records)
             try:
                 self._write_available()
             except OSError as exc:  # the helper is gone: the export thread fails over
@@ -251,6 +255,7 @@ class ExportProcess(SpanExporter):
                 logger.debug("kvscope: span batch not serialisable (%s); exported in this process", exc)
                 return self._export_here(records)
             self._queue_frame(payload)
+            self._queued_records += len(records)
             try:
                 if self._proc is None:
                     self._start()
@@ -328,7 +333,9 @@ class ExportProcess(SpanExporter):
                 message = None
             if message is None:
                 break
-            if message[0] == "ack":
+            if message[0] == "exported":
+                self._helper_exported += message[1]
+            elif message[0] == "ack":
                 done = self._acks.get(message[1])
                 if done is not None:
                     done.set()
@@ -338,17 +345,27 @@ class ExportProcess(SpanExporter):
             done.set()
 
     def _fail_over(self, exc: Exception) -> SpanExportResult:
-        """From now on export here, starting with every batch the helper may not have read whole."""
-        logger.warning("kvscope: the span export process failed (%r); spans are exported in this "
-                       "process from now on", exc)
+        """From now on export here, starting with every batch the helper may not have read whole.
+        What the helper had read but not exported (at most a pipe's worth) is lost: counted and said."""
         self._failed = True
         proc, self._proc = self._proc, None
         if proc is not None:
             proc.kill()
+            try:
+                proc.wait(5)
+            except Exception:
+                pass
+            if self._reader is not None:
+                self._reader.join(timeout=5)  # every "exported" it sent before it died is counted
         frames, self._frames, self._offset, self._pending_bytes = self._frames, deque(), 0, 0
+        messages = [marshal.loads(memoryview(frame)[_HEADER.size:]) for frame in frames]
+        here = sum(len(m[1]) for m in messages if m[0] == "spans")
+        lost = max(0, self._queued_records - here - self._helper_exported) if proc is not None else 0
+        self._dropped += lost
+        logger.warning("kvscope: the span export process failed (%r); %d spans it had read but not "
+                       "written are lost; spans are exported in this process from now on", exc, lost)
         result = SpanExportResult.SUCCESS
-        for frame in frames:
-            message = marshal.loads(memoryview(frame)[_HEADER.size:])
+        for message in messages:
             if message[0] == "spans" and self._export_here(message[1]) is not SpanExportResult.SUCCESS:
                 result = SpanExportResult.FAILURE
         return result
@@ -452,6 +469,7 @@ def _serve() -> int:
                 exporter.export(records)
             except Exception:
                 logging.getLogger(__name__).exception("kvscope: span exporter %r raised", exporter)
+        reply(("exported", len(records)))  # the engine process counts what a death of ours would lose
 
     records: list = []  # batches that arrived together, exported as one (one write, one OTLP request)
     while True:

@@ -320,7 +320,11 @@ def test_a_helper_dying_under_the_engine_threads_batches_fails_over_and_loses_no
     # (the one the pipe had taken in part among them) and every later one lands, once, in order.
     assert waiting > 0 and ids[0] == 0
     assert ids[1:] == list(range(ids[1], last + 202)) and (ids[1] - 1) % 200 == 0
-    assert len([r for r in caplog.records if "export process failed" in r.getMessage()]) == 1
+    # and those are counted and said, not silently lost
+    lost = ids[1] - 1
+    assert lost > 0 and helper.dropped_spans == lost
+    (failed,) = [r.getMessage() for r in caplog.records if "export process failed" in r.getMessage()]
+    assert f"{lost} spans it had read but not written are lost" in failed
 
 
 def test_spans_of_a_finished_step_survive_the_engine_process_being_killed(tmp_path):
