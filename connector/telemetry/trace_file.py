@@ -236,9 +236,10 @@ class OtlpJsonLinesExporter(SpanExporter):
         if not spans:
             return SpanExportResult.SUCCESS
         try:
-            data = self._encode(spans).encode("utf-8")
+            # "replace": one odd string (a lone surrogate in a request id) must not cost the batch
+            data = self._encode(spans).encode("utf-8", "replace")
         except Exception as exc:  # an encoder bug must not reach the engine
-            return self._fail(f"could not encode {len(spans)} spans: {exc!r}")
+            return self._fail(f"could not encode {len(spans)} spans: {type(exc).__name__}: {str(exc)[:200]}")
         with self._lock:
             if self._shutdown:
                 return SpanExportResult.FAILURE

@@ -113,7 +113,12 @@ class KVScopeTracing:
         ``sample_ratio`` None means 1.0. Raises ``ValueError`` for a ratio outside 0..1.
         """
         ratio = _check_ratio(sample_ratio)
-        if truthy(env.get("OTEL_SDK_DISABLED")) or not (trace_file or otlp_requested(env)):
+        if truthy(env.get("OTEL_SDK_DISABLED")):
+            if trace_file or otlp_requested(env):
+                logger.warning("kvscope: OTEL_SDK_DISABLED is set: no spans are recorded (trace_file=%r is "
+                               "not written)", trace_file)
+            return cls.disabled()
+        if not (trace_file or otlp_requested(env)):
             return cls.disabled()
         resource = resource_from_env(env)
         sinks = Sinks(trace_file or None, {k: v for k, v in env.items() if k.startswith("OTEL_")},

@@ -230,3 +230,12 @@ def test_a_write_failing_part_way_does_not_take_the_next_line_with_it(tmp_path, 
     lines = path.read_text().split("\n")
     assert len(lines[0]) == 40 and lines[-1] == ""  # the torn line, then the next one whole
     assert len(parse_json_line(lines[1]).resource_spans[0].scope_spans[0].spans) == len(spans)
+
+
+def test_one_odd_request_id_does_not_cost_its_batch(tmp_path):
+    """A lone surrogate cannot be UTF-8: it is replaced, and the batch's other spans are written."""
+    path = tmp_path / "t.jsonl"
+    exporter = OtlpJsonLinesExporter(path, encode=lambda spans: '{"ids":"' + ",".join(spans) + '"}\n')
+    assert exporter.export(["ok", "bad\ud800"]) is SpanExportResult.SUCCESS
+    exporter.shutdown()
+    assert path.read_text(encoding="utf-8") == '{"ids":"ok,bad?"}\n'

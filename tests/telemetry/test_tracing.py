@@ -62,9 +62,11 @@ def test_no_sink_builds_nothing_and_spans_do_not_record(disabled_tracing):
     t.shutdown()
 
 
-def test_sdk_disabled_env_turns_tracing_off_even_with_a_file(tmp_path):
-    t = KVScopeTracing.from_config(str(tmp_path / "t.jsonl"), 1.0, env={"OTEL_SDK_DISABLED": "true"})
+def test_sdk_disabled_env_turns_tracing_off_even_with_a_file_and_says_so(tmp_path, caplog):
+    with caplog.at_level("WARNING", logger="connector.telemetry.tracing"):
+        t = KVScopeTracing.from_config(str(tmp_path / "t.jsonl"), 1.0, env={"OTEL_SDK_DISABLED": "true"})
     assert t.enabled is False
+    assert any("OTEL_SDK_DISABLED" in r.getMessage() and "t.jsonl" in r.getMessage() for r in caplog.records)
 
 
 @pytest.mark.parametrize("ratio", [-0.1, 1.5, "half", float("nan")])
