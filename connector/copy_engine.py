@@ -90,6 +90,19 @@ class _Region:
         self.host_by_sub = [self.host[:, sub] for sub in range(self.host.shape[1])]
 
 
+def own_stream(device, taken: list) -> torch.cuda.Stream:
+    """A CUDA stream none of ``taken`` is. torch hands out streams from a pool (32 per device and
+    priority, round robin) and vLLM's compute stream may be one of them: a copy stream that is the
+    compute stream would hold the next forward up behind loads (the design has it never wait for
+    them), a calibration stream that is a copy stream would wait behind copies."""
+    handles = {stream.cuda_stream for stream in taken}
+    for _ in range(64):  # two rounds of the pool
+        stream = torch.cuda.Stream(device=device)
+        if stream.cuda_stream not in handles:
+            return stream
+    raise CopyError(f"no CUDA stream on {device} apart from {len(handles)} in use: torch's stream pool is exhausted")
+
+
 class CopyEngine:
     def __init__(
         self,
@@ -104,6 +117,7 @@ class CopyEngine:
         self.is_cuda = self.device.type == "cuda"
         self.layout = layout
         self.num_slots = num_slots
+        self.num_blocks = kv_cache_config.num_blocks
         self._host_buffer = HostBuffer(num_slots, layout.slot_bytes, pin=self.is_cuda)
         self.host = self._host_buffer.tensor
         self.groups: list[list[_Region]] = []
@@ -119,8 +133,11 @@ class CopyEngine:
         self._group_block_bytes = [sum(r.page for r in regions) for regions in self.groups]
         # Loads and stores on streams of their own: later compute must wait for stores (the blocks
         # they read may be reused), never for loads, and a store need not queue behind a large load.
-        self.load_stream = torch.cuda.Stream(device=self.device) if self.is_cuda else None
-        self.store_stream = torch.cuda.Stream(device=self.device) if self.is_cuda else None
+        self.load_stream = self.store_stream = None
+        if self.is_cuda:
+            compute = torch.cuda.current_stream(self.device)
+            self.load_stream = own_stream(self.device, [compute])
+            self.store_stream = own_stream(self.device, [compute, self.load_stream])
         self._swap_blocks_batch = _batched_copy_op() if self.is_cuda else None
         self._clock: EventClock | None = None  # made on the first completed CUDA copy
 
@@ -200,8 +217,8 @@ class CopyEngine:
         if not end.query():
             return False
         if self._clock is None:  # calibration events go on a stream of their own, never behind copies
-            self._clock = EventClock(lambda: torch.cuda.Event(enable_timing=True),
-                                     torch.cuda.Stream(device=self.device))
+            self._clock = EventClock(lambda: torch.cuda.Event(enable_timing=True), own_stream(
+                self.device, [torch.cuda.current_stream(self.device), self.load_stream, self.store_stream]))
         result.start_ns, result.end_ns = self._clock.interval(start, end)
         result.done_event = result.keep_alive = None
         return True

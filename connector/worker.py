@@ -53,7 +53,7 @@ class KVScopeWorker:
         self._stores_unfenced = False
         self._step_announced = False
         self.lost_slots: set[int] = set()  # host data known to be gone (fault injection, errors)
-        self._slot_range_logged = False
+        self._range_logged = False
         # Fault injection for tests of multi-worker runs, where no test can reach a worker object:
         # KVSCOPE_FAIL_LOADS_ON_RANK=<rank> makes every load on that worker fail.
         fail_rank = os.environ.get("KVSCOPE_FAIL_LOADS_ON_RANK")
@@ -107,7 +107,7 @@ class KVScopeWorker:
             job.failed_at_plan or self.fail_all_loads or self._touches_lost_slot(job)
         ):
             flight.failed = True
-        elif not self._slots_in_buffer(job):
+        elif not self._in_bounds(job):
             flight.failed = True
         else:
             try:
@@ -126,19 +126,21 @@ class KVScopeWorker:
         self._in_flight.append(flight)
         self._collect()
 
-    def _slots_in_buffer(self, job: TransferJob) -> bool:
-        """Whether every slot of the job lies in this worker's host buffer. Never otherwise: a slot
-        past it would be a raw address past the pinned buffer on CUDA. Only a scheduler that sized
-        its slots differently from this worker gets here (start-up refuses the layouts known to)."""
-        n = self.num_slots
-        if all(0 <= min(p.slots) and max(p.slots) < n for p in job.groups if p.slots):
+    def _in_bounds(self, job: TransferJob) -> bool:
+        """Whether every slot of the job lies in this worker's host buffer, every piece in its slot
+        and every block in the KV cache. Never copy otherwise: on CUDA each is a raw address, and
+        past a buffer it reads or writes another's memory. Only a scheduler that sized its slots
+        differently from this worker should get here (start-up refuses the layouts known to)."""
+        n, blocks, factors = self.num_slots, self.engine.num_blocks, self.slot_layout.group_factors
+        if all(0 <= min(p.slots) and max(p.slots) < n and 0 <= min(p.subs) and max(p.subs) < factors[p.group_index]
+               and 0 <= min(p.block_ids) and max(p.block_ids) < blocks for p in job.groups if p.slots):
             return True
-        if not self._slot_range_logged:
-            self._slot_range_logged = True
-            logger.error("kvscope: %s job %d for request %s addresses host slots outside this worker's %d; "
-                         "it fails (a load is recomputed). The scheduler and the workers disagree on the "
-                         "host slot size: please report the model and its parallel configuration",
-                         job.direction, job.job_id, job.req_id, n)
+        if not self._range_logged:
+            self._range_logged = True
+            logger.error("kvscope: %s job %d for request %s addresses host slots, slot pieces or device blocks "
+                         "outside this worker's (%d slots, %d blocks); it fails (a load is recomputed). Please "
+                         "report the model and its parallel configuration",
+                         job.direction, job.job_id, job.req_id, n, blocks)
         return False
 
     def _touches_lost_slot(self, job: TransferJob) -> bool:

@@ -428,10 +428,31 @@ def test_a_job_addressing_slots_past_the_host_buffer_fails_without_copying(caplo
         worker.wait_for_save(KVScopeMetadata(stores=[TransferJob(1, "a", STORE, [GroupTransfer(0, [3], [4], [0])])]))
         worker.start_load_kv(KVScopeMetadata(loads=[TransferJob(2, "b", LOAD, [GroupTransfer(0, [2], [9], [0])])]))
         worker.wait_for_save(KVScopeMetadata(stores=[TransferJob(3, "c", STORE, [GroupTransfer(0, [3], [3], [0])])]))
-        # a negative slot would silently be the last one to a Python index
+        # a negative slot or block would silently be the last one to a Python index
         worker.wait_for_save(KVScopeMetadata(stores=[TransferJob(4, "d", STORE, [GroupTransfer(0, [2], [-1], [0])])]))
+        worker.wait_for_save(KVScopeMetadata(stores=[TransferJob(5, "e", STORE, [GroupTransfer(0, [-1], [2], [0])])]))
+        # a piece past its slot's device blocks, a block past the cache
+        worker.start_load_kv(KVScopeMetadata(loads=[TransferJob(6, "f", LOAD, [GroupTransfer(0, [2], [3], [1])])]))
+        worker.start_load_kv(KVScopeMetadata(loads=[TransferJob(7, "g", LOAD, [GroupTransfer(0, [NB], [3], [0])])]))
     meta = worker.build_worker_meta()
-    assert meta.failed_jobs == {1: 1, 2: 1, 4: 1} and meta.completed_jobs == {3: 1}
-    assert worker.transfer_results() == ({"b"}, {"b"})
+    assert meta.failed_jobs == {1: 1, 2: 1, 4: 1, 5: 1, 6: 1, 7: 1} and meta.completed_jobs == {3: 1}
+    assert worker.transfer_results() == ({"b", "f", "g"}, {"b", "f", "g"})
     assert torch.equal(_block_bytes(t0, 2), before)
-    assert sum("outside this worker's 4" in r.getMessage() for r in caplog.records) == 1  # said once
+    assert sum("outside this worker's (4 slots" in r.getMessage() for r in caplog.records) == 1  # said once
+
+
+def test_copy_streams_are_never_vllms_compute_stream_nor_each_other(monkeypatch):
+    """torch's Stream() hands out pooled streams round robin: the compute stream can come back."""
+    class _PoolStream:
+        def __init__(self, handle):
+            self.cuda_stream = handle
+
+    pool = iter([7, 7, 8, 7, 8, 9])  # the compute stream (7) first, then the load stream (8) again
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: _PoolStream(next(pool)))
+    compute = _PoolStream(7)
+    load = copy_module.own_stream("cuda:0", [compute])
+    store = copy_module.own_stream("cuda:0", [compute, load])
+    assert (load.cuda_stream, store.cuda_stream) == (8, 9)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: _PoolStream(7))
+    with pytest.raises(CopyError, match="stream pool is exhausted"):
+        copy_module.own_stream("cuda:0", [compute])

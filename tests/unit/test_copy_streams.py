@@ -32,6 +32,7 @@ from tests.unit.test_copy_engine import _block_bytes, _shared_attention_engine, 
 class _Stream:
     def __init__(self, name: str, log: list):
         self.name, self.log = name, log
+        self.cuda_stream = id(self)  # a stream of its own
 
     def wait_stream(self, other: _Stream) -> None:
         self.log.append((self.name, "waits for", other.name))
