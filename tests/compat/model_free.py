@@ -569,9 +569,14 @@ class LateReadingStores:
     on CUDA). A fence placed too late, or missing, lets a later forward overwrite a block a store
     has yet to read, and the host tier then holds what a later load gives the checks as wrong KV."""
 
-    def __init__(self, engine, steps: int = 3):
+    def __init__(self, engine, steps: int = 3, load_steps: int = 0, report_loads_early: bool = False):
         self.engine, self.steps = engine, steps
+        # Loads too may land late (`load_steps` > 0): their bytes reach the device blocks only then,
+        # and they are done only then, unless `report_loads_early` (a negative control: a copy
+        # reported done before it lands).
+        self.load_steps, self.report_loads_early = load_steps, report_loads_early
         self._pending: dict[int, list] = {}  # id(result) -> [result, store args, steps left]
+        self._loads: dict[int, list] = {}  # id(result) -> [result, load args, steps left]
         self._copy, self._poll = engine._copy, engine.poll
         engine.store, engine.poll = self._store, self._poll_late
         engine.load, engine.fence_compute_stream = self._load, self._read_all
@@ -585,14 +590,24 @@ class LateReadingStores:
         return result
 
     def _poll_late(self, result) -> bool:
+        if id(result) in self._loads:
+            return self.report_loads_early
         return id(result) not in self._pending and self._poll(result)
 
     def tick(self) -> None:
-        """An engine step is over: stores issued `steps` steps ago have read their blocks by now."""
+        """An engine step is over: stores issued `steps` steps ago have read their blocks by now,
+        and loads issued `load_steps` ago have written theirs."""
         for entry in list(self._pending.values()):
             entry[2] -= 1
             if entry[2] <= 0:
                 self._read(entry)
+        for entry in list(self._loads.values()):
+            entry[2] -= 1
+            if entry[2] <= 0:
+                result, args, _ = entry
+                done = self._copy(*args, to_device=True)
+                result.start_ns, result.end_ns, result.done_event = done.start_ns, done.end_ns, None
+                del self._loads[id(result)]
 
     def _read(self, entry) -> None:
         result, args, _ = entry
@@ -606,4 +621,11 @@ class LateReadingStores:
 
     def _load(self, group, slots, subs, block_ids):
         self._read_all()  # the load stream waits for the store stream
-        return self._copy(group, slots, subs, block_ids, to_device=True)
+        if not self.load_steps:
+            return self._copy(group, slots, subs, block_ids, to_device=True)
+        from connector.copy_engine import CopyResult
+
+        result = CopyResult(len(block_ids) * self.engine.group_block_bytes(group), len(block_ids), 0, 0,
+                            done_event="pending")
+        self._loads[id(result)] = [result, (group, slots, subs, block_ids), self.load_steps]
+        return result

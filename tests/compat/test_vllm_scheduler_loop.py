@@ -524,6 +524,44 @@ def _late_reading_rounds(model_path, async_scheduling: bool, runner: str, fence:
     return engine.stats, fences[0]
 
 
+@pytest.mark.parametrize("runner", ["v1", *V2_RUNNERS])
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_loads_that_land_steps_later_are_waited_for(model_path, async_scheduling, runner):
+    """On CUDA a load's copy lands after the step that started it. Here every load writes the device
+    blocks 3 steps later (`LateReadingStores(load_steps=3)`), and is done only then: no forward may
+    read a loading request's blocks before, whatever the runner and scheduling."""
+    stats = _late_load_rounds(model_path, async_scheduling, runner, report_early=False)
+    _assert_no_violations(stats)
+    loading = [r for r in stats.loads if r.startswith("r1-")]
+    assert loading and set(loading) <= stats.finished_recving and not stats.failed_recving
+    assert stats.external_hit_tokens > 0
+
+
+def test_a_load_reported_done_before_it_lands_is_caught(model_path):
+    """The check above can fail: a load said to be done while its bytes are still on their way lets
+    the request's forward read blocks that do not hold its KV yet."""
+    assert _late_load_rounds(model_path, False, "v1", report_early=True).violations
+
+
+def _late_load_rounds(model_path, async_scheduling: bool, runner: str, report_early: bool):
+    from tests.compat.model_free import LateReadingStores
+
+    engine = ModelFreeEngine(model_path, {"cpu_bytes": 64 << 20, "block_size": 64}, window=WINDOW,
+                             num_blocks=1200, max_num_batched_tokens=2048, async_scheduling=async_scheduling,
+                             runner=runner)
+    for connector in engine.workers:
+        late = LateReadingStores(connector._worker.engine, steps=1, load_steps=3, report_loads_early=report_early)
+        engine.after_step.append(late.tick)
+    try:
+        _store_round(engine, _prompts(), max_tokens=8)
+        for j, prompt in enumerate(_prompts()):
+            engine.add(f"r1-{j}", prompt, max_tokens=8)
+        engine.run()
+    finally:
+        engine.shutdown()
+    return engine.stats
+
+
 @pytest.mark.parametrize("role", ["SCHEDULER", "WORKER"])
 def test_sleep_mode_is_refused_at_start_up(model_path, role):
     """Sleep mode remaps the KV cache under the copy engine's views. vLLM 0.33 asks the connector
