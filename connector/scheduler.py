@@ -499,13 +499,13 @@ class KVScopeScheduler:
         """vLLM resets its caches (`reset_prefix_cache(reset_connector=True)`, e.g. after a weight
         update): KV computed before must never load after. Every stored block is forgotten (one a
         load still reads, once read); offloaded blocks still being filled or written are given up,
-        so their earlier pieces never complete with later ones; requests' stores go on from the
-        next offloaded block (blocks before are not stored again: lost hits, never stale KV)."""
+        so their earlier pieces never complete with later ones. Requests store again from their
+        first block, as vLLM's own offloading does: with `reset_running_requests` vLLM preempts
+        them, so what they store is computed again after the reset."""
         for filling in list(self.stores.by_key.values()):
             self.stores.give_up(filling)
         for state in self._requests.values():
-            if state.filling is not None:
-                state.filling = [None] * len(state.filling)
+            state.stored_blocks = state.filling = None
         self.index.clear()
         return True
 

@@ -216,15 +216,18 @@ class ModelFreeEngine:
         self.scheduler.add_request(Request(req_id, list(prompt), params, None, block_hasher=self._block_hasher,
                                            trace_headers=trace_headers, cache_salt=cache_salt))
 
-    def run(self, max_steps: int = 2000, on_scheduled=None) -> None:
+    def run(self, max_steps: int = 2000, on_scheduled=None, pause_after: int | None = None) -> None:
         """Step while vLLM's engine core would (`Scheduler.has_requests`: unfinished or just finished
         requests, or connector work pending): schedule, execute, update, one step at a time, or
         with async scheduling as vLLM's engine core does it (`step_with_batch_queue`): schedule the
         next step before executing and processing the one in flight. `on_scheduled(output)` runs
-        after each schedule, before the workers see it (where a client's abort can land)."""
+        after each schedule, before the workers see it (where a client's abort can land).
+        `pause_after`: return after that many steps, none in flight (between two engine steps)."""
         in_flight: deque = deque()
-        for _ in range(max_steps):
+        for step in range(max_steps):
             if not (self.scheduler.has_requests() or in_flight):
+                return
+            if pause_after is not None and step >= pause_after and not in_flight:
                 return
             if self.scheduler.has_requests():
                 out = self.scheduler.schedule()
@@ -398,6 +401,12 @@ class ModelFreeEngine:
 
     def reset_device_prefix_cache(self) -> None:
         assert self.scheduler.reset_prefix_cache(), "vLLM refused to reset its prefix cache"
+
+    def update_weights(self) -> None:
+        """New model weights, as an RL loop loads them: every position's KV differs from now on,
+        so KV computed before reads as wrong after. vLLM's caches must be reset with it
+        (`reset_prefix_cache(reset_running_requests=True, reset_connector=True)`)."""
+        self._salts = {key: salt ^ 0x5DEECE66D for key, salt in self._salts.items()}
 
     def shutdown(self) -> None:
         connector = self.scheduler.get_kv_connector()

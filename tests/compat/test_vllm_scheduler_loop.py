@@ -562,6 +562,33 @@ def _late_load_rounds(model_path, async_scheduling: bool, runner: str, report_ea
     return engine.stats
 
 
+@pytest.mark.parametrize("block_size", [64, 256])
+def test_a_cache_reset_for_new_weights_never_loads_kv_from_before_it(model_path, block_size):
+    """An RL weight update mid-run: vLLM resets its caches (`reset_prefix_cache(reset_running_requests
+    =True, reset_connector=True)`) while prompts are half computed (256-token offloaded blocks half
+    stored), and every position's KV differs from then on. The next round loads only KV computed
+    after the reset (kvscope kept half-filled blocks and their store progress before: old pieces
+    completed with new ones)."""
+    engine = ModelFreeEngine(model_path, {"cpu_bytes": 64 << 20, "block_size": block_size}, window=WINDOW,
+                             num_blocks=1200, max_num_batched_tokens=100)
+    try:
+        for j, prompt in enumerate(_prompts()):
+            engine.add(f"r0-{j}", prompt, max_tokens=8)
+        engine.run(pause_after=5)  # a chunk of each prompt is computed and stored
+        assert engine.scheduler.has_requests()
+        assert engine.scheduler.reset_prefix_cache(reset_running_requests=True, reset_connector=True)
+        engine.update_weights()
+        engine.run()
+        engine.reset_device_prefix_cache()
+        for j, prompt in enumerate(_prompts()):
+            engine.add(f"r1-{j}", prompt, max_tokens=8)
+        engine.run()
+    finally:
+        engine.shutdown()
+    _assert_no_violations(engine.stats)
+    assert engine.stats.external_hit_tokens > 0 and any(r.startswith("r1-") for r in engine.stats.loads)
+
+
 @pytest.mark.parametrize("role", ["SCHEDULER", "WORKER"])
 def test_sleep_mode_is_refused_at_start_up(model_path, role):
     """Sleep mode remaps the KV cache under the copy engine's views. vLLM 0.33 asks the connector

@@ -327,23 +327,27 @@ def test_tokens_a_drafter_may_write_again_are_not_stored():
 
 def test_a_cache_reset_never_lets_blocks_computed_before_it_load_after():
     """A reset (vLLM's `reset_prefix_cache(reset_connector=True)`, e.g. after a weight update)
-    while offloaded blocks are half filled or their stores are still being written: neither ever
-    becomes ready, nor does a block a load was reading; later blocks are stored as usual."""
+    while an offloaded block is half filled and a stored one is being loaded: the half-filled one
+    is given up and the loaded one forgotten; the request stores again from its first block (vLLM
+    preempts it, so those blocks are computed again), each offloaded block from its first piece."""
     sched, manager = _scheduler()
     ready = (1, "h3")
-    state = _state("r", 256)
+    state = sched._requests["r"] = _state("r", 256)
     manager.ids = _ids(0, 16)
     _report(sched, sched._plan_store(state, 64))  # offloaded block 0: stored
     assert sched.index.is_ready(ready)
     sched.index.pin_for_load(ready)  # a load still reading it
     half = sched._plan_store(state, 96)  # offloaded block 1 half filled, its store unreported
+    half_slot = sched.stores.by_key[(1, "h7")].slot
     sched.reset_cache()
     assert not sched.index.is_ready(ready) and sched.index.pin_for_load(ready) is None
     _report(sched, half)
-    manager.ids = _ids(96, 16)
-    rest = sched._plan_store(state, 192)  # block 1's other half (after the reset), and block 2
-    _report(sched, rest)
-    assert not sched.index.contains((1, "h7")) and not sched.index.contains((0, "h7"))
-    assert sched.index.is_ready((1, "h11")) and sched.index.is_ready((0, "h11"))
+    assert not sched.index.contains((1, "h7")) and half_slot in sched.index._free  # given up
+    manager.ids = _ids(0, 16)
+    again = sched._plan_store(state, 192)  # computed again after the reset, from token 0
+    # block 0 is still being read under its old key: not stored again until that load is done
+    assert _pieces(again, 1) == [(list(range(204, 212)), [0, 1, 2, 3] * 2)]
+    _report(sched, again)
+    assert sched.index.is_ready((1, "h7")) and sched.index.is_ready((1, "h11"))
     sched.index.unpin(ready)
-    assert sched.index.used_slots == 2 and sched.stores.by_key == {}
+    assert not sched.index.contains(ready) and sched.stores.by_key == {}
