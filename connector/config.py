@@ -67,6 +67,9 @@ def _writable_file(key: str, value: Any) -> str:
     that cannot write is otherwise only noticed, by a warning, when the first spans are lost."""
     if not isinstance(value, str) or not value.strip():
         raise _bad(key, value)
+    if value.endswith(("/", os.sep)):
+        raise ConfigError(f"kv_connector_extra_config.{key}={value!r} is not accepted: it names a folder; "
+                          f"expected {_ACCEPTED[key]}")
     path = os.path.expanduser(value)
     existing = os.path.dirname(os.path.abspath(path))  # missing folders are made at the first write
     while not os.path.exists(existing):

@@ -150,7 +150,7 @@ class KVScopeScheduler:
             # Counted like vLLM's external prefix-cache hits: once per request, when first scheduled.
             # A request resumed after preemption is looked up again, but vLLM counts that apart
             # (`preempted_hits`, not exported): so neither the lookup metrics nor a lookup span
-            # count it here either; its load is traced under the request's first lookup.
+            # count it here either; its load is traced under the request's first lookup (or upstream span).
             queried = request.num_tokens - lookup.local_tokens
             self._lookup_log.append((queried, num_external_tokens))
             if self.tracing.enabled:

@@ -173,7 +173,10 @@ def _nanos(arr, name: str) -> np.ndarray:
         arr = pc.cast(arr, pa.int64())  # "1700000000000000000"; raises on junk -> declined
     elif not pa.types.is_integer(arr.type):
         raise _Declined(f"{name} of type {arr.type}")
-    return _as_numpy(arr).astype(np.int64)
+    nanos = _as_numpy(arr).astype(np.int64)
+    if (nanos < 0).any():
+        raise _Declined(f"negative {name}")  # the line decoder names each line
+    return nanos
 
 
 def _status_codes(code, keep: np.ndarray, total: int) -> np.ndarray:

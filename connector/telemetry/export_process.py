@@ -94,6 +94,7 @@ class ExportProcess(SpanExporter):
         self._deferred: list = []  # batches `export_nowait` left to the export thread
         self._broken: Exception | None = None  # a non-blocking write failed: fail over on the export thread
         self._dropped = 0  # records lost: the helper fell too far behind, or died holding them
+        self._fell_behind = False  # some were dropped because the helper fell behind (said once)
         self._drops_logged = False
         self._queued_records = 0  # records of every frame queued for the helper
         self._helper_exported = 0  # records the helper said it exported
@@ -144,6 +145,7 @@ class ExportProcess(SpanExporter):
                 return
             if self._pending_bytes > _MAX_PENDING_BYTES:
                 self._dropped += len(records)
+                self._fell_behind = True
                 return
             self._queue_frame(payload)
             self._queued_records += len(records)
@@ -242,7 +244,7 @@ class ExportProcess(SpanExporter):
         deferred, self._deferred = self._deferred, []
         for batch in deferred:
             self._export_locked(batch)
-        if self._dropped and not self._drops_logged:
+        if self._fell_behind and not self._drops_logged:
             self._drops_logged = True
             logger.warning("kvscope: the span export process fell behind by %d MiB: spans are dropped "
                            "until it catches up; further drops are not logged", _MAX_PENDING_BYTES >> 20)

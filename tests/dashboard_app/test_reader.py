@@ -179,11 +179,12 @@ def _bad_lookup_line(**edits: str) -> str:
         ("[" * 100_000 + "]" * 100_000, "nested too deeply"),
         (_bad_lookup_line(startTimeUnixNano="1e400"), "malformed kvscope.lookup"),
         (_bad_lookup_line(startTimeUnixNano='"99999999999999999999"'), "outside 0..2^63"),
+        (_bad_lookup_line(startTimeUnixNano='"-5"'), "outside 0..2^63"),
         (_bad_lookup_line(status='{"code": 1e400}'), "malformed kvscope.lookup"),
         (_bad_lookup_line(status='{"code": 7}'), "unknown status code 7"),
         (line(lookup("r9", span_id="22" * 8, queried=99999999999999999999)), "tokens.queried is not an integer"),
     ],
-    ids=["deep", "infinite-time", "time-past-int64", "infinite-status", "unknown-status", "huge-int"],
+    ids=["deep", "infinite-time", "time-past-int64", "negative-time", "infinite-status", "unknown-status", "huge-int"],
 )
 def test_values_no_frame_can_hold_are_problems_not_crashes(tmp_path, decoder, bad, reason):
     path = write(tmp_path, line(lookup("r1", span_id="11" * 8)), bad)

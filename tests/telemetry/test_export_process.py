@@ -325,6 +325,7 @@ def test_a_helper_dying_under_the_engine_threads_batches_fails_over_and_loses_no
     assert lost > 0 and helper.dropped_spans == lost
     (failed,) = [r.getMessage() for r in caplog.records if "export process failed" in r.getMessage()]
     assert f"{lost} spans it had read but not written are lost" in failed
+    assert not [r for r in caplog.records if "fell behind" in r.getMessage()]  # it died, it did not fall behind
 
 
 def test_spans_of_a_finished_step_survive_the_engine_process_being_killed(tmp_path):

@@ -186,6 +186,8 @@ def test_a_trace_file_that_cannot_be_written_stops_start_up(tmp_path):
     message = _error({"cpu_bytes": 1, "trace_file": folder})
     _assert_names(message, "trace_file", folder)
     assert "it is a folder" in message
+    message = _error({"cpu_bytes": 1, "trace_file": str(tmp_path / "new") + "/"})
+    assert "it names a folder" in message
     (tmp_path / "a-file").write_text("")
     under_a_file = str(tmp_path / "a-file" / "deeper" / "t.jsonl")
     message = _error({"cpu_bytes": 1, "trace_file": under_a_file})
