@@ -111,11 +111,9 @@ class HostIndex:
         """Forget every stored block (vLLM resets its caches, e.g. after a weight update): unpinned
         entries at once; one a load still reads is never found again and frees its slot once
         unpinned. Slots reserved for stores stay with them: their owners abort them."""
-        for key, entry in list(self._entries.items()):
-            if entry.pins == 0:
-                del self._entries[key]
-                self._free.append(entry.slot)
-            elif entry.ready:
+        self.drop(list(self._entries))
+        for entry in self._entries.values():  # pinned: a load's (ready) or a store's
+            if entry.ready:
                 entry.ready, entry.stale = False, True
 
     def _evict_one(self) -> int | None:
