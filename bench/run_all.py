@@ -4,7 +4,8 @@ Runs, in order: kvscope's planner beside vLLM's (`planner_vs_vllm`), the planner
 reference loop (`planner_bench`), the copy engine (`copy_bench`), the dashboard's trace reading
 (`dashboard_bench`, when it offers `run(quick)`), and the end-to-end engine runs (`e2e_bench`).
 Writes `bench/results.json` (a list of {name, median, unit, ratio, ratio_of} records) and
-`bench/results.md` (machine, versions, the goals and whether they are met, every record), and
+`bench/results.md` (machine, versions, the goals and whether they are met, every record), or
+`bench/results-quick.*` for `--quick` (git-ignored: the committed full results stay), and
 prints the Markdown. Exit status 1 if a benchmark failed to run (goals not met are reported,
 not failures).
 """
@@ -324,10 +325,12 @@ def main(quick: bool = False, out_dir: Path | str | None = None, only: list[str]
     check_records(records)
     text = markdown(records, mode, (time.perf_counter() - started) / 60, notes + METHOD_NOTES, bench_times)
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "results.json").write_text(json.dumps(records, indent=1) + "\n")
-    (out_dir / "results.md").write_text(text)
+    # A quick run never replaces the full run's committed results (the README quotes those).
+    stem = "results" if mode == "full" else "results-quick"
+    (out_dir / f"{stem}.json").write_text(json.dumps(records, indent=1) + "\n")
+    (out_dir / f"{stem}.md").write_text(text)
     print(text)
-    print(f"wrote {out_dir / 'results.md'} and {out_dir / 'results.json'}")
+    print(f"wrote {out_dir / f'{stem}.md'} and {out_dir / f'{stem}.json'}")
     return 1 if failed else 0
 
 

@@ -91,7 +91,9 @@ def parse_config(extra: Mapping[str, Any] | None) -> KVScopeConfig:
     unknown = sorted(set(extra) - set(_ACCEPTED))
     if unknown:
         raise ConfigError(
-            f"kv_connector_extra_config has unknown key(s) {unknown}; accepted keys: "
+            "kv_connector_extra_config has unknown key(s) "
+            + ", ".join(f"{k}={extra[k]!r}" for k in unknown)
+            + "; accepted keys: "
             + ", ".join(f"{k} ({v})" for k, v in _ACCEPTED.items())
         )
     if "cpu_bytes" not in extra:

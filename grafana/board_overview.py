@@ -127,7 +127,8 @@ def request_load_p99_stat():
     return pc.stat(
         "Request load latency p99 (5m)",
         "99th percentile, over the last 5 minutes, of the time from starting a request's load from "
-        "the host tier until all its groups' blocks are on the device (recording rule "
+        "the host tier until the scheduler hears that every worker's copies are done (reported at "
+        "the end of an engine step, so it includes that step's time; recording rule "
         "kvscope:request_load_duration_seconds_bucket:rate5m). The request's prefill waits this "
         "long; it should stay well below the prefill time it saves. Red is the "
         "KVScopeLoadLatencyHigh alert threshold (500 ms). If high: check copy latency and "

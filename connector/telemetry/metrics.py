@@ -145,7 +145,7 @@ class KVScopeStats(KVConnectorStats):
             self._inc_keyed("store_bytes", group_key(group, kind), nbytes)
 
     def record_request_load(self, duration_s: float) -> None:
-        """One request's whole load, from planning to the last copy done."""
+        """One request's whole load, from planning to the scheduler hearing every worker's copies done."""
         value = float(duration_s)
         if value >= 0:
             self.data.setdefault("request_load_duration_s", []).append(value)
@@ -302,15 +302,17 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("kvscope_copy_duration_seconds", Histogram, "copy_duration_s", _GKD,
                "Measured duration of one group's copy between device and host tier.", COPY_BUCKETS_S),
     MetricSpec("kvscope_request_load_duration_seconds", Histogram, "request_load_duration_s", (),
-               "Time from planning a request's load to its last copy done.", REQUEST_LOAD_BUCKETS_S),
+               "Time from planning a request's load to the scheduler hearing that every worker's copies are done "
+               "(reported at the end of an engine step, so it includes that step's time).", REQUEST_LOAD_BUCKETS_S),
     MetricSpec("kvscope_evicted_blocks_total", Counter, "evicted_blocks", (),
-               "Blocks evicted from the host tier (LRU) to make room."),
+               "Host-tier entries evicted (LRU) to make room; an entry is one offloaded block (block_size tokens) "
+               "of one group."),
     MetricSpec("kvscope_load_failures_total", Counter, "load_failures", (),
-               "Blocks whose load from the host tier failed (recomputed instead)."),
+               "Device blocks whose load from the host tier failed (recomputed instead)."),
     MetricSpec("kvscope_host_used_bytes", Gauge, "host_used_bytes", (),
                "Bytes of the host tier holding KV blocks."),
     MetricSpec("kvscope_host_capacity_bytes", Gauge, "host_capacity_bytes", (),
-               "Capacity of the host tier in bytes (cpu_bytes)."),
+               "Capacity of the host tier in bytes: its slots times the slot size (cpu_bytes rounded down to whole slots)."),
 )
 METRIC_NAMES = tuple(spec.name for spec in METRICS)
 

@@ -87,8 +87,9 @@ def test_results_files(tmp_path, monkeypatch):
     ]
     monkeypatch.setattr(run_all, "_benches", lambda quick: [("fake", lambda: fake)])
     assert run_all.main(quick=True, out_dir=tmp_path) == 0
-    assert json.loads((tmp_path / "results.json").read_text()) == fake
-    md = (tmp_path / "results.md").read_text()
+    assert not (tmp_path / "results.json").exists()  # a quick run leaves the full run's results alone
+    assert json.loads((tmp_path / "results-quick.json").read_text()) == fake
+    md = (tmp_path / "results-quick.md").read_text()
     assert "| planner_vs_vllm.kvscope_on[1g/128] | 45.00 | us | 1.50 |" in md and "| no |" in md
     assert "2k: 5.0x" in md
 

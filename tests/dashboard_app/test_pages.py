@@ -189,8 +189,8 @@ def test_live_page_shows_prometheus_numbers(monkeypatch, fake_prometheus):
     assert_ok(at)
     shown = metrics(at)
     assert shown["Token hit rate (latest)"] == "75.0%"  # the last finite sample
-    assert shown["Load time p50 (latest)"] == "2.00 ms"
-    assert shown["Load time p99 (latest)"] == "8.00 ms"
+    assert shown["Load-to-report time p50 (latest)"] == "2.00 ms"
+    assert shown["Load-to-report time p99 (latest)"] == "8.00 ms"
     assert len(at.get("vega_lite_chart")) == 2
 
 

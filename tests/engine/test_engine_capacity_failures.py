@@ -46,7 +46,7 @@ def test_host_blocks_dropped_after_lookup_are_recomputed_and_counted(scenarios, 
 @pytest.mark.parametrize("extra, expected", [
     ({"cpu_bytes": 0}, "kv_connector_extra_config.cpu_bytes=0 is not accepted"),
     ({"cpu_bytes": 1 << 20, "block_size": 100}, "must be a multiple of every KV group's device block size"),
-    ({"cpu_bytes": 1 << 20, "colour": "red"}, "unknown key(s) ['colour']"),
+    ({"cpu_bytes": 1 << 20, "colour": "red"}, "unknown key(s) colour='red'"),
 ])
 def test_bad_extra_config_stops_engine_start_with_a_clear_message(extra, expected):
     from .conftest import run_scenario_process

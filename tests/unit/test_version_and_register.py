@@ -96,13 +96,33 @@ def test_register_is_reentrant():
     assert connector.KVScopeConnector is KVScopeConnector  # lazy package attribute
 
 
-def test_register_refuses_unsupported_vllm(monkeypatch):
+def test_register_never_breaks_vllm_on_an_unsupported_version(monkeypatch, caplog):
+    # vLLM runs every installed general plugin at every start and does not catch what it raises:
+    # raising here would stop vLLM even where kvscope is not configured.
     import vllm
-
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
     monkeypatch.setattr(vllm, "__version__", "0.31.0")
     monkeypatch.setattr(KVConnectorFactory, "_registry", {})
-    with pytest.raises(UnsupportedVLLMVersion, match="0.31.0"):
+    with caplog.at_level("WARNING", logger="connector"):
         connector.register()
-    assert connector.CONNECTOR_NAME not in KVConnectorFactory._registry
+    assert "vLLM 0.31.0" in caplog.text and "refuse to start" in caplog.text
+    assert connector.CONNECTOR_NAME in KVConnectorFactory._registry
+    # the connector itself still refuses, with the version message
+    from connector.connector import KVScopeConnector
+
+    with pytest.raises(UnsupportedVLLMVersion, match="0.31.0"):
+        KVScopeConnector(vllm_config=None, role=None)
+
+
+def test_register_survives_a_factory_it_does_not_know(monkeypatch, caplog):
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    def refuse(*args, **kwargs):
+        raise TypeError("register_connector() takes other arguments")
+
+    monkeypatch.setattr(KVConnectorFactory, "_registry", {})
+    monkeypatch.setattr(KVConnectorFactory, "register_connector", refuse)
+    with caplog.at_level("WARNING", logger="connector"):
+        connector.register()
+    assert "kv_connector_module_path" in caplog.text
