@@ -313,7 +313,6 @@ class KVScopeSide:
             hash_block_size=DEVICE_BLOCK_SIZE,
             num_slots=case.num_groups * chunks + 1,
             slot_bytes=1,
-            group_block_bytes=[1] * case.num_groups,
             world_size=1,
             tracing=tracing,
             kv_cache_manager_getter=lambda: None,

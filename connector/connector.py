@@ -13,6 +13,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
     SupportsHMA,
 )
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from .config import ConfigError, parse_config
 from .metadata import KVScopeMetadata
@@ -27,6 +28,9 @@ logger = logging.getLogger(__name__)
 
 
 class KVScopeConnector(KVConnectorBase_V1, SupportsHMA):
+    # vLLM's `vllm:prompt_tokens_cached_by_source` files our hits under the host-memory tier.
+    _cache_hit_source = CacheHitSource.HOST
+
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
         check_vllm_version()
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
@@ -65,7 +69,6 @@ class KVScopeConnector(KVConnectorBase_V1, SupportsHMA):
                 hash_block_size=hash_block_size,
                 num_slots=num_slots,
                 slot_bytes=layout.slot_bytes,
-                group_block_bytes=[sum(p for _, _, p in g) for g in layout.group_layers],
                 world_size=vllm_config.parallel_config.world_size,
                 tracing=self.tracing,
                 kv_cache_manager_getter=lambda: self._kv_cache_manager,

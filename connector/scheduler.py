@@ -57,6 +57,7 @@ class _Job:
     loaded: list[tuple[int, int]] = field(default_factory=list)  # load: (group, blocks)
     reports: int = 0
     failed: bool = False
+    aborted: bool = False  # load: its request ended (aborted) before the load was reported: unused
 
 
 class KVScopeScheduler:
@@ -67,7 +68,6 @@ class KVScopeScheduler:
         hash_block_size: int,
         num_slots: int,
         slot_bytes: int,
-        group_block_bytes: list[int],
         world_size: int,
         tracing: KVScopeTracing,
         kv_cache_manager_getter,
@@ -83,7 +83,6 @@ class KVScopeScheduler:
         self.stores = PiecewiseStores(self.index, layouts, offload_block_size, self.hashes_per_block)
         self.slot_bytes = slot_bytes
         self.capacity_bytes = num_slots * slot_bytes
-        self.group_block_bytes = group_block_bytes  # bytes of one device block, per group
         self.world_size = world_size
         self.tracing = tracing
         self._kv_cache_manager = kv_cache_manager_getter
@@ -470,13 +469,12 @@ class KVScopeScheduler:
             # schedules misses and recomputes instead of failing the same way again.
             self.index.drop(job.keys)
             self._stats.record_load_failures(sum(blocks for _, blocks in job.loaded))
-        else:
+        elif not job.aborted:
+            # Blocks a request received (its load bytes are counted where they move: each
+            # worker's copy). An aborted request's blocks are freed unused: neither counted.
             self._stats.record_request_load((time.perf_counter_ns() - job.plan_ns) / 1e9)
             for group, blocks in job.loaded:
-                layout = self.layouts[group]
-                # Each worker moves its own shard: bytes over all workers.
-                nbytes = blocks * self.group_block_bytes[group] * self.world_size
-                self._stats.record_loaded_blocks(group, layout.kind.value, blocks, nbytes)
+                self._stats.record_loaded_blocks(group, self.layouts[group].kind.value, blocks)
 
     def _update_capacity_stats(self) -> None:
         evicted = self.index.evicted_total - self._evicted_reported
@@ -492,6 +490,11 @@ class KVScopeScheduler:
         self._lookups.pop(req_id, None)
         if state is not None and state.filling is not None:
             self.stores.request_finished(request, state.filling)
+        if self._jobs:
+            # Aborted while its load runs: vLLM frees the blocks, uncached, once the load is done.
+            for job in self._jobs.values():
+                if job.req_id == req_id and job.direction == LOAD:
+                    job.aborted = True
         # Stores are complete (CPU) or fenced before block reuse (CUDA): free at once.
         return False, None
 

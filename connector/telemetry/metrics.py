@@ -35,10 +35,9 @@ Which call feeds which contract metric (each metric has exactly one source):
 ``record_lookup``                  ``kvscope_lookup_tokens_total``, ``kvscope_hit_tokens_total``
 ``record_scan``                    ``kvscope_scan_blocks_total``, ``kvscope_null_blocks_skipped_total``,
                                    ``kvscope_scan_duration_seconds``
-``record_loaded_blocks``           ``kvscope_loaded_blocks_total``, ``kvscope_load_bytes_total``
-``record_copy``                    ``kvscope_copy_duration_seconds``; direction ``store`` also
-                                   ``kvscope_store_bytes_total`` (load bytes come from
-                                   ``record_loaded_blocks``, so a load is not counted twice)
+``record_loaded_blocks``           ``kvscope_loaded_blocks_total`` (scheduler: blocks a request used)
+``record_copy``                    ``kvscope_copy_duration_seconds``, ``kvscope_load_bytes_total`` /
+                                   ``kvscope_store_bytes_total`` by direction (workers: bytes moved)
 ``record_request_load``            ``kvscope_request_load_duration_seconds``
 ``record_evictions``               ``kvscope_evicted_blocks_total``
 ``record_load_failures``           ``kvscope_load_failures_total``
@@ -125,11 +124,10 @@ class KVScopeStats(KVConnectorStats):
         self._inc_keyed("null_blocks_skipped", key, null_skipped)
         self._observe_keyed("scan_duration_s", key, duration_s)
 
-    def record_loaded_blocks(self, group: int, kind: str, blocks: int, nbytes: int) -> None:
-        """Blocks (and their bytes) of one group loaded from the host tier for a request."""
-        key = group_key(group, kind)
-        self._inc_keyed("loaded_blocks", key, blocks)
-        self._inc_keyed("load_bytes", key, nbytes)
+    def record_loaded_blocks(self, group: int, kind: str, blocks: int) -> None:
+        """Device blocks of one group a request received from the host tier (its load succeeded on
+        every worker). Their bytes are counted by each worker's `record_copy`."""
+        self._inc_keyed("loaded_blocks", group_key(group, kind), blocks)
 
     def record_copy(
         self, group: int, kind: str, direction: str, blocks: int, nbytes: int, duration_s: float
@@ -141,8 +139,9 @@ class KVScopeStats(KVConnectorStats):
         self._inc_keyed("copy_blocks", key, blocks)
         self._inc_keyed("copy_bytes", key, nbytes)
         self._observe_keyed("copy_duration_s", key, duration_s)
-        if direction == "store":
-            self._inc_keyed("store_bytes", group_key(group, kind), nbytes)
+        # Bytes where they move: a copy that ran counts, even when another worker's part of the
+        # same load failed (so these totals equal the copy spans' bytes).
+        self._inc_keyed(f"{direction}_bytes", group_key(group, kind), nbytes)
 
     def record_request_load(self, duration_s: float) -> None:
         """One request's whole load, from planning to the scheduler hearing every worker's copies done."""

@@ -73,6 +73,8 @@ def test_failure_on_one_worker_fails_the_whole_load_and_recomputes(scenarios, ge
     result = scenarios.get("gemma3-tp2-rank1-fails", spec)
     assert result["kvscope"]["kvscope_load_failures_total"] > 0
     assert result["kvscope"].get("kvscope_loaded_blocks_total", 0) == 0  # never half-loaded
+    # bytes count where they move: rank 0's copies ran (as its copy spans say) though unused
+    assert result["kvscope"]["kvscope_load_bytes_total"] > 0
     for round_ in result["rounds"]:
         assert _tokens(round_) == _tokens(gemma_baseline["rounds"][0])
 

@@ -149,6 +149,10 @@ def test_hits_are_sane_and_equal_vllm_external_hits(two_rounds):
     external = _total(fams, "vllm:external_prefix_cache_hits")
     assert 0 < hits <= lookups
     assert hits == external
+    # vLLM's per-tier cache-hit counter files kvscope's hits under the host tier
+    by_source = {s.labels["source"]: s.value for s in fams["vllm:prompt_tokens_cached_by_source"].samples
+                 if s.name.endswith("_total")}
+    assert by_source["host"] == hits and by_source["external_unspecified"] == 0
 
 
 def test_per_group_labels_and_copy_histograms_have_samples(two_rounds):

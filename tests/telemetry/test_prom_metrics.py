@@ -44,7 +44,7 @@ def _payload() -> dict:
     s.record_lookup(100, 64)
     s.record_scan(0, "full_attention", 8, 0, 3e-6)
     s.record_scan(1, "sliding_window", 8, 6, 2e-6)
-    s.record_loaded_blocks(1, "sliding_window", 2, 2048)
+    s.record_loaded_blocks(1, "sliding_window", 2)
     s.record_copy(1, "sliding_window", "load", 2, 2048, 0.0015)
     s.record_copy(2, "mamba", "store", 1, 512, 0.0004)
     s.record_request_load(0.003)

@@ -6,6 +6,7 @@ from types import SimpleNamespace
 
 from connector.groups import GroupKind, GroupLayout
 from connector.planning import scan_group
+from connector.metadata import KVScopeWorkerMetadata
 from connector.scheduler import KVScopeScheduler
 from connector.telemetry.testing import in_memory_tracing
 from connector.telemetry.tracing import KVScopeTracing, OsRandomIdGenerator
@@ -17,9 +18,9 @@ LAYOUTS = [
 ]
 
 
-def make_scheduler(tracing) -> KVScopeScheduler:
+def make_scheduler(tracing, world_size: int = 1) -> KVScopeScheduler:
     return KVScopeScheduler(LAYOUTS, offload_block_size=B, hash_block_size=BS, num_slots=64,
-                            slot_bytes=1024, group_block_bytes=[256, 256], world_size=1,
+                            slot_bytes=1024, world_size=world_size,
                             tracing=tracing, kv_cache_manager_getter=lambda: None)
 
 
@@ -106,6 +107,57 @@ def test_stats_agree_with_the_spans():
     assert sum(data["null_blocks_skipped"].values()) == sum(a["kvscope.group.blocks.null_skipped"] for a in scans)
 
 
+def _report(sched, completed=(), failed=()):
+    sched.update_connector_output(SimpleNamespace(kv_connector_worker_meta=KVScopeWorkerMetadata(
+        completed_jobs={job: 1 for job in completed}, failed_jobs={job: 1 for job in failed})))
+
+
+def _planned_load(sched, rid):
+    request = make_request(rid, 200)
+    store_everything(sched, request)
+    plan(sched, request)
+    sched.take_stats()  # the lookup and scans: not what these tests count
+    job = sched._pending_loads[-1]
+    return request, job
+
+
+def test_a_load_counts_its_blocks_once_every_worker_reported_it():
+    sched = make_scheduler(KVScopeTracing.disabled(), world_size=2)
+    _, job = _planned_load(sched, "r1")
+    pending = sum(len(g.block_ids) for g in job.groups)
+    _report(sched, completed=[job.job_id])
+    assert sched.take_stats() is None or "loaded_blocks" not in sched.take_stats().data  # one of two
+    _report(sched, completed=[job.job_id])
+    data = sched.take_stats().data
+    assert sum(data["loaded_blocks"].values()) == pending and len(data["request_load_duration_s"]) == 1
+    assert "load_bytes" not in data  # bytes are counted by the workers' copies
+
+
+def test_a_load_failing_on_one_of_two_workers_counts_failures_not_loaded_blocks():
+    sched = make_scheduler(KVScopeTracing.disabled(), world_size=2)
+    _, job = _planned_load(sched, "r1")
+    pending = sum(len(g.block_ids) for g in job.groups)
+    _report(sched, completed=[job.job_id])
+    _report(sched, failed=[job.job_id])
+    data = sched.take_stats().data
+    assert data["load_failures"] == pending
+    assert "loaded_blocks" not in data and "request_load_duration_s" not in data
+
+
+def test_a_request_aborted_while_loading_counts_no_loaded_blocks():
+    """vLLM frees an aborted request's blocks, uncached, once its load is done: nothing was used."""
+    sched = make_scheduler(KVScopeTracing.disabled())
+    request, job = _planned_load(sched, "r1")
+    other, other_job = _planned_load(sched, "s2")
+    sched.request_finished(request)
+    _report(sched, completed=[job.job_id, other_job.job_id])
+    data = sched.take_stats().data
+    assert sum(data["loaded_blocks"].values()) == sum(len(g.block_ids) for g in other_job.groups)
+    assert len(data["request_load_duration_s"]) == 1  # the other request's only
+    assert not sched.has_unreported_jobs()
+    assert sched.index.is_ready((0, sched._offload_hashes(request)[-1]))  # unpinned, still stored
+
+
 def test_incoming_traceparent_parents_the_connector_spans():
     tracing, exporter = in_memory_tracing()
     sched = make_scheduler(tracing)
@@ -149,7 +201,7 @@ def test_a_store_under_an_upstream_trace_hangs_under_the_upstream_span():
                                                "tracestate": "vendor=1"})
     _, ids = blocks_for(request.num_tokens)
     sched = KVScopeScheduler(LAYOUTS, offload_block_size=B, hash_block_size=BS, num_slots=64, slot_bytes=1024,
-                             group_block_bytes=[256, 256], world_size=1, tracing=tracing,
+                             world_size=1, tracing=tracing,
                              kv_cache_manager_getter=lambda: SimpleNamespace(get_block_ids=lambda rid: ids))
     plan(sched, request)  # a miss: the lookup alone
     job = sched._plan_store(sched._requests["r1"], 192)

@@ -24,8 +24,8 @@ def _scheduler_stats() -> KVScopeStats:
     s.record_lookup(queried_tokens=100, hit_tokens=64)
     s.record_scan(0, "full_attention", blocks_total=8, null_skipped=0, duration_s=3e-6)
     s.record_scan(1, "sliding_window", blocks_total=8, null_skipped=6, duration_s=2e-6)
-    s.record_loaded_blocks(0, "full_attention", blocks=4, nbytes=4096)
-    s.record_loaded_blocks(1, "sliding_window", blocks=2, nbytes=2048)
+    s.record_loaded_blocks(0, "full_attention", blocks=4)
+    s.record_loaded_blocks(1, "sliding_window", blocks=2)
     s.record_request_load(0.004)
     s.record_evictions(3)
     s.record_load_failures(1)
@@ -78,7 +78,8 @@ def test_aggregate_sums_concatenates_and_keeps_latest_gauge():
     assert d["host_used_bytes"] == 20_000
     assert d["evicted_blocks"] == 6 and d["load_failures"] == 2
     assert d["store_bytes"] == {"1|sliding_window": 1024}
-    assert d["load_bytes"] == {"0|full_attention": 8192, "1|sliding_window": 4096}  # only from record_loaded_blocks
+    assert d["loaded_blocks"] == {"0|full_attention": 8, "1|sliding_window": 4}
+    assert d["load_bytes"] == {"0|full_attention": 4096}  # only from the workers' copies
 
 
 def test_aggregate_does_not_alias_the_other_payload():
@@ -125,7 +126,7 @@ def test_reduce_summary():
     r = _scheduler_stats().aggregate(_worker_stats()).reduce()
     assert r["lookup_tokens"] == 100 and r["hit_tokens"] == 64 and r["hit_rate"] == 0.64
     assert r["loaded_blocks"] == 6
-    assert r["loaded_gb"] == pytest.approx(6144 / 1e9, rel=1e-3)
+    assert r["loaded_gb"] == pytest.approx(4096 / 1e9, rel=1e-3)  # the workers' load copies
     assert r["stored_gb"] == pytest.approx(1024 / 1e9, rel=1e-3)
     assert r["scan_us_mean"] == pytest.approx(2.5)
     assert r["load_copies"] == 1 and r["load_copy_ms_mean"] == pytest.approx(2.0)

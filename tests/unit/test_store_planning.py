@@ -32,7 +32,7 @@ class _Manager:
 def _scheduler(num_slots: int = 16) -> tuple[KVScopeScheduler, _Manager]:
     manager = _Manager()
     sched = KVScopeScheduler(LAYOUTS, offload_block_size=B, hash_block_size=BS, num_slots=num_slots,
-                             slot_bytes=1024, group_block_bytes=[256, 256], world_size=1,
+                             slot_bytes=1024, world_size=1,
                              tracing=KVScopeTracing.disabled(), kv_cache_manager_getter=lambda: manager)
     return sched, manager
 
