@@ -21,7 +21,7 @@ from .scheduler import KVScopeScheduler
 from .telemetry.metrics import KVScopePromMetrics, KVScopeStats, serve_metrics_port
 from .telemetry.tracing import KVScopeTracing
 from .version_check import check_vllm_version
-from .vllm_layout import check_parallelism, check_sleep_mode, group_layouts, slot_layout
+from .vllm_layout import check_parallelism, check_sleep_mode, eagle_proof_groups, group_layouts, slot_layout
 from .worker import FENCE_AT_NEXT_STEP, FENCE_AT_ONCE, FENCE_WHEN_REUSED, KVScopeWorker
 
 logger = logging.getLogger(__name__)
@@ -74,6 +74,7 @@ class KVScopeConnector(KVConnectorBase_V1, SupportsHMA):
                 kv_cache_manager_getter=lambda: self._kv_cache_manager,
                 reprefillable_tokens=max(0, getattr(vllm_config, "num_prefill_lookahead_tokens", 0) - 1),
                 speculative=getattr(vllm_config, "speculative_config", None) is not None,
+                eagle_groups=eagle_proof_groups(vllm_config, kv_cache_config, layouts),
             )
         else:
             self._worker = KVScopeWorker(

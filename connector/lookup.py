@@ -29,21 +29,32 @@ def find_hit_tokens(
     num_hashed_blocks: int,
     offload_block_size: int,
     is_stored: IsStored,
+    proof_groups: frozenset[int] = frozenset(),
 ) -> int:
     """Tokens (a multiple of the offload block size) that every group can serve; 0 for none.
 
     At least one token is always left to compute, as vLLM requires. `num_hashed_blocks`
     caps the prefix at the offload blocks whose keys exist.
+
+    `proof_groups` (attention groups holding EAGLE drafter layers): a drafter's KV at a block's
+    last position was computed from the token after it, which the block's key does not cover.
+    A hit of n blocks then also needs block n stored in those groups (its key proves that next
+    token), and block n is left to compute, as vLLM's prefix cache and offloading connector do.
     """
-    max_blocks = min((num_tokens - 1) // offload_block_size, num_hashed_blocks)
+    proving = {layout.index for layout in layouts
+               if layout.index in proof_groups and layout.kind is not GroupKind.MAMBA}  # a state needs no proof
+    max_blocks = min((num_tokens - 1) // offload_block_size, num_hashed_blocks - (1 if proving else 0))
     # Full attention needs a contiguous run from the local boundary: it bounds the search.
     first_needed = num_local_tokens // offload_block_size
     for layout in layouts:
         if layout.kind is GroupKind.FULL_ATTENTION:
+            proof = layout.index in proving  # the run must reach one block past the hit
             k = first_needed
-            while k < max_blocks and is_stored(layout.index, k):
+            while k < max_blocks + proof and is_stored(layout.index, k):
                 k += 1
-            max_blocks = k
+            max_blocks = k - proof
+    proving_windows = [layout.index for layout in layouts
+                       if layout.index in proving and layout.kind is GroupKind.SLIDING_WINDOW]
     for n in range(max_blocks, 0, -1):
         hit = n * offload_block_size
         if hit <= num_local_tokens:
@@ -53,6 +64,6 @@ def find_hit_tokens(
             for layout in layouts
             if layout.kind is not GroupKind.FULL_ATTENTION
             for k in needed_offload_blocks(layout, num_local_tokens, hit, offload_block_size)
-        ):
+        ) and all(is_stored(group, n) for group in proving_windows):
             return hit
     return 0

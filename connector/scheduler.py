@@ -73,8 +73,11 @@ class KVScopeScheduler:
         kv_cache_manager_getter,
         reprefillable_tokens: int = 0,
         speculative: bool = False,
+        eagle_groups: frozenset[int] = frozenset(),
     ):
         self.layouts = layouts
+        # Groups whose hits must prove their next token (EAGLE drafters' KV): `find_hit_tokens`
+        self.eagle_groups = eagle_groups
         self._kind_names = [layout.kind.value for layout in layouts]  # plain str: an enum's .value is slow
         self.block_size = offload_block_size
         self.hash_block_size = hash_block_size
@@ -125,6 +128,7 @@ class KVScopeScheduler:
             num_hashed_blocks=len(hashes),
             offload_block_size=self.block_size,
             is_stored=lambda group, k: index.is_ready((group, hashes[k])),
+            proof_groups=self.eagle_groups,
         )
         external = max(0, hit - num_computed_tokens)
         self._lookups[request.request_id] = _Lookup(num_computed_tokens, external, start, time.time_ns())

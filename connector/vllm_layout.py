@@ -92,6 +92,24 @@ def group_layouts(kv_cache_config: KVCacheConfig) -> list[GroupLayout]:
     return layouts
 
 
+def eagle_proof_groups(vllm_config, kv_cache_config: KVCacheConfig, layouts: list[GroupLayout]) -> frozenset[int]:
+    """The attention groups whose hits must prove the token after them (`lookup.find_hit_tokens`):
+    those vLLM drops a hit's last block in for EAGLE-style drafters, which keep KV of their own
+    computed from the next token. vLLM flags them (`is_eagle_group`); with none flagged, its prefix
+    cache drops in every group, and so does this. Empty without such a drafter, with the drop
+    turned off (`disable_eagle_block_drop`), or when block hashes already cover the next token
+    (`num_hash_lookahead_tokens`)."""
+    spec = getattr(vllm_config, "speculative_config", None)
+    if spec is None or getattr(vllm_config, "num_hash_lookahead_tokens", 0):
+        return frozenset()
+    drops = getattr(spec, "use_eagle_block_drop", None)  # 0.32 and 0.33 (0.33: not for dflash/dspark)
+    if not (drops() if callable(drops) else spec.use_eagle()):
+        return frozenset()
+    attention = {layout.index for layout in layouts if layout.kind is not GroupKind.MAMBA}
+    flagged = {i for i, group in enumerate(kv_cache_config.kv_cache_groups) if getattr(group, "is_eagle_group", False)}
+    return frozenset((flagged & attention) or attention)
+
+
 def _check_one_page_size(index: int, spec: KVCacheSpec) -> None:
     """Refuse a group whose layers' pages differ in size (vLLM's `UniformTypeKVCacheSpecs`: other
     head counts or sizes). vLLM's scheduler sees only its first layer's spec, so the scheduler would

@@ -18,10 +18,10 @@ LAYOUTS = [
 ]
 
 
-def make_scheduler(tracing, world_size: int = 1) -> KVScopeScheduler:
+def make_scheduler(tracing, world_size: int = 1, eagle_groups=frozenset()) -> KVScopeScheduler:
     return KVScopeScheduler(LAYOUTS, offload_block_size=B, hash_block_size=BS, num_slots=64,
                             slot_bytes=1024, world_size=world_size,
-                            tracing=tracing, kv_cache_manager_getter=lambda: None)
+                            tracing=tracing, kv_cache_manager_getter=lambda: None, eagle_groups=eagle_groups)
 
 
 def make_request(rid: str, num_tokens: int, headers=None):
@@ -156,6 +156,17 @@ def test_a_request_aborted_while_loading_counts_no_loaded_blocks():
     assert len(data["request_load_duration_s"]) == 1  # the other request's only
     assert not sched.has_unreported_jobs()
     assert sched.index.is_ready((0, sched._offload_hashes(request)[-1]))  # unpinned, still stored
+
+
+def test_with_an_eagle_drafter_the_hit_leaves_the_last_stored_block_to_compute():
+    """Its drafter KV at that block's end came from a next token no stored key proves."""
+    sched = make_scheduler(KVScopeTracing.disabled(), eagle_groups=frozenset({0, 1}))
+    request = make_request("r1", 200)
+    store_everything(sched, request)  # 6 offload blocks of 32 tokens
+    external, _, _ = plan(sched, request)
+    assert external == 5 * B  # block 5 proves block 4's next token, and is computed again
+    data = sched.take_stats().data
+    assert data["hit_tokens"] == external and data["lookup_tokens"] == 200
 
 
 def test_incoming_traceparent_parents_the_connector_spans():

@@ -36,11 +36,17 @@ def reference_needed(layout, num_local_tokens, num_hit_tokens, b) -> set[int]:
     return {t // b for t in kept_tokens(layout, num_hit_tokens) if t >= num_local_tokens}
 
 
-def reference_hit_tokens(layouts, num_tokens, num_local_tokens, num_hashed_blocks, b, stored):
+def reference_hit_tokens(layouts, num_tokens, num_local_tokens, num_hashed_blocks, b, stored,
+                         proof_groups=frozenset()):
+    """The longest hit every group can serve; with `proof_groups` (EAGLE), the block after the hit
+    must also be hashed and stored in each of those attention groups."""
     best = 0
     for n in range(1, num_hashed_blocks + 1):
         hit = n * b
         if hit >= num_tokens or hit <= num_local_tokens:
+            continue
+        proving = [g.index for g in layouts if g.index in proof_groups and g.kind is not MAMBA]
+        if proving and (n >= num_hashed_blocks or any((g, n) not in stored for g in proving)):
             continue
         if all(
             (g.index, k) in stored
@@ -168,6 +174,29 @@ def test_hybrid_three_kinds():
     assert find_hit_tokens(layouts, 10_000, 0, 20, 128, Store(stored)) == 6 * 128
 
 
+def test_eagle_leaves_the_last_stored_block_to_compute():
+    # Blocks 0..3 stored: the drafter's KV at block 3's last position came from a token no key
+    # proves, so the hit stops at 3 blocks (block 3 proves block 2's next token).
+    full = GroupLayout(0, FULL, 16)
+    stored = every_key([full], 4)
+    assert find_hit_tokens([full], 10_000, 0, 20, 64, Store(stored)) == 4 * 64
+    assert find_hit_tokens([full], 10_000, 0, 20, 64, Store(stored), proof_groups=frozenset({0})) == 3 * 64
+    # the proof block needs a key: 4 hashed blocks, all stored, prove a hit of 3 at most
+    assert find_hit_tokens([full], 10_000, 0, 4, 64, Store(stored), proof_groups=frozenset({0})) == 3 * 64
+    assert find_hit_tokens([full], 10_000, 0, 3, 64, Store(stored), proof_groups=frozenset({0})) == 2 * 64
+
+
+def test_eagle_sliding_window_needs_the_block_after_the_hit():
+    layouts = [GroupLayout(0, FULL, 16), GroupLayout(1, SWA, 16, 64)]
+    stored = every_key(layouts[:1], 6) | {(1, 3), (1, 4)}
+    eagle = frozenset({0, 1})
+    assert find_hit_tokens(layouts, 10_000, 0, 20, 64, Store(stored)) == 5 * 64
+    # a hit of 5 needs window block 5, a hit of 4 has block 4 as its proof
+    assert find_hit_tokens(layouts, 10_000, 0, 20, 64, Store(stored), proof_groups=eagle) == 4 * 64
+    # a group without drafter layers needs no proof
+    assert find_hit_tokens(layouts, 10_000, 0, 20, 64, Store(stored), proof_groups=frozenset({0})) == 5 * 64
+
+
 # --- properties ------------------------------------------------------------------------------
 
 
@@ -187,6 +216,16 @@ def test_hit_matches_reference(case):
     layouts, num_tokens, local, num_hashed, b, stored = case
     got = find_hit_tokens(layouts, num_tokens, local, num_hashed, b, Store(stored))
     assert got == reference_hit_tokens(layouts, num_tokens, local, num_hashed, b, stored)
+
+
+@settings(max_examples=400, deadline=None)
+@given(lookups(), st.data())
+def test_eagle_hit_matches_reference(case, data):
+    layouts, num_tokens, local, num_hashed, b, stored = case
+    proof = frozenset(data.draw(st.sets(st.sampled_from([g.index for g in layouts]), min_size=1)))
+    got = find_hit_tokens(layouts, num_tokens, local, num_hashed, b, Store(stored), proof_groups=proof)
+    assert got == reference_hit_tokens(layouts, num_tokens, local, num_hashed, b, stored, proof)
+    assert got <= find_hit_tokens(layouts, num_tokens, local, num_hashed, b, Store(stored))
 
 
 @settings(max_examples=300, deadline=None)

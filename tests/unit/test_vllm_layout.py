@@ -18,7 +18,13 @@ from vllm.v1.kv_cache_interface import (
 )
 
 from connector.groups import GroupKind
-from connector.vllm_layout import UnsupportedKVCache, check_parallelism, check_sleep_mode, group_layouts
+from connector.vllm_layout import (
+    UnsupportedKVCache,
+    check_parallelism,
+    check_sleep_mode,
+    eagle_proof_groups,
+    group_layouts,
+)
 
 COMMON = dict(block_size=16, num_kv_heads=1, head_size=64, dtype=torch.bfloat16)
 
@@ -100,3 +106,46 @@ def test_mamba_groups_need_vllms_align_mode():
     assert [g.kind for g in layouts] == [GroupKind.MAMBA, GroupKind.FULL_ATTENTION]
     with pytest.raises(UnsupportedKVCache, match="mamba_cache_mode='none' .*accepted is 'align'.*enable-prefix-caching"):
         group_layouts(_config(MambaSpec(**state, mamba_cache_mode="none"), FullAttentionSpec(**COMMON)))
+
+
+def _speculative(method: str, disable_drop: bool = False):
+    """vLLM's own SpeculativeConfig methods on a config without a draft model to load."""
+    from vllm.config import SpeculativeConfig
+
+    spec = object.__new__(SpeculativeConfig)
+    for name, value in (("method", method), ("disable_eagle_block_drop", disable_drop),
+                        ("draft_model_config", None)):
+        object.__setattr__(spec, name, value)
+    return spec
+
+
+def _hybrid(eagle_flags=(False, False, False)):
+    config = _config(FullAttentionSpec(**COMMON), SlidingWindowSpec(**COMMON, sliding_window=64),
+                     MambaSpec(block_size=16, shapes=((2, 64),), dtypes=(torch.float32,), mamba_cache_mode="align"))
+    for group, flag in zip(config.kv_cache_groups, eagle_flags):
+        group.is_eagle_group = flag
+    return config
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3", "mtp"])
+def test_eagle_drafters_make_every_attention_group_prove_its_next_token(method):
+    config = _hybrid()
+    vllm_config = SimpleNamespace(speculative_config=_speculative(method), num_hash_lookahead_tokens=0)
+    assert eagle_proof_groups(vllm_config, config, group_layouts(config)) == {0, 1}  # not the Mamba group
+
+
+def test_only_the_groups_vllm_flags_for_the_drop_when_it_flags_any():
+    config = _hybrid(eagle_flags=(False, True, False))
+    vllm_config = SimpleNamespace(speculative_config=_speculative("eagle"), num_hash_lookahead_tokens=0)
+    assert eagle_proof_groups(vllm_config, config, group_layouts(config)) == {1}
+
+
+@pytest.mark.parametrize("vllm_config", [
+    SimpleNamespace(speculative_config=None),
+    SimpleNamespace(speculative_config=_speculative("ngram"), num_hash_lookahead_tokens=0),
+    SimpleNamespace(speculative_config=_speculative("eagle", disable_drop=True), num_hash_lookahead_tokens=0),
+    SimpleNamespace(speculative_config=_speculative("eagle"), num_hash_lookahead_tokens=1),
+], ids=["no-drafter", "ngram", "drop-disabled", "lookahead-hashes"])
+def test_no_proof_without_a_drafter_that_needs_vllms_drop(vllm_config):
+    config = _hybrid()
+    assert eagle_proof_groups(vllm_config, config, group_layouts(config)) == frozenset()
