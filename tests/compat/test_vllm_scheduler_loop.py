@@ -417,6 +417,22 @@ def test_speculative_decoding_stores_only_the_kv_of_accepted_tokens(model_path, 
     assert turn2_hits == expected
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_with_an_eagle_drafter_a_hit_leaves_the_last_stored_block_to_compute(model_path, async_scheduling):
+    """vLLM drops an EAGLE hit's last block (the drafter's KV at its end came from a next token no key
+    proves): kvscope's hits leave the last block turn 1 stored to compute, vLLM's scheduler counts
+    exactly those hits, and every position a forward reads holds the right KV."""
+    block_size = 64
+    engine = ModelFreeEngine(model_path, {"cpu_bytes": 64 << 20, "block_size": block_size}, window=WINDOW,
+                             async_scheduling=async_scheduling, spec_tokens=3, spec_method="eagle")
+    assert engine.scheduler.use_eagle_block_drop
+    assert engine.workers[0]._scheduler is None
+    turn2_hits, whole_blocks = _two_turns(engine, block_size)
+    _assert_no_violations(engine.stats)
+    conversations = len(_prompts())
+    assert turn2_hits == whole_blocks - conversations * block_size  # one block a conversation
+
+
 def test_a_cache_salt_keeps_tenants_apart(model_path):
     """vLLM's `cache_salt` (per-tenant prefix-cache isolation) goes into the block hashes, so into the
     host tier's keys: another salt, or none, never hits what a salted request stored; the same salt does."""
