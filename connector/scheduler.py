@@ -44,6 +44,8 @@ class _RequestState:
     # Mamba blocks a forward of the request ended in: (group, block index) -> block id, or None for
     # one a forward started inside and left (`StateBlocks`)
     witnessed_states: dict = field(default_factory=dict)
+    # its device KV predates a cache reset (it kept running through it): nothing it computes is stored
+    stores_stopped: bool = False
 
 
 @dataclass(slots=True)
@@ -351,6 +353,8 @@ class KVScopeScheduler:
         an offloaded block whose key is known (its tokens are all known: the prompt's are from the
         start); in a group that stores ahead (`PiecewiseStores.stores_ahead`), in any block, under a
         placeholder key until the real one exists."""
+        if state.stores_stopped:
+            return None
         request = state.request
         layouts = self.layouts
         if state.stored_blocks is None:
@@ -506,13 +510,17 @@ class KVScopeScheduler:
         """vLLM resets its caches (`reset_prefix_cache(reset_connector=True)`, e.g. after a weight
         update): KV computed before must never load after. Every stored block is forgotten (one a
         load still reads, once read); offloaded blocks still being filled or written are given up,
-        so their earlier pieces never complete with later ones. Requests store again from their
-        first block, as vLLM's own offloading does: with `reset_running_requests` vLLM preempts
-        them, so what they store is computed again after the reset."""
+        so their earlier pieces never complete with later ones. Requests vLLM preempted for the
+        reset (`reset_running_requests`: no tokens computed now) store again from their first
+        block, as vLLM's own offloading does: they compute it all again. Requests that still hold
+        KV (vLLM resets anyway without `reset_running_requests`, though its own cache stays;
+        requests loading) keep computing on KV from before, so they store nothing more."""
         for filling in list(self.stores.by_key.values()):
             self.stores.give_up(filling)
         for state in self._requests.values():
             state.stored_blocks = state.filling = None
+            if state.request.num_computed_tokens > 0:
+                state.stores_stopped = True
         self.index.clear()
         return True
 

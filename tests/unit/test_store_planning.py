@@ -38,7 +38,7 @@ def _scheduler(num_slots: int = 16) -> tuple[KVScopeScheduler, _Manager]:
 
 
 def _state(rid: str, num_tokens: int) -> _RequestState:
-    request = SimpleNamespace(request_id=rid, num_tokens=num_tokens,
+    request = SimpleNamespace(request_id=rid, num_tokens=num_tokens, num_computed_tokens=0,
                               block_hashes=[f"h{i}" for i in range(num_tokens // BS)])
     return _RequestState(request=request)
 
@@ -339,6 +339,7 @@ def test_a_cache_reset_never_lets_blocks_computed_before_it_load_after():
     sched.index.pin_for_load(ready)  # a load still reading it
     half = sched._plan_store(state, 96)  # offloaded block 1 half filled, its store unreported
     half_slot = sched.stores.by_key[(1, "h7")].slot
+    state.request.num_computed_tokens = 0  # vLLM preempted it for the reset (`reset_running_requests`)
     sched.reset_cache()
     assert not sched.index.is_ready(ready) and sched.index.pin_for_load(ready) is None
     _report(sched, half)
@@ -351,3 +352,21 @@ def test_a_cache_reset_never_lets_blocks_computed_before_it_load_after():
     assert sched.index.is_ready((1, "h7")) and sched.index.is_ready((1, "h11"))
     sched.index.unpin(ready)
     assert not sched.index.contains(ready) and sched.stores.by_key == {}
+
+
+def test_a_request_that_keeps_running_through_a_reset_stores_nothing_more():
+    """Without `reset_running_requests` vLLM resets the connector while a request keeps its KV from
+    before (its own reset fails then, and the connector's runs anyway): everything that request
+    computes next sits on that KV, so none of it is stored, not even blocks it computes after."""
+    sched, manager = _scheduler()
+    state = sched._requests["r"] = _state("r", 256)
+    manager.ids = _ids(0, 16)
+    _report(sched, sched._plan_store(state, 64))  # offloaded block 0 stored
+    state.request.num_computed_tokens = 64  # still running: its KV predates the reset
+    sched.reset_cache()
+    manager.ids = _ids(64, 16)
+    assert sched._plan_store(state, 192) is None
+    assert not any(sched.index.contains((g, f"h{i}")) for g in (0, 1) for i in range(16))
+    # a request that starts after the reset stores as usual
+    fresh = sched._requests["s"] = _state("s", 256)
+    assert sched._plan_store(fresh, 64) is not None
