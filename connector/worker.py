@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -11,7 +12,7 @@ import torch
 from .copy_engine import CopyEngine, CopyResult
 from .metadata import LOAD, STORE, KVScopeMetadata, KVScopeWorkerMetadata, TransferJob
 from .telemetry.metrics import KVScopeStats
-from .telemetry.span_records import COPY_SPAN
+from .telemetry.span_records import COPY_SPAN, FAILED_COPY_SPAN
 from .telemetry.tracing import KVScopeTracing
 
 logger = logging.getLogger(__name__)
@@ -164,6 +165,7 @@ class KVScopeWorker:
             self._meta.failed_jobs[job.job_id] = 1
             if job.direction == LOAD:
                 self._failed_loads.add(job.req_id)
+            self._record_failure(job)
         else:
             self._meta.completed_jobs[job.job_id] = 1
             self._record(job, flight.copies)
@@ -179,6 +181,18 @@ class KVScopeWorker:
             if parent is not None:
                 self.tracing.record(COPY_SPAN, parent, copy.start_ns, copy.end_ns,
                                     (group, kind, job.direction, copy.blocks, copy.nbytes, self.rank, job.req_id))
+
+    def _record_failure(self, job: TransferJob) -> None:
+        """A copy span with status ERROR per group of a failed job (no blocks, no bytes), so a trace
+        replay tells a hit whose load failed, and was recomputed, from one that loaded."""
+        if not job.trace_carrier:
+            return
+        parent = self.tracing.parent_from_carrier(job.trace_carrier)
+        now = time.time_ns()
+        for part in job.groups:
+            self.tracing.record(FAILED_COPY_SPAN, parent, now, now,
+                                (part.group_index, self.group_kinds[part.group_index], job.direction, 0, 0,
+                                 self.rank, job.req_id))
 
     # -- results back to vLLM --
     def transfer_results(self) -> tuple[set[str], set[str]]:

@@ -52,3 +52,6 @@ def request_numbers(request: pd.Series) -> None:
     cols[1].metric("Request hit rate", formatting.percent(request["hit_rate"]))
     cols[2].metric("Load time", formatting.millis(request["load_ms"]), help=traces.LOAD_TIME_DEFINITION)
     cols[3].metric("Loaded from host", formatting.data_size(request["bytes_loaded"]))
+    if request["load_failed"]:
+        st.error("A load of this request failed on a worker (copy span with status ERROR): vLLM recomputed "
+                 "its tokens instead. " + traces.LOAD_FAILED_DEFINITION, icon=":material/error:")

@@ -31,7 +31,7 @@ from typing import Any
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
-from opentelemetry.trace import SpanContext, SpanKind, TraceFlags, TraceState
+from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags, TraceState
 
 KIND, TRACE_ID, SPAN_ID, PARENT_ID, PARENT_REMOTE, TRACE_STATE, START, END, VALUES = range(9)
 
@@ -43,6 +43,7 @@ class RecordKind:
     code: int
     name: str
     attributes: tuple[tuple[str, type], ...]  # (key, int or str), in the order of a record's values
+    error: str | None = None  # spans of this kind have status ERROR with this message
 
     @property
     def keys(self) -> tuple[str, ...]:
@@ -65,14 +66,18 @@ COPY_SPAN = RecordKind(5, "kvscope.group.copy", (
     ("kvscope.group.index", int), ("kvscope.group.kind", str), ("kvscope.copy.direction", str),
     ("kvscope.copy.blocks", int), ("kvscope.copy.bytes", int), ("kvscope.worker.rank", int),
     ("kvscope.request.id", str)))
-KINDS = (GENERIC_SPAN, LOOKUP_SPAN, LOAD_SPAN, SCAN_SPAN, STORE_SPAN, COPY_SPAN)  # by code
+# A copy that failed on this worker (a load vLLM then recomputes, a store that is dropped): the
+# copy span with status ERROR, its blocks and bytes 0, so replays see why a hit loaded nothing.
+FAILED_COPY_SPAN = RecordKind(6, COPY_SPAN.name, COPY_SPAN.attributes,
+                              error="copy failed on this worker: a load is recomputed, a store dropped")
+KINDS = (GENERIC_SPAN, LOOKUP_SPAN, LOAD_SPAN, SCAN_SPAN, STORE_SPAN, COPY_SPAN, FAILED_COPY_SPAN)  # by code
 
 # The compound load record's kind code (not in KINDS: it is never encoded as itself). Its ids,
 # parent, trace state and times are the load span's; its values are
 # ``(request id, local tokens, external tokens, groups, scans, lookup)`` with
 # - ``scans``: one ``(start_ns, end_ns, *SCAN_SPAN values)`` per group, in the load's group order;
 # - ``lookup``: None, or ``(span_id, parent_span_id, parent_is_remote, start_ns, end_ns, queried, hit)``.
-LOAD_PLAN = 6
+LOAD_PLAN = 7
 
 _MASK64 = (1 << 64) - 1
 
@@ -125,6 +130,13 @@ def record_attributes(record: tuple) -> dict[str, Any]:
 
 
 _SAMPLED = TraceFlags(TraceFlags.SAMPLED)
+_UNSET = Status(StatusCode.UNSET)
+
+
+def _status(record: tuple) -> Status:
+    kind = record[KIND]
+    error = KINDS[kind].error if kind != GENERIC_SPAN.code else None
+    return Status(StatusCode.ERROR, error) if error else _UNSET
 
 
 def to_readable_span(record: tuple, resource: Resource, scope: InstrumentationScope) -> ReadableSpan:
@@ -144,6 +156,7 @@ def to_readable_span(record: tuple, resource: Resource, scope: InstrumentationSc
         resource=resource,
         attributes=record_attributes(record),
         kind=SpanKind.INTERNAL,
+        status=_status(record),
         start_time=record[START],
         end_time=record[END],
         instrumentation_scope=scope,

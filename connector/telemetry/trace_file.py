@@ -96,7 +96,12 @@ def _typed_template(kind, child: bool) -> str:
     flags = "%d" if child else "256"  # a root: SPAN_FLAGS_CONTEXT_HAS_IS_REMOTE only
     return ('{"traceId":"%032x","spanId":"%016x",' + parent + '"name":' + name + ',"kind":1,'
             '"startTimeUnixNano":"%d","endTimeUnixNano":"%d","attributes":[' + attributes
-            + '],"status":{},"flags":' + flags + '}')
+            + '],"status":' + _status_json(kind).replace("%", "%%") + ',"flags":' + flags + '}')
+
+
+def _status_json(kind) -> str:
+    # OTLP/JSON: STATUS_CODE_ERROR is 2; an unset status is an empty object
+    return '{"code":2,"message":' + _json_str(kind.error) + "}" if kind.error else "{}"
 
 
 def _string_escaper(kind):
@@ -125,10 +130,11 @@ def _general_span_json(r: tuple) -> str:
             flags |= 0x200  # SPAN_FLAGS_CONTEXT_IS_REMOTE
     attributes = record_attributes(r)
     attributes = '"attributes":[' + _attributes_json(attributes) + "]," if attributes else ""
-    return _SPAN_TEMPLATE % (ids, _json_str(record_name(r)), r[6], r[7], attributes, flags)
+    status = _status_json(KINDS[r[0]])
+    return _SPAN_TEMPLATE % (ids, _json_str(record_name(r)), r[6], r[7], attributes, status, flags)
 
 
-_SPAN_TEMPLATE = '{%s"name":%s,"kind":1,"startTimeUnixNano":"%d","endTimeUnixNano":"%d",%s"status":{},"flags":%d}'
+_SPAN_TEMPLATE = '{%s"name":%s,"kind":1,"startTimeUnixNano":"%d","endTimeUnixNano":"%d",%s"status":%s,"flags":%d}'
 _json_str = encode_basestring  # a JSON string literal, non-ASCII kept (as json.dumps(ensure_ascii=False))
 _KEY_PREFIXES: dict[str, str] = {}
 

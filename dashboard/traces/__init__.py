@@ -19,10 +19,8 @@ from dashboard.traces.group_stats import (
 )
 from dashboard.traces.headline import overview_numbers, top_slow_loads
 from dashboard.traces.hit_rates import (
-    GROUP_HIT_RATE_DEFINITION,
     HIT_RATE_DEFINITION,
     hit_rate,
-    hit_rate_by_group,
     hit_rate_over_time,
     pick_bucket_seconds,
 )
@@ -40,7 +38,14 @@ from dashboard.traces.reader import (
     unsupported_version_reason,
 )
 from dashboard.traces.replay import REPLAY_COLUMNS, REPLAY_DEFINITION, replay_state, replay_timeline
-from dashboard.traces.request_table import LOAD_TIME_DEFINITION, REQUEST_COLUMNS, requests_table, search_requests
+from dashboard.traces.request_table import (
+    LOAD_FAILED_DEFINITION,
+    LOAD_TIME_DEFINITION,
+    REQUEST_COLUMNS,
+    load_rows,
+    requests_table,
+    search_requests,
+)
 from dashboard.traces.schema import (
     ATTRIBUTE_COLUMNS,
     COPY,
@@ -57,11 +62,11 @@ from dashboard.traces.schema import (
 from dashboard.traces.waterfall import waterfall_rows
 
 __all__ = [
-    "ATTRIBUTE_COLUMNS", "COPY", "GROUP_HIT_RATE_DEFINITION", "GROUP_KINDS", "HIT_RATE_DEFINITION", "LOAD",
+    "ATTRIBUTE_COLUMNS", "COPY", "GROUP_KINDS", "HIT_RATE_DEFINITION", "LOAD", "LOAD_FAILED_DEFINITION",
     "LOAD_TIME_DEFINITION", "LOOKUP", "REPLAY_COLUMNS", "REPLAY_DEFINITION", "REQUEST_COLUMNS", "SCAN", "SCOPE_NAME",
     "SPAN_COLUMNS", "SPAN_NAMES", "STORE", "DecodedSpans", "Problem", "TraceSource", "Traces", "copy_throughput",
     "decode_lines", "decode_spans", "group_label", "group_summary", "hit_rate", "hit_rate_by_group",
-    "hit_rate_over_time", "load_latency_distribution", "load_latency_quantiles", "null_skip_by_group",
+    "hit_rate_over_time", "load_latency_distribution", "load_rows", "load_latency_quantiles", "null_skip_by_group",
     "overview_numbers", "pick_bucket_seconds", "problem_lines", "problems_frame", "read_trace_files",
     "replay_state", "replay_timeline", "requests_table", "search_requests", "supported_version", "top_slow_loads",
     "unsupported_version_reason", "waterfall_rows",

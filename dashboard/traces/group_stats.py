@@ -7,7 +7,6 @@ import math
 import numpy as np
 import pandas as pd
 
-from dashboard.traces.hit_rates import hit_rate_by_group
 from dashboard.traces.schema import DIRECTIONS, GROUP_KEYS, PAST_TENSE, copies_of, group_label, scans_of
 
 
@@ -98,11 +97,11 @@ def copy_throughput(spans: pd.DataFrame) -> pd.DataFrame:
 
 
 def group_summary(spans: pd.DataFrame, requests: pd.DataFrame) -> pd.DataFrame:
-    """One row per group for the overview: hit rate, null skip, load copy latency and throughput."""
+    """One row per group for the overview: null skip, load copy latency and throughput."""
     skip = null_skip_by_group(spans)
     if skip.empty:
         return pd.DataFrame(columns=["group", *GROUP_KEYS])
-    out = skip.merge(hit_rate_by_group(spans, requests)[[*GROUP_KEYS, "hit_rate"]], on=GROUP_KEYS, how="left")
+    out = skip
     lat = load_latency_quantiles(spans, requests).iloc[1:]
     lat = lat.assign(group_index=lat["group_index"].astype("Int64"))
     out = out.merge(lat[[*GROUP_KEYS, "p50_ms", "p95_ms", "p99_ms"]], on=GROUP_KEYS, how="left")

@@ -30,6 +30,7 @@ def overview_numbers(requests: pd.DataFrame, spans: pd.DataFrame) -> dict[str, f
     return {
         "requests": int(len(requests)),
         "requests_with_hit": int((requests["tokens_hit"].fillna(0) > 0).sum()),
+        "requests_load_failed": int(requests["load_failed"].sum()),
         "tokens_queried": int(requests["tokens_queried"].sum()),
         "tokens_hit": int(requests["tokens_hit"].sum()),
         "hit_rate": hit_rate(requests),

@@ -1,4 +1,5 @@
-"""Token hit rates: over all requests, per time bucket of arrival, and per KV group."""
+"""Token hit rates: over all requests, and per time bucket of arrival. (None per KV group: a lookup
+is joint over all groups, a prefix hits only where every group can serve it.)"""
 
 from __future__ import annotations
 
@@ -6,15 +7,10 @@ import math
 
 import pandas as pd
 
-from dashboard.traces.schema import GROUP_KEYS, LOAD, scans_of
 
 HIT_RATE_DEFINITION = (
     "Token hit rate: Σ `tokens.hit` / Σ `tokens.queried` over requests, using each request's "
     "last `kvscope.lookup` (a request looked up again while it waited is counted once)."
-)
-GROUP_HIT_RATE_DEFINITION = (
-    "A lookup is joint over all KV groups (a prefix hits only where every group can serve it), so a "
-    "group's hit rate is the token hit rate of the requests whose load scanned that group."
 )
 
 
@@ -54,23 +50,6 @@ def hit_rate_over_time(requests: pd.DataFrame, bucket_s: float | None = None) ->
     out["t_s"] = (start_ns - t0) / 1e9
     out["bucket_start"] = pd.to_datetime(start_ns, unit="ns", utc=True)
     return out.reset_index(drop=True)[cols]
-
-
-def hit_rate_by_group(spans: pd.DataFrame, requests: pd.DataFrame) -> pd.DataFrame:
-    """Per group: token hit rate of the requests whose load scanned it (`GROUP_HIT_RATE_DEFINITION`)."""
-    cols = [*GROUP_KEYS, "requests", "tokens_queried", "tokens_hit", "hit_rate"]
-    scans = scans_of(spans)
-    if scans.empty:
-        return pd.DataFrame(columns=cols)
-    load_req = spans.loc[spans["name"] == LOAD, ["span_id", "request_id"]]
-    pairs = scans[["parent_span_id", *GROUP_KEYS]].merge(
-        load_req, left_on="parent_span_id", right_on="span_id", how="inner"
-    )
-    pairs = pairs.assign(group_kind=pairs["group_kind"].astype(str))
-    pairs = pairs.drop_duplicates(["request_id", *GROUP_KEYS])
-    tokens = requests[["request_id", "tokens_queried", "tokens_hit"]]
-    merged = pairs.merge(tokens, on="request_id", how="inner")
-    return _token_hit_rates(merged.groupby(GROUP_KEYS, sort=True, observed=True)).reset_index()[cols]
 
 
 def _token_hit_rates(grouped) -> pd.DataFrame:

@@ -6,10 +6,17 @@ import pandas as pd
 
 from dashboard.traces.schema import COPY, LOAD, LOOKUP, STORE
 
+STATUS_ERROR = 2  # OTLP's STATUS_CODE_ERROR
+
 LOAD_TIME_DEFINITION = (
-    "Load time of a request: from the start of its `kvscope.load` span to the end of the last "
-    "`kvscope.group.copy` span with direction `load` that belongs to that load (a child of the "
-    "load span, or else in the same trace). Copy spans carry the measured copy interval."
+    "Load time of a load: from the start of its `kvscope.load` span to the end of the last "
+    "`kvscope.group.copy` span with direction `load` that belongs to it (a child of the load span, "
+    "or else in the same trace). Copy spans carry the measured copy interval. A request's load time "
+    "is the sum over its loads (a request resumed after preemption loads again) that did not fail."
+)
+LOAD_FAILED_DEFINITION = (
+    "A load failed when one of its copy spans has status ERROR (a worker could not load: vLLM "
+    "recomputed the request's tokens instead). Its hit still counts, as vLLM counts it."
 )
 
 
@@ -25,6 +32,8 @@ REQUEST_COLUMNS = (
     "tokens_external",
     "groups",
     "load_ms",
+    "loads",
+    "load_failed",
     "bytes_loaded",
     "bytes_stored",
     "lookups",
@@ -36,9 +45,10 @@ REQUEST_COLUMNS = (
 def requests_table(spans: pd.DataFrame) -> pd.DataFrame:
     """One row per request id, in arrival order (first lookup, else its load).
 
-    Tokens queried/hit come from the request's last lookup; local/external/groups and the load
-    time (see `LOAD_TIME_DEFINITION`) from its last load; bytes from the copies of its loads and
-    stores. Missing parts (no load for a miss, no copy spans recorded) are NA.
+    Tokens queried/hit come from the request's last lookup; local/external/groups from its first
+    load (the one its hit planned); the load time (see `LOAD_TIME_DEFINITION`), the number of loads
+    and whether one failed (`LOAD_FAILED_DEFINITION`) over all its loads; bytes from the copies of
+    its loads and stores. Missing parts (no load for a miss, no copy spans recorded) are NA.
     """
     lookups = spans[spans["name"] == LOOKUP].sort_values("start_ns", kind="stable")
     loads = spans[spans["name"] == LOAD].sort_values("start_ns", kind="stable")
@@ -49,6 +59,7 @@ def requests_table(spans: pd.DataFrame) -> pd.DataFrame:
     first_lookup = lookups.groupby("request_id", sort=False)["start_ns"].min()
     lookup_count = lookups.groupby("request_id", sort=False).size()
     last_load = loads.drop_duplicates("request_id", keep="last").set_index("request_id")
+    first_load = loads.drop_duplicates("request_id", keep="first").set_index("request_id")
 
     ids = pd.Index(last_lookup.index).append(pd.Index(last_load.index).difference(last_lookup.index))
     out = pd.DataFrame(index=ids)
@@ -60,21 +71,17 @@ def requests_table(spans: pd.DataFrame) -> pd.DataFrame:
     for col in ("tokens_queried", "tokens_hit"):
         out[col] = last_lookup[col].reindex(ids)
     for col in ("tokens_local", "tokens_external", "groups"):
-        out[col] = last_load[col].reindex(ids)
+        out[col] = first_load[col].reindex(ids)
     out["lookups"] = lookup_count.reindex(ids).fillna(0).astype("int64")
     out["load_span_id"] = last_load["span_id"].reindex(ids).fillna("")
 
+    per_load = load_rows(spans)
+    by_request = per_load.groupby("request_id", sort=False)
+    out["loads"] = by_request.size().reindex(ids).fillna(0).astype("int64")
+    out["load_failed"] = by_request["failed"].any().reindex(ids).fillna(False).astype(bool)
+    out["load_ms"] = by_request["load_ms"].sum(min_count=1).reindex(ids).astype(float)
+    out["bytes_loaded"] = by_request["bytes"].sum(min_count=1).reindex(ids).astype("Int64")
     copies = spans[spans["name"] == COPY]
-    load_copies = copies[copies["copy_direction"] == "load"].groupby("owner_span_id", sort=False)
-    load_end = load_copies["end_ns"].max()
-    load_bytes = load_copies["copy_bytes"].sum()
-    load_start = last_load["start_ns"].astype("Int64").reindex(ids)
-    end = load_end.astype("Int64").reindex(out["load_span_id"]).set_axis(ids)
-    out["load_ms"] = ((end - load_start) / 1e6).astype(float)
-    # Bytes of every load of the request, not only the last.
-    req_of_load = loads.set_index("span_id")["request_id"]
-    bytes_by_req = load_bytes.groupby(load_bytes.index.map(req_of_load)).sum()
-    out["bytes_loaded"] = bytes_by_req.reindex(ids).astype("Int64")
     stores = spans[spans["name"] == STORE].set_index("span_id")["request_id"]
     store_bytes = copies[copies["copy_direction"] == "store"].groupby("owner_span_id")["copy_bytes"].sum()
     stored_by_req = store_bytes.groupby(store_bytes.index.map(stores)).sum()
@@ -88,6 +95,23 @@ def requests_table(spans: pd.DataFrame) -> pd.DataFrame:
     return out[list(REQUEST_COLUMNS)]
 
 
+def load_rows(spans: pd.DataFrame) -> pd.DataFrame:
+    """One row per `kvscope.load` span: request_id, span_id, start_ns, load_ms (NA when no copy of it
+    was recorded, or it failed), bytes its copies moved, and whether it failed (`LOAD_FAILED_DEFINITION`)."""
+    loads = spans.loc[spans["name"] == LOAD, ["request_id", "span_id", "start_ns"]].set_index("span_id")
+    copies = spans[(spans["name"] == COPY) & (spans["copy_direction"] == "load")].groupby("owner_span_id", sort=False)
+    failed = copies["status_code"].max().reindex(loads.index).fillna(0) == STATUS_ERROR
+    end = copies["end_ns"].max().astype("Int64").reindex(loads.index)
+    load_ms = ((end - loads["start_ns"].astype("Int64")) / 1e6).astype(float).where(~failed)
+    return pd.DataFrame({
+        "request_id": loads["request_id"],
+        "start_ns": loads["start_ns"],
+        "load_ms": load_ms,
+        "bytes": copies["copy_bytes"].sum().reindex(loads.index).astype("Int64"),
+        "failed": failed.astype(bool),
+    }).rename_axis("span_id").reset_index()
+
+
 def _empty_requests() -> pd.DataFrame:
     frame = pd.DataFrame({col: pd.Series(dtype=object) for col in REQUEST_COLUMNS})
     for col in ("tokens_queried", "tokens_hit", "tokens_local", "tokens_external", "groups",
@@ -96,13 +120,16 @@ def _empty_requests() -> pd.DataFrame:
     for col in ("hit_rate", "load_ms", "t_s"):
         frame[col] = frame[col].astype(float)
     frame["lookups"] = frame["lookups"].astype("int64")
+    frame["loads"] = frame["loads"].astype("int64")
+    frame["load_failed"] = frame["load_failed"].astype(bool)
     frame["arrival_ns"] = frame["arrival_ns"].astype("int64")
     frame["arrival"] = pd.to_datetime(frame["arrival_ns"], unit="ns", utc=True)
     return frame
 
 
 def search_requests(requests: pd.DataFrame, text: str, only_hits: bool = False) -> pd.DataFrame:
-    """Requests whose id or trace id contains `text` (case-insensitive)."""
+    """Requests whose id or trace id contains `text` (case-insensitive); `only_hits`: those with a
+    hit or a load (a request resumed after preemption can load what it stored itself, with no hit)."""
     out = requests
     text = text.strip().lower()
     if text:
@@ -111,5 +138,5 @@ def search_requests(requests: pd.DataFrame, text: str, only_hits: bool = False) 
         ].str.contains(text, regex=False)
         out = out[match]
     if only_hits:
-        out = out[out["tokens_hit"].fillna(0) > 0]
+        out = out[(out["tokens_hit"].fillna(0) > 0) | (out["loads"] > 0)]
     return out

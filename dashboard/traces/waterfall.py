@@ -17,19 +17,18 @@ def waterfall_rows(spans: pd.DataFrame, requests: pd.DataFrame, request_id: str)
     """The kvscope spans of one request on one time axis (ms from its first span).
 
     Rows: lookups, loads, each group's scan, the load copies, stores and store copies, each with
-    its attributes as text. Other kvscope spans in the request's trace are included too.
+    its attributes as text. Only the request's own spans: several requests can share one trace
+    (one upstream ``traceparent`` for a batch of prompts), and another's load is not this one's.
     """
     cols = ["row", "kind", "name", "start_ms", "end_ms", "duration_ms", "group_index", "group_kind",
             "direction", "attributes", "status_code", "span_id", "parent_span_id", "trace_id"]
     req = requests[requests["request_id"] == request_id]
     if req.empty:
         return pd.DataFrame(columns=cols)
-    trace_id = req["trace_id"].iloc[0]
     own = spans["request_id"] == request_id
     owner_ids = set(spans.loc[own & spans["name"].isin([LOAD, STORE]), "span_id"])
     related = own | ((spans["name"] == COPY) & spans["owner_span_id"].isin(owner_ids))
     related |= (spans["name"] == SCAN) & spans["parent_span_id"].isin(owner_ids)
-    related |= spans["trace_id"] == trace_id
     rows = spans[related].copy()
     kind = rows["name"].astype(str)
     is_copy = kind == COPY

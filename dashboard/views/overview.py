@@ -12,9 +12,13 @@ requests, spans = loaded.requests, loaded.spans
 numbers = traces.overview_numbers(requests, spans)
 
 st.caption(
-    f"{formatting.count(numbers['requests'])} requests over {numbers['duration_s']:.1f} s, "
+    f"{formatting.count(numbers['requests'])} traced requests over {numbers['duration_s']:.1f} s, "
     f"from {len(loaded.traces.files)} file(s)."
 )
+if numbers["requests_load_failed"]:
+    st.warning(f"{formatting.count(numbers['requests_load_failed'])} request(s) had a load that failed on a "
+               "worker: vLLM recomputed their tokens. The Requests page marks them ('load failed').",
+               icon=":material/error:")
 row = st.columns(5)
 row[0].metric("Requests", formatting.count(numbers["requests"]))
 row[1].metric("Token hit rate", formatting.percent(numbers["hit_rate"]), help=traces.HIT_RATE_DEFINITION)
@@ -34,17 +38,17 @@ bucket_s = traces.pick_bucket_seconds(float(requests["t_s"].max()))
 st.altair_chart(charts.hit_rate_over_time(over_time, bucket_s), width="stretch")
 
 st.subheader("KV groups")
-st.caption(traces.GROUP_HIT_RATE_DEFINITION)
+st.caption("A lookup is joint over all KV groups (a prefix hits only where every group can serve it): "
+           "the token hit rate above is the groups' too.")
 st.dataframe(
     traces.group_summary(spans, requests),
     hide_index=True,
     width="stretch",
     placeholder="–",
-    column_order=["group", "hit_rate", "scans", "blocks_scanned", "blocks_null_skipped", "null_skip_share",
+    column_order=["group", "scans", "blocks_scanned", "blocks_null_skipped", "null_skip_share",
                   "blocks_loaded", "bytes_loaded", "load_gb_per_s", "bytes_stored", "store_gb_per_s"],
     column_config={
         "group": "group",
-        "hit_rate": st.column_config.NumberColumn("hit rate", format="percent"),
         "scans": st.column_config.NumberColumn("loads"),
         "blocks_scanned": st.column_config.NumberColumn("blocks scanned"),
         "blocks_null_skipped": st.column_config.NumberColumn("null skipped"),
@@ -95,7 +99,9 @@ st.dataframe(
 )
 
 with st.expander("Definitions"):
-    for text in (traces.HIT_RATE_DEFINITION, traces.LOAD_TIME_DEFINITION, traces.GROUP_HIT_RATE_DEFINITION,
+    for text in (traces.HIT_RATE_DEFINITION, traces.LOAD_TIME_DEFINITION, traces.LOAD_FAILED_DEFINITION,
+                 "All numbers cover the traced requests only: with `trace_sample_ratio` below 1 the totals "
+                 "are that fraction of the engine's (Prometheus has every request).",
                  "Copy throughput: Σ copy.bytes / Σ copy span duration per group and direction (1 GB = 1e9 bytes).",
                  "Null-skip share: Σ group.blocks.null_skipped / Σ group.blocks.total over a group's scans."):
         st.markdown(f"- {text}")

@@ -12,7 +12,7 @@ requests, spans = loaded.requests, loaded.spans
 
 search, only_hits = st.columns([4, 1], vertical_alignment="bottom")
 text = search.text_input("Search request or trace id", key="request_search", placeholder="e.g. cmpl-r2")
-hits = only_hits.toggle("Only hits", key="request_only_hits")
+hits = only_hits.toggle("Only hits or loads", key="request_only_hits")
 shown = traces.search_requests(requests, text, hits).reset_index(drop=True)
 st.caption(f"{len(shown)} of {len(requests)} requests. Select a row to see its spans.")
 
@@ -26,7 +26,8 @@ table = st.dataframe(
     height=min(320, 35 * (len(shown) + 1) + 3),  # no empty rows below a short result
     placeholder="–",
     column_order=["request_id", "t_s", "tokens_queried", "tokens_hit", "hit_rate", "tokens_local",
-                  "tokens_external", "groups", "load_ms", "bytes_loaded", "bytes_stored", "trace_id"],
+                  "tokens_external", "groups", "load_ms", "loads", "load_failed", "bytes_loaded", "bytes_stored",
+                  "trace_id"],
     column_config={
         "request_id": "request",
         "t_s": st.column_config.NumberColumn("arrival (s)", format="%.3f"),
@@ -38,6 +39,9 @@ table = st.dataframe(
         "groups": st.column_config.NumberColumn("groups"),
         "load_ms": st.column_config.NumberColumn("load time (ms)", format="%.3f",
                                                  help=traces.LOAD_TIME_DEFINITION),
+        "loads": st.column_config.NumberColumn("loads", help="Loads of the request: more than one when "
+                                               "vLLM resumed it after preemption"),
+        "load_failed": st.column_config.CheckboxColumn("load failed", help=traces.LOAD_FAILED_DEFINITION),
         "bytes_loaded": st.column_config.NumberColumn("loaded", format="bytes"),
         "bytes_stored": st.column_config.NumberColumn("stored", format="bytes"),
         "trace_id": "trace",

@@ -136,7 +136,14 @@ def test_record_encoder_writes_exactly_what_the_sdk_encoder_writes(tmp_path):
     from opentelemetry.sdk.resources import Resource
 
     from connector import __version__
-    from connector.telemetry.span_records import COPY_SPAN, LOAD_SPAN, LOOKUP_SPAN, SCAN_SPAN, STORE_SPAN
+    from connector.telemetry.span_records import (
+        COPY_SPAN,
+        FAILED_COPY_SPAN,
+        LOAD_SPAN,
+        LOOKUP_SPAN,
+        SCAN_SPAN,
+        STORE_SPAN,
+    )
     from connector.telemetry.trace_file import records_to_json_line, spans_to_json_line
     from connector.telemetry.sinks import SCOPE_NAME, SdkSpanExporter
     from connector.telemetry.tracing import KVScopeTracing
@@ -171,6 +178,10 @@ def test_record_encoder_writes_exactly_what_the_sdk_encoder_writes(tmp_path):
     tracing.record(STORE_SPAN, lookup, 18, 18, (odd_id, 2, 4))
     carrier = tracing.carrier_of(load)
     tracing.record(COPY_SPAN, tracing.context_from_carrier(carrier), 20, 25, (1, "full_attention", "load", 2, 4096, 0, odd_id))
+    # failed copies (status ERROR): the template path, and the general one (a tracestate)
+    tracing.record(FAILED_COPY_SPAN, tracing.context_from_carrier(carrier), 26, 26,
+                   (1, "full_attention", "load", 0, 0, 1, odd_id))
+    tracing.record(FAILED_COPY_SPAN, upstream, 27, 27, (0, "sliding_window", "store", 0, 0, 0, "r2"))
     tracing.record(LOOKUP_SPAN, upstream, 30, 31, ("r2", 1, 0))
     no_state = tracing.context_from_trace_headers({"traceparent": headers["traceparent"]})
     tracing.record(LOOKUP_SPAN, no_state, 32, 33, ("r3", 1, 0))
@@ -180,12 +191,15 @@ def test_record_encoder_writes_exactly_what_the_sdk_encoder_writes(tmp_path):
     remote = tracing.parent_from_trace_headers(headers)
     lookup_part = (0x1234, remote.span_id, True, 50, 51, 64, 32)
     tracing.end_load(remote, 52, 55, ("r4", 0, 32, 2, scans, lookup_part))
-    assert len(captured) == 13
+    assert len(captured) == 15
     resource = Resource.create({"service.name": "kvscope"})
     fast = records_to_json_line(captured, resource, SCOPE_NAME, __version__)
     readable = []
     SdkSpanExporter(type("Sink", (), {"export": lambda self, spans: readable.extend(spans)})(), resource).export(captured)
     assert _json.loads(fast) == _json.loads(spans_to_json_line(readable))
+    statuses = [s["status"] for s in _json.loads(fast)["resourceSpans"][0]["scopeSpans"][0]["spans"]]
+    assert statuses.count({"code": 2, "message": FAILED_COPY_SPAN.error}) == 2
+    assert statuses.count({}) == len(statuses) - 2
 
 
 def test_a_rotated_or_deleted_trace_file_is_written_again_at_its_path(tmp_path, tracing, span_exporter):
