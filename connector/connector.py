@@ -35,6 +35,11 @@ class KVScopeConnector(KVConnectorBase_V1, SupportsHMA):
         check_vllm_version()
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         transfer = vllm_config.kv_transfer_config
+        if transfer.kv_role != "kv_both":
+            # A host-tier cache both stores and loads; producer/consumer roles are for
+            # disaggregated prefill, which this connector does not do.
+            raise ConfigError(f"kv_role={transfer.kv_role!r} is not accepted by KVScopeConnector: "
+                              "accepted is 'kv_both' (it stores to and loads from its host tier)")
         self.config = parse_config(transfer.kv_connector_extra_config)
         check_parallelism(vllm_config.parallel_config)
         check_sleep_mode(vllm_config.model_config)

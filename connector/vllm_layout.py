@@ -54,6 +54,14 @@ def check_parallelism(parallel_config) -> None:
     (each rank's share of a longer span), which kvscope's block arithmetic does not follow. Refuse
     pipeline parallelism: each stage holds other layers, but vLLM's scheduler sees the first
     stage's, so its host slots would be sized for them and would not fit the other stages' buffers."""
+    backend = getattr(parallel_config, "distributed_executor_backend", None)
+    ranks = getattr(parallel_config, "world_size", 1)
+    if backend == "external_launcher" and ranks > 1:
+        # every rank runs its own scheduler and hears only its own worker; a job counts as done
+        # when all `world_size` workers reported it, so none ever would
+        raise UnsupportedKVCache(f"distributed_executor_backend='external_launcher' with world_size={ranks} is "
+                                 "not supported by kvscope: each rank's scheduler hears only its own worker; "
+                                 "accepted are the other executor backends (mp, ray, uni)")
     stages = getattr(parallel_config, "pipeline_parallel_size", 1)
     if stages > 1:
         raise UnsupportedKVCache(f"pipeline_parallel_size={stages} is not supported by kvscope: the scheduler "
@@ -75,6 +83,9 @@ def check_sleep_mode(model_config) -> None:
 
 
 def group_layouts(kv_cache_config: KVCacheConfig) -> list[GroupLayout]:
+    if not kv_cache_config.kv_cache_groups:
+        raise UnsupportedKVCache("this model has no KV cache groups (attention-free or encoder-only): "
+                                 "kvscope has nothing to offload; run it without the connector")
     layouts = []
     for index, group in enumerate(kv_cache_config.kv_cache_groups):
         if getattr(group, "host_resident", False):

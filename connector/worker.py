@@ -129,12 +129,15 @@ class KVScopeWorker:
 
     def _in_bounds(self, job: TransferJob) -> bool:
         """Whether every slot of the job lies in this worker's host buffer, every piece in its slot
-        and every block in the KV cache. Never copy otherwise: on CUDA each is a raw address, and
+        and every block in the KV cache, with one slot and piece per block of a known group. Never copy otherwise: on CUDA each is a raw address, and
         past a buffer it reads or writes another's memory. Only a scheduler that sized its slots
         differently from this worker should get here (start-up refuses the layouts known to)."""
         n, blocks, factors = self.num_slots, self.engine.num_blocks, self.slot_layout.group_factors
-        if all(0 <= min(p.slots) and max(p.slots) < n and 0 <= min(p.subs) and max(p.subs) < factors[p.group_index]
-               and 0 <= min(p.block_ids) and max(p.block_ids) < blocks for p in job.groups if p.slots):
+        if all(0 <= p.group_index < len(factors) and len(p.slots) == len(p.subs) == len(p.block_ids)
+               and (not p.slots or (0 <= min(p.slots) and max(p.slots) < n
+                                    and 0 <= min(p.subs) and max(p.subs) < factors[p.group_index]
+                                    and 0 <= min(p.block_ids) and max(p.block_ids) < blocks))
+               for p in job.groups):
             return True
         if not self._range_logged:
             self._range_logged = True
@@ -204,8 +207,9 @@ class KVScopeWorker:
         return done, failed
 
     def build_worker_meta(self) -> KVScopeWorkerMetadata | None:
-        # The step's copy spans are recorded: vLLM asks this last, except 0.33's V2 runner with
-        # speculative decoding, which saves after it; those stores are reported a step later.
+        # The step's copy spans are recorded: vLLM asks this last, except with speculative decoding
+        # (the V1 runner, and 0.33's V2 runner), where the stores run after it (after the drafter):
+        # those are reported a step later.
         self.tracing.end_step()
         if not (self._meta.completed_jobs or self._meta.failed_jobs):
             return None

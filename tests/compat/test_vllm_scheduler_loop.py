@@ -627,6 +627,25 @@ def test_sleep_mode_is_refused_at_start_up(model_path, role):
         KVScopeConnector(config, getattr(KVConnectorRole, role), _kv_cache_config(64, WINDOW))
 
 
+@pytest.mark.parametrize("kv_role", ["kv_producer", "kv_consumer"])
+def test_a_kv_role_other_than_both_is_refused_at_start_up(model_path, kv_role):
+    """A host-tier cache stores and loads: the roles of disaggregated prefill would make it do half."""
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.engine.arg_utils import EngineArgs
+
+    from connector import KVScopeConnector
+    from connector.config import ConfigError
+    from tests.compat.model_free import _kv_cache_config
+
+    transfer = KVTransferConfig(kv_connector="KVScopeConnector", kv_connector_module_path="connector",
+                                kv_role=kv_role, kv_connector_extra_config={"cpu_bytes": 64 << 20})
+    config = EngineArgs(model=model_path, skip_tokenizer_init=True, block_size=16,
+                        kv_transfer_config=transfer).create_engine_config()
+    with pytest.raises(ConfigError, match=f"kv_role='{kv_role}' is not accepted.*accepted is 'kv_both'"):
+        KVScopeConnector(config, KVConnectorRole.SCHEDULER, _kv_cache_config(64, WINDOW))
+
+
 @pytest.mark.parametrize("mamba_block, hash_block, max_num_batched_tokens",
                          [(64, 16, 2048), (64, 16, 100), (16, 16, 2048), (16, 16, 100)],
                          ids=["partial-hits-one-step", "partial-hits-chunked", "one-step", "chunked"])

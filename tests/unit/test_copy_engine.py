@@ -434,9 +434,14 @@ def test_a_job_addressing_slots_past_the_host_buffer_fails_without_copying(caplo
         # a piece past its slot's device blocks, a block past the cache
         worker.start_load_kv(KVScopeMetadata(loads=[TransferJob(6, "f", LOAD, [GroupTransfer(0, [2], [3], [1])])]))
         worker.start_load_kv(KVScopeMetadata(loads=[TransferJob(7, "g", LOAD, [GroupTransfer(0, [NB], [3], [0])])]))
+        # more blocks than slots (the CPU path's zip would copy two of three and report success),
+        # no pieces at all, a group this worker does not have
+        worker.start_load_kv(KVScopeMetadata(loads=[TransferJob(8, "h", LOAD, [GroupTransfer(0, [2, 3, 4], [1, 1], [0, 1])])]))
+        worker.start_load_kv(KVScopeMetadata(loads=[TransferJob(9, "i", LOAD, [GroupTransfer(0, [2], [1], [])])]))
+        worker.start_load_kv(KVScopeMetadata(loads=[TransferJob(10, "j", LOAD, [GroupTransfer(5, [2], [1], [0])])]))
     meta = worker.build_worker_meta()
-    assert meta.failed_jobs == {1: 1, 2: 1, 4: 1, 5: 1, 6: 1, 7: 1} and meta.completed_jobs == {3: 1}
-    assert worker.transfer_results() == ({"b", "f", "g"}, {"b", "f", "g"})
+    assert meta.failed_jobs == {1: 1, 2: 1, 4: 1, 5: 1, 6: 1, 7: 1, 8: 1, 9: 1, 10: 1} and meta.completed_jobs == {3: 1}
+    assert worker.transfer_results() == ({"b", "f", "g", "h", "i", "j"}, {"b", "f", "g", "h", "i", "j"})
     assert torch.equal(_block_bytes(t0, 2), before)
     assert sum("outside this worker's (4 slots" in r.getMessage() for r in caplog.records) == 1  # said once
 

@@ -78,6 +78,21 @@ def test_pipeline_parallelism_is_refused():
         check_parallelism(SimpleNamespace(pipeline_parallel_size=2, **single))
 
 
+def test_an_external_launcher_with_several_ranks_is_refused():
+    """torchrun-style: every rank schedules alone and hears only its own worker, so a job that waits
+    for every worker's report would never finish."""
+    single = dict(decode_context_parallel_size=1, prefill_context_parallel_size=1, pipeline_parallel_size=1)
+    check_parallelism(SimpleNamespace(distributed_executor_backend="external_launcher", world_size=1, **single))
+    check_parallelism(SimpleNamespace(distributed_executor_backend="mp", world_size=4, **single))
+    with pytest.raises(UnsupportedKVCache, match="external_launcher.*world_size=2.*accepted are"):
+        check_parallelism(SimpleNamespace(distributed_executor_backend="external_launcher", world_size=2, **single))
+
+
+def test_a_model_without_kv_cache_groups_is_refused_by_name():
+    with pytest.raises(UnsupportedKVCache, match="no KV cache groups"):
+        group_layouts(KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[]))
+
+
 def test_a_group_of_layers_with_different_page_sizes_is_refused():
     """vLLM's scheduler sees such a group (`UniformTypeKVCacheSpecs`) as its first layer's spec: its
     host slots would be smaller than the workers', and it would address slots past their buffers."""
