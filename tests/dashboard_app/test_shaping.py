@@ -177,7 +177,10 @@ def test_replay(read, requests, expected):
 
 def test_search(requests):
     assert traces.search_requests(requests, "R2-0").shape[0] == 10
-    assert traces.search_requests(requests, "", only_hits=True)["tokens_hit"].gt(0).all()
+    shown = traces.search_requests(requests, "", only_hits=True)
+    loaded = requests[(requests["tokens_hit"] > 0) | (requests["loads"] > 0)]
+    assert len(shown) == len(loaded) > 0 and set(shown["request_id"]) == set(loaded["request_id"])
+    assert len(shown) < len(requests)  # the misses are left out
     trace = requests["trace_id"].iloc[3]
     assert traces.search_requests(requests, trace[:12])["request_id"].tolist() == [requests["request_id"].iloc[3]]
 

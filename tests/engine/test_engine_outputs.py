@@ -52,7 +52,19 @@ def test_loaded_round_equals_cold_round_and_no_connector(model_run):
     assert _tokens(loaded) == _tokens(cold)
     assert _tokens(cold) == _tokens(baseline["rounds"][0])
     for a, b in zip(cold, loaded):
-        assert max((abs(x - y) for x, y in zip(a["logprobs"], b["logprobs"])), default=0) <= LOGPROB_TOLERANCE
+        assert len(a["logprobs"]) == len(b["logprobs"]) == len(a["tokens"]) > 0
+        assert max(abs(x - y) for x, y in zip(a["logprobs"], b["logprobs"])) <= LOGPROB_TOLERANCE
+
+
+@pytest.mark.parametrize("kind", ["full_attention", "sliding_window"])
+def test_the_outputs_depend_on_each_groups_loaded_kv(scenarios, kind):
+    """The control for the test above: zeros loaded into one attention group's blocks instead of its
+    KV move what the model computes past the tolerance, so equal outputs do show the loads are right."""
+    result = scenarios.get(f"gemma3-w64-zero-{kind}", spec_for("gemma3-w64", zero_group_kind=kind))
+    cold, loaded, _ = result["rounds"]
+    assert result["counters"][1]["vllm:external_prefix_cache_hits"] > 0
+    moved = [max(abs(x - y) for x, y in zip(a["logprobs"], b["logprobs"])) for a, b in zip(cold, loaded)]
+    assert _tokens(loaded) != _tokens(cold) or max(moved) > LOGPROB_TOLERANCE, moved
 
 
 def test_the_runner_announces_every_step_before_binding_it(model_run):
