@@ -42,7 +42,8 @@ def blocks_per_second():
         "Device blocks per second in this group's load plans: scanned (the hit range), null-skipped "
         "(vLLM's placeholder for positions the group does not keep, e.g. outside a sliding window) "
         "and loaded from the host tier. Loaded + skipped should equal scanned; a gap means planned "
-        "blocks did not arrive (see load failures on the overview).",
+        "blocks did not reach a request: failed loads (see load failures on the overview), and loads "
+        "whose request was aborted meanwhile, count none.",
         pc.queries(
             (f"sum by (group, kind) (rate(kvscope_scan_blocks_total{sel(GROUP)}{RATE}))", "scanned ({{kind}})"),
             (f"sum by (group, kind) (rate(kvscope_null_blocks_skipped_total{sel(GROUP)}{RATE}))", "null skipped ({{kind}})"),
@@ -97,8 +98,9 @@ def copy_throughput_by_direction():
     return pc.timeseries(
         "Copy throughput by direction",
         "Bytes per second this group moves: loads (kvscope_load_bytes_total) and stores "
-        "(kvscope_store_bytes_total). Groups with null-skipped blocks move fewer bytes per token; "
-        "that is the saving of the hybrid-aware plan.",
+        "(kvscope_store_bytes_total), summed over the selected engines and their tensor-parallel "
+        "workers (a worker's copied part of a load that failed on another worker included). Groups "
+        "with null-skipped blocks move fewer bytes per token; that is the saving of the hybrid-aware plan.",
         pc.queries(
             (f"sum(rate(kvscope_load_bytes_total{sel(GROUP)}{RATE}))", "load"),
             (f"sum(rate(kvscope_store_bytes_total{sel(GROUP)}{RATE}))", "store"),
@@ -136,9 +138,10 @@ def copy_bandwidth_while_copying():
 def copies_per_second():
     return pc.timeseries(
         "Copies per second and mean copy size",
-        "Copies per second by direction (kvscope_copy_duration_seconds_count) and the mean bytes per "
-        "copy (right axis). Many small copies cost launch overhead each; if copies are small, a "
-        "larger offload block_size batches more tokens per copy.",
+        "Copies per second by direction (kvscope_copy_duration_seconds_count: one per worker, group "
+        "and transfer job) and the mean bytes per copy (right axis: one worker's shard). Many small "
+        "copies cost launch overhead each; if copies are small, a larger offload block_size batches "
+        "more tokens per copy.",
         pc.queries(
             (f"sum by (direction) (rate(kvscope_copy_duration_seconds_count{sel(GROUP)}{RATE}))", "{{direction}} copies/s"),
             (

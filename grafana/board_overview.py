@@ -87,16 +87,17 @@ def group_loaded_share():
     return pc.timeseries(
         "Blocks loaded / blocks scanned, per KV group",
         "Per KV cache group: of the device blocks in a hit's range that the load plan scanned, the "
-        "share copied in from the host tier (kvscope_loaded_blocks_total / kvscope_scan_blocks_total). "
-        "This is the per-group hit rate of a load. Full-attention groups should sit near 100%: every "
-        "block of the hit range is needed. Sliding-window and Mamba groups sit lower by design, "
-        "because blocks outside the window are null and skipped (next panel); loaded + skipped "
-        "should add up to scanned. A full-attention group well below 100% means planned blocks were "
-        "not loaded: look at load failures and at the connector log.",
+        "share copied in from the host tier (kvscope_loaded_blocks_total / kvscope_scan_blocks_total), "
+        "per model. Full-attention groups should sit near 100%: every block of the hit range is "
+        "needed. Sliding-window and Mamba groups sit lower by design, because blocks outside the "
+        "window are null and skipped (next panel); loaded + skipped should add up to scanned. A "
+        "group well below that means planned blocks were not loaded: failed loads, and loads whose "
+        "request was aborted meanwhile (a client disconnect), count no loaded blocks; loads still "
+        "running count when they finish. Look at load failures and at the connector log.",
         pc.queries((
-            f"sum by (group, kind) (rate(kvscope_loaded_blocks_total{sel()}{RATE})) / "
-            f"(sum by (group, kind) (rate(kvscope_scan_blocks_total{sel()}{RATE})) > 0)",
-            "group {{group}} ({{kind}})",
+            f"sum by (model_name, group, kind) (rate(kvscope_loaded_blocks_total{sel()}{RATE})) / "
+            f"(sum by (model_name, group, kind) (rate(kvscope_scan_blocks_total{sel()}{RATE})) > 0)",
+            "{{model_name}} group {{group}} ({{kind}})",
         )),
         "percentunit",
         max_value=1,
@@ -112,9 +113,9 @@ def group_null_skipped_share():
         "with skips, or a sliding-window group with none on prompts longer than its window, points "
         "at a group layout mismatch: check the groups reported at connector start-up.",
         pc.queries((
-            f"sum by (group, kind) (rate(kvscope_null_blocks_skipped_total{sel()}{RATE})) / "
-            f"(sum by (group, kind) (rate(kvscope_scan_blocks_total{sel()}{RATE})) > 0)",
-            "group {{group}} ({{kind}})",
+            f"sum by (model_name, group, kind) (rate(kvscope_null_blocks_skipped_total{sel()}{RATE})) / "
+            f"(sum by (model_name, group, kind) (rate(kvscope_scan_blocks_total{sel()}{RATE})) > 0)",
+            "{{model_name}} group {{group}} ({{kind}})",
         )),
         "percentunit",
         max_value=1,
@@ -173,9 +174,9 @@ def copy_latency():
         "the throughput panel.",
         pc.queries(*(
             (
-                f"histogram_quantile({q}, sum by (le, group, kind, direction) "
+                f"histogram_quantile({q}, sum by (le, model_name, group, kind, direction) "
                 f"(rate(kvscope_copy_duration_seconds_bucket{sel()}{RATE})))",
-                f"p{round(q * 100)} {{{{direction}}}} group {{{{group}}}} ({{{{kind}}}})",
+                f"p{round(q * 100)} {{{{direction}}}} {{{{model_name}}}} group {{{{group}}}} ({{{{kind}}}})",
             )
             for q in (0.5, 0.99)
         )),
@@ -186,14 +187,19 @@ def copy_latency():
 def copy_throughput():
     return pc.timeseries(
         "Copy throughput, per group and direction",
-        "Bytes per second moved between device and host tier, per KV group: loads (host to device, "
-        "kvscope_load_bytes_total) and stores (device to host, kvscope_store_bytes_total). Stores "
-        "follow new prefill; loads follow hits. Sustained throughput near the link's bandwidth "
-        "(PCIe 4.0 x16 is ~25 GB/s per direction) means copies queue: expect rising copy latency. "
-        "Stores with no loads for a long time: see the KVScopeStoresWithoutLoads alert.",
+        "Bytes per second moved between device and host tier, per model and KV group: loads (host to "
+        "device, kvscope_load_bytes_total) and stores (device to host, kvscope_store_bytes_total), "
+        "summed over every selected engine and its tensor-parallel workers (each worker moves its "
+        "own shard over its own link). Stores follow new prefill; loads follow hits, and include a "
+        "worker's copied part of a load that failed on another worker. Compare with the link "
+        "bandwidth times the workers (PCIe 4.0 x16 is ~25 GB/s per direction per GPU), or use the "
+        "KV groups board's bandwidth while copying: near it, copies queue and latency rises. Stores "
+        "with no loads for a long time: see the KVScopeStoresWithoutLoads alert.",
         pc.queries(
-            (f"sum by (group, kind) (rate(kvscope_load_bytes_total{sel()}{RATE}))", "load group {{group}} ({{kind}})"),
-            (f"sum by (group, kind) (rate(kvscope_store_bytes_total{sel()}{RATE}))", "store group {{group}} ({{kind}})"),
+            (f"sum by (model_name, group, kind) (rate(kvscope_load_bytes_total{sel()}{RATE}))",
+             "load {{model_name}} group {{group}} ({{kind}})"),
+            (f"sum by (model_name, group, kind) (rate(kvscope_store_bytes_total{sel()}{RATE}))",
+             "store {{model_name}} group {{group}} ({{kind}})"),
         ),
         "Bps",
     )
@@ -233,15 +239,16 @@ def host_used_vs_capacity():
 def evictions():
     return pc.timeseries(
         "Evictions",
-        "Host-tier blocks evicted per second (least recently used first) to make room for stores. "
-        "Some eviction at full capacity is expected. Heavy eviction while the hit rate falls means "
-        "prefixes are pushed out before they are reused: raise cpu_bytes, or accept the lower hit "
-        "rate.",
+        "Host-tier entries evicted per second (least recently used first) to make room for stores, "
+        "per engine. An entry is one offloaded block of one KV group (block_size tokens; the loaded "
+        "and failed counters elsewhere count device blocks). Some eviction at full capacity is "
+        "expected. Heavy eviction while the hit rate falls means prefixes are pushed out before "
+        "they are reused: raise cpu_bytes, or accept the lower hit rate.",
         pc.queries((
-            f"sum by (model_name, engine) (rate(kvscope_evicted_blocks_total{sel()}{RATE}))",
-            "{{model_name}} engine {{engine}}",
+            f"sum by (instance, model_name, engine) (rate(kvscope_evicted_blocks_total{sel()}{RATE}))",
+            "{{model_name}} {{instance}} engine {{engine}}",
         )),
-        pc.BLOCKS_PER_SECOND,
+        pc.ENTRIES_PER_SECOND,
         width=9,
     )
 
@@ -256,7 +263,7 @@ def load_failures_stat():
         "failure policy to recompute, so their tokens are recomputed (slower requests); no request "
         "fails. Should be 0: any failure fires KVScopeLoadFailures; check the vLLM log for the "
         "connector's error message.",
-        pc.instant(f"sum(increase(kvscope_load_failures_total{sel()}[$__range]))", "failures"),
+        pc.instant(f"round(sum(increase(kvscope_load_failures_total{sel()}[$__range])))", "failures"),
         "short",
         [(None, "green"), (1, "red")],
         sparkline=False,
@@ -266,13 +273,13 @@ def load_failures_stat():
 def load_failures_over_time():
     return pc.timeseries(
         "Load failures over time",
-        "Blocks whose host-tier load failed, per rate interval and engine. Correlate spikes with evictions (a "
-        "block evicted between lookup and load), with restarts and with the vLLM log.",
+        "Device blocks whose host-tier load failed, per minute and engine. Correlate spikes with "
+        "evictions (a block evicted between lookup and load), with restarts and with the vLLM log.",
         pc.queries((
-            f"sum by (model_name, engine) (increase(kvscope_load_failures_total{sel()}{RATE}))",
-            "{{model_name}} engine {{engine}}",
+            f"60 * sum by (instance, model_name, engine) (rate(kvscope_load_failures_total{sel()}{RATE}))",
+            "{{model_name}} {{instance}} engine {{engine}}",
         )),
-        "short",
+        pc.BLOCKS_PER_MINUTE,
         width=18,
     )
 

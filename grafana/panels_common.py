@@ -33,6 +33,8 @@ STAT_HEIGHT = 8
 # Custom Grafana units (`suffix:` puts the text after the value).
 TOKENS_PER_SECOND = "suffix: tokens/s"
 BLOCKS_PER_SECOND = "suffix: blocks/s"
+BLOCKS_PER_MINUTE = "suffix: blocks/min"
+ENTRIES_PER_SECOND = "suffix: entries/s"
 
 
 def sel(*extra: str) -> str:

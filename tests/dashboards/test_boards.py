@@ -116,7 +116,7 @@ def test_overview_answers_the_questions_it_promises():
         "kvscope_loaded_blocks_total",  # per-group loaded share
         "kvscope_null_blocks_skipped_total",  # null skips per group
         "histogram_quantile(0.95, sum by (le, model_name) (rate(kvscope_request_load_duration_seconds_bucket",
-        "histogram_quantile(0.99, sum by (le, group, kind, direction) (rate(kvscope_copy_duration_seconds_bucket",
+        "histogram_quantile(0.99, sum by (le, model_name, group, kind, direction) (rate(kvscope_copy_duration_seconds_bucket",
         "kvscope_load_bytes_total", "kvscope_store_bytes_total",
         "kvscope_host_used_bytes", "kvscope_host_capacity_bytes",
         "kvscope_evicted_blocks_total", "kvscope_load_failures_total",
