@@ -123,6 +123,22 @@ def test_metric_totals_agree_with_span_attributes_and_vllm(traced_run):
     store_bytes = sum(a["kvscope.copy.bytes"] for a in copies if a["kvscope.copy.direction"] == "store")
     assert kv["kvscope_load_bytes_total"] == load_bytes > 0
     assert kv["kvscope_store_bytes_total"] == store_bytes > 0
+    # and kind by kind: a count under the wrong group would pass the totals
+    by_kind = result["kvscope_by_kind"]
+    kinds = {a["kvscope.group.kind"] for a in scans}
+    assert kinds == {"full_attention", "sliding_window"}
+    for kind in kinds:
+        mine = [a for a in scans if a["kvscope.group.kind"] == kind]
+        def metric(name):  # a labelled series exists once it was first incremented
+            return by_kind.get(name, {}).get(kind, 0)
+
+        assert metric("kvscope_scan_blocks_total") == sum(a["kvscope.group.blocks.total"] for a in mine) > 0
+        assert metric("kvscope_null_blocks_skipped_total") == sum(a["kvscope.group.blocks.null_skipped"] for a in mine)
+        assert metric("kvscope_loaded_blocks_total") == sum(a["kvscope.group.blocks.pending"] for a in mine)
+        for direction in ("load", "store"):
+            assert metric(f"kvscope_{direction}_bytes_total") == sum(
+                a["kvscope.copy.bytes"] for a in copies
+                if a["kvscope.group.kind"] == kind and a["kvscope.copy.direction"] == direction)
 
 
 def test_replay_app_shows_this_runs_hit_rate(traced_run, monkeypatch):

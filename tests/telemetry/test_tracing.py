@@ -225,16 +225,20 @@ def test_the_workers_parent_from_a_carrier_records_what_the_carriers_context_wou
     t = KVScopeTracing.for_exporter(InMemorySpanExporter(), sample_ratio=ratio)
     t._processor = Keep()
     values = (1, "full_attention", "load", 2, 4096, 0, "r1")
-    for trace_id in range(1, 1 << 64, (1 << 64) // 40):  # ids on both sides of the ratio's bound
+    kept = 0
+    ids = range(1, 1 << 64, (1 << 64) // 40)  # ids on both sides of the ratio's bound
+    for trace_id in ids:
         carrier = (trace_id << 64 | trace_id, 0xB7AD6B7169203331, state)
         records.clear()
         t.record(COPY_SPAN, t.context_from_carrier(carrier), 10, 20, values)
         t.record(COPY_SPAN, t.parent_from_carrier(carrier), 10, 20, values)
         if not records:
             continue  # both dropped it
+        kept += 1
         via_context, via_parent = records
         assert via_parent[:2] == via_context[:2] and via_parent[3:] == via_context[3:]
         assert via_parent[4] is True and via_parent[5] == state  # a remote parent, the tracestate kept
+    assert kept == len(ids) if ratio == 1.0 else 0 < kept < len(ids)  # the comparison ran, both ways
     assert t.parent_from_carrier(None) is None and KVScopeTracing.disabled().parent_from_carrier((1, 2, None)) is None
 
 
