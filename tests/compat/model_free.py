@@ -80,6 +80,7 @@ class LoopStats:
     external_hit_tokens: int = 0  # vLLM's own counter (connector prefix-cache stats)
     external_queried_tokens: int = 0
     checked_blocks: int = 0
+    checked_loaded_blocks: int = 0  # of those, blocks a load from the host tier filled
     resumed: set[str] = field(default_factory=set)  # requests vLLM preempted and scheduled again
     scheduled_ahead: int = 0  # steps scheduled while the previous one was still in flight
     drafts_rejected: int = 0  # draft tokens whose KV the forward wrote and the next step overwrote
@@ -208,6 +209,7 @@ class ModelFreeEngine:
         self._rejected: dict[str, int] = {}  # drafts each request of the last step had rejected
         self.tables: dict[str, list[list[int]]] = {}  # per request, per group: block ids (worker's view)
         self.stats = LoopStats()
+        self._loaded: dict[tuple[str, int], set[int]] = {}  # (req id, group) -> device blocks loads filled
 
     # ------------------------------------------------------------------ driving
     def add(self, req_id: str, prompt: list[int], max_tokens: int = 2, trace_headers: dict | None = None,
@@ -259,6 +261,8 @@ class ModelFreeEngine:
         meta = out.kv_connector_metadata
         for job in getattr(meta, "loads", ()):
             self.stats.loads.setdefault(job.req_id, []).append(job)
+            for part in job.groups:
+                self._loaded.setdefault((job.req_id, part.group_index), set()).update(part.block_ids)
         forwards = {req_id: self._plan_forward(out, req_id, computed[req_id]) for req_id in out.num_scheduled_tokens}
         kv_outputs = []
         for rank, worker in enumerate(self.workers):
@@ -453,8 +457,9 @@ class ModelFreeEngine:
         want_all = torch.tensor(self._chain(req_id)[:computed], dtype=torch.int64)
         for group, layers in enumerate(self.group_layers):
             table = self.tables[req_id][group]
+            loaded = self._loaded.get((req_id, group), ())
             if self.group_kinds[group] == MAMBA:
-                self._check_state(rank, req_id, group, computed)
+                self._check_state(rank, req_id, group, computed, loaded)
                 continue
             for i in range(self._first_read(group, computed) // BLOCK, -(-computed // BLOCK)):
                 block_id = table[i] if i < len(table) else None
@@ -465,6 +470,7 @@ class ModelFreeEngine:
                 end = min((i + 1) * BLOCK, computed)
                 for layer in layers:
                     self.stats.checked_blocks += 1
+                    self.stats.checked_loaded_blocks += block_id in loaded
                     slots = words[layer][block_id].view(BLOCK, WORDS_PER_TOKEN)[:end - i * BLOCK]
                     want = want_all[i * BLOCK:end] ^ self._salts[rank, layer]
                     if not bool((slots == want[:, None]).all()):
@@ -491,7 +497,7 @@ class ModelFreeEngine:
 
 
     # ------------------------------------------------------------------ Mamba states (align mode)
-    def _check_state(self, rank: int, req_id: str, group: int, computed: int) -> None:
+    def _check_state(self, rank: int, req_id: str, group: int, computed: int, loaded=()) -> None:
         """The step starts from the state after `computed` tokens, in the block holding that
         position (vLLM's runner reads block ``(computed - 1) // block``): it must be that state."""
         if computed == 0:
@@ -502,6 +508,7 @@ class ModelFreeEngine:
         want = self._chain(req_id)[computed - 1]
         for layer in self.group_layers[group]:
             self.stats.checked_blocks += 1
+            self.stats.checked_loaded_blocks += block_id in loaded
             if not block_id or not bool((self.words[rank][layer][block_id] == want ^ self._salts[rank, layer]).all()):
                 self.stats.violations.append(Violation(
                     self.stats.steps, rank, req_id, group, index, block_id,

@@ -73,8 +73,11 @@ def _two_rounds(model_path: str, block_size: int, max_num_batched_tokens: int, n
     return engine.stats
 
 
-def _assert_no_violations(stats) -> None:
+def _assert_no_violations(stats, loads: bool = True) -> None:
+    """Every block a forward read held the right KV; with `loads`, some of them came from the host
+    tier (blocks its forwards re-read of their own KV always count, so the check needs both)."""
     assert stats.checked_blocks > 0
+    assert stats.checked_loaded_blocks > 0 or not loads, "no forward read a block a load filled"
     shown = "\n".join(map(str, stats.violations[:10]))
     assert not stats.violations, f"{len(stats.violations)} blocks read wrong KV:\n{shown}"
 
@@ -707,16 +710,21 @@ def test_a_conversation_turn_loads_mamba_states_decode_steps_left(model_path, ma
     assert turn2_hits == expected
 
 
-@pytest.mark.parametrize("retention", [None, 128, 0], ids=["dense", "every-128", "default"])
-def test_a_mamba_block_a_chunk_started_inside_keeps_that_state(model_path, retention):
+@pytest.mark.parametrize("retention, guarded", [(None, True), (128, True), (0, True), (None, False)],
+                         ids=["dense", "every-128", "default", "dense-negative-control"])
+def test_a_mamba_block_a_chunk_started_inside_keeps_that_state(model_path, retention, guarded, monkeypatch):
     """A request hits vLLM's prefix cache inside a state block (partial hash hits: at 80 of a
     64-token block), gets a private copy of that block (copy-on-write) and, its prompt's
     checkpoint saved in the same chunk, runs past the block's end in one chunk: the block keeps
     the state at 80. vLLM keys it for 128 tokens when it keeps every state (dense or periodic
     retention); kvscope must not store it under that key, or a later request sharing 128 tokens
-    would resume from the state at 80."""
+    would resume from the state at 80. Negative control: with every block taken for its own end's
+    state, that block is stored and `c` loads the state at 80 (so the check can fail)."""
+    from connector.state_blocks import StateBlocks
     from tests.compat.model_free import MambaAlign
 
+    if not guarded:
+        monkeypatch.setattr(StateBlocks, "holds_own_state", staticmethod(lambda *args: True))
     engine = ModelFreeEngine(model_path, {"cpu_bytes": 64 << 20, "block_size": 64}, window=WINDOW,
                              mamba=MambaAlign(64, 16, retention=retention))
     first = [(31 * i + 3) % 509 + 1 for i in range(90)]
@@ -732,4 +740,8 @@ def test_a_mamba_block_a_chunk_started_inside_keeps_that_state(model_path, reten
         assert engine.host_tier_leaks() == []
     finally:
         engine.shutdown()
-    _assert_no_violations(engine.stats)
+    if not guarded:
+        assert engine.stats.violations and engine.stats.checked_loaded_blocks > 0
+        return
+    # `c` finds no stored state to resume from at 128 (nor past it): it loads nothing
+    _assert_no_violations(engine.stats, loads=False)
