@@ -283,7 +283,7 @@ def test_problems_frame_is_sorted_by_file_and_line():
 
 def test_connector_trace_file_sink_is_readable(tmp_path):
     """The connector's own exporter and this reader agree on the format (contract §4)."""
-    trace_file = pytest.importorskip("connector.telemetry.trace_file")
+    from connector.telemetry import trace_file
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
     from opentelemetry.trace import set_span_in_context
