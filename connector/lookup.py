@@ -41,8 +41,8 @@ def find_hit_tokens(
     A hit of n blocks then also needs block n stored in those groups (its key proves that next
     token), and block n is left to compute, as vLLM's prefix cache and offloading connector do.
     """
-    proving = {layout.index for layout in layouts
-               if layout.index in proof_groups and layout.kind is not GroupKind.MAMBA}  # a state needs no proof
+    proving = {layout.index for layout in layouts  # a state needs no proof
+               if layout.index in proof_groups and layout.kind is not GroupKind.MAMBA} if proof_groups else ()
     max_blocks = min((num_tokens - 1) // offload_block_size, num_hashed_blocks - (1 if proving else 0))
     # Full attention needs a contiguous run from the local boundary: it bounds the search.
     first_needed = num_local_tokens // offload_block_size
@@ -54,7 +54,7 @@ def find_hit_tokens(
                 k += 1
             max_blocks = k - proof
     proving_windows = [layout.index for layout in layouts
-                       if layout.index in proving and layout.kind is GroupKind.SLIDING_WINDOW]
+                       if layout.index in proving and layout.kind is GroupKind.SLIDING_WINDOW] if proving else ()
     for n in range(max_blocks, 0, -1):
         hit = n * offload_block_size
         if hit <= num_local_tokens:

@@ -46,6 +46,7 @@ class _RequestState:
     witnessed_states: dict = field(default_factory=dict)
     # its device KV predates a cache reset (it kept running through it): nothing it computes is stored
     stores_stopped: bool = False
+    load_job: object | None = None  # its latest load's `_Job` (a request waits for its load: one at a time)
 
 
 @dataclass(slots=True)
@@ -202,7 +203,7 @@ class KVScopeScheduler:
             scans = self._scan_groups(group_block_ids, local, cached, plan_ns)
         hashes = self._offload_hashes(request)
         job_id = self._new_job_id()
-        job = _Job(direction=LOAD, req_id=req_id, keys=[], plan_ns=plan_ns)
+        job = state.load_job = _Job(direction=LOAD, req_id=req_id, keys=[], plan_ns=plan_ns)
         parts, failed = [], False
         num_hashes = len(hashes)
         pin = self.index.pin_for_load
@@ -498,11 +499,10 @@ class KVScopeScheduler:
         self._lookups.pop(req_id, None)
         if state is not None and state.filling is not None:
             self.stores.request_finished(request, state.filling)
-        if self._jobs:
-            # Aborted while its load runs: vLLM frees the blocks, uncached, once the load is done.
-            for job in self._jobs.values():
-                if job.req_id == req_id and job.direction == LOAD:
-                    job.aborted = True
+        if state is not None and state.load_job is not None:
+            # Aborted while its load runs: vLLM frees the blocks, uncached, once the load is done
+            # (a load already reported is out of `_jobs`: the mark changes nothing there).
+            state.load_job.aborted = True
         # Stores are complete (CPU) or fenced before block reuse (CUDA): free at once.
         return False, None
 
@@ -522,6 +522,7 @@ class KVScopeScheduler:
             if state.request.num_computed_tokens > 0:
                 state.stores_stopped = True
         self.index.clear()
+        self._update_capacity_stats()  # the host-usage gauge drops now, not at the next scheduled step
         return True
 
     def take_stats(self) -> KVScopeStats | None:

@@ -354,6 +354,18 @@ def test_a_cache_reset_never_lets_blocks_computed_before_it_load_after():
     assert not sched.index.contains(ready) and sched.stores.by_key == {}
 
 
+def test_a_cache_reset_empties_the_host_usage_gauge_at_once():
+    """An idle server runs no step after a reset: the gauge must not wait for one."""
+    sched, manager = _scheduler()
+    state = sched._requests["r"] = _state("r", 256)
+    manager.ids = _ids(0, 16)
+    _report(sched, sched._plan_store(state, 64))
+    sched._update_capacity_stats()
+    assert sched.take_stats().data["host_used_bytes"] > 0
+    sched.reset_cache()
+    assert sched.take_stats().data["host_used_bytes"] == 0
+
+
 def test_a_request_that_keeps_running_through_a_reset_stores_nothing_more():
     """Without `reset_running_requests` vLLM resets the connector while a request keeps its KV from
     before (its own reset fails then, and the connector's runs anyway): everything that request
