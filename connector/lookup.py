@@ -48,9 +48,10 @@ def find_hit_tokens(
     first_needed = num_local_tokens // offload_block_size
     for layout in layouts:
         if layout.kind is GroupKind.FULL_ATTENTION:
-            proof = layout.index in proving  # the run must reach one block past the hit
+            proof = 1 if proving and layout.index in proving else 0  # the run reaches one block past the hit
+            limit = max_blocks + proof
             k = first_needed
-            while k < max_blocks + proof and is_stored(layout.index, k):
+            while k < limit and is_stored(layout.index, k):
                 k += 1
             max_blocks = k - proof
     proving_windows = [layout.index for layout in layouts
@@ -64,6 +65,6 @@ def find_hit_tokens(
             for layout in layouts
             if layout.kind is not GroupKind.FULL_ATTENTION
             for k in needed_offload_blocks(layout, num_local_tokens, hit, offload_block_size)
-        ) and all(is_stored(group, n) for group in proving_windows):
+        ) and (not proving_windows or all(is_stored(group, n) for group in proving_windows)):
             return hit
     return 0
