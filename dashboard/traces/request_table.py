@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from dashboard.traces.schema import COPY, LOAD, LOOKUP, STORE
-
-STATUS_ERROR = 2  # OTLP's STATUS_CODE_ERROR
+from dashboard.traces.schema import COPY, LOAD, LOOKUP, STATUS_ERROR, STORE
 
 LOAD_TIME_DEFINITION = (
     "Load time of a load: from the start of its `kvscope.load` span to the end of the last "

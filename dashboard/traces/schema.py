@@ -100,8 +100,12 @@ def scans_of(spans: pd.DataFrame) -> pd.DataFrame:
     return spans[spans["name"] == SCAN]
 
 
+STATUS_ERROR = 2  # OTLP's STATUS_CODE_ERROR: a copy span of a copy that failed on its worker
+
+
 def copies_of(spans: pd.DataFrame, direction: str | None = None) -> pd.DataFrame:
-    copies = spans[spans["name"] == COPY]
+    """Copy spans of copies that ran (a failed copy's span, status ERROR, moved nothing and took no time)."""
+    copies = spans[(spans["name"] == COPY) & (spans["status_code"] != STATUS_ERROR)]
     if direction is not None:
         copies = copies[copies["copy_direction"] == direction]
     return copies

@@ -117,3 +117,15 @@ def test_a_request_that_loads_again_after_preemption_sums_its_loads(tmp_path):
     # "only hits or loads" keeps a request that loaded, even with no hit
     no_hit = requests.assign(tokens_hit=0)
     assert len(traces.search_requests(no_hit, "", only_hits=True)) == 1
+
+
+def test_failed_copies_stay_out_of_copy_latency_and_throughput(model_path, tmp_path):
+    """A failed copy's span (status ERROR, no bytes, no time) is no copy: the latency quantiles,
+    copy counts and throughput cover the copies that ran."""
+    _, spans, requests = _traced_rounds(model_path, tmp_path / "t.jsonl", workers=2, failing_rank=1)
+    ran = spans[(spans["name"] == traces.COPY) & (spans["status_code"] != 2) & (spans["copy_direction"] == "load")]
+    quantiles = traces.load_latency_quantiles(spans, requests).set_index("scope")
+    copy_rows = quantiles[quantiles.index.str.startswith("copy")]
+    assert copy_rows["count"].sum() == len(ran) > 0
+    throughput = traces.copy_throughput(spans)
+    assert throughput.loc[throughput["direction"] == "load", "copies"].sum() == len(ran)
