@@ -55,7 +55,8 @@ def check_parallelism(parallel_config) -> None:
     pipeline parallelism: each stage holds other layers, but vLLM's scheduler sees the first
     stage's, so its host slots would be sized for them and would not fit the other stages' buffers."""
     backend = getattr(parallel_config, "distributed_executor_backend", None)
-    ranks = getattr(parallel_config, "world_size", 1)
+    # with this launcher vLLM's world_size also counts data-parallel ranks, each self-contained
+    ranks = getattr(parallel_config, "world_size", 1) // max(1, getattr(parallel_config, "data_parallel_size", 1))
     if backend == "external_launcher" and ranks > 1:
         # every rank runs its own scheduler and hears only its own worker; a job counts as done
         # when all `world_size` workers reported it, so none ever would

@@ -191,10 +191,15 @@ class KVScopeWorker:
         if not job.trace_carrier:
             return
         parent = self.tracing.parent_from_carrier(job.trace_carrier)
+        if parent is None:
+            return
         now = time.time_ns()
+        kinds = self.group_kinds
         for part in job.groups:
+            if not 0 <= part.group_index < len(kinds):
+                continue  # a job naming a group this worker lacks (it failed for that): no such group's span
             self.tracing.record(FAILED_COPY_SPAN, parent, now, now,
-                                (part.group_index, self.group_kinds[part.group_index], job.direction, 0, 0,
+                                (part.group_index, kinds[part.group_index], job.direction, 0, 0,
                                  self.rank, job.req_id))
 
     # -- results back to vLLM --

@@ -7,6 +7,7 @@ import math
 import numpy as np
 import pandas as pd
 
+from dashboard.traces.request_table import load_rows
 from dashboard.traces.schema import DIRECTIONS, GROUP_KEYS, PAST_TENSE, copies_of, group_label, scans_of
 
 
@@ -20,12 +21,16 @@ def null_skip_by_group(spans: pd.DataFrame) -> pd.DataFrame:
     scans = scans_of(spans)
     if scans.empty:
         return pd.DataFrame(columns=cols)
+    # a failed load's planned blocks reached no request (as kvscope_loaded_blocks_total counts)
+    loads = load_rows(spans)
+    failed = scans["parent_span_id"].isin(loads.loc[loads["failed"], "span_id"])
+    scans = scans.assign(blocks_received=scans["blocks_pending"].where(~failed, 0))
     g = _observed_groupby(scans, GROUP_KEYS)
     out = pd.DataFrame({
         "scans": g.size(),
         "blocks_scanned": g["blocks_total"].sum(),
         "blocks_null_skipped": g["blocks_null_skipped"].sum(),
-        "blocks_loaded": g["blocks_pending"].sum(),
+        "blocks_loaded": g["blocks_received"].sum(),
     })
     out["null_skip_share"] = out["blocks_null_skipped"].astype(float) / out["blocks_scanned"].astype(
         float

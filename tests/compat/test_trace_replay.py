@@ -129,3 +129,10 @@ def test_failed_copies_stay_out_of_copy_latency_and_throughput(model_path, tmp_p
     assert copy_rows["count"].sum() == len(ran) > 0
     throughput = traces.copy_throughput(spans)
     assert throughput.loc[throughput["direction"] == "load", "copies"].sum() == len(ran)
+
+
+def test_failed_loads_count_no_blocks_loaded_per_group(model_path, tmp_path):
+    """As kvscope_loaded_blocks_total: blocks whose load failed reached no request."""
+    _, spans, _ = _traced_rounds(model_path, tmp_path / "t.jsonl", workers=2, failing_rank=1)
+    skip = traces.null_skip_by_group(spans)
+    assert (skip["blocks_loaded"] == 0).all() and (skip["blocks_scanned"] > 0).all()

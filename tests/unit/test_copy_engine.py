@@ -461,3 +461,28 @@ def test_copy_streams_are_never_vllms_compute_stream_nor_each_other(monkeypatch)
     monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: _PoolStream(7))
     with pytest.raises(CopyError, match="stream pool is exhausted"):
         copy_module.own_stream("cuda:0", [compute])
+
+
+def test_a_failed_job_is_traced_as_failed_copies_even_when_it_names_an_unknown_group():
+    """With tracing on, a failed job records one ERROR copy span per group it names that this worker
+    has (the unknown one has no kind to name); nothing escapes into the engine."""
+    from opentelemetry.trace import StatusCode
+
+    from connector.metadata import LOAD, GroupTransfer, KVScopeMetadata, TransferJob
+    from connector.telemetry.testing import in_memory_tracing
+    from connector.worker import KVScopeWorker
+
+    tracing, exporter = in_memory_tracing()
+    engine, _, _ = _shared_attention_engine(num_slots=4)
+    worker = KVScopeWorker(None, engine.layout, engine.num_slots, ["full_attention", "sliding_window"], 1, tracing)
+    worker.engine = engine
+    carrier = (0xABC, 0xDEF, None)
+    worker.start_load_kv(KVScopeMetadata(loads=[TransferJob(1, "a", LOAD, [
+        GroupTransfer(1, [2], [1], [0]), GroupTransfer(5, [2], [1], [0])], trace_carrier=carrier)]))
+    assert worker.build_worker_meta().failed_jobs == {1: 1}
+    (span,) = exporter.get_finished_spans()
+    assert span.name == "kvscope.group.copy" and span.status.status_code is StatusCode.ERROR
+    assert span.parent.span_id == 0xDEF and span.context.trace_id == 0xABC
+    assert dict(span.attributes) == {"kvscope.group.index": 1, "kvscope.group.kind": "sliding_window",
+                                     "kvscope.copy.direction": "load", "kvscope.copy.blocks": 0,
+                                     "kvscope.copy.bytes": 0, "kvscope.worker.rank": 1, "kvscope.request.id": "a"}

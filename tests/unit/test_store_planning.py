@@ -355,7 +355,7 @@ def test_a_cache_reset_never_lets_blocks_computed_before_it_load_after():
 
 
 def test_a_cache_reset_empties_the_host_usage_gauge_at_once():
-    """An idle server runs no step after a reset: the gauge must not wait for one."""
+    """The reset's own stats carry the emptied tier (vLLM publishes them with its next step's)."""
     sched, manager = _scheduler()
     state = sched._requests["r"] = _state("r", 256)
     manager.ids = _ids(0, 16)

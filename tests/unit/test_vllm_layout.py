@@ -84,6 +84,9 @@ def test_an_external_launcher_with_several_ranks_is_refused():
     single = dict(decode_context_parallel_size=1, prefill_context_parallel_size=1, pipeline_parallel_size=1)
     check_parallelism(SimpleNamespace(distributed_executor_backend="external_launcher", world_size=1, **single))
     check_parallelism(SimpleNamespace(distributed_executor_backend="mp", world_size=4, **single))
+    # torchrun data parallel, one GPU a rank: each rank's scheduler and worker are self-contained
+    check_parallelism(SimpleNamespace(distributed_executor_backend="external_launcher", world_size=4,
+                                      data_parallel_size=4, **single))
     with pytest.raises(UnsupportedKVCache, match="external_launcher.*world_size=2.*accepted are"):
         check_parallelism(SimpleNamespace(distributed_executor_backend="external_launcher", world_size=2, **single))
 
