@@ -7,11 +7,17 @@ import time
 
 import pytest
 
+from connector.tiny_models import build_model
 from dashboard import traces
 from tests.compat.model_free import ModelFreeEngine
-from tests.compat.test_vllm_scheduler_loop import WINDOW, _assert_no_violations, _prompts, model_path  # noqa: F401
+from tests.compat.test_vllm_scheduler_loop import WINDOW, _assert_no_violations, _prompts
 
 SHARED_TRACEPARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+
+
+@pytest.fixture(scope="module")
+def model_path() -> str:
+    return build_model("gemma3", window=WINDOW)
 
 
 def _traced_rounds(model_path, trace_file, *, workers=1, failing_rank=None, num_blocks=1200,
