@@ -138,7 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     s = sub.add_parser("dashboard", help="Streamlit replay of trace files")
     s.add_argument("paths", nargs="*")
     s.set_defaults(func=dashboard)
-    b = sub.add_parser("bench", help="run the benchmarks, write bench/results.md and .json (--quick: bench/results-quick.*)")
+    b = sub.add_parser("bench", help="run the benchmarks, write bench/results.md and .json "
+                                     "(--quick: bench/results-quick.*)")
     b.add_argument("--quick", action="store_true")
     b.set_defaults(func=bench)
     args = parser.parse_args(argv)

@@ -522,7 +522,7 @@ class KVScopeScheduler:
             if state.request.num_computed_tokens > 0:
                 state.stores_stopped = True
         self.index.clear()
-        self._update_capacity_stats()  # the host-usage gauge drops now, not at the next scheduled step
+        self._update_capacity_stats()  # the reset's own stats carry the emptied tier
         return True
 
     def take_stats(self) -> KVScopeStats | None:

@@ -129,9 +129,10 @@ class KVScopeWorker:
 
     def _in_bounds(self, job: TransferJob) -> bool:
         """Whether every slot of the job lies in this worker's host buffer, every piece in its slot
-        and every block in the KV cache, with one slot and piece per block of a known group. Never copy otherwise: on CUDA each is a raw address, and
-        past a buffer it reads or writes another's memory. Only a scheduler that sized its slots
-        differently from this worker should get here (start-up refuses the layouts known to)."""
+        and every block in the KV cache, with one slot and piece per block of a known group. Never
+        copy otherwise: on CUDA each is a raw address, and past a buffer it reads or writes another's
+        memory. Only a scheduler that sized its slots differently from this worker should get here
+        (start-up refuses the layouts known to)."""
         n, blocks, factors = self.num_slots, self.engine.num_blocks, self.slot_layout.group_factors
         if all(0 <= p.group_index < len(factors) and len(p.slots) == len(p.subs) == len(p.block_ids)
                and (not p.slots or (0 <= min(p.slots) and max(p.slots) < n
@@ -175,8 +176,12 @@ class KVScopeWorker:
         if job.direction == LOAD:
             self._done_loads.add(job.req_id)
 
+    def _copy_parent(self, job: TransferJob):
+        """The parent of the job's copy spans (its load or store span), or None: untraced."""
+        return self.tracing.parent_from_carrier(job.trace_carrier) if job.trace_carrier else None
+
     def _record(self, job: TransferJob, copies: list[tuple[int, CopyResult]]) -> None:
-        parent = self.tracing.parent_from_carrier(job.trace_carrier) if job.trace_carrier else None
+        parent = self._copy_parent(job)
         for group, copy in copies:
             kind = self.group_kinds[group]
             seconds = (copy.end_ns - copy.start_ns) / 1e9
@@ -188,9 +193,7 @@ class KVScopeWorker:
     def _record_failure(self, job: TransferJob) -> None:
         """A copy span with status ERROR per group of a failed job (no blocks, no bytes), so a trace
         replay tells a hit whose load failed, and was recomputed, from one that loaded."""
-        if not job.trace_carrier:
-            return
-        parent = self.tracing.parent_from_carrier(job.trace_carrier)
+        parent = self._copy_parent(job)
         if parent is None:
             return
         now = time.time_ns()

@@ -311,7 +311,8 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("kvscope_host_used_bytes", Gauge, "host_used_bytes", (),
                "Bytes of the host tier holding KV blocks."),
     MetricSpec("kvscope_host_capacity_bytes", Gauge, "host_capacity_bytes", (),
-               "Capacity of the host tier in bytes: its slots times the slot size (cpu_bytes rounded down to whole slots)."),
+               "Capacity of the host tier in bytes: its slots times the slot size "
+               "(cpu_bytes rounded down to whole slots)."),
 )
 METRIC_NAMES = tuple(spec.name for spec in METRICS)
 

@@ -134,8 +134,7 @@ _UNSET = Status(StatusCode.UNSET)
 
 
 def _status(record: tuple) -> Status:
-    kind = record[KIND]
-    error = KINDS[kind].error if kind != GENERIC_SPAN.code else None
+    error = KINDS[record[KIND]].error
     return Status(StatusCode.ERROR, error) if error else _UNSET
 
 

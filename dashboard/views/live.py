@@ -28,7 +28,8 @@ except prometheus.PrometheusError as exc:
 row = st.columns(4)
 row[0].metric("Token hit rate (latest)", formatting.percent(prometheus.latest(live.hit_rate, "hit rate")))
 for col, name in zip(row[1:], ("p50", "p95", "p99")):
-    col.metric(f"Load-to-report time {name} (latest)", formatting.millis(prometheus.latest(live.load_latency, name) * 1e3))
+    latest_ms = prometheus.latest(live.load_latency, name) * 1e3
+    col.metric(f"Load-to-report time {name} (latest)", formatting.millis(latest_ms))
 
 if live.hit_rate.empty and live.load_latency.empty:
     st.info("Prometheus answered, but has no kvscope samples in this range: is it scraping vLLM's /metrics "
