@@ -5,6 +5,12 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from .version_check import check_vllm_version
+
+# Before any other import of vLLM's modules: on a vLLM outside the supported range one of them may
+# be missing or moved, and the user must get the version message, not an ImportError.
+check_vllm_version()
+
 import torch
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -20,7 +26,6 @@ from .metadata import KVScopeMetadata
 from .scheduler import KVScopeScheduler
 from .telemetry.metrics import KVScopePromMetrics, KVScopeStats, serve_metrics_port
 from .telemetry.tracing import KVScopeTracing
-from .version_check import check_vllm_version
 from .vllm_layout import check_parallelism, check_sleep_mode, eagle_proof_groups, group_layouts, slot_layout
 from .worker import FENCE_AT_NEXT_STEP, FENCE_AT_ONCE, FENCE_WHEN_REUSED, KVScopeWorker
 

@@ -102,6 +102,8 @@ def test_register_never_breaks_vllm_on_an_unsupported_version(monkeypatch, caplo
     import vllm
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
+    from connector.connector import KVScopeConnector  # imported while the version is supported
+
     monkeypatch.setattr(vllm, "__version__", "0.31.0")
     monkeypatch.setattr(KVConnectorFactory, "_registry", {})
     with caplog.at_level("WARNING", logger="connector"):
@@ -109,10 +111,23 @@ def test_register_never_breaks_vllm_on_an_unsupported_version(monkeypatch, caplo
     assert "vLLM 0.31.0" in caplog.text and "refuse to start" in caplog.text
     assert connector.CONNECTOR_NAME in KVConnectorFactory._registry
     # the connector itself still refuses, with the version message
-    from connector.connector import KVScopeConnector
-
     with pytest.raises(UnsupportedVLLMVersion, match="0.31.0"):
         KVScopeConnector(vllm_config=None, role=None)
+
+
+def test_importing_the_connector_on_an_unsupported_vllm_names_the_version():
+    # vLLM's factory imports `connector.connector` by name. On a vLLM outside the range, a module it
+    # imports may be gone (simulated: `cache_hit_source` missing): the version message must come
+    # first, not an ImportError.
+    code = (
+        "import sys, vllm; vllm.__version__ = '0.31.0'; "
+        "sys.modules['vllm.v1.metrics.cache_hit_source'] = None\n"
+        "try:\n    import connector.connector\n"
+        "except Exception as exc:\n    print(type(exc).__name__, exc)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.startswith("UnsupportedVLLMVersion"), out.stdout + out.stderr[-2000:]
+    assert "vLLM 0.31.0" in out.stdout and "0.32.x and 0.33.x" in out.stdout
 
 
 def test_register_survives_a_factory_it_does_not_know(monkeypatch, caplog):
