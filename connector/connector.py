@@ -26,7 +26,14 @@ from .metadata import KVScopeMetadata
 from .scheduler import KVScopeScheduler
 from .telemetry.metrics import KVScopePromMetrics, KVScopeStats, serve_metrics_port
 from .telemetry.tracing import KVScopeTracing
-from .vllm_layout import check_parallelism, check_sleep_mode, eagle_proof_groups, group_layouts, slot_layout
+from .vllm_layout import (
+    check_parallelism,
+    check_sleep_mode,
+    eagle_proof_groups,
+    group_layouts,
+    slot_layout,
+    workers_per_scheduler,
+)
 from .worker import FENCE_AT_NEXT_STEP, FENCE_AT_ONCE, FENCE_WHEN_REUSED, KVScopeWorker
 
 logger = logging.getLogger(__name__)
@@ -79,7 +86,7 @@ class KVScopeConnector(KVConnectorBase_V1, SupportsHMA):
                 hash_block_size=hash_block_size,
                 num_slots=num_slots,
                 slot_bytes=layout.slot_bytes,
-                world_size=vllm_config.parallel_config.world_size,
+                world_size=workers_per_scheduler(vllm_config.parallel_config),
                 tracing=self.tracing,
                 kv_cache_manager_getter=lambda: self._kv_cache_manager,
                 reprefillable_tokens=max(0, getattr(vllm_config, "num_prefill_lookahead_tokens", 0) - 1),

@@ -49,14 +49,23 @@ def _kind(spec: KVCacheSpec) -> tuple[GroupKind, int | None]:
     raise UnsupportedKVCache(f"KV cache spec {type(spec).__name__} is not supported by kvscope")
 
 
+def workers_per_scheduler(parallel_config) -> int:
+    """How many workers report each job to this engine's scheduler: vLLM's `world_size`, except
+    with the external launcher, where `world_size` also counts the data-parallel ranks and each
+    rank's scheduler hears only its own worker (a single-process executor, no output aggregator)."""
+    world_size = getattr(parallel_config, "world_size", 1)
+    if getattr(parallel_config, "distributed_executor_backend", None) == "external_launcher":
+        return world_size // max(1, getattr(parallel_config, "data_parallel_size", 1))
+    return world_size
+
+
 def check_parallelism(parallel_config) -> None:
     """Refuse context parallelism: a device block then holds more tokens than its spec's block size
     (each rank's share of a longer span), which kvscope's block arithmetic does not follow. Refuse
     pipeline parallelism: each stage holds other layers, but vLLM's scheduler sees the first
     stage's, so its host slots would be sized for them and would not fit the other stages' buffers."""
     backend = getattr(parallel_config, "distributed_executor_backend", None)
-    # with this launcher vLLM's world_size also counts data-parallel ranks, each self-contained
-    ranks = getattr(parallel_config, "world_size", 1) // max(1, getattr(parallel_config, "data_parallel_size", 1))
+    ranks = workers_per_scheduler(parallel_config)
     if backend == "external_launcher" and ranks > 1:
         # every rank runs its own scheduler and hears only its own worker; a job counts as done
         # when all `world_size` workers reported it, so none ever would

@@ -127,7 +127,8 @@ class ModelFreeEngine:
     def __init__(self, model_path: str, extra_config: dict, *, window: int, num_blocks: int = 1200,
                  max_num_batched_tokens: int = 2048, max_model_len: int = 2048, workers: int = 1,
                  async_scheduling: bool = False, runner: str = "v1", spec_tokens: int = 0,
-                 spec_method: str = "ngram", mamba: MambaAlign | None = None):
+                 spec_method: str = "ngram", mamba: MambaAlign | None = None,
+                 parallel_overrides: dict | None = None):
         from vllm.config import KVTransferConfig
         from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -149,6 +150,8 @@ class ModelFreeEngine:
                                 "prompt_lookup_max": 2, "prompt_lookup_min": 1} if spec_tokens else None,
         )
         self.vllm_config = args.create_engine_config()
+        for name, value in (parallel_overrides or {}).items():  # a launcher this machine cannot start
+            setattr(self.vllm_config.parallel_config, name, value)
         if spec_tokens and spec_method != "ngram":
             # The drafter is the fake forward's either way; vLLM's scheduler and KV cache manager
             # (and the connector) follow the method's rules, e.g. EAGLE's dropped last block.

@@ -53,12 +53,13 @@ def _store_round(engine: ModelFreeEngine, prompts, max_tokens: int = 2) -> None:
 
 def _two_rounds(model_path: str, block_size: int, max_num_batched_tokens: int, num_blocks: int = 1200,
                 max_tokens: int = 2, workers: int = 1, failing_rank: int | None = None,
-                async_scheduling: bool = False, runner: str = "v1"):
+                async_scheduling: bool = False, runner: str = "v1", parallel_overrides: dict | None = None):
     """Round 0 computes and stores; the device prefix cache is reset; round 1 sends the same prompts
     (with every load on `failing_rank` failing, when given)."""
     engine = ModelFreeEngine(model_path, {"cpu_bytes": 64 << 20, "block_size": block_size}, window=WINDOW,
                              num_blocks=num_blocks, max_num_batched_tokens=max_num_batched_tokens, workers=workers,
-                             async_scheduling=async_scheduling, runner=runner)
+                             async_scheduling=async_scheduling, runner=runner,
+                             parallel_overrides=parallel_overrides)
     try:
         prompts = _prompts()
         _store_round(engine, prompts, max_tokens)
@@ -185,6 +186,16 @@ def test_two_workers_load_their_own_shards(model_path):
     assert data["loaded_blocks"] == {"0|sliding_window": loaded[0], "1|full_attention": loaded[1]}
     # copies are counted per worker
     assert data["copy_blocks"]["1|full_attention|load"] == 2 * loaded[1]
+
+
+def test_a_data_parallel_rank_of_the_external_launcher_loads_what_its_worker_stored(model_path):
+    """torchrun-style data parallel, one GPU a rank: vLLM's `world_size` counts every rank, but each
+    rank's scheduler hears its own worker only (no output aggregator). Jobs waiting for `world_size`
+    reports would never end: no block ready, no hit, host slots and job state held for ever."""
+    launcher = {"distributed_executor_backend": "external_launcher", "data_parallel_size": 2, "world_size": 2}
+    stats = _two_rounds(model_path, 64, 100, parallel_overrides=launcher)
+    _assert_no_violations(stats)
+    assert stats.external_hit_tokens > 0 and any(r.startswith("r1-") for r in stats.loads)
 
 
 @pytest.mark.parametrize("runner", ["v1", *V2_RUNNERS])

@@ -24,6 +24,7 @@ from connector.vllm_layout import (
     check_sleep_mode,
     eagle_proof_groups,
     group_layouts,
+    workers_per_scheduler,
 )
 
 COMMON = dict(block_size=16, num_kv_heads=1, head_size=64, dtype=torch.bfloat16)
@@ -89,6 +90,18 @@ def test_an_external_launcher_with_several_ranks_is_refused():
                                       data_parallel_size=4, **single))
     with pytest.raises(UnsupportedKVCache, match="external_launcher.*world_size=2.*accepted are"):
         check_parallelism(SimpleNamespace(distributed_executor_backend="external_launcher", world_size=2, **single))
+
+
+def test_each_job_waits_for_the_workers_that_report_to_its_scheduler():
+    """vLLM's `world_size` counts data-parallel ranks too under the external launcher, but each
+    rank's scheduler hears its own worker only: waiting for `world_size` reports, no job would end."""
+    single = dict(decode_context_parallel_size=1, prefill_context_parallel_size=1, pipeline_parallel_size=1)
+    launched = SimpleNamespace(distributed_executor_backend="external_launcher", world_size=4,
+                               data_parallel_size=4, **single)
+    assert workers_per_scheduler(launched) == 1
+    assert workers_per_scheduler(SimpleNamespace(distributed_executor_backend="mp", world_size=4,
+                                                 data_parallel_size=2, **single)) == 4  # DP not in world_size
+    assert workers_per_scheduler(SimpleNamespace(world_size=2)) == 2
 
 
 def test_a_model_without_kv_cache_groups_is_refused_by_name():
