@@ -68,8 +68,10 @@ class HostBuffer:
             if register(base + offset, size):
                 self._registered.append(base + offset)
                 continue
-            logger.warning("kvscope: pinning the host tier failed at %.2f of %.2f GB; it stays pageable "
-                           "(copies work, slower)", offset / 1e9, nbytes / 1e9)
+            logger.warning("kvscope: pinning the host tier failed at %.2f of %.2f GB; it stays pageable: "
+                           "copies still work, but each copy to pageable memory returns only once done, "
+                           "so every step that stores waits for its forward and its stores (lower "
+                           "cpu_bytes if this host cannot pin that much)", offset / 1e9, nbytes / 1e9)
             self.release()
             return
 

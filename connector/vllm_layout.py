@@ -5,15 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from vllm.v1.kv_cache_interface import (
-    AttentionSpec,
     ChunkedLocalAttentionSpec,
     CircularBufferSpec,
     KVCacheConfig,
     KVCacheSpec,
-    MambaSpec,
-    SlidingWindowSpec,
     UniformTypeKVCacheSpecs,
 )
+from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 
 from .groups import GroupKind, GroupLayout
 
@@ -22,31 +20,63 @@ class UnsupportedKVCache(RuntimeError):
     """A KV cache layout kvscope cannot offload correctly: refuse instead of guessing."""
 
 
-def _kind(spec: KVCacheSpec) -> tuple[GroupKind, int | None]:
+# vLLM's hit rule for a group is its manager's (`KVCacheSpecRegistry`): kvscope's lookup follows
+# these and no other. A spec another manager serves (a subclass with rules of its own, e.g. R-SWA,
+# or a platform's custom spec) is refused, not taken for its base class.
+_KIND_OF_MANAGER = {
+    "FullAttentionManager": GroupKind.FULL_ATTENTION,
+    "SinkFullAttentionManager": GroupKind.FULL_ATTENTION,  # sink KV lives outside request blocks
+    "SlidingWindowManager": GroupKind.SLIDING_WINDOW,
+    "MambaManager": GroupKind.MAMBA,
+}
+
+
+def _kind(spec: KVCacheSpec, role=None) -> tuple[GroupKind, int | None]:
     if isinstance(spec, UniformTypeKVCacheSpecs):
-        return _kind(spec.first_spec)
-    if isinstance(spec, SlidingWindowSpec):
-        # vLLM also keeps `extra_retained_tokens` behind the window (multi-module MTP): those
-        # blocks are allocated, so a hit must have them stored and a load fills them
-        return GroupKind.SLIDING_WINDOW, spec.sliding_window + getattr(spec, "extra_retained_tokens", 0)
-    if isinstance(spec, MambaSpec):
-        if spec.mamba_cache_mode != "align":
-            # vLLM's "none" mode (prefix caching off): one state per request, rewritten every step,
-            # so no state at a block boundary is ever kept to offload
-            raise UnsupportedKVCache(
-                f"Mamba groups with mamba_cache_mode={spec.mamba_cache_mode!r} are not supported by kvscope: "
-                "it keeps one state per request, rewritten every step; accepted is 'align', which vLLM "
-                "sets when prefix caching is on (--enable-prefix-caching)")
-        return GroupKind.MAMBA, None
+        for layer_spec in spec.kv_cache_specs.values():
+            _check_reusable(layer_spec)
+        return _kind(spec.first_spec, role)
     if isinstance(spec, ChunkedLocalAttentionSpec):
         raise UnsupportedKVCache("chunked local attention groups are not supported by kvscope")
     if isinstance(spec, CircularBufferSpec):
         # one block per request, rewritten every step: a stored copy would be stale at once
         raise UnsupportedKVCache("circular-buffer KV groups (one block per request, rewritten in place "
                                  "every step) are not supported by kvscope")
-    if isinstance(spec, AttentionSpec):
-        return GroupKind.FULL_ATTENTION, None
-    raise UnsupportedKVCache(f"KV cache spec {type(spec).__name__} is not supported by kvscope")
+    _check_reusable(spec)
+    manager = KVCacheSpecRegistry.get_manager_class(spec, role)
+    manager_name = getattr(manager, "__name__", None)
+    kind = _KIND_OF_MANAGER.get(manager_name)
+    if kind is None:
+        raise UnsupportedKVCache(
+            f"KV cache spec {type(spec).__name__} (vLLM's {manager_name or 'no manager'}) is not supported "
+            "by kvscope: accepted are the specs of vLLM's full-attention, sliding-window and Mamba managers")
+    if kind is GroupKind.SLIDING_WINDOW:
+        # vLLM also keeps `extra_retained_tokens` behind the window (multi-module MTP): those
+        # blocks are allocated, so a hit must have them stored and a load fills them
+        return kind, spec.sliding_window + getattr(spec, "extra_retained_tokens", 0)
+    if kind is GroupKind.MAMBA and spec.mamba_cache_mode != "align":
+        # vLLM's "none" mode (prefix caching off): one state per request, rewritten every step,
+        # so no state at a block boundary is ever kept to offload
+        raise UnsupportedKVCache(
+            f"Mamba groups with mamba_cache_mode={spec.mamba_cache_mode!r} are not supported by kvscope: "
+            "it keeps one state per request, rewritten every step; accepted is 'align', which vLLM "
+            "sets when prefix caching is on (--enable-prefix-caching)")
+    return kind, None
+
+
+def _check_reusable(spec: KVCacheSpec) -> None:
+    """Refuse KV that is not a function of its prefix alone, which vLLM itself never reuses: a load
+    would give a later request KV computed for another."""
+    if getattr(spec, "non_causal", False):
+        # Prefix-LM attention: a prompt's KV depends on the whole prompt; vLLM turns off prefix
+        # caching and chunked prefill for it
+        raise UnsupportedKVCache(f"non-causal attention ({type(spec).__name__} with non_causal=True, Prefix-LM) "
+                                 "is not supported by kvscope: a prompt's KV depends on its later tokens, so "
+                                 "no prefix of it can be reused; accepted is causal attention")
+    if not getattr(spec, "prefix_cacheable", True):
+        raise UnsupportedKVCache(f"KV cache spec {type(spec).__name__} is not prefix-cacheable in vLLM (its KV "
+                                 "is replayed or rebuilt, not reused): kvscope cannot offload it; accepted are "
+                                 "specs vLLM's prefix cache reuses")
 
 
 def workers_per_scheduler(parallel_config) -> int:
@@ -100,7 +130,7 @@ def group_layouts(kv_cache_config: KVCacheConfig) -> list[GroupLayout]:
     for index, group in enumerate(kv_cache_config.kv_cache_groups):
         if getattr(group, "host_resident", False):
             raise UnsupportedKVCache(f"KV group {index} is host-resident (HiSparse): not supported")
-        kind, window = _kind(group.kv_cache_spec)
+        kind, window = _kind(group.kv_cache_spec, getattr(group, "role", None))
         _check_one_page_size(index, group.kv_cache_spec)
         layouts.append(
             GroupLayout(

@@ -63,6 +63,41 @@ def test_groups_rewritten_in_place_or_chunked_are_refused(spec, named):
         group_layouts(_config(FullAttentionSpec(**COMMON), spec))
 
 
+def _refused_specs():
+    from vllm.v1.kv_cache_interface import CrossAttentionSpec, RSWASpec, SlidingWindowMLASpec
+
+    return [
+        # Prefix-LM: a prompt's KV depends on its later tokens (vLLM turns prefix caching off for it)
+        (FullAttentionSpec(**COMMON, non_causal=True), "non-causal attention"),
+        (UniformTypeKVCacheSpecs(block_size=16, kv_cache_specs={
+            "layers.0": FullAttentionSpec(**COMMON), "layers.1": FullAttentionSpec(**COMMON, non_causal=True)}),
+         "non-causal attention"),
+        # R-SWA: a FullAttentionSpec subclass whose decode KV is windowed (its own manager)
+        (RSWASpec(**COMMON, rswa_window=64), "RSWASpec \\(vLLM's RSWAManager\\) is not supported.*accepted are"),
+        # DeepSeek-V4.1's bounded replay: vLLM recomputes the window rather than reuse it
+        (SlidingWindowMLASpec(**COMMON, sliding_window=64, bounded_replay=True), "not prefix-cacheable"),
+        (CrossAttentionSpec(**COMMON), "CrossAttentionSpec \\(vLLM's CrossAttentionManager\\)"),
+    ]
+
+
+@pytest.mark.parametrize("index", range(5))
+def test_kv_that_vllm_never_reuses_or_serves_with_other_rules_is_refused(index):
+    """Only specs of the managers whose hit rules kvscope's lookup follows, and only KV that is a
+    function of its prefix: anything else would load another request's KV, or the wrong blocks."""
+    spec, named = _refused_specs()[index]
+    with pytest.raises(UnsupportedKVCache, match=named):
+        group_layouts(_config(FullAttentionSpec(**COMMON), spec))
+
+
+def test_full_attention_variants_with_the_full_attention_rule_are_taken():
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec, SinkFullAttentionSpec, SlidingWindowMLASpec
+
+    layouts = group_layouts(_config(MLAAttentionSpec(**COMMON), SinkFullAttentionSpec(**COMMON, sink_len=4),
+                                    SlidingWindowMLASpec(**COMMON, sliding_window=64)))
+    assert [(g.kind, g.sliding_window) for g in layouts] == [
+        (GroupKind.FULL_ATTENTION, None), (GroupKind.FULL_ATTENTION, None), (GroupKind.SLIDING_WINDOW, 64)]
+
+
 @pytest.mark.parametrize("name", ["decode_context_parallel_size", "prefill_context_parallel_size"])
 def test_context_parallelism_is_refused(name):
     check_parallelism(SimpleNamespace(decode_context_parallel_size=1, prefill_context_parallel_size=1))
