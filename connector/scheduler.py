@@ -385,6 +385,10 @@ class KVScopeScheduler:
             part = GroupTransfer(g, [], [], [])
             end = min(limit, len(ids))
             states = state_blocks[g] if state_blocks is not None and layout.kind is GroupKind.MAMBA else None
+            filling = state.filling[g]
+            if filling is not None and filling.keyed and not self._key_still_holds(request, filling):
+                stores.give_up(filling)  # its pieces so far belong to tokens the request no longer has
+                state.filling[g] = None
             for i in range(state.stored_blocks[g], end):
                 block_id = ids[i]
                 if states is not None and block_id != NULL_BLOCK_ID and not StateBlocks.holds_own_state(
@@ -428,6 +432,15 @@ class KVScopeScheduler:
             tracing.end_span(STORE_SPAN, span, time.time_ns(),
                              (request.request_id, len(parts), sum(len(p.block_ids) for p in parts)))
         return TransferJob(job_id, request.request_id, STORE, parts, trace_carrier=carrier)
+
+    def _key_still_holds(self, request, filling) -> bool:
+        """Whether the request's tokens still give the offloaded block it is filling that block's key.
+        A request's tokens past its computed ones can change under it (a streaming-input session's
+        next turn drops the last sampled token and appends new input): the rest of the block would
+        then hold KV of other tokens than its key's."""
+        i = (filling.block_index + 1) * self.hashes_per_block - 1
+        hashes = request.block_hashes
+        return i < len(hashes) and hashes[i] == filling.key[1]
 
     def _log_foreign_state(self, block, block_end: int) -> None:
         """Say once why a model's Mamba states are stored less often than its blocks end."""

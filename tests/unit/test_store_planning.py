@@ -382,3 +382,24 @@ def test_a_request_that_keeps_running_through_a_reset_stores_nothing_more():
     # a request that starts after the reset stores as usual
     fresh = sched._requests["s"] = _state("s", 256)
     assert sched._plan_store(fresh, 64) is not None
+
+
+def test_a_block_whose_key_changes_under_it_is_given_up():
+    """A streaming-input session's next turn replaces the tokens past the computed ones (vLLM drops
+    the last sampled token, truncates the block hashes and appends the new input): a block started
+    under the old key must not be completed with the new tokens' KV."""
+    sched, manager = _scheduler()
+    state = _state("r", 64)  # all four hash blocks known: block 0's key is h3
+    manager.ids = _ids(0)
+    first = sched._plan_store(state, 48)  # pieces 0..2 of block 0, under (g, "h3")
+    _report(sched, first)
+    state.request.block_hashes = ["h0", "h1", "h2", "h3-next-turn", "h4-next-turn"]
+    state.request.num_tokens = 80
+    manager.ids = _ids(48)
+    second = sched._plan_store(state, 80)
+    if second is not None:
+        _report(sched, second)
+    for g in (0, 1):
+        assert not sched.index.is_ready((g, "h3")), "the old key would load the new turn's KV"
+        assert not sched.index.contains((g, "h3")) and not sched.index.contains((g, "h3-next-turn"))
+    assert not any(key[1] == "h3" for key in sched.stores.by_key)  # given up and settled
