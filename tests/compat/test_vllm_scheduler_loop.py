@@ -19,7 +19,7 @@ from vllm.v1.worker.gpu.kv_connector import ActiveKVConnector
 
 from connector.tiny_models import build_model
 from connector.worker import FENCE_AT_NEXT_STEP, FENCE_AT_ONCE, FENCE_WHEN_REUSED
-from tests.compat.model_free import ModelFreeEngine, loaded_blocks_by_group
+from tests.compat.model_free import ModelFreeEngine, loaded_blocks_by_group, true_token
 
 # The V2 runner with speculative decoding runs the stores after the step's results: vLLM 0.33 on
 _DEFERRED_FINALIZE = pytest.mark.skipif(
@@ -196,6 +196,36 @@ def test_a_data_parallel_rank_of_the_external_launcher_loads_what_its_worker_sto
     stats = _two_rounds(model_path, 64, 100, parallel_overrides=launcher)
     _assert_no_violations(stats)
     assert stats.external_hit_tokens > 0 and any(r.startswith("r1-") for r in stats.loads)
+
+
+def test_known_vllm_gap_async_loads_admitted_past_their_reserve_stall_the_scheduler(model_path):
+    """Under device-KV pressure vLLM (0.32 and 0.33) admits async loads whose remaining prefills need
+    more blocks together than are free: its full-sequence check (`KVCacheManager.allocate_slots`)
+    compares one request's need with all free blocks; the reserve for in-flight prefills is taken
+    off for the load's own blocks only. With nothing running nothing can be preempted, and the
+    requests wait for ever (README). kvscope's part is sound: every load finished, no job is left.
+    This pins vLLM's behaviour: when it fails, vLLM closed the gap and the README can say so."""
+    engine = ModelFreeEngine(model_path, {"cpu_bytes": 64 << 20, "block_size": 256}, window=WINDOW,
+                             num_blocks=200, max_num_batched_tokens=512)
+    shared = [(31 * i + 3) % 509 + 1 for i in range(700)]
+    suffix = [[(17 * i + 11 * j + 5) % 509 + 1 for i in range(n)] for j, n in enumerate((525, 307, 54, 63))]
+    first = shared + suffix[0]
+    try:
+        _store_round(engine, [first])  # 1225 tokens, and the 2 it samples
+        engine.add("r1-0", shared + suffix[1], 2)  # loads 512 tokens
+        engine.add("r1-1", first + [true_token(p) for p in range(len(first), len(first) + 2)] + suffix[2], 2)  # 1024
+        engine.add("r1-2", shared + suffix[3], 1)  # 512
+        with pytest.raises(AssertionError, match="still unfinished"):
+            engine.run(max_steps=200)
+        scheduler = engine.scheduler
+        assert not scheduler.running and not engine.scheduler.get_kv_connector()._scheduler.has_unreported_jobs()
+        assert set(engine.stats.finished_recving) >= {"r1-0", "r1-1", "r1-2"} and not engine.stats.failed_recving
+        stuck = sorted(r.request_id for r in scheduler.requests.values())
+        assert stuck == ["r1-0", "r1-1", "r1-2"]
+        needed = sum(scheduler._request_remaining_blocks(r) for r in scheduler.requests.values())
+        assert needed > scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+    finally:
+        engine.shutdown()
 
 
 @pytest.mark.parametrize("runner", ["v1", *V2_RUNNERS])
