@@ -1,0 +1,116 @@
+"""Random workloads (`workload_fuzz`) under vLLM's own scheduler with kvscope, over a fixed set of seeds.
+
+Each seed is a random engine configuration and a multi-round workload, replayed with every KV position
+a forward reads checked (`model_free`). The seeds were picked from a sweep of the "fast" profile: most
+of them load from the host tier, and together they cover async scheduling, the V2 runner (and vLLM
+0.33's V2 runner with speculative decoding), two workers, speculative decoding, Mamba state groups,
+host-tier evictions, preemptions, chunked prefills, aborts, device prefix-cache resets and resets with
+new weights. `test_the_seeds_cover_what_they_were_picked_for` notices when a change to the generator
+makes them cover less. More seeds: `python -m tests.compat.workload_fuzz --profile full --shrink`.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.compat.workload_fuzz import execute, make_plan, missing_feature
+
+SEEDS = [
+    0, 2, 22, 34, 42, 48, 53, 55, 59, 66, 67, 71, 99, 102, 105, 106, 124, 130, 158, 159, 164, 173, 174, 182,
+    194, 201, 206, 208, 213, 220, 224, 238, 241, 249, 261, 265, 268, 272, 276, 277, 283, 292, 294, 299, 301,
+    307, 309, 310, 314, 320, 330, 340, 349, 351, 355, 357, 362, 373, 378, 383, 395, 396, 430, 439, 440, 456,
+    468, 471, 473, 484, 486, 510, 519, 532, 555, 557, 577, 581, 593, 618, 623, 627, 633, 634, 640, 643, 644,
+    647, 652, 653, 660, 677, 680, 698, 706, 712, 715, 721, 725, 737, 741, 748, 763, 767, 771, 781, 782, 797,
+    192, 205, 339, 719,  # the V2 runner with speculative decoding (vLLM 0.33 on)
+]
+PLANS = {seed: make_plan(seed, "fast") for seed in SEEDS}
+RUNNABLE = [seed for seed in SEEDS if missing_feature(PLANS[seed]) is None]
+
+
+def _seed_param(seed: int):
+    reason = missing_feature(PLANS[seed])
+    return pytest.param(seed, id=f"seed{seed}", marks=pytest.mark.skipif(reason is not None, reason=str(reason)))
+
+
+@pytest.fixture(scope="module")
+def result_of():
+    """Each seed's result, computed once for the module: the per-seed tests and the summaries share them."""
+    results = {}
+
+    def result(seed: int):
+        if seed not in results:
+            results[seed] = execute(PLANS[seed])
+        return results[seed]
+
+    return result
+
+
+@pytest.mark.parametrize("seed", [_seed_param(seed) for seed in SEEDS])
+def test_a_random_workload_reads_the_kv_it_wrote_finishes_and_leaks_nothing(result_of, seed):
+    """No forward reads wrong KV, every request ends with all its tokens (or is one of vLLM's known
+    stalled admissions, which kvscope cannot help: `result.vllm_stalls`), the host tier holds nothing after."""
+    result = result_of(seed)
+    shown = "\n".join(result.violations[:10])
+    assert not result.violations, f"{len(result.violations)} blocks read wrong KV:\n{shown}"
+    assert not result.unfinished, result.unfinished[:10]
+    assert not result.leaks, result.leaks[:10]
+    assert result.checked_blocks > 0
+
+
+def test_the_seeds_load_from_the_host_tier(result_of):
+    """Blocks a forward re-reads of its own KV always check out: the suite means something only if
+    forwards read blocks that loads filled, in a good share of the seeds."""
+    loaded = [result_of(seed).checked_loaded_blocks for seed in RUNNABLE]
+    assert sum(loaded) > 0
+    assert 3 * sum(blocks > 0 for blocks in loaded) >= len(RUNNABLE), loaded
+
+
+def test_the_seeds_cover_what_they_were_picked_for(result_of):
+    """Configurations from the plans, events from the replays: each is in several seeds."""
+    configs = [PLANS[seed]["config"] for seed in RUNNABLE]
+    results = [result_of(seed) for seed in RUNNABLE]
+    rounds = [PLANS[seed]["rounds"] for seed in RUNNABLE]
+    covered = {
+        "async scheduling": sum(c["async_scheduling"] for c in configs),
+        "the V2 runner": sum(c["runner"] != "v1" for c in configs),
+        "two workers": sum(c["workers"] == 2 for c in configs),
+        "speculative decoding": sum("spec_tokens" in c for c in configs),
+        "Mamba": sum("mamba" in c for c in configs),
+        "chunked prefills": sum(_longest_prompt(PLANS[seed]) > PLANS[seed]["config"]["max_num_batched_tokens"]
+                                for seed in RUNNABLE),
+        "device prefix-cache resets": sum(any(r["between"] == "reset" for r in rs[:-1]) for rs in rounds),
+        "resets with new weights": sum(any(r["between"] == "weights" for r in rs) for rs in rounds),
+        "evictions": sum(r.evictions > 0 for r in results),
+        "preemptions": sum(r.preemptions > 0 for r in results),
+        "aborts": sum(r.aborts > 0 for r in results),
+    }
+    assert all(count >= 3 for count in covered.values()), covered
+
+
+def _longest_prompt(plan: dict) -> int:
+    return max(sum(n for _, n in request["prompt"])
+               for round_ in plan["rounds"] for phase in round_["phases"] for request in phase["adds"])
+
+
+def test_the_known_vllm_stall_is_told_apart_from_a_kvscope_failure():
+    """vLLM admits three async loads whose prefills need more device blocks together than are free, and
+    stalls with nothing running (`test_known_vllm_gap_async_loads_admitted_past_their_reserve_stall_the_
+    scheduler`): the replay calls it a vLLM stall, aborts them as a client would, and goes on. When vLLM
+    closes the gap, this fails with that test, and the stall's recognition can go."""
+    def request(req_id, prompt, max_tokens=2):
+        return {"id": req_id, "prompt": prompt, "max_tokens": max_tokens, "salt": None}
+
+    def phase(*adds):
+        return {"adds": list(adds), "pause_after": None, "abort_on_schedule": [], "abort_after": []}
+
+    first = [["shared", 700], ["a", 525]]
+    plan = {"seed": 0, "config": {"block_size": 256, "workers": 1, "async_scheduling": False, "runner": "v1",
+                                  "num_blocks": 200, "max_num_batched_tokens": 512, "cpu_bytes": 64 << 20},
+            "rounds": [{"phases": [phase(request("first", first))], "between": "reset"},
+                       {"phases": [phase(request("b", [["shared", 700], ["b", 307]]),
+                                         request("c", [*first, ["gen", 2], ["c", 54]]),
+                                         request("d", [["shared", 700], ["d", 63]], 1))], "between": "none"},
+                       {"phases": [phase(request("after", [["shared", 700], ["e", 100]]))], "between": "none"}]}
+    result = execute(plan)
+    assert result.vllm_stalls == [["b", "c", "d"]] and result.aborts == 3
+    assert result.verdict == "vllm_stall" and result.failure is None
