@@ -11,6 +11,12 @@ from vllm.v1.kv_cache_interface import (
     KVCacheSpec,
     UniformTypeKVCacheSpecs,
 )
+from vllm.v1.core.single_type_kv_cache_manager import (
+    FullAttentionManager,
+    MambaManager,
+    SinkFullAttentionManager,
+    SlidingWindowManager,
+)
 from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 
 from .groups import GroupKind, GroupLayout
@@ -22,12 +28,13 @@ class UnsupportedKVCache(RuntimeError):
 
 # vLLM's hit rule for a group is its manager's (`KVCacheSpecRegistry`): kvscope's lookup follows
 # these and no other. A spec another manager serves (a subclass with rules of its own, e.g. R-SWA,
-# or a platform's custom spec) is refused, not taken for its base class.
+# or a platform's custom spec) is refused, not taken for its base class. A group of several layer
+# specs (`UniformTypeKVCacheSpecs`) has its first layer's manager, as in vLLM.
 _KIND_OF_MANAGER = {
-    "FullAttentionManager": GroupKind.FULL_ATTENTION,
-    "SinkFullAttentionManager": GroupKind.FULL_ATTENTION,  # sink KV lives outside request blocks
-    "SlidingWindowManager": GroupKind.SLIDING_WINDOW,
-    "MambaManager": GroupKind.MAMBA,
+    FullAttentionManager: GroupKind.FULL_ATTENTION,
+    SinkFullAttentionManager: GroupKind.FULL_ATTENTION,  # sink KV lives outside request blocks
+    SlidingWindowManager: GroupKind.SLIDING_WINDOW,
+    MambaManager: GroupKind.MAMBA,
 }
 
 
@@ -44,11 +51,11 @@ def _kind(spec: KVCacheSpec, role=None) -> tuple[GroupKind, int | None]:
                                  "every step) are not supported by kvscope")
     _check_reusable(spec)
     manager = KVCacheSpecRegistry.get_manager_class(spec, role)
-    manager_name = getattr(manager, "__name__", None)
-    kind = _KIND_OF_MANAGER.get(manager_name)
+    kind = _KIND_OF_MANAGER.get(manager)
     if kind is None:
         raise UnsupportedKVCache(
-            f"KV cache spec {type(spec).__name__} (vLLM's {manager_name or 'no manager'}) is not supported "
+            f"KV cache spec {type(spec).__name__} (vLLM's {getattr(manager, '__name__', 'no manager')}) "
+            "is not supported "
             "by kvscope: accepted are the specs of vLLM's full-attention, sliding-window and Mamba managers")
     if kind is GroupKind.SLIDING_WINDOW:
         # vLLM also keeps `extra_retained_tokens` behind the window (multi-module MTP): those
@@ -99,9 +106,10 @@ def check_parallelism(parallel_config) -> None:
     if backend == "external_launcher" and ranks > 1:
         # every rank runs its own scheduler and hears only its own worker; a job counts as done
         # when all `world_size` workers reported it, so none ever would
-        raise UnsupportedKVCache(f"distributed_executor_backend='external_launcher' with world_size={ranks} is "
-                                 "not supported by kvscope: each rank's scheduler hears only its own worker; "
-                                 "accepted are the other executor backends (mp, ray, uni)")
+        raise UnsupportedKVCache(f"distributed_executor_backend='external_launcher' with {ranks} ranks per data-"
+                                 "parallel rank is not supported by kvscope: each rank's scheduler hears only "
+                                 "its own worker; accepted are 1 rank per data-parallel rank (one GPU each) "
+                                 "and the other executor backends (mp, ray, uni)")
     stages = getattr(parallel_config, "pipeline_parallel_size", 1)
     if stages > 1:
         raise UnsupportedKVCache(f"pipeline_parallel_size={stages} is not supported by kvscope: the scheduler "

@@ -47,13 +47,15 @@ def result_of():
 
 @pytest.mark.parametrize("seed", [_seed_param(seed) for seed in SEEDS])
 def test_a_random_workload_reads_the_kv_it_wrote_finishes_and_leaks_nothing(result_of, seed):
-    """No forward reads wrong KV, every request ends with all its tokens (or is one of vLLM's known
-    stalled admissions, which kvscope cannot help: `result.vllm_stalls`), the host tier holds nothing after."""
+    """No forward reads wrong KV, every request ends with all its tokens, the host tier holds nothing
+    after. None of these seeds met vLLM's known admission stall when they were picked: one that does
+    now is reported, not passed over (its plan may have drifted into it, or a lost load looks alike)."""
     result = result_of(seed)
     shown = "\n".join(result.violations[:10])
     assert not result.violations, f"{len(result.violations)} blocks read wrong KV:\n{shown}"
     assert not result.unfinished, result.unfinished[:10]
     assert not result.leaks, result.leaks[:10]
+    assert not result.vllm_stalls, "none of these seeds met vLLM's known stall when picked: look again"
     assert result.checked_blocks > 0
 
 

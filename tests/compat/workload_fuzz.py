@@ -339,11 +339,15 @@ def _stalled_by_vllm(engine) -> list[str] | None:
 
     vLLM admits async loads whose remaining prefills need more device blocks together than are free;
     with nothing running nothing can be preempted, and they wait for ever. kvscope's part is done:
-    no job waits for a report, and every stuck request holds its (loaded) blocks."""
+    no job waits for a report, every stuck request's load was reported finished (and none failed),
+    and each holds its (loaded) blocks. A load kvscope lost would leave the first of these unmet."""
     scheduler = engine.scheduler
     if scheduler.running or scheduler.get_kv_connector()._scheduler.has_unreported_jobs():
         return None
     stuck = list(scheduler.requests.values())
+    loaded, failed = engine.stats.finished_recving, engine.stats.failed_recving
+    if not all(r.request_id in loaded and r.request_id not in failed for r in stuck):
+        return None
     manager = scheduler.kv_cache_manager
     if not stuck or not all(any(manager.get_block_ids(r.request_id)) for r in stuck):
         return None

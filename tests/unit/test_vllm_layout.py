@@ -9,10 +9,13 @@ import torch
 from vllm.v1.kv_cache_interface import (
     ChunkedLocalAttentionSpec,
     CircularBufferSpec,
+    CrossAttentionSpec,
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
     MambaSpec,
+    RSWASpec,
+    SlidingWindowMLASpec,
     SlidingWindowSpec,
     UniformTypeKVCacheSpecs,
 )
@@ -64,33 +67,33 @@ def test_groups_rewritten_in_place_or_chunked_are_refused(spec, named):
 
 
 def _refused_specs():
-    from vllm.v1.kv_cache_interface import CrossAttentionSpec, RSWASpec, SlidingWindowMLASpec
-
     return [
         # Prefix-LM: a prompt's KV depends on its later tokens (vLLM turns prefix caching off for it)
-        (FullAttentionSpec(**COMMON, non_causal=True), "non-causal attention"),
-        (UniformTypeKVCacheSpecs(block_size=16, kv_cache_specs={
+        pytest.param(FullAttentionSpec(**COMMON, non_causal=True), "non-causal attention", id="prefix-lm"),
+        pytest.param(UniformTypeKVCacheSpecs(block_size=16, kv_cache_specs={
             "layers.0": FullAttentionSpec(**COMMON), "layers.1": FullAttentionSpec(**COMMON, non_causal=True)}),
-         "non-causal attention"),
+            "non-causal attention", id="prefix-lm-layer-in-a-group"),
         # R-SWA: a FullAttentionSpec subclass whose decode KV is windowed (its own manager)
-        (RSWASpec(**COMMON, rswa_window=64), "RSWASpec \\(vLLM's RSWAManager\\) is not supported.*accepted are"),
+        pytest.param(RSWASpec(**COMMON, rswa_window=64),
+                     "RSWASpec \\(vLLM's RSWAManager\\) is not supported.*accepted are", id="r-swa"),
         # DeepSeek-V4.1's bounded replay: vLLM recomputes the window rather than reuse it
-        (SlidingWindowMLASpec(**COMMON, sliding_window=64, bounded_replay=True), "not prefix-cacheable"),
-        (CrossAttentionSpec(**COMMON), "CrossAttentionSpec \\(vLLM's CrossAttentionManager\\)"),
+        pytest.param(SlidingWindowMLASpec(**COMMON, sliding_window=64, bounded_replay=True), "not prefix-cacheable",
+                     id="bounded-replay"),
+        pytest.param(CrossAttentionSpec(**COMMON), "CrossAttentionSpec \\(vLLM's CrossAttentionManager\\)",
+                     id="cross-attention"),
     ]
 
 
-@pytest.mark.parametrize("index", range(5))
-def test_kv_that_vllm_never_reuses_or_serves_with_other_rules_is_refused(index):
+@pytest.mark.parametrize("spec, named", _refused_specs())
+def test_kv_that_vllm_never_reuses_or_serves_with_other_rules_is_refused(spec, named):
     """Only specs of the managers whose hit rules kvscope's lookup follows, and only KV that is a
     function of its prefix: anything else would load another request's KV, or the wrong blocks."""
-    spec, named = _refused_specs()[index]
     with pytest.raises(UnsupportedKVCache, match=named):
         group_layouts(_config(FullAttentionSpec(**COMMON), spec))
 
 
 def test_full_attention_variants_with_the_full_attention_rule_are_taken():
-    from vllm.v1.kv_cache_interface import MLAAttentionSpec, SinkFullAttentionSpec, SlidingWindowMLASpec
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec, SinkFullAttentionSpec
 
     layouts = group_layouts(_config(MLAAttentionSpec(**COMMON), SinkFullAttentionSpec(**COMMON, sink_len=4),
                                     SlidingWindowMLASpec(**COMMON, sliding_window=64)))
@@ -123,7 +126,7 @@ def test_an_external_launcher_with_several_ranks_is_refused():
     # torchrun data parallel, one GPU a rank: each rank's scheduler and worker are self-contained
     check_parallelism(SimpleNamespace(distributed_executor_backend="external_launcher", world_size=4,
                                       data_parallel_size=4, **single))
-    with pytest.raises(UnsupportedKVCache, match="external_launcher.*world_size=2.*accepted are"):
+    with pytest.raises(UnsupportedKVCache, match="external_launcher.* 2 ranks per data-parallel rank.*accepted are"):
         check_parallelism(SimpleNamespace(distributed_executor_backend="external_launcher", world_size=2, **single))
 
 
