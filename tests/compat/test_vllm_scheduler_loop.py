@@ -200,8 +200,8 @@ def test_a_data_parallel_rank_of_the_external_launcher_loads_what_its_worker_sto
 
 def test_known_vllm_gap_async_loads_admitted_past_their_reserve_stall_the_scheduler(model_path):
     """Under device-KV pressure vLLM (0.32 and 0.33) admits three async loads, then the first one's
-    next chunk needs more blocks than are free (its sliding-window group takes a block per token of
-    the chunk, more than the admission estimate counts); its full-sequence check compares one
+    next chunk needs more blocks than are free (its sliding-window group needs blocks for the whole
+    chunk, not only its window: more than the admission estimate counts); its full-sequence check compares one
     request's need with all free blocks, the other loads' reserve is taken off the load's own blocks
     only. With nothing running nothing can be preempted, and the requests wait for ever (README).
     kvscope's part is sound: every load finished, no job is left. This pins vLLM's behaviour: when
