@@ -11,8 +11,9 @@ the helper (a non-blocking pipe; what it cannot take now waits in memory for the
 the export thread starts the helper, sends the tail and waits out a full pipe.
 
 Robustness: the helper reads until its stdin closes, so it drains and exits when the engine
-process shuts down or dies, and it ignores SIGINT (a Ctrl-C to ``vllm serve`` reaches the whole
-process group; the engine's shutdown still flushes through it). Its warnings (an unwritable
+process shuts down or dies, and it ignores SIGINT, SIGTERM and SIGHUP (a Ctrl-C to ``vllm serve``
+or a service manager's stop reaches the whole process group; the engine's shutdown still flushes
+through it). Its warnings (an unwritable
 trace file, a dead OTLP endpoint) come back over its stdout and are logged by the engine
 process, once, as before. If the helper cannot start or dies, the export falls back to the
 same sinks in the engine process, logged once; what a dead helper had read but not yet written
@@ -316,15 +317,26 @@ class ExportProcess(SpanExporter):
         self._proc = proc
         config = marshal.dumps(asdict(self._sinks))
         write_all(proc.stdin.fileno(), _HEADER.pack(len(config)) + config)
-        ready = _read_frame(proc.stdout, timeout_s=_START_TIMEOUT_S)
-        if ready != ("ready",):
-            raise RuntimeError(f"span export process did not start (said {ready!r})")
+        self._await_ready(proc)
         self._fd = proc.stdin.fileno()
         os.set_blocking(self._fd, False)  # the engine thread's writes must never wait for the helper
         _enlarge_pipe(self._fd)
         self._reader = threading.Thread(target=self._read_replies, args=(proc,), name="kvscope-export-replies",
                                         daemon=True)
         self._reader.start()
+
+    @staticmethod
+    def _await_ready(proc: subprocess.Popen) -> None:
+        """Wait for the helper's "ready"; warnings it logs while building its sinks (an OTLP setting
+        it does not take, say) come first and are logged here, as every later one is."""
+        deadline = time.monotonic() + _START_TIMEOUT_S
+        while True:
+            message = _read_frame(proc.stdout, timeout_s=max(0.0, deadline - time.monotonic()))
+            if message == ("ready",):
+                return
+            if not (isinstance(message, tuple) and message and message[0] == "log"):
+                raise RuntimeError(f"span export process did not start (said {message!r})")
+            logger.log(message[1], "%s", message[2])
 
     def _read_replies(self, proc: subprocess.Popen) -> None:
         """Acks of flushes and the helper's warnings, logged here as the engine process's own."""
@@ -445,7 +457,11 @@ def _yield_to_the_engine() -> None:
 
 
 def _serve() -> int:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # A signal to the whole process group (Ctrl-C, systemd's stop, `timeout`) must not end the
+    # helper before the engine's shutdown has drained through it: it ends when its stdin closes
+    # (the engine process exits or dies), and a helper that hangs is killed by the engine process.
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, signal.SIG_IGN)
     _yield_to_the_engine()
     # Unbuffered: a buffer could hold frames that `select` (`_readable`) does not see.
     requests, replies = sys.stdin.buffer.raw, sys.stdout.buffer

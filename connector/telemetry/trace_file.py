@@ -14,6 +14,7 @@ from __future__ import annotations
 import base64
 import json
 import logging
+import math
 import os
 import threading
 import weakref
@@ -171,6 +172,8 @@ def _any_value(value: Any) -> dict[str, Any]:
     if isinstance(value, int):
         return {"intValue": str(value)}
     if isinstance(value, float):
+        if not math.isfinite(value):  # JSON has no NaN or Infinity: OTLP/JSON (proto3) spells them as strings
+            return {"doubleValue": "NaN" if value != value else ("Infinity" if value > 0 else "-Infinity")}
         return {"doubleValue": value}
     if isinstance(value, (list, tuple)):
         return {"arrayValue": {"values": [_any_value(v) for v in value]}}

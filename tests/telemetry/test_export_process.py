@@ -112,6 +112,42 @@ def test_the_helpers_warnings_are_logged_here_once(tmp_path, caplog):
     assert len(warnings) == 1 and str(bad) in warnings[0], warnings
 
 
+def test_a_warning_the_helper_logs_while_it_starts_is_logged_here_and_the_helper_still_runs(tmp_path, caplog):
+    # "500ms" is not a number of milliseconds the OTLP exporter takes: it warns while the helper
+    # builds its sinks, before the helper says it is ready.
+    otel = {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://127.0.0.1:9/v1/traces", "OTEL_EXPORTER_OTLP_TIMEOUT": "500ms"}
+    path = tmp_path / "t.jsonl"
+    helper = ExportProcess(Sinks(str(path), otel, {"service.name": "kvscope-test"}), stop_timeout_s=5)
+    with caplog.at_level(logging.WARNING):
+        try:
+            helper.export(_records(1))
+            assert helper.pid is not None, "the helper did not start"
+            assert helper.force_flush(10_000)
+        finally:
+            helper._sinks = _sinks(path)  # (no OTLP retries while it shuts down)
+            helper.shutdown()
+    messages = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert not [m for m in messages if "export process failed" in m], messages
+    assert any("OTEL_EXPORTER_OTLP_TIMEOUT" in m or "500ms" in m for m in messages), messages
+    assert len(_spans(path)) == 4
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT])
+def test_a_signal_to_the_process_group_leaves_the_helper_to_drain_at_shutdown(tmp_path, signum):
+    path = tmp_path / "t.jsonl"
+    helper = _started(path)
+    os.kill(helper.pid, signal.SIGSTOP)  # what it has not read yet is still in the pipe
+    try:
+        helper.export_nowait(_numbered(1, 10))
+        os.kill(helper.pid, signum)  # as a service manager's stop or a Ctrl-C reaches every process
+    finally:
+        os.kill(helper.pid, signal.SIGCONT)
+    time.sleep(0.2)
+    assert helper.pid is not None, "the signal ended the helper"
+    helper.shutdown()
+    assert _request_ids(path) == list(range(11))
+
+
 def test_a_dead_helper_fails_over_to_this_process_without_losing_later_spans(tmp_path, caplog):
     path = tmp_path / "t.jsonl"
     helper = ExportProcess(_sinks(path))

@@ -253,3 +253,35 @@ def test_one_odd_request_id_does_not_cost_its_batch(tmp_path):
     assert exporter.export(["ok", "bad\ud800"]) is SpanExportResult.SUCCESS
     exporter.shutdown()
     assert path.read_text(encoding="utf-8") == '{"ids":"ok,bad?"}\n'
+
+
+def test_non_finite_doubles_are_written_as_otlp_json_spells_them(tmp_path):
+    """JSON has no NaN or Infinity: a bare `NaN` makes the line unreadable to the Collector and to
+    strict parsers, so they are written as proto3's JSON strings and parse back to the same values."""
+    import json as _json
+    import math
+
+    from opentelemetry.sdk.resources import Resource
+
+    from connector.telemetry.trace_file import parse_json_line, records_to_json_line
+    from connector.telemetry.tracing import KVScopeTracing
+
+    captured = []
+    tracing = KVScopeTracing(type("Keep", (), {"on_end": lambda self, r: captured.append(r)})(), None)
+    span = tracing.start_span("custom", start_time=1)
+    span.set_attributes({"nan": math.nan, "inf": math.inf, "ninf": -math.inf, "many": [1.5, math.nan]})
+    span.end(2)
+    line = records_to_json_line(captured, Resource.create({"service.name": "t"}), "kvscope", "0")
+
+    def refuse(name):
+        raise ValueError(f"bare {name} in the line")
+
+    (written,) = _json.loads(line, parse_constant=refuse)["resourceSpans"][0]["scopeSpans"][0]["spans"]
+    values = {a["key"]: a["value"] for a in written["attributes"]}
+    assert values["nan"] == {"doubleValue": "NaN"}
+    assert values["inf"] == {"doubleValue": "Infinity"} and values["ninf"] == {"doubleValue": "-Infinity"}
+    assert values["many"]["arrayValue"]["values"] == [{"doubleValue": 1.5}, {"doubleValue": "NaN"}]
+    (parsed,) = parse_json_line(line).resource_spans[0].scope_spans[0].spans
+    back = {a.key: a.value for a in parsed.attributes}
+    assert math.isnan(back["nan"].double_value) and back["inf"].double_value == math.inf
+    assert back["ninf"].double_value == -math.inf
