@@ -61,6 +61,7 @@ class _Job:
     reports: int = 0
     failed: bool = False
     aborted: bool = False  # load: its request ended (aborted) before the load was reported: unused
+    failed_at_plan: bool = False  # load: failed before any copy (its pinned host blocks are intact)
 
 
 class KVScopeScheduler:
@@ -150,6 +151,10 @@ class KVScopeScheduler:
                 if headers:
                     state.trace_context = self.tracing.parent_from_trace_headers(headers)
             self._requests[req_id] = state
+        elif state.stores_stopped and request.num_computed_tokens == 0:
+            # Restarted from nothing after a cache reset stopped its stores (preempted): from now
+            # on all its KV is computed anew, so it is stored again.
+            state.stores_stopped = False
         lookup = self._lookups.pop(req_id, None)
         lookup_record = None
         if request.num_computed_tokens == 0 and lookup is not None and not getattr(request, "num_preemptions", 0):
@@ -164,11 +169,22 @@ class KVScopeScheduler:
         if num_external_tokens == 0:
             return
         if lookup is None:
-            logger.error("kvscope: no lookup for request %s; refusing to load", req_id)
-            local = request.num_computed_tokens
-        else:
-            local = lookup.local_tokens
-        self._plan_load(state, request, blocks.get_block_ids(), local, num_external_tokens, lookup_record)
+            # vLLM looks up every request it gives external tokens: without that lookup the local hit,
+            # and so where the load starts, is unknown (`num_computed_tokens` is still 0 here).
+            logger.error("kvscope: no lookup for request %s; its load fails and vLLM recomputes", req_id)
+            self._fail_load_at_plan(state, req_id)
+            return
+        self._plan_load(state, request, blocks.get_block_ids(), lookup.local_tokens, num_external_tokens,
+                        lookup_record)
+
+    def _fail_load_at_plan(self, state, req_id: str) -> None:
+        """A load job that fails on every worker without copying anything: vLLM recomputes the request."""
+        job_id = self._new_job_id()
+        # Reported like any other load (`_report`): the request waits for its workers' failures.
+        state.load_job = self._jobs[job_id] = _Job(direction=LOAD, req_id=req_id, keys=[],
+                                                   plan_ns=time.perf_counter_ns(), failed_at_plan=True)
+        self._pending_loads.append(TransferJob(job_id=job_id, req_id=req_id, direction=LOAD, groups=[],
+                                               failed_at_plan=True))
 
     def _lookup_span(self, state, req_id, lookup, queried, hit) -> tuple | None:
         """The request's lookup span: recorded at once when no load follows (``hit`` 0); otherwise
@@ -228,6 +244,7 @@ class KVScopeScheduler:
             carrier = tracing.end_load(parent, load_start, time.time_ns(),
                                        (req_id, local, external, len(scans), scan_records, lookup_record))
         if failed:
+            job.failed_at_plan = True
             logger.warning("kvscope: host blocks for request %s vanished before the load; "
                            "vLLM will recompute", req_id)
         self._jobs[job_id] = job
@@ -487,9 +504,11 @@ class KVScopeScheduler:
         for key in job.keys:
             self.index.unpin(key)
         if job.failed:
-            # Whatever those slots hold cannot be trusted: forget them, so the retry that vLLM
-            # schedules misses and recomputes instead of failing the same way again.
-            self.index.drop(job.keys)
+            if not job.failed_at_plan:
+                # A copy failed: whatever those slots hold cannot be trusted. Forget them, so the
+                # retry that vLLM schedules misses and recomputes instead of failing the same way again.
+                # (A load failed at planning copied nothing: its blocks stay for later hits.)
+                self.index.drop(job.keys)
             self._stats.record_load_failures(sum(blocks for _, blocks in job.loaded))
         elif not job.aborted:
             # Blocks a request received (its load bytes are counted where they move: each

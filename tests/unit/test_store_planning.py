@@ -384,6 +384,69 @@ def test_a_request_that_keeps_running_through_a_reset_stores_nothing_more():
     assert sched._plan_store(fresh, 64) is not None
 
 
+def test_a_request_restarted_from_nothing_after_a_reset_stores_again():
+    """The request that kept running through a reset is preempted later (vLLM frees its KV): it
+    computes everything again with the new weights, so its blocks are stored again."""
+    sched, manager = _scheduler()
+    state = sched._requests["r"] = _state("r", 256)
+    state.request.num_computed_tokens = 64  # still running through the reset
+    sched.reset_cache()
+    manager.ids = _ids(64, 16)
+    assert sched._plan_store(state, 128) is None
+    state.request.num_computed_tokens = 0  # preempted, then scheduled again from nothing
+    sched.update_state_after_alloc(state.request, SimpleNamespace(get_block_ids=lambda: manager.ids), 0)
+    manager.ids = _ids(0, 16)
+    job = sched._plan_store(state, 64)
+    assert job is not None and _pieces(job, 1) == [(list(range(200, 204)), [0, 1, 2, 3])]
+
+
+def _stored(sched, *keys):
+    for key in keys:
+        assert sched.index.reserve_for_store(key) is not None
+        sched.index.complete_store(key)
+
+
+def test_a_load_that_fails_at_planning_keeps_the_host_blocks_it_pinned():
+    """A load planned while one of its host blocks is gone fails before any copy: vLLM recomputes,
+    and the blocks it did pin are intact, so later requests still hit them."""
+    sched, manager = _scheduler()
+    _stored(sched, (0, "h3"), (1, "h3"))  # offloaded block 0 of both groups; block 1 of neither
+    request = _state("r", 256).request
+    assert sched.get_num_new_matched_tokens(request, 0) == (64, True)
+    sched.index.drop([(0, "h3")])  # gone between lookup and load (it cannot be in vLLM; a guard)
+    sched.update_state_after_alloc(request, SimpleNamespace(get_block_ids=lambda: _ids(0, 16)), 64)
+    (job,) = sched.build_connector_meta(_output()).loads
+    assert job.failed_at_plan
+    _report(sched, job, failed=True)
+    assert sched.index.is_ready((1, "h3")) and sched.index.pin_for_load((1, "h3")) is not None
+
+
+def test_a_load_failed_in_its_copy_forgets_the_host_blocks_it_read():
+    sched, manager = _scheduler()
+    _stored(sched, (0, "h3"), (1, "h3"))
+    request = _state("r", 256).request
+    sched.get_num_new_matched_tokens(request, 0)
+    sched.update_state_after_alloc(request, SimpleNamespace(get_block_ids=lambda: _ids(0, 16)), 64)
+    (job,) = sched.build_connector_meta(_output()).loads
+    assert not job.failed_at_plan and [p.group_index for p in job.groups] == [0, 1]
+    _report(sched, job, failed=True)
+    assert not sched.index.contains((0, "h3")) and not sched.index.contains((1, "h3"))
+
+
+def test_a_load_vllm_asks_for_without_a_lookup_fails_whole_and_copies_nothing():
+    """vLLM always looks a request up before it gives it external tokens; were it not to, the local
+    hit (and so where the load starts) would be unknown: the load fails and vLLM recomputes."""
+    sched, manager = _scheduler()
+    _stored(sched, (0, "h3"), (1, "h3"), (0, "h7"), (1, "h7"))
+    request = _state("r", 256).request
+    sched.update_state_after_alloc(request, SimpleNamespace(get_block_ids=lambda: _ids(64, 16)), 64)
+    (job,) = sched.build_connector_meta(_output()).loads
+    assert job.failed_at_plan and job.groups == []
+    assert all(entry.pins == 0 for entry in sched.index._entries.values())
+    _report(sched, job, failed=True)
+    assert sched._jobs == {} and sched.index.is_ready((1, "h7"))
+
+
 def test_a_block_whose_key_changes_under_it_is_given_up():
     """A streaming-input session's next turn replaces the tokens past the computed ones (vLLM drops
     the last sampled token, truncates the block hashes and appends the new input): a block started
