@@ -2,7 +2,8 @@
 compute kernels unnest resourceSpans -> scopeSpans -> spans -> attributes column-wise.
 
 It handles the common case only and declines (returns None) on anything else: a line that does
-not parse, JSON types that change between lines, an attribute value of an unexpected type,
+not parse (Arrow's parser also refuses a lone surrogate escape such as ``\\ud800``), JSON types
+that change between lines, an attribute value of an unexpected type, a null entry in a list,
 missing ids or timestamps. The line-by-line decoder in `traces` then reads the file and reports
 each problem with its line number, so declining costs time, never correctness.
 """
@@ -24,7 +25,6 @@ except ImportError:  # pragma: no cover - pyarrow comes with streamlit
     pa = None
 
 KNOWN_KEYS = list(schema.ATTRIBUTE_COLUMNS)
-_VALUE_FIELDS = ("stringValue", "intValue", "doubleValue", "boolValue", "arrayValue", "kvlistValue", "bytesValue")
 
 
 class _Declined(Exception):
@@ -34,6 +34,8 @@ class _Declined(Exception):
 def decode(data: bytes, label: str, lines: list[bytes]) -> reader.DecodedSpans | None:
     """Decode a whole file, or None when the line-by-line decoder must do it."""
     if pa is None:
+        return None
+    if not _is_utf8(data):  # Arrow lets such bytes pass where it converts nothing; the line decoder skips the line
         return None
     line_numbers = np.array([i for i, raw in enumerate(lines, 1) if raw.strip()], dtype=np.int64)
     if not len(line_numbers):
@@ -49,6 +51,16 @@ def decode(data: bytes, label: str, lines: list[bytes]) -> reader.DecodedSpans |
         return _unnest(table, label, line_numbers)
     except (_Declined, pa.ArrowException, KeyError, TypeError, ValueError, IndexError):
         return None
+
+
+def _is_utf8(data: bytes) -> bool:
+    if data.isascii():  # the common case, ten times faster than decoding
+        return True
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 def _unnest(table: pa.Table, label: str, line_numbers: np.ndarray) -> reader.DecodedSpans:
@@ -134,6 +146,8 @@ def _flatten(arr) -> tuple[Any, np.ndarray]:
         return None, np.zeros(0, dtype=np.int64)
     if not pa.types.is_struct(items.type):
         raise _Declined(f"expected objects, got {items.type}")
+    if items.null_count:  # [null, {...}]: the line decoder reports the entry that is not an object
+        raise _Declined("null in a list of objects")
     return items, pc.list_parent_indices(arr).to_numpy().astype(np.int64)
 
 
@@ -210,7 +224,10 @@ def _attributes(attributes, keep: np.ndarray, total: int) -> tuple[dict[str, np.
             values[key] = np.full(n, np.nan) if is_int else np.full(n, None, dtype=object)
             invalid[key] = np.zeros(n, dtype=bool)
         return values, invalid, [None] * n
-    keys = _string_typed(_field(items, "key"))
+    keys = _field(items, "key")
+    if keys is None or keys.null_count:
+        raise _Declined("attribute without key")
+    keys = _string_typed(keys)
     value = _field(items, "value")
     key_index = _as_numpy(pc.fill_null(pc.index_in(keys, value_set=pa.array(KNOWN_KEYS)), -1))
     number = _numbers(value, len(items))
@@ -244,10 +261,11 @@ def _attributes(attributes, keep: np.ndarray, total: int) -> tuple[dict[str, np.
         names = keys.take(pa.array(extra_rows)).to_pylist()
         for row, key, v in zip(extra_rows.tolist(), names, picked):
             span = int(span_of[row])
-            entry = next((v[f] for f in _VALUE_FIELDS if v and v.get(f) is not None), None)
+            # The one field set ({"boolValue": true}); None for an unset value ({}, null or no "value").
+            entry = next((x for x in (v or {}).values() if x is not None), None)
             if extras[span] is None:
                 extras[span] = {}
-            extras[span][key] = entry
+            extras[span][key] = reader.without_nulls(entry)
     return values, invalid, extras
 
 

@@ -23,7 +23,7 @@ def null_skip_by_group(spans: pd.DataFrame) -> pd.DataFrame:
         return pd.DataFrame(columns=cols)
     # a failed load's planned blocks reached no request (as kvscope_loaded_blocks_total counts)
     loads = load_rows(spans)
-    failed = scans["parent_span_id"].isin(loads.loc[loads["failed"], "span_id"])
+    failed = scans["owner_key"].isin(loads.loc[loads["failed"], "span_key"])
     scans = scans.assign(blocks_received=scans["blocks_pending"].where(~failed, 0))
     g = _observed_groupby(scans, GROUP_KEYS)
     out = pd.DataFrame({

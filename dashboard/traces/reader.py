@@ -16,6 +16,7 @@ import binascii
 import gzip
 import json
 import os
+import re
 import zlib
 from collections import Counter
 from collections.abc import Iterable, Sequence
@@ -26,15 +27,13 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from dashboard.traces.owners import owner_keys
 from dashboard.traces.schema import (
     ALLOWED_VALUES,
     ATTRIBUTE_COLUMNS,
-    COPY,
-    LOAD,
     REQUIRED_ATTRIBUTES,
     SCOPE_NAME,
     SPAN_COLUMNS,
-    STORE,
     SUPPORTED_SCOPE_VERSIONS,
 )
 
@@ -186,22 +185,35 @@ def _split_lines(data: bytes) -> list[bytes]:
     return data.split(b"\n")
 
 
-def decode_lines(label: str, lines: Iterable[bytes]) -> DecodedSpans:
-    """The line-by-line decoder: one `json.loads` per line, one small loop per span."""
+# JSON's escape of a UTF-16 surrogate: `json.loads` turns a lone one into a str no UTF-8 (nor Arrow) takes.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+INCOMPLETE_LAST_LINE = ("incomplete last line: it does not parse and no newline ends it (is the file "
+                        "still being written, or did its writer stop mid-line?)")
+
+
+def decode_lines(label: str, lines: Sequence[bytes]) -> DecodedSpans:
+    """The line-by-line decoder: one `json.loads` per line, one small loop per span.
+
+    `lines` is the file split at newlines: a last entry that is not empty had no newline after it.
+    """
     rows: list[tuple] = []
     problems: list[Problem] = []
     other = count = 0
+    last = len(lines)
     for lineno, raw in enumerate(lines, 1):
         if not raw.strip():
             continue
         count += 1
         try:
             doc = json.loads(raw)
-        except json.JSONDecodeError as exc:
-            problems.append(Problem(label, lineno, f"not JSON: {exc.msg} (column {exc.colno})"))
-            continue
-        except ValueError as exc:  # UnicodeDecodeError
-            problems.append(Problem(label, lineno, f"not UTF-8 text: {_short(exc)}"))
+        except ValueError as exc:
+            if lineno == last:  # a writer appends whole lines: this one is not finished (or was cut)
+                problems.append(Problem(label, lineno, INCOMPLETE_LAST_LINE))
+            elif isinstance(exc, json.JSONDecodeError):
+                problems.append(Problem(label, lineno, f"not JSON: {exc.msg} (column {exc.colno})"))
+            else:  # UnicodeDecodeError
+                problems.append(Problem(label, lineno, f"not UTF-8 text: {_short(exc)}"))
             continue
         except RecursionError:
             problems.append(Problem(label, lineno, "JSON nested too deeply to be an OTLP trace export"))
@@ -214,7 +226,8 @@ def decode_lines(label: str, lines: Iterable[bytes]) -> DecodedSpans:
             problems.append(Problem(label, lineno, not_a_trace_export_reason(doc)))
             continue
         try:
-            line_rows, line_other, line_problems = _parse_export(resource_spans, label, lineno)
+            check_unicode = _SURROGATE_ESCAPE.search(raw) is not None
+            line_rows, line_other, line_problems = _parse_export(resource_spans, label, lineno, check_unicode)
         except (AttributeError, TypeError, KeyError, ValueError) as exc:
             problems.append(Problem(label, lineno, f"not an OTLP trace export: {_short(exc)}"))
             continue
@@ -235,8 +248,12 @@ def unsupported_version_reason(version: Any) -> str:
     return f"kvscope scope version {version!r} is not supported (this dashboard reads {supported})"
 
 
-def _parse_export(resource_spans: list, label: str, lineno: int) -> tuple[list[tuple], int, list[Problem]]:
-    """Copy the fields of every kvscope span of one line; conversion happens column-wise later."""
+def _parse_export(resource_spans: list, label: str, lineno: int,
+                  check_unicode: bool = False) -> tuple[list[tuple], int, list[Problem]]:
+    """Copy the fields of every kvscope span of one line; conversion happens column-wise later.
+
+    `check_unicode`: the line escapes a surrogate, so a span may hold a string that is not Unicode.
+    """
     rows: list[tuple] = []
     other = 0
     bad: Counter[str] = Counter()
@@ -244,23 +261,35 @@ def _parse_export(resource_spans: list, label: str, lineno: int) -> tuple[list[t
         # "instrumentationLibrarySpans" is the pre-1.0 OTLP name some old Collectors still write.
         for ss in rs.get("scopeSpans") or rs.get("instrumentationLibrarySpans") or ():
             scope = ss.get("scope") or ss.get("instrumentationLibrary") or {}
-            spans = ss.get("spans") or ()
+            spans = ss.get("spans") or []
+            if not isinstance(spans, list):
+                raise TypeError(f"spans is {type(spans).__name__}, not a list")
             if scope.get("name") == SCOPE_NAME and not supported_version(scope.get("version")):
-                n = sum(1 for s in spans if str(s.get("name", "")).startswith("kvscope."))
+                n = sum(1 for s in spans if _is_kvscope(s))
                 other += len(spans) - n
                 bad[unsupported_version_reason(scope.get("version", ""))] += n
                 continue
             for sp in spans:
-                name = sp.get("name") or ""
-                if not name.startswith("kvscope."):
+                try:
+                    name = sp.get("name")
+                except AttributeError:  # not an object: only this entry is lost, not the line's other spans
+                    bad[f"an entry of spans is {_json_type(sp)}, not a span object"] += 1
+                    continue
+                if not isinstance(name, str) or not name.startswith("kvscope."):
                     other += 1
+                    continue
+                if check_unicode and not _is_unicode(sp):
+                    bad[f"{_printable(name)} span holds a string that is not valid Unicode (a lone "
+                        "surrogate such as \\ud800)"] += 1
                     continue
                 try:
                     attrs = {}
                     for a in sp.get("attributes") or ():
-                        for value in a["value"].values():  # {"intValue": "128"}: the one entry
-                            attrs[a["key"]] = value
+                        for value in (a.get("value") or _UNSET).values():  # {"intValue": "128"}: the one entry
                             break
+                        else:  # unset: OTLP/JSON writes {} or null, or leaves "value" out
+                            value = None
+                        attrs[a["key"]] = value
                     status = sp.get("status")
                     rows.append((
                         sp["traceId"],
@@ -279,6 +308,35 @@ def _parse_export(resource_spans: list, label: str, lineno: int) -> tuple[list[t
                     bad[f"malformed {name} span: {_short(exc)}"] += 1
     problems = [Problem(label, lineno, reason, n) for reason, n in bad.items()]
     return rows, other, problems
+
+
+_UNSET: dict = {}
+
+
+def _is_kvscope(sp: Any) -> bool:
+    return isinstance(sp, dict) and isinstance(name := sp.get("name"), str) and name.startswith("kvscope.")
+
+
+def _json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    kind = {str: "string", int: "number", float: "number", list: "list"}.get(type(value), type(value).__name__)
+    return f"a {kind}"
+
+
+def _is_unicode(sp: dict) -> bool:
+    """Whether every string of a span is Unicode text (pandas and Arrow fail on a lone surrogate)."""
+    try:
+        json.dumps(sp, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _printable(text: str) -> str:
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 _STATUS_CODES = {"STATUS_CODE_UNSET": 0, "STATUS_CODE_OK": 1, "STATUS_CODE_ERROR": 2}
@@ -341,7 +399,7 @@ def _columns_from_rows(rows: list[tuple], problems: list[Problem], other: int, l
             values[key] = out
             invalid[key] = np.zeros(n, dtype=bool)
     known = ATTRIBUTE_COLUMNS.keys()
-    extras = [{k: v for k, v in a.items() if k not in known} or None for a in attrs_list]
+    extras = [{k: without_nulls(v) for k, v in a.items() if k not in known} or None for a in attrs_list]
     return DecodedSpans(
         trace_id=base[0],
         span_id=base[1],
@@ -360,6 +418,19 @@ def _columns_from_rows(rows: list[tuple], problems: list[Problem], other: int, l
     )
 
 
+def without_nulls(value: Any) -> Any:
+    """An attribute value with the null fields of its objects left out (an arrayValue's or kvlistValue's).
+
+    OTLP/JSON reads a null field as unset; the Arrow decoder gives every object of a column the
+    fields of all of them, null where absent, and both decoders must give the same dicts.
+    """
+    if isinstance(value, dict):
+        return {k: without_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [without_nulls(v) for v in value]
+    return value
+
+
 # Integer attributes are counts and sizes: as float64 they are exact up to 2^53, and beyond it
 # they would not fit the frame's Int64 columns either.
 _EXACT_INT_LIMIT = float(1 << 53)
@@ -376,6 +447,8 @@ def _empty_spans() -> pd.DataFrame:
     for col in ("start_ns", "end_ns", "source_line", "status_code"):
         frame[col] = frame[col].astype("int64")
     frame["duration_ms"] = frame["duration_ms"].astype(float)
+    frame["span_key"] = frame["span_key"].astype("int64")
+    frame["owner_key"] = frame["owner_key"].astype("Int64")
     for col, is_int in ATTRIBUTE_COLUMNS.values():
         if is_int:
             frame[col] = frame[col].astype("Int64")
@@ -462,14 +535,23 @@ def _combine(frames: list[pd.DataFrame]) -> tuple[pd.DataFrame, list[Problem]]:
     if dup.any():  # the same span twice: a file read twice, or a Collector copy beside the connector's
         problems = _problems_at(frame, dup, "duplicate span (same ids and times as an earlier one)")
         frame = frame[~dup].reset_index(drop=True)
-    reused = frame.duplicated(ids, keep=False).to_numpy()
-    if reused.any():  # kept: different spans, but joins by id may mix them up
-        problems += _problems_at(frame, reused, "traceId and spanId also used by a different span (runs whose "
-                                 "id generator was seeded alike?); copies may join the wrong load", skipped=False)
+    # Kept: different spans. Owners are looked for within one file (`owners`), so a span id reused
+    # in another file does no harm; within one file, the child's request id tells the spans apart.
+    reused_in_file = frame.duplicated(["source_file", *ids], keep=False).to_numpy()
+    reused_elsewhere = frame.duplicated(ids, keep=False).to_numpy() & ~reused_in_file
+    if reused_in_file.any():
+        problems += _problems_at(frame, reused_in_file, "traceId and spanId also used by a different span of this "
+                                 "file; a copy or scan under that id joins the one of its request id, or none",
+                                 skipped=False)
+    if reused_elsewhere.any():
+        problems += _problems_at(frame, reused_elsewhere, "traceId and spanId also used by a different span in another "
+                                 "file (runs whose id generator was seeded alike?); spans join only spans of their "
+                                 "own file", skipped=False)
     frame["duration_ms"] = (frame["end_ns"] - frame["start_ns"]) / 1e6
     for col in ("name", "group_kind", "copy_direction", "source_file"):
         frame[col] = frame[col].astype("category")
-    frame["owner_span_id"] = _copy_owners(frame)
+    frame["span_key"] = np.arange(len(frame), dtype=np.int64)
+    frame["owner_key"] = owner_keys(frame)
     return frame[list(SPAN_COLUMNS)], problems
 
 
@@ -488,27 +570,3 @@ def _problems_at(frame: pd.DataFrame, mask: np.ndarray, reason: str, skipped: bo
     if skipped:
         return [Problem(str(f), int(line), reason, int(n)) for (f, line), n in counts.items()]
     return [Problem(str(f), int(line), f"{reason} ({n} span(s), kept)") for (f, line), n in counts.items()]
-
-
-def _copy_owners(spans: pd.DataFrame) -> pd.Series:
-    """The load or store span each copy span belongs to ("" when none can be found).
-
-    A copy joins the span it is a child of when that is a load (for direction load) or a store
-    (direction store); otherwise the only span of that kind in its trace.
-    """
-    owner = pd.Series("", index=spans.index, dtype=object)
-    is_copy = (spans["name"] == COPY).to_numpy()
-    if not is_copy.any():
-        return owner
-    copies = spans.loc[is_copy, ["trace_id", "parent_span_id", "copy_direction"]]
-    want = copies["copy_direction"].map({"load": LOAD, "store": STORE}).astype(object)
-    owners = spans.loc[spans["name"].isin([LOAD, STORE]), ["trace_id", "span_id", "name"]]
-    owners = owners.assign(name=owners["name"].astype(object))
-    kind_by_id = dict(zip(owners["span_id"], owners["name"]))
-    by_parent = copies["parent_span_id"].where(copies["parent_span_id"].map(kind_by_id) == want)
-    per_trace = owners.groupby(["trace_id", "name"], sort=False)["span_id"].agg(["first", "size"])
-    unique = per_trace.loc[per_trace["size"] == 1, "first"]
-    keys = pd.MultiIndex.from_arrays([copies["trace_id"], want])
-    by_trace = pd.Series(unique.reindex(keys).to_numpy(), index=copies.index)
-    owner.loc[is_copy] = by_parent.fillna(by_trace).fillna("").to_numpy()
-    return owner

@@ -9,8 +9,9 @@ from dashboard.traces.schema import COPY, LOAD, LOOKUP, STATUS_ERROR, STORE
 LOAD_TIME_DEFINITION = (
     "Load time of a load: from the start of its `kvscope.load` span to the end of the last "
     "`kvscope.group.copy` span with direction `load` that belongs to it (a child of the load span, "
-    "or else in the same trace). Copy spans carry the measured copy interval. A request's load time "
-    "is the sum over its loads (a request resumed after preemption loads again) that did not fail."
+    "or else the only load of its request in the same trace and file). Copy spans carry the measured "
+    "copy interval. A request's load time is the sum over its loads (a request resumed after "
+    "preemption loads again) that did not fail."
 )
 LOAD_FAILED_DEFINITION = (
     "A load failed when one of its copy spans has status ERROR (a worker could not load: vLLM "
@@ -65,7 +66,7 @@ def requests_table(spans: pd.DataFrame) -> pd.DataFrame:
     out["trace_id"] = last_load["trace_id"].reindex(ids).fillna(last_lookup["trace_id"].reindex(ids))
     # Nanosecond times stay integers: as float64 they would lose up to 256 ns.
     out["arrival_ns"] = (first_lookup.astype("Int64").reindex(ids)
-                         .fillna(last_load["start_ns"].astype("Int64").reindex(ids)).astype("int64"))
+                         .fillna(first_load["start_ns"].astype("Int64").reindex(ids)).astype("int64"))
     for col in ("tokens_queried", "tokens_hit"):
         out[col] = last_lookup[col].reindex(ids)
     for col in ("tokens_local", "tokens_external", "groups"):
@@ -80,8 +81,8 @@ def requests_table(spans: pd.DataFrame) -> pd.DataFrame:
     out["load_ms"] = by_request["load_ms"].sum(min_count=1).reindex(ids).astype(float)
     out["bytes_loaded"] = by_request["bytes"].sum(min_count=1).reindex(ids).astype("Int64")
     copies = spans[spans["name"] == COPY]
-    stores = spans[spans["name"] == STORE].set_index("span_id")["request_id"]
-    store_bytes = copies[copies["copy_direction"] == "store"].groupby("owner_span_id")["copy_bytes"].sum()
+    stores = spans[spans["name"] == STORE].set_index("span_key")["request_id"]
+    store_bytes = copies[copies["copy_direction"] == "store"].groupby("owner_key")["copy_bytes"].sum()
     stored_by_req = store_bytes.groupby(store_bytes.index.map(stores)).sum()
     out["bytes_stored"] = stored_by_req.reindex(ids).astype("Int64")
 
@@ -94,20 +95,21 @@ def requests_table(spans: pd.DataFrame) -> pd.DataFrame:
 
 
 def load_rows(spans: pd.DataFrame) -> pd.DataFrame:
-    """One row per `kvscope.load` span: request_id, span_id, start_ns, load_ms (NA when no copy of it
-    was recorded, or it failed), bytes its copies moved, and whether it failed (`LOAD_FAILED_DEFINITION`)."""
-    loads = spans.loc[spans["name"] == LOAD, ["request_id", "span_id", "start_ns"]].set_index("span_id")
-    copies = spans[(spans["name"] == COPY) & (spans["copy_direction"] == "load")].groupby("owner_span_id", sort=False)
+    """One row per `kvscope.load` span: span_key, request_id, span_id, start_ns, load_ms (NA when no copy
+    of it was recorded, or it failed), bytes its copies moved, and whether it failed (`LOAD_FAILED_DEFINITION`)."""
+    loads = spans.loc[spans["name"] == LOAD, ["span_key", "request_id", "span_id", "start_ns"]].set_index("span_key")
+    copies = spans[(spans["name"] == COPY) & (spans["copy_direction"] == "load")].groupby("owner_key", sort=False)
     failed = copies["status_code"].max().reindex(loads.index).fillna(0) == STATUS_ERROR
     end = copies["end_ns"].max().astype("Int64").reindex(loads.index)
     load_ms = ((end - loads["start_ns"].astype("Int64")) / 1e6).astype(float).where(~failed)
     return pd.DataFrame({
         "request_id": loads["request_id"],
+        "span_id": loads["span_id"],
         "start_ns": loads["start_ns"],
         "load_ms": load_ms,
         "bytes": copies["copy_bytes"].sum().reindex(loads.index).astype("Int64"),
         "failed": failed.astype(bool),
-    }).rename_axis("span_id").reset_index()
+    }).rename_axis("span_key").reset_index()
 
 
 def _empty_requests() -> pd.DataFrame:

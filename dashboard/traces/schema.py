@@ -73,6 +73,7 @@ ALLOWED_VALUES: dict[str, tuple[str, ...]] = {
 }
 
 # `attributes` holds the attributes that have no column of their own (dict or None).
+# Shaping joins a copy or scan to its load or store by `owner_key` -> `span_key`, never by span id.
 SPAN_COLUMNS = (
     "trace_id",
     "span_id",
@@ -82,7 +83,8 @@ SPAN_COLUMNS = (
     "end_ns",
     "duration_ms",
     *(col for col, _ in ATTRIBUTE_COLUMNS.values()),
-    "owner_span_id",
+    "span_key",  # unique per row: what joins use, as span ids repeat across runs
+    "owner_key",  # a copy's or scan's load or store (its span_key), NA when none (`owners`)
     "status_code",
     "attributes",
     "source_file",

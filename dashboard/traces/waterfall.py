@@ -26,9 +26,8 @@ def waterfall_rows(spans: pd.DataFrame, requests: pd.DataFrame, request_id: str)
     if req.empty:
         return pd.DataFrame(columns=cols)
     own = spans["request_id"] == request_id
-    owner_ids = set(spans.loc[own & spans["name"].isin([LOAD, STORE]), "span_id"])
-    related = own | ((spans["name"] == COPY) & spans["owner_span_id"].isin(owner_ids))
-    related |= (spans["name"] == SCAN) & spans["parent_span_id"].isin(owner_ids)
+    owner_keys = spans.loc[own & spans["name"].isin([LOAD, STORE]), "span_key"]
+    related = own | (spans["name"].isin([COPY, SCAN]) & spans["owner_key"].isin(owner_keys))
     rows = spans[related].copy()
     kind = rows["name"].astype(str)
     is_copy = kind == COPY

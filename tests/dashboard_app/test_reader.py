@@ -9,6 +9,7 @@ import re
 from pathlib import Path
 
 import pandas as pd
+import pyarrow as pa
 import pytest
 
 from dashboard import otlp_arrow, traces
@@ -103,7 +104,7 @@ def test_collector_file_with_malformed_lines_reports_each_with_its_line_number(d
     assert "resourceMetrics" in got[(5, 0)]
     assert got[(6, 1)] == "kvscope.load span lacks kvscope.tokens.external"
     assert "'9.0.0' is not supported" in got[(7, 1)]
-    assert got[(10, 0)].startswith("not JSON")  # a line cut short by a crash
+    assert got[(10, 0)] == reader.INCOMPLETE_LAST_LINE  # a line cut short by a crash, no newline after it
     assert all(p.file == str(MALFORMED) for p in read.problems)
     # The rest loads: c1 (lookup, load, 2 scans, 2 copies), c2's lookup, c4's lookup; the vLLM span is left out.
     assert len(read.spans) == 8 and read.other_spans == 1 and read.lines == 9
@@ -311,7 +312,7 @@ def _mutate(doc: dict, rng) -> None:
     """One random contract-relevant change to a parsed trace line."""
     spans = [s for rs in doc["resourceSpans"] for ss in rs["scopeSpans"] for s in ss["spans"]]
     target = rng.choice(spans)
-    choice = rng.randrange(9)
+    choice = rng.randrange(15)
     if choice == 0 and target["attributes"]:
         target["attributes"].pop(rng.randrange(len(target["attributes"])))
     elif choice == 1:
@@ -328,8 +329,22 @@ def _mutate(doc: dict, rng) -> None:
         target["name"] = "vllm.other"
     elif choice == 7:
         target["attributes"].append({"key": "kvscope.tokens.hit", "value": {"doubleValue": 1.5}})
-    else:
+    elif choice == 8:
         target["spanId"] = "zz" + target["spanId"][2:]
+    elif choice == 9:
+        target["attributes"].append({"key": "extra.unset", "value": rng.choice([None, {}])})
+    elif choice == 10:
+        target["attributes"].append({"key": "extra.list", "value": {"arrayValue": {"values": [
+            {"stringValue": "a"}, {"intValue": "2"}]}}})
+    elif choice == 11:
+        target["attributes"].append({"key": "extra.map", "value": {"kvlistValue": {"values": [
+            {"key": "k", "value": {"boolValue": False}}]}}})
+    elif choice == 12:
+        target["attributes"].append({"key": "kvscope.worker.rank", "value": None})
+    elif choice == 13:
+        doc["resourceSpans"][0]["scopeSpans"][0]["spans"].append(rng.choice(["junk", None, 7]))
+    else:
+        target["attributes"].append({"key": "extra.text", "value": {"stringValue": "half a pair: \ud800"}})
 
 
 def test_decoders_agree_on_mutated_files(tmp_path, monkeypatch):
@@ -352,3 +367,74 @@ def test_decoders_agree_on_mutated_files(tmp_path, monkeypatch):
         pd.testing.assert_frame_equal(fast.spans, slow.spans)
         assert fast.problems == slow.problems and fast.other_spans == slow.other_spans
     assert accepted >= 15  # the mutations keep most files in the Arrow decoder's shape
+
+
+def test_an_unfinished_last_line_is_reported_as_incomplete(tmp_path, decoder):
+    cut = line(lookup("r2", span_id="22" * 8))[:50]
+    live = tmp_path / "live.jsonl"
+    live.write_text(line(lookup("r1", span_id="11" * 8)) + "\n" + cut)  # no newline: still being written
+    read = traces.read_trace_files([live])
+    assert list(read.spans["request_id"]) == ["r1"]
+    assert [(p.line, p.reason) for p in read.problems] == [(2, reader.INCOMPLETE_LAST_LINE)]
+    # The same line with a newline after it is finished, and broken.
+    read = traces.read_trace_files([write(tmp_path, cut, line(lookup("r1", span_id="11" * 8)))])
+    assert [p.line for p in read.problems] == [1] and read.problems[0].reason.startswith("not JSON")
+
+
+def test_a_lone_surrogate_skips_only_its_span(tmp_path, decoder):
+    """JSON may escape half a UTF-16 pair ("\\ud800"); no pandas string column or Arrow table takes it."""
+    bad_id = lookup("r\ud800x", span_id="22" * 8)
+    bad_extra = lookup("r3", span_id="33" * 8)
+    bad_extra["attributes"].append({"key": "note", "value": {"stringValue": "\udfff"}})
+    emoji = lookup("r-\U0001f600", span_id="44" * 8)  # a whole pair ("\ud83d\ude00"): fine
+    path = write(tmp_path, line(lookup("r1", span_id="11" * 8), bad_id, bad_extra), line(emoji))
+    assert b"\\ud800" in path.read_bytes() and b"\\ud83d\\ude00" in path.read_bytes()
+    read = traces.read_trace_files([path])
+    assert sorted(read.spans["request_id"]) == ["r-\U0001f600", "r1"]
+    assert [(p.line, p.spans) for p in read.problems] == [(1, 2)]
+    assert "not valid Unicode (a lone surrogate" in read.problems[0].reason
+    pa.Table.from_pandas(traces.requests_table(read.spans))  # what st.dataframe does
+
+
+def test_a_non_object_entry_of_spans_skips_only_that_entry(tmp_path, decoder):
+    doc = json.loads(line(lookup("r1", span_id="11" * 8), lookup("r2", span_id="22" * 8)))
+    doc["resourceSpans"][0]["scopeSpans"][0]["spans"][1:1] = ["junk", None, 7]
+    read = traces.read_trace_files([write(tmp_path, json.dumps(doc))])
+    assert sorted(read.spans["request_id"]) == ["r1", "r2"]
+    assert sorted((p.line, p.spans, p.reason) for p in read.problems) == [
+        (1, 1, "an entry of spans is a number, not a span object"),
+        (1, 1, "an entry of spans is a string, not a span object"),
+        (1, 1, "an entry of spans is null, not a span object")]
+
+
+def test_bytes_that_are_not_utf8_skip_their_line_in_both_decoders(tmp_path, decoder):
+    # In a span the dashboard leaves out: Arrow would not look at them, the line decoder skips the line.
+    foreign = span("llm_request", {"gen_ai.prompt": "PROMPT"}, span_id="66" * 8)
+    text = line(foreign, lookup("r1", span_id="11" * 8)) + "\n" + line(lookup("r2", span_id="22" * 8)) + "\n"
+    path = tmp_path / "t.jsonl"
+    path.write_bytes(text.encode().replace(b"PROMPT", b"\xff"))
+    read = traces.read_trace_files([path])
+    assert list(read.spans["request_id"]) == ["r2"]
+    assert [p.line for p in read.problems] == [1] and read.problems[0].reason.startswith("not UTF-8 text")
+
+
+def test_decoders_agree_on_unset_and_nested_attribute_values(tmp_path):
+    s = lookup("r1", span_id="11" * 8)
+    s["attributes"] += [
+        {"key": "null", "value": None},
+        {"key": "empty", "value": {}},
+        {"key": "absent"},
+        {"key": "array", "value": {"arrayValue": {"values": [{"stringValue": "a"}, {"intValue": "2"}]}}},
+        {"key": "kvlist", "value": {"kvlistValue": {"values": [{"key": "k", "value": {"boolValue": True}}]}}},
+    ]
+    path = write(tmp_path, line(s), line(lookup("r2", span_id="22" * 8)))
+    data = path.read_bytes()
+    fast = otlp_arrow.decode(data, str(path), data.split(b"\n"))
+    assert fast is not None, "the Arrow decoder declined"
+    slow = traces.decode_lines(str(path), data.split(b"\n"))
+    assert fast.problems == slow.problems == []
+    assert fast.extra_attributes == slow.extra_attributes == [{
+        "null": None, "empty": None, "absent": None,
+        "array": {"values": [{"stringValue": "a"}, {"intValue": "2"}]},
+        "kvlist": {"values": [{"key": "k", "value": {"boolValue": True}}]},
+    }, None]

@@ -208,3 +208,12 @@ def test_repeated_lookups_count_once_and_copies_join_their_load(tmp_path):
     assert row["arrival_ns"] == t  # the first lookup
     assert row["load_ms"] == pytest.approx(3.0) and row["bytes_loaded"] == 512
     assert traces.hit_rate(requests) == pytest.approx(0.64)
+
+
+def test_a_request_without_lookup_arrives_at_its_first_load(tmp_path):
+    t = 1_700_000_000_000_000_000
+    load = {"kvscope.request.id": "r", "kvscope.tokens.local": 0, "kvscope.tokens.external": 64, "kvscope.groups": 1}
+    path = write(tmp_path, line(span("kvscope.load", load, span_id="01" * 8, start=t),
+                                span("kvscope.load", load, span_id="02" * 8, start=t + 9_000_000)))  # resumed
+    requests = traces.requests_table(traces.read_trace_files([path]).spans)
+    assert requests["arrival_ns"].tolist() == [t] and requests["loads"].tolist() == [2]

@@ -1,0 +1,67 @@
+"""Which load or store span each copy and scan span belongs to: its owner.
+
+Span ids do not name one span: two runs whose id generator was seeded alike reuse them, in files
+read together. So an owner is looked for in the child's own file and trace only, and shaping
+modules join `owner_key` to `span_key` (unique per row of the span frame), never by span id.
+"""
+
+from __future__ import annotations
+
+import pandas as pd
+
+from dashboard.traces.schema import COPY, LOAD, SCAN, STORE
+
+_SAME_PLACE = ["source_file", "trace_id"]  # an owner is looked for in its child's file and trace
+_OWNER_KIND = {"load": LOAD, "store": STORE}  # copy direction -> span that owns the copy
+
+
+def owner_keys(spans: pd.DataFrame) -> pd.Series:
+    """The `span_key` of the span each copy and scan belongs to; NA for other spans and when none is found.
+
+    A scan or copy belongs to its parent when that is a load (scans, load copies) or a store (store
+    copies); when several such spans of the file share the parent's id, to the one of its request id.
+    A copy with no such parent belongs to the only load (store) in its trace that can be its
+    request's: the only one of its request id, or the only one at all when the copy carries no
+    request id (copies of requests sharing one upstream trace must not join another's load).
+    """
+    owner = pd.Series(pd.NA, index=spans.index, dtype="Int64")
+    name = spans["name"].astype(object)
+    is_copy = (name == COPY).to_numpy()
+    want = pd.Series(None, index=spans.index, dtype=object)
+    want[(name == SCAN).to_numpy()] = LOAD
+    want[is_copy] = spans.loc[is_copy, "copy_direction"].astype(object).map(_OWNER_KIND)
+    is_child = want.notna().to_numpy()
+    if not is_child.any():
+        return owner
+    children = spans.loc[is_child, [*_SAME_PLACE, "parent_span_id", "request_id"]].assign(
+        want=want[is_child], child=spans.index[is_child], is_copy=is_copy[is_child])
+    is_owner = name.isin([LOAD, STORE]).to_numpy()
+    owners = spans.loc[is_owner, [*_SAME_PLACE, "span_id", "request_id", "span_key"]].assign(want=name[is_owner])
+
+    parents = children.merge(owners, left_on=[*_SAME_PLACE, "want", "parent_span_id"],
+                             right_on=[*_SAME_PLACE, "want", "span_id"], suffixes=("", "_owner"))
+    found = _only_candidates(parents, prefer_same_request=True)
+    orphans = children[children["is_copy"] & ~children["child"].isin(found.index)]
+    with_request = orphans[orphans["request_id"].notna()]
+    of_request = with_request.merge(owners, on=[*_SAME_PLACE, "want", "request_id"])
+    without_request = orphans[orphans["request_id"].isna()].drop(columns="request_id")
+    alone = owners[~owners.duplicated([*_SAME_PLACE, "want"], keep=False)]  # merging all would be copies x loads
+    in_trace = without_request.merge(alone.drop(columns="request_id"), on=[*_SAME_PLACE, "want"])
+    for pairs in (of_request, in_trace):
+        found = pd.concat([found, _only_candidates(pairs)])
+    owner.loc[found.index] = found.to_numpy()
+    return owner
+
+
+def _only_candidates(pairs: pd.DataFrame, prefer_same_request: bool = False) -> pd.Series:
+    """child -> owner `span_key` for the children with one candidate owner in `pairs` (child, candidate rows).
+
+    `prefer_same_request`: a child with several candidates (a reused span id) takes the only one of
+    its request id, if there is one.
+    """
+    several = pairs["child"].duplicated(keep=False)
+    if prefer_same_request and several.any():
+        same_request = pairs["request_id"] == pairs["request_id_owner"]  # False where the child has none
+        pairs = pairs[~several | same_request]
+        several = pairs["child"].duplicated(keep=False)
+    return pairs.loc[~several].set_index("child")["span_key"]

@@ -1,0 +1,124 @@
+"""Copies and scans join their load or store: within one file and trace, by request id where ids do not tell."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from dashboard import traces
+
+from .test_reader import line, lookup, span, write
+
+T1 = 1_700_000_000_000_000_000
+T2 = 1_800_000_000_000_000_000  # a second run, a day later
+UPSTREAM = "77" * 8  # one upstream span (one traceparent) for a batch of prompts
+
+
+def load(rid: str, **kw) -> dict:
+    return span("kvscope.load", {"kvscope.request.id": rid, "kvscope.tokens.local": 0,
+                                 "kvscope.tokens.external": 16, "kvscope.groups": 1}, **kw)
+
+
+def store(rid: str, **kw) -> dict:
+    return span("kvscope.store", {"kvscope.request.id": rid, "kvscope.groups": 1, "kvscope.blocks": 2}, **kw)
+
+
+def scan(**kw) -> dict:
+    return span("kvscope.group.scan", {"kvscope.group.index": 0, "kvscope.group.kind": "full_attention",
+                                       "kvscope.group.blocks.total": 4, "kvscope.group.blocks.null_skipped": 0,
+                                       "kvscope.group.blocks.pending": 4, "kvscope.group.blocks.start": 0}, **kw)
+
+
+def copy(direction: str, nbytes: int, rid: str | None = None, **kw) -> dict:
+    attrs = {"kvscope.group.index": 0, "kvscope.group.kind": "full_attention", "kvscope.copy.direction": direction,
+             "kvscope.copy.blocks": 1, "kvscope.copy.bytes": nbytes}
+    if rid is not None:  # the connector's copies carry it; a Collector's of other tools may not
+        attrs["kvscope.request.id"] = rid
+    return span("kvscope.group.copy", attrs, **kw)
+
+
+def by_request(*paths) -> pd.DataFrame:
+    read = traces.read_trace_files(list(paths))
+    return traces.requests_table(read.spans).set_index("request_id")
+
+
+def test_a_copy_whose_load_is_lost_does_not_join_another_requests_load(tmp_path):
+    """Requests A and B share one upstream trace; A's load line is broken: A's copy is no copy of B's load."""
+    path = write(
+        tmp_path,
+        line(lookup("A", span_id="a1" * 8, parent=UPSTREAM, start=T1),
+             lookup("B", span_id="b1" * 8, parent=UPSTREAM, start=T1 + 5)),
+        line(span("kvscope.load", {"kvscope.request.id": "A", "kvscope.tokens.local": 0, "kvscope.groups": 1},
+                  span_id="a2" * 8, parent=UPSTREAM, start=T1 + 10)),  # lacks tokens.external: skipped
+        line(load("B", span_id="b2" * 8, parent=UPSTREAM, start=T1 + 20)),
+        line(copy("load", 64000, "A", span_id="a3" * 8, parent="a2" * 8, start=T1 + 50_000_000, end=T1 + 51_000_000),
+             copy("load", 32000, "B", span_id="b3" * 8, parent="b2" * 8, start=T1 + 30, end=T1 + 1_000_020)),
+    )
+    read = traces.read_trace_files([path])
+    requests = traces.requests_table(read.spans).set_index("request_id")
+    assert requests.loc["B", "bytes_loaded"] == 32000 and requests.loc["B", "load_ms"] == pytest.approx(1.0)
+    assert requests.loc["A", "loads"] == 0 and pd.isna(requests.loc["A", "bytes_loaded"])
+    rows = traces.waterfall_rows(read.spans, requests.reset_index(), "B")
+    assert rows["span_id"].tolist() == ["b1" * 8, "b2" * 8, "b3" * 8]
+
+
+def test_a_copy_without_parent_joins_the_only_load_of_its_request_in_its_trace(tmp_path):
+    path = write(
+        tmp_path,
+        line(load("A", span_id="a2" * 8, parent=UPSTREAM, start=T1), load("B", span_id="b2" * 8, start=T1)),
+        line(copy("load", 100, "A", span_id="a3" * 8, start=T1 + 1000, end=T1 + 2_000_000),
+             copy("load", 7, "B", span_id="b3" * 8, start=T1 + 1000, end=T1 + 3_000_000),
+             copy("load", 5, span_id="c3" * 8, start=T1 + 1000)),  # no request id, two loads: whose?
+    )
+    requests = by_request(path)
+    assert requests["bytes_loaded"].to_dict() == {"A": 100, "B": 7}
+    assert requests["load_ms"].to_dict() == pytest.approx({"A": 2.0, "B": 3.0})
+
+
+def _run(tmp_path: Path, name: str, rid: str, start: int, nbytes: int) -> Path:
+    """One run's trace file; every run has the same trace and span ids (an id generator seeded alike)."""
+    return write(
+        tmp_path,
+        line(lookup(rid, span_id="11" * 8, start=start), load(rid, span_id="33" * 8, parent="11" * 8, start=start + 10),
+             scan(span_id="44" * 8, parent="33" * 8, start=start + 11),
+             copy("load", nbytes, span_id="55" * 8, parent="33" * 8, start=start + 20, end=start + 1_000_010),
+             store(rid, span_id="22" * 8, start=start + 2_000_000),
+             copy("store", 3 * nbytes, span_id="66" * 8, parent="22" * 8, start=start + 2_000_010)),
+        name=name,
+    )
+
+
+def test_runs_that_reuse_ids_keep_their_own_loads_and_stores(tmp_path):
+    first = _run(tmp_path, "run1.jsonl", "run1", T1, 100)
+    second = _run(tmp_path, "run2.jsonl", "run2", T2, 7)
+    read = traces.read_trace_files([first, second])
+    requests = traces.requests_table(read.spans).set_index("request_id")
+    assert requests["bytes_loaded"].to_dict() == {"run1": 100, "run2": 7}
+    assert requests["bytes_stored"].to_dict() == {"run1": 300, "run2": 21}
+    assert requests["load_ms"].to_dict() == pytest.approx({"run1": 1.0, "run2": 1.0})
+    assert all("in another file" in p.reason for p in read.problems) and len(read.problems) == 2
+    rows = traces.waterfall_rows(read.spans, requests.reset_index(), "run2")
+    assert set(rows["trace_id"]) == {"ab" * 16} and (rows["end_ms"] < 5).all()  # none of run1's, a day earlier
+    assert len(rows) == 6
+
+
+def test_a_span_id_repeated_in_one_file_joins_by_request_id_and_is_reported(tmp_path):
+    path = write(
+        tmp_path,
+        line(load("A", span_id="33" * 8, start=T1), load("B", span_id="33" * 8, start=T1 + 100)),
+        line(copy("load", 100, "A", span_id="a3" * 8, parent="33" * 8, start=T1 + 1000, end=T1 + 2_000_000),
+             copy("load", 7, "B", span_id="b3" * 8, parent="33" * 8, start=T1 + 1000, end=T1 + 3_000_100),
+             copy("load", 5, span_id="c3" * 8, parent="33" * 8, start=T1 + 1000),  # whose? neither's
+             scan(span_id="44" * 8, parent="33" * 8, start=T1 + 1)),  # no request id: neither's either
+    )
+    read = traces.read_trace_files([path])
+    requests = traces.requests_table(read.spans).set_index("request_id")
+    assert requests["bytes_loaded"].to_dict() == {"A": 100, "B": 7}  # each copy counted once
+    assert requests["load_ms"].to_dict() == pytest.approx({"A": 2.0, "B": 3.0})
+    owners = read.spans.set_index("span_id")["owner_key"]
+    assert pd.isna(owners["c3" * 8]) and pd.isna(owners["44" * 8])
+    assert [(p.line, p.spans) for p in read.problems] == [(1, 0)]
+    assert "different span of this file" in read.problems[0].reason
+    assert read.problems[0].reason.endswith("(2 span(s), kept)")
