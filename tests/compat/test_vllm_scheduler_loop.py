@@ -229,6 +229,38 @@ def test_known_vllm_gap_async_loads_admitted_past_their_reserve_stall_the_schedu
         engine.shutdown()
 
 
+def test_known_vllm_gap_a_failed_load_at_the_head_of_the_queue_stalls_the_loads_behind_it(model_path):
+    """Two async loads admitted in one step both fail (a copy error). vLLM frees the first request's
+    blocks and sends it back to waiting, but it stays first in the queue of requests holding KV; its
+    prefill (the sliding-window group needs blocks for the whole chunk) needs more blocks than are
+    free while the second request, behind it, still holds its load's blocks, and vLLM stops at the
+    first request it cannot admit: the second one's failure is never taken, its blocks never freed,
+    and both wait for ever (README). kvscope's part is done: both loads were reported, no job is left,
+    no host block stays pinned. This pins vLLM's behaviour (0.32 and 0.33): when it fails, vLLM
+    changed it and the README can say so."""
+    engine = ModelFreeEngine(model_path, {"cpu_bytes": 64 << 20, "block_size": 64}, window=WINDOW,
+                             num_blocks=150, max_num_batched_tokens=2048)
+    shared = [(31 * i + 3) % 509 + 1 for i in range(700)]
+    suffix = [[(17 * i + 11 * j + 5) % 509 + 1 for i in range(n)] for j, n in enumerate((308, 294, 40))]
+    try:
+        _store_round(engine, [shared + suffix[0]])
+        engine.workers[0]._worker.fail_all_loads = True
+        engine.add("r1-0", shared + suffix[1], 2)
+        engine.add("r1-1", shared + suffix[2], 2)
+        with pytest.raises(AssertionError, match="still unfinished"):
+            engine.run(max_steps=200)
+        scheduler = engine.scheduler
+        assert not scheduler.running and not scheduler.get_kv_connector()._scheduler.has_unreported_jobs()
+        assert engine.stats.failed_recving == {"r1-0", "r1-1"}
+        assert engine.host_tier_leaks() == []
+        head, behind = scheduler.requests["r1-0"], scheduler.requests["r1-1"]
+        assert head.status.name == "WAITING" and not any(scheduler.kv_cache_manager.get_block_ids("r1-0"))
+        assert behind.status.name == "WAITING_FOR_REMOTE_KVS" and any(scheduler.kv_cache_manager.get_block_ids("r1-1"))
+        assert "r1-1" in scheduler.finished_recving_kv_req_ids  # reported, never taken
+    finally:
+        engine.shutdown()
+
+
 @pytest.mark.parametrize("runner", ["v1", *V2_RUNNERS])
 def test_a_load_failing_on_one_worker_is_recomputed(model_path, runner):
     """Correctness first: when one worker's loads fail, vLLM recomputes the request on every worker,

@@ -335,23 +335,34 @@ def _engine(config: dict):
 
 
 def _stalled_by_vllm(engine) -> list[str] | None:
-    """The requests of vLLM's known admission stall, or None when the engine is stuck otherwise.
+    """The requests of vLLM's known admission stalls, or None when the engine is stuck otherwise.
 
     vLLM admits async loads whose remaining prefills need more device blocks together than are free;
-    with nothing running nothing can be preempted, and they wait for ever. kvscope's part is done:
-    no job waits for a report, every stuck request's load was reported finished (and none failed),
-    and each holds its (loaded) blocks. A load kvscope lost would leave the first of these unmet."""
+    with nothing running nothing can be preempted, and they wait for ever. Or a failed load frees
+    its request's blocks, that request stays first in the queue and cannot be admitted, and vLLM
+    never reaches the requests behind it that hold blocks (README, "Device KV headroom"). kvscope's
+    part is done: no job waits for a report, every stuck request's load was reported finished, one
+    that loaded holds its blocks, and one that failed either holds none (sent back to waiting) or
+    waits for vLLM to take the report; one never loaded holds nothing and waits behind them. A load
+    kvscope lost or left unreported fails these."""
     scheduler = engine.scheduler
     if scheduler.running or scheduler.get_kv_connector()._scheduler.has_unreported_jobs():
         return None
     stuck = list(scheduler.requests.values())
     loaded, failed = engine.stats.finished_recving, engine.stats.failed_recving
-    if not all(r.request_id in loaded and r.request_id not in failed for r in stuck):
-        return None
     manager = scheduler.kv_cache_manager
-    if not stuck or not all(any(manager.get_block_ids(r.request_id)) for r in stuck):
+
+    def settled(r) -> bool:
+        holds = any(manager.get_block_ids(r.request_id))
+        if r.request_id not in loaded:  # never loaded: only waiting behind the others, holding nothing
+            return not holds and r.status.name == "WAITING"
+        if r.request_id not in failed:
+            return holds
+        return not holds or r.request_id in scheduler.finished_recving_kv_req_ids
+
+    if not stuck or not all(settled(r) for r in stuck):
         return None
-    needed = sum(scheduler._request_remaining_blocks(r) for r in stuck)
+    needed = sum(scheduler._request_remaining_blocks(r) for r in stuck if r.request_id in loaded)
     if needed <= manager.block_pool.get_num_free_blocks():
         return None
     return sorted(r.request_id for r in stuck)
