@@ -1,8 +1,11 @@
 """Which load or store span each copy and scan span belongs to: its owner.
 
 Span ids do not name one span: two runs whose id generator was seeded alike reuse them, in files
-read together. So an owner is looked for in the child's own file and trace only, and shaping
-modules join `owner_key` to `span_key` (unique per row of the span frame), never by span id.
+read together. So an owner is looked for in the child's own file and trace first; in another file
+of the trace only when none is found there, the parent's id names one load or store across all the
+other files, and that span is of the child's request (one run split over files: a Collector's
+rotated files, or the scheduler and worker writing apart). Shaping modules join `owner_key` to
+`span_key` (unique per row of the span frame), never by span id.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ import pandas as pd
 
 from dashboard.traces.schema import COPY, LOAD, SCAN, STORE
 
-_SAME_PLACE = ["source_file", "trace_id"]  # an owner is looked for in its child's file and trace
+_SAME_PLACE = ["source_file", "trace_id"]  # an owner is looked for in its child's file and trace first
 _OWNER_KIND = {"load": LOAD, "store": STORE}  # copy direction -> span that owns the copy
 
 
@@ -19,10 +22,13 @@ def owner_keys(spans: pd.DataFrame) -> pd.Series:
     """The `span_key` of the span each copy and scan belongs to; NA for other spans and when none is found.
 
     A scan or copy belongs to its parent when that is a load (scans, load copies) or a store (store
-    copies); when several such spans of the file share the parent's id, to the one of its request id.
-    A copy with no such parent belongs to the only load (store) in its trace that can be its
-    request's: the only one of its request id, or the only one at all when the copy carries no
-    request id (copies of requests sharing one upstream trace must not join another's load).
+    copies) of its file and trace; when several such spans of the file share the parent's id, to the
+    one of its request id. A child whose parent is not in its file belongs to the parent in another
+    file of its trace when only one load (store) of all the other files has that id, and is of the
+    child's request when the child carries one. A copy still without owner belongs to the only load
+    (store) in its file and trace that can be its request's: the only one of its request id, or the
+    only one at all when the copy carries no request id (copies of requests sharing one upstream
+    trace must not join another's load).
     """
     owner = pd.Series(pd.NA, index=spans.index, dtype="Int64")
     name = spans["name"].astype(object)
@@ -41,6 +47,7 @@ def owner_keys(spans: pd.DataFrame) -> pd.Series:
     parents = children.merge(owners, left_on=[*_SAME_PLACE, "want", "parent_span_id"],
                              right_on=[*_SAME_PLACE, "want", "span_id"], suffixes=("", "_owner"))
     found = _only_candidates(parents, prefer_same_request=True)
+    found = pd.concat([found, _parent_elsewhere(children[~children["child"].isin(found.index)], owners)])
     orphans = children[children["is_copy"] & ~children["child"].isin(found.index)]
     with_request = orphans[orphans["request_id"].notna()]
     of_request = with_request.merge(owners, on=[*_SAME_PLACE, "want", "request_id"])
@@ -51,6 +58,24 @@ def owner_keys(spans: pd.DataFrame) -> pd.Series:
         found = pd.concat([found, _only_candidates(pairs)])
     owner.loc[found.index] = found.to_numpy()
     return owner
+
+
+def _parent_elsewhere(children: pd.DataFrame, owners: pd.DataFrame) -> pd.Series:
+    """child -> owner `span_key` for the children whose parent id names one owner across the other files of the trace.
+
+    Before the same-file guess by request id: a load's copies split from it by a file rotation must
+    not join a later load of the request (resumed after preemption) that is in their file. Several
+    candidates (runs reusing ids, each in its file, or an id reused in the child's own file) give
+    none; so does another request's span.
+    """
+    children = children[children["parent_span_id"].notna()]  # NA keys would merge with each other
+    pairs = children.merge(owners, left_on=["trace_id", "want", "parent_span_id"],
+                           right_on=["trace_id", "want", "span_id"], suffixes=("", "_owner"))
+    # No child here has one candidate in its own file (it would have joined it): the candidates are the
+    # other files' spans, or also several of its own file, whose reused id then tells nothing either.
+    pairs = pairs[~pairs["child"].duplicated(keep=False)]
+    same_request = pairs["request_id"].isna() | (pairs["request_id"] == pairs["request_id_owner"])
+    return pairs[same_request].set_index("child")["span_key"]
 
 
 def _only_candidates(pairs: pd.DataFrame, prefer_same_request: bool = False) -> pd.Series:

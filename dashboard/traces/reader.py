@@ -535,8 +535,9 @@ def _combine(frames: list[pd.DataFrame]) -> tuple[pd.DataFrame, list[Problem]]:
     if dup.any():  # the same span twice: a file read twice, or a Collector copy beside the connector's
         problems = _problems_at(frame, dup, "duplicate span (same ids and times as an earlier one)")
         frame = frame[~dup].reset_index(drop=True)
-    # Kept: different spans. Owners are looked for within one file (`owners`), so a span id reused
-    # in another file does no harm; within one file, the child's request id tells the spans apart.
+    # Kept: different spans. Owners are looked for in the child's own file first (`owners`), and in
+    # another file only when one span of all the others has the id, so a span id reused in another
+    # file does no harm; within one file, the child's request id tells the spans apart.
     reused_in_file = frame.duplicated(["source_file", *ids], keep=False).to_numpy()
     reused_elsewhere = frame.duplicated(ids, keep=False).to_numpy() & ~reused_in_file
     if reused_in_file.any():
@@ -545,8 +546,8 @@ def _combine(frames: list[pd.DataFrame]) -> tuple[pd.DataFrame, list[Problem]]:
                                  skipped=False)
     if reused_elsewhere.any():
         problems += _problems_at(frame, reused_elsewhere, "traceId and spanId also used by a different span in another "
-                                 "file (runs whose id generator was seeded alike?); spans join only spans of their "
-                                 "own file", skipped=False)
+                                 "file (runs whose id generator was seeded alike?); a copy or scan under that id joins "
+                                 "the one of its own file, or none", skipped=False)
     frame["duration_ms"] = (frame["end_ns"] - frame["start_ns"]) / 1e6
     for col in ("name", "group_kind", "copy_direction", "source_file"):
         frame[col] = frame[col].astype("category")

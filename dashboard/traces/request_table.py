@@ -9,9 +9,10 @@ from dashboard.traces.schema import COPY, LOAD, LOOKUP, STATUS_ERROR, STORE
 LOAD_TIME_DEFINITION = (
     "Load time of a load: from the start of its `kvscope.load` span to the end of the last "
     "`kvscope.group.copy` span with direction `load` that belongs to it (a child of the load span, "
-    "or else the only load of its request in the same trace and file). Copy spans carry the measured "
-    "copy interval. A request's load time is the sum over its loads (a request resumed after "
-    "preemption loads again) that did not fail."
+    "looked for in the copy's own file first, then in the other files of its trace when only one load "
+    "there has the parent's id and it is of the copy's request; or else the only load of its request "
+    "in the same trace and file). Copy spans carry the measured copy interval. A request's load "
+    "time is the sum over its loads (a request resumed after preemption loads again) that did not fail."
 )
 LOAD_FAILED_DEFINITION = (
     "A load failed when one of its copy spans has status ERROR (a worker could not load: vLLM "

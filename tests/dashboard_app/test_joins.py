@@ -1,4 +1,5 @@
-"""Copies and scans join their load or store: within one file and trace, by request id where ids do not tell."""
+"""Copies and scans join their load or store: within one file and trace first, then across the trace's files
+when one load or store there has the parent's id; by request id where ids do not tell."""
 
 from __future__ import annotations
 
@@ -122,3 +123,66 @@ def test_a_span_id_repeated_in_one_file_joins_by_request_id_and_is_reported(tmp_
     assert [(p.line, p.spans) for p in read.problems] == [(1, 0)]
     assert "different span of this file" in read.problems[0].reason
     assert read.problems[0].reason.endswith("(2 span(s), kept)")
+
+
+def test_a_load_whose_copies_are_in_the_next_file_joins_them(tmp_path):
+    """A Collector's file exporter rotated between the load and its copies: one run, two files."""
+    first = write(tmp_path, line(lookup("A", span_id="11" * 8, start=T1),
+                                 load("A", span_id="33" * 8, parent="11" * 8, start=T1 + 10)), name="a.jsonl")
+    second = write(tmp_path, line(scan(span_id="44" * 8, parent="33" * 8, start=T1 + 11),
+                                  copy("load", 100, "A", span_id="55" * 8, parent="33" * 8, start=T1 + 20,
+                                       end=T1 + 1_000_010),
+                                  copy("load", 28, "A", span_id="56" * 8, parent="33" * 8, start=T1 + 20,
+                                       end=T1 + 2_000_010)), name="b.jsonl")
+    read = traces.read_trace_files([first, second])
+    requests = traces.requests_table(read.spans).set_index("request_id")
+    assert requests.loc["A", "bytes_loaded"] == 128 and requests.loc["A", "load_ms"] == pytest.approx(2.0)
+    spans = read.spans.set_index("span_id")
+    assert (spans.loc[["44" * 8, "55" * 8, "56" * 8], "owner_key"] == spans.loc["33" * 8, "span_key"]).all()
+    assert read.problems == []
+
+
+def test_copies_split_from_their_load_do_not_join_a_later_load_in_their_file(tmp_path):
+    """Request A loads again after preemption; the first load's copies rotated into the second load's file."""
+    first = write(tmp_path, line(load("A", span_id="33" * 8, start=T1)), name="a.jsonl")
+    second = write(tmp_path,
+                   line(copy("load", 100, "A", span_id="55" * 8, parent="33" * 8, start=T1 + 20, end=T1 + 1_000_000),
+                        load("A", span_id="34" * 8, start=T1 + 5_000_000),
+                        copy("load", 7, "A", span_id="57" * 8, parent="34" * 8, start=T1 + 5_000_020,
+                             end=T1 + 7_000_000)), name="b.jsonl")
+    requests = by_request(first, second)
+    assert requests.loc["A", "loads"] == 2 and requests.loc["A", "bytes_loaded"] == 107
+    assert requests.loc["A", "load_ms"] == pytest.approx(3.0)  # 1 ms for the first load, 2 ms for the second
+
+
+def test_a_copy_whose_parent_id_is_a_load_in_two_other_files_joins_neither(tmp_path):
+    """Two runs reusing ids, each in its file, and copies in a third: whose load is `33`? Not told."""
+    runs = [write(tmp_path, line(load("A", span_id="33" * 8, start=T1), load("B", span_id="34" * 8, start=T1),
+                                 load("D", span_id="35" * 8, start=T1)), name="run1.jsonl"),
+            write(tmp_path, line(load("A", span_id="33" * 8, start=T2)), name="run2.jsonl")]  # no `34` in run 2
+    copies = write(tmp_path, line(copy("load", 100, "A", span_id="55" * 8, parent="33" * 8, start=T2 + 20),
+                                  copy("load", 7, "B", span_id="57" * 8, parent="34" * 8, start=T1 + 20,
+                                       end=T1 + 1_000_000)),
+                   line(load("D", span_id="35" * 8, start=T1 + 1), load("E", span_id="35" * 8, start=T1 + 2),
+                        copy("load", 5, span_id="58" * 8, parent="35" * 8, start=T1 + 20)),  # `35` reused here too
+                   name="copies.jsonl")
+    read = traces.read_trace_files([*runs, copies])
+    owners = read.spans.set_index("span_id")["owner_key"]
+    assert pd.isna(owners["55" * 8]) and pd.isna(owners["58" * 8])
+    assert owners["57" * 8] == read.spans.set_index("span_id").loc["34" * 8, "span_key"]  # only run 1 has `34`
+    requests = traces.requests_table(read.spans).set_index("request_id")
+    assert pd.isna(requests.loc["A", "bytes_loaded"]) and requests.loc["B", "bytes_loaded"] == 7
+
+
+def test_a_copy_never_joins_another_requests_load_in_another_file(tmp_path):
+    """A's load line is lost; its copy's parent id is B's load in the other file (another run's id): not B's copy."""
+    loads = write(tmp_path, line(load("B", span_id="33" * 8, start=T1), load("C", span_id="34" * 8, start=T1)),
+                  name="loads.jsonl")
+    copies = write(tmp_path, line(copy("load", 100, "A", span_id="55" * 8, parent="33" * 8, start=T1 + 20),
+                                  copy("load", 7, "C", span_id="57" * 8, parent="34" * 8, start=T1 + 20,
+                                       end=T1 + 1_000_000)), name="copies.jsonl")
+    read = traces.read_trace_files([loads, copies])
+    owners = read.spans.set_index("span_id")["owner_key"]
+    assert pd.isna(owners["55" * 8]) and owners["57" * 8] == read.spans.set_index("span_id").loc["34" * 8, "span_key"]
+    requests = traces.requests_table(read.spans).set_index("request_id")
+    assert pd.isna(requests.loc["B", "bytes_loaded"]) and requests.loc["C", "bytes_loaded"] == 7
