@@ -47,6 +47,8 @@ class _RequestState:
     # its device KV predates a cache reset (it kept running through it): nothing it computes is stored
     stores_stopped: bool = False
     load_job: object | None = None  # its latest load's `_Job` (a request waits for its load: one at a time)
+    # a load of it failed: it recomputes from then on, never loads again (see `get_num_new_matched_tokens`)
+    load_failed: bool = False
 
 
 @dataclass(slots=True)
@@ -123,6 +125,13 @@ class KVScopeScheduler:
     # -- lookup (side-effect free towards vLLM: only memoises its answer) --
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
         start = time.time_ns()
+        state = self._requests.get(request.request_id)
+        if state is not None and state.load_failed:
+            # Recompute, do not load again: vLLM (0.32, 0.33) keeps the in-flight reserve of a request
+            # whose async load failed, and counts it against the request's own next async admission,
+            # which then never fits once the request needs half the free blocks: it would wait for ever.
+            self._lookups[request.request_id] = _Lookup(num_computed_tokens, 0, start, start)
+            return 0, False
         hashes = self._offload_hashes(request)
         index = self.index
         hit = find_hit_tokens(
@@ -504,6 +513,9 @@ class KVScopeScheduler:
         for key in job.keys:
             self.index.unpin(key)
         if job.failed:
+            state = self._requests.get(job.req_id)
+            if state is not None:
+                state.load_failed = True
             if not job.failed_at_plan:
                 # A copy failed: whatever those slots hold cannot be trusted. Forget them, so the
                 # retry that vLLM schedules misses and recomputes instead of failing the same way again.

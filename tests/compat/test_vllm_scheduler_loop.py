@@ -261,6 +261,29 @@ def test_known_vllm_gap_a_failed_load_at_the_head_of_the_queue_stalls_the_loads_
         engine.shutdown()
 
 
+def test_a_request_whose_load_failed_recomputes_instead_of_waiting_for_its_own_reserve(model_path, monkeypatch):
+    """vLLM (0.32, 0.33) keeps a request whose async load failed among its in-flight prefills, so a
+    second async admission of it counts its own reserve against itself and never fits once it needs
+    half the free blocks: it would wait for ever. So kvscope offers such a request no hit again, even
+    where its host blocks are still there (another request stored them again, or the failure was
+    the device's): it recomputes."""
+    engine = ModelFreeEngine(model_path, {"cpu_bytes": 64 << 20, "block_size": 64}, window=WINDOW,
+                             num_blocks=100, max_num_batched_tokens=512)
+    prompt = [(31 * i + 3) % 509 + 1 for i in range(700)]
+    try:
+        _store_round(engine, [prompt[:650]])
+        sched = engine.scheduler.get_kv_connector()._scheduler
+        monkeypatch.setattr(sched.index, "drop", lambda keys: None)  # the host blocks stay after the failure
+        engine.workers[0]._worker.fail_all_loads = True
+        engine.add("r1-0", prompt, 2)
+        engine.run(max_steps=300)
+        assert engine.stats.failed_recving == {"r1-0"} and len(engine.stats.loads["r1-0"]) == 1
+        assert len(engine.tokens["r1-0"]) == len(prompt) + 2
+        _assert_no_violations(engine.stats)
+    finally:
+        engine.shutdown()
+
+
 @pytest.mark.parametrize("runner", ["v1", *V2_RUNNERS])
 def test_a_load_failing_on_one_worker_is_recomputed(model_path, runner):
     """Correctness first: when one worker's loads fail, vLLM recomputes the request on every worker,
