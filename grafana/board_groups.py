@@ -64,8 +64,8 @@ def scan_duration():
         "regression worth a profile.",
         pc.queries(*(
             (
-                f"histogram_quantile({q}, sum by (le, group, kind) "
-                f"(rate(kvscope_scan_duration_seconds_bucket{sel(GROUP)}{RATE})))",
+                pc.quantile(q, lambda *m: f"rate(kvscope_scan_duration_seconds_bucket{sel(GROUP, *m)}{RATE})",
+                            by=("group", "kind")),
                 f"p{round(q * 100)} ({{{{kind}}}})",
             )
             for q in (0.5, 0.99)
@@ -83,8 +83,8 @@ def copy_latency_by_direction():
         "behind stores or each other; compare the copy rate panel.",
         pc.queries(*(
             (
-                f"histogram_quantile({q}, sum by (le, direction) "
-                f"(rate(kvscope_copy_duration_seconds_bucket{sel(GROUP)}{RATE})))",
+                pc.quantile(q, lambda *m: f"rate(kvscope_copy_duration_seconds_bucket{sel(GROUP, *m)}{RATE})",
+                            by=("direction",)),
                 f"p{round(q * 100)} {{{{direction}}}}",
             )
             for q in (0.5, 0.99)

@@ -135,7 +135,7 @@ def request_load_p99_stat():
         "KVScopeLoadLatencyHigh alert threshold (500 ms). If high: check copy latency and "
         "throughput below (PCIe/host memory bandwidth), and whether the host is swapping.",
         pc.queries((
-            f"histogram_quantile(0.99, sum by (le) (kvscope:request_load_duration_seconds_bucket:rate5m{sel()}))",
+            pc.quantile(0.99, lambda *m: f"kvscope:request_load_duration_seconds_bucket:rate5m{sel(*m)}"),
             "p99",
         )),
         "s",
@@ -152,8 +152,8 @@ def request_load_latency():
         "time of the same prompts: a load slower than recomputing is a loss.",
         pc.queries(*(
             (
-                f"histogram_quantile({q}, sum by (le, model_name) "
-                f"(rate(kvscope_request_load_duration_seconds_bucket{sel()}{RATE})))",
+                pc.quantile(q, lambda *m: f"rate(kvscope_request_load_duration_seconds_bucket{sel(*m)}{RATE})",
+                            by=("model_name",)),
                 f"p{round(q * 100)} {{{{model_name}}}}",
             )
             for q in (0.5, 0.95, 0.99)
@@ -174,8 +174,8 @@ def copy_latency():
         "the throughput panel.",
         pc.queries(*(
             (
-                f"histogram_quantile({q}, sum by (le, model_name, group, kind, direction) "
-                f"(rate(kvscope_copy_duration_seconds_bucket{sel()}{RATE})))",
+                pc.quantile(q, lambda *m: f"rate(kvscope_copy_duration_seconds_bucket{sel(*m)}{RATE})",
+                            by=("model_name", "group", "kind", "direction")),
                 f"p{round(q * 100)} {{{{direction}}}} {{{{model_name}}}} group {{{{group}}}} ({{{{kind}}}})",
             )
             for q in (0.5, 0.99)

@@ -42,6 +42,19 @@ def sel(*extra: str) -> str:
     return "{" + ", ".join((ENGINE_SELECTOR, *extra)) + "}"
 
 
+INF_BUCKET = 'le="+Inf"'  # a histogram's count of observations
+
+
+def quantile(q: float, buckets, by: Sequence[str] = ()) -> str:
+    """`histogram_quantile` of bucket rates summed by `by`, only where the histogram had observations:
+    an idle span has no quantile rather than NaN (as the recording rules do it). `buckets(*matchers)`
+    is the bucket-rate expression with extra label matchers (the guard asks for ``le="+Inf"``)."""
+    keep = ", ".join(by)
+    summed = "sum by (" + ", ".join(("le", *by)) + f") ({buckets()})"
+    observed = "sum" + (f" by ({keep})" if keep else "") + f" ({buckets(INF_BUCKET)}) > 0"
+    return f"histogram_quantile({q}, {summed} and ignoring (le) ({observed}))"
+
+
 def query(expr: str, legend: str = "", ref_id: str = "A", instant: bool = False) -> prometheus_b.Dataquery:
     q = prometheus_b.Dataquery().expr(expr).ref_id(ref_id)
     q = q.instant() if instant else q.range()
