@@ -65,7 +65,7 @@ def _positive_int(key: str, value: Any, upper: int | None = None) -> int:
 def _writable_file(key: str, value: Any) -> str:
     """A file path the engine can append to (``~`` expanded): checked at start-up, because a sink
     that cannot write is otherwise only noticed, by a warning, when the first spans are lost."""
-    if not isinstance(value, str) or not value.strip():
+    if not isinstance(value, str) or not value.strip() or "\0" in value:
         raise _bad(key, value)
     if value.endswith(("/", os.sep)):
         raise ConfigError(f"kv_connector_extra_config.{key}={value!r} is not accepted: it names a folder; "
@@ -84,6 +84,32 @@ def _writable_file(key: str, value: Any) -> str:
         return path
     raise ConfigError(f"kv_connector_extra_config.{key}={value!r} is not accepted: {problem}; "
                       f"expected {_ACCEPTED[key]}")
+
+
+def check_host_memory(tier_bytes: int, local_workers: int, physical_bytes: int | None) -> str | None:
+    """Refuse a host tier larger than this host's memory (it could never be allocated: the engine
+    would fail after loading the model, or be killed once the tier fills). Return a warning when
+    the tiers of every worker on this host together exceed it (an estimate: a multi-node engine
+    vLLM is not told about counts every worker as local). ``tier_bytes`` is one worker's tier."""
+    if physical_bytes is None:
+        return None
+    if tier_bytes > physical_bytes:
+        raise ConfigError(
+            f"kv_connector_extra_config.cpu_bytes gives a host tier of {tier_bytes} bytes per worker, more "
+            f"than this host's {physical_bytes} bytes of memory; expected {_ACCEPTED['cpu_bytes']}, per "
+            "worker, that fits in host memory beside the engine")
+    if tier_bytes * local_workers > physical_bytes:
+        return (f"kvscope: {local_workers} workers on this host with a host tier of {tier_bytes} bytes each "
+                f"need {tier_bytes * local_workers} bytes, more than this host's {physical_bytes}: lower "
+                "kv_connector_extra_config.cpu_bytes (it is per worker)")
+    return None
+
+
+def physical_memory_bytes() -> int | None:
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):  # not a POSIX system that tells
+        return None
 
 
 def parse_config(extra: Mapping[str, Any] | None) -> KVScopeConfig:
@@ -111,7 +137,11 @@ def parse_config(extra: Mapping[str, Any] | None) -> KVScopeConfig:
     if ratio is not None:
         if isinstance(ratio, bool) or not isinstance(ratio, (int, float)):
             raise _bad("trace_sample_ratio", ratio)
-        if not 0.0 <= float(ratio) <= 1.0 or math.isnan(float(ratio)):
+        try:
+            in_range = 0.0 <= float(ratio) <= 1.0  # False for NaN
+        except OverflowError:  # an int too large for a float
+            in_range = False
+        if not in_range:
             raise _bad("trace_sample_ratio", ratio)
         ratio = float(ratio)
     port = extra.get("metrics_port")

@@ -21,7 +21,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from .config import ConfigError, parse_config
+from .config import ConfigError, check_host_memory, parse_config, physical_memory_bytes
 from .metadata import KVScopeMetadata
 from .scheduler import KVScopeScheduler
 from .telemetry.metrics import KVScopePromMetrics, KVScopeStats, serve_metrics_port
@@ -39,12 +39,26 @@ from .worker import FENCE_AT_NEXT_STEP, FENCE_AT_ONCE, FENCE_WHEN_REUSED, KVScop
 logger = logging.getLogger(__name__)
 
 
+def log_through_vllm() -> None:
+    """Send kvscope's log records through vLLM's handlers too: vLLM configures only its own `vllm`
+    logger, so kvscope's INFO lines (the start-up summary that sizes the host tier) were dropped
+    and its warnings printed bare. Once per process; records still propagate (tests capture them)."""
+    ours, theirs = logging.getLogger("connector"), logging.getLogger("vllm")
+    if ours.handlers or not theirs.handlers:
+        return
+    for handler in theirs.handlers:
+        ours.addHandler(handler)
+    if ours.level == logging.NOTSET:
+        ours.setLevel(theirs.getEffectiveLevel())
+
+
 class KVScopeConnector(KVConnectorBase_V1, SupportsHMA):
     # vLLM's `vllm:prompt_tokens_cached_by_source` files our hits under the host-memory tier.
     _cache_hit_source = CacheHitSource.HOST
 
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
         check_vllm_version()
+        log_through_vllm()
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         transfer = vllm_config.kv_transfer_config
         if transfer.kv_role != "kv_both":
@@ -65,6 +79,12 @@ class KVScopeConnector(KVConnectorBase_V1, SupportsHMA):
                 f"kv_connector_extra_config.block_size={block_size} is not accepted: it must be a "
                 f"multiple of vLLM's prefix-cache hash block size {hash_block_size}"
             )
+        max_model_len = getattr(vllm_config.model_config, "max_model_len", None)
+        if self.config.block_size is not None and max_model_len and block_size > max_model_len:
+            raise ConfigError(
+                f"kv_connector_extra_config.block_size={block_size} is not accepted: no request of this "
+                f"engine (max_model_len {max_model_len}) fills an offloaded block that long, so nothing "
+                f"would ever be stored; expected at most {max_model_len} tokens")
         layout = slot_layout(kv_cache_config, block_size)
         num_slots = self.config.cpu_bytes // layout.slot_bytes
         if num_slots < 1:
@@ -72,6 +92,12 @@ class KVScopeConnector(KVConnectorBase_V1, SupportsHMA):
                 f"kv_connector_extra_config.cpu_bytes={self.config.cpu_bytes} is not accepted: one "
                 f"offloaded block of this model needs {layout.slot_bytes} bytes; use at least that"
             )
+        parallel = vllm_config.parallel_config
+        nodes = max(1, getattr(parallel, "nnodes", 1) or 1)
+        crowded = check_host_memory(num_slots * layout.slot_bytes, -(-workers_per_scheduler(parallel) // nodes),
+                                    physical_memory_bytes())
+        if crowded:
+            logger.warning(crowded)
         self.tracing = KVScopeTracing.from_config(self.config.trace_file, self.config.trace_sample_ratio)
         self._scheduler: KVScopeScheduler | None = None
         self._worker: KVScopeWorker | None = None
@@ -207,7 +233,10 @@ class KVScopeConnector(KVConnectorBase_V1, SupportsHMA):
     @classmethod
     def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
         config = parse_config(vllm_config.kv_transfer_config.kv_connector_extra_config)
-        if config.metrics_port is not None:
+        # Offline runs have one front end; with several API servers (which serve vLLM's /metrics
+        # themselves) only the first binds the port, or the second one would fail to start.
+        first_front_end = getattr(getattr(vllm_config, "parallel_config", None), "_api_process_rank", 0) in (0, -1)
+        if config.metrics_port is not None and first_front_end:
             try:
                 serve_metrics_port(config.metrics_port)  # offline runs: vLLM's and kvscope's metrics
             except OSError as exc:

@@ -181,17 +181,19 @@ class KVScopeScheduler:
             # vLLM looks up every request it gives external tokens: without that lookup the local hit,
             # and so where the load starts, is unknown (`num_computed_tokens` is still 0 here).
             logger.error("kvscope: no lookup for request %s; its load fails and vLLM recomputes", req_id)
-            self._fail_load_at_plan(state, req_id)
+            self._fail_load_at_plan(state, req_id, num_external_tokens)
             return
         self._plan_load(state, request, blocks.get_block_ids(), lookup.local_tokens, num_external_tokens,
                         lookup_record)
 
-    def _fail_load_at_plan(self, state, req_id: str) -> None:
-        """A load job that fails on every worker without copying anything: vLLM recomputes the request."""
+    def _fail_load_at_plan(self, state, req_id: str, external: int) -> None:
+        """A load job that fails on every worker without copying anything: vLLM recomputes the request.
+        Counted as failed: the blocks the external tokens span in each group (no scan tells more)."""
         job_id = self._new_job_id()
         # Reported like any other load (`_report`): the request waits for its workers' failures.
-        state.load_job = self._jobs[job_id] = _Job(direction=LOAD, req_id=req_id, keys=[],
-                                                   plan_ns=time.perf_counter_ns(), failed_at_plan=True)
+        state.load_job = self._jobs[job_id] = _Job(
+            direction=LOAD, req_id=req_id, keys=[], plan_ns=time.perf_counter_ns(), failed_at_plan=True,
+            loaded=[(layout.index, -(-external // layout.block_size)) for layout in self.layouts])
         self._pending_loads.append(TransferJob(job_id=job_id, req_id=req_id, direction=LOAD, groups=[],
                                                failed_at_plan=True))
 

@@ -293,13 +293,16 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("kvscope_loaded_blocks_total", Counter, "loaded_blocks", _GK,
                "Blocks loaded from the host tier into device KV cache, per group."),
     MetricSpec("kvscope_load_bytes_total", Counter, "load_bytes", _GK,
-               "Bytes loaded from the host tier into device KV cache, per group."),
+               "Bytes loaded from the host tier into device KV cache, per group, summed over the engine's "
+               "workers (each copies its own share)."),
     MetricSpec("kvscope_store_bytes_total", Counter, "store_bytes", _GK,
-               "Bytes stored from device KV cache into the host tier, per group."),
+               "Bytes stored from device KV cache into the host tier, per group, summed over the engine's "
+               "workers (each copies its own share)."),
     MetricSpec("kvscope_scan_duration_seconds", Histogram, "scan_duration_s", _GK,
                "Time to scan one group while planning a load.", SCAN_BUCKETS_S),
     MetricSpec("kvscope_copy_duration_seconds", Histogram, "copy_duration_s", _GKD,
-               "Measured duration of one group's copy between device and host tier.", COPY_BUCKETS_S),
+               "Measured duration of one group's copy between device and host tier, one observation per "
+               "worker.", COPY_BUCKETS_S),
     MetricSpec("kvscope_request_load_duration_seconds", Histogram, "request_load_duration_s", (),
                "Time from planning a request's load to the scheduler hearing that every worker's copies are done "
                "(reported at the end of an engine step, so it includes that step's time).", REQUEST_LOAD_BUCKETS_S),
@@ -309,10 +312,11 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("kvscope_load_failures_total", Counter, "load_failures", (),
                "Device blocks whose load from the host tier failed (recomputed instead)."),
     MetricSpec("kvscope_host_used_bytes", Gauge, "host_used_bytes", (),
-               "Bytes of the host tier holding KV blocks."),
+               "Bytes of one worker's host tier holding KV blocks (every worker holds the same blocks, "
+               "its own share of each)."),
     MetricSpec("kvscope_host_capacity_bytes", Gauge, "host_capacity_bytes", (),
-               "Capacity of the host tier in bytes: its slots times the slot size "
-               "(cpu_bytes rounded down to whole slots)."),
+               "Capacity of one worker's host tier in bytes: its slots times the slot size "
+               "(cpu_bytes, which is per worker, rounded down to whole slots)."),
 )
 METRIC_NAMES = tuple(spec.name for spec in METRICS)
 

@@ -746,6 +746,60 @@ def test_a_kv_role_other_than_both_is_refused_at_start_up(model_path, kv_role):
         KVScopeConnector(config, KVConnectorRole.SCHEDULER, _kv_cache_config(64, WINDOW))
 
 
+def _connector_config(model_path, extra: dict, **engine_args):
+    from vllm.config import KVTransferConfig
+    from vllm.engine.arg_utils import EngineArgs
+
+    transfer = KVTransferConfig(kv_connector="KVScopeConnector", kv_connector_module_path="connector",
+                                kv_role="kv_both", kv_connector_extra_config=extra)
+    return EngineArgs(model=model_path, skip_tokenizer_init=True, block_size=16, kv_transfer_config=transfer,
+                      **engine_args).create_engine_config()
+
+
+@pytest.mark.parametrize("role", ["SCHEDULER", "WORKER"])
+@pytest.mark.parametrize("extra, message", [
+    ({"cpu_bytes": 10**30}, r"cpu_bytes gives a host tier of \d+ bytes per worker, more than this host's"),
+    ({"cpu_bytes": 64 << 20, "block_size": 4096},
+     r"block_size=4096 is not accepted: no request of this engine \(max_model_len 2048\)"),
+], ids=["tier-beyond-host-memory", "block-longer-than-any-request"])
+def test_a_host_tier_that_cannot_work_is_refused_at_start_up(model_path, role, extra, message):
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from connector import KVScopeConnector
+    from connector.config import ConfigError
+    from tests.compat.model_free import _kv_cache_config
+
+    config = _connector_config(model_path, extra, max_model_len=2048)
+    with pytest.raises(ConfigError, match=message):
+        KVScopeConnector(config, getattr(KVConnectorRole, role), _kv_cache_config(64, WINDOW))
+
+
+def test_kvscope_logs_through_vllms_handlers(model_path):
+    """vLLM configures only its `vllm` logger: kvscope's start-up summary (INFO) must reach its handlers."""
+    import logging
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from connector import KVScopeConnector
+    from tests.compat.model_free import _kv_cache_config
+
+    ours, theirs = logging.getLogger("connector"), logging.getLogger("vllm")
+    saved = (list(ours.handlers), ours.level)
+    records: list[logging.LogRecord] = []
+    catch = logging.Handler()
+    catch.emit = records.append
+    theirs.addHandler(catch)
+    ours.handlers, ours.level = [], logging.NOTSET
+    try:
+        connector = KVScopeConnector(_connector_config(model_path, {"cpu_bytes": 64 << 20}), KVConnectorRole.SCHEDULER,
+                                     _kv_cache_config(64, WINDOW))
+        connector.shutdown()
+        assert any("host slots of" in r.getMessage() for r in records), [r.getMessage() for r in records]
+    finally:
+        theirs.removeHandler(catch)
+        ours.handlers, ours.level = saved
+
+
 @pytest.mark.parametrize("mamba_block, hash_block, max_num_batched_tokens",
                          [(64, 16, 2048), (64, 16, 100), (16, 16, 2048), (16, 16, 100)],
                          ids=["partial-hits-one-step", "partial-hits-chunked", "one-step", "chunked"])

@@ -187,3 +187,23 @@ def test_a_metrics_port_in_use_stops_start_up_naming_the_key():
                                               f"127.0.0.1:{port} .*Address already in use"):
             KVScopeConnector.build_prom_metrics(config, metric_types_for(CollectorRegistry()),
                                                 list(VLLM_LABELNAMES), per_engine_labelvalues(1))
+
+
+def test_only_the_first_api_server_serves_the_metrics_port():
+    """With `--api-server-count` > 1 vLLM builds the metrics in every front end: only the first binds
+    the port (the others would fail to start on it; vLLM's own /metrics covers them)."""
+    import socket
+    from types import SimpleNamespace
+
+    from connector import KVScopeConnector
+    from connector.telemetry.testing import VLLM_LABELNAMES, metric_types_for, per_engine_labelvalues
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        config = SimpleNamespace(
+            kv_transfer_config=SimpleNamespace(kv_connector_extra_config={"cpu_bytes": 1 << 20, "metrics_port": port}),
+            parallel_config=SimpleNamespace(_api_process_rank=1, _api_process_count=2))
+        KVScopeConnector.build_prom_metrics(config, metric_types_for(CollectorRegistry()), list(VLLM_LABELNAMES),
+                                            per_engine_labelvalues(1))  # the port is taken, and not asked for

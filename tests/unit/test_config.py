@@ -200,3 +200,24 @@ def test_a_trace_file_that_cannot_be_written_stops_start_up(tmp_path):
 def test_a_trace_file_under_home_is_expanded(tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path))
     assert parse_config({"cpu_bytes": 1, "trace_file": "~/kvscope.jsonl"}).trace_file == str(tmp_path / "kvscope.jsonl")
+
+
+def test_a_trace_file_path_with_a_nul_byte_is_refused():
+    with pytest.raises(ConfigError, match="trace_file="):
+        parse_config({"cpu_bytes": 1, "trace_file": "/tmp/a\x00b"})
+
+
+def test_a_sample_ratio_too_large_for_a_float_is_a_config_error():
+    with pytest.raises(ConfigError, match="trace_sample_ratio=.*a number between 0 and 1"):
+        parse_config({"cpu_bytes": 1, "trace_sample_ratio": 10**400})
+
+
+def test_a_host_tier_beyond_host_memory_is_refused_and_several_workers_beyond_it_warned():
+    from connector.config import check_host_memory
+
+    with pytest.raises(ConfigError, match="cpu_bytes gives a host tier of 101 bytes per worker, more than this host's 100"):
+        check_host_memory(101, 1, 100)
+    assert check_host_memory(100, 1, 100) is None
+    warning = check_host_memory(40, 3, 100)
+    assert "3 workers on this host" in warning and "120 bytes" in warning and "per worker" in warning
+    assert check_host_memory(10**30, 8, None) is None  # memory unknown: nothing to compare with

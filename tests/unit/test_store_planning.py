@@ -445,6 +445,7 @@ def test_a_load_vllm_asks_for_without_a_lookup_fails_whole_and_copies_nothing():
     assert all(entry.pins == 0 for entry in sched.index._entries.values())
     _report(sched, job, failed=True)
     assert sched._jobs == {} and sched.index.is_ready((1, "h7"))
+    assert sched.take_stats().data["load_failures"] == 4 + 4  # the 64 external tokens' blocks, each group
 
 
 def test_a_block_whose_key_changes_under_it_is_given_up():
