@@ -90,7 +90,8 @@ def check_host_memory(tier_bytes: int, local_workers: int, physical_bytes: int |
     """Refuse a host tier larger than this host's memory (it could never be allocated: the engine
     would fail after loading the model, or be killed once the tier fills). Return a warning when
     the tiers of every worker on this host together exceed it (an estimate: a multi-node engine
-    vLLM is not told about counts every worker as local). ``tier_bytes`` is one worker's tier."""
+    vLLM is not told about counts every worker as local; other engines on the host are not seen).
+    ``tier_bytes`` is one worker's tier."""
     if physical_bytes is None:
         return None
     if tier_bytes > physical_bytes:

@@ -37,19 +37,37 @@ from .vllm_layout import (
 from .worker import FENCE_AT_NEXT_STEP, FENCE_AT_ONCE, FENCE_WHEN_REUSED, KVScopeWorker
 
 logger = logging.getLogger(__name__)
+# More host slots than any host could hold (the scheduler's index has one entry per slot); the
+# workers check the tier against their host's memory.
+_MAX_SLOTS = 1 << 32
 
 
 def log_through_vllm() -> None:
     """Send kvscope's log records through vLLM's handlers too: vLLM configures only its own `vllm`
     logger, so kvscope's INFO lines (the start-up summary that sizes the host tier) were dropped
-    and its warnings printed bare. Once per process; records still propagate (tests capture them)."""
+    and its warnings printed bare. Once per process. Records still propagate (tests capture them),
+    and where the root logger prints them (the user configured logging) vLLM's handlers do not."""
     ours, theirs = logging.getLogger("connector"), logging.getLogger("vllm")
-    if ours.handlers or not theirs.handlers:
+    if any(isinstance(h, _ThroughVllm) for h in ours.handlers) or not theirs.handlers:
         return
-    for handler in theirs.handlers:
-        ours.addHandler(handler)
-    if ours.level == logging.NOTSET:
+    ours.addHandler(_ThroughVllm(theirs.handlers))
+    if ours.level == logging.NOTSET and not logging.getLogger().handlers:
         ours.setLevel(theirs.getEffectiveLevel())
+
+
+class _ThroughVllm(logging.Handler):
+    """vLLM's handlers for kvscope's records, unless the root logger has handlers of its own."""
+
+    def __init__(self, handlers):
+        super().__init__()
+        self._handlers = handlers
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if logging.getLogger().handlers:
+            return  # printed there already
+        for handler in self._handlers:
+            if record.levelno >= handler.level:
+                handler.handle(record)
 
 
 class KVScopeConnector(KVConnectorBase_V1, SupportsHMA):
@@ -80,11 +98,14 @@ class KVScopeConnector(KVConnectorBase_V1, SupportsHMA):
                 f"multiple of vLLM's prefix-cache hash block size {hash_block_size}"
             )
         max_model_len = getattr(vllm_config.model_config, "max_model_len", None)
-        if self.config.block_size is not None and max_model_len and block_size > max_model_len:
-            raise ConfigError(
-                f"kv_connector_extra_config.block_size={block_size} is not accepted: no request of this "
-                f"engine (max_model_len {max_model_len}) fills an offloaded block that long, so nothing "
-                f"would ever be stored; expected at most {max_model_len} tokens")
+        if max_model_len and block_size >= max_model_len:
+            # The KV of a sequence's last token is never computed: no block of max_model_len fills.
+            useless = (f"no request of this engine (max_model_len {max_model_len}) fills an offloaded block of "
+                       f"{block_size} tokens, so nothing would ever be stored")
+            if self.config.block_size is not None:
+                raise ConfigError(f"kv_connector_extra_config.block_size={block_size} is not accepted: {useless}; "
+                                  f"expected fewer than {max_model_len} tokens")
+            logger.warning("kvscope: %s (the block size follows the KV groups' device block sizes)", useless)
         layout = slot_layout(kv_cache_config, block_size)
         num_slots = self.config.cpu_bytes // layout.slot_bytes
         if num_slots < 1:
@@ -92,12 +113,18 @@ class KVScopeConnector(KVConnectorBase_V1, SupportsHMA):
                 f"kv_connector_extra_config.cpu_bytes={self.config.cpu_bytes} is not accepted: one "
                 f"offloaded block of this model needs {layout.slot_bytes} bytes; use at least that"
             )
-        parallel = vllm_config.parallel_config
-        nodes = max(1, getattr(parallel, "nnodes", 1) or 1)
-        crowded = check_host_memory(num_slots * layout.slot_bytes, -(-workers_per_scheduler(parallel) // nodes),
-                                    physical_memory_bytes())
-        if crowded:
-            logger.warning(crowded)
+        if num_slots > _MAX_SLOTS:
+            raise ConfigError(
+                f"kv_connector_extra_config.cpu_bytes={self.config.cpu_bytes} is not accepted: it gives "
+                f"{num_slots} host slots of {layout.slot_bytes} bytes; expected at most {_MAX_SLOTS} slots' worth")
+        if role != KVConnectorRole.SCHEDULER:  # the workers allocate the tiers, each on its own host
+            parallel = vllm_config.parallel_config
+            nodes = max(1, getattr(parallel, "nnodes", 1) or 1)
+            local_workers = (-(-workers_per_scheduler(parallel) // nodes)
+                             * max(1, getattr(parallel, "data_parallel_size_local", 1) or 1))
+            crowded = check_host_memory(num_slots * layout.slot_bytes, local_workers, physical_memory_bytes())
+            if crowded and _worker_rank() == 0:
+                logger.warning(crowded)
         self.tracing = KVScopeTracing.from_config(self.config.trace_file, self.config.trace_sample_ratio)
         self._scheduler: KVScopeScheduler | None = None
         self._worker: KVScopeWorker | None = None
@@ -232,6 +259,7 @@ class KVScopeConnector(KVConnectorBase_V1, SupportsHMA):
 
     @classmethod
     def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        log_through_vllm()
         config = parse_config(vllm_config.kv_transfer_config.kv_connector_extra_config)
         # Offline runs have one front end; with several API servers (which serve vLLM's /metrics
         # themselves) only the first binds the port, or the second one would fail to start.

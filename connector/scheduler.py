@@ -160,11 +160,13 @@ class KVScopeScheduler:
                 if headers:
                     state.trace_context = self.tracing.parent_from_trace_headers(headers)
             self._requests[req_id] = state
-        elif state.stores_stopped and request.num_computed_tokens == 0:
-            # Restarted from nothing after a cache reset stopped its stores (preempted): from now
-            # on all its KV is computed anew, so it is stored again.
-            state.stores_stopped = False
         lookup = self._lookups.pop(req_id, None)
+        if state.stores_stopped and lookup is not None and lookup.local_tokens == 0:
+            # Restarted from nothing after a cache reset stopped its stores (preempted, or its load
+            # failed): all its KV is computed anew (or loaded from the tier, emptied by the reset), so
+            # it is stored again. Not with a device prefix hit: vLLM's own reset failed then (blocks
+            # were in use), and that hit may be the request's own KV from before the reset.
+            state.stores_stopped = False
         lookup_record = None
         if request.num_computed_tokens == 0 and lookup is not None and not getattr(request, "num_preemptions", 0):
             # Counted like vLLM's external prefix-cache hits: once per request, when first scheduled.
@@ -193,7 +195,8 @@ class KVScopeScheduler:
         # Reported like any other load (`_report`): the request waits for its workers' failures.
         state.load_job = self._jobs[job_id] = _Job(
             direction=LOAD, req_id=req_id, keys=[], plan_ns=time.perf_counter_ns(), failed_at_plan=True,
-            loaded=[(layout.index, -(-external // layout.block_size)) for layout in self.layouts])
+            loaded=[(layout.index, 1 if layout.kind is GroupKind.MAMBA else -(-external // layout.block_size))
+                    for layout in self.layouts])
         self._pending_loads.append(TransferJob(job_id=job_id, req_id=req_id, direction=LOAD, groups=[],
                                                failed_at_plan=True))
 

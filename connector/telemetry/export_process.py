@@ -467,12 +467,19 @@ def _serve() -> int:
     requests, replies = sys.stdin.buffer.raw, sys.stdout.buffer
     sys.stdout = sys.stderr  # stray prints must not corrupt the reply stream
     reply_lock = threading.Lock()
+    engine_gone = False
 
     def reply(message) -> None:
+        nonlocal engine_gone
+        if engine_gone:
+            return
         payload = marshal.dumps(message)
         with reply_lock:
-            replies.write(_HEADER.pack(len(payload)) + payload)
-            replies.flush()
+            try:
+                replies.write(_HEADER.pack(len(payload)) + payload)
+                replies.flush()
+            except OSError:  # the engine process died: nobody reads replies, the spans still get written
+                engine_gone = True
 
     logging.getLogger().addHandler(_ForwardToParent(reply))
     config = _read_frame(requests)

@@ -758,7 +758,7 @@ def _connector_config(model_path, extra: dict, **engine_args):
 
 @pytest.mark.parametrize("role", ["SCHEDULER", "WORKER"])
 @pytest.mark.parametrize("extra, message", [
-    ({"cpu_bytes": 10**30}, r"cpu_bytes gives a host tier of \d+ bytes per worker, more than this host's"),
+    ({"cpu_bytes": 10**30}, r"cpu_bytes=10+ is not accepted: it gives \d+ host slots|cpu_bytes gives a host tier"),
     ({"cpu_bytes": 64 << 20, "block_size": 4096},
      r"block_size=4096 is not accepted: no request of this engine \(max_model_len 2048\)"),
 ], ids=["tier-beyond-host-memory", "block-longer-than-any-request"])
@@ -790,12 +790,19 @@ def test_kvscope_logs_through_vllms_handlers(model_path):
     catch.emit = records.append
     theirs.addHandler(catch)
     ours.handlers, ours.level = [], logging.NOTSET
+    root = logging.getLogger()
+    root_handlers, root.handlers = root.handlers, []  # as in vLLM's processes (pytest adds its own)
     try:
         connector = KVScopeConnector(_connector_config(model_path, {"cpu_bytes": 64 << 20}), KVConnectorRole.SCHEDULER,
                                      _kv_cache_config(64, WINDOW))
         connector.shutdown()
         assert any("host slots of" in r.getMessage() for r in records), [r.getMessage() for r in records]
+        records.clear()
+        root.handlers = root_handlers  # the user configured logging: the root prints, vLLM's handlers do not
+        logging.getLogger("connector.scheduler").warning("kvscope: printed once")
+        assert records == []
     finally:
+        root.handlers = root_handlers
         theirs.removeHandler(catch)
         ours.handlers, ours.level = saved
 

@@ -346,7 +346,8 @@ def _stalled_by_vllm(engine) -> list[str] | None:
     waits for vLLM to take the report; one never loaded holds nothing and waits behind them. A load
     kvscope lost or left unreported fails these."""
     scheduler = engine.scheduler
-    if scheduler.running or scheduler.get_kv_connector()._scheduler.has_unreported_jobs():
+    kvscope = scheduler.get_kv_connector()._scheduler
+    if scheduler.running or kvscope.has_unreported_jobs():
         return None
     stuck = list(scheduler.requests.values())
     loaded, failed = engine.stats.finished_recving, engine.stats.failed_recving
@@ -358,6 +359,9 @@ def _stalled_by_vllm(engine) -> list[str] | None:
             return not holds and r.status.name == "WAITING"
         if r.request_id not in failed:
             return holds
+        # kvscope offers a request whose load failed no hit again (or it would stall on its own reserve)
+        if not kvscope._requests[r.request_id].load_failed:
+            return False
         return not holds or r.request_id in scheduler.finished_recving_kv_req_ids
 
     if not stuck or not all(settled(r) for r in stuck):

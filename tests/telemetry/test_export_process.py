@@ -394,3 +394,32 @@ def test_spans_of_a_finished_step_survive_the_engine_process_being_killed(tmp_pa
             break
         time.sleep(0.2)
     assert ids == ["warm-up", "last-step"]
+
+
+def test_a_helper_whose_engine_died_writes_everything_it_was_sent_and_exits_cleanly(tmp_path):
+    """Its replies then go nowhere (a broken pipe): that must not end it before it has written
+    every batch waiting in its pipe."""
+    import marshal
+    import subprocess
+    import sys
+    from dataclasses import asdict
+
+    from connector.telemetry.export_process import _HEADER, _read_frame
+
+    path = tmp_path / "t.jsonl"
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    helper = subprocess.Popen([sys.executable, "-P", "-m", "connector.telemetry.export_process"],
+                              env={**os.environ, "PYTHONPATH": root}, stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, bufsize=0)
+    config = marshal.dumps(asdict(_sinks(path)))
+    helper.stdin.write(_HEADER.pack(len(config)) + config)
+    assert _read_frame(helper.stdout, 30) == ("ready",)
+    os.kill(helper.pid, signal.SIGSTOP)  # everything below waits in its pipe
+    for first in range(0, 600, 100):
+        payload = marshal.dumps(("spans", _numbered(first, 100)), 2)
+        helper.stdin.write(_HEADER.pack(len(payload)) + payload)
+    helper.stdin.close()
+    helper.stdout.close()  # the engine process is gone: both ends closed
+    os.kill(helper.pid, signal.SIGCONT)
+    assert helper.wait(30) == 0, helper.stderr.read().decode()[-2000:]
+    assert _request_ids(path) == list(range(600))

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
+
 from connector.groups import GroupKind, GroupLayout
 from connector.metadata import KVScopeWorkerMetadata
 from connector.planning import NULL_BLOCK_ID
@@ -384,20 +386,27 @@ def test_a_request_that_keeps_running_through_a_reset_stores_nothing_more():
     assert sched._plan_store(fresh, 64) is not None
 
 
-def test_a_request_restarted_from_nothing_after_a_reset_stores_again():
-    """The request that kept running through a reset is preempted later (vLLM frees its KV): it
-    computes everything again with the new weights, so its blocks are stored again."""
+@pytest.mark.parametrize("local_hit", [0, 64], ids=["from-nothing", "device-prefix-hit"])
+def test_a_request_restarted_after_a_reset_stores_again_unless_it_reuses_device_kv(local_hit):
+    """The request that kept running through a reset is preempted later (vLLM frees its KV): with no
+    device prefix hit it computes everything again with the new weights, so it is stored again. A
+    device hit then may be its own KV from before the reset (vLLM's own reset failed, its blocks
+    being in use): it still stores nothing."""
     sched, manager = _scheduler()
     state = sched._requests["r"] = _state("r", 256)
     state.request.num_computed_tokens = 64  # still running through the reset
     sched.reset_cache()
     manager.ids = _ids(64, 16)
     assert sched._plan_store(state, 128) is None
-    state.request.num_computed_tokens = 0  # preempted, then scheduled again from nothing
+    state.request.num_computed_tokens = 0  # preempted, then scheduled again
+    assert sched.get_num_new_matched_tokens(state.request, local_hit) == (0, False)
     sched.update_state_after_alloc(state.request, SimpleNamespace(get_block_ids=lambda: manager.ids), 0)
     manager.ids = _ids(0, 16)
-    job = sched._plan_store(state, 64)
-    assert job is not None and _pieces(job, 1) == [(list(range(200, 204)), [0, 1, 2, 3])]
+    job = sched._plan_store(state, 128)
+    if local_hit:
+        assert job is None
+    else:
+        assert job is not None and _pieces(job, 1) == [(list(range(200, 208)), [0, 1, 2, 3] * 2)]
 
 
 def _stored(sched, *keys):
