@@ -26,9 +26,9 @@ def owner_keys(spans: pd.DataFrame) -> pd.Series:
     one of its request id. A child whose parent is not in its file belongs to the parent in another
     file of its trace when only one load (store) of all the other files has that id, and is of the
     child's request when the child carries one. A copy still without owner belongs to the only load
-    (store) in its file and trace that can be its request's: the only one of its request id, or the
-    only one at all when the copy carries no request id (copies of requests sharing one upstream
-    trace must not join another's load).
+    (store) in its file and trace that can be its request's: the only one of its request id that
+    started before it, or the only one at all when the copy carries no request id (copies of requests
+    sharing one upstream trace must not join another's load).
     """
     owner = pd.Series(pd.NA, index=spans.index, dtype="Int64")
     name = spans["name"].astype(object)
@@ -39,10 +39,11 @@ def owner_keys(spans: pd.DataFrame) -> pd.Series:
     is_child = want.notna().to_numpy()
     if not is_child.any():
         return owner
-    children = spans.loc[is_child, [*_SAME_PLACE, "parent_span_id", "request_id"]].assign(
+    children = spans.loc[is_child, [*_SAME_PLACE, "parent_span_id", "request_id", "start_ns"]].assign(
         want=want[is_child], child=spans.index[is_child], is_copy=is_copy[is_child])
     is_owner = name.isin([LOAD, STORE]).to_numpy()
-    owners = spans.loc[is_owner, [*_SAME_PLACE, "span_id", "request_id", "span_key"]].assign(want=name[is_owner])
+    owners = spans.loc[is_owner, [*_SAME_PLACE, "span_id", "request_id", "span_key", "start_ns"]].assign(
+        want=name[is_owner])
 
     parents = children.merge(owners, left_on=[*_SAME_PLACE, "want", "parent_span_id"],
                              right_on=[*_SAME_PLACE, "want", "span_id"], suffixes=("", "_owner"))
@@ -50,10 +51,13 @@ def owner_keys(spans: pd.DataFrame) -> pd.Series:
     found = pd.concat([found, _parent_elsewhere(children[~children["child"].isin(found.index)], owners)])
     orphans = children[children["is_copy"] & ~children["child"].isin(found.index)]
     with_request = orphans[orphans["request_id"].notna()]
-    of_request = with_request.merge(owners, on=[*_SAME_PLACE, "want", "request_id"])
+    of_request = with_request.merge(owners, on=[*_SAME_PLACE, "want", "request_id"], suffixes=("", "_owner"))
+    # a copy never starts before its load or store: a lost first load's copies are not the second's
+    of_request = of_request[of_request["start_ns"] >= of_request["start_ns_owner"]]
     without_request = orphans[orphans["request_id"].isna()].drop(columns="request_id")
     alone = owners[~owners.duplicated([*_SAME_PLACE, "want"], keep=False)]  # merging all would be copies x loads
-    in_trace = without_request.merge(alone.drop(columns="request_id"), on=[*_SAME_PLACE, "want"])
+    in_trace = without_request.merge(alone.drop(columns="request_id"), on=[*_SAME_PLACE, "want"],
+                                     suffixes=("", "_owner"))
     for pairs in (of_request, in_trace):
         found = pd.concat([found, _only_candidates(pairs)])
     owner.loc[found.index] = found.to_numpy()

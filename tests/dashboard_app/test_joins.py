@@ -186,3 +186,19 @@ def test_a_copy_never_joins_another_requests_load_in_another_file(tmp_path):
     assert pd.isna(owners["55" * 8]) and owners["57" * 8] == read.spans.set_index("span_id").loc["34" * 8, "span_key"]
     requests = traces.requests_table(read.spans).set_index("request_id")
     assert pd.isna(requests.loc["B", "bytes_loaded"]) and requests.loc["C", "bytes_loaded"] == 7
+
+
+def test_copies_of_a_lost_first_load_do_not_join_the_requests_later_load(tmp_path):
+    """A request loads twice (resumed after preemption); the first load's line is lost: its copies,
+    which started before the second load, are not that load's."""
+    path = write(
+        tmp_path,
+        line(lookup("A", span_id="a1" * 8, start=T1)),
+        line(span("kvscope.load", {"kvscope.request.id": "A", "kvscope.tokens.local": 0, "kvscope.groups": 1},
+                  span_id="a2" * 8, parent="a1" * 8, start=T1 + 10)),  # lacks tokens.external: skipped
+        line(copy("load", 3000, "A", span_id="a3" * 8, parent="a2" * 8, start=T1 + 20, end=T1 + 1_000_020)),
+        line(load("A", span_id="a4" * 8, parent="a1" * 8, start=T1 + 5_000_000)),
+        line(copy("load", 1000, "A", span_id="a5" * 8, parent="a4" * 8, start=T1 + 5_000_010, end=T1 + 7_000_010)),
+    )
+    requests = by_request(path)
+    assert requests.loc["A", "bytes_loaded"] == 1000 and requests.loc["A", "load_ms"] == pytest.approx(2.0, abs=1e-3)
