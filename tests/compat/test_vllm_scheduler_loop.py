@@ -261,6 +261,32 @@ def test_known_vllm_gap_a_failed_load_at_the_head_of_the_queue_stalls_the_loads_
         engine.shutdown()
 
 
+def test_known_vllm_gap_mamba_align_with_partial_hash_hits_caches_a_state_under_a_later_key():
+    """vLLM (0.32, 0.33), align mode, hash blocks (16) finer than Mamba blocks (64): a request
+    resuming at 560 from a partial hit gets the block it resumes in (a copy holding the state after
+    560 tokens) cached under the 576-token key, and its chunk is not stopped at 576 because it saves
+    its checkpoint inside the chunk: nothing ever writes the state after 576. The next request that
+    hits 576 resumes from the state after 560. kvscope loads nothing here (no hit from its tier).
+    The fuzzer tells this apart (`vllm_mamba_align`); this pins it: when it fails, vLLM changed it."""
+    from tests.compat.workload_fuzz import execute
+
+    plan = {"seed": 21164, "config": {"mamba": {"block": 64, "hash_block": 16, "retention": None},
+                                      "block_size": 128, "workers": 1, "async_scheduling": False, "runner": "v1",
+                                      "num_blocks": 1200, "max_num_batched_tokens": 2048, "cpu_bytes": 64 << 20},
+            "rounds": [{"between": "none", "phases": [{"pause_after": None, "abort_on_schedule": [], "abort_after": [],
+                                                       "adds": [
+        {"id": "a", "prompt": [["21164p1", 500], ["21164s0", 72]], "max_tokens": 2, "salt": None},
+        {"id": "b", "prompt": [["21164p1", 500], ["21164s0", 72], ["gen", 150], ["21164s1", 67]],
+         "max_tokens": 2, "salt": None},
+        {"id": "c", "prompt": [["21164p1", 500], ["21164s0", 72], ["gen", 150]], "max_tokens": 2, "salt": None},
+    ]}]}]}
+    result = execute(plan)
+    assert result.external_hit_tokens == 0 and result.checked_loaded_blocks == 0
+    assert result.violations and all("req_id='c'" in v and "not the state after 576 tokens" in v
+                                      for v in result.violations), result.violations
+    assert result.vllm_mamba_align and result.verdict == "vllm_mamba_align" and result.failure is None
+
+
 def test_a_request_whose_load_failed_recomputes_instead_of_waiting_for_its_own_reserve(model_path, monkeypatch):
     """vLLM (0.32, 0.33) keeps a request whose async load failed among its in-flight prefills, so a
     second async admission of it counts its own reserve against itself and never fits once it needs
