@@ -46,6 +46,8 @@ def find_hit_tokens(
     max_blocks = min((num_tokens - 1) // offload_block_size, num_hashed_blocks - (1 if proving else 0))
     # Full attention needs a contiguous run from the local boundary: it bounds the search.
     first_needed = num_local_tokens // offload_block_size
+    if max_blocks <= first_needed:  # no hit can reach past the local one (and no key past the last is asked for)
+        return 0
     for layout in layouts:
         if layout.kind is GroupKind.FULL_ATTENTION:
             proof = 1 if proving and layout.index in proving else 0  # the run reaches one block past the hit
@@ -53,7 +55,7 @@ def find_hit_tokens(
             k = first_needed
             while k < limit and is_stored(layout.index, k):
                 k += 1
-            max_blocks = k - proof
+            max_blocks = min(max_blocks, k - proof)  # never past the cap: a later group's limit builds on it
     proving_windows = [layout.index for layout in layouts
                        if layout.index in proving and layout.kind is GroupKind.SLIDING_WINDOW] if proving else ()
     for n in range(max_blocks, 0, -1):

@@ -185,6 +185,13 @@ class KVScopeScheduler:
             logger.error("kvscope: no lookup for request %s; its load fails and vLLM recomputes", req_id)
             self._fail_load_at_plan(state, req_id, num_external_tokens)
             return
+        if num_external_tokens != lookup.external_tokens:
+            # vLLM takes a hit whole or not at all; a part of one could end off an offloaded block,
+            # and a Mamba group would then get the state of another token count.
+            logger.error("kvscope: request %s asks for %d external tokens, its lookup found %d; its load "
+                         "fails and vLLM recomputes", req_id, num_external_tokens, lookup.external_tokens)
+            self._fail_load_at_plan(state, req_id, num_external_tokens)
+            return
         self._plan_load(state, request, blocks.get_block_ids(), lookup.local_tokens, num_external_tokens,
                         lookup_record)
 

@@ -809,6 +809,7 @@ def test_kvscope_logs_through_vllms_handlers(model_path):
     from connector import KVScopeConnector
     from tests.compat.model_free import _kv_cache_config
 
+    config = _connector_config(model_path, {"cpu_bytes": 64 << 20})  # (vLLM may configure its logging here)
     ours, theirs = logging.getLogger("connector"), logging.getLogger("vllm")
     saved = (list(ours.handlers), ours.level)
     records: list[logging.LogRecord] = []
@@ -816,11 +817,12 @@ def test_kvscope_logs_through_vllms_handlers(model_path):
     catch.emit = records.append
     theirs.addHandler(catch)
     ours.handlers, ours.level = [], logging.NOTSET
+    their_level = theirs.level
+    theirs.setLevel(logging.INFO)  # vLLM's default (another test's VLLM_LOGGING_LEVEL may have raised it)
     root = logging.getLogger()
     root_handlers, root.handlers = root.handlers, []  # as in vLLM's processes (pytest adds its own)
     try:
-        connector = KVScopeConnector(_connector_config(model_path, {"cpu_bytes": 64 << 20}), KVConnectorRole.SCHEDULER,
-                                     _kv_cache_config(64, WINDOW))
+        connector = KVScopeConnector(config, KVConnectorRole.SCHEDULER, _kv_cache_config(64, WINDOW))
         connector.shutdown()
         assert any("host slots of" in r.getMessage() for r in records), [r.getMessage() for r in records]
         records.clear()
@@ -829,6 +831,7 @@ def test_kvscope_logs_through_vllms_handlers(model_path):
         assert records == []
     finally:
         root.handlers = root_handlers
+        theirs.setLevel(their_level)
         theirs.removeHandler(catch)
         ours.handlers, ours.level = saved
 

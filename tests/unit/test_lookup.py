@@ -263,6 +263,33 @@ def test_hit_bounds_and_keys_asked(case):
 
 
 @settings(max_examples=300, deadline=None)
+@given(ANY_LOOKUP, st.data())
+def test_eagle_lookups_ask_only_for_keys_that_exist(case, data):
+    """A proof group's run reaches one block past the hit: never past the last key (the scheduler
+    indexes its hashes with it)."""
+    layouts, num_tokens, local, num_hashed, b, stored = case
+    proof = frozenset(data.draw(st.sets(st.sampled_from([g.index for g in layouts]), min_size=1)))
+    store = Store(stored)
+    find_hit_tokens(layouts, num_tokens, local, num_hashed, b, store, proof_groups=proof)
+    assert all(local // b <= k < num_hashed for _, k in store.asked), store.asked
+
+
+def test_a_drafter_group_after_a_target_group_never_asks_past_the_last_key():
+    """The target group's run ends at the local hit (nothing past it can hit); the drafter's proof
+    run used to start from there and ask for the key after the last one (an IndexError in the scheduler)."""
+    layouts = [GroupLayout(0, GroupKind.FULL_ATTENTION, 16), GroupLayout(1, GroupKind.FULL_ATTENTION, 16)]
+    asked = []
+
+    def is_stored(group, k):
+        asked.append((group, k))
+        return k < 2
+
+    assert find_hit_tokens(layouts, num_tokens=81, num_local_tokens=64, num_hashed_blocks=2, offload_block_size=32,
+                           is_stored=is_stored, proof_groups=frozenset({1})) == 0
+    assert all(k < 2 for _, k in asked), asked
+
+
+@settings(max_examples=300, deadline=None)
 @given(st.data())
 def test_needed_blocks_match_kept_tokens(data):
     layouts, b = data.draw(hybrid_layouts(max_groups=1))

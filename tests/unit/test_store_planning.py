@@ -476,3 +476,15 @@ def test_a_block_whose_key_changes_under_it_is_given_up():
         assert not sched.index.is_ready((g, "h3")), "the old key would load the new turn's KV"
         assert not sched.index.contains((g, "h3")) and not sched.index.contains((g, "h3-next-turn"))
     assert not any(key[1] == "h3" for key in sched.stores.by_key)  # given up and settled
+
+
+def test_a_load_of_part_of_a_hit_fails_whole():
+    """vLLM takes a hit whole or not at all; a part of one (which no vLLM path asks for today) could
+    end off an offloaded block: the load fails and vLLM recomputes."""
+    sched, manager = _scheduler()
+    _stored(sched, (0, "h3"), (1, "h3"), (0, "h7"), (1, "h7"))
+    request = _state("r", 256).request
+    assert sched.get_num_new_matched_tokens(request, 0) == (128, True)
+    sched.update_state_after_alloc(request, SimpleNamespace(get_block_ids=lambda: _ids(0, 16)), 96)
+    (job,) = sched.build_connector_meta(_output()).loads
+    assert job.failed_at_plan and job.groups == []
