@@ -169,12 +169,17 @@ class KVScopeWorker:
             self._meta.failed_jobs[job.job_id] = 1
             if job.direction == LOAD:
                 self._failed_loads.add(job.req_id)
-            self._record_failure(job)
         else:
             self._meta.completed_jobs[job.job_id] = 1
-            self._record(job, flight.copies)
         if job.direction == LOAD:
             self._done_loads.add(job.req_id)
+        try:  # reported above whatever happens here: telemetry must never lose a job or stop the engine
+            if flight.failed:
+                self._record_failure(job)
+            else:
+                self._record(job, flight.copies)
+        except Exception:
+            logger.exception("kvscope: recording the stats or spans of %s job %d failed", job.direction, job.job_id)
 
     def _copy_parent(self, job: TransferJob):
         """The parent of the job's copy spans (its load or store span), or None: untraced."""

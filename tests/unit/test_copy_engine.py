@@ -486,3 +486,27 @@ def test_a_failed_job_is_traced_as_failed_copies_even_when_it_names_an_unknown_g
     assert dict(span.attributes) == {"kvscope.group.index": 1, "kvscope.group.kind": "sliding_window",
                                      "kvscope.copy.direction": "load", "kvscope.copy.blocks": 0,
                                      "kvscope.copy.bytes": 0, "kvscope.worker.rank": 1, "kvscope.request.id": "a"}
+
+
+def test_a_telemetry_error_neither_loses_a_job_nor_reaches_the_engine(caplog, monkeypatch):
+    """Stats and spans are recorded after a job is reported: if recording raised, the job (and any
+    finished after it) would stay unreported and the exception would stop the engine."""
+    from connector.metadata import LOAD, GroupTransfer, KVScopeMetadata, TransferJob
+    from connector.telemetry.tracing import KVScopeTracing
+    from connector.worker import KVScopeWorker
+
+    engine, _, _ = _shared_attention_engine(num_slots=4)
+    worker = KVScopeWorker(None, engine.layout, engine.num_slots, ["full_attention", "full_attention"], 0,
+                           KVScopeTracing.disabled())
+    worker.engine = engine
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a stats bug")
+
+    monkeypatch.setattr(worker._stats, "record_copy", broken)
+    with caplog.at_level("ERROR", logger="connector.worker"):
+        worker.start_load_kv(KVScopeMetadata(loads=[TransferJob(1, "a", LOAD, [GroupTransfer(0, [2], [1], [0])]),
+                                                    TransferJob(2, "b", LOAD, [GroupTransfer(0, [3], [2], [0])])]))
+    assert worker.build_worker_meta().completed_jobs == {1: 1, 2: 1}
+    assert worker.transfer_results() == ({"a", "b"}, set())
+    assert sum("recording the stats or spans" in r.getMessage() for r in caplog.records) == 2
