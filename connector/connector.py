@@ -32,42 +32,16 @@ from .vllm_layout import (
     eagle_proof_groups,
     group_layouts,
     slot_layout,
+    workers_on_this_host,
     workers_per_scheduler,
 )
+from .vllm_logging import log_through_vllm
 from .worker import FENCE_AT_NEXT_STEP, FENCE_AT_ONCE, FENCE_WHEN_REUSED, KVScopeWorker
 
 logger = logging.getLogger(__name__)
 # More host slots than any host could hold (the scheduler's index has one entry per slot); the
 # workers check the tier against their host's memory.
 _MAX_SLOTS = 1 << 32
-
-
-def log_through_vllm() -> None:
-    """Send kvscope's log records through vLLM's handlers too: vLLM configures only its own `vllm`
-    logger, so kvscope's INFO lines (the start-up summary that sizes the host tier) were dropped
-    and its warnings printed bare. Once per process. Records still propagate (tests capture them),
-    and where the root logger prints them (the user configured logging) vLLM's handlers do not."""
-    ours, theirs = logging.getLogger("connector"), logging.getLogger("vllm")
-    if any(isinstance(h, _ThroughVllm) for h in ours.handlers) or not theirs.handlers:
-        return
-    ours.addHandler(_ThroughVllm(theirs.handlers))
-    if ours.level == logging.NOTSET and not logging.getLogger().handlers:
-        ours.setLevel(theirs.getEffectiveLevel())
-
-
-class _ThroughVllm(logging.Handler):
-    """vLLM's handlers for kvscope's records, unless the root logger has handlers of its own."""
-
-    def __init__(self, handlers):
-        super().__init__()
-        self._handlers = handlers
-
-    def emit(self, record: logging.LogRecord) -> None:
-        if logging.getLogger().handlers:
-            return  # printed there already
-        for handler in self._handlers:
-            if record.levelno >= handler.level:
-                handler.handle(record)
 
 
 class KVScopeConnector(KVConnectorBase_V1, SupportsHMA):
@@ -118,10 +92,7 @@ class KVScopeConnector(KVConnectorBase_V1, SupportsHMA):
                 f"kv_connector_extra_config.cpu_bytes={self.config.cpu_bytes} is not accepted: it gives "
                 f"{num_slots} host slots of {layout.slot_bytes} bytes; expected at most {_MAX_SLOTS} slots' worth")
         if role != KVConnectorRole.SCHEDULER:  # the workers allocate the tiers, each on its own host
-            parallel = vllm_config.parallel_config
-            nodes = max(1, getattr(parallel, "nnodes", 1) or 1)
-            local_workers = (-(-workers_per_scheduler(parallel) // nodes)
-                             * max(1, getattr(parallel, "data_parallel_size_local", 1) or 1))
+            local_workers = workers_on_this_host(vllm_config.parallel_config)
             crowded = check_host_memory(num_slots * layout.slot_bytes, local_workers, physical_memory_bytes())
             if crowded and _worker_rank() == 0:
                 logger.warning(crowded)

@@ -96,6 +96,15 @@ def workers_per_scheduler(parallel_config) -> int:
     return world_size
 
 
+def workers_on_this_host(parallel_config) -> int:
+    """About how many workers (each with its own host tier) run on this host: the engine's workers
+    spread over `nnodes`, times the engines of this host (local data parallelism). An estimate:
+    multi-node Ray without `nnodes` counts every worker as local; other engines are not seen."""
+    nodes = max(1, getattr(parallel_config, "nnodes", 1) or 1)
+    engines = max(1, getattr(parallel_config, "data_parallel_size_local", 1) or 1)
+    return -(-workers_per_scheduler(parallel_config) // nodes) * engines
+
+
 def check_parallelism(parallel_config) -> None:
     """Refuse context parallelism: a device block then holds more tokens than its spec's block size
     (each rank's share of a longer span), which kvscope's block arithmetic does not follow. Refuse

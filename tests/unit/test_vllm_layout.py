@@ -27,6 +27,7 @@ from connector.vllm_layout import (
     check_sleep_mode,
     eagle_proof_groups,
     group_layouts,
+    workers_on_this_host,
     workers_per_scheduler,
 )
 
@@ -218,3 +219,9 @@ def test_only_the_groups_vllm_flags_for_the_drop_when_it_flags_any():
 def test_no_proof_without_a_drafter_that_needs_vllms_drop(vllm_config):
     config = _hybrid()
     assert eagle_proof_groups(vllm_config, config, group_layouts(config)) == frozenset()
+
+
+def test_workers_on_this_host_spread_over_nodes_times_local_engines():
+    assert workers_on_this_host(SimpleNamespace(world_size=8)) == 8
+    assert workers_on_this_host(SimpleNamespace(world_size=8, nnodes=2)) == 4
+    assert workers_on_this_host(SimpleNamespace(world_size=3, nnodes=2, data_parallel_size_local=2)) == 4
