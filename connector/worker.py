@@ -108,7 +108,7 @@ class KVScopeWorker:
             job.failed_at_plan or self.fail_all_loads or self._touches_lost_slot(job)
         ):
             flight.failed = True
-        elif not self._in_bounds(job):
+        elif not self._well_formed(job):
             flight.failed = True
         else:
             try:
@@ -127,26 +127,38 @@ class KVScopeWorker:
         self._in_flight.append(flight)
         self._collect()
 
-    def _in_bounds(self, job: TransferJob) -> bool:
+    def _well_formed(self, job: TransferJob) -> bool:
         """Whether every slot of the job lies in this worker's host buffer, every piece in its slot
         and every block in the KV cache, with one slot and piece per block of a known group. Never
         copy otherwise: on CUDA each is a raw address, and past a buffer it reads or writes another's
-        memory. Only a scheduler that sized its slots differently from this worker should get here
+        memory. Nor when two copies of it write one place (`_targets_distinct`). Only a scheduler
+        that sized its slots differently from this worker, or a scheduler bug, should get here
         (start-up refuses the layouts known to)."""
         n, blocks, factors = self.num_slots, self.engine.num_blocks, self.slot_layout.group_factors
         if all(0 <= p.group_index < len(factors) and len(p.slots) == len(p.subs) == len(p.block_ids)
                and (not p.slots or (0 <= min(p.slots) and max(p.slots) < n
                                     and 0 <= min(p.subs) and max(p.subs) < factors[p.group_index]
                                     and 0 <= min(p.block_ids) and max(p.block_ids) < blocks))
-               for p in job.groups):
+               for p in job.groups) and self._targets_distinct(job):
             return True
         if not self._range_logged:
             self._range_logged = True
             logger.error("kvscope: %s job %d for request %s addresses host slots, slot pieces or device blocks "
-                         "outside this worker's (%d slots, %d blocks); it fails (a load is recomputed). Please "
+                         "outside this worker's (%d slots, %d blocks), or one of them twice; it fails (a load "
+                         "is recomputed). Please "
                          "report the model and its parallel configuration",
                          job.direction, job.job_id, job.req_id, n, blocks)
         return False
+
+    @staticmethod
+    def _targets_distinct(job: TransferJob) -> bool:
+        """Whether no copy of the job writes where another of it does: a load's device blocks (one
+        block pool serves every group, and groups may share a layer's tensor), a store's host slot
+        pieces (per group). Two copies to one place leave whichever landed last: wrong KV."""
+        if job.direction == LOAD:
+            targets = [b for p in job.groups for b in p.block_ids]
+            return len(set(targets)) == len(targets)
+        return all(len(set(zip(p.slots, p.subs))) == len(p.slots) for p in job.groups)
 
     def _touches_lost_slot(self, job: TransferJob) -> bool:
         return bool(self.lost_slots) and any(

@@ -439,9 +439,18 @@ def test_a_job_addressing_slots_past_the_host_buffer_fails_without_copying(caplo
         worker.start_load_kv(KVScopeMetadata(loads=[TransferJob(8, "h", LOAD, [GroupTransfer(0, [2, 3, 4], [1, 1], [0, 1])])]))
         worker.start_load_kv(KVScopeMetadata(loads=[TransferJob(9, "i", LOAD, [GroupTransfer(0, [2], [1], [])])]))
         worker.start_load_kv(KVScopeMetadata(loads=[TransferJob(10, "j", LOAD, [GroupTransfer(5, [2], [1], [0])])]))
+        # two copies to one place: a device block (one block pool serves both groups), a slot piece
+        worker.start_load_kv(KVScopeMetadata(loads=[TransferJob(11, "k", LOAD, [GroupTransfer(0, [5], [3], [0]),
+                                                                                 GroupTransfer(1, [5], [3], [0])])]))
+        worker.wait_for_save(KVScopeMetadata(stores=[TransferJob(12, "l", STORE, [GroupTransfer(0, [5, 6], [3, 3], [1, 1])])]))
+        # the same slot piece in two groups, distinct blocks: well formed
+        worker.start_load_kv(KVScopeMetadata(loads=[TransferJob(13, "m", LOAD, [GroupTransfer(0, [5], [3], [0]),
+                                                                                 GroupTransfer(1, [6], [3], [0])])]))
     meta = worker.build_worker_meta()
-    assert meta.failed_jobs == {1: 1, 2: 1, 4: 1, 5: 1, 6: 1, 7: 1, 8: 1, 9: 1, 10: 1} and meta.completed_jobs == {3: 1}
-    assert worker.transfer_results() == ({"b", "f", "g", "h", "i", "j"}, {"b", "f", "g", "h", "i", "j"})
+    assert meta.failed_jobs == {1: 1, 2: 1, 4: 1, 5: 1, 6: 1, 7: 1, 8: 1, 9: 1, 10: 1, 11: 1, 12: 1}
+    assert meta.completed_jobs == {3: 1, 13: 1}
+    failed_loads = {"b", "f", "g", "h", "i", "j", "k"}
+    assert worker.transfer_results() == (failed_loads | {"m"}, failed_loads)
     assert torch.equal(_block_bytes(t0, 2), before)
     assert sum("outside this worker's (4 slots" in r.getMessage() for r in caplog.records) == 1  # said once
 
