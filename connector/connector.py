@@ -203,8 +203,12 @@ class KVScopeConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker.wait_for_save(self._get_connector_metadata())
 
     def get_finished(self, finished_req_ids: set[str]):
-        done, _ = self._worker.transfer_results()
-        return None, (done or None)
+        # vLLM (0.32, 0.33) asks `get_transfer_results`. This older form cannot say a load failed:
+        # a caller of it would compute on blocks that were never loaded. Refused, not answered.
+        raise NotImplementedError(
+            "KVScopeConnector reports transfers through get_transfer_results (with failed loads); "
+            "get_finished cannot carry a failed load, so a caller of it would use KV that was never "
+            "loaded. Call get_transfer_results instead")
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         done, failed = self._worker.transfer_results()

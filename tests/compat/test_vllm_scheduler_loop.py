@@ -322,6 +322,17 @@ def test_a_load_failing_on_one_worker_is_recomputed(model_path, runner):
     assert stats.connector.data["load_failures"] == sum(loaded_blocks_by_group(stats, failed).values())
 
 
+def test_the_older_get_finished_is_refused_since_it_cannot_say_a_load_failed(model_path):
+    """vLLM asks `get_transfer_results`; a wrapper still asking `get_finished` would take a failed
+    load for a finished one and compute on blocks never loaded: it gets a clear error instead."""
+    engine = ModelFreeEngine(model_path, {"cpu_bytes": 64 << 20, "block_size": 64}, window=WINDOW)
+    try:
+        with pytest.raises(NotImplementedError, match="get_transfer_results"):
+            engine.workers[0].get_finished(set())
+    finally:
+        engine.shutdown()
+
+
 @pytest.mark.parametrize("runner", ["v1", *V2_RUNNERS])
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_requests_aborted_while_loading_leak_nothing(model_path, async_scheduling, runner):
