@@ -85,6 +85,7 @@ class LoopStats:
     scheduled_ahead: int = 0  # steps scheduled while the previous one was still in flight
     drafts_rejected: int = 0  # draft tokens whose KV the forward wrote and the next step overwrote
     runner_corrections: int = 0  # forwards started before where vLLM counted (its drafts rejected)
+    zeroed_blocks: int = 0  # new blocks vLLM had the runner zero (`new_block_ids_to_zero`)
     # kvscope's stats as vLLM hands them to its stat loggers (`SchedulerStats.kv_connector_stats`),
     # rebuilt and summed the way the front end does
     connector: object | None = None
@@ -137,6 +138,7 @@ class ModelFreeEngine:
         from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
         from vllm.v1.core.sched.async_scheduler import AsyncScheduler
         from vllm.v1.core.sched.scheduler import Scheduler
+        from vllm.v1.kv_cache_interface import MambaSpec
         from vllm.v1.structured_output import StructuredOutputManager
 
         args = EngineArgs(
@@ -175,6 +177,8 @@ class ModelFreeEngine:
             cache.prefix_cache_retention_interval = mamba.retention
             self.kv_cache_config.prefix_cache_retention_interval = mamba.retention
         self.group_layers = [g.layer_names for g in self.kv_cache_config.kv_cache_groups]
+        self._attention_layers = [name for g in self.kv_cache_config.kv_cache_groups
+                                  if not isinstance(g.kv_cache_spec, MambaSpec) for name in g.layer_names]
         if runner not in RUNNERS:
             raise ValueError(f"runner={runner!r}: accepted are {', '.join(RUNNERS)}")
         self.runner = runner
@@ -273,7 +277,7 @@ class ModelFreeEngine:
                 kv_outputs.append(self._execute_v2(rank, out, forwards))
                 continue
             worker.handle_preemptions(out.kv_connector_metadata)  # first in the V1 runner's execute_model
-            self._copy_blocks(rank, out)  # `_update_states`, before the forward
+            self._zero_and_copy_blocks(rank, out)  # `_update_states`, before the forward
             with _as_transfer_group(worker), set_forward_context(None, self.vllm_config), \
                     KVConnectorModelRunnerMixin._get_kv_connector_output(out) as kv_output:
                 self._forward_all(rank, forwards)
@@ -338,9 +342,17 @@ class ModelFreeEngine:
         chain, tokens = self._chains.setdefault(req_id, []), self.tokens[req_id]
         return _extend_chain(chain, tokens[len(chain):])
 
-    def _copy_blocks(self, rank: int, out) -> None:
-        """vLLM's copy-on-write block copies (`kv_cache_block_copies`: a partial prefix-cache hit's
-        shared last block given to the request as a private copy), whole blocks of every layer."""
+    def _zero_and_copy_blocks(self, rank: int, out) -> None:
+        """What vLLM's runners do to blocks before the forward, in their order: zero the new blocks it
+        names (`new_block_ids_to_zero`: with Mamba or mixed-precision caches; in attention layers
+        only, `KVBlockZeroer`), then the copy-on-write block copies (`kv_cache_block_copies`: a
+        partial prefix-cache hit's shared last block given to the request as a private copy), whole
+        blocks of every layer. A store still to read a zeroed block would put zeros in the host tier."""
+        zero = getattr(out, "new_block_ids_to_zero", None)
+        if zero:
+            self.stats.zeroed_blocks += len(zero)
+            for name in self._attention_layers:
+                self.words[rank][name][zero] = 0
         for copy in getattr(out, "kv_cache_block_copies", None) or ():
             for words in self.words[rank].values():
                 words[copy.dst_block_id] = words[copy.src_block_id]
@@ -362,7 +374,7 @@ class ModelFreeEngine:
         with _as_transfer_group(self.workers[rank]):
             if out.total_num_scheduled_tokens == 0:
                 return glue.no_forward(out).kv_connector_output
-            self._copy_blocks(rank, out)  # `update_requests`, before `pre_forward`
+            self._zero_and_copy_blocks(rank, out)  # `update_requests`, before `pre_forward`
             with set_forward_context(None, self.vllm_config):
                 glue.pre_forward(out)
                 self._forward_all(rank, forwards)

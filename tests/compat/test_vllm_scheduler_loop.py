@@ -636,10 +636,36 @@ def test_late_reading_stores_with_speculative_decoding(model_path, async_schedul
     assert 0 < fences < stats.steps / 4, (fences, stats.steps)
 
 
+@pytest.mark.parametrize("runner, fence, enough", [("v1", FENCE_AT_NEXT_STEP, True), ("v2", FENCE_AT_ONCE, True),
+                                                   ("v2", FENCE_WHEN_REUSED, False)],
+                         ids=["v1-next-step", "v2-at-once", "v2-when-reused-negative-control"])
+def test_late_reading_stores_beside_a_mamba_group_whose_new_blocks_vllm_zeroes(model_path, monkeypatch, runner,
+                                                                                fence, enough):
+    """With a Mamba group vLLM zeroes every new attention block before the forward: V1 after
+    `handle_preemptions` (where a step's fence lands), V2 before it. So V2 must fence its stores
+    at once (`connector._store_fence`). Fenced only in a step that gives a store's block out again
+    (right without zeroing), the block is zeroed before the late store reads it, and turn 2 loads
+    zeros: the negative control, which also shows the zeroing is emulated."""
+    from connector import connector as connector_module
+    from tests.compat.model_free import MambaAlign
+
+    engine = ModelFreeEngine(model_path, {"cpu_bytes": 64 << 20, "block_size": 16}, window=WINDOW, num_blocks=100,
+                             max_num_batched_tokens=100, runner=runner, mamba=MambaAlign(16, 16))
+    # vLLM's config names the V1 runner here (its V2 needs Triton); the loop drives the runner asked for
+    monkeypatch.setattr(connector_module, "_uses_v2_model_runner", lambda config: runner == "v2")
+    assert (connector_module._store_fence(engine.vllm_config, engine.kv_cache_config) == fence) == enough
+    _read_stores_late(engine, fence)
+    turn2_hits, _ = _two_turns(engine, 16)
+    stats = engine.stats
+    assert stats.zeroed_blocks and stats.resumed and turn2_hits
+    if enough:
+        _assert_no_violations(stats)
+    else:
+        assert stats.violations
+
+
 def _late_reading_rounds(model_path, async_scheduling: bool, runner: str, fence: str | None,
                          flag_reuse: bool = True, spec_tokens: int = 0):
-    from tests.compat.model_free import LateReadingStores
-
     # 150 device blocks, 100-token steps, 200 tokens decoded: vLLM preempts, and the window frees
     # blocks, while stores read 10 steps late (a stress: a DMA's lag is within a step or two)
     engine = ModelFreeEngine(model_path, {"cpu_bytes": 64 << 20, "block_size": 64}, window=WINDOW,
@@ -647,6 +673,26 @@ def _late_reading_rounds(model_path, async_scheduling: bool, runner: str, fence:
                              runner=runner, spec_tokens=spec_tokens)
     if not flag_reuse:
         engine.scheduler.get_kv_connector()._scheduler._sources_reallocated = lambda out: False
+    fences = _read_stores_late(engine, fence)
+    try:
+        prompts = _prompts()
+        for j, prompt in enumerate(prompts):
+            engine.add(f"r0-{j}", prompt, max_tokens=200)
+        engine.run()
+        engine.reset_device_prefix_cache()
+        for j, prompt in enumerate(prompts):
+            engine.add(f"r1-{j}", prompt, max_tokens=200)
+        engine.run()
+    finally:
+        engine.shutdown()
+    return engine.stats, fences[0]
+
+
+def _read_stores_late(engine: ModelFreeEngine, fence: str | None) -> list[int]:
+    """Every worker's stores read the device 10 steps late (`LateReadingStores`), fenced at ``fence``
+    (None: never, and loads do not wait for stores either). Returns the fence count, a 1-list."""
+    from tests.compat.model_free import LateReadingStores
+
     fences = [0]
     for connector in engine.workers:
         worker = connector._worker
@@ -663,18 +709,7 @@ def _late_reading_rounds(model_path, async_scheduling: bool, runner: str, fence:
         if fence is None:  # nor do loads wait for the stores
             worker.engine.load = lambda group, slots, subs, block_ids, late=late: late._copy(
                 group, slots, subs, block_ids, to_device=True)
-    try:
-        prompts = _prompts()
-        for j, prompt in enumerate(prompts):
-            engine.add(f"r0-{j}", prompt, max_tokens=200)
-        engine.run()
-        engine.reset_device_prefix_cache()
-        for j, prompt in enumerate(prompts):
-            engine.add(f"r1-{j}", prompt, max_tokens=200)
-        engine.run()
-    finally:
-        engine.shutdown()
-    return engine.stats, fences[0]
+    return fences
 
 
 @pytest.mark.parametrize("runner", ["v1", *V2_RUNNERS])
