@@ -283,7 +283,8 @@ _GKD = ("group", "kind", "direction")
 
 METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("kvscope_lookup_tokens_total", Counter, "lookup_tokens", (),
-               "Prompt tokens looked up in the kvscope host tier."),
+               "Prompt tokens looked up in the kvscope host tier: past vLLM's device prefix-cache hit rounded "
+               "down to a block, as vLLM asks (vLLM's external queries start after its whole hit)."),
     MetricSpec("kvscope_hit_tokens_total", Counter, "hit_tokens", (),
                "Looked-up tokens found in the kvscope host tier (never more than the looked-up tokens)."),
     MetricSpec("kvscope_scan_blocks_total", Counter, "scan_blocks", _GK,
@@ -293,11 +294,12 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("kvscope_loaded_blocks_total", Counter, "loaded_blocks", _GK,
                "Blocks loaded from the host tier into device KV cache, per group."),
     MetricSpec("kvscope_load_bytes_total", Counter, "load_bytes", _GK,
-               "Bytes loaded from the host tier into device KV cache, per group, summed over the engine's "
-               "workers (each copies its own share)."),
+               "Bytes copied from the host tier into device KV cache, per group, summed over the engine's "
+               "workers (each copies its own share); also a worker's copies of a load that failed on another "
+               "worker or whose request was aborted (kvscope_loaded_blocks_total counts neither)."),
     MetricSpec("kvscope_store_bytes_total", Counter, "store_bytes", _GK,
-               "Bytes stored from device KV cache into the host tier, per group, summed over the engine's "
-               "workers (each copies its own share)."),
+               "Bytes copied from device KV cache into the host tier, per group, summed over the engine's "
+               "workers (each copies its own share); also stores dropped afterwards (a failed copy, a reset)."),
     MetricSpec("kvscope_scan_duration_seconds", Histogram, "scan_duration_s", _GK,
                "Time to scan one group while planning a load.", SCAN_BUCKETS_S),
     MetricSpec("kvscope_copy_duration_seconds", Histogram, "copy_duration_s", _GKD,
