@@ -190,6 +190,8 @@ class KVScopeScheduler:
             # and a Mamba group would then get the state of another token count.
             logger.error("kvscope: request %s asks for %d external tokens, its lookup found %d; its load "
                          "fails and vLLM recomputes", req_id, num_external_tokens, lookup.external_tokens)
+            if lookup_record is not None:  # no load record carries it: the lookup span stands alone
+                self._end_lookup_span(state, req_id, lookup_record)
             self._fail_load_at_plan(state, req_id, num_external_tokens)
             return
         self._plan_load(state, request, blocks.get_block_ids(), lookup.local_tokens, num_external_tokens,
@@ -222,6 +224,13 @@ class KVScopeScheduler:
             return None
         return (span.span_id, span.parent_span_id, span.parent_is_remote, span.start_time, lookup.end_ns,
                 queried, hit)
+
+    def _end_lookup_span(self, state, req_id: str, lookup_record: tuple) -> None:
+        """Record the lookup part of a load's record (`_lookup_span`) as a span of its own."""
+        span_id, parent_id, parent_remote, start, end, queried, hit = lookup_record
+        trace = state.trace_context  # the lookup span itself, or its upstream parent: one trace, one state
+        self.tracing.end_span(LOOKUP_SPAN, SpanRef(trace.trace_id, span_id, parent_id, parent_remote,
+                                                   trace.trace_state, start), end, (req_id, queried, hit))
 
     def _plan_load(self, state, request, group_block_ids, local: int, external: int,
                    lookup_record: tuple | None = None) -> None:

@@ -327,3 +327,27 @@ def test_ids_do_not_repeat_when_python_random_is_seeded():
         span.end()
         ids.append(exporter.get_finished_spans()[0].context.trace_id)
     assert ids[0] != ids[1]
+
+
+def test_a_load_failed_at_planning_still_records_its_lookup_span_with_the_metrics_counts():
+    """A load of part of a hit fails whole before any load record exists: the lookup it came from
+    is still a span (in the request's upstream trace, or rooting its own), counted as the metrics count it."""
+    upstream = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    for headers in (None, {"traceparent": upstream}):
+        tracing, exporter = in_memory_tracing()
+        sched = make_scheduler(tracing)
+        request = make_request("r1", 200, headers)
+        store_everything(sched, request)
+        external, _ = sched.get_num_new_matched_tokens(request, 0)
+        sched.update_state_after_alloc(request, blocks_for(200)[0], external - B)  # part of the hit
+        tracing.force_flush()
+        (lookup,) = exporter.get_finished_spans()
+        assert lookup.name == "kvscope.lookup"
+        assert _attrs(lookup) == {"kvscope.request.id": "r1", "kvscope.tokens.queried": 200,
+                                  "kvscope.tokens.hit": external - B}
+        assert sched.take_stats().data["lookup_tokens"] == 200
+        if headers:
+            assert f"{lookup.context.trace_id:032x}" == upstream.split("-")[1]
+            assert lookup.parent.span_id == int(upstream.split("-")[2], 16) and lookup.parent.is_remote
+        else:
+            assert lookup.parent is None
