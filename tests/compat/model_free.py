@@ -416,11 +416,15 @@ class ModelFreeEngine:
 
     def host_tier_leaks(self) -> list[str]:
         """What the connector still holds once every request is done: pinned or never completed
-        host entries, transfer jobs without their reports. Empty when nothing leaked."""
+        host entries, transfer jobs without their reports, state of requests vLLM let go of.
+        Empty when nothing leaked."""
         sched = self.scheduler.get_kv_connector()._scheduler
         leaks = [f"{key}: pins={e.pins} ready={e.ready}" for key, e in sched.index._entries.items()
                  if e.pins or not e.ready]
-        return leaks + [f"job {job_id}: {job.direction} of {job.req_id}" for job_id, job in sched._jobs.items()]
+        leaks += [f"job {job_id}: {job.direction} of {job.req_id}" for job_id, job in sched._jobs.items()]
+        # nor per-request state of a request vLLM has let go of (a server runs for months)
+        gone = [r for r in (*sched._requests, *sched._lookups) if r not in self.scheduler.requests]
+        return leaks + [f"state of finished request {r}" for r in gone]
 
     def reset_device_prefix_cache(self) -> None:
         assert self.scheduler.reset_prefix_cache(), "vLLM refused to reset its prefix cache"

@@ -336,11 +336,24 @@ def _engine(config: dict):
                              workers=config["workers"], async_scheduling=config["async_scheduling"],
                              runner=config["runner"], **options)
     if "late" in config:
+        fence = _cuda_store_fence(engine, config["runner"])
         for connector in engine.workers:
             late = LateReadingStores(connector._worker.engine, steps=config["late"]["store_steps"],
                                      load_steps=config["late"]["load_steps"])
             engine.after_step.append(late.tick)
+            connector._worker.store_fence = fence  # copies that land late are CUDA's: so is their fence
     return engine
+
+
+def _cuda_store_fence(engine, runner: str) -> str:
+    """Where a CUDA worker would fence its stores under this runner and these caches
+    (`connector._store_fence`; vLLM's config here names the V1 runner, its V2 needing Triton)."""
+    from unittest import mock
+
+    from connector import connector as connector_module
+
+    with mock.patch.object(connector_module, "_uses_v2_model_runner", return_value=runner != "v1"):
+        return connector_module._store_fence(engine.vllm_config, engine.kv_cache_config)
 
 
 def _vllm_mamba_align(config: dict, engine) -> bool:
