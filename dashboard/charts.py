@@ -116,7 +116,7 @@ def replay_hit_rate(timeline: pd.DataFrame, step: int) -> alt.Chart:
             x=x,
             y=alt.Y("cum_hit_rate:Q", title="cumulative token hit rate", axis=alt.Axis(format="%"),
                     scale=alt.Scale(domain=[0, 1])),
-            tooltip=["step:Q", "request_id:N", alt.Tooltip("cum_hit_rate:Q", title="hit rate", format=".1%")],
+            tooltip=["step:Q", "request:N", alt.Tooltip("cum_hit_rate:Q", title="hit rate", format=".1%")],
         )
     )
     return line.properties(height=220)

@@ -35,3 +35,27 @@ def data_size(n_bytes) -> str:
 
 def count(n) -> str:
     return MISSING if _missing(n) else f"{int(n):,}"
+
+
+def duration(seconds) -> str:
+    """A span of time in the units that read best: "850 ms", "42.5 s", "3 min 5 s", "3 h 2 min", "1.1 d"."""
+    if _missing(seconds):
+        return MISSING
+    s = float(seconds)
+    if abs(s) < 1:
+        return f"{s * 1e3:.3g} ms"
+    if abs(s) < 60:
+        return f"{s:.1f} s"
+    whole = round(s)
+    if whole < 3600:
+        return f"{whole // 60} min {whole % 60} s"
+    if whole < 86400:
+        return f"{whole // 3600} h {whole % 3600 // 60} min"
+    return f"{s / 86400:.1f} d"
+
+
+def names(values, limit: int = 5) -> str:
+    """The first `limit` values, comma-separated, then how many more: "a, b, c and 4 more"."""
+    values = [str(v) for v in values]
+    more = f" and {len(values) - limit} more" if len(values) > limit else ""
+    return ", ".join(values[:limit]) + more

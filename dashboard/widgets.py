@@ -7,6 +7,8 @@ import streamlit as st
 
 from dashboard import charts, formatting, traces
 
+OPEN_REQUEST = "open_request"  # session state: (trace id, request id) for the Requests page to show
+
 WATERFALL_TABLE_COLUMNS = {
     "row": st.column_config.TextColumn("span"),
     "start_ms": st.column_config.NumberColumn("start (ms)", format="%.3f"),
@@ -21,23 +23,27 @@ def read_problems(read: traces.Traces) -> None:
     """A warning with the lines the reader skipped, by file and line number."""
     if not read.problems:
         return
-    spans = sum(p.spans for p in read.problems)
+    spans = sum(p.spans or 0 for p in read.problems)
+    unknown = sum(1 for p in read.problems if p.spans is None)
     lines = sum(1 for p in read.problems if p.line)
+    skipped = f"{spans} kvscope span(s) skipped"
+    if unknown:  # a line that does not parse (or a file not read) held how many? nobody can tell
+        skipped += f", and an unknown number in {unknown} line(s) or file(s) that could not be read"
     st.warning(
-        f"{len(read.problems)} problem(s) while reading the trace files ({lines} line(s), "
-        f"{spans} kvscope span(s) skipped): {traces.problem_lines(read.problems)}. Everything else is shown.",
+        f"{len(read.problems)} problem(s) while reading the trace files ({lines} line(s), {skipped}): "
+        f"{traces.problem_lines(read.problems)}. Everything else is shown.",
         icon=":material/warning:",
     )
     with st.expander("Skipped lines and spans"):
-        st.dataframe(traces.problems_frame(read.problems), hide_index=True, width="stretch",
+        st.dataframe(traces.problems_frame(read.problems), hide_index=True, width="stretch", placeholder="unknown",
                      column_config={"reason": st.column_config.TextColumn("reason", width="large")})
 
 
-def request_waterfall(spans: pd.DataFrame, requests: pd.DataFrame, request_id: str, *, key: str) -> None:
+def request_waterfall(spans: pd.DataFrame, requests: pd.DataFrame, request: pd.Series, *, key: str) -> None:
     """One request's spans on a shared time axis, then the same spans as a table with attributes."""
-    rows = traces.waterfall_rows(spans, requests, request_id)
+    rows = traces.waterfall_rows(spans, requests, request["request_id"], request["trace_id"])
     if rows.empty:
-        st.info(f"No kvscope spans for request {request_id}.")
+        st.info(f"No kvscope spans for request {request['request']}.")
         return
     st.altair_chart(charts.waterfall(rows), width="stretch", key=f"{key}_chart")
     st.dataframe(rows[list(WATERFALL_TABLE_COLUMNS)], column_config=WATERFALL_TABLE_COLUMNS, hide_index=True,
@@ -52,6 +58,12 @@ def request_numbers(request: pd.Series) -> None:
     cols[1].metric("Request hit rate", formatting.percent(request["hit_rate"]))
     cols[2].metric("Load time", formatting.millis(request["load_ms"]), help=traces.LOAD_TIME_DEFINITION)
     cols[3].metric("Loaded from host", formatting.data_size(request["bytes_loaded"]))
+    if request["loads"] and pd.isna(request["bytes_loaded"]):
+        st.warning("No copy span of its load was recorded (worker trace file missing or cut short?): its load "
+                   "time and bytes are unknown.", icon=":material/warning:")
+    elif request["load_mistimed"]:
+        st.warning("A copy span of its load ends before it starts or starts before the load (timed on another "
+                   "clock?): its load time is left out.", icon=":material/warning:")
     if request["load_failed"]:
         st.error("A load of this request failed on a worker (copy span with status ERROR): vLLM recomputed "
                  "its tokens instead. " + traces.LOAD_FAILED_DEFINITION, icon=":material/error:")

@@ -42,7 +42,10 @@ from dashboard.traces.request_table import (
     LOAD_FAILED_DEFINITION,
     LOAD_TIME_DEFINITION,
     REQUEST_COLUMNS,
+    REQUEST_FILTERS,
+    find_request,
     load_rows,
+    request_labels,
     requests_table,
     search_requests,
 )
@@ -52,6 +55,7 @@ from dashboard.traces.schema import (
     GROUP_KINDS,
     LOAD,
     LOOKUP,
+    REQUEST_KEY,
     SCAN,
     SCOPE_NAME,
     SPAN_COLUMNS,
@@ -63,11 +67,12 @@ from dashboard.traces.waterfall import waterfall_rows
 
 __all__ = [
     "ATTRIBUTE_COLUMNS", "COPY", "GROUP_KINDS", "HIT_RATE_DEFINITION", "LOAD", "LOAD_FAILED_DEFINITION",
-    "LOAD_TIME_DEFINITION", "LOOKUP", "REPLAY_COLUMNS", "REPLAY_DEFINITION", "REQUEST_COLUMNS", "SCAN", "SCOPE_NAME",
+    "LOAD_TIME_DEFINITION", "LOOKUP", "REPLAY_COLUMNS", "REPLAY_DEFINITION", "REQUEST_COLUMNS", "REQUEST_FILTERS",
+    "REQUEST_KEY", "SCAN", "SCOPE_NAME",
     "SPAN_COLUMNS", "SPAN_NAMES", "STORE", "DecodedSpans", "Problem", "TraceSource", "Traces", "copy_throughput",
-    "decode_lines", "decode_spans", "group_label", "group_summary", "hit_rate", "hit_rate_by_group",
+    "decode_lines", "decode_spans", "find_request", "group_label", "group_summary", "hit_rate",
     "hit_rate_over_time", "load_latency_distribution", "load_rows", "load_latency_quantiles", "null_skip_by_group",
     "overview_numbers", "pick_bucket_seconds", "problem_lines", "problems_frame", "read_trace_files",
-    "replay_state", "replay_timeline", "requests_table", "search_requests", "supported_version", "top_slow_loads",
+    "replay_state", "replay_timeline", "request_labels", "requests_table", "search_requests", "supported_version", "top_slow_loads",
     "unsupported_version_reason", "waterfall_rows",
 ]

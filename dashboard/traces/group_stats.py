@@ -54,7 +54,7 @@ def load_latency_quantiles(spans: pd.DataFrame, requests: pd.DataFrame) -> pd.Da
     """p50/p95/p99 (linear interpolation) of request load time, then of load copies per group."""
     rows = [{"scope": "request load (all groups)", "group_index": pd.NA, "group_kind": "",
              **_quantile_row(requests["load_ms"])}]
-    copies = copies_of(spans, "load")
+    copies = copies_of(spans, "load", timed=True)
     if not copies.empty:
         for (index, kind), grp in _observed_groupby(copies, GROUP_KEYS):
             rows.append({"scope": f"copy {group_label(index, kind)}", "group_index": index,
@@ -66,7 +66,7 @@ def load_latency_quantiles(spans: pd.DataFrame, requests: pd.DataFrame) -> pd.Da
 def load_latency_distribution(spans: pd.DataFrame, requests: pd.DataFrame) -> pd.DataFrame:
     """Long table (series, ms): request load times and load-copy durations per group."""
     parts = [pd.DataFrame({"series": "request load", "ms": requests["load_ms"].dropna().astype(float)})]
-    copies = copies_of(spans, "load")
+    copies = copies_of(spans, "load", timed=True)
     if not copies.empty:
         labels = "copy g" + copies["group_index"].astype(str) + " " + copies["group_kind"].astype(str)
         parts.append(pd.DataFrame({"series": labels, "ms": copies["duration_ms"].astype(float)}))
@@ -76,18 +76,21 @@ def load_latency_distribution(spans: pd.DataFrame, requests: pd.DataFrame) -> pd
 def copy_throughput(spans: pd.DataFrame) -> pd.DataFrame:
     """Per group and direction: copies, bytes, summed copy time and throughput.
 
-    `gb_per_s` is Σ bytes / Σ copy seconds (1 GB = 1e9 bytes); `p50_gb_per_s` is the median of the
-    per-copy throughputs.
+    `gb_per_s` is Σ bytes / Σ copy seconds (1 GB = 1e9 bytes) and `p50_gb_per_s` the median of the
+    per-copy throughputs, both over the copies timed on a trusted clock (`clock_ok`); copies and bytes
+    count them all.
     """
     cols = [*GROUP_KEYS, "direction", "copies", "blocks", "bytes", "copy_seconds", "gb_per_s", "p50_gb_per_s"]
     copies = copies_of(spans)
     if copies.empty:
         return pd.DataFrame(columns=cols)
+    timed = copies["clock_ok"]
     copies = copies.assign(
         direction=copies["copy_direction"].astype(str),
-        seconds=copies["duration_ms"] / 1e3,
+        seconds=(copies["duration_ms"] / 1e3).where(timed),
+        timed_bytes=copies["copy_bytes"].astype(float).where(timed),
     )
-    per_copy = copies["copy_bytes"].astype(float) / copies["seconds"].where(copies["seconds"] > 0) / 1e9
+    per_copy = copies["timed_bytes"] / copies["seconds"].where(copies["seconds"] > 0) / 1e9
     copies = copies.assign(per_copy=per_copy)
     g = _observed_groupby(copies, [*GROUP_KEYS, "direction"])
     out = pd.DataFrame({
@@ -95,9 +98,10 @@ def copy_throughput(spans: pd.DataFrame) -> pd.DataFrame:
         "blocks": g["copy_blocks"].sum(),
         "bytes": g["copy_bytes"].sum(),
         "copy_seconds": g["seconds"].sum(),
+        "timed_bytes": g["timed_bytes"].sum(),
         "p50_gb_per_s": g["per_copy"].median(),
     })
-    out["gb_per_s"] = out["bytes"].astype(float) / out["copy_seconds"].where(out["copy_seconds"] > 0) / 1e9
+    out["gb_per_s"] = out["timed_bytes"] / out["copy_seconds"].where(out["copy_seconds"] > 0) / 1e9
     return out.reset_index()[cols]
 
 

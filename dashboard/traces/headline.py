@@ -8,6 +8,7 @@ import numpy as np
 import pandas as pd
 
 from dashboard.traces.hit_rates import hit_rate
+from dashboard.traces.request_table import load_rows
 from dashboard.traces.schema import copies_of
 
 
@@ -15,7 +16,7 @@ def top_slow_loads(requests: pd.DataFrame, n: int = 10) -> pd.DataFrame:
     """The `n` requests with the longest load time."""
     timed = requests[requests["load_ms"].notna()]
     return timed.nlargest(n, "load_ms")[
-        ["request_id", "t_s", "load_ms", "tokens_external", "bytes_loaded", "trace_id"]
+        ["request", "t_s", "load_ms", "tokens_external", "bytes_loaded", "request_id", "trace_id"]
     ].reset_index(drop=True)
 
 
@@ -25,6 +26,7 @@ def overview_numbers(requests: pd.DataFrame, spans: pd.DataFrame) -> dict[str, f
     q = np.percentile(load_ms, [50, 95, 99]) if len(load_ms) else [math.nan] * 3
     copies = copies_of(spans)
     by_dir = copies.groupby(copies["copy_direction"].astype(str))["copy_bytes"].sum()
+    loads = load_rows(spans)
     start = spans["start_ns"].min() if len(spans) else 0
     end = spans["end_ns"].max() if len(spans) else 0
     return {
@@ -35,6 +37,8 @@ def overview_numbers(requests: pd.DataFrame, spans: pd.DataFrame) -> dict[str, f
         "tokens_hit": int(requests["tokens_hit"].sum()),
         "hit_rate": hit_rate(requests),
         "loads_timed": int(len(load_ms)),
+        "loads": int(len(loads)),
+        "loads_without_copies": int((loads["copies"] == 0).sum()),
         "load_p50_ms": float(q[0]),
         "load_p95_ms": float(q[1]),
         "load_p99_ms": float(q[2]),

@@ -9,8 +9,10 @@ import pandas as pd
 
 
 HIT_RATE_DEFINITION = (
-    "Token hit rate: Σ `tokens.hit` / Σ `tokens.queried` over requests, using each request's "
-    "last `kvscope.lookup` (a request looked up again while it waited is counted once)."
+    "Token hit rate: Σ `tokens.hit` / Σ `tokens.queried` over every `kvscope.lookup` span, as "
+    "`kvscope_hit_tokens_total` / `kvscope_lookup_tokens_total` count them: a request whose load failed "
+    "is looked up again (hit 0, it recomputes) and both lookups count; a request resumed after "
+    "preemption is not looked up again."
 )
 
 

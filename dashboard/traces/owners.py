@@ -10,6 +10,7 @@ rotated files, or the scheduler and worker writing apart). Shaping modules join 
 
 from __future__ import annotations
 
+import numpy as np
 import pandas as pd
 
 from dashboard.traces.schema import COPY, LOAD, SCAN, STORE
@@ -94,3 +95,18 @@ def _only_candidates(pairs: pd.DataFrame, prefer_same_request: bool = False) -> 
         pairs = pairs[~several | same_request]
         several = pairs["child"].duplicated(keep=False)
     return pairs.loc[~several].set_index("child")["span_key"]
+
+
+def starts_before_owner(spans: pd.DataFrame) -> np.ndarray:
+    """Which spans start before the load or store they belong to (`owner_key`).
+
+    A worker's copies run after the scheduler planned them: one that starts earlier was timed on
+    another clock (another host's, or a GPU clock mapped wrongly), and its load time would be wrong.
+    """
+    has_owner = spans["owner_key"].notna().to_numpy()
+    early = np.zeros(len(spans), dtype=bool)
+    if has_owner.any():
+        owner_at = pd.Index(spans["span_key"]).get_indexer(spans["owner_key"][has_owner].astype("int64"))
+        start = spans["start_ns"].to_numpy()
+        early[has_owner] = start[has_owner] < start[owner_at]
+    return early

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import gzip
 import json
 import os
 import re
@@ -27,7 +26,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from dashboard.traces.owners import owner_keys
+from dashboard.traces.owners import owner_keys, starts_before_owner
 from dashboard.traces.schema import (
     ALLOWED_VALUES,
     ATTRIBUTE_COLUMNS,
@@ -45,7 +44,7 @@ class Problem:
     file: str
     line: int
     reason: str
-    spans: int = 0  # kvscope spans skipped because of it
+    spans: int | None = 0  # kvscope spans skipped because of it; None: unknown (a line or file not read)
 
 
 @dataclass(frozen=True)
@@ -98,32 +97,40 @@ class DecodedSpans:
 def read_trace_files(sources: Iterable[str | os.PathLike[str] | TraceSource]) -> Traces:
     """Read trace files (paths, ``.gz`` allowed, or in-memory sources) into one span frame.
 
-    Never raises on bad input: unreadable files, lines that are not OTLP/JSON, spans without the
-    attributes their name requires, duplicate spans and unknown kvscope scope versions become
-    `Problem`s, and everything else loads.
+    Never raises on bad input: unreadable, empty or compressed-beyond-reach files, files of another
+    kind, lines that are not OTLP/JSON, spans without the attributes their name requires, duplicate
+    spans and unknown kvscope scope versions become `Problem`s, and everything else loads. A path
+    given twice (a folder and a file in it) is read once.
     """
     frames: list[pd.DataFrame] = []
     problems: list[Problem] = []
     files: list[str] = []
+    first_label: dict[Path, str] = {}
     lines = other = 0
     for source in sources:
         if isinstance(source, TraceSource):
             label, data = source.name, source.data
         else:
             label = os.fspath(source)
+            resolved = Path(label).resolve()
+            if resolved in first_label:
+                problems.append(Problem(label, 0, f"the same file as {first_label[resolved]}: read once"))
+                continue
+            first_label[resolved] = label
             try:
                 data = Path(label).read_bytes()
             except OSError as exc:
                 files.append(label)
-                problems.append(Problem(label, 0, f"cannot read file: {exc.strerror or exc}"))
+                problems.append(Problem(label, 0, f"cannot read file: {exc.strerror or exc}", spans=None))
                 continue
         files.append(label)
-        try:
-            data = _maybe_gunzip(data)
-        except (OSError, EOFError, zlib.error) as exc:
-            problems.append(Problem(label, 0, f"cannot decompress: {exc}"))
+        data, found = _trace_lines(label, data)
+        problems += found
+        if data is None:
             continue
         decoded = decode_spans(label, data)
+        if not decoded.lines and not found:
+            problems.append(Problem(label, 0, "empty file: it holds no lines"))
         frame, rejected = _validated_frame(decoded, label)
         frames.append(frame)
         problems += decoded.problems + rejected
@@ -133,6 +140,74 @@ def read_trace_files(sources: Iterable[str | os.PathLike[str] | TraceSource]) ->
     order = {name: i for i, name in enumerate(files)}
     problems = sorted(problems + duplicates, key=lambda p: (order.get(p.file, len(order)), p.line))
     return Traces(spans=spans, problems=problems, files=files, lines=lines, other_spans=other)
+
+
+_GZIP_MAGIC = b"\x1f\x8b"
+_ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+ZSTD_COMPRESSED = ("zstd-compressed (the Collector's file exporter with `compression: zstd`?): decompress it "
+                   "first (`zstd -d FILE`) and open the result")
+GZIP_CUT_SHORT = ("gzip stream ends early (is the file still being written?): the lines before the cut are read, "
+                  "the rest is unknown")
+EXPECTED_JSON_LINES = ("expected JSON Lines: one ExportTraceServiceRequest per line (a pretty-printed export can be "
+                       "converted with `jq -c . FILE`)")
+PROMETHEUS_TEXT = ("looks like Prometheus metrics (text exposition format), not a trace file: the Live page "
+                   "shows kvscope's metrics from a Prometheus server")
+_FIRST_LINE = re.compile(rb"\s*([^\n]*)")  # the first line that is not blank
+# The first line of Prometheus' text format: a HELP/TYPE comment, or a sample such as `name{label="x"} 1.5`.
+_PROMETHEUS_LINE = re.compile(rb"# (HELP|TYPE|EOF)\b|[a-zA-Z_:][a-zA-Z0-9_:]*(\{[^}]*\})? +[-+0-9.eEINFinfNa]+( +\d+)?$")
+
+
+def _trace_lines(label: str, data: bytes) -> tuple[bytes | None, list[Problem]]:
+    """A file's bytes as JSON lines, and what was wrong with the file as a whole; None: nothing to read.
+
+    Decompresses gzip (a stream cut short keeps its complete lines), recognizes zstd and Prometheus
+    text, and turns one JSON document over several lines (a pretty-printed export, or a list of
+    exports) into one line.
+    """
+    if data[:4] == _ZSTD_MAGIC:
+        return None, [Problem(label, 0, ZSTD_COMPRESSED, spans=None)]
+    problems = []
+    if data[:2] == _GZIP_MAGIC:
+        try:
+            data, cut_short = _gunzip(data)
+        except zlib.error as exc:
+            return None, [Problem(label, 0, f"cannot decompress: {exc}", spans=None)]
+        if cut_short:
+            problems.append(Problem(label, 0, GZIP_CUT_SHORT, spans=None))
+    first = _FIRST_LINE.match(data).group(1).strip()
+    if _PROMETHEUS_LINE.match(first):
+        return None, problems + [Problem(label, 0, PROMETHEUS_TEXT)]
+    if first[:1] in (b"{", b"[") and not _parses(first):  # then a whole document that parses spans lines
+        try:
+            document = json.loads(data)
+        except (ValueError, RecursionError):
+            pass
+        else:  # one JSON document over many lines: read it as one line
+            return json.dumps(document).encode(), problems
+        if first in (b"{", b"["):  # no JSON line starts so: a pretty-printed document, and a broken one
+            return None, problems + [Problem(label, 0, f"{EXPECTED_JSON_LINES}; as one JSON document it does "
+                                                        "not parse either", spans=None)]
+    return data, problems
+
+
+def _parses(line: bytes) -> bool:
+    try:
+        json.loads(line)
+    except (ValueError, RecursionError):
+        return False
+    return True
+
+
+def _gunzip(data: bytes) -> tuple[bytes, bool]:
+    """The bytes of every gzip member, and whether the last one ends early; zlib.error when corrupt."""
+    parts = []
+    while data:
+        member = zlib.decompressobj(wbits=16 + zlib.MAX_WBITS)  # 16: a gzip header and trailer
+        parts.append(member.decompress(data))
+        if not member.eof:
+            return b"".join(parts), True
+        data = member.unused_data.lstrip(b"\0")  # members can follow; padding with zeros can too
+    return b"".join(parts), False
 
 
 def decode_spans(label: str, data: bytes) -> DecodedSpans:
@@ -159,26 +234,25 @@ def problems_frame(problems: Sequence[Problem]) -> pd.DataFrame:
 
 
 def problem_lines(problems: Sequence[Problem], limit: int = 8) -> str:
-    """Where the problems are, briefly: "a.jsonl lines 3, 4, 10; b.jsonl (whole file)"."""
-    by_file: dict[str, list[int]] = {}
+    """Where the problems are, briefly: "a.jsonl lines 3, 4, 10; b.jsonl (cannot read file: No such file or
+    directory)": a problem with a whole file says what it is, as the file may hold nothing else."""
+    by_file: dict[str, tuple[list[int], list[str]]] = {}
     for p in problems:
-        by_file.setdefault(p.file, [])
-        if p.line and p.line not in by_file[p.file]:
-            by_file[p.file].append(p.line)
+        lines, reasons = by_file.setdefault(p.file, ([], []))
+        if p.line and p.line not in lines:
+            lines.append(p.line)
+        elif not p.line and p.reason not in reasons:
+            reasons.append(p.reason)
     parts = []
-    for file, lines in by_file.items():
+    for file, (lines, reasons) in by_file.items():
         name = Path(file).name if not file.startswith("upload: ") else file
-        if not lines:
-            parts.append(f"{name} (whole file)")
-            continue
-        shown = ", ".join(map(str, sorted(lines)[:limit]))
-        more = f" and {len(lines) - limit} more" if len(lines) > limit else ""
-        parts.append(f"{name} line{'s' if len(lines) > 1 else ''} {shown}{more}")
+        where = [f"({reason})" for reason in reasons]
+        if lines:
+            shown = ", ".join(map(str, sorted(lines)[:limit]))
+            more = f" and {len(lines) - limit} more" if len(lines) > limit else ""
+            where.append(f"line{'s' if len(lines) > 1 else ''} {shown}{more}")
+        parts.append(f"{name} {' '.join(where)}")
     return "; ".join(parts)
-
-
-def _maybe_gunzip(data: bytes) -> bytes:
-    return gzip.decompress(data) if data[:2] == b"\x1f\x8b" else data
 
 
 def _split_lines(data: bytes) -> list[bytes]:
@@ -209,36 +283,50 @@ def decode_lines(label: str, lines: Sequence[bytes]) -> DecodedSpans:
             doc = json.loads(raw)
         except ValueError as exc:
             if lineno == last:  # a writer appends whole lines: this one is not finished (or was cut)
-                problems.append(Problem(label, lineno, INCOMPLETE_LAST_LINE))
+                problems.append(Problem(label, lineno, INCOMPLETE_LAST_LINE, spans=None))
             elif isinstance(exc, json.JSONDecodeError):
-                problems.append(Problem(label, lineno, f"not JSON: {exc.msg} (column {exc.colno})"))
+                problems.append(Problem(label, lineno, f"not JSON: {exc.msg} (column {exc.colno})", spans=None))
             else:  # UnicodeDecodeError
-                problems.append(Problem(label, lineno, f"not UTF-8 text: {_short(exc)}"))
+                problems.append(Problem(label, lineno, f"not UTF-8 text: {_short(exc)}", spans=None))
             continue
         except RecursionError:
-            problems.append(Problem(label, lineno, "JSON nested too deeply to be an OTLP trace export"))
+            problems.append(Problem(label, lineno, "JSON nested too deeply to be an OTLP trace export", spans=None))
             continue
-        if not isinstance(doc, dict):
-            problems.append(Problem(label, lineno, f"expected a JSON object, got {type(doc).__name__}"))
+        exports = doc if isinstance(doc, list) else [doc]  # a list of exports: a whole-file JSON document
+        if not exports or not all(isinstance(export, dict) for export in exports):
+            got = _json_type(doc) if not isinstance(doc, list) else "an empty list" if not exports else \
+                f"a list holding {_json_type(next(e for e in exports if not isinstance(e, dict)))}"
+            problems.append(Problem(label, lineno, f"expected a JSON object (an ExportTraceServiceRequest), got {got}"))
             continue
-        resource_spans = doc.get("resourceSpans")
-        if resource_spans is None:
-            problems.append(Problem(label, lineno, not_a_trace_export_reason(doc)))
-            continue
-        try:
-            check_unicode = _SURROGATE_ESCAPE.search(raw) is not None
-            line_rows, line_other, line_problems = _parse_export(resource_spans, label, lineno, check_unicode)
-        except (AttributeError, TypeError, KeyError, ValueError) as exc:
-            problems.append(Problem(label, lineno, f"not an OTLP trace export: {_short(exc)}"))
-            continue
-        rows += line_rows
-        other += line_other
-        problems += line_problems
+        check_unicode = _SURROGATE_ESCAPE.search(raw) is not None
+        not_exports: Counter[str] = Counter()
+        bare_spans: Counter[str] = Counter()  # kvscope spans written without their export around them
+        for export in exports:
+            resource_spans = export.get("resourceSpans")
+            if resource_spans is None:
+                reason = not_a_trace_export_reason(export)
+                not_exports[reason] += 1
+                bare_spans[reason] += _is_kvscope(export)
+                continue
+            try:
+                line_rows, line_other, line_problems = _parse_export(resource_spans, label, lineno, check_unicode)
+            except (AttributeError, TypeError, KeyError, ValueError) as exc:
+                problems.append(Problem(label, lineno, f"not an OTLP trace export: {_short(exc)}", spans=None))
+                continue
+            rows += line_rows
+            other += line_other
+            problems += line_problems
+        for reason, n in not_exports.items():  # once per line: a list can hold thousands alike
+            problems.append(Problem(label, lineno, reason if n == 1 else f"{reason} ({n} entries of the list)",
+                                    spans=bare_spans[reason]))
     return _columns_from_rows(rows, problems, other, count)
 
 
 def not_a_trace_export_reason(doc: dict) -> str:
     other = [k for k in ("resourceMetrics", "resourceLogs") if doc.get(k) is not None]
+    if not other and "traceId" in doc and "spanId" in doc:
+        return ("no resourceSpans: a bare span, not a trace export (spans belong in "
+                "resourceSpans[].scopeSpans[].spans of an ExportTraceServiceRequest)")
     hint = f" (a {other[0]} export)" if other else ""
     return f"no resourceSpans: not a trace export{hint}"
 
@@ -257,24 +345,26 @@ def _parse_export(resource_spans: list, label: str, lineno: int,
     rows: list[tuple] = []
     other = 0
     bad: Counter[str] = Counter()
-    for rs in resource_spans:
+    for i, rs in enumerate(_list_at(resource_spans, "resourceSpans")):
+        rs = _object_at(rs, f"resourceSpans[{i}]")
         # "instrumentationLibrarySpans" is the pre-1.0 OTLP name some old Collectors still write.
-        for ss in rs.get("scopeSpans") or rs.get("instrumentationLibrarySpans") or ():
-            scope = ss.get("scope") or ss.get("instrumentationLibrary") or {}
-            spans = ss.get("spans") or []
-            if not isinstance(spans, list):
-                raise TypeError(f"spans is {type(spans).__name__}, not a list")
+        legacy = not rs.get("scopeSpans") and "instrumentationLibrarySpans" in rs
+        field = "instrumentationLibrarySpans" if legacy else "scopeSpans"
+        for j, ss in enumerate(_list_at(rs.get(field), f"resourceSpans[{i}].{field}")):
+            where = f"resourceSpans[{i}].{field}[{j}]"
+            ss = _object_at(ss, where)
+            scope = _object_at(ss.get("scope") or ss.get("instrumentationLibrary"), f"{where}.scope", optional=True)
+            spans = _list_at(ss.get("spans"), f"{where}.spans")
             if scope.get("name") == SCOPE_NAME and not supported_version(scope.get("version")):
                 n = sum(1 for s in spans if _is_kvscope(s))
                 other += len(spans) - n
                 bad[unsupported_version_reason(scope.get("version", ""))] += n
                 continue
             for sp in spans:
-                try:
-                    name = sp.get("name")
-                except AttributeError:  # not an object: only this entry is lost, not the line's other spans
+                if not isinstance(sp, dict):  # only this entry is lost, not the line's other spans
                     bad[f"an entry of spans is {_json_type(sp)}, not a span object"] += 1
                     continue
+                name = sp.get("name")
                 if not isinstance(name, str) or not name.startswith("kvscope."):
                     other += 1
                     continue
@@ -284,21 +374,22 @@ def _parse_export(resource_spans: list, label: str, lineno: int,
                     continue
                 try:
                     attrs = {}
-                    for a in sp.get("attributes") or ():
-                        for value in (a.get("value") or _UNSET).values():  # {"intValue": "128"}: the one entry
-                            break
-                        else:  # unset: OTLP/JSON writes {} or null, or leaves "value" out
-                            value = None
-                        attrs[a["key"]] = value
-                    status = sp.get("status")
+                    for a in _list_at(sp.get("attributes"), "attributes"):
+                        a = _object_at(a, "an entry of attributes")
+                        if "key" not in a:
+                            raise _Malformed("an attribute has no key")
+                        value = _object_at(a.get("value"), f"the value of attribute {a['key']!r}", optional=True)
+                        # {"intValue": "128"}: the one entry; unset: OTLP/JSON writes {} or null, or leaves it out
+                        attrs[a["key"]] = next(iter(value.values()), None)
+                    status = _object_at(sp.get("status"), "status", optional=True)
                     rows.append((
                         sp["traceId"],
                         sp["spanId"],
                         sp.get("parentSpanId") or "",
                         name,
-                        _unix_nanos(sp["startTimeUnixNano"]),
-                        _unix_nanos(sp["endTimeUnixNano"]),
-                        _status_code(status.get("code")) if status else 0,
+                        _unix_nanos(sp["startTimeUnixNano"], "startTimeUnixNano"),
+                        _unix_nanos(sp["endTimeUnixNano"], "endTimeUnixNano"),
+                        _status_code(status.get("code")),
                         attrs,
                         lineno,
                     ))
@@ -310,7 +401,26 @@ def _parse_export(resource_spans: list, label: str, lineno: int,
     return rows, other, problems
 
 
-_UNSET: dict = {}
+class _Malformed(ValueError):
+    """A part of an export is not of the shape OTLP/JSON gives it; the message names the part."""
+
+
+def _list_at(value: Any, where: str) -> list:
+    """`value` as a list (absent or null: empty), or _Malformed naming `where` and what it is instead."""
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise _Malformed(f"{where} is {_json_type(value)}, expected a list")
+    return value
+
+
+def _object_at(value: Any, where: str, optional: bool = False) -> dict:
+    """`value` as an object (`optional`: absent or null is an empty one), or _Malformed naming `where`."""
+    if value is None and optional:
+        return {}
+    if not isinstance(value, dict):
+        raise _Malformed(f"{where} is {_json_type(value)}, expected an object")
+    return value
 
 
 def _is_kvscope(sp: Any) -> bool:
@@ -322,8 +432,8 @@ def _json_type(value: Any) -> str:
         return "null"
     if isinstance(value, bool):
         return "true" if value else "false"
-    kind = {str: "string", int: "number", float: "number", list: "list"}.get(type(value), type(value).__name__)
-    return f"a {kind}"
+    return {str: "a string", int: "a number", float: "a number", list: "a list", dict: "an object"}.get(
+        type(value), f"a {type(value).__name__}")
 
 
 def _is_unicode(sp: dict) -> bool:
@@ -349,7 +459,10 @@ def _status_code(code: Any) -> int:
         if code not in _STATUS_CODES:
             raise ValueError(f"unknown status code {code!r}")
         return _STATUS_CODES[code]
-    value = int(code)
+    try:
+        value = int(code)
+    except (TypeError, ValueError, OverflowError):
+        raise ValueError(f"unknown status code {code!r}") from None
     if value not in _STATUS_CODES.values():
         raise ValueError(f"unknown status code {code!r}")
     return value
@@ -358,11 +471,14 @@ def _status_code(code: Any) -> int:
 _INT64_LIMIT = 1 << 63
 
 
-def _unix_nanos(value: Any) -> int:
+def _unix_nanos(value: Any, field: str) -> int:
     """A span time: an integer (or its decimal string, as OTLP/JSON writes it) of ns since the epoch."""
-    nanos = int(value)
+    try:
+        nanos = int(value)
+    except (TypeError, ValueError, OverflowError):
+        raise ValueError(f"{field} is {value!r}, expected an integer: nanoseconds since the epoch") from None
     if not 0 <= nanos < _INT64_LIMIT:
-        raise ValueError(f"time {value!r} is outside 0..2^63 ns")
+        raise ValueError(f"{field} {value!r} is outside 0..2^63 ns")
     return nanos
 
 
@@ -449,6 +565,7 @@ def _empty_spans() -> pd.DataFrame:
     frame["duration_ms"] = frame["duration_ms"].astype(float)
     frame["span_key"] = frame["span_key"].astype("int64")
     frame["owner_key"] = frame["owner_key"].astype("Int64")
+    frame["clock_ok"] = frame["clock_ok"].astype(bool)
     for col, is_int in ATTRIBUTE_COLUMNS.values():
         if is_int:
             frame[col] = frame[col].astype("Int64")
@@ -553,7 +670,23 @@ def _combine(frames: list[pd.DataFrame]) -> tuple[pd.DataFrame, list[Problem]]:
         frame[col] = frame[col].astype("category")
     frame["span_key"] = np.arange(len(frame), dtype=np.int64)
     frame["owner_key"] = owner_keys(frame)
+    problems += _clock_problems(frame)
     return frame[list(SPAN_COLUMNS)], problems
+
+
+ENDS_BEFORE_START = ("span ends before it starts (endTimeUnixNano < startTimeUnixNano); left out of durations "
+                     "and load times")
+STARTS_BEFORE_OWNER = ("copy or scan starts before the load or store it belongs to (timed on another clock?); left "
+                       "out of durations and load times")
+
+
+def _clock_problems(frame: pd.DataFrame) -> list[Problem]:
+    """Set `clock_ok` and report the spans whose times cannot be trusted (kept: their ids and bytes still count)."""
+    ends_early = (frame["end_ns"] < frame["start_ns"]).to_numpy()
+    early = starts_before_owner(frame) & ~ends_early
+    frame["clock_ok"] = ~(ends_early | early)
+    return (_problems_at(frame, ends_early, ENDS_BEFORE_START, skipped=False)
+            + _problems_at(frame, early, STARTS_BEFORE_OWNER, skipped=False))
 
 
 def _b64_id(value: str, width: int) -> str | None:

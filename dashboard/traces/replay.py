@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from dashboard.traces.schema import DIRECTIONS, PAST_TENSE, copies_of
+from dashboard.traces.schema import DIRECTIONS, PAST_TENSE, REQUEST_KEY, copies_of
 
 REPLAY_DEFINITION = (
     "Step i shows the state right before request i+1 arrives: hit rate over requests 1..i, and host "
@@ -15,7 +15,7 @@ REPLAY_DEFINITION = (
 )
 
 
-REPLAY_COLUMNS = ("step", "request_id", "t_s", "tokens_queried", "tokens_hit", "cum_tokens_queried",
+REPLAY_COLUMNS = ("step", "request", "request_id", "trace_id", "t_s", "tokens_queried", "tokens_hit", "cum_tokens_queried",
                   "cum_tokens_hit", "cum_hit_rate", "cum_bytes_loaded", "cum_bytes_stored")
 
 
@@ -23,10 +23,12 @@ def replay_timeline(requests: pd.DataFrame, spans: pd.DataFrame) -> pd.DataFrame
     """One row per request in arrival order with the cumulative state (see `REPLAY_DEFINITION`)."""
     if requests.empty:
         return pd.DataFrame(columns=list(REPLAY_COLUMNS))
-    reqs = requests.sort_values(["arrival_ns", "request_id"], kind="stable").reset_index(drop=True)
+    reqs = requests.sort_values(["arrival_ns", *REQUEST_KEY], kind="stable").reset_index(drop=True)
     out = pd.DataFrame({
         "step": np.arange(1, len(reqs) + 1),
+        "request": reqs["request"],
         "request_id": reqs["request_id"],
+        "trace_id": reqs["trace_id"],
         "t_s": reqs["t_s"],
         "tokens_queried": reqs["tokens_queried"],
         "tokens_hit": reqs["tokens_hit"],

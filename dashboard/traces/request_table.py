@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from dashboard.traces.schema import COPY, LOAD, LOOKUP, STATUS_ERROR, STORE
+from dashboard.traces.schema import COPY, LOAD, LOOKUP, REQUEST_KEY, STATUS_ERROR, STORE
 
 LOAD_TIME_DEFINITION = (
     "Load time of a load: from the start of its `kvscope.load` span to the end of the last "
@@ -12,7 +12,9 @@ LOAD_TIME_DEFINITION = (
     "looked for in the copy's own file first, then in the other files of its trace when only one load "
     "there has the parent's id and it is of the copy's request; or else the only load of its request "
     "in the same trace and file). Copy spans carry the measured copy interval. A request's load "
-    "time is the sum over its loads (a request resumed after preemption loads again) that did not fail."
+    "time is the sum over its loads (a request resumed after preemption loads again) that did not fail. "
+    "A load with no copy span (worker file missing or cut short?) or with one timed on another clock "
+    "(it ends before it starts, or starts before the load: listed with the problems) has none."
 )
 LOAD_FAILED_DEFINITION = (
     "A load failed when one of its copy spans has status ERROR (a worker could not load: vLLM "
@@ -21,6 +23,7 @@ LOAD_FAILED_DEFINITION = (
 
 
 REQUEST_COLUMNS = (
+    "request",
     "request_id",
     "trace_id",
     "arrival",
@@ -34,6 +37,7 @@ REQUEST_COLUMNS = (
     "load_ms",
     "loads",
     "load_failed",
+    "load_mistimed",
     "bytes_loaded",
     "bytes_stored",
     "lookups",
@@ -43,73 +47,88 @@ REQUEST_COLUMNS = (
 
 
 def requests_table(spans: pd.DataFrame) -> pd.DataFrame:
-    """One row per request id, in arrival order (first lookup, else its load).
+    """One row per request (trace id, request id: see `REQUEST_KEY`), in arrival order (first lookup, else its load).
 
-    Tokens queried/hit come from the request's last lookup; local/external/groups from its first
-    load (the one its hit planned); the load time (see `LOAD_TIME_DEFINITION`), the number of loads
-    and whether one failed (`LOAD_FAILED_DEFINITION`) over all its loads; bytes from the copies of
-    its loads and stores. Missing parts (no load for a miss, no copy spans recorded) are NA.
+    Tokens queried/hit are summed over the request's lookups (a load that failed is followed by a
+    second lookup, hit 0: both count, as in kvscope's and vLLM's counters); local/external/groups
+    come from its first load (the one its hit planned); the load time (see `LOAD_TIME_DEFINITION`),
+    the number of loads and whether one failed (`LOAD_FAILED_DEFINITION`) over all its loads; bytes
+    from the copies of its loads and stores. Missing parts (no load for a miss, no copy spans
+    recorded) are NA. `request` labels the row: the request id, with its trace id's first 8 digits
+    where the id is another request's too (two runs read together).
     """
-    lookups = spans[spans["name"] == LOOKUP].sort_values("start_ns", kind="stable")
+    lookups = spans[spans["name"] == LOOKUP]
     loads = spans[spans["name"] == LOAD].sort_values("start_ns", kind="stable")
     if lookups.empty and loads.empty:
         return _empty_requests()
 
-    last_lookup = lookups.drop_duplicates("request_id", keep="last").set_index("request_id")
-    first_lookup = lookups.groupby("request_id", sort=False)["start_ns"].min()
-    lookup_count = lookups.groupby("request_id", sort=False).size()
-    last_load = loads.drop_duplicates("request_id", keep="last").set_index("request_id")
-    first_load = loads.drop_duplicates("request_id", keep="first").set_index("request_id")
-
-    ids = pd.Index(last_lookup.index).append(pd.Index(last_load.index).difference(last_lookup.index))
+    by_lookup = lookups.groupby(REQUEST_KEY, sort=False)
+    first_load = loads.drop_duplicates(REQUEST_KEY, keep="first").set_index(REQUEST_KEY)
+    last_load = loads.drop_duplicates(REQUEST_KEY, keep="last").set_index(REQUEST_KEY)
+    ids = by_lookup.size().index.append(first_load.index.difference(by_lookup.size().index))
     out = pd.DataFrame(index=ids)
-    out.index.name = "request_id"
-    out["trace_id"] = last_load["trace_id"].reindex(ids).fillna(last_lookup["trace_id"].reindex(ids))
     # Nanosecond times stay integers: as float64 they would lose up to 256 ns.
-    out["arrival_ns"] = (first_lookup.astype("Int64").reindex(ids)
+    out["arrival_ns"] = (by_lookup["start_ns"].min().astype("Int64").reindex(ids)
                          .fillna(first_load["start_ns"].astype("Int64").reindex(ids)).astype("int64"))
     for col in ("tokens_queried", "tokens_hit"):
-        out[col] = last_lookup[col].reindex(ids)
+        out[col] = by_lookup[col].sum(min_count=1).reindex(ids)
     for col in ("tokens_local", "tokens_external", "groups"):
         out[col] = first_load[col].reindex(ids)
-    out["lookups"] = lookup_count.reindex(ids).fillna(0).astype("int64")
+    out["lookups"] = by_lookup.size().reindex(ids).fillna(0).astype("int64")
     out["load_span_id"] = last_load["span_id"].reindex(ids).fillna("")
 
-    per_load = load_rows(spans)
-    by_request = per_load.groupby("request_id", sort=False)
+    by_request = load_rows(spans).groupby(REQUEST_KEY, sort=False)
     out["loads"] = by_request.size().reindex(ids).fillna(0).astype("int64")
     out["load_failed"] = by_request["failed"].any().reindex(ids).fillna(False).astype(bool)
+    out["load_mistimed"] = by_request["mistimed"].any().reindex(ids).fillna(False).astype(bool)
     out["load_ms"] = by_request["load_ms"].sum(min_count=1).reindex(ids).astype(float)
     out["bytes_loaded"] = by_request["bytes"].sum(min_count=1).reindex(ids).astype("Int64")
-    copies = spans[spans["name"] == COPY]
-    stores = spans[spans["name"] == STORE].set_index("span_key")["request_id"]
-    store_bytes = copies[copies["copy_direction"] == "store"].groupby("owner_key")["copy_bytes"].sum()
-    stored_by_req = store_bytes.groupby(store_bytes.index.map(stores)).sum()
-    out["bytes_stored"] = stored_by_req.reindex(ids).astype("Int64")
+    out["bytes_stored"] = _bytes_stored(spans).reindex(ids).astype("Int64")
 
     queried = out["tokens_queried"].astype(float)
     out["hit_rate"] = out["tokens_hit"].astype(float) / queried.where(queried > 0)
     out["arrival"] = pd.to_datetime(out["arrival_ns"], unit="ns", utc=True)
     out["t_s"] = (out["arrival_ns"] - out["arrival_ns"].min()) / 1e9
-    out = out.reset_index().sort_values(["arrival_ns", "request_id"], kind="stable").reset_index(drop=True)
+    out = out.reset_index().sort_values(["arrival_ns", *REQUEST_KEY], kind="stable").reset_index(drop=True)
+    out["request"] = request_labels(out)
     return out[list(REQUEST_COLUMNS)]
 
 
+def request_labels(requests: pd.DataFrame) -> pd.Series:
+    """The request id, with " · trace " and the trace id's first 8 digits where another request has the same id."""
+    ids = requests["request_id"].astype(str)
+    repeated = ids.duplicated(keep=False)
+    return ids.where(~repeated, ids + " · trace " + requests["trace_id"].astype(str).str[:8])
+
+
+def _bytes_stored(spans: pd.DataFrame) -> pd.Series:
+    """Bytes of the store copies of each request's stores, by `REQUEST_KEY`."""
+    stores = spans.loc[spans["name"] == STORE, ["span_key", *REQUEST_KEY]]
+    copies = spans.loc[(spans["name"] == COPY) & (spans["copy_direction"] == "store"), ["owner_key", "copy_bytes"]]
+    joined = copies.dropna(subset=["owner_key"]).merge(stores, left_on="owner_key", right_on="span_key")
+    return joined.groupby(REQUEST_KEY)["copy_bytes"].sum()
+
+
 def load_rows(spans: pd.DataFrame) -> pd.DataFrame:
-    """One row per `kvscope.load` span: span_key, request_id, span_id, start_ns, load_ms (NA when no copy
-    of it was recorded, or it failed), bytes its copies moved, and whether it failed (`LOAD_FAILED_DEFINITION`)."""
-    loads = spans.loc[spans["name"] == LOAD, ["span_key", "request_id", "span_id", "start_ns"]].set_index("span_key")
+    """One row per `kvscope.load` span: span_key, trace_id, request_id, span_id, start_ns, load_ms (NA when
+    no copy of it was recorded, it failed, or one of its copies is timed on another clock: `mistimed`),
+    its load copies and the bytes they moved, and whether it failed (`LOAD_FAILED_DEFINITION`)."""
+    loads = spans.loc[spans["name"] == LOAD, ["span_key", *REQUEST_KEY, "span_id", "start_ns"]].set_index("span_key")
     copies = spans[(spans["name"] == COPY) & (spans["copy_direction"] == "load")].groupby("owner_key", sort=False)
     failed = copies["status_code"].max().reindex(loads.index).fillna(0) == STATUS_ERROR
+    mistimed = ~copies["clock_ok"].all().reindex(loads.index).fillna(True).astype(bool)
     end = copies["end_ns"].max().astype("Int64").reindex(loads.index)
-    load_ms = ((end - loads["start_ns"].astype("Int64")) / 1e6).astype(float).where(~failed)
+    load_ms = ((end - loads["start_ns"].astype("Int64")) / 1e6).astype(float).where(~failed & ~mistimed)
     return pd.DataFrame({
+        "trace_id": loads["trace_id"],
         "request_id": loads["request_id"],
         "span_id": loads["span_id"],
         "start_ns": loads["start_ns"],
         "load_ms": load_ms,
+        "copies": copies.size().reindex(loads.index).fillna(0).astype("int64"),
         "bytes": copies["copy_bytes"].sum().reindex(loads.index).astype("Int64"),
         "failed": failed.astype(bool),
+        "mistimed": mistimed,
     }).rename_axis("span_key").reset_index()
 
 
@@ -123,21 +142,42 @@ def _empty_requests() -> pd.DataFrame:
     frame["lookups"] = frame["lookups"].astype("int64")
     frame["loads"] = frame["loads"].astype("int64")
     frame["load_failed"] = frame["load_failed"].astype(bool)
+    frame["load_mistimed"] = frame["load_mistimed"].astype(bool)
     frame["arrival_ns"] = frame["arrival_ns"].astype("int64")
     frame["arrival"] = pd.to_datetime(frame["arrival_ns"], unit="ns", utc=True)
     return frame
 
 
-def search_requests(requests: pd.DataFrame, text: str, only_hits: bool = False) -> pd.DataFrame:
-    """Requests whose id or trace id contains `text` (case-insensitive); `only_hits`: those with a
-    hit or a load (a request resumed after preemption can load what it stored itself, with no hit)."""
+REQUEST_FILTERS = ("all", "hits or loads", "misses", "failed loads")
+
+
+def search_requests(requests: pd.DataFrame, text: str, only_hits: bool = False, show: str = "all") -> pd.DataFrame:
+    """Requests whose label, id or trace id contains `text` (case-insensitive), and of the kind `show` names
+    (`REQUEST_FILTERS`): "hits or loads" (a request resumed after preemption can load what it stored
+    itself, with no hit; `only_hits` says the same), "misses" (the others) or "failed loads"."""
     out = requests
     text = text.strip().lower()
     if text:
-        match = out["request_id"].str.lower().str.contains(text, regex=False) | out[
-            "trace_id"
-        ].str.contains(text, regex=False)
+        match = (out["request"].str.lower().str.contains(text, regex=False)
+                 | out["trace_id"].str.contains(text, regex=False))
         out = out[match]
     if only_hits:
-        out = out[(out["tokens_hit"].fillna(0) > 0) | (out["loads"] > 0)]
+        show = "hits or loads"
+    if show not in REQUEST_FILTERS:
+        raise ValueError(f"show={show!r}: expected one of {', '.join(REQUEST_FILTERS)}")
+    hit_or_load = (out["tokens_hit"].fillna(0) > 0) | (out["loads"] > 0)
+    if show == "hits or loads":
+        out = out[hit_or_load]
+    elif show == "misses":
+        out = out[~hit_or_load]
+    elif show == "failed loads":
+        out = out[out["load_failed"]]
     return out
+
+
+def find_request(requests: pd.DataFrame, trace_id: str, request_id: str) -> pd.Series:
+    """The row of the request (`trace_id`, `request_id`); KeyError when there is none."""
+    match = requests[(requests["trace_id"] == trace_id) & (requests["request_id"] == request_id)]
+    if match.empty:
+        raise KeyError((trace_id, request_id))
+    return match.iloc[0]

@@ -85,6 +85,7 @@ SPAN_COLUMNS = (
     *(col for col, _ in ATTRIBUTE_COLUMNS.values()),
     "span_key",  # unique per row: what joins use, as span ids repeat across runs
     "owner_key",  # a copy's or scan's load or store (its span_key), NA when none (`owners`)
+    "clock_ok",  # False: it ends before it starts, or starts before its owner (reported by the reader)
     "status_code",
     "attributes",
     "source_file",
@@ -92,6 +93,9 @@ SPAN_COLUMNS = (
 )
 
 GROUP_KEYS = ["group_index", "group_kind"]
+# A request: its id alone repeats across runs (a benchmark rerun with client-set ids), and every
+# kvscope span of one request is in one trace (rooted by its lookup, or the upstream traceparent).
+REQUEST_KEY = ["trace_id", "request_id"]
 
 
 def group_label(index: Any, kind: Any) -> str:
@@ -105,9 +109,12 @@ def scans_of(spans: pd.DataFrame) -> pd.DataFrame:
 STATUS_ERROR = 2  # OTLP's STATUS_CODE_ERROR: a copy span of a copy that failed on its worker
 
 
-def copies_of(spans: pd.DataFrame, direction: str | None = None) -> pd.DataFrame:
-    """Copy spans of copies that ran (a failed copy's span, status ERROR, moved nothing and took no time)."""
+def copies_of(spans: pd.DataFrame, direction: str | None = None, timed: bool = False) -> pd.DataFrame:
+    """Copy spans of copies that ran (a failed copy's span, status ERROR, moved nothing and took no time);
+    `timed`: only those whose times can be trusted (`clock_ok`), for durations and throughput."""
     copies = spans[(spans["name"] == COPY) & (spans["status_code"] != STATUS_ERROR)]
+    if timed:
+        copies = copies[copies["clock_ok"]]
     if direction is not None:
         copies = copies[copies["copy_direction"] == direction]
     return copies

@@ -13,19 +13,26 @@ _ROW_ORDER = {LOOKUP: 0, LOAD: 1, SCAN: 2, "copy load": 3, STORE: 4, "copy store
 _SHOWN_AS = {"request_id", "group_index", "group_kind", "copy_direction"}  # already in the row label
 
 
-def waterfall_rows(spans: pd.DataFrame, requests: pd.DataFrame, request_id: str) -> pd.DataFrame:
+def waterfall_rows(spans: pd.DataFrame, requests: pd.DataFrame, request_id: str,
+                   trace_id: str | None = None) -> pd.DataFrame:
     """The kvscope spans of one request on one time axis (ms from its first span).
 
-    Rows: lookups, loads, each group's scan, the load copies, stores and store copies, each with
-    its attributes as text. Only the request's own spans: several requests can share one trace
-    (one upstream ``traceparent`` for a batch of prompts), and another's load is not this one's.
+    The request is (`trace_id`, `request_id`); without `trace_id`, the request id must name one
+    request (runs read together can repeat it: ValueError then). Rows: lookups, loads, each group's
+    scan, the load copies, stores and store copies, each with its attributes as text. Only the
+    request's own spans: several requests can share one trace (one upstream ``traceparent`` for a
+    batch of prompts), and another's load is not this one's.
     """
     cols = ["row", "kind", "name", "start_ms", "end_ms", "duration_ms", "group_index", "group_kind",
             "direction", "attributes", "status_code", "span_id", "parent_span_id", "trace_id"]
     req = requests[requests["request_id"] == request_id]
+    if trace_id is None and req["trace_id"].nunique() > 1:
+        raise ValueError(f"request id {request_id!r} names {len(req)} requests (one per trace): give its trace id")
+    if trace_id is not None:
+        req = req[req["trace_id"] == trace_id]
     if req.empty:
         return pd.DataFrame(columns=cols)
-    own = spans["request_id"] == request_id
+    own = (spans["request_id"] == request_id) & (spans["trace_id"] == req["trace_id"].iloc[0])
     owner_keys = spans.loc[own & spans["name"].isin([LOAD, STORE]), "span_key"]
     related = own | (spans["name"].isin([COPY, SCAN]) & spans["owner_key"].isin(owner_keys))
     rows = spans[related].copy()

@@ -12,13 +12,18 @@ requests, spans = loaded.requests, loaded.spans
 numbers = traces.overview_numbers(requests, spans)
 
 st.caption(
-    f"{formatting.count(numbers['requests'])} traced requests over {numbers['duration_s']:.1f} s, "
+    f"{formatting.count(numbers['requests'])} traced requests over {formatting.duration(numbers['duration_s'])}, "
     f"from {len(loaded.traces.files)} file(s)."
 )
 if numbers["requests_load_failed"]:
-    st.warning(f"{formatting.count(numbers['requests_load_failed'])} request(s) had a load that failed on a "
-               "worker: vLLM recomputed their tokens. The Requests page marks them ('load failed').",
+    failed = requests.loc[requests["load_failed"], "request"]
+    st.warning(f"{formatting.count(len(failed))} request(s) had a load that failed on a worker: vLLM recomputed "
+               f"their tokens: {formatting.names(failed)}. The Requests page lists them ('failed loads').",
                icon=":material/error:")
+if numbers["loads_without_copies"]:
+    st.warning(f"{formatting.count(numbers['loads_without_copies'])} of {formatting.count(numbers['loads'])} loads "
+               "have no copy spans: worker trace file missing or cut short? Their load times and bytes are not "
+               "counted.", icon=":material/warning:")
 row = st.columns(5)
 row[0].metric("Requests", formatting.count(numbers["requests"]))
 row[1].metric("Token hit rate", formatting.percent(numbers["hit_rate"]), help=traces.HIT_RATE_DEFINITION)
@@ -83,13 +88,18 @@ with right:
         st.altair_chart(charts.copy_throughput(throughput), width="stretch")
 
 st.subheader("Slowest loads")
-st.dataframe(
-    traces.top_slow_loads(requests, 10),
+st.caption("Select a row to open the request on the Requests page.")
+slowest = traces.top_slow_loads(requests, 10)
+picked = st.dataframe(
+    slowest,
+    key="slowest_loads",
+    on_select="rerun",
+    selection_mode="single-row",
     hide_index=True,
     placeholder="–",
     width="stretch",
+    column_order=["request", "t_s", "load_ms", "tokens_external", "bytes_loaded", "trace_id"],
     column_config={
-        "request_id": "request",
         "t_s": st.column_config.NumberColumn("arrival (s)", format="%.3f"),
         "load_ms": st.column_config.NumberColumn("load time (ms)", format="%.3f"),
         "tokens_external": st.column_config.NumberColumn("tokens loaded"),
@@ -97,6 +107,10 @@ st.dataframe(
         "trace_id": "trace",
     },
 )
+if picked.selection.rows:
+    row = slowest.iloc[picked.selection.rows[0]]
+    st.session_state[widgets.OPEN_REQUEST] = (row["trace_id"], row["request_id"])
+    st.switch_page("views/request_explorer.py")
 
 with st.expander("Definitions"):
     for text in (traces.HIT_RATE_DEFINITION, traces.LOAD_TIME_DEFINITION, traces.LOAD_FAILED_DEFINITION,

@@ -50,11 +50,11 @@ def player() -> None:
     if last > 1:
         st.slider("Request (in arrival order)", 1, last, key="replay_step")
     state = traces.replay_state(timeline, st.session_state.replay_step)
-    request = requests.set_index("request_id").loc[state["request_id"]]
+    request = traces.find_request(requests, state["trace_id"], state["request_id"])
 
     row = st.columns(4)
     row[0].metric("Request", f"{formatting.count(state['step'])} of {formatting.count(last)}",
-                  help=f"id {state['request_id']}")
+                  help=f"id {state['request_id']}, trace {state['trace_id']}")
     row[1].metric("Cumulative token hit rate", formatting.percent(state["cum_hit_rate"]),
                   help=traces.HIT_RATE_DEFINITION)
     row[2].metric("Loaded from host so far", formatting.data_size(state["cum_bytes_loaded"]))
@@ -64,19 +64,18 @@ def player() -> None:
     left.altair_chart(charts.replay_hit_rate(timeline, state["step"]), width="stretch")
     right.altair_chart(charts.replay_traffic(timeline, state["step"]), width="stretch")
 
-    st.subheader(f"Request `{state['request_id']}` at {state['t_s']:.3f} s")
+    st.subheader(f"Request `{state['request']}` at {state['t_s']:.3f} s")
     widgets.request_numbers(request)
-    widgets.request_waterfall(spans, requests, state["request_id"], key="replay_waterfall")
+    widgets.request_waterfall(spans, requests, request, key="replay_waterfall")
 
     st.subheader("Arrived so far")
     arrived = timeline[timeline["step"] <= state["step"]].iloc[::-1].head(10)
     st.dataframe(
-        arrived[["step", "request_id", "t_s", "tokens_queried", "tokens_hit", "cum_hit_rate"]],
+        arrived[["step", "request", "t_s", "tokens_queried", "tokens_hit", "cum_hit_rate"]],
         hide_index=True,
         placeholder="–",
         width="stretch",
         column_config={
-            "request_id": "request",
             "t_s": st.column_config.NumberColumn("arrival (s)", format="%.3f"),
             "tokens_queried": st.column_config.NumberColumn("queried"),
             "tokens_hit": st.column_config.NumberColumn("hit"),

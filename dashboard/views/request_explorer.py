@@ -2,7 +2,7 @@
 
 import streamlit as st
 
-from dashboard import data, traces, widgets
+from dashboard import data, selection, traces, widgets
 
 loaded = data.current()
 st.title("Requests")
@@ -10,13 +10,27 @@ widgets.read_problems(loaded.traces)
 loaded = data.require_requests()
 requests, spans = loaded.requests, loaded.spans
 
-search, only_hits = st.columns([4, 1], vertical_alignment="bottom")
-text = search.text_input("Search request or trace id", key="request_search", placeholder="e.g. cmpl-r2")
-hits = only_hits.toggle("Only hits or loads", key="request_only_hits")
-shown = traces.search_requests(requests, text, hits).reset_index(drop=True)
-st.caption(f"{len(shown)} of {len(requests)} requests. Select a row to see its spans.")
+opened = st.session_state.pop(widgets.OPEN_REQUEST, None)  # (trace id, request id) another page opened
+if opened is not None:  # show it: its id searched, whatever its kind
+    st.session_state["request_search"] = opened[1]
+    st.session_state["request_show"] = "all"
 
-table = st.dataframe(
+search, show = st.columns([3, 2], vertical_alignment="bottom")
+text = search.text_input("Search request or trace id", key="request_search", placeholder="e.g. cmpl-r2")
+kind = show.radio("Show", traces.REQUEST_FILTERS, key="request_show", horizontal=True)
+shown = traces.search_requests(requests, text, show=kind).reset_index(drop=True)
+
+# The selection follows its request, not its row position, when the search or the filter changes the rows.
+keys = list(zip(shown["trace_id"], shown["request_id"]))
+rows = st.session_state["request_table"]["selection"]["rows"] if "request_table" in st.session_state else []
+row = (selection.row_of(keys, opened) if opened is not None
+       else selection.follow_selection(rows, st.session_state.get("request_table_keys", []), keys))
+if list(rows) != ([] if row is None else [row]):
+    st.session_state["request_table"] = {"selection": {"rows": [] if row is None else [row]}}
+st.session_state["request_table_keys"] = keys
+
+st.caption(f"{len(shown)} of {len(requests)} requests. Select a row to see its spans.")
+st.dataframe(
     shown,
     key="request_table",
     on_select="rerun",
@@ -25,14 +39,15 @@ table = st.dataframe(
     width="stretch",
     height=min(320, 35 * (len(shown) + 1) + 3),  # no empty rows below a short result
     placeholder="–",
-    column_order=["request_id", "t_s", "tokens_queried", "tokens_hit", "hit_rate", "tokens_local",
+    column_order=["request", "t_s", "tokens_queried", "tokens_hit", "hit_rate", "tokens_local",
                   "tokens_external", "groups", "load_ms", "loads", "load_failed", "bytes_loaded", "bytes_stored",
                   "trace_id"],
     column_config={
-        "request_id": "request",
+        "request": st.column_config.TextColumn("request", help="Request id; with its trace's first digits where "
+                                               "another request has the same id (runs read together)"),
         "t_s": st.column_config.NumberColumn("arrival (s)", format="%.3f"),
-        "tokens_queried": st.column_config.NumberColumn("queried"),
-        "tokens_hit": st.column_config.NumberColumn("hit"),
+        "tokens_queried": st.column_config.NumberColumn("queried", help="Σ over the request's lookups"),
+        "tokens_hit": st.column_config.NumberColumn("hit", help="Σ over the request's lookups"),
         "hit_rate": st.column_config.NumberColumn("hit rate", format="percent"),
         "tokens_local": st.column_config.NumberColumn("local"),
         "tokens_external": st.column_config.NumberColumn("external"),
@@ -50,10 +65,9 @@ table = st.dataframe(
 if shown.empty:
     st.stop()
 
-selected = [i for i in table.selection.rows if i < len(shown)]
-request = shown.iloc[selected[0] if selected else 0]
-st.subheader(f"Request `{request['request_id']}`")
+request = shown.iloc[0 if row is None else row]
+st.subheader(f"Request `{request['request']}`")
 st.caption(f"trace `{request['trace_id']}` · arrived at {request['arrival']:%Y-%m-%d %H:%M:%S.%f} UTC"
-           + ("" if selected else " · the first row is shown until you select one"))
+           + ("" if row is not None else " · the first row is shown until you select one"))
 widgets.request_numbers(request)
-widgets.request_waterfall(spans, requests, request["request_id"], key="request_waterfall")
+widgets.request_waterfall(spans, requests, request, key="request_waterfall")

@@ -202,3 +202,35 @@ def test_copies_of_a_lost_first_load_do_not_join_the_requests_later_load(tmp_pat
     )
     requests = by_request(path)
     assert requests.loc["A", "bytes_loaded"] == 1000 and requests.loc["A", "load_ms"] == pytest.approx(2.0, abs=1e-3)
+
+
+def test_two_runs_with_the_same_request_ids_are_two_requests_each(tmp_path):
+    """A benchmark rerun with client-set request ids, both runs' files read together: a request is
+    (trace id, request id), never the two runs' spans of one id merged."""
+    runs = []
+    for n, (t, nbytes) in enumerate(((T1, 100), (T2, 7))):
+        trace = f"{n + 1}f" * 16
+        runs.append(write(tmp_path, line(
+            lookup("A", 100, 64, trace=trace, span_id="11" * 8, start=t),
+            load("A", trace=trace, span_id="33" * 8, parent="11" * 8, start=t + 10),
+            copy("load", nbytes, "A", trace=trace, span_id="55" * 8, parent="33" * 8, start=t + 20,
+                 end=t + (n + 1) * 1_000_000),
+            store("A", trace=trace, span_id="22" * 8, parent="11" * 8, start=t + 2_000_000),
+            copy("store", 3 * nbytes, "A", trace=trace, span_id="66" * 8, parent="22" * 8, start=t + 2_000_010),
+            lookup("B", 50, 0, trace=f"{n + 1}e" * 16, span_id="77" * 8, start=t + 5)), name=f"run{n + 1}.jsonl"))
+    read = traces.read_trace_files(runs)
+    requests = traces.requests_table(read.spans)
+    assert len(requests) == 4
+    a = requests[requests["request_id"] == "A"].set_index("trace_id")
+    assert a["request"].tolist() == ["A · trace 1f1f1f1f", "A · trace 2f2f2f2f"]
+    assert a["tokens_queried"].tolist() == [100, 100] and a["loads"].tolist() == [1, 1]
+    assert a["load_ms"].tolist() == pytest.approx([1.0, 2.0], abs=1e-4)  # not 3.0 each
+    assert a["bytes_loaded"].tolist() == [100, 7] and a["bytes_stored"].tolist() == [300, 21]
+    assert traces.hit_rate(requests) == pytest.approx(128 / 300)
+    rows = traces.waterfall_rows(read.spans, requests, "A", "2f" * 16)
+    assert set(rows["trace_id"]) == {"2f" * 16} and len(rows) == 5
+    with pytest.raises(ValueError, match="names 2 requests"):
+        traces.waterfall_rows(read.spans, requests, "A")
+    timeline = traces.replay_timeline(requests, read.spans)
+    assert timeline["request"].tolist()[:2] == ["A · trace 1f1f1f1f", "B · trace 1e1e1e1e"]
+    assert traces.find_request(requests, "2f" * 16, "A")["bytes_loaded"] == 7

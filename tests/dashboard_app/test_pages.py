@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import json
 import re
 import sys
+from pathlib import Path
 
 import pytest
 from streamlit.testing.v1 import AppTest
 
 from .conftest import APP, FIXTURES, MALFORMED, TWO_ROUNDS, raw_spans
+from .test_joins import copy, load
+from .test_reader import line, lookup
 
 PAGES = ["views/overview.py", "views/request_explorer.py", "views/replay.py", "views/live.py"]
 
@@ -134,7 +138,7 @@ def test_requests_page_search_select_and_waterfall(monkeypatch, expected):
     assert_ok(at)
     assert at.subheader[0].value == f"Request `{expected.lookups[3]['request.id']}`"
 
-    at.toggle(key="request_only_hits").set_value(True).run()
+    at.radio(key="request_show").set_value("hits or loads").run()
     shown = at.dataframe[0].value
     hits = {s["request.id"] for s in expected.lookups if s["tokens.hit"] > 0}
     assert set(shown["request_id"]) == hits and len(hits) > 0
@@ -214,14 +218,151 @@ def test_every_fixture_file_renders_every_page(monkeypatch, path):
     """Also covers trace files added to tests/fixtures/traces later (e.g. real engine traces)."""
     at = app(monkeypatch, path)
     assert not at.exception, [e.value for e in at.exception]
-    last_lookup = {}
-    for s in sorted(raw_spans(path), key=lambda s: s["start"]):
-        if s["name"] == "kvscope.lookup" and {"request.id", "tokens.hit", "tokens.queried"} <= s.keys():
-            last_lookup[s["request.id"]] = s
-    if last_lookup:
-        rate = sum(s["tokens.hit"] for s in last_lookup.values()) / sum(s["tokens.queried"] for s in last_lookup.values())
+    lookups = [s for s in raw_spans(path)
+               if s["name"] == "kvscope.lookup" and {"request.id", "tokens.hit", "tokens.queried"} <= s.keys()]
+    if lookups:  # every lookup counts, as in kvscope's counters
+        rate = sum(s["tokens.hit"] for s in lookups) / sum(s["tokens.queried"] for s in lookups)
         assert number(metrics(at)["Token hit rate"]) == pytest.approx(round(rate * 100, 1))
-        assert number(metrics(at)["Requests"]) >= len(last_lookup)
+        assert number(metrics(at)["Requests"]) >= len({(s["trace"], s["request.id"]) for s in lookups})
     for page in PAGES[1:3]:
         at.switch_page(page).run()
         assert not at.exception, (page, [e.value for e in at.exception])
+
+
+def _rerun_of(path: Path, tmp_path: Path) -> Path:
+    """The same benchmark run again a day later: same (client-set) request ids, new trace ids."""
+    out = tmp_path / "rerun.jsonl"
+    lines = []
+    for text in path.read_text().splitlines():
+        doc = json.loads(text)
+        for rs in doc["resourceSpans"]:
+            for ss in rs["scopeSpans"]:
+                for sp in ss["spans"]:
+                    sp["traceId"] = sp["traceId"][::-1]
+                    for field in ("startTimeUnixNano", "endTimeUnixNano"):
+                        sp[field] = str(int(sp[field]) + 86_400 * 10**9)
+        lines.append(json.dumps(doc))
+    out.write_text("\n".join(lines) + "\n")
+    return out
+
+
+def test_a_rerun_with_the_same_request_ids_counts_apart(monkeypatch, tmp_path, expected):
+    at = app(monkeypatch, TWO_ROUNDS, _rerun_of(TWO_ROUNDS, tmp_path))
+    assert_ok(at)
+    shown = metrics(at)
+    assert number(shown["Requests"]) == 40
+    # each run's load on its own, not the two runs' loads of one request id summed
+    assert number(shown["Load time p50"]) == pytest.approx(round(expected.load_quantiles[0], 2))
+    slow = at.dataframe[-1].value
+    assert slow["load_ms"].iloc[:2].tolist() == pytest.approx([expected.load_ms["cmpl-r2-06"]] * 2)
+    assert slow["request"].iloc[0].startswith("cmpl-r2-06 · trace ") and slow["request"].nunique() == 10
+
+    at.switch_page("views/request_explorer.py").run()
+    at.text_input(key="request_search").input("cmpl-r2-06").run()
+    assert_ok(at)
+    table = at.dataframe[0].value
+    assert len(table) == 2 and table["request"].nunique() == 2 and table["trace_id"].nunique() == 2
+    at.session_state["request_table"] = {"selection": {"rows": [1]}}
+    at.run()
+    assert at.subheader[0].value == f"Request `{table['request'].iloc[1]}`"
+    assert number(metrics(at)["Load time"]) == pytest.approx(round(expected.load_ms["cmpl-r2-06"], 2))
+    assert set(at.dataframe[1].value["span_id"]) <= set(_span_ids(table["trace_id"].iloc[1], at))
+
+    at.switch_page("views/replay.py").run()
+    assert_ok(at)
+    assert metrics(at)["Request"] == "1 of 40"
+
+
+def _span_ids(trace_id: str, at: AppTest) -> list[str]:
+    spans = at.session_state["kvscope.loaded"].spans
+    return spans.loc[spans["trace_id"] == trace_id, "span_id"].tolist()
+
+
+def test_the_selected_request_stays_selected_when_the_rows_change(monkeypatch, expected):
+    at = app(monkeypatch, TWO_ROUNDS)
+    at.switch_page("views/request_explorer.py").run()
+    at.session_state["request_table"] = {"selection": {"rows": [12]}}
+    at.run()
+    assert at.subheader[0].value == "Request `cmpl-r2-02`"
+    at.text_input(key="request_search").input("r2-0").run()  # now the third row
+    assert_ok(at)
+    assert at.subheader[0].value == "Request `cmpl-r2-02`"
+    assert list(at.session_state["request_table"]["selection"]["rows"]) == [2]
+    at.text_input(key="request_search").input("").run()
+    assert list(at.session_state["request_table"]["selection"]["rows"]) == [12]
+    at.radio(key="request_show").set_value("misses").run()  # a hit: not shown any more
+    assert_ok(at)
+    assert list(at.session_state["request_table"]["selection"]["rows"]) == []
+    assert any("first row is shown" in c.value for c in at.caption)
+    assert at.subheader[0].value == "Request `cmpl-r1-00`"
+
+
+def test_request_filters_misses_and_failed_loads(monkeypatch, tmp_path):
+    path = tmp_path / "failed.jsonl"
+    path.write_text(_failed_load_trace())
+    at = app(monkeypatch, path)
+    assert_ok(at)
+    assert "1 request(s) had a load that failed on a worker" in at.warning[0].value and "r-failed" in at.warning[0].value
+    at.switch_page("views/request_explorer.py").run()
+    at.radio(key="request_show").set_value("failed loads").run()
+    assert at.dataframe[0].value["request_id"].tolist() == ["r-failed"]
+    at.radio(key="request_show").set_value("misses").run()
+    assert at.dataframe[0].value["request_id"].tolist() == ["r-miss"]
+
+
+def _failed_load_trace() -> str:
+    t = 1_700_000_000_000_000_000
+    failed = copy("load", 0, "r-failed", trace="aa" * 16, span_id="a3" * 8, parent="a2" * 8, start=t + 20)
+    failed["status"] = {"code": 2}
+    return "\n".join([
+        line(lookup("r-failed", 100, 64, trace="aa" * 16, span_id="a1" * 8, start=t),
+             load("r-failed", trace="aa" * 16, span_id="a2" * 8, parent="a1" * 8, start=t + 10), failed,
+             lookup("r-failed", 100, 0, trace="aa" * 16, span_id="a4" * 8, parent="a1" * 8, start=t + 30)),
+        line(lookup("r-miss", 50, 0, trace="bb" * 16, span_id="b1" * 8, start=t + 40)),
+    ]) + "\n"
+
+
+def test_slowest_load_opens_on_the_requests_page(monkeypatch):
+    at = app(monkeypatch, TWO_ROUNDS)
+    at.session_state["slowest_loads"] = {"selection": {"rows": [0]}}
+    at.run()
+    assert_ok(at)
+    assert at.title[0].value == "Requests"
+    assert at.subheader[0].value == "Request `cmpl-r2-06`"
+    assert at.text_input(key="request_search").value == "cmpl-r2-06"
+    assert list(at.session_state["request_table"]["selection"]["rows"]) == [0]
+
+
+def test_warnings_for_unparsed_lines_and_loads_without_copies(monkeypatch, tmp_path):
+    path = tmp_path / "scheduler-only.jsonl"  # the worker's file (the copies) was not given, last line cut
+    path.write_text(line(lookup("r1", span_id="11" * 8), load("r1", span_id="22" * 8, parent="11" * 8)) + "\n"
+                    + line(lookup("r2", span_id="33" * 8))[:40])
+    at = app(monkeypatch, path)
+    assert_ok(at)
+    problems, no_copies = at.warning[0].value, at.warning[1].value
+    assert "0 kvscope span(s) skipped, and an unknown number in 1 line(s)" in problems
+    assert no_copies.startswith("1 of 1 loads have no copy spans: worker trace file missing or cut short?")
+    at.switch_page("views/request_explorer.py").run()
+    at.text_input(key="request_search").input("r1").run()
+    assert any("No copy span of its load was recorded" in w.value for w in at.warning)
+
+
+def test_missing_and_repeated_files_say_why_in_the_headline(monkeypatch, tmp_path):
+    folder = tmp_path / "traces"
+    folder.mkdir()
+    (folder / "two_rounds.jsonl").write_bytes(TWO_ROUNDS.read_bytes())
+    at = app(monkeypatch, folder, folder / "two_rounds.jsonl", tmp_path / "nope.jsonl", argv=True)
+    assert_ok(at)
+    assert "nope.jsonl (cannot read file: No such file or directory)" in at.warning[0].value
+    assert "two_rounds.jsonl (the same file as " in at.warning[0].value
+    assert number(metrics(at)["Requests"]) == 20
+
+
+def test_long_traces_show_their_duration_in_readable_units(monkeypatch, tmp_path):
+    day = 86_400 * 10**9
+    path = tmp_path / "long.jsonl"
+    path.write_text(line(lookup("r1", span_id="11" * 8, start=1_700_000_000 * 10**9),
+                         lookup("r2", span_id="22" * 8, start=1_700_000_000 * 10**9 + day + 3 * 3600 * 10**9)) + "\n")
+    at = app(monkeypatch, path)
+    assert_ok(at)
+    assert "2 traced requests over 1.1 d, from 1 file(s)." == at.caption[0].value

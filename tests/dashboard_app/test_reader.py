@@ -98,13 +98,14 @@ def test_arrow_and_line_decoders_agree_on_clean_files(tmp_path, monkeypatch):
 def test_collector_file_with_malformed_lines_reports_each_with_its_line_number(decoder):
     read = traces.read_trace_files([MALFORMED])
     got = {(p.line, p.spans): p.reason for p in read.problems}
-    assert set(got) == {(3, 0), (4, 0), (5, 0), (6, 1), (7, 1), (10, 0)}
-    assert got[(3, 0)].startswith("not JSON")
+    # how many spans a line held that does not parse is unknown (None), not 0
+    assert set(got) == {(3, None), (4, 0), (5, 0), (6, 1), (7, 1), (10, None)}
+    assert got[(3, None)].startswith("not JSON")
     assert "JSON object" in got[(4, 0)]
     assert "resourceMetrics" in got[(5, 0)]
     assert got[(6, 1)] == "kvscope.load span lacks kvscope.tokens.external"
     assert "'9.0.0' is not supported" in got[(7, 1)]
-    assert got[(10, 0)] == reader.INCOMPLETE_LAST_LINE  # a line cut short by a crash, no newline after it
+    assert got[(10, None)] == reader.INCOMPLETE_LAST_LINE  # a line cut short by a crash, no newline after it
     assert all(p.file == str(MALFORMED) for p in read.problems)
     # The rest loads: c1 (lookup, load, 2 scans, 2 copies), c2's lookup, c4's lookup; the vLLM span is left out.
     assert len(read.spans) == 8 and read.other_spans == 1 and read.lines == 9
@@ -120,7 +121,8 @@ def test_empty_file_gives_empty_frames(tmp_path, decoder):
     path = tmp_path / "empty.jsonl"
     path.write_text("")
     read = traces.read_trace_files([path])
-    assert read.empty and read.problems == [] and read.files == [str(path)]
+    assert read.empty and read.files == [str(path)]
+    assert [(p.line, p.reason) for p in read.problems] == [(0, "empty file: it holds no lines")]
     assert list(read.spans.columns) == list(traces.SPAN_COLUMNS)
     requests = traces.requests_table(read.spans)
     assert requests.empty and list(requests.columns) == list(traces.REQUEST_COLUMNS)
@@ -131,7 +133,8 @@ def test_empty_file_gives_empty_frames(tmp_path, decoder):
 
 
 def test_blank_lines_only_and_no_files():
-    assert traces.read_trace_files([traces.TraceSource("blank", b"\n  \n\n")]).empty
+    blank = traces.read_trace_files([traces.TraceSource("blank", b"\n  \n\n")])
+    assert blank.empty and [p.reason for p in blank.problems] == ["empty file: it holds no lines"]
     assert traces.read_trace_files([]).empty
 
 
@@ -243,7 +246,8 @@ def test_base64_ids_and_numeric_int_values_are_accepted(tmp_path, decoder):
 
 def test_duplicate_spans_are_dropped_once_reported(tmp_path):
     path = write(tmp_path, line(lookup()))
-    read = traces.read_trace_files([path, path])
+    copy = write(tmp_path, line(lookup()), name="collector-copy.jsonl")
+    read = traces.read_trace_files([path, copy])
     assert len(read.spans) == 1
     assert [(p.line, p.spans) for p in read.problems] == [(1, 1)]
     assert "duplicate" in read.problems[0].reason
@@ -272,7 +276,7 @@ def test_gzip_files_and_uploaded_bytes(tmp_path):
 
 def test_problem_lines_summary():
     problems = [traces.Problem("/x/a.jsonl", n, "bad") for n in range(1, 12)] + [traces.Problem("b.jsonl", 0, "gone")]
-    assert traces.problem_lines(problems) == "a.jsonl lines 1, 2, 3, 4, 5, 6, 7, 8 and 3 more; b.jsonl (whole file)"
+    assert traces.problem_lines(problems) == "a.jsonl lines 1, 2, 3, 4, 5, 6, 7, 8 and 3 more; b.jsonl (gone)"
     assert traces.problem_lines([traces.Problem("upload: c.jsonl", 4, "x")]) == "upload: c.jsonl line 4"
 
 
@@ -293,10 +297,10 @@ def test_connector_trace_file_sink_is_readable(tmp_path):
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(trace_file.OtlpJsonLinesExporter(path)))
     tracer = provider.get_tracer("kvscope", "0.1.0")
-    with tracer.start_as_current_span("kvscope.lookup") as s:
+    with tracer.start_as_current_span("kvscope.lookup") as s:  # the request's trace, as the connector roots it
         s.set_attributes({"kvscope.request.id": "x", "kvscope.tokens.queried": 32, "kvscope.tokens.hit": 16})
-    load = tracer.start_span("kvscope.load", attributes={"kvscope.request.id": "x", "kvscope.tokens.local": 0,
-                                                          "kvscope.tokens.external": 16, "kvscope.groups": 1})
+    load = tracer.start_span("kvscope.load", context=set_span_in_context(s), attributes={
+        "kvscope.request.id": "x", "kvscope.tokens.local": 0, "kvscope.tokens.external": 16, "kvscope.groups": 1})
     tracer.start_span("kvscope.group.copy", context=set_span_in_context(load), attributes={
         "kvscope.group.index": 0, "kvscope.group.kind": "mamba", "kvscope.copy.direction": "load",
         "kvscope.copy.blocks": 1, "kvscope.copy.bytes": 4096}).end()
@@ -305,6 +309,7 @@ def test_connector_trace_file_sink_is_readable(tmp_path):
     read = traces.read_trace_files([path])
     assert read.problems == [] and len(read.spans) == 3
     requests = traces.requests_table(read.spans)
+    assert len(requests) == 1 and requests.loc[0, "lookups"] == 1
     assert requests.loc[0, "bytes_loaded"] == 4096 and requests.loc[0, "load_ms"] > 0
 
 
@@ -438,3 +443,133 @@ def test_decoders_agree_on_unset_and_nested_attribute_values(tmp_path):
         "array": {"values": [{"stringValue": "a"}, {"intValue": "2"}]},
         "kvlist": {"values": [{"key": "k", "value": {"boolValue": True}}]},
     }, None]
+
+
+def test_a_pretty_printed_export_is_read_as_one_document(tmp_path, decoder):
+    one = json.loads(line(lookup("r1", span_id="11" * 8)))
+    two = json.loads(line(lookup("r2", span_id="22" * 8)))
+    pretty = tmp_path / "pretty.json"
+    pretty.write_text(json.dumps(one, indent=2))
+    listed = tmp_path / "listed.json"
+    listed.write_text(json.dumps([two, three := json.loads(line(lookup("r3", span_id="33" * 8)))], indent=2))
+    read = traces.read_trace_files([pretty, listed])
+    assert read.problems == [] and sorted(read.spans["request_id"]) == ["r1", "r2", "r3"]
+    one_line = write(tmp_path, json.dumps([one, three]), name="one_line.json")  # a list of exports on one line
+    assert sorted(traces.read_trace_files([one_line]).spans["request_id"]) == ["r1", "r3"]
+
+
+def test_a_broken_pretty_printed_export_is_one_problem(tmp_path):
+    broken = tmp_path / "broken.json"
+    broken.write_text(json.dumps(json.loads(line(lookup())), indent=2)[:-3])
+    read = traces.read_trace_files([broken])
+    assert [(p.line, p.spans) for p in read.problems] == [(0, None)]
+    assert read.problems[0].reason.startswith("expected JSON Lines: one ExportTraceServiceRequest per line")
+
+
+def test_files_of_another_kind_say_what_they_are(tmp_path):
+    prom = tmp_path / "metrics.txt"
+    prom.write_text("# HELP kvscope_lookup_tokens_total Tokens looked up\n# TYPE kvscope_lookup_tokens_total counter\n"
+                    'kvscope_lookup_tokens_total{engine="0"} 8328\n')
+    bare = tmp_path / "metrics_no_help.txt"
+    bare.write_text('kvscope_hit_tokens_total{engine="0"} 5504\n')
+    zst = tmp_path / "t.jsonl.zst"
+    zst.write_bytes(b"\x28\xb5\x2f\xfd" + bytes(40))
+    spans_only = write(tmp_path, json.dumps([lookup("r1"), lookup("r2")]), name="spans.json")
+    read = traces.read_trace_files([prom, bare, zst, spans_only])
+    reasons = {Path(p.file).name: p for p in read.problems}
+    assert reasons["metrics.txt"].reason.startswith("looks like Prometheus metrics") and "Live page" in \
+        reasons["metrics.txt"].reason
+    assert reasons["metrics_no_help.txt"].reason.startswith("looks like Prometheus metrics")
+    assert "zstd-compressed" in reasons["t.jsonl.zst"].reason and "zstd -d" in reasons["t.jsonl.zst"].reason
+    assert reasons["spans.json"].reason.startswith("no resourceSpans: a bare span, not a trace export")
+    assert reasons["spans.json"].reason.endswith("(2 entries of the list)") and reasons["spans.json"].spans == 2
+    assert len(read.problems) == 4 and read.empty
+
+
+def test_a_gzip_file_still_being_written_keeps_its_complete_lines(tmp_path):
+    data = gzip.compress(TWO_ROUNDS.read_bytes())
+    cut = tmp_path / "live.jsonl.gz"
+    cut.write_bytes(data[: len(data) * 2 // 3])
+    read = traces.read_trace_files([cut])
+    assert 0 < len(read.spans) < len(raw_spans(TWO_ROUNDS))
+    assert read.problems[0].line == 0 and read.problems[0].reason == reader.GZIP_CUT_SHORT
+    assert all(p.line == 0 or p.reason == reader.INCOMPLETE_LAST_LINE for p in read.problems)
+    members = tmp_path / "members.jsonl.gz"  # gzip members appended one after the other
+    members.write_bytes(gzip.compress(line(lookup("r1", span_id="11" * 8)).encode() + b"\n")
+                        + gzip.compress(line(lookup("r2", span_id="22" * 8)).encode() + b"\n"))
+    both = traces.read_trace_files([members])
+    assert both.problems == [] and list(both.spans["request_id"]) == ["r1", "r2"]
+
+
+def test_the_same_file_given_twice_is_read_once(tmp_path):
+    path = write(tmp_path, line(lookup()))
+    read = traces.read_trace_files([path, tmp_path / "." / "t.jsonl"])
+    assert len(read.spans) == 1 and read.files == [str(path)]
+    assert [(p.line, p.spans) for p in read.problems] == [(0, 0)]
+    assert read.problems[0].reason == f"the same file as {path}: read once"
+
+
+@pytest.mark.parametrize(
+    ("doc", "reason"),
+    [
+        ({"resourceSpans": {}}, "not an OTLP trace export: resourceSpans is an object, expected a list"),
+        ({"resourceSpans": ["x"]}, "not an OTLP trace export: resourceSpans[0] is a string, expected an object"),
+        ({"resourceSpans": [{"scopeSpans": {"spans": []}}]},
+         "not an OTLP trace export: resourceSpans[0].scopeSpans is an object, expected a list"),
+        ({"resourceSpans": [{"scopeSpans": [{"scope": "kvscope", "spans": []}]}]},
+         "not an OTLP trace export: resourceSpans[0].scopeSpans[0].scope is a string, expected an object"),
+    ],
+    ids=["resourceSpans-object", "resource-string", "scopeSpans-object", "scope-string"],
+)
+def test_a_misshapen_export_names_the_field(tmp_path, decoder, doc, reason):
+    read = traces.read_trace_files([write(tmp_path, json.dumps(doc), line(lookup()))])
+    assert [(p.line, p.reason) for p in read.problems] == [(1, reason)]
+    assert len(read.spans) == 1
+
+
+@pytest.mark.parametrize(
+    ("edit", "reason"),
+    [
+        (lambda s: s.update(attributes={"k": 1}), "malformed kvscope.lookup span: attributes is an object, expected a list"),
+        (lambda s: s["attributes"].append("x"), "malformed kvscope.lookup span: an entry of attributes is a string, "
+                                               "expected an object"),
+        (lambda s: s["attributes"].append({"key": "k", "value": 5}),
+         "malformed kvscope.lookup span: the value of attribute 'k' is a number, expected an object"),
+        (lambda s: s.update(status="ok"), "malformed kvscope.lookup span: status is a string, expected an object"),
+        (lambda s: s.update(startTimeUnixNano="soon"), "malformed kvscope.lookup span: startTimeUnixNano is 'soon', "
+                                                        "expected an integer: nanoseconds since the epoch"),
+    ],
+    ids=["attributes-object", "attribute-string", "value-number", "status-string", "time-text"],
+)
+def test_a_misshapen_span_names_the_field(tmp_path, decoder, edit, reason):
+    bad = lookup("r9", span_id="22" * 8)
+    edit(bad)
+    read = traces.read_trace_files([write(tmp_path, line(lookup("r1", span_id="11" * 8), bad))])
+    assert [(p.line, p.spans, p.reason) for p in read.problems] == [(1, 1, reason)]
+    assert list(read.spans["request_id"]) == ["r1"]
+
+
+def test_spans_timed_on_another_clock_are_reported_and_not_timed(tmp_path, decoder):
+    from .test_joins import copy, load
+
+    t = 1_700_000_000_000_000_000
+    path = write(tmp_path,
+                 line(lookup("early", trace="aa" * 16, span_id="a1" * 8, start=t),
+                      load("early", trace="aa" * 16, span_id="a2" * 8, parent="a1" * 8, start=t + 5_000_000),
+                      lookup("backwards", trace="bb" * 16, span_id="b1" * 8, start=t),
+                      load("backwards", trace="bb" * 16, span_id="b2" * 8, parent="b1" * 8, start=t + 10)),
+                 # the worker's clock 4 ms behind: its copy "starts" before the load was planned
+                 line(copy("load", 100, "early", trace="aa" * 16, span_id="a3" * 8, parent="a2" * 8,
+                           start=t + 1_000_000, end=t + 2_000_000)),
+                 line(copy("load", 7, "backwards", trace="bb" * 16, span_id="b3" * 8, parent="b2" * 8,
+                           start=t + 3_000_000, end=t + 1_000_000)))
+    read = traces.read_trace_files([path])
+    assert [(p.line, p.spans) for p in read.problems] == [(2, 0), (3, 0)]
+    assert read.problems[0].reason.startswith(reader.STARTS_BEFORE_OWNER)
+    assert read.problems[1].reason.startswith(reader.ENDS_BEFORE_START)
+    requests = traces.requests_table(read.spans).set_index("request_id")
+    assert requests["load_ms"].isna().all() and requests["load_mistimed"].all()
+    assert requests["bytes_loaded"].to_dict() == {"early": 100, "backwards": 7}  # the bytes were copied
+    assert traces.load_latency_quantiles(read.spans, traces.requests_table(read.spans))["count"].tolist() == [0]
+    throughput = traces.copy_throughput(read.spans)
+    assert throughput["copies"].tolist() == [2] and throughput["copy_seconds"].tolist() == [0]

@@ -185,7 +185,9 @@ def test_search(requests):
     assert traces.search_requests(requests, trace[:12])["request_id"].tolist() == [requests["request_id"].iloc[3]]
 
 
-def test_repeated_lookups_count_once_and_copies_join_their_load(tmp_path):
+def test_every_lookup_counts_and_copies_join_their_load(tmp_path):
+    """A request looked up twice (its first load failed: a recompute) counts both lookups, as
+    kvscope_lookup_tokens_total and kvscope_hit_tokens_total do."""
     trace = "ef" * 16
     t = 1_700_000_000_000_000_000
     path = write(
@@ -204,10 +206,10 @@ def test_repeated_lookups_count_once_and_copies_join_their_load(tmp_path):
     requests = traces.requests_table(read.spans)
     row = requests.iloc[0]
     assert len(requests) == 1 and row["lookups"] == 2
-    assert (row["tokens_queried"], row["tokens_hit"]) == (100, 64)  # the last lookup
+    assert (row["tokens_queried"], row["tokens_hit"]) == (200, 64)  # both lookups
     assert row["arrival_ns"] == t  # the first lookup
     assert row["load_ms"] == pytest.approx(3.0) and row["bytes_loaded"] == 512
-    assert traces.hit_rate(requests) == pytest.approx(0.64)
+    assert traces.hit_rate(requests) == pytest.approx(64 / 200) and row["hit_rate"] == pytest.approx(64 / 200)
 
 
 def test_a_request_without_lookup_arrives_at_its_first_load(tmp_path):
@@ -217,3 +219,57 @@ def test_a_request_without_lookup_arrives_at_its_first_load(tmp_path):
                                 span("kvscope.load", load, span_id="02" * 8, start=t + 9_000_000)))  # resumed
     requests = traces.requests_table(traces.read_trace_files([path]).spans)
     assert requests["arrival_ns"].tolist() == [t] and requests["loads"].tolist() == [2]
+
+
+def test_a_failed_load_and_its_second_lookup_both_count(tmp_path):
+    """kvscope looks a request up again after its load failed (hit 0: it recomputes); Prometheus counts
+    both lookups (kvscope_lookup_tokens_total / kvscope_hit_tokens_total), and so does the table."""
+    from .test_joins import copy, load
+
+    t = 1_700_000_000_000_000_000
+    failed = copy("load", 0, "r", span_id="03" * 8, parent="02" * 8, start=t + 20)
+    failed["status"] = {"code": 2}
+    path = write(tmp_path, line(
+        lookup("r", 4711, 1024, span_id="01" * 8, start=t),
+        load("r", span_id="02" * 8, parent="01" * 8, start=t + 10), failed,
+        lookup("r", 1566, 0, span_id="04" * 8, parent="01" * 8, start=t + 30)))
+    requests = traces.requests_table(traces.read_trace_files([path]).spans)
+    (row,) = requests.itertuples(index=False)
+    assert (row.tokens_queried, row.tokens_hit, row.lookups, row.load_failed) == (6277, 1024, 2, True)
+    assert traces.hit_rate(requests) == pytest.approx(1024 / 6277)
+
+
+def test_search_filters(requests):
+    hits = traces.search_requests(requests, "", show="hits or loads")
+    misses = traces.search_requests(requests, "", show="misses")
+    assert len(hits) + len(misses) == len(requests) and not set(hits["request"]) & set(misses["request"])
+    assert (misses["tokens_hit"] == 0).all() and (misses["loads"] == 0).all()
+    failed = requests.assign(load_failed=requests["request_id"] == "cmpl-r2-03")
+    assert traces.search_requests(failed, "", show="failed loads")["request_id"].tolist() == ["cmpl-r2-03"]
+    with pytest.raises(ValueError, match="expected one of all, hits or loads, misses, failed loads"):
+        traces.search_requests(requests, "", show="hits")
+
+
+def test_a_selection_follows_its_request():
+    from dashboard.selection import follow_selection
+
+    before = [("t1", "a"), ("t1", "b"), ("t2", "b")]
+    assert follow_selection([2], before, [("t2", "b"), ("t1", "a")]) == 0
+    assert follow_selection([1], before, [("t2", "b")]) is None  # not shown now
+    assert follow_selection([], before, before) is None and follow_selection([5], before, before) is None
+
+
+@pytest.mark.parametrize(("seconds", "text"), [
+    (0.0004, "0.4 ms"), (0.85, "850 ms"), (42.46, "42.5 s"), (185, "3 min 5 s"), (10_920, "3 h 2 min"),
+    (95_981_990.9, "1110.9 d"), (math.nan, "–")])
+def test_durations_read_in_their_units(seconds, text):
+    from dashboard import formatting
+
+    assert formatting.duration(seconds) == text
+
+
+def test_names_are_listed_briefly():
+    from dashboard import formatting
+
+    assert formatting.names(["a", "b"]) == "a, b"
+    assert formatting.names([f"r{i}" for i in range(8)], limit=3) == "r0, r1, r2 and 5 more"
