@@ -145,8 +145,7 @@ class KVScopeWorker:
             self._range_logged = True
             logger.error("kvscope: %s job %d for request %s addresses host slots, slot pieces or device blocks "
                          "outside this worker's (%d slots, %d blocks), or one of them twice; it fails (a load "
-                         "is recomputed). Please "
-                         "report the model and its parallel configuration",
+                         "is recomputed). Please report the model and its parallel configuration",
                          job.direction, job.job_id, job.req_id, n, blocks)
         return False
 

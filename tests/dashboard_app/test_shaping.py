@@ -11,6 +11,7 @@ import pytest
 from dashboard import traces
 
 from .conftest import MALFORMED, TWO_ROUNDS
+from .test_joins import copy, load
 from .test_reader import line, lookup, span, write
 
 
@@ -224,8 +225,6 @@ def test_a_request_without_lookup_arrives_at_its_first_load(tmp_path):
 def test_a_failed_load_and_its_second_lookup_both_count(tmp_path):
     """kvscope looks a request up again after its load failed (hit 0: it recomputes); Prometheus counts
     both lookups (kvscope_lookup_tokens_total / kvscope_hit_tokens_total), and so does the table."""
-    from .test_joins import copy, load
-
     t = 1_700_000_000_000_000_000
     failed = copy("load", 0, "r", span_id="03" * 8, parent="02" * 8, start=t + 20)
     failed["status"] = {"code": 2}
