@@ -423,6 +423,11 @@ def test_a_job_addressing_slots_past_the_host_buffer_fails_without_copying(caplo
     worker = KVScopeWorker(None, engine.layout, engine.num_slots, ["full_attention", "full_attention"], 0,
                            KVScopeTracing.disabled())
     worker.engine = engine
+    copied = []  # every copy the worker asked for: none of a refused job (on CUDA each is a raw address)
+    for direction in ("load", "store"):
+        copy = getattr(engine, direction)
+        setattr(engine, direction, lambda group, slots, subs, blocks, copy=copy: (
+            copied.append((group, list(blocks))), copy(group, slots, subs, blocks))[1])
     before = _block_bytes(t0, 2).clone()
     with caplog.at_level("ERROR", logger="connector.worker"):
         worker.wait_for_save(KVScopeMetadata(stores=[TransferJob(1, "a", STORE, [GroupTransfer(0, [3], [4], [0])])]))
@@ -442,15 +447,20 @@ def test_a_job_addressing_slots_past_the_host_buffer_fails_without_copying(caplo
         # two copies to one place: a device block (one block pool serves both groups), a slot piece
         worker.start_load_kv(KVScopeMetadata(loads=[TransferJob(11, "k", LOAD, [GroupTransfer(0, [5], [3], [0]),
                                                                                  GroupTransfer(1, [5], [3], [0])])]))
-        worker.wait_for_save(KVScopeMetadata(stores=[TransferJob(12, "l", STORE, [GroupTransfer(0, [5, 6], [3, 3], [1, 1])])]))
+        worker.wait_for_save(KVScopeMetadata(stores=[TransferJob(12, "l", STORE, [GroupTransfer(0, [5, 6], [3, 3], [0, 0])])]))
         # the same slot piece in two groups, distinct blocks: well formed
         worker.start_load_kv(KVScopeMetadata(loads=[TransferJob(13, "m", LOAD, [GroupTransfer(0, [5], [3], [0]),
                                                                                  GroupTransfer(1, [6], [3], [0])])]))
+        # a load the scheduler failed at planning, well formed or not: never copied
+        worker.start_load_kv(KVScopeMetadata(loads=[TransferJob(14, "n", LOAD, [GroupTransfer(0, [7], [3], [0])],
+                                                                failed_at_plan=True)]))
+        worker.start_load_kv(KVScopeMetadata(loads=[TransferJob(15, "o", LOAD, [], failed_at_plan=True)]))
     meta = worker.build_worker_meta()
-    assert meta.failed_jobs == {1: 1, 2: 1, 4: 1, 5: 1, 6: 1, 7: 1, 8: 1, 9: 1, 10: 1, 11: 1, 12: 1}
+    assert meta.failed_jobs == {1: 1, 2: 1, 4: 1, 5: 1, 6: 1, 7: 1, 8: 1, 9: 1, 10: 1, 11: 1, 12: 1, 14: 1, 15: 1}
     assert meta.completed_jobs == {3: 1, 13: 1}
-    failed_loads = {"b", "f", "g", "h", "i", "j", "k"}
+    failed_loads = {"b", "f", "g", "h", "i", "j", "k", "n", "o"}
     assert worker.transfer_results() == (failed_loads | {"m"}, failed_loads)
+    assert copied == [(0, [3]), (0, [5]), (1, [6])]  # jobs 3 and 13 only
     assert torch.equal(_block_bytes(t0, 2), before)
     assert sum("outside this worker's (4 slots" in r.getMessage() for r in caplog.records) == 1  # said once
 
