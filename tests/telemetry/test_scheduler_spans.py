@@ -97,14 +97,18 @@ def test_one_scan_span_per_group_under_the_load_with_the_planners_counts():
 
 
 def test_stats_agree_with_the_spans():
+    """Several loads in one stats interval, as in a busy step: each is counted once."""
     tracing, exporter = in_memory_tracing()
     sched = make_scheduler(tracing)
-    request = make_request("r1", 200)
-    store_everything(sched, request)
-    plan(sched, request)
+    for rid in ("r1", "s2", "t3"):
+        request = make_request(rid, 200)
+        store_everything(sched, request)
+        plan(sched, request)
     data = sched.take_stats().data
+    tracing.force_flush()
     scans = [_attrs(s) for s in exporter.get_finished_spans() if s.name == "kvscope.group.scan"]
-    assert data["lookup_tokens"] == 200 and data["hit_tokens"] == 192
+    assert len(scans) == 3 * len(LAYOUTS)
+    assert data["lookup_tokens"] == 3 * 200 and data["hit_tokens"] == 3 * 192
     assert sum(data["scan_blocks"].values()) == sum(a["kvscope.group.blocks.total"] for a in scans)
     assert sum(data["null_blocks_skipped"].values()) == sum(a["kvscope.group.blocks.null_skipped"] for a in scans)
 
@@ -268,22 +272,23 @@ def test_sampling_keeps_or_drops_whole_requests():
 
 
 class _ExplodingTracing(KVScopeTracing):
-    """Disabled tracing that fails the test if any span is asked for."""
+    """Disabled tracing that fails the test if any span, id or trace context is asked for."""
 
     def __init__(self):
         super().__init__(None)
+        self._ids = None  # drawing an id would raise too
 
-    def start_span(self, *a, **k):
-        raise AssertionError("a span was built with tracing off")
+    def _explode(self, *a, **k):
+        raise AssertionError("span bookkeeping with tracing off")
 
-    def record_span(self, *a, **k):
-        raise AssertionError("a span was built with tracing off")
+    start_span = record_span = open_span = end_span = record = end_load = _explode
+    parent_from_trace_headers = context_from_trace_headers = carrier_of = _explode
 
 
 def test_tracing_off_builds_no_span_and_still_plans():
     sched = make_scheduler(_ExplodingTracing())
     assert not sched.tracing.enabled
-    request = make_request("r1", 200)
+    request = make_request("r1", 200, {"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"})
     store_everything(sched, request)
     external, _, _ = plan(sched, request)
     assert external == 192
