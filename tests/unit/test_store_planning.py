@@ -311,6 +311,20 @@ def test_tokens_not_yet_verified_are_never_stored():
     assert stored[1] == [200, 201, 202, 203]
 
 
+def test_draft_tokens_of_this_step_are_never_final():
+    """Whatever a request knows past them, the KV a step computes for its drafts is not final: with
+    62 tokens computed and a token and 2 drafts scheduled, block 3 (tokens 48..63) waits."""
+    sched, manager = _scheduler()
+    sched._requests["r"] = _state("r", 200)
+    manager.ids = _ids(0)
+    out = _output(cached=[("r", ([], []), 62)])
+    out.num_scheduled_tokens = {"r": 3}
+    out.scheduled_spec_decode_tokens = {"r": [1, 2]}
+    meta = sched.build_connector_meta(out)
+    stored = {p.group_index: p.block_ids for job in meta.stores for p in job.groups}
+    assert stored[0] == [100, 101, 102] and stored[1] == [200, 201, 202]
+
+
 def test_tokens_a_drafter_may_write_again_are_not_stored():
     """vLLM's multi-module MTP re-prefills the last `num_prefill_lookahead_tokens - 1` tokens'
     drafter KV; vLLM does not cache them as final, nor does kvscope store them."""
@@ -448,13 +462,13 @@ def test_a_load_vllm_asks_for_without_a_lookup_fails_whole_and_copies_nothing():
     sched, manager = _scheduler()
     _stored(sched, (0, "h3"), (1, "h3"), (0, "h7"), (1, "h7"))
     request = _state("r", 256).request
-    sched.update_state_after_alloc(request, SimpleNamespace(get_block_ids=lambda: _ids(64, 16)), 64)
+    sched.update_state_after_alloc(request, SimpleNamespace(get_block_ids=lambda: _ids(64, 16)), 72)
     (job,) = sched.build_connector_meta(_output()).loads
     assert job.failed_at_plan and job.groups == []
     assert all(entry.pins == 0 for entry in sched.index._entries.values())
     _report(sched, job, failed=True)
     assert sched._jobs == {} and sched.index.is_ready((1, "h7"))
-    assert sched.take_stats().data["load_failures"] == 4 + 4  # the 64 external tokens' blocks, each group
+    assert sched.take_stats().data["load_failures"] == 5 + 5  # the blocks 72 external tokens span, each group
 
 
 def test_a_block_whose_key_changes_under_it_is_given_up():
