@@ -13,6 +13,7 @@ import inspect
 import json
 import secrets
 from collections import defaultdict
+from unittest import mock
 
 import pytest
 from vllm.v1.worker.gpu.kv_connector import ActiveKVConnector
@@ -285,6 +286,41 @@ def test_known_vllm_gap_mamba_align_with_partial_hash_hits_caches_a_state_under_
     assert result.violations and all("req_id='c'" in v and "not the state after 576 tokens" in v
                                       for v in result.violations), result.violations
     assert result.vllm_mamba_align and result.verdict == "vllm_mamba_align" and result.failure is None
+
+
+def test_the_fuzzer_tells_the_known_admission_stall_apart_where_vllms_own_estimate_fits():
+    """The stall of `test_known_vllm_gap_async_loads_admitted_past_their_reserve_stall_the_scheduler`,
+    where vLLM's capped estimate of what the stuck requests need fits in the free blocks, but the
+    head one's next chunk (its sliding-window group needs every block the chunk spans) does not
+    (random workload seed 160364, shrunk; it was reported as a failure before)."""
+    from tests.compat import workload_fuzz
+
+    plan = {"seed": 160364, "config": {"block_size": 256, "workers": 1, "async_scheduling": False, "runner": "v1",
+                                       "num_blocks": 100, "max_num_batched_tokens": 512, "cpu_bytes": 1310720000},
+            "rounds": [{"between": "none", "phases": [
+        {"pause_after": None, "abort_on_schedule": [], "abort_after": [], "adds": [
+            {"id": "k0-1", "prompt": [["160364s1", 495]], "max_tokens": 2, "salt": None},
+            {"id": "k0-2", "prompt": [["160364p1", 700], ["160364s2", 42]], "max_tokens": 2, "salt": None},
+            {"id": "k0-3", "prompt": [["160364p0", 358], ["160364s3", 17]], "max_tokens": 150, "salt": None}]},
+        {"pause_after": None, "abort_on_schedule": [], "abort_after": [], "adds": [
+            {"id": "k0-4", "prompt": [["160364s1", 495], ["160364s4", 80]], "max_tokens": 150, "salt": None},
+            {"id": "k0-5", "prompt": [["160364p1", 700], ["160364s2", 39]], "max_tokens": 2, "salt": None},
+            {"id": "k0-6", "prompt": [["160364p0", 358], ["160364s3", 17], ["gen", 150]], "max_tokens": 1, "salt": None}]}]}]}
+    seen = []  # at the stall: (vLLM's estimate for the stuck requests, the head's next chunk, free blocks)
+    tell = workload_fuzz._stalled_by_vllm
+
+    def telling(engine):
+        scheduler = engine.scheduler
+        seen.append((sum(scheduler._request_remaining_blocks(r) for r in scheduler.requests.values()),
+                     workload_fuzz._next_chunk_blocks(scheduler, scheduler.kv_holding_waiting.peek_request()),
+                     scheduler.kv_cache_manager.block_pool.get_num_free_blocks()))
+        return tell(engine)
+
+    with mock.patch.object(workload_fuzz, "_stalled_by_vllm", telling):
+        result = workload_fuzz.execute(plan)
+    assert result.verdict == "vllm_stall" and result.failure is None and not result.violations
+    (estimate, chunk, free), = seen
+    assert estimate <= free < chunk  # vLLM's estimate fits; the chunk it asks blocks for does not
 
 
 def test_a_request_whose_load_failed_recomputes_instead_of_waiting_for_its_own_reserve(model_path, monkeypatch):

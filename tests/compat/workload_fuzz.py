@@ -374,7 +374,8 @@ def _vllm_mamba_align(config: dict, engine) -> bool:
 def _stalled_by_vllm(engine) -> list[str] | None:
     """The requests of vLLM's known admission stalls, or None when the engine is stuck otherwise.
 
-    vLLM admits async loads whose remaining prefills need more device blocks together than are free;
+    vLLM admits async loads whose remaining prefills need more device blocks together than are free,
+    or whose first one's next chunk does (`_next_chunk_blocks`: more than vLLM's estimate counts);
     with nothing running nothing can be preempted, and they wait for ever. Or a failed load frees
     its request's blocks, that request stays first in the queue and cannot be admitted, and vLLM
     never reaches the requests behind it that hold blocks (README, "Device KV headroom"). kvscope's
@@ -403,10 +404,29 @@ def _stalled_by_vllm(engine) -> list[str] | None:
 
     if not stuck or not all(settled(r) for r in stuck):
         return None
+    free = manager.block_pool.get_num_free_blocks()
     needed = sum(scheduler._request_remaining_blocks(r) for r in stuck if r.request_id in loaded)
-    if needed <= manager.block_pool.get_num_free_blocks():
+    head = scheduler.kv_holding_waiting.peek_request() if len(scheduler.kv_holding_waiting) else None
+    if needed <= free and not (head is not None and head.request_id in loaded and head.request_id not in failed
+                               and _next_chunk_blocks(scheduler, head) > free):
         return None
     return sorted(r.request_id for r in stuck)
+
+
+def _next_chunk_blocks(scheduler, request) -> int:
+    """The blocks vLLM's `allocate_slots` asks for the request's next chunk. vLLM admits an async load
+    against a capped estimate of what the request still needs (`_request_remaining_blocks`); a
+    sliding-window group's chunk after the load can need more (every block the chunk spans), and
+    the request heads the queue of those holding KV: vLLM's scan stops there (seed 160364)."""
+    manager = scheduler.kv_cache_manager
+    computed = request.num_computed_tokens
+    end = min(request.num_tokens, computed + scheduler.scheduler_config.max_num_batched_tokens)
+    return manager.coordinator.get_num_blocks_to_allocate(
+        request_id=request.request_id,
+        num_tokens=min(end + scheduler.num_lookahead_tokens, scheduler.max_model_len),
+        new_computed_blocks=manager.empty_kv_cache_blocks.blocks, num_encoder_tokens=0,
+        total_computed_tokens=computed, num_local_computed_tokens=computed, num_tokens_main_model=end,
+        prefill_end=max(request.num_prompt_tokens, request.num_tokens - 1))
 
 
 # ----------------------------------------------------------------------------- shrinking
