@@ -372,9 +372,9 @@ class ModelFreeEngine:
 
         glue = self.v2_glue[rank]
         with _as_transfer_group(self.workers[rank]):
+            self._zero_and_copy_blocks(rank, out)  # `update_requests`: before `pre_forward`, and `no_forward` too
             if out.total_num_scheduled_tokens == 0:
                 return glue.no_forward(out).kv_connector_output
-            self._zero_and_copy_blocks(rank, out)  # `update_requests`, before `pre_forward`
             with set_forward_context(None, self.vllm_config):
                 glue.pre_forward(out)
                 self._forward_all(rank, forwards)

@@ -420,7 +420,13 @@ def _next_chunk_blocks(scheduler, request) -> int:
     the request heads the queue of those holding KV: vLLM's scan stops there (seed 160364)."""
     manager = scheduler.kv_cache_manager
     computed = request.num_computed_tokens
-    end = min(request.num_tokens, computed + scheduler.scheduler_config.max_num_batched_tokens)
+    chunk = scheduler.scheduler_config.max_num_batched_tokens
+    threshold = scheduler.scheduler_config.long_prefill_token_threshold
+    if 0 < threshold < chunk:  # vLLM cuts a long prefill's chunk to it
+        chunk = threshold
+    # vLLM frees the blocks out of the window before asking (`remove_skipped_blocks`): it tried every
+    # step of the stall, so those are free by now and the count below is what it asks for
+    end = min(request.num_tokens, computed + chunk)
     return manager.coordinator.get_num_blocks_to_allocate(
         request_id=request.request_id,
         num_tokens=min(end + scheduler.num_lookahead_tokens, scheduler.max_model_len),
