@@ -42,9 +42,11 @@ def duration(seconds) -> str:
     if _missing(seconds):
         return MISSING
     s = float(seconds)
-    if abs(s) < 1:
-        return f"{s * 1e3:.3g} ms"
-    if abs(s) < 60:
+    # Rounded before the unit is chosen: 0.9996 s is "1.0 s", not "1e+03 ms"; 59.97 s is "1 min 0 s", not "60.0 s".
+    ms = f"{s * 1e3:.3g}"
+    if abs(float(ms)) < 1000:
+        return f"{ms} ms"
+    if abs(round(s, 1)) < 60:
         return f"{s:.1f} s"
     whole = round(s)
     if whole < 3600:

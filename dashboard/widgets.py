@@ -24,8 +24,9 @@ def read_problems(read: traces.Traces) -> None:
     if not read.problems:
         return
     spans = sum(p.spans or 0 for p in read.problems)
-    unknown = sum(1 for p in read.problems if p.spans is None)
-    lines = sum(1 for p in read.problems if p.line)
+    # places, not problems: one line can break the contract in several ways
+    unknown = len({(p.file, p.line) for p in read.problems if p.spans is None})
+    lines = len({(p.file, p.line) for p in read.problems if p.line})
     skipped = f"{spans} kvscope span(s) skipped"
     if unknown:  # a line that does not parse (or a file not read) held how many? nobody can tell
         skipped += f", and an unknown number in {unknown} line(s) or file(s) that could not be read"
@@ -62,8 +63,8 @@ def request_numbers(request: pd.Series) -> None:
         st.warning("No copy span of its load was recorded (worker trace file missing or cut short?): its load "
                    "time and bytes are unknown.", icon=":material/warning:")
     elif request["load_mistimed"]:
-        st.warning("A copy span of its load ends before it starts or starts before the load (timed on another "
-                   "clock?): its load time is left out.", icon=":material/warning:")
+        st.warning("A copy span of its load ends before it starts or starts more than 1 ms before the load "
+                   "(placed on another clock?): its load time is left out.", icon=":material/warning:")
     if request["load_failed"]:
         st.error("A load of this request failed on a worker (copy span with status ERROR): vLLM recomputed "
                  "its tokens instead. " + traces.LOAD_FAILED_DEFINITION, icon=":material/error:")

@@ -4,6 +4,7 @@ Pure: no Streamlit, no clock, no network. `reader` turns OTLP/JSON lines into on
 span plus the problems it skipped; the other modules shape that span frame into the tables and
 series the pages show, and never re-read files:
 
+- `file_formats`: gzip, zstd, Prometheus text, pretty-printed JSON -> JSON lines;  `problems`: what was skipped;
 - `schema`: the span contract as frame columns;  `request_table`: one row per request;
 - `hit_rates`, `group_stats`, `headline`: the overview;  `waterfall`: one request;  `replay`.
 
@@ -24,15 +25,13 @@ from dashboard.traces.hit_rates import (
     hit_rate_over_time,
     pick_bucket_seconds,
 )
+from dashboard.traces.problems import Problem, problem_lines, problems_frame
 from dashboard.traces.reader import (
     DecodedSpans,
-    Problem,
     Traces,
     TraceSource,
     decode_lines,
     decode_spans,
-    problem_lines,
-    problems_frame,
     read_trace_files,
     supported_version,
     unsupported_version_reason,

@@ -8,7 +8,7 @@ import numpy as np
 import pandas as pd
 
 from dashboard.traces.request_table import load_rows
-from dashboard.traces.schema import DIRECTIONS, GROUP_KEYS, PAST_TENSE, copies_of, group_label, scans_of
+from dashboard.traces.schema import DIRECTIONS, GROUP_KEYS, PAST_TENSE, copies_of, duration_ok, group_label, scans_of
 
 
 def _observed_groupby(frame: pd.DataFrame, keys: list[str]):
@@ -77,14 +77,14 @@ def copy_throughput(spans: pd.DataFrame) -> pd.DataFrame:
     """Per group and direction: copies, bytes, summed copy time and throughput.
 
     `gb_per_s` is Σ bytes / Σ copy seconds (1 GB = 1e9 bytes) and `p50_gb_per_s` the median of the
-    per-copy throughputs, both over the copies timed on a trusted clock (`clock_ok`); copies and bytes
-    count them all.
+    per-copy throughputs, both over the copies whose duration can be trusted (`duration_ok`); copies and
+    bytes count them all. A group with no such copy has unknown (NaN) copy time and throughput.
     """
     cols = [*GROUP_KEYS, "direction", "copies", "blocks", "bytes", "copy_seconds", "gb_per_s", "p50_gb_per_s"]
     copies = copies_of(spans)
     if copies.empty:
         return pd.DataFrame(columns=cols)
-    timed = copies["clock_ok"]
+    timed = duration_ok(copies)
     copies = copies.assign(
         direction=copies["copy_direction"].astype(str),
         seconds=(copies["duration_ms"] / 1e3).where(timed),
@@ -97,8 +97,8 @@ def copy_throughput(spans: pd.DataFrame) -> pd.DataFrame:
         "copies": g.size(),
         "blocks": g["copy_blocks"].sum(),
         "bytes": g["copy_bytes"].sum(),
-        "copy_seconds": g["seconds"].sum(),
-        "timed_bytes": g["timed_bytes"].sum(),
+        "copy_seconds": g["seconds"].sum(min_count=1),  # NaN, not 0 s, when none is timed
+        "timed_bytes": g["timed_bytes"].sum(min_count=1),
         "p50_gb_per_s": g["per_copy"].median(),
     })
     out["gb_per_s"] = out["timed_bytes"] / out["copy_seconds"].where(out["copy_seconds"] > 0) / 1e9

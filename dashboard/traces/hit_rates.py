@@ -11,8 +11,8 @@ import pandas as pd
 HIT_RATE_DEFINITION = (
     "Token hit rate: Σ `tokens.hit` / Σ `tokens.queried` over every `kvscope.lookup` span, as "
     "`kvscope_hit_tokens_total` / `kvscope_lookup_tokens_total` count them: a request whose load failed "
-    "is looked up again (hit 0, it recomputes) and both lookups count; a request resumed after "
-    "preemption is not looked up again."
+    "may be looked up again; every recorded lookup counts, as in the counters. A request resumed after "
+    "preemption records no second lookup."
 )
 
 

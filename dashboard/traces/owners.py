@@ -15,6 +15,11 @@ import pandas as pd
 
 from dashboard.traces.schema import COPY, LOAD, SCAN, STORE
 
+# A copy's interval is measured on one clock (on a GPU, between two device events) and then placed on
+# the scheduler's wall clock; that placement can be off by up to about 1 ms (the connector's CUDA
+# tests accept ±1 ms). A copy starting within this much before its load or store is no other clock.
+CLOCK_TOLERANCE_NS = 1_000_000
+
 _SAME_PLACE = ["source_file", "trace_id"]  # an owner is looked for in its child's file and trace first
 _OWNER_KIND = {"load": LOAD, "store": STORE}  # copy direction -> span that owns the copy
 
@@ -27,9 +32,9 @@ def owner_keys(spans: pd.DataFrame) -> pd.Series:
     one of its request id. A child whose parent is not in its file belongs to the parent in another
     file of its trace when only one load (store) of all the other files has that id, and is of the
     child's request when the child carries one. A copy still without owner belongs to the only load
-    (store) in its file and trace that can be its request's: the only one of its request id that
-    started before it, or the only one at all when the copy carries no request id (copies of requests
-    sharing one upstream trace must not join another's load).
+    (store) in its file and trace that can be its request's and started before it (within
+    `CLOCK_TOLERANCE_NS`): the only one of its request id, or the only one at all when the copy
+    carries no request id (copies of requests sharing one upstream trace must not join another's load).
     """
     owner = pd.Series(pd.NA, index=spans.index, dtype="Int64")
     name = spans["name"].astype(object)
@@ -53,13 +58,13 @@ def owner_keys(spans: pd.DataFrame) -> pd.Series:
     orphans = children[children["is_copy"] & ~children["child"].isin(found.index)]
     with_request = orphans[orphans["request_id"].notna()]
     of_request = with_request.merge(owners, on=[*_SAME_PLACE, "want", "request_id"], suffixes=("", "_owner"))
-    # a copy never starts before its load or store: a lost first load's copies are not the second's
-    of_request = of_request[of_request["start_ns"] >= of_request["start_ns_owner"]]
     without_request = orphans[orphans["request_id"].isna()].drop(columns="request_id")
     alone = owners[~owners.duplicated([*_SAME_PLACE, "want"], keep=False)]  # merging all would be copies x loads
     in_trace = without_request.merge(alone.drop(columns="request_id"), on=[*_SAME_PLACE, "want"],
                                      suffixes=("", "_owner"))
     for pairs in (of_request, in_trace):
+        # a copy never starts before its load or store: a lost first load's copies are not the second's
+        pairs = pairs[pairs["start_ns"] >= pairs["start_ns_owner"] - CLOCK_TOLERANCE_NS]
         found = pd.concat([found, _only_candidates(pairs)])
     owner.loc[found.index] = found.to_numpy()
     return owner
@@ -98,9 +103,9 @@ def _only_candidates(pairs: pd.DataFrame, prefer_same_request: bool = False) -> 
 
 
 def starts_before_owner(spans: pd.DataFrame) -> np.ndarray:
-    """Which spans start before the load or store they belong to (`owner_key`).
+    """Which spans start before the load or store they belong to (`owner_key`), by more than `CLOCK_TOLERANCE_NS`.
 
-    A worker's copies run after the scheduler planned them: one that starts earlier was timed on
+    A worker's copies run after the scheduler planned them: one that starts earlier was placed on
     another clock (another host's, or a GPU clock mapped wrongly), and its load time would be wrong.
     """
     has_owner = spans["owner_key"].notna().to_numpy()
@@ -108,5 +113,5 @@ def starts_before_owner(spans: pd.DataFrame) -> np.ndarray:
     if has_owner.any():
         owner_at = pd.Index(spans["span_key"]).get_indexer(spans["owner_key"][has_owner].astype("int64"))
         start = spans["start_ns"].to_numpy()
-        early[has_owner] = start[has_owner] < start[owner_at]
+        early[has_owner] = start[has_owner] < start[owner_at] - CLOCK_TOLERANCE_NS
     return early

@@ -16,7 +16,6 @@ import binascii
 import json
 import os
 import re
-import zlib
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -26,7 +25,9 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from dashboard.traces.owners import owner_keys, starts_before_owner
+from dashboard.traces.file_formats import as_json_lines
+from dashboard.traces.owners import CLOCK_TOLERANCE_NS, owner_keys, starts_before_owner
+from dashboard.traces.problems import Problem
 from dashboard.traces.schema import (
     ALLOWED_VALUES,
     ATTRIBUTE_COLUMNS,
@@ -35,16 +36,6 @@ from dashboard.traces.schema import (
     SPAN_COLUMNS,
     SUPPORTED_SCOPE_VERSIONS,
 )
-
-
-@dataclass(frozen=True)
-class Problem:
-    """Something the reader skipped: `line` is 1-based, 0 when it concerns the whole file."""
-
-    file: str
-    line: int
-    reason: str
-    spans: int | None = 0  # kvscope spans skipped because of it; None: unknown (a line or file not read)
 
 
 @dataclass(frozen=True)
@@ -105,7 +96,7 @@ def read_trace_files(sources: Iterable[str | os.PathLike[str] | TraceSource]) ->
     frames: list[pd.DataFrame] = []
     problems: list[Problem] = []
     files: list[str] = []
-    first_label: dict[Path, str] = {}
+    first_label: dict[Path, tuple[str, bool]] = {}  # a path -> the label it was first given as, and if it was read
     lines = other = 0
     for source in sources:
         if isinstance(source, TraceSource):
@@ -114,17 +105,20 @@ def read_trace_files(sources: Iterable[str | os.PathLike[str] | TraceSource]) ->
             label = os.fspath(source)
             resolved = Path(label).resolve()
             if resolved in first_label:
-                problems.append(Problem(label, 0, f"the same file as {first_label[resolved]}: read once"))
+                first, was_read = first_label[resolved]
+                problems.append(Problem(label, 0, f"the same file as {first}: "
+                                        + ("read once" if was_read else "it could not be read")))
                 continue
-            first_label[resolved] = label
+            first_label[resolved] = (label, False)
             try:
                 data = Path(label).read_bytes()
             except OSError as exc:
                 files.append(label)
                 problems.append(Problem(label, 0, f"cannot read file: {exc.strerror or exc}", spans=None))
                 continue
+            first_label[resolved] = (label, True)
         files.append(label)
-        data, found = _trace_lines(label, data)
+        data, found = as_json_lines(label, data)
         problems += found
         if data is None:
             continue
@@ -142,74 +136,6 @@ def read_trace_files(sources: Iterable[str | os.PathLike[str] | TraceSource]) ->
     return Traces(spans=spans, problems=problems, files=files, lines=lines, other_spans=other)
 
 
-_GZIP_MAGIC = b"\x1f\x8b"
-_ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
-ZSTD_COMPRESSED = ("zstd-compressed (the Collector's file exporter with `compression: zstd`?): decompress it "
-                   "first (`zstd -d FILE`) and open the result")
-GZIP_CUT_SHORT = ("gzip stream ends early (is the file still being written?): the lines before the cut are read, "
-                  "the rest is unknown")
-EXPECTED_JSON_LINES = ("expected JSON Lines: one ExportTraceServiceRequest per line (a pretty-printed export can be "
-                       "converted with `jq -c . FILE`)")
-PROMETHEUS_TEXT = ("looks like Prometheus metrics (text exposition format), not a trace file: the Live page "
-                   "shows kvscope's metrics from a Prometheus server")
-_FIRST_LINE = re.compile(rb"\s*([^\n]*)")  # the first line that is not blank
-# The first line of Prometheus' text format: a HELP/TYPE comment, or a sample such as `name{label="x"} 1.5`.
-_PROMETHEUS_LINE = re.compile(rb"# (HELP|TYPE|EOF)\b|[a-zA-Z_:][a-zA-Z0-9_:]*(\{[^}]*\})? +[-+0-9.eEINFinfNa]+( +\d+)?$")
-
-
-def _trace_lines(label: str, data: bytes) -> tuple[bytes | None, list[Problem]]:
-    """A file's bytes as JSON lines, and what was wrong with the file as a whole; None: nothing to read.
-
-    Decompresses gzip (a stream cut short keeps its complete lines), recognizes zstd and Prometheus
-    text, and turns one JSON document over several lines (a pretty-printed export, or a list of
-    exports) into one line.
-    """
-    if data[:4] == _ZSTD_MAGIC:
-        return None, [Problem(label, 0, ZSTD_COMPRESSED, spans=None)]
-    problems = []
-    if data[:2] == _GZIP_MAGIC:
-        try:
-            data, cut_short = _gunzip(data)
-        except zlib.error as exc:
-            return None, [Problem(label, 0, f"cannot decompress: {exc}", spans=None)]
-        if cut_short:
-            problems.append(Problem(label, 0, GZIP_CUT_SHORT, spans=None))
-    first = _FIRST_LINE.match(data).group(1).strip()
-    if _PROMETHEUS_LINE.match(first):
-        return None, problems + [Problem(label, 0, PROMETHEUS_TEXT)]
-    if first[:1] in (b"{", b"[") and not _parses(first):  # then a whole document that parses spans lines
-        try:
-            document = json.loads(data)
-        except (ValueError, RecursionError):
-            pass
-        else:  # one JSON document over many lines: read it as one line
-            return json.dumps(document).encode(), problems
-        if first in (b"{", b"["):  # no JSON line starts so: a pretty-printed document, and a broken one
-            return None, problems + [Problem(label, 0, f"{EXPECTED_JSON_LINES}; as one JSON document it does "
-                                                        "not parse either", spans=None)]
-    return data, problems
-
-
-def _parses(line: bytes) -> bool:
-    try:
-        json.loads(line)
-    except (ValueError, RecursionError):
-        return False
-    return True
-
-
-def _gunzip(data: bytes) -> tuple[bytes, bool]:
-    """The bytes of every gzip member, and whether the last one ends early; zlib.error when corrupt."""
-    parts = []
-    while data:
-        member = zlib.decompressobj(wbits=16 + zlib.MAX_WBITS)  # 16: a gzip header and trailer
-        parts.append(member.decompress(data))
-        if not member.eof:
-            return b"".join(parts), True
-        data = member.unused_data.lstrip(b"\0")  # members can follow; padding with zeros can too
-    return b"".join(parts), False
-
-
 def decode_spans(label: str, data: bytes) -> DecodedSpans:
     """Decode one file's bytes: the Arrow decoder when the file is clean, else line by line.
 
@@ -222,37 +148,6 @@ def decode_spans(label: str, data: bytes) -> DecodedSpans:
     lines = _split_lines(data)
     fast = otlp_arrow.decode(data, label, lines)
     return fast if fast is not None else decode_lines(label, lines)
-
-
-def problems_frame(problems: Sequence[Problem]) -> pd.DataFrame:
-    """Problems as a table sorted by file and line."""
-    frame = pd.DataFrame(
-        [(p.file, p.line, p.reason, p.spans) for p in problems],
-        columns=["file", "line", "reason", "spans skipped"],
-    )
-    return frame.sort_values(["file", "line"], kind="stable").reset_index(drop=True)
-
-
-def problem_lines(problems: Sequence[Problem], limit: int = 8) -> str:
-    """Where the problems are, briefly: "a.jsonl lines 3, 4, 10; b.jsonl (cannot read file: No such file or
-    directory)": a problem with a whole file says what it is, as the file may hold nothing else."""
-    by_file: dict[str, tuple[list[int], list[str]]] = {}
-    for p in problems:
-        lines, reasons = by_file.setdefault(p.file, ([], []))
-        if p.line and p.line not in lines:
-            lines.append(p.line)
-        elif not p.line and p.reason not in reasons:
-            reasons.append(p.reason)
-    parts = []
-    for file, (lines, reasons) in by_file.items():
-        name = Path(file).name if not file.startswith("upload: ") else file
-        where = [f"({reason})" for reason in reasons]
-        if lines:
-            shown = ", ".join(map(str, sorted(lines)[:limit]))
-            more = f" and {len(lines) - limit} more" if len(lines) > limit else ""
-            where.append(f"line{'s' if len(lines) > 1 else ''} {shown}{more}")
-        parts.append(f"{name} {' '.join(where)}")
-    return "; ".join(parts)
 
 
 def _split_lines(data: bytes) -> list[bytes]:
@@ -674,14 +569,20 @@ def _combine(frames: list[pd.DataFrame]) -> tuple[pd.DataFrame, list[Problem]]:
     return frame[list(SPAN_COLUMNS)], problems
 
 
-ENDS_BEFORE_START = ("span ends before it starts (endTimeUnixNano < startTimeUnixNano); left out of durations "
-                     "and load times")
-STARTS_BEFORE_OWNER = ("copy or scan starts before the load or store it belongs to (timed on another clock?); left "
-                       "out of durations and load times")
+ENDS_BEFORE_START = ("span ends before it starts (endTimeUnixNano < startTimeUnixNano); a copy that does is left "
+                     "out of copy durations and throughput, and its load gets no load time")
+STARTS_BEFORE_OWNER = (f"copy or scan starts more than {CLOCK_TOLERANCE_NS / 1e6:g} ms before the load or store it "
+                       "belongs to (placed on another clock?); a load copy's load gets no load time, and the span's "
+                       "own duration still counts")
 
 
 def _clock_problems(frame: pd.DataFrame) -> list[Problem]:
-    """Set `clock_ok` and report the spans whose times cannot be trusted (kept: their ids and bytes still count)."""
+    """Set `clock_ok` and report the spans whose times cannot be trusted (kept: their ids and bytes still count).
+
+    Only a span ending before it starts has a wrong duration (`schema.duration_ok`); one starting
+    before its owner was measured on its own clock, whose offset to the scheduler's is off: that
+    spoils its load's load time only.
+    """
     ends_early = (frame["end_ns"] < frame["start_ns"]).to_numpy()
     early = starts_before_owner(frame) & ~ends_early
     frame["clock_ok"] = ~(ends_early | early)

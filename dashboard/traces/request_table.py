@@ -14,7 +14,7 @@ LOAD_TIME_DEFINITION = (
     "in the same trace and file). Copy spans carry the measured copy interval. A request's load "
     "time is the sum over its loads (a request resumed after preemption loads again) that did not fail. "
     "A load with no copy span (worker file missing or cut short?) or with one timed on another clock "
-    "(it ends before it starts, or starts before the load: listed with the problems) has none."
+    "(it ends before it starts, or starts more than 1 ms before the load: listed with the problems) has none."
 )
 LOAD_FAILED_DEFINITION = (
     "A load failed when one of its copy spans has status ERROR (a worker could not load: vLLM "
@@ -41,7 +41,6 @@ REQUEST_COLUMNS = (
     "bytes_loaded",
     "bytes_stored",
     "lookups",
-    "load_span_id",
     "arrival_ns",
 )
 
@@ -49,8 +48,8 @@ REQUEST_COLUMNS = (
 def requests_table(spans: pd.DataFrame) -> pd.DataFrame:
     """One row per request (trace id, request id: see `REQUEST_KEY`), in arrival order (first lookup, else its load).
 
-    Tokens queried/hit are summed over the request's lookups (a load that failed is followed by a
-    second lookup, hit 0: both count, as in kvscope's and vLLM's counters); local/external/groups
+    Tokens queried/hit are summed over the request's lookups (a request whose load failed may be
+    looked up again: every recorded lookup counts, as in kvscope's counters); local/external/groups
     come from its first load (the one its hit planned); the load time (see `LOAD_TIME_DEFINITION`),
     the number of loads and whether one failed (`LOAD_FAILED_DEFINITION`) over all its loads; bytes
     from the copies of its loads and stores. Missing parts (no load for a miss, no copy spans
@@ -64,7 +63,6 @@ def requests_table(spans: pd.DataFrame) -> pd.DataFrame:
 
     by_lookup = lookups.groupby(REQUEST_KEY, sort=False)
     first_load = loads.drop_duplicates(REQUEST_KEY, keep="first").set_index(REQUEST_KEY)
-    last_load = loads.drop_duplicates(REQUEST_KEY, keep="last").set_index(REQUEST_KEY)
     ids = by_lookup.size().index.append(first_load.index.difference(by_lookup.size().index))
     out = pd.DataFrame(index=ids)
     # Nanosecond times stay integers: as float64 they would lose up to 256 ns.
@@ -75,7 +73,6 @@ def requests_table(spans: pd.DataFrame) -> pd.DataFrame:
     for col in ("tokens_local", "tokens_external", "groups"):
         out[col] = first_load[col].reindex(ids)
     out["lookups"] = by_lookup.size().reindex(ids).fillna(0).astype("int64")
-    out["load_span_id"] = last_load["span_id"].reindex(ids).fillna("")
 
     by_request = load_rows(spans).groupby(REQUEST_KEY, sort=False)
     out["loads"] = by_request.size().reindex(ids).fillna(0).astype("int64")
@@ -151,18 +148,16 @@ def _empty_requests() -> pd.DataFrame:
 REQUEST_FILTERS = ("all", "hits or loads", "misses", "failed loads")
 
 
-def search_requests(requests: pd.DataFrame, text: str, only_hits: bool = False, show: str = "all") -> pd.DataFrame:
+def search_requests(requests: pd.DataFrame, text: str, show: str = "all") -> pd.DataFrame:
     """Requests whose label, id or trace id contains `text` (case-insensitive), and of the kind `show` names
     (`REQUEST_FILTERS`): "hits or loads" (a request resumed after preemption can load what it stored
-    itself, with no hit; `only_hits` says the same), "misses" (the others) or "failed loads"."""
+    itself, with no hit), "misses" (the others) or "failed loads"."""
     out = requests
     text = text.strip().lower()
     if text:
         match = (out["request"].str.lower().str.contains(text, regex=False)
                  | out["trace_id"].str.contains(text, regex=False))
         out = out[match]
-    if only_hits:
-        show = "hits or loads"
     if show not in REQUEST_FILTERS:
         raise ValueError(f"show={show!r}: expected one of {', '.join(REQUEST_FILTERS)}")
     hit_or_load = (out["tokens_hit"].fillna(0) > 0) | (out["loads"] > 0)

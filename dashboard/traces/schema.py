@@ -85,7 +85,7 @@ SPAN_COLUMNS = (
     *(col for col, _ in ATTRIBUTE_COLUMNS.values()),
     "span_key",  # unique per row: what joins use, as span ids repeat across runs
     "owner_key",  # a copy's or scan's load or store (its span_key), NA when none (`owners`)
-    "clock_ok",  # False: it ends before it starts, or starts before its owner (reported by the reader)
+    "clock_ok",  # False: it ends before it starts, or starts before its owner: no load time (reported by the reader)
     "status_code",
     "attributes",
     "source_file",
@@ -109,12 +109,19 @@ def scans_of(spans: pd.DataFrame) -> pd.DataFrame:
 STATUS_ERROR = 2  # OTLP's STATUS_CODE_ERROR: a copy span of a copy that failed on its worker
 
 
+def duration_ok(spans: pd.DataFrame) -> pd.Series:
+    """Whether a span's duration can be trusted: it is measured on one clock (on a GPU, between two
+    device events), so only one that ends before it starts is wrong; an offset to another span's
+    clock (`clock_ok`) spoils load times, not durations."""
+    return spans["end_ns"] >= spans["start_ns"]
+
+
 def copies_of(spans: pd.DataFrame, direction: str | None = None, timed: bool = False) -> pd.DataFrame:
     """Copy spans of copies that ran (a failed copy's span, status ERROR, moved nothing and took no time);
-    `timed`: only those whose times can be trusted (`clock_ok`), for durations and throughput."""
+    `timed`: only those whose duration can be trusted (`duration_ok`), for durations and throughput."""
     copies = spans[(spans["name"] == COPY) & (spans["status_code"] != STATUS_ERROR)]
     if timed:
-        copies = copies[copies["clock_ok"]]
+        copies = copies[duration_ok(copies)]
     if direction is not None:
         copies = copies[copies["copy_direction"] == direction]
     return copies

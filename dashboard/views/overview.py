@@ -116,6 +116,7 @@ with st.expander("Definitions"):
     for text in (traces.HIT_RATE_DEFINITION, traces.LOAD_TIME_DEFINITION, traces.LOAD_FAILED_DEFINITION,
                  "All numbers cover the traced requests only: with `trace_sample_ratio` below 1 the totals "
                  "are that fraction of the engine's (Prometheus has every request).",
-                 "Copy throughput: Σ copy.bytes / Σ copy span duration per group and direction (1 GB = 1e9 bytes).",
+                 "Copy throughput: Σ copy.bytes / Σ copy span duration per group and direction (1 GB = 1e9 bytes), "
+                 "over the copies that do not end before they start; – where there are none.",
                  "Null-skip share: Σ group.blocks.null_skipped / Σ group.blocks.total over a group's scans."):
         st.markdown(f"- {text}")

@@ -122,7 +122,7 @@ def test_a_request_that_loads_again_after_preemption_sums_its_loads(tmp_path):
     assert row.bytes_loaded == 2 * 4096
     # "only hits or loads" keeps a request that loaded, even with no hit
     no_hit = requests.assign(tokens_hit=0)
-    assert len(traces.search_requests(no_hit, "", only_hits=True)) == 1
+    assert len(traces.search_requests(no_hit, "", show="hits or loads")) == 1
 
 
 def test_failed_copies_stay_out_of_copy_latency_and_throughput(model_path, tmp_path):

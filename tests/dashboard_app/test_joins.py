@@ -234,3 +234,20 @@ def test_two_runs_with_the_same_request_ids_are_two_requests_each(tmp_path):
     timeline = traces.replay_timeline(requests, read.spans)
     assert timeline["request"].tolist()[:2] == ["A · trace 1f1f1f1f", "B · trace 1e1e1e1e"]
     assert traces.find_request(requests, "2f" * 16, "A")["bytes_loaded"] == 7
+
+
+def test_a_copy_without_request_id_of_a_lost_first_load_does_not_join_the_second(tmp_path):
+    """A request resumed after preemption loads twice; the first load's line is lost, and its copy
+    carries no request id: it started before the second load, so it is not that load's."""
+    path = write(
+        tmp_path,
+        line(span("kvscope.load", {"kvscope.request.id": "A", "kvscope.tokens.local": 0, "kvscope.groups": 1},
+                  span_id="a2" * 8, start=T1)),  # lacks tokens.external: skipped
+        line(copy("load", 3000, span_id="a3" * 8, parent="a2" * 8, start=T1 + 20, end=T1 + 1_000_020)),
+        line(load("A", span_id="a4" * 8, start=T1 + 5_000_000)),
+        line(copy("load", 1000, span_id="a5" * 8, parent="a4" * 8, start=T1 + 5_000_010, end=T1 + 7_000_000)),
+    )
+    read = traces.read_trace_files([path])
+    assert [p.line for p in read.problems] == [1]  # the lost load; no copy "starts before its load"
+    requests = traces.requests_table(read.spans).set_index("request_id")
+    assert requests.loc["A", "bytes_loaded"] == 1000 and requests.loc["A", "load_ms"] == pytest.approx(2.0)

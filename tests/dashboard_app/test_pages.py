@@ -90,6 +90,19 @@ def test_problems_are_listed_with_line_numbers(monkeypatch):
     assert number(shown["Token hit rate"]) == pytest.approx(round((288 + 64) / (300 + 100 + 200) * 100, 1))
 
 
+def test_the_headline_counts_lines_not_problems(monkeypatch, tmp_path):
+    no_hit = lookup("r2", span_id="22" * 8)
+    no_hit["attributes"].pop()  # lacks kvscope.tokens.hit
+    path = tmp_path / "t.jsonl"
+    misshapen = json.dumps([{"resourceSpans": {}}, {"resourceSpans": "x"}])  # two problems, spans unknown
+    path.write_text(line(lookup("r1", span_id="bad"), no_hit) + "\n" + line(lookup("r3", span_id="33" * 8)) + "\n"
+                    + misshapen + "\n")
+    at = app(monkeypatch, path)
+    assert_ok(at)
+    assert ("4 problem(s) while reading the trace files (2 line(s), 2 kvscope span(s) skipped, and an unknown number "
+            "in 1 line(s) or file(s) that could not be read): t.jsonl lines 1, 3.") in at.warning[0].value
+
+
 @pytest.mark.parametrize("page", PAGES[:3])
 def test_trace_pages_without_files_say_how_to_add_them(monkeypatch, page):
     at = app(monkeypatch)

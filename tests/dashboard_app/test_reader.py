@@ -6,6 +6,8 @@ import base64
 import gzip
 import json
 import re
+import time
+import zlib
 from pathlib import Path
 
 import pandas as pd
@@ -13,7 +15,7 @@ import pyarrow as pa
 import pytest
 
 from dashboard import otlp_arrow, traces
-from dashboard.traces import reader
+from dashboard.traces import file_formats, reader
 
 from .conftest import MALFORMED, TWO_ROUNDS, raw_spans
 
@@ -202,7 +204,8 @@ def test_a_corrupted_gzip_file_is_a_problem_not_an_error(tmp_path):
     data[20:40] = b"\xff" * 20
     (tmp_path / "bad.jsonl.gz").write_bytes(bytes(data))
     read = traces.read_trace_files([tmp_path / "bad.jsonl.gz", TWO_ROUNDS])
-    assert [(p.line, p.reason.split(":")[0]) for p in read.problems] == [(0, "cannot decompress")]
+    assert [(p.line, p.reason.split(" (")[0]) for p in read.problems] == [(0, "cannot decompress past byte 0 of "
+                                                                                "its content")]
     assert len(read.spans) == len(raw_spans(TWO_ROUNDS))
 
 
@@ -278,6 +281,13 @@ def test_problem_lines_summary():
     problems = [traces.Problem("/x/a.jsonl", n, "bad") for n in range(1, 12)] + [traces.Problem("b.jsonl", 0, "gone")]
     assert traces.problem_lines(problems) == "a.jsonl lines 1, 2, 3, 4, 5, 6, 7, 8 and 3 more; b.jsonl (gone)"
     assert traces.problem_lines([traces.Problem("upload: c.jsonl", 4, "x")]) == "upload: c.jsonl line 4"
+
+
+def test_problem_lines_of_a_file_with_many_bad_lines_is_quick():
+    problems = [traces.Problem("a.jsonl", n, "bad") for n in range(100_000, 0, -1)]
+    start = time.perf_counter()
+    assert traces.problem_lines(problems).endswith("lines 1, 2, 3, 4, 5, 6, 7, 8 and 99992 more")
+    assert time.perf_counter() - start < 2  # each line looked up in a list: half a minute
 
 
 def test_problems_frame_is_sorted_by_file_and_line():
@@ -466,6 +476,23 @@ def test_a_broken_pretty_printed_export_is_one_problem(tmp_path):
     assert read.problems[0].reason.startswith("expected JSON Lines: one ExportTraceServiceRequest per line")
 
 
+def test_a_json_lines_file_is_not_parsed_whole_to_tell_its_kind(monkeypatch):
+    """Whether a file is one pretty-printed document shows in its first line's end: parsing a long first
+    line (or the whole file) to find out cost seconds."""
+    data = (line(lookup("r1", span_id="11" * 8)) + "\n" + line(lookup("r2", span_id="22" * 8)) + "\n").encode()
+    loads, parsed = json.loads, []
+    monkeypatch.setattr(json, "loads", lambda text, *a, **kw: parsed.append(text) or loads(text, *a, **kw))
+    assert file_formats.as_json_lines("t.jsonl", data) == (data, []) and parsed == []
+
+
+@pytest.mark.parametrize("stray", ["{", "[", '{"resourceSpans": ['])
+def test_a_bad_first_line_loses_only_itself(tmp_path, decoder, stray):
+    path = write(tmp_path, stray, line(lookup("r1", span_id="11" * 8)), line(lookup("r2", span_id="22" * 8)))
+    read = traces.read_trace_files([path])
+    assert list(read.spans["request_id"]) == ["r1", "r2"]
+    assert [(p.line, p.spans) for p in read.problems] == [(1, None)] and read.problems[0].reason.startswith("not JSON")
+
+
 def test_files_of_another_kind_say_what_they_are(tmp_path):
     prom = tmp_path / "metrics.txt"
     prom.write_text("# HELP kvscope_lookup_tokens_total Tokens looked up\n# TYPE kvscope_lookup_tokens_total counter\n"
@@ -480,6 +507,7 @@ def test_files_of_another_kind_say_what_they_are(tmp_path):
     assert reasons["metrics.txt"].reason.startswith("looks like Prometheus metrics") and "Live page" in \
         reasons["metrics.txt"].reason
     assert reasons["metrics_no_help.txt"].reason.startswith("looks like Prometheus metrics")
+    assert reasons["metrics.txt"].spans is None  # a file not read, like the zstd one: unknown
     assert "zstd-compressed" in reasons["t.jsonl.zst"].reason and "zstd -d" in reasons["t.jsonl.zst"].reason
     assert reasons["spans.json"].reason.startswith("no resourceSpans: a bare span, not a trace export")
     assert reasons["spans.json"].reason.endswith("(2 entries of the list)") and reasons["spans.json"].spans == 2
@@ -492,7 +520,7 @@ def test_a_gzip_file_still_being_written_keeps_its_complete_lines(tmp_path):
     cut.write_bytes(data[: len(data) * 2 // 3])
     read = traces.read_trace_files([cut])
     assert 0 < len(read.spans) < len(raw_spans(TWO_ROUNDS))
-    assert read.problems[0].line == 0 and read.problems[0].reason == reader.GZIP_CUT_SHORT
+    assert read.problems[0].line == 0 and read.problems[0].reason == file_formats.GZIP_CUT_SHORT
     assert all(p.line == 0 or p.reason == reader.INCOMPLETE_LAST_LINE for p in read.problems)
     members = tmp_path / "members.jsonl.gz"  # gzip members appended one after the other
     members.write_bytes(gzip.compress(line(lookup("r1", span_id="11" * 8)).encode() + b"\n")
@@ -501,12 +529,37 @@ def test_a_gzip_file_still_being_written_keeps_its_complete_lines(tmp_path):
     assert both.problems == [] and list(both.spans["request_id"]) == ["r1", "r2"]
 
 
+def test_gzip_data_after_corruption_or_trailing_bytes_loses_only_what_follows(monkeypatch):
+    text = "".join(line(lookup(f"r{i}", span_id=f"{i:016x}")) + "\n" for i in range(200)).encode()
+    packed = gzip.compress(text)
+    trailing = traces.read_trace_files([traces.TraceSource("t.jsonl.gz", packed + b"not gzip")])
+    assert len(trailing.spans) == 200 and [p.line for p in trailing.problems] == [0]
+    assert trailing.problems[0].reason.startswith("cannot decompress past byte 114,890 of its content (Error -3")
+
+    monkeypatch.setattr(file_formats, "_GZIP_CHUNK", 256)  # decompressed step by step: an error loses one step
+    corrupt = bytearray(packed)
+    middle = len(corrupt) // 2
+    corrupt[middle:middle + 16] = b"\xff" * 16
+    before = zlib.decompressobj(wbits=31).decompress(packed[:middle - 256]).count(b"\n")
+    read = traces.read_trace_files([traces.TraceSource("t.jsonl.gz", bytes(corrupt))])
+    assert read.spans["request_id"].tolist()[:before] == [f"r{i}" for i in range(before)] and before > 20
+    assert read.problems[0].line == 0 and read.problems[0].reason.startswith("cannot decompress past byte")
+    assert all(p.line > before for p in read.problems[1:])  # lines the corruption garbled, if any
+
+
 def test_the_same_file_given_twice_is_read_once(tmp_path):
     path = write(tmp_path, line(lookup()))
     read = traces.read_trace_files([path, tmp_path / "." / "t.jsonl"])
     assert len(read.spans) == 1 and read.files == [str(path)]
     assert [(p.line, p.spans) for p in read.problems] == [(0, 0)]
     assert read.problems[0].reason == f"the same file as {path}: read once"
+
+
+def test_a_file_given_twice_that_cannot_be_read_is_not_said_to_be_read(tmp_path):
+    missing = tmp_path / "gone.jsonl"
+    read = traces.read_trace_files([missing, tmp_path / "." / "gone.jsonl"])
+    assert [(p.line, p.spans) for p in read.problems] == [(0, None), (0, 0)]
+    assert read.problems[1].reason == f"the same file as {missing}: it could not be read"
 
 
 @pytest.mark.parametrize(
@@ -549,7 +602,9 @@ def test_a_misshapen_span_names_the_field(tmp_path, decoder, edit, reason):
     assert list(read.spans["request_id"]) == ["r1"]
 
 
-def test_spans_timed_on_another_clock_are_reported_and_not_timed(tmp_path, decoder):
+def test_spans_timed_on_another_clock_lose_only_the_times_they_spoil(tmp_path, decoder):
+    """A copy starting before its load was placed on another clock: its load time is unknown, its own
+    duration (measured on one clock) still counts. A copy ending before it starts has no duration."""
     from .test_joins import copy, load
 
     t = 1_700_000_000_000_000_000
@@ -567,9 +622,38 @@ def test_spans_timed_on_another_clock_are_reported_and_not_timed(tmp_path, decod
     assert [(p.line, p.spans) for p in read.problems] == [(2, 0), (3, 0)]
     assert read.problems[0].reason.startswith(reader.STARTS_BEFORE_OWNER)
     assert read.problems[1].reason.startswith(reader.ENDS_BEFORE_START)
+    assert "copy durations and throughput" in reader.ENDS_BEFORE_START  # says what is left out, and no more
     requests = traces.requests_table(read.spans).set_index("request_id")
     assert requests["load_ms"].isna().all() and requests["load_mistimed"].all()
     assert requests["bytes_loaded"].to_dict() == {"early": 100, "backwards": 7}  # the bytes were copied
-    assert traces.load_latency_quantiles(read.spans, traces.requests_table(read.spans))["count"].tolist() == [0]
+    quantiles = traces.load_latency_quantiles(read.spans, traces.requests_table(read.spans))
+    assert quantiles["count"].tolist() == [0, 1] and quantiles["max_ms"].iloc[1] == pytest.approx(1.0)
     throughput = traces.copy_throughput(read.spans)
-    assert throughput["copies"].tolist() == [2] and throughput["copy_seconds"].tolist() == [0]
+    assert throughput["copies"].tolist() == [2] and throughput["copy_seconds"].tolist() == pytest.approx([0.001])
+    assert throughput["gb_per_s"].tolist() == pytest.approx([100 / 0.001 / 1e9])
+
+
+def test_a_copy_starting_within_a_millisecond_before_its_load_is_on_its_clock(tmp_path):
+    """A GPU copy's interval is placed on the wall clock within about 1 ms: no problem, its load is timed."""
+    from .test_joins import copy, load
+
+    t = 1_700_000_000_000_000_000
+    path = write(tmp_path, line(load("r", span_id="a2" * 8, start=t + 5_000_000),
+                                copy("load", 100, "r", span_id="a3" * 8, parent="a2" * 8,
+                                     start=t + 4_500_000, end=t + 6_500_000)))
+    read = traces.read_trace_files([path])
+    assert read.problems == []
+    requests = traces.requests_table(read.spans)
+    assert requests["load_ms"].tolist() == pytest.approx([1.5]) and not requests["load_mistimed"].any()
+
+
+def test_a_group_without_a_trusted_copy_time_has_unknown_throughput(tmp_path):
+    from .test_joins import copy, load
+
+    t = 1_700_000_000_000_000_000
+    path = write(tmp_path, line(load("r", span_id="a2" * 8, start=t),
+                                copy("load", 100, "r", span_id="a3" * 8, parent="a2" * 8,
+                                     start=t + 3_000_000, end=t + 1_000_000)))
+    throughput = traces.copy_throughput(traces.read_trace_files([path]).spans)
+    assert throughput["copies"].tolist() == [1] and throughput["bytes"].tolist() == [100]
+    assert throughput[["copy_seconds", "gb_per_s", "p50_gb_per_s"]].isna().all(axis=None)  # unknown, not 0 s

@@ -178,7 +178,7 @@ def test_replay(read, requests, expected):
 
 def test_search(requests):
     assert traces.search_requests(requests, "R2-0").shape[0] == 10
-    shown = traces.search_requests(requests, "", only_hits=True)
+    shown = traces.search_requests(requests, "", show="hits or loads")
     loaded = requests[(requests["tokens_hit"] > 0) | (requests["loads"] > 0)]
     assert len(shown) == len(loaded) > 0 and set(shown["request_id"]) == set(loaded["request_id"])
     assert len(shown) < len(requests)  # the misses are left out
@@ -223,8 +223,8 @@ def test_a_request_without_lookup_arrives_at_its_first_load(tmp_path):
 
 
 def test_a_failed_load_and_its_second_lookup_both_count(tmp_path):
-    """kvscope looks a request up again after its load failed (hit 0: it recomputes); Prometheus counts
-    both lookups (kvscope_lookup_tokens_total / kvscope_hit_tokens_total), and so does the table."""
+    """A request whose load failed may be looked up again (when it restarts from nothing); Prometheus counts
+    every recorded lookup (kvscope_lookup_tokens_total / kvscope_hit_tokens_total), and so does the table."""
     t = 1_700_000_000_000_000_000
     failed = copy("load", 0, "r", span_id="03" * 8, parent="02" * 8, start=t + 20)
     failed["status"] = {"code": 2}
@@ -236,6 +236,7 @@ def test_a_failed_load_and_its_second_lookup_both_count(tmp_path):
     (row,) = requests.itertuples(index=False)
     assert (row.tokens_queried, row.tokens_hit, row.lookups, row.load_failed) == (6277, 1024, 2, True)
     assert traces.hit_rate(requests) == pytest.approx(1024 / 6277)
+    assert "may be looked up again; every recorded lookup counts" in traces.HIT_RATE_DEFINITION  # not always
 
 
 def test_search_filters(requests):
@@ -260,7 +261,10 @@ def test_a_selection_follows_its_request():
 
 @pytest.mark.parametrize(("seconds", "text"), [
     (0.0004, "0.4 ms"), (0.85, "850 ms"), (42.46, "42.5 s"), (185, "3 min 5 s"), (10_920, "3 h 2 min"),
-    (95_981_990.9, "1110.9 d"), (math.nan, "–")])
+    (95_981_990.9, "1110.9 d"), (math.nan, "–"),
+    # where rounding reaches the next unit
+    (0.9994, "999 ms"), (0.9996, "1.0 s"), (59.94, "59.9 s"), (59.97, "1 min 0 s"), (3599.4, "59 min 59 s"),
+    (3599.6, "1 h 0 min"), (-0.9996, "-1.0 s")])
 def test_durations_read_in_their_units(seconds, text):
     from dashboard import formatting
 

@@ -1,0 +1,49 @@
+"""What the trace reader skipped: one `Problem` per file and line, and how the pages list them."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+
+from dashboard.formatting import names
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Something the reader skipped: `line` is 1-based, 0 when it concerns the whole file."""
+
+    file: str
+    line: int
+    reason: str
+    spans: int | None = 0  # kvscope spans skipped because of it; None: unknown (a line or file not read)
+
+def problems_frame(problems: Sequence[Problem]) -> pd.DataFrame:
+    """Problems as a table sorted by file and line."""
+    frame = pd.DataFrame(
+        [(p.file, p.line, p.reason, p.spans) for p in problems],
+        columns=["file", "line", "reason", "spans skipped"],
+    )
+    return frame.sort_values(["file", "line"], kind="stable").reset_index(drop=True)
+
+
+def problem_lines(problems: Sequence[Problem], limit: int = 8) -> str:
+    """Where the problems are, briefly: "a.jsonl lines 3, 4, 10; b.jsonl (cannot read file: No such file or
+    directory)": a problem with a whole file says what it is, as the file may hold nothing else."""
+    by_file: dict[str, tuple[set[int], dict[str, None]]] = {}  # a set: a file can have 100k bad lines
+    for p in problems:
+        lines, reasons = by_file.setdefault(p.file, (set(), {}))
+        if p.line:
+            lines.add(p.line)
+        else:
+            reasons[p.reason] = None  # a dict keeps them in order, once each
+    parts = []
+    for file, (lines, reasons) in by_file.items():
+        name = Path(file).name if not file.startswith("upload: ") else file
+        where = [f"({reason})" for reason in reasons]
+        if lines:
+            where.append(f"line{'s' if len(lines) > 1 else ''} {names(sorted(lines), limit)}")
+        parts.append(f"{name} {' '.join(where)}")
+    return "; ".join(parts)
