@@ -4,7 +4,6 @@ well-formed with finite, positive ratios. No timing assertions (numbers are mach
 from __future__ import annotations
 
 import json
-import math
 
 import pytest
 
@@ -14,21 +13,18 @@ from bench import copy_bench, planner_bench, planner_vs_vllm, run_all  # noqa: E
 
 
 def _check(records: list[dict]) -> None:
+    """Well-formed records (`run_all.check_records`: exact keys, finite positive medians and ratios,
+    ratio_of exists; only `run_all.MAY_BE_ZERO` records may be 0), serialisable as results.json."""
     assert records
-    run_all.check_records(records)  # exact keys, finite positive medians and ratios, ratio_of exists
-    for r in records:
-        assert set(r) == {"name", "median", "unit", "ratio", "ratio_of"}
-        assert math.isfinite(r["median"]) and r["median"] > 0
-        if r["ratio"] is not None:
-            assert math.isfinite(r["ratio"]) and r["ratio"] > 0
-    json.dumps(records)  # serialisable as results.json
+    run_all.check_records(records)
+    json.dumps(records)
 
 
 def test_planner_vs_vllm_tiny():
     results = planner_vs_vllm.measure_all(quick=True, sizes=(128,), groups=(1, 2), repeats=1,
                                           min_sample_s=1e-4)
     records = planner_vs_vllm.to_records(results)
-    _check(records)
+    _check(records)  # the export helper's CPU may read 0 in so tiny a sample (`run_all.MAY_BE_ZERO`)
     # every kvscope side is compared on the same case with vLLM's planner; the instrumented scans
     # with the same scans uninstrumented; telemetry's cost with the uninstrumented planner
     names = {r["name"].split("[")[0] for r in records if r["ratio_of"]}
@@ -95,6 +91,15 @@ def test_results_files(tmp_path, monkeypatch):
 
 
 def test_bad_records_are_refused():
+    zero = {"median": 0.0, "unit": "us", "ratio": 0.0, "ratio_of": "a"}
+    run_all.check_records([{"name": "a", "median": 1.0, "unit": "us", "ratio": None, "ratio_of": None},
+                           {"name": "planner_vs_vllm.export_process_cpu[1g/128]", **zero}])  # may read 0
+    for name in ("planner_vs_vllm.kvscope_on[1g/128]", "planner_vs_vllm.export_process_cpu_total"):
+        with pytest.raises(ValueError, match="not a finite positive number"):
+            run_all.check_records([{"name": "a", "median": 1.0, "unit": "us", "ratio": None, "ratio_of": None},
+                                   {"name": name, **zero}])
+    with pytest.raises(ValueError, match="not a finite positive number"):
+        run_all.check_records([{"name": "planner_vs_vllm.export_process_cpu[1g/128]", **zero, "median": -1.0}])
     with pytest.raises(ValueError, match="ratio"):
         run_all.check_records([{"name": "a", "median": 1.0, "unit": "s", "ratio": float("nan"), "ratio_of": "a"}])
     with pytest.raises(ValueError, match="keys"):

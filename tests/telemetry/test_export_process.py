@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import select
 import signal
 import time
 
@@ -50,6 +51,30 @@ def _spans(path) -> list[dict]:
 
 def _sinks(path) -> Sinks:
     return Sinks(str(path), {}, {"service.name": "kvscope-test"})
+
+
+# How long a test waits for a signal to take effect on the helper: far past any scheduling delay.
+SIGNAL_DEADLINE_S = 30.0
+
+
+def _wait_until_dead(pid: int) -> None:
+    """Until the killed helper (our child) has exited: its end of the pipe is closed then. Not
+    reaped (``WNOWAIT``): the `ExportProcess` still reaps it through its own `Popen`."""
+    deadline = time.monotonic() + SIGNAL_DEADLINE_S
+    while os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None:
+        assert time.monotonic() < deadline, f"the helper (pid {pid}) still runs {SIGNAL_DEADLINE_S:.0f} s after SIGKILL"
+        time.sleep(0.01)
+
+
+def _wait_until_stopped(pid: int) -> None:
+    """Until the helper is really stopped (SIGSTOP takes effect asynchronously)."""
+    deadline = time.monotonic() + SIGNAL_DEADLINE_S
+    while True:
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] == "T":
+                return
+        assert time.monotonic() < deadline, f"the helper (pid {pid}) still runs {SIGNAL_DEADLINE_S:.0f} s after SIGSTOP"
+        time.sleep(0.01)
 
 
 def test_the_helper_writes_exactly_what_the_engine_process_would(tmp_path):
@@ -153,8 +178,9 @@ def test_a_dead_helper_fails_over_to_this_process_without_losing_later_spans(tmp
     helper = ExportProcess(_sinks(path))
     helper.export(_records(1))
     assert helper.force_flush(10_000)
-    os.kill(helper.pid, signal.SIGKILL)
-    time.sleep(0.2)
+    pid = helper.pid
+    os.kill(pid, signal.SIGKILL)
+    _wait_until_dead(pid)  # the next write finds the pipe broken
     with caplog.at_level(logging.WARNING):
         for _ in range(3):  # the first batch to reach the dead pipe fails over; all three must land
             helper.export(_records(1))
@@ -163,8 +189,9 @@ def test_a_dead_helper_fails_over_to_this_process_without_losing_later_spans(tmp
     failures = [r.getMessage() for r in caplog.records if "export process failed" in r.getMessage()]
     assert len(failures) == 1
     names = [s["name"] for s in _spans(path)]
-    # everything before the kill, and every batch after the failure was noticed
-    assert names.count("kvscope.lookup") >= 3
+    # the one exported before the kill, and all three after it: the first one, which found the
+    # pipe broken, is exported here by the fail-over
+    assert names.count("kvscope.lookup") == 4
 
 
 def test_a_forked_child_gets_its_own_helper_and_the_parents_still_exits(tmp_path):
@@ -240,9 +267,15 @@ def test_shutdown_does_not_hang_on_a_helper_that_stopped_reading(tmp_path, caplo
     assert helper.force_flush(10_000)
     pid = helper.pid
     os.kill(pid, signal.SIGSTOP)  # alive, never reads again
+    _wait_until_stopped(pid)
     writer = threading.Thread(target=lambda: [helper.export(_records(200)) for _ in range(100)], daemon=True)
     writer.start()
-    time.sleep(0.5)  # the pipe (1 MiB) is full: the writer waits for it, holding the exporter's lock
+    # Until the pipe (1 MiB) is full and the writer waits for it, holding the exporter's lock.
+    deadline = time.monotonic() + SIGNAL_DEADLINE_S
+    while not (helper._lock.locked() and helper._pending_bytes > 0 and not _writable(helper._fd)):
+        assert writer.is_alive(), "the writer finished: the stopped helper's pipe never filled up"
+        assert time.monotonic() < deadline, "the writer did not fill the stopped helper's pipe"
+        time.sleep(0.01)
     started = time.monotonic()
     with caplog.at_level(logging.WARNING):
         helper.shutdown()
@@ -252,6 +285,11 @@ def test_shutdown_does_not_hang_on_a_helper_that_stopped_reading(tmp_path, caplo
     with pytest.raises(ChildProcessError):
         os.waitpid(pid, os.WNOHANG)
     assert any("stopped reading" in r.getMessage() for r in caplog.records)
+
+
+def _writable(fd: int) -> bool:
+    """Whether the pipe takes a write now (room for at least PIPE_BUF bytes)."""
+    return bool(select.select([], [fd], [], 0)[1])
 
 
 def _numbered(first: int, count: int) -> list[tuple]:
@@ -341,8 +379,9 @@ def test_a_helper_dying_under_the_engine_threads_batches_fails_over_and_loses_no
     os.kill(helper.pid, signal.SIGSTOP)
     batches = _fill_the_pipe(helper, extra=5)  # part in the pipe, the rest waiting here
     waiting = helper._pending_bytes
-    os.kill(helper.pid, signal.SIGKILL)
-    time.sleep(0.2)
+    pid = helper.pid
+    os.kill(pid, signal.SIGKILL)
+    _wait_until_dead(pid)  # the next write finds the pipe broken
     last = 200 * batches
     with caplog.at_level(logging.WARNING):
         helper.export_nowait(_numbered(last + 1, 200))  # the write fails: no waiting, no raising

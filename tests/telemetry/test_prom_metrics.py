@@ -189,21 +189,35 @@ def test_a_metrics_port_in_use_stops_start_up_naming_the_key():
                                                 list(VLLM_LABELNAMES), per_engine_labelvalues(1))
 
 
-def test_only_the_first_api_server_serves_the_metrics_port():
+def test_only_the_first_api_server_serves_the_metrics_port(monkeypatch):
     """With `--api-server-count` > 1 vLLM builds the metrics in every front end: only the first binds
     the port (the others would fail to start on it; vLLM's own /metrics covers them)."""
     import socket
     from types import SimpleNamespace
 
+    import connector.connector as connector_module
     from connector import KVScopeConnector
     from connector.telemetry.testing import VLLM_LABELNAMES, metric_types_for, per_engine_labelvalues
 
+    def config(port: int, rank: int):
+        return SimpleNamespace(
+            kv_transfer_config=SimpleNamespace(kv_connector_extra_config={"cpu_bytes": 1 << 20, "metrics_port": port}),
+            parallel_config=SimpleNamespace(_api_process_rank=rank, _api_process_count=2))
+
+    def build(port: int, rank: int):
+        return KVScopeConnector.build_prom_metrics(config(port, rank), metric_types_for(CollectorRegistry()),
+                                                   list(VLLM_LABELNAMES), per_engine_labelvalues(1))
+
+    # The second front end on a port the first one holds: it starts, with its metrics, and binds nothing.
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        config = SimpleNamespace(
-            kv_transfer_config=SimpleNamespace(kv_connector_extra_config={"cpu_bytes": 1 << 20, "metrics_port": port}),
-            parallel_config=SimpleNamespace(_api_process_rank=1, _api_process_count=2))
-        KVScopeConnector.build_prom_metrics(config, metric_types_for(CollectorRegistry()), list(VLLM_LABELNAMES),
-                                            per_engine_labelvalues(1))  # the port is taken, and not asked for
+        assert isinstance(build(port, rank=1), KVScopePromMetrics)
+
+    # Both front ends, in order: the port is asked for once, by the first.
+    served: list[tuple[int, int]] = []
+    for rank in (0, 1):
+        monkeypatch.setattr(connector_module, "serve_metrics_port", lambda p, rank=rank: served.append((rank, p)))
+        build(port, rank)
+    assert served == [(0, port)]

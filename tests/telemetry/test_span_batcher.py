@@ -13,19 +13,31 @@ from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from connector.telemetry.span_batcher import SpanBatcher
 
 
+# How long a test waits for the export thread to reach the exporter, and how long a held exporter
+# waits for the test to let it go: far past any scheduling delay, so only a real hang trips them.
+ENTER_DEADLINE_S = 30.0
+HOLD_S = 30.0
+
+
 class Collect(SpanExporter):
     def __init__(self, block: threading.Event | None = None):
         self.batches: list[list] = []
         self.threads: set[str] = set()
         self.block = block
         self.shut = False
+        self.entered = threading.Event()  # the export thread is inside export()
+        self.returned = threading.Event()  # ... and has come back out of it
 
     def export(self, spans):
-        if self.block is not None:
-            self.block.wait(10)
-        self.threads.add(threading.current_thread().name)
-        self.batches.append(list(spans))
-        return SpanExportResult.SUCCESS
+        self.entered.set()
+        try:
+            if self.block is not None and not self.block.wait(HOLD_S):
+                self.block.set()  # held past any test's patience (a hang): stop holding the rest
+            self.threads.add(threading.current_thread().name)
+            self.batches.append(list(spans))
+            return SpanExportResult.SUCCESS
+        finally:
+            self.returned.set()
 
     def shutdown(self):
         self.shut = True
@@ -65,12 +77,12 @@ def test_a_full_queue_drops_instead_of_blocking_and_logs_once(caplog):
     sink = Collect(block=gate)  # the exporter hangs: the queue fills up
     batcher = SpanBatcher([sink], schedule_delay_s=0.01, max_queue=16, max_batch=4)
     batcher.on_end("first")
-    time.sleep(0.2)  # the export thread is now stuck inside export()
+    _wait_until_inside_export(sink)  # the export thread is stuck there until the test sets the gate
     with caplog.at_level(logging.WARNING, logger="connector.telemetry.span_batcher"):
-        started = time.perf_counter()
         for i in range(100):
             batcher.on_end(i)
-        assert time.perf_counter() - started < 0.5  # never waits for the exporter
+        # Every call came back while the only export is still held by the gate: none waited for it.
+        assert not sink.returned.is_set(), "on_end waited for the blocked exporter instead of dropping"
         assert batcher.dropped_spans == 100 - 16
         gate.set()
         assert batcher.force_flush(5000)
@@ -152,11 +164,16 @@ def test_spans_still_queued_at_interpreter_exit_reach_the_trace_file(tmp_path):
     assert [s["name"] for s in spans] == ["kvscope.load"]
 
 
+def _wait_until_inside_export(sink: Collect) -> None:
+    assert sink.entered.wait(ENTER_DEADLINE_S), (
+        f"the export thread did not reach export() within {ENTER_DEADLINE_S:.0f} s")
+
+
 class CollectNowait(Collect):
     """An exporter with a non-blocking path, as the export helper's (`ExportProcess`) has."""
 
-    def __init__(self, accepts: bool = True):
-        super().__init__()
+    def __init__(self, accepts: bool = True, block: threading.Event | None = None):
+        super().__init__(block)  # `block` holds `export` (the export thread's path) only
         self.accepts_nowait = accepts
         self.caught_up = 0
 
@@ -214,20 +231,14 @@ def test_until_the_exporter_accepts_batches_without_blocking_the_export_thread_s
 
 def test_while_the_export_thread_exports_the_engine_thread_neither_waits_nor_reorders():
     gate = threading.Event()
-
-    class Slow(CollectNowait):
-        def export(self, spans):
-            gate.wait(10)  # the export thread is stuck (a full pipe)
-            return super().export(spans)
-
-    sink = Slow()
+    sink = CollectNowait(block=gate)  # the export thread's export() is stuck (a full pipe)
     batcher = SpanBatcher([sink], schedule_delay_s=0.01, max_batch=4)
     batcher.on_end("tail")
-    time.sleep(0.2)  # the export thread now holds the export lock inside export()
-    started = time.perf_counter()
-    for i in range(12):
+    _wait_until_inside_export(sink)  # the export thread now holds the export lock inside export()
+    for i in range(12):  # three full batches
         batcher.on_end(i)
-    assert time.perf_counter() - started < 0.5
+    # Every call came back while the stuck export is still held by the gate: none waited for it.
+    assert not sink.returned.is_set(), "on_end waited for the export thread's export()"
     assert sink.spans == []  # nothing handed over past the stuck export: it would reorder
     gate.set()
     assert batcher.force_flush(5000)

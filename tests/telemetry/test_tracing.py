@@ -377,23 +377,71 @@ def test_log_once_exporter_logs_once_and_cools_down(caplog):
     assert "visible" in caplog.text
 
 
-def test_unreachable_otlp_endpoint_neither_blocks_nor_floods(caplog):
-    env = {
+def _unreachable_otlp_env(export_mode: str) -> dict[str, str]:
+    return {
         "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://127.0.0.1:9/v1/traces",  # discard port: refused
         "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf",
         "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT": "0.5",
+        "KVSCOPE_TRACE_EXPORT": export_mode,
     }
+
+
+def test_unreachable_otlp_endpoint_neither_blocks_nor_floods(caplog, monkeypatch):
+    """With the export in this process (``KVSCOPE_TRACE_EXPORT=thread``) the OTLP exporter shares the
+    engine's process: while it is stuck on the endpoint, span work still never waits for it, and
+    after its failure the endpoint is not tried again (nor logged again) for the cool-down."""
+    import threading
+
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+    entered, gate, returned = threading.Event(), threading.Event(), threading.Event()
+    attempts: list[int] = []
+    real_export = OTLPSpanExporter.export
+
+    def held_export(self, spans):  # the real export to the dead endpoint, held until the test lets go
+        attempts.append(len(spans))
+        entered.set()
+        try:
+            if not gate.wait(30):
+                gate.set()  # held past any test's patience (a hang): stop holding
+            return real_export(self, spans)
+        finally:
+            returned.set()
+
+    monkeypatch.setattr(OTLPSpanExporter, "export", held_export)
     with caplog.at_level(logging.DEBUG):
-        t = KVScopeTracing.from_config(None, 1.0, env=env)
+        t = KVScopeTracing.from_config(None, 1.0, env=_unreachable_otlp_env("thread"))
         assert t.enabled
-        started = time.monotonic()
+        _one_request(t)
+        assert entered.wait(30), "the export thread did not reach the OTLP exporter within 30 s"
+        for _ in range(200):  # 600 spans: more than a full batch (512) queued behind the stuck export
+            _one_request(t)
+        # Every span call came back while the only export is still stuck: none waited on the endpoint.
+        assert not returned.is_set(), "span work waited for the OTLP export"
+        gate.set()
+        assert t.force_flush(30_000)
+        assert t.force_flush(30_000)
+        t.shutdown()
+    # After the first failure, batches are dropped for the cool-down: the endpoint is not waited on again.
+    assert len(attempts) == 1, attempts
+    problems = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(problems) == 1, [r.getMessage() for r in problems]
+    assert "127.0.0.1:9" in problems[0].getMessage()
+
+
+def test_an_unreachable_otlp_endpoint_behind_the_export_helper_is_logged_here_once(caplog):
+    """The default export (a helper process): its warning comes back to this process, once, and
+    flushes still complete (the helper does not keep retrying the dead endpoint)."""
+    with caplog.at_level(logging.DEBUG):
+        t = KVScopeTracing.from_config(None, 1.0, env=_unreachable_otlp_env("process"))
+        assert t.enabled
         for _ in range(20):
             _one_request(t)
-        assert time.monotonic() - started < 0.5  # span work never waits on the endpoint
-        t.force_flush()
-        t.force_flush()
+        assert t.force_flush(30_000)
+        for _ in range(20):
+            _one_request(t)
+        assert t.force_flush(30_000)
         t.shutdown()
-        assert time.monotonic() - started < 5.0
     problems = [r for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(problems) == 1, [r.getMessage() for r in problems]
     assert "127.0.0.1:9" in problems[0].getMessage()
