@@ -54,7 +54,7 @@ def _recipe(name: str, window: int, layer_types: list[str] | None):
                                "num_attention_heads": 16, "num_key_value_heads": 4},
                             num_hidden_layers=8)
         return cfg, T.LlamaForCausalLM
-    raise ValueError(f"unknown tiny model {name!r}; known: llama, gemma3, gptoss, big-llama")
+    raise ValueError(f"unknown tiny model {name!r}; known: llama, gemma3, gptoss, qwen3next, big-llama")
 
 
 def build_model(name: str, window: int = 64, layer_types: list[str] | None = None,
