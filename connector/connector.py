@@ -144,6 +144,13 @@ class KVScopeConnector(KVConnectorBase_V1, SupportsHMA):
         return False
 
     @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        # vLLM asks while it builds its config (on GPUs, with full CUDA graphs), long before it builds
+        # the connector after loading the model: a bad key or value stops start-up here, at once.
+        parse_config(extra_config)
+        return False  # no per-layer work (whole-request loads, per-step stores): full graphs are fine
+
+    @classmethod
     def get_required_kvcache_layout(cls, vllm_config) -> str | None:
         return "LBHNC"  # blocks outermost, each block's K and V contiguous: page copies
 

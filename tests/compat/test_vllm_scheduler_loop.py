@@ -835,6 +835,32 @@ def test_sleep_mode_is_refused_at_start_up(model_path, role):
         KVScopeConnector(config, getattr(KVConnectorRole, role), _kv_cache_config(64, WINDOW))
 
 
+def test_a_bad_config_stops_vllm_while_it_builds_its_config_on_gpus(model_path):
+    """On a GPU (full CUDA graphs) vLLM asks the connector class whether it needs piecewise graphs
+    while it builds its config, before it loads the model: a bad key or value stops start-up there,
+    not minutes later when it builds the connector. The CPU platform has no graphs: patched to ask."""
+    from vllm.config import CUDAGraphMode, KVTransferConfig
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.platforms import current_platform
+
+    from connector import KVScopeConnector
+
+    def config(extra):
+        transfer = KVTransferConfig(kv_connector="KVScopeConnector", kv_connector_module_path="connector",
+                                    kv_role="kv_both", kv_connector_extra_config=extra)
+        return EngineArgs(model=model_path, skip_tokenizer_init=True, block_size=16,
+                          kv_transfer_config=transfer).create_engine_config()
+
+    with mock.patch.object(CUDAGraphMode, "has_full_cudagraphs", lambda self: True), \
+            mock.patch.object(type(current_platform), "support_static_graph_mode", classmethod(lambda cls: True)):
+        with pytest.raises(ValueError, match=r"unknown key\(s\) cpu_byte=67108864; accepted keys: cpu_bytes"):
+            config({"cpu_byte": 64 << 20})
+        with pytest.raises(ValueError, match="trace_sample_ratio=1.5 is not accepted"):
+            config({"cpu_bytes": 64 << 20, "trace_sample_ratio": 1.5})
+        config({"cpu_bytes": 64 << 20})
+    assert KVScopeConnector.requires_piecewise_for_cudagraph({"cpu_bytes": 64 << 20}) is False
+
+
 @pytest.mark.parametrize("kv_role", ["kv_producer", "kv_consumer"])
 def test_a_kv_role_other_than_both_is_refused_at_start_up(model_path, kv_role):
     """A host-tier cache stores and loads: the roles of disaggregated prefill would make it do half."""
