@@ -284,7 +284,9 @@ def test_shutdown_does_not_hang_on_a_helper_that_stopped_reading(tmp_path, caplo
     assert not writer.is_alive()  # the kill broke the pipe: the write failed instead of blocking
     with pytest.raises(ChildProcessError):
         os.waitpid(pid, os.WNOHANG)
-    assert any("stopped reading" in r.getMessage() for r in caplog.records)
+    # Killed and said so, whichever way shutdown found the writer: blocked on the full pipe holding the
+    # lock ("stopped reading"), or between two of its writes (the helper then never exits on its own)
+    assert any("killed it" in r.getMessage() for r in caplog.records)
 
 
 def _writable(fd: int) -> bool:
