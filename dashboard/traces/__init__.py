@@ -72,6 +72,7 @@ __all__ = [
     "decode_lines", "decode_spans", "find_request", "group_label", "group_summary", "hit_rate",
     "hit_rate_over_time", "load_latency_distribution", "load_rows", "load_latency_quantiles", "null_skip_by_group",
     "overview_numbers", "pick_bucket_seconds", "problem_lines", "problems_frame", "read_trace_files",
-    "replay_state", "replay_timeline", "request_labels", "requests_table", "search_requests", "supported_version", "top_slow_loads",
+    "replay_state", "replay_timeline", "request_labels", "requests_table", "search_requests", "supported_version",
+    "top_slow_loads",
     "unsupported_version_reason", "waterfall_rows",
 ]

@@ -25,7 +25,8 @@ PROMETHEUS_TEXT = ("looks like Prometheus metrics (text exposition format), not 
                    "shows kvscope's metrics from a Prometheus server")
 _FIRST_LINE = re.compile(rb"\s*([^\n]*)")  # the first line that is not blank
 # The first line of Prometheus' text format: a HELP/TYPE comment, or a sample such as `name{label="x"} 1.5`.
-_PROMETHEUS_LINE = re.compile(rb"# (HELP|TYPE|EOF)\b|[a-zA-Z_:][a-zA-Z0-9_:]*(\{[^}]*\})? +[-+0-9.eEINFinfNa]+( +\d+)?$")
+_PROMETHEUS_LINE = re.compile(
+    rb"# (HELP|TYPE|EOF)\b|[a-zA-Z_:][a-zA-Z0-9_:]*(\{[^}]*\})? +[-+0-9.eEINFinfNa]+( +\d+)?$")
 
 
 def as_json_lines(label: str, data: bytes) -> tuple[bytes | None, list[Problem]]:

@@ -20,6 +20,7 @@ class Problem:
     reason: str
     spans: int | None = 0  # kvscope spans skipped because of it; None: unknown (a line or file not read)
 
+
 def problems_frame(problems: Sequence[Problem]) -> pd.DataFrame:
     """Problems as a table sorted by file and line."""
     frame = pd.DataFrame(

@@ -15,8 +15,8 @@ REPLAY_DEFINITION = (
 )
 
 
-REPLAY_COLUMNS = ("step", "request", "request_id", "trace_id", "t_s", "tokens_queried", "tokens_hit", "cum_tokens_queried",
-                  "cum_tokens_hit", "cum_hit_rate", "cum_bytes_loaded", "cum_bytes_stored")
+REPLAY_COLUMNS = ("step", "request", "request_id", "trace_id", "t_s", "tokens_queried", "tokens_hit",
+                  "cum_tokens_queried", "cum_tokens_hit", "cum_hit_rate", "cum_bytes_loaded", "cum_bytes_stored")
 
 
 def replay_timeline(requests: pd.DataFrame, spans: pd.DataFrame) -> pd.DataFrame:
