@@ -94,7 +94,14 @@ def _group_totals(llm) -> dict:
 def dashboard(args) -> int:
     from dashboard.launch import main as launch
 
-    return launch(args.paths)
+    streamlit_args = []
+    if args.port is not None:
+        streamlit_args += ["--server.port", str(args.port)]
+    if args.address is not None:
+        streamlit_args += ["--server.address", args.address]
+    if args.headless:
+        streamlit_args += ["--server.headless", "true"]
+    return launch(args.paths, streamlit_args + list(args.streamlit_option))
 
 
 def bench(args) -> int:
@@ -118,6 +125,17 @@ def _at_least(lowest: int):
     return parse
 
 
+def _port(text: str) -> int:
+    """An argparse type: a TCP port, 1..65535."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number: accepted are 1 to 65535") from None
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{value} is not a port number: accepted are 1 to 65535")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvscope")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -136,7 +154,12 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--seed", type=int, default=0)
     d.set_defaults(func=demo)
     s = sub.add_parser("dashboard", help="Streamlit replay of trace files")
-    s.add_argument("paths", nargs="*")
+    s.add_argument("paths", nargs="*", help="trace files or folders of them (default: $KVSCOPE_TRACE_FILES)")
+    s.add_argument("--port", type=_port, default=None, help="port to serve on (Streamlit's default: 8501)")
+    s.add_argument("--address", default=None, help="address to bind, e.g. 0.0.0.0 (Streamlit's default: all)")
+    s.add_argument("--headless", action="store_true", help="do not open a browser")
+    s.add_argument("--streamlit-option", action="append", default=[], metavar="OPTION",
+                   help="passed to `streamlit run` as is, e.g. --streamlit-option=--theme.base=dark (repeatable)")
     s.set_defaults(func=dashboard)
     b = sub.add_parser("bench", help="run the benchmarks, write bench/results.md and .json "
                                      "(--quick: bench/results-quick.*)")
