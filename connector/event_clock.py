@@ -6,6 +6,13 @@ after a day): copy durations of tens of microseconds would read as 0 or as one s
 duration is taken between its own two events, and only its start is placed on the wall clock,
 from a calibration event at most `RECALIBRATE_S` old. The calibration event is recorded on a
 stream of its own, which holds no copies, so waiting for it does not wait for them.
+
+Not even that is certain: CUDA runs streams on a few hardware queues (``CUDA_DEVICE_MAX_CONNECTIONS``,
+8 by default) and two streams that share one can serialise, so the calibration event may wait behind
+a forward. Its stamp is then known only within that wait, and the worker would have stalled for it. So
+a recalibration waits at most `CALIBRATION_WAIT_NS` for its event; past that it keeps the calibration it
+has (float32 steps of a few µs after a minute) and tries again `RETRY_S` later. Only the first one,
+with nothing to fall back on, waits for its event whatever it takes, and is soon made again.
 """
 
 from __future__ import annotations
@@ -14,6 +21,10 @@ import time
 from collections.abc import Callable
 
 RECALIBRATE_S = 5.0  # float32 ms at 5 s: steps of 0.5 µs
+# A calibration stamped within this wait places copy starts within half of it; the longest the worker
+# thread waits for one (it polls the event: a forward's length would be milliseconds).
+CALIBRATION_WAIT_NS = 200_000
+RETRY_S = 1.0  # after a calibration that waited too long
 
 
 class EventClock:
@@ -28,20 +39,44 @@ class EventClock:
         self._stream = stream
         self._now_ns = now_ns
         self._recalibrate_ns = int(recalibrate_s * 1e9)
+        self._retry_ns = min(self._recalibrate_ns, int(RETRY_S * 1e9))
         self._event = None
         self._wall_ns = 0
+        self._next_calibration_ns = 0
+        self.late_calibrations = 0  # calibrations given up after `CALIBRATION_WAIT_NS` (tests, logs)
 
     def interval(self, start, end) -> tuple[int, int]:
         """``(start_ns, end_ns)`` on the wall clock of two completed events, ``end`` after ``start``."""
-        if self._event is None or self._now_ns() - self._wall_ns > self._recalibrate_ns:
-            self._calibrate()
+        if self._event is None:
+            self._calibrate_at_start()
+        elif self._now_ns() >= self._next_calibration_ns:
+            self._recalibrate()
         start_ns = self._wall_ns + round(self._event.elapsed_time(start) * 1e6)
         return start_ns, start_ns + max(0, round(start.elapsed_time(end) * 1e6))
 
-    def _calibrate(self) -> None:
+    def _calibrate_at_start(self) -> None:
         event = self._new_event()
         before = self._now_ns()
         event.record(self._stream)
-        event.synchronize()  # the stream is otherwise idle: this waits for the event alone
+        event.synchronize()  # nothing to fall back on: wait whatever it takes
+        after = self._now_ns()
         # the device stamped the event between the two reads
-        self._event, self._wall_ns = event, (before + self._now_ns()) // 2
+        self._event, self._wall_ns = event, (before + after) // 2
+        wide = after - before > CALIBRATION_WAIT_NS
+        self._next_calibration_ns = after + (self._retry_ns if wide else self._recalibrate_ns)
+
+    def _recalibrate(self) -> None:
+        event = self._new_event()
+        before = self._now_ns()
+        event.record(self._stream)
+        while True:
+            done = event.query()
+            after = self._now_ns()
+            if done:  # stamped between `before` and this read
+                self._event, self._wall_ns = event, (before + after) // 2
+                self._next_calibration_ns = after + self._recalibrate_ns
+                return
+            if after - before > CALIBRATION_WAIT_NS:  # queued behind other work: keep the old one
+                self.late_calibrations += 1
+                self._next_calibration_ns = after + self._retry_ns
+                return

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from connector.event_clock import EventClock
+from connector.event_clock import CALIBRATION_WAIT_NS, EventClock
 
 WALL_AT_DEVICE_ZERO_NS = 1_764_500_000_000_000_000
 
@@ -16,8 +16,11 @@ class _Device:
     def __init__(self):
         self.ms = 0.0  # device time
         self.events = 0
+        self.queued_until_ms = 0.0  # the calibration stream's queue is busy until then
+        self.tick_ms = 0.0  # host time each wall-clock read takes (a polling loop moves time on)
 
     def now_ns(self) -> int:  # the host's wall clock, in step with the device
+        self.ms += self.tick_ms
         return WALL_AT_DEVICE_ZERO_NS + round(self.ms * 1e6)
 
     def event(self, at_ms: float | None = None) -> "_Event":
@@ -33,10 +36,13 @@ class _Event:
         self.device, self.ms = device, None
 
     def record(self, stream=None) -> None:
-        self.ms = self.device.ms
+        self.ms = max(self.device.ms, self.device.queued_until_ms)  # stamped once the queue reaches it
+
+    def query(self) -> bool:
+        return self.device.ms >= self.ms
 
     def synchronize(self) -> None:
-        pass
+        self.device.ms = max(self.device.ms, self.ms)
 
     def elapsed_time(self, end: "_Event") -> float:
         return float(np.float32(end.ms - self.ms))  # cudaEventElapsedTime: float32 milliseconds
@@ -78,3 +84,43 @@ def test_calibrates_once_per_interval_not_per_copy():
     device.ms += 6_000.0
     clock.interval(device.event(device.ms), device.event(device.ms + 0.05))
     assert device.events == 101 * 2 + 2
+
+
+def test_a_recalibration_queued_behind_a_forward_is_given_up_within_its_wait_and_retried():
+    """A calibration event that waits behind other work (streams sharing a hardware queue) would stall
+    the worker and place starts by the middle of that wait: the clock keeps its calibration instead."""
+    device = _Device()
+    clock = _clock(device, recalibrate_s=5.0)
+    clock.interval(device.event(0.0), device.event(0.01))  # calibrated at start-up, idle stream
+    device.ms = 6_000.0  # due for recalibration, but the stream's queue is busy for 30 ms
+    device.queued_until_ms = 6_030.0
+    device.tick_ms = 0.002  # each poll of the event takes 2 µs
+    start_ns, end_ns = clock.interval(device.event(6_000.0), device.event(6_000.02))
+    assert device.ms - 6_000.0 <= CALIBRATION_WAIT_NS / 1e6 + 0.01  # waited ~0.2 ms, not 30 ms
+    assert clock.late_calibrations == 1
+    # placed by the old calibration: right to within float32 steps at 6 s, not off by 15 ms
+    assert abs(start_ns - (WALL_AT_DEVICE_ZERO_NS + 6_000_000_000)) <= 1_000
+    assert abs((end_ns - start_ns) - 20_000) <= 100
+    # not tried again at once (every copy would wait): one second later, on an idle queue, it succeeds
+    events = device.events
+    device.ms = 6_500.0
+    clock.interval(device.event(6_500.0), device.event(6_500.01))
+    assert device.events == events + 2 and clock.late_calibrations == 1
+    device.ms = 7_300.0
+    clock.interval(device.event(7_300.0), device.event(7_300.01))
+    assert device.events == events + 5  # a new calibration event
+    assert clock.late_calibrations == 1
+
+
+def test_the_first_calibration_waits_for_its_event_and_is_soon_made_again_when_it_waited_long():
+    device = _Device()
+    device.queued_until_ms = 30.0  # behind a 30 ms forward at start-up: nothing to fall back on
+    clock = _clock(device)
+    start_ns, _ = clock.interval(device.event(0.0), device.event(0.01))
+    assert device.ms == 30.0  # it waited
+    assert abs(start_ns - WALL_AT_DEVICE_ZERO_NS) <= 15_000_000  # within half the wait
+    events = device.events
+    device.ms = 1_100.0  # a second later (not five): made again, on an idle queue
+    start_ns, _ = clock.interval(device.event(1_100.0), device.event(1_100.01))
+    assert device.events == events + 3
+    assert abs(start_ns - (WALL_AT_DEVICE_ZERO_NS + 1_100_000_000)) <= 1_000
