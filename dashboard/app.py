@@ -59,7 +59,8 @@ with st.sidebar:
     read = loaded.traces
     st.caption(
         f"{formatting.count(len(loaded.requests))} requests · {formatting.count(len(read.spans))} kvscope spans"
-        + (f" · {formatting.count(read.other_spans)} other spans left out" if read.other_spans else "")
+        + (f" · {formatting.count(len(read.vllm_requests))} vLLM request spans" if len(read.vllm_requests) else "")
+        + (f" · {formatting.count(read.spans_left_out)} other spans left out" if read.spans_left_out else "")
     )
 
 navigation.run()

@@ -6,6 +6,7 @@ import altair as alt
 import pandas as pd
 
 KIND_COLORS = {  # waterfall rows, by span kind
+    "vLLM request": "#d4d4d4",
     "lookup": "#8c8c8c",
     "load": "#4c78a8",
     "group.scan": "#72b7b2",

@@ -32,13 +32,18 @@ class Loaded:
     def spans(self) -> pd.DataFrame:
         return self.traces.spans
 
+    @property
+    def vllm(self) -> pd.DataFrame:
+        """vLLM's own request spans (`traces.VLLM_COLUMNS`); requests point to theirs by `vllm_key`."""
+        return self.traces.vllm_requests
+
 
 @st.cache_data(max_entries=4, show_spinner="Reading trace files…")
 def _read(path_keys: tuple[tuple[str, int, int], ...], upload_keys: tuple[str, ...],
           _uploads: tuple[traces.TraceSource, ...]) -> Loaded:
     # path_keys and upload_keys are the cache key (path, mtime, size / upload id); _uploads is not hashed.
     read = traces.read_trace_files([p for p, _, _ in path_keys] + list(_uploads))
-    return Loaded(traces=read, requests=traces.requests_table(read.spans))
+    return Loaded(traces=read, requests=traces.requests_table(read.spans, read.vllm_requests))
 
 
 def load(paths: Sequence[str], uploads: Sequence) -> Loaded:

@@ -40,9 +40,11 @@ def read_problems(read: traces.Traces) -> None:
                      column_config={"reason": st.column_config.TextColumn("reason", width="large")})
 
 
-def request_waterfall(spans: pd.DataFrame, requests: pd.DataFrame, request: pd.Series, *, key: str) -> None:
-    """One request's spans on a shared time axis, then the same spans as a table with attributes."""
-    rows = traces.waterfall_rows(spans, requests, request["request_id"], request["trace_id"])
+def request_waterfall(spans: pd.DataFrame, requests: pd.DataFrame, request: pd.Series, *, key: str,
+                      vllm: pd.DataFrame | None = None) -> None:
+    """One request's spans on a shared time axis (vLLM's request span first, when `vllm` has it), then the
+    same spans as a table with attributes."""
+    rows = traces.waterfall_rows(spans, requests, request["request_id"], request["trace_id"], vllm)
     if rows.empty:
         st.info(f"No kvscope spans for request {request['request']}.")
         return
@@ -59,6 +61,17 @@ def request_numbers(request: pd.Series) -> None:
     cols[1].metric("Request hit rate", formatting.percent(request["hit_rate"]))
     cols[2].metric("Load time", formatting.millis(request["load_ms"]), help=traces.LOAD_TIME_DEFINITION)
     cols[3].metric("Loaded from host", formatting.data_size(request["bytes_loaded"]))
+    vllm_times = ["vllm_queue_ms", "vllm_ttft_ms", "vllm_prefill_ms", "vllm_e2e_ms"]
+    if request[vllm_times].notna().any():  # the request as vLLM timed it; nothing (not zeros) without its span
+        cols = st.columns(4)
+        cols[0].metric("Queue time (vLLM)", formatting.millis(request["vllm_queue_ms"]),
+                       help=traces.VLLM_TIMES_DEFINITION)
+        cols[1].metric("Time to first token (vLLM)", formatting.millis(request["vllm_ttft_ms"]),
+                       help=traces.VLLM_TIMES_DEFINITION)
+        cols[2].metric("Prefill (vLLM)", formatting.millis(request["vllm_prefill_ms"]),
+                       help="Time in the model from scheduling to the first token, as vLLM measured it")
+        cols[3].metric("End-to-end (vLLM)", formatting.millis(request["vllm_e2e_ms"]),
+                       help=traces.VLLM_TIMES_DEFINITION)
     if request["loads"] and pd.isna(request["bytes_loaded"]):
         st.warning("No copy span of its load was recorded (worker trace file missing or cut short?): its load "
                    "time and bytes are unknown.", icon=":material/warning:")
@@ -68,3 +81,28 @@ def request_numbers(request: pd.Series) -> None:
     if request["load_failed"]:
         st.error("A load of this request failed on a worker (copy span with status ERROR): vLLM recomputed "
                  "its tokens instead. " + traces.LOAD_FAILED_DEFINITION, icon=":material/error:")
+
+
+GROUP_COPY_TABLE_COLUMNS = {
+    "group": st.column_config.TextColumn("group"),
+    "workers": st.column_config.NumberColumn("workers", help="Copy spans of the group: one per worker"),
+    "blocks": st.column_config.NumberColumn("blocks", help="The most blocks a worker copied"),
+    "bytes": st.column_config.NumberColumn("bytes", format="bytes", help="Summed over the workers"),
+    "copy_ms": st.column_config.NumberColumn("copy time (ms)", format="%.3f", help="The slowest worker's"),
+    "gb_per_s": st.column_config.NumberColumn("GB/s", format="%.2f", help="Bytes over the slowest worker's time"),
+    "slowest_rank": st.column_config.NumberColumn("slowest rank", help="The worker whose copy took longest"),
+    "failed": st.column_config.CheckboxColumn("failed"),
+}
+
+
+def group_copy_tables(spans: pd.DataFrame, request: pd.Series, *, key: str) -> None:
+    """Per load and store of the request, a small table of its copies per KV group."""
+    copies = traces.request_group_copies(spans, request["trace_id"], request["request_id"])
+    st.markdown("**Copies per KV group**", help=traces.GROUP_COPY_DEFINITION)
+    if copies.empty:
+        st.caption("No copy spans joined this request's loads or stores.")
+        return
+    for transfer, rows in copies.groupby("transfer", sort=False):
+        st.caption(transfer)
+        st.dataframe(rows[list(GROUP_COPY_TABLE_COLUMNS)], column_config=GROUP_COPY_TABLE_COLUMNS, hide_index=True,
+                     width="stretch", placeholder="unknown", key=f"{key}_{transfer}")

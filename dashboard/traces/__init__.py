@@ -6,7 +6,8 @@ series the pages show, and never re-read files:
 
 - `file_formats`: gzip, zstd, Prometheus text, pretty-printed JSON -> JSON lines;  `problems`: what was skipped;
 - `schema`: the span contract as frame columns;  `request_table`: one row per request;
-- `hit_rates`, `group_stats`, `headline`: the overview;  `waterfall`: one request;  `replay`.
+- `hit_rates`, `group_stats`, `headline`: the overview;  `waterfall`, `group_copies`: one request;  `replay`;
+- `vllm_spans`: vLLM's own request spans, read beside kvscope's;  `vllm_join`: which is which request's.
 
 The names pages use are re-exported here (``traces.requests_table(...)``).
 """
@@ -18,6 +19,7 @@ from dashboard.traces.group_stats import (
     load_latency_quantiles,
     null_skip_by_group,
 )
+from dashboard.traces.group_copies import GROUP_COPY_COLUMNS, GROUP_COPY_DEFINITION, request_group_copies
 from dashboard.traces.headline import overview_numbers, top_slow_loads
 from dashboard.traces.hit_rates import (
     HIT_RATE_DEFINITION,
@@ -62,17 +64,22 @@ from dashboard.traces.schema import (
     STORE,
     group_label,
 )
-from dashboard.traces.waterfall import waterfall_rows
+from dashboard.traces.vllm_join import VLLM_REQUEST_COLUMNS, VLLM_TIMES_DEFINITION, vllm_keys
+from dashboard.traces.vllm_spans import VLLM_COLUMNS, VLLM_REQUEST_SPAN
+from dashboard.traces.waterfall import VLLM_KIND, waterfall_rows
 
 __all__ = [
-    "ATTRIBUTE_COLUMNS", "COPY", "GROUP_KINDS", "HIT_RATE_DEFINITION", "LOAD", "LOAD_FAILED_DEFINITION",
+    "ATTRIBUTE_COLUMNS", "COPY", "GROUP_COPY_COLUMNS", "GROUP_COPY_DEFINITION", "GROUP_KINDS", "HIT_RATE_DEFINITION",
+    "LOAD", "LOAD_FAILED_DEFINITION",
     "LOAD_TIME_DEFINITION", "LOOKUP", "REPLAY_COLUMNS", "REPLAY_DEFINITION", "REQUEST_COLUMNS", "REQUEST_FILTERS",
     "REQUEST_KEY", "SCAN", "SCOPE_NAME",
-    "SPAN_COLUMNS", "SPAN_NAMES", "STORE", "DecodedSpans", "Problem", "TraceSource", "Traces", "copy_throughput",
+    "SPAN_COLUMNS", "SPAN_NAMES", "STORE", "VLLM_COLUMNS", "VLLM_KIND", "VLLM_REQUEST_COLUMNS", "VLLM_REQUEST_SPAN",
+    "VLLM_TIMES_DEFINITION", "DecodedSpans", "Problem", "TraceSource", "Traces", "copy_throughput",
     "decode_lines", "decode_spans", "find_request", "group_label", "group_summary", "hit_rate",
     "hit_rate_over_time", "load_latency_distribution", "load_rows", "load_latency_quantiles", "null_skip_by_group",
     "overview_numbers", "pick_bucket_seconds", "problem_lines", "problems_frame", "read_trace_files",
-    "replay_state", "replay_timeline", "request_labels", "requests_table", "search_requests", "supported_version",
+    "replay_state", "replay_timeline", "request_group_copies", "request_labels", "requests_table", "search_requests",
+    "supported_version",
     "top_slow_loads",
-    "unsupported_version_reason", "waterfall_rows",
+    "unsupported_version_reason", "vllm_keys", "waterfall_rows",
 ]

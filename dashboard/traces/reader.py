@@ -1,4 +1,5 @@
-"""Trace files (OTLP/JSON lines) -> one row per kvscope span, and a problem for all it skipped.
+"""Trace files (OTLP/JSON lines) -> one row per kvscope span, and a problem for all it skipped;
+vLLM's request spans beside them (`vllm_spans`).
 
 Takes the lines the connector and the OpenTelemetry Collector's file exporter write (one
 ``ExportTraceServiceRequest`` per line). Never raises on bad input: each skipped line or span is a
@@ -11,8 +12,6 @@ the Arrow decoder (`otlp_arrow`) instead.
 
 from __future__ import annotations
 
-import base64
-import binascii
 import json
 import os
 import re
@@ -35,7 +34,9 @@ from dashboard.traces.schema import (
     SCOPE_NAME,
     SPAN_COLUMNS,
     SUPPORTED_SCOPE_VERSIONS,
+    base64_id,
 )
+from dashboard.traces.vllm_spans import combine_vllm_requests, empty_vllm_requests, read_vllm_requests
 
 
 @dataclass(frozen=True)
@@ -46,11 +47,18 @@ class Traces:
     problems: list[Problem] = field(default_factory=list)
     files: list[str] = field(default_factory=list)
     lines: int = 0  # non-empty lines read
-    other_spans: int = 0  # spans outside kvscope (e.g. vLLM's own request spans), left out
+    other_spans: int = 0  # spans outside kvscope, vLLM's request spans among them
+    vllm_requests: pd.DataFrame = field(default_factory=empty_vllm_requests)  # vLLM's request spans (`vllm_spans`)
 
     @property
     def empty(self) -> bool:
         return self.spans.empty
+
+    @property
+    def spans_left_out(self) -> int:
+        """Spans neither kvscope's nor vLLM's request spans (at least 0: a line the kvscope decoder could not
+        take apart may still have given a vLLM span)."""
+        return max(self.other_spans - len(self.vllm_requests), 0)
 
 
 @dataclass(frozen=True)
@@ -91,9 +99,11 @@ def read_trace_files(sources: Iterable[str | os.PathLike[str] | TraceSource]) ->
     Never raises on bad input: unreadable, empty or compressed-beyond-reach files, files of another
     kind, lines that are not OTLP/JSON, spans without the attributes their name requires, duplicate
     spans and unknown kvscope scope versions become `Problem`s, and everything else loads. A path
-    given twice (a folder and a file in it) is read once.
+    given twice (a folder and a file in it) is read once. vLLM's request spans of every file are
+    read too (`vllm_spans`), never as problems.
     """
     frames: list[pd.DataFrame] = []
+    vllm_frames: list[pd.DataFrame] = []
     problems: list[Problem] = []
     files: list[str] = []
     first_label: dict[Path, tuple[str, bool]] = {}  # a path -> the label it was first given as, and if it was read
@@ -123,6 +133,7 @@ def read_trace_files(sources: Iterable[str | os.PathLike[str] | TraceSource]) ->
         if data is None:
             continue
         decoded = decode_spans(label, data)
+        vllm_frames.append(read_vllm_requests(label, data))
         if not decoded.lines and not found:
             problems.append(Problem(label, 0, "empty file: it holds no lines"))
         frame, rejected = _validated_frame(decoded, label)
@@ -133,7 +144,8 @@ def read_trace_files(sources: Iterable[str | os.PathLike[str] | TraceSource]) ->
     spans, duplicates = _combine(frames)
     order = {name: i for i, name in enumerate(files)}
     problems = sorted(problems + duplicates, key=lambda p: (order.get(p.file, len(order)), p.line))
-    return Traces(spans=spans, problems=problems, files=files, lines=lines, other_spans=other)
+    return Traces(spans=spans, problems=problems, files=files, lines=lines, other_spans=other,
+                  vllm_requests=combine_vllm_requests(vllm_frames))
 
 
 def decode_spans(label: str, data: bytes) -> DecodedSpans:
@@ -490,7 +502,7 @@ def _validated_frame(d: DecodedSpans, label: str) -> tuple[pd.DataFrame, list[Pr
         if col == "parent_span_id":
             ok |= (ids == "").to_numpy(dtype=bool)
         if not ok.all():
-            fixed = original[~ok].map(lambda v, w=width: _b64_id(v, w))
+            fixed = original[~ok].map(lambda v, w=width: base64_id(v, w))
             ids.loc[~ok] = fixed.fillna(ids[~ok])
             still = np.zeros(n, dtype=bool)
             still[~ok] = fixed.isna().to_numpy()
@@ -588,14 +600,6 @@ def _clock_problems(frame: pd.DataFrame) -> list[Problem]:
     frame["clock_ok"] = ~(ends_early | early)
     return (_problems_at(frame, ends_early, ENDS_BEFORE_START, skipped=False)
             + _problems_at(frame, early, STARTS_BEFORE_OWNER, skipped=False))
-
-
-def _b64_id(value: str, width: int) -> str | None:
-    try:
-        raw = base64.b64decode(value, validate=True)
-    except (binascii.Error, ValueError):
-        return None
-    return raw.hex() if len(raw) * 2 == width else None
 
 
 def _problems_at(frame: pd.DataFrame, mask: np.ndarray, reason: str, skipped: bool = True) -> list[Problem]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pandas as pd
 
 from dashboard.traces.schema import COPY, LOAD, LOOKUP, REQUEST_KEY, STATUS_ERROR, STORE
+from dashboard.traces.vllm_join import VLLM_REQUEST_COLUMNS, with_vllm_columns
 
 LOAD_TIME_DEFINITION = (
     "Load time of a load: from the start of its `kvscope.load` span to the end of the last "
@@ -42,10 +43,12 @@ REQUEST_COLUMNS = (
     "bytes_stored",
     "lookups",
     "arrival_ns",
+    *VLLM_REQUEST_COLUMNS,  # from vLLM's own request span (`vllm_join`), NA without one
+    "vllm_key",
 )
 
 
-def requests_table(spans: pd.DataFrame) -> pd.DataFrame:
+def requests_table(spans: pd.DataFrame, vllm: pd.DataFrame | None = None) -> pd.DataFrame:
     """One row per request (trace id, request id: see `REQUEST_KEY`), in arrival order (first lookup, else its load).
 
     Tokens queried/hit are summed over the request's lookups (a request whose load failed may be
@@ -54,12 +57,13 @@ def requests_table(spans: pd.DataFrame) -> pd.DataFrame:
     the number of loads and whether one failed (`LOAD_FAILED_DEFINITION`) over all its loads; bytes
     from the copies of its loads and stores. Missing parts (no load for a miss, no copy spans
     recorded) are NA. `request` labels the row: the request id, with its trace id's first 8 digits
-    where the id is another request's too (two runs read together).
+    where the id is another request's too (two runs read together). With `vllm` (the reader's
+    `vllm_requests`), each request's vLLM latencies where vLLM's request span joins it (`vllm_join`).
     """
     lookups = spans[spans["name"] == LOOKUP]
     loads = spans[spans["name"] == LOAD].sort_values("start_ns", kind="stable")
     if lookups.empty and loads.empty:
-        return _empty_requests()
+        return with_vllm_columns(_empty_requests(), None)[list(REQUEST_COLUMNS)]
 
     by_lookup = lookups.groupby(REQUEST_KEY, sort=False)
     first_load = loads.drop_duplicates(REQUEST_KEY, keep="first").set_index(REQUEST_KEY)
@@ -88,7 +92,7 @@ def requests_table(spans: pd.DataFrame) -> pd.DataFrame:
     out["t_s"] = (out["arrival_ns"] - out["arrival_ns"].min()) / 1e9
     out = out.reset_index().sort_values(["arrival_ns", *REQUEST_KEY], kind="stable").reset_index(drop=True)
     out["request"] = request_labels(out)
-    return out[list(REQUEST_COLUMNS)]
+    return with_vllm_columns(out, vllm)[list(REQUEST_COLUMNS)]
 
 
 def request_labels(requests: pd.DataFrame) -> pd.Series:
@@ -130,7 +134,8 @@ def load_rows(spans: pd.DataFrame) -> pd.DataFrame:
 
 
 def _empty_requests() -> pd.DataFrame:
-    frame = pd.DataFrame({col: pd.Series(dtype=object) for col in REQUEST_COLUMNS})
+    added_later = {*VLLM_REQUEST_COLUMNS, "vllm_key"}  # by `with_vllm_columns`
+    frame = pd.DataFrame({col: pd.Series(dtype=object) for col in REQUEST_COLUMNS if col not in added_later})
     for col in ("tokens_queried", "tokens_hit", "tokens_local", "tokens_external", "groups",
                 "bytes_loaded", "bytes_stored"):
         frame[col] = frame[col].astype("Int64")

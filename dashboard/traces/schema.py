@@ -6,6 +6,8 @@ selections and labels every shaping module shares.
 
 from __future__ import annotations
 
+import base64
+import binascii
 from typing import Any
 
 import pandas as pd
@@ -125,3 +127,12 @@ def copies_of(spans: pd.DataFrame, direction: str | None = None, timed: bool = F
     if direction is not None:
         copies = copies[copies["copy_direction"] == direction]
     return copies
+
+
+def base64_id(value: str, width: int) -> str | None:
+    """A trace or span id written in base64 (protobuf-JSON tools) as lowercase hex of `width` digits, else None."""
+    try:
+        raw = base64.b64decode(value, validate=True)
+    except (binascii.Error, ValueError):
+        return None
+    return raw.hex() if len(raw) * 2 == width else None

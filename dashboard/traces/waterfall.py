@@ -1,4 +1,4 @@
-"""One request's kvscope spans on one time axis, with their attributes as text."""
+"""One request's kvscope spans on one time axis, with their attributes as text; vLLM's request span above them."""
 
 from __future__ import annotations
 
@@ -8,20 +8,25 @@ from typing import Any
 import pandas as pd
 
 from dashboard.traces.schema import ATTRIBUTE_COLUMNS, COPY, LOAD, LOOKUP, SCAN, STORE, group_label
+from dashboard.traces.vllm_spans import VLLM_REQUEST_SPAN
 
-_ROW_ORDER = {LOOKUP: 0, LOAD: 1, SCAN: 2, "copy load": 3, STORE: 4, "copy store": 5}
+VLLM_KIND = "vLLM request"  # the waterfall's kind (and colour) of vLLM's own request span
+
+_ROW_ORDER = {VLLM_REQUEST_SPAN: -1, LOOKUP: 0, LOAD: 1, SCAN: 2, "copy load": 3, STORE: 4, "copy store": 5}
 _SHOWN_AS = {"request_id", "group_index", "group_kind", "copy_direction"}  # already in the row label
 
 
 def waterfall_rows(spans: pd.DataFrame, requests: pd.DataFrame, request_id: str,
-                   trace_id: str | None = None) -> pd.DataFrame:
+                   trace_id: str | None = None, vllm: pd.DataFrame | None = None) -> pd.DataFrame:
     """The kvscope spans of one request on one time axis (ms from its first span).
 
     The request is (`trace_id`, `request_id`); without `trace_id`, the request id must name one
     request (runs read together can repeat it: ValueError then). Rows: lookups, loads, each group's
     scan, the load copies, stores and store copies, each with its attributes as text. Only the
     request's own spans: several requests can share one trace (one upstream ``traceparent`` for a
-    batch of prompts), and another's load is not this one's.
+    batch of prompts), and another's load is not this one's. With `vllm` (the reader's `vllm_requests`),
+    the request's vLLM span (`vllm_key` of its row) comes first: the request as vLLM saw it, from arrival
+    to finish, the parent row of kvscope's work.
     """
     cols = ["row", "kind", "name", "start_ms", "end_ms", "duration_ms", "group_index", "group_kind",
             "direction", "attributes", "status_code", "span_id", "parent_span_id", "trace_id"]
@@ -36,10 +41,14 @@ def waterfall_rows(spans: pd.DataFrame, requests: pd.DataFrame, request_id: str,
     owner_keys = spans.loc[own & spans["name"].isin([LOAD, STORE]), "span_key"]
     related = own | (spans["name"].isin([COPY, SCAN]) & spans["owner_key"].isin(owner_keys))
     rows = spans[related].copy()
+    rows["name"] = rows["name"].astype(str)
+    key = req["vllm_key"].iloc[0] if "vllm_key" in req else pd.NA
+    if vllm is not None and not pd.isna(key):
+        rows = pd.concat([_vllm_row(vllm[vllm["vllm_key"] == key]), rows], ignore_index=True)
     kind = rows["name"].astype(str)
     is_copy = kind == COPY
     kind = kind.where(~is_copy, "copy " + rows["copy_direction"].astype(str))
-    rows["kind"] = kind.str.replace("kvscope.", "", regex=False)
+    rows["kind"] = kind.str.replace("kvscope.", "", regex=False).replace(VLLM_REQUEST_SPAN, VLLM_KIND)
     rows["_order"] = kind.map(_ROW_ORDER).fillna(9)
     t0 = rows["start_ns"].min()
     rows["start_ms"] = (rows["start_ns"] - t0) / 1e6
@@ -49,6 +58,21 @@ def waterfall_rows(spans: pd.DataFrame, requests: pd.DataFrame, request_id: str,
     rows["row"] = _unique([_row_label(r) for r in rows.itertuples(index=False)])
     rows["attributes"] = [_attribute_text(r) for r in rows.to_dict("records")]
     return rows[cols].reset_index(drop=True)
+
+
+def _vllm_row(span: pd.DataFrame) -> pd.DataFrame:
+    """vLLM's span as a span-frame row: its own attributes, gen_ai.* keys shortened, as extra attributes."""
+    return pd.DataFrame({
+        "name": VLLM_REQUEST_SPAN,
+        "start_ns": span["start_ns"].to_numpy(),
+        "end_ns": span["end_ns"].to_numpy(),
+        "duration_ms": (span["end_ns"] - span["start_ns"]).to_numpy() / 1e6,
+        "status_code": span["status_code"].to_numpy(),
+        "span_id": span["span_id"].to_numpy(),
+        "parent_span_id": span["parent_span_id"].to_numpy(),
+        "trace_id": span["trace_id"].to_numpy(),
+        "attributes": [{k.removeprefix("gen_ai."): v for k, v in (a or {}).items()} for a in span["attributes"]],
+    })
 
 
 def _row_label(r) -> str:

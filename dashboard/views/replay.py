@@ -66,7 +66,7 @@ def player() -> None:
 
     st.subheader(f"Request `{state['request']}` at {state['t_s']:.3f} s")
     widgets.request_numbers(request)
-    widgets.request_waterfall(spans, requests, request, key="replay_waterfall")
+    widgets.request_waterfall(spans, requests, request, key="replay_waterfall", vllm=loaded.vllm)
 
     st.subheader("Arrived so far")
     arrived = timeline[timeline["step"] <= state["step"]].iloc[::-1].head(10)

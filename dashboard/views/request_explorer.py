@@ -1,4 +1,5 @@
-"""Requests: a searchable table; the selected request's spans as a waterfall with attributes."""
+"""Requests: a searchable table (vLLM's latencies beside kvscope's, where vLLM's spans were read); the selected
+request's spans as a waterfall with attributes, and its copies per KV group."""
 
 import streamlit as st
 
@@ -29,6 +30,8 @@ if list(rows) != ([] if row is None else [row]):
     st.session_state["request_table"] = {"selection": {"rows": [] if row is None else [row]}}
 st.session_state["request_table_keys"] = keys
 
+# vLLM's latencies beside the load time, when vLLM's request span of any request has them
+vllm_columns = [c for c in ("vllm_queue_ms", "vllm_ttft_ms", "vllm_e2e_ms") if requests[c].notna().any()]
 st.caption(f"{len(shown)} of {len(requests)} requests. Select a row to see its spans.")
 st.dataframe(
     shown,
@@ -40,8 +43,8 @@ st.dataframe(
     height=min(320, 35 * (len(shown) + 1) + 3),  # no empty rows below a short result
     placeholder="–",
     column_order=["request", "t_s", "tokens_queried", "tokens_hit", "hit_rate", "tokens_local",
-                  "tokens_external", "groups", "load_ms", "loads", "load_failed", "bytes_loaded", "bytes_stored",
-                  "trace_id"],
+                  "tokens_external", "groups", "load_ms", *vllm_columns, "loads", "load_failed", "bytes_loaded",
+                  "bytes_stored", "trace_id"],
     column_config={
         "request": st.column_config.TextColumn("request", help="Request id; with its trace's first digits where "
                                                "another request has the same id (runs read together)"),
@@ -54,6 +57,12 @@ st.dataframe(
         "groups": st.column_config.NumberColumn("groups"),
         "load_ms": st.column_config.NumberColumn("load time (ms)", format="%.3f",
                                                  help=traces.LOAD_TIME_DEFINITION),
+        "vllm_queue_ms": st.column_config.NumberColumn("queue (ms)", format="%.3f",
+                                                       help="vLLM's queue time. " + traces.VLLM_TIMES_DEFINITION),
+        "vllm_ttft_ms": st.column_config.NumberColumn(
+            "TTFT (ms)", format="%.3f", help="vLLM's time to first token. " + traces.VLLM_TIMES_DEFINITION),
+        "vllm_e2e_ms": st.column_config.NumberColumn("e2e (ms)", format="%.3f",
+                                                     help="vLLM's end-to-end latency. " + traces.VLLM_TIMES_DEFINITION),
         "loads": st.column_config.NumberColumn("loads", help="Loads of the request: more than one when "
                                                "vLLM resumed it after preemption"),
         "load_failed": st.column_config.CheckboxColumn("load failed", help=traces.LOAD_FAILED_DEFINITION),
@@ -70,4 +79,5 @@ st.subheader(f"Request `{request['request']}`")
 st.caption(f"trace `{request['trace_id']}` · arrived at {request['arrival']:%Y-%m-%d %H:%M:%S.%f} UTC"
            + ("" if row is not None else " · the first row is shown until you select one"))
 widgets.request_numbers(request)
-widgets.request_waterfall(spans, requests, request, key="request_waterfall")
+widgets.request_waterfall(spans, requests, request, key="request_waterfall", vllm=loaded.vllm)
+widgets.group_copy_tables(spans, request, key="request_group_copies")

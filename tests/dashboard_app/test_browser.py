@@ -13,6 +13,7 @@ import pytest
 
 from .browser import chromium, find_browser, page_errors, streamlit_server, wait_rendered
 from .conftest import MALFORMED, TWO_ROUNDS
+from .vllm_traces import vllm_spans_of
 
 pytestmark = [
     pytest.mark.browser,
@@ -41,6 +42,16 @@ def metric_value(driver, label: str) -> str:
     raise AssertionError(f"no metric {label!r}")
 
 
+def table(driver, index: int) -> tuple[list[str], list[str]]:
+    """(column headers, cell texts row by row) of the page's `index`th st.dataframe, from the grid's
+    accessible DOM (the cells are drawn on a canvas)."""
+    from selenium.webdriver.common.by import By
+
+    grid = driver.find_elements(By.CSS_SELECTOR, '[data-testid="stDataFrame"]')[index]
+    return ([e.get_attribute("textContent") for e in grid.find_elements(By.CSS_SELECTOR, '[role="columnheader"]')],
+            [e.get_attribute("textContent") for e in grid.find_elements(By.CSS_SELECTOR, '[role="gridcell"]')])
+
+
 def wait_for(driver, condition, timeout: float = 30):
     """Wait until `condition(driver)` holds; elements replaced by a rerun meanwhile are retried."""
     from selenium.common.exceptions import NoSuchElementException, StaleElementReferenceException
@@ -50,13 +61,16 @@ def wait_for(driver, condition, timeout: float = 30):
     return WebDriverWait(driver, timeout, ignored_exceptions=ignored).until(lambda d: condition(d))
 
 
-def test_every_page_renders_without_errors(fake_prometheus, screenshot_dir, capsys, expected):
+def test_every_page_renders_without_errors(fake_prometheus, screenshot_dir, capsys, expected, tmp_path):
     from selenium.webdriver.common.action_chains import ActionChains
     from selenium.webdriver.common.by import By
     from selenium.webdriver.common.keys import Keys
 
     shots = []
-    with streamlit_server([str(TWO_ROUNDS)], env={"KVSCOPE_PROMETHEUS_URL": fake_prometheus}) as base, \
+    # beside kvscope's file, a Collector file of vLLM's request spans of two odd requests (the fixture holds
+    # an older vLLM's span, without latencies, of each even one)
+    vllm_file = vllm_spans_of(TWO_ROUNDS, {"cmpl-r2-05": 0.25, "cmpl-r2-07": 0.5}, tmp_path / "vllm.jsonl")
+    with streamlit_server([str(TWO_ROUNDS), str(vllm_file)], env={"KVSCOPE_PROMETHEUS_URL": fake_prometheus}) as base, \
             chromium() as driver:
         for path, title in PAGES:
             driver.get(f"{base}/{path}")
@@ -78,6 +92,27 @@ def test_every_page_renders_without_errors(fake_prometheus, screenshot_dir, caps
         wait_rendered(driver, "Requests")
         assert metric_value(driver, "Load time") == f"{expected.load_ms['cmpl-r2-06']:.2f} ms"
         shots.append(screenshot_dir / "requests-selected.png")
+        driver.save_screenshot(str(shots[-1]))
+        # vLLM's latencies beside the load time; the waterfall led by vLLM's span; copies per KV group
+        headers, cells = table(driver, 0)
+        load_at = headers.index("load time (ms)")
+        assert headers[load_at:load_at + 4] == ["load time (ms)", "queue (ms)", "TTFT (ms)", "e2e (ms)"]
+        assert cells[headers.index("TTFT (ms)")] == ""  # its span (an older vLLM's) has no latencies: empty, not 0
+        assert table(driver, 1)[1][0] == "vLLM request"
+        headers, cells = table(driver, 2)
+        assert headers == ["group", "workers", "blocks", "bytes", "copy time (ms)", "GB/s", "slowest rank", "failed"]
+        rows = [dict(zip(headers, cells[i:i + len(headers)])) for i in range(0, len(cells), len(headers))]
+        assert [(r["group"], r["workers"]) for r in rows] == [("g0 sliding_window", "1"), ("g1 full_attention", "1")]
+        assert [float(r["GB/s"]) for r in rows] == pytest.approx([1.5, 1.5], rel=1e-3)  # the fixture's slow load
+        search = driver.find_element(By.CSS_SELECTOR, 'input[aria-label="Search request or trace id"]')
+        search.send_keys(Keys.CONTROL, "a")  # clear() leaves the app's value as it was
+        search.send_keys("r2-05", Keys.ENTER)
+        wait_for(driver, lambda d: any("cmpl-r2-05" in h.text for h in d.find_elements(By.CSS_SELECTOR, "h3")))
+        wait_rendered(driver, "Requests")
+        assert metric_value(driver, "Time to first token (vLLM)") == "250.00 ms"
+        headers, cells = table(driver, 0)
+        assert float(cells[headers.index("TTFT (ms)")]) == 250 and page_errors(driver) == []
+        shots.append(screenshot_dir / "requests-with-vllm.png")
         driver.save_screenshot(str(shots[-1]))
 
         driver.get(f"{base}/replay")

@@ -13,6 +13,7 @@ from streamlit.testing.v1 import AppTest
 from .conftest import APP, FIXTURES, MALFORMED, TWO_ROUNDS, raw_spans
 from .test_joins import copy, load
 from .test_reader import line, lookup
+from .vllm_traces import vllm_spans_of
 
 PAGES = ["views/overview.py", "views/request_explorer.py", "views/replay.py", "views/live.py"]
 
@@ -142,8 +143,10 @@ def test_requests_page_search_select_and_waterfall(monkeypatch, expected):
     lookup = next(s for s in expected.lookups if s["request.id"] == "cmpl-r2-06")
     assert shown["Tokens hit / queried"] == f"{lookup['tokens.hit']} / {lookup['tokens.queried']}"
     spans = at.dataframe[1].value
-    assert spans["row"].tolist() == ["lookup", "load", "group.scan g0 sliding_window", "group.scan g1 full_attention",
-                                      "copy load g0 sliding_window rank 0", "copy load g1 full_attention rank 0"]
+    # the fixture holds vLLM's request span of every even request: it leads, as the parent row
+    assert spans["row"].tolist() == ["vLLM request", "lookup", "load", "group.scan g0 sliding_window",
+                                      "group.scan g1 full_attention", "copy load g0 sliding_window rank 0",
+                                      "copy load g1 full_attention rank 0"]
 
     at.text_input(key="request_search").input("").run()
     at.session_state["request_table"] = {"selection": {"rows": [3], "columns": [], "cells": []}}
@@ -155,6 +158,42 @@ def test_requests_page_search_select_and_waterfall(monkeypatch, expected):
     shown = at.dataframe[0].value
     hits = {s["request.id"] for s in expected.lookups if s["tokens.hit"] > 0}
     assert set(shown["request_id"]) == hits and len(hits) > 0
+
+
+def test_requests_page_shows_vllm_latencies_and_copies_per_group(monkeypatch, tmp_path, expected):
+    """kvscope's file with a Collector file of vLLM's request spans (odd requests: the fixture has an older
+    vLLM's span, without latencies, for the even ones)."""
+    at = app(monkeypatch, TWO_ROUNDS)
+    at.switch_page("views/request_explorer.py").run()
+    assert not {"vllm_queue_ms", "vllm_ttft_ms", "vllm_e2e_ms"} & set(at.dataframe[0].proto.column_order)
+
+    collector = vllm_spans_of(TWO_ROUNDS, {"cmpl-r2-05": 0.25, "cmpl-r2-07": 0.5}, tmp_path / "vllm.jsonl")
+    at = app(monkeypatch, TWO_ROUNDS, collector)
+    at.switch_page("views/request_explorer.py").run()
+    assert_ok(at)
+    order = list(at.dataframe[0].proto.column_order)
+    assert order[order.index("load_ms"):][:4] == ["load_ms", "vllm_queue_ms", "vllm_ttft_ms", "vllm_e2e_ms"]
+    ttft = at.dataframe[0].value.set_index("request_id")["vllm_ttft_ms"]
+    joined = ["cmpl-r2-05", "cmpl-r2-07"]
+    assert ttft[joined].tolist() == [250.0, 500.0] and ttft.drop(joined).isna().all()
+
+    at.text_input(key="request_search").input("r2-05").run()
+    assert_ok(at)
+    shown = metrics(at)
+    assert (shown["Time to first token (vLLM)"], shown["Queue time (vLLM)"]) == ("250.00 ms", "4.00 ms")
+    assert shown["Load time"] == f"{expected.load_ms['cmpl-r2-05']:.2f} ms"
+    assert at.dataframe[1].value["row"].iloc[0] == "vLLM request"
+    assert [c.value for c in at.caption if c.value in ("load 1", "store 1")] == ["load 1"]
+    per_group = at.dataframe[2].value
+    load = expected.loads["cmpl-r2-05"]
+    raw = sorted((c for c in expected.copies if c["trace"] == load["trace"] and c["copy.direction"] == "load"),
+                 key=lambda c: c["group.index"])
+    assert per_group["group"].tolist() == ["g0 sliding_window", "g1 full_attention"]
+    assert per_group["copy_ms"].tolist() == pytest.approx([(c["end"] - c["start"]) / 1e6 for c in raw])
+
+    at.text_input(key="request_search").input("r2-03").run()  # no vLLM span: no vLLM numbers, not zeros
+    assert_ok(at)
+    assert not any("vLLM" in label for label in metrics(at))
 
 
 def test_replay_steps_and_cumulative_state(monkeypatch, expected):
@@ -287,8 +326,10 @@ def test_a_rerun_with_the_same_request_ids_counts_apart(monkeypatch, tmp_path, e
 
 
 def _span_ids(trace_id: str, at: AppTest) -> list[str]:
-    spans = at.session_state["kvscope.loaded"].spans
-    return spans.loc[spans["trace_id"] == trace_id, "span_id"].tolist()
+    """The trace's span ids: kvscope's spans and vLLM's request spans (the waterfall shows both)."""
+    loaded = at.session_state["kvscope.loaded"]
+    return [span_id for spans in (loaded.spans, loaded.vllm)
+            for span_id in spans.loc[spans["trace_id"] == trace_id, "span_id"]]
 
 
 def test_the_selected_request_stays_selected_when_the_rows_change(monkeypatch, expected):

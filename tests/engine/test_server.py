@@ -4,6 +4,8 @@ requests again, then `/metrics` and the trace file."""
 
 from __future__ import annotations
 
+import base64
+import gzip
 import json
 import os
 import signal
@@ -18,6 +20,9 @@ from pathlib import Path
 
 import pytest
 import requests
+from google.protobuf import json_format
+from google.protobuf.message import DecodeError
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from prometheus_client.parser import text_string_to_metric_families
 
 from connector.telemetry.metrics import METRIC_NAMES
@@ -37,14 +42,19 @@ def _free_port() -> int:
 
 
 class _OtlpSink(BaseHTTPRequestHandler):
-    """Accepts OTLP/HTTP posts (vLLM's own spans) so tracing can be on without a backend."""
-
-    received = 0
+    """Takes OTLP/HTTP protobuf posts (vLLM's own spans), so tracing can be on without a backend, and keeps
+    each decoded `ExportTraceServiceRequest` in its server's `exports`, as a Collector would receive it."""
 
     def do_POST(self):
-        self.rfile.read(int(self.headers.get("Content-Length", 0)))
-        type(self).received += 1
-        self.send_response(200)
+        body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        if self.headers.get("Content-Encoding") == "gzip":  # OTEL_EXPORTER_OTLP_COMPRESSION=gzip
+            body = gzip.decompress(body)
+        try:
+            self.server.exports.append(ExportTraceServiceRequest.FromString(body))
+        except DecodeError:
+            self.send_response(400)
+        else:
+            self.send_response(200)
         self.send_header("Content-Type", "application/x-protobuf")
         self.end_headers()
 
@@ -53,10 +63,19 @@ class _OtlpSink(BaseHTTPRequestHandler):
 
 
 @pytest.fixture(scope="module")
-def server():
-    model = build_model("gemma3", window=64)
+def otlp_sink():
     sink = ThreadingHTTPServer(("127.0.0.1", 0), _OtlpSink)
+    sink.exports = []
     threading.Thread(target=sink.serve_forever, daemon=True).start()
+    try:
+        yield sink
+    finally:
+        sink.shutdown()
+
+
+@pytest.fixture(scope="module")
+def server(otlp_sink):
+    model = build_model("gemma3", window=64)
     port = _free_port()
     trace_file = os.path.join(tempfile.mkdtemp(prefix="kvscope-server-"), "spans.jsonl")
     transfer = {"kv_connector": "KVScopeConnector", "kv_role": "kv_both",  # entry point, no module path
@@ -72,7 +91,7 @@ def server():
          "--kv-transfer-config", json.dumps(transfer),
          # 0 (the default) aborts on Ctrl-C: every engine process is SIGKILLed at once, spans still queued lost
          "--shutdown-timeout", "20",
-         "--otlp-traces-endpoint", f"http://127.0.0.1:{sink.server_port}/v1/traces"],
+         "--otlp-traces-endpoint", f"http://127.0.0.1:{otlp_sink.server_port}/v1/traces"],
         cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
         start_new_session=True)  # its own process group: the Ctrl-C test signals the group
     base = f"http://127.0.0.1:{port}"
@@ -96,7 +115,6 @@ def server():
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             proc.kill()
-        sink.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -184,6 +202,61 @@ def test_loading_requests_have_their_spans_in_the_trace_they_sent(two_rounds):
         assert load.trace_id.hex() in sent_ids  # each load in the trace its request sent
         copies = [s for s in spans if s.name == "kvscope.group.copy" and s.trace_id == load.trace_id]
         assert copies
+
+
+def _collector_json_line(export: ExportTraceServiceRequest) -> str:
+    """One export as the Collector's file exporter writes it (OTLP/JSON): camelCase fields, int64 as decimal
+    strings, enums as numbers, and trace and span ids in hex, not protobuf-JSON's base64. kvscope's own
+    spans (should its OTLP export reach the sink too) are left out: this is a file of vLLM's spans."""
+    doc = json_format.MessageToDict(export, use_integers_for_enums=True)
+    for rs in doc.get("resourceSpans", []):
+        rs["scopeSpans"] = [ss for ss in rs.get("scopeSpans", []) if ss.get("scope", {}).get("name") != "kvscope"]
+        for ss in rs["scopeSpans"]:
+            for sp in ss.get("spans", []):
+                for ids in (sp, *sp.get("links", [])):
+                    for key in ("traceId", "spanId", "parentSpanId"):
+                        if ids.get(key):
+                            ids[key] = base64.b64decode(ids[key]).hex()
+    return json.dumps(doc, separators=(",", ":")) + "\n"
+
+
+def _vllm_request_traces(exports: list[ExportTraceServiceRequest]) -> set[str]:
+    return {sp.trace_id.hex() for export in list(exports) for rs in export.resource_spans
+            for ss in rs.scope_spans for sp in ss.spans if sp.name == "llm_request"}
+
+
+def test_the_dashboard_puts_vllms_request_span_beside_kvscopes(two_rounds, otlp_sink, tmp_path):
+    """vLLM's own request spans, received over OTLP and written as a Collector's file, read with kvscope's
+    trace file by the dashboard's reader: each request sent with a traceparent is one row holding its
+    kvscope lookup and vLLM's latencies, and round 2's loading requests have a load time and a TTFT."""
+    from dashboard import traces
+
+    sent, _, trace_file = two_rounds
+    deadline = time.time() + 30  # vLLM's batch span processor exports every 5 s
+    while not set(sent[0]) | set(sent[1]) <= _vllm_request_traces(otlp_sink.exports) and time.time() < deadline:
+        time.sleep(1)
+    collector_file = tmp_path / "vllm-spans.jsonl"
+    collector_file.write_text("".join(_collector_json_line(e) for e in list(otlp_sink.exports)))
+
+    read = traces.read_trace_files([trace_file, str(collector_file)])
+    assert [p for p in read.problems if p.file == str(collector_file)] == []  # vLLM's spans are no kvscope problem
+    table = traces.requests_table(read.spans, read.vllm_requests)
+    prompts = prompts_sharing_prefixes()
+    for ids in sent.values():
+        for prompt, trace_id in zip(prompts, ids):
+            rows = table[table["trace_id"] == trace_id]
+            assert len(rows) == 1, trace_id
+            row = rows.iloc[0]
+            assert row["lookups"] >= 1 and row["tokens_queried"] > 0, trace_id  # kvscope's lookup
+            vllm = row[["vllm_key", "vllm_queue_ms", "vllm_ttft_ms", "vllm_e2e_ms", "vllm_prompt_tokens"]]
+            assert vllm.notna().all(), (trace_id, vllm.to_dict())  # vLLM's span, joined, with its latencies
+            assert row["vllm_prompt_tokens"] == len(prompt), trace_id  # vLLM's span of this very request
+            assert 0 <= row["vllm_queue_ms"] and 0 < row["vllm_ttft_ms"] <= row["vllm_e2e_ms"], trace_id
+    loading = table[table["trace_id"].isin(sent[1]) & (table["loads"] > 0)]
+    assert len(loading) > 0
+    assert loading["load_ms"].notna().all() and loading["vllm_ttft_ms"].notna().all()
+    # the load ran between the request's arrival and its first token
+    assert (loading["load_ms"] < loading["vllm_ttft_ms"]).all()
 
 
 # ---- the Grafana boards and Prometheus rules against this real server ----

@@ -1,0 +1,139 @@
+"""vLLM's own request spans beside kvscope's: read from the same file or another, joined by trace and
+request id, shown per request and leading the request's waterfall."""
+
+from __future__ import annotations
+
+import base64
+
+import pandas as pd
+import pytest
+
+from dashboard import traces
+
+from .conftest import TWO_ROUNDS
+from .test_joins import copy, load
+from .test_reader import line, lookup, span, write
+from .vllm_traces import llm_request, vllm_line
+
+T = 1_700_000_000_000_000_000
+MS = 1_000_000
+TRACE_A, TRACE_B, TRACE_X = "a1" * 16, "b2" * 16, "c3" * 16
+CLIENT = "99" * 8  # the client's span, from the traceparent it sent: parent of vLLM's span and of the lookup
+VLLM_COLUMNS = list(traces.VLLM_REQUEST_COLUMNS)
+
+
+def kvscope_request(rid: str, trace: str, n: int, start: int = T) -> list[dict]:
+    """A request's lookup, load and load copy (4 ms after the load starts)."""
+    return [lookup(rid, trace=trace, span_id=f"{n:02x}" * 8, parent=CLIENT, start=start),
+            load(rid, trace=trace, span_id=f"{n + 1:02x}" * 8, parent=CLIENT, start=start + MS),
+            copy("load", 4096, rid, trace=trace, span_id=f"{n + 2:02x}" * 8, parent=f"{n + 1:02x}" * 8,
+                 start=start + 2 * MS, end=start + 5 * MS)]
+
+
+def read_requests(*paths) -> tuple[traces.Traces, pd.DataFrame]:
+    read = traces.read_trace_files(list(paths))
+    return read, traces.requests_table(read.spans, read.vllm_requests).set_index("request_id")
+
+
+def test_a_request_with_a_vllm_span_has_its_latencies_and_one_without_has_none(tmp_path):
+    """One Collector file: vLLM's span names the client's id, kvscope the scheduler's (8 hex digits added)."""
+    path = write(tmp_path,
+                 line(*kvscope_request("cmpl-7-0-1a2b3c4d", TRACE_A, 0x10),
+                      *kvscope_request("cmpl-8-0-5e6f7a8b", TRACE_B, 0x20)),  # no traceparent: its own trace
+                 vllm_line(llm_request("cmpl-7-0", trace=TRACE_A, span_id="e1" * 8, parent=CLIENT, start=T - MS,
+                                       end=T + 900 * MS, queue_s=0.004, ttft_s=0.12, e2e_s=0.9, prefill_s=0.1,
+                                       prompt_tokens=544),
+                           span("load_model", {}, trace=TRACE_X, span_id="e2" * 8)))  # another vLLM span
+    read, requests = read_requests(path)
+    assert read.problems == []
+    assert len(read.vllm_requests) == 1 and read.other_spans == 2 and read.spans_left_out == 1
+    joined = requests.loc["cmpl-7-0-1a2b3c4d"]
+    assert joined[VLLM_COLUMNS].tolist() == pytest.approx([4.0, 120.0, 900.0, 100.0, 700.0, 544])
+    assert joined["load_ms"] == pytest.approx(4.0) and joined["lookups"] == 1  # kvscope's, in the same row
+    alone = requests.loc["cmpl-8-0-5e6f7a8b"]
+    assert alone[[*VLLM_COLUMNS, "vllm_key"]].isna().all()  # nothing, not zeros
+    assert alone["load_ms"] == pytest.approx(4.0)
+
+
+def test_two_files_join_by_trace_id(tmp_path):
+    """kvscope's trace file and a Collector file of vLLM's spans (hex ids, and base64 as protobuf-JSON tools
+    write them); a span with a request's id in another trace is not that request's."""
+    kvscope = write(tmp_path, line(*kvscope_request("r-1-00000000", TRACE_A, 0x10),
+                                   *kvscope_request("r-2-00000000", TRACE_B, 0x20)), name="kvscope.jsonl")
+    b64 = base64.b64encode(bytes.fromhex(TRACE_A)).decode()
+    collector = write(tmp_path,
+                      vllm_line(llm_request("r-1", trace=b64, span_id=base64.b64encode(b"\xe1" * 8).decode(),
+                                            start=T - MS, end=T + 300 * MS, ttft_s=0.25)),
+                      vllm_line(llm_request("r-2", trace=TRACE_X, span_id="e2" * 8, start=T - MS, end=T + MS)),
+                      name="collector.jsonl")
+    copy_of_collector = write(tmp_path, collector.read_text(), name="collector-copy.jsonl")  # the same spans again
+    read, requests = read_requests(kvscope, collector, copy_of_collector)
+    assert read.problems == [] and len(read.vllm_requests) == 2  # each span once
+    assert requests.loc["r-1-00000000", "vllm_ttft_ms"] == pytest.approx(250.0)
+    assert read.vllm_requests.loc[requests.loc["r-1-00000000", "vllm_key"], "span_id"] == "e1" * 8
+    assert pd.isna(requests.loc["r-2-00000000", "vllm_key"])  # its id, another trace
+
+
+def test_the_same_request_id_in_two_traces_stays_two_requests(tmp_path):
+    """Two runs with client-set ids (and VLLM_DISABLE_REQUEST_ID_RANDOMIZATION): one request id, two traces,
+    each row with its own run's vLLM span."""
+    run1 = write(tmp_path, line(*kvscope_request("bench-1", TRACE_A, 0x10)),
+                 vllm_line(llm_request("bench-1", trace=TRACE_A, span_id="e1" * 8, start=T, end=T + MS, ttft_s=0.1)),
+                 name="run1.jsonl")
+    run2 = write(tmp_path, line(*kvscope_request("bench-1", TRACE_B, 0x10, start=T + 86_400_000 * MS)),
+                 vllm_line(llm_request("bench-1", trace=TRACE_B, span_id="e1" * 8, start=T + 86_400_000 * MS,
+                                       end=T + 86_400_001 * MS, ttft_s=0.3)), name="run2.jsonl")
+    read = traces.read_trace_files([run1, run2])
+    requests = traces.requests_table(read.spans, read.vllm_requests)
+    assert len(requests) == 2 and requests["request_id"].tolist() == ["bench-1", "bench-1"]
+    assert requests.set_index("trace_id")["vllm_ttft_ms"].to_dict() == pytest.approx({TRACE_A: 100.0, TRACE_B: 300.0})
+
+
+def test_only_one_to_one_matches_join():
+    """Within one trace (one traceparent for a batch of prompts): each id joins its own span, an id equal to
+    vLLM's wins over one less the scheduler's suffix, and the same client id sent twice joins nothing."""
+    requests = pd.DataFrame({"trace_id": TRACE_A, "request_id": [
+        "cmpl-x-1-0000aaaa", "cmpl-x-10-0000bbbb",  # batch: "-1" must not take "-10"'s span
+        "a", "a-1234abcd",  # "a" is vLLM's id itself
+        "dup-aaaaaaaa", "dup-bbbbbbbb",  # the client sent "dup" twice in one trace
+    ]})
+    vllm = pd.DataFrame({"vllm_key": range(5), "trace_id": TRACE_A,
+                         "vllm_request_id": ["cmpl-x-10", "cmpl-x-1", "a", "dup", "dup"]})
+    assert traces.vllm_keys(requests, vllm).fillna(-1).tolist() == [1, 0, 2, -1, -1, -1]  # -1: none
+
+
+def test_vllm_spans_are_found_by_name_and_bad_ones_are_no_kvscope_problem(tmp_path):
+    older = line(span("llm_request", {"gen_ai.request.id": "r-1", "gen_ai.latency.time_to_first_token": "0.5"},
+                      trace=TRACE_A, span_id="e1" * 8), scope="vllm.llm_engine", version="0.8.0")  # older vLLM
+    no_ids = vllm_line(llm_request("r-2", trace="not-an-id", span_id="e2" * 8, start=T, end=T))
+    not_json = '{"resourceSpans": [{"scopeSpans": [{"spans": [{"name": "llm_request"'
+    path = write(tmp_path, older, no_ids, not_json, line(lookup("r-1-00000000", trace=TRACE_A)))
+    read = traces.read_trace_files([path])
+    assert len(read.vllm_requests) == 1 and read.vllm_requests["ttft_ms"].tolist() == [500.0]
+    assert [(p.line, p.spans) for p in read.problems] == [(3, None)]  # the broken line, once, by the kvscope reader
+
+
+def test_the_waterfall_leads_with_the_vllm_span(tmp_path):
+    path = write(tmp_path, line(*kvscope_request("cmpl-7-0-1a2b3c4d", TRACE_A, 0x10),
+                                *kvscope_request("cmpl-8-0-5e6f7a8b", TRACE_B, 0x20)),
+                 vllm_line(llm_request("cmpl-7-0", trace=TRACE_A, span_id="e1" * 8, parent=CLIENT, start=T - 2 * MS,
+                                       end=T + 900 * MS, ttft_s=0.12)))
+    read = traces.read_trace_files([path])
+    requests = traces.requests_table(read.spans, read.vllm_requests)
+    rows = traces.waterfall_rows(read.spans, requests, "cmpl-7-0-1a2b3c4d", TRACE_A, read.vllm_requests)
+    assert rows["row"].tolist() == ["vLLM request", "lookup", "load", "copy load g0 full_attention"]
+    assert rows[["start_ms", "end_ms"]].iloc[0].tolist() == pytest.approx([0.0, 902.0])  # from vLLM's arrival
+    assert rows["start_ms"].iloc[1] == pytest.approx(2.0)
+    assert rows["span_id"].iloc[0] == "e1" * 8 and "latency.time_to_first_token=0.12" in rows["attributes"].iloc[0]
+    alone = traces.waterfall_rows(read.spans, requests, "cmpl-8-0-5e6f7a8b", TRACE_B, read.vllm_requests)
+    assert alone["row"].tolist() == ["lookup", "load", "copy load g0 full_attention"]
+
+
+def test_the_fixtures_vllm_spans_join_every_even_request():
+    """two_rounds.jsonl holds an older vLLM's request span (id and prompt tokens, no latencies) for even requests."""
+    read = traces.read_trace_files([TWO_ROUNDS])
+    requests = traces.requests_table(read.spans, read.vllm_requests).set_index("request_id")
+    joined = requests["vllm_key"].notna()
+    assert sorted(joined[joined].index) == [f"cmpl-r{r}-{i:02d}" for r in (1, 2) for i in range(0, 10, 2)]
+    assert (requests.loc[joined, "vllm_prompt_tokens"] == requests.loc[joined, "tokens_queried"]).all()
+    assert requests["vllm_ttft_ms"].isna().all() and read.spans_left_out == 0
