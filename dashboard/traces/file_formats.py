@@ -1,7 +1,8 @@
 """What a trace file holds, told from its first bytes, and its content as JSON lines.
 
-gzip is decompressed, zstd and Prometheus' text format are recognized and reported, and one JSON
-document over many lines (a pretty-printed export, or a list of exports) becomes one line; the
+gzip and zstd are decompressed, the Collector's length-prefixed messages (protobuf, zstd frames:
+`collector_files`) become JSON lines, Prometheus' text format is recognized and reported, and one
+JSON document over many lines (a pretty-printed export, or a list of exports) becomes one line; the
 reader then decodes JSON lines only.
 """
 
@@ -11,12 +12,10 @@ import json
 import re
 import zlib
 
+from dashboard.traces.collector_files import ZSTD_MAGIC, is_length_prefixed, messages_as_json_lines, unzstd
 from dashboard.traces.problems import Problem
 
 _GZIP_MAGIC = b"\x1f\x8b"
-_ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
-ZSTD_COMPRESSED = ("zstd-compressed (the Collector's file exporter with `compression: zstd`?): decompress it "
-                   "first (`zstd -d FILE`) and open the result")
 GZIP_CUT_SHORT = ("gzip stream ends early (is the file still being written?): the lines before the cut are read, "
                   "the rest is unknown")
 EXPECTED_JSON_LINES = ("expected JSON Lines: one ExportTraceServiceRequest per line (a pretty-printed export can be "
@@ -32,17 +31,25 @@ _PROMETHEUS_LINE = re.compile(
 def as_json_lines(label: str, data: bytes) -> tuple[bytes | None, list[Problem]]:
     """A file's bytes as JSON lines, and what was wrong with the file as a whole; None: nothing to read.
 
-    Decompresses gzip (corruption or a stream cut short keeps the lines before it), recognizes zstd
-    and Prometheus text, and turns one JSON document over several lines (a pretty-printed export, or
-    a list of exports) into one line.
+    Decompresses gzip and zstd (corruption or a stream cut short keeps the lines before it), reads the
+    Collector's length-prefixed messages, recognizes Prometheus text, and turns one JSON document over
+    several lines (a pretty-printed export, or a list of exports) into one line.
     """
-    if data[:4] == _ZSTD_MAGIC:
-        return None, [Problem(label, 0, ZSTD_COMPRESSED, spans=None)]
     problems = []
     if data[:2] == _GZIP_MAGIC:
         data, stopped = _gunzip(data)
         if stopped:
             problems.append(Problem(label, 0, stopped, spans=None))
+    elif data[:4] == ZSTD_MAGIC:
+        data, found = unzstd(label, data)
+        problems += found
+        if data is None:
+            return None, problems
+        if found:  # cut short: complete lines (or messages) only
+            data = data if is_length_prefixed(data) else data[: data.rfind(b"\n") + 1]
+    if is_length_prefixed(data):
+        lines, found = messages_as_json_lines(label, data)
+        return lines, problems + found
     first = _FIRST_LINE.match(data).group(1).strip()
     if _PROMETHEUS_LINE.match(first):
         return None, problems + [Problem(label, 0, PROMETHEUS_TEXT, spans=None)]

@@ -387,3 +387,35 @@ def test_ctrl_c_stops_the_server_and_its_export_helper_and_loses_no_span(server,
                 for ss in rs.scope_spans:
                     names |= {span.name for span in ss.spans if span.trace_id.hex() == trace_id}
     assert "kvscope.lookup" in names
+
+
+def test_vllms_spans_read_alike_from_the_collectors_binary_file_formats(two_rounds, otlp_sink, tmp_path):
+    """The protobuf exports vLLM sent, framed as the Collector's file exporter frames them with `format: proto`
+    (and `compression: zstd`), read as the same request spans as their OTLP/JSON lines."""
+    import struct
+
+    import zstandard
+
+    from dashboard import traces
+
+    sent, _, _ = two_rounds
+    deadline = time.time() + 30  # vLLM's batch span processor exports every 5 s
+    while not set(sent[0]) | set(sent[1]) <= _vllm_request_traces(otlp_sink.exports) and time.time() < deadline:
+        time.sleep(1)
+    exports = list(otlp_sink.exports)
+    as_json = tmp_path / "vllm.jsonl"
+    as_json.write_text("".join(_collector_json_line(e) for e in exports))
+    wire = [e.SerializeToString() for e in exports]
+    zstd = zstandard.ZstdCompressor()
+    files = {"proto": b"".join(struct.pack(">I", len(w)) + w for w in wire),
+             "proto+zstd": b"".join(struct.pack(">I", len(c)) + c for c in map(zstd.compress, wire))}
+    expected = traces.read_trace_files([as_json]).vllm_requests.drop(columns=["source_file"])
+    assert len(expected) >= len(sent[0]) + len(sent[1])
+    for name, data in files.items():
+        path = tmp_path / name
+        path.write_bytes(data)
+        read = traces.read_trace_files([path])
+        assert read.problems == [], name
+        got = read.vllm_requests.drop(columns=["source_file"])
+        assert got.drop(columns=["attributes"]).equals(expected.drop(columns=["attributes"])), name
+        assert list(got["attributes"]) == list(expected["attributes"]), name
