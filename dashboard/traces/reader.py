@@ -49,6 +49,7 @@ class Traces:
     lines: int = 0  # non-empty lines read
     other_spans: int = 0  # spans outside kvscope, vLLM's request spans among them
     vllm_requests: pd.DataFrame = field(default_factory=empty_vllm_requests)  # vLLM's request spans (`vllm_spans`)
+    vllm_spans_read: int = 0  # vLLM request spans in all files, a span given twice counted twice (as `other_spans`)
 
     @property
     def empty(self) -> bool:
@@ -58,7 +59,7 @@ class Traces:
     def spans_left_out(self) -> int:
         """Spans neither kvscope's nor vLLM's request spans (at least 0: a line the kvscope decoder could not
         take apart may still have given a vLLM span)."""
-        return max(self.other_spans - len(self.vllm_requests), 0)
+        return max(self.other_spans - self.vllm_spans_read, 0)
 
 
 @dataclass(frozen=True)
@@ -145,7 +146,7 @@ def read_trace_files(sources: Iterable[str | os.PathLike[str] | TraceSource]) ->
     order = {name: i for i, name in enumerate(files)}
     problems = sorted(problems + duplicates, key=lambda p: (order.get(p.file, len(order)), p.line))
     return Traces(spans=spans, problems=problems, files=files, lines=lines, other_spans=other,
-                  vllm_requests=combine_vllm_requests(vllm_frames))
+                  vllm_requests=combine_vllm_requests(vllm_frames), vllm_spans_read=sum(map(len, vllm_frames)))
 
 
 def decode_spans(label: str, data: bytes) -> DecodedSpans:

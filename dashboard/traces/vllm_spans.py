@@ -42,6 +42,7 @@ _TOKEN_COLUMNS = ("prompt_tokens", "completion_tokens")
 VLLM_COLUMNS = ("vllm_key", "trace_id", "span_id", "parent_span_id", "start_ns", "end_ns", "status_code",
                 *(col for col, _ in VLLM_ATTRIBUTES.values()), "attributes", "source_file", "source_line")
 _HEX = {32: re.compile("[0-9a-f]{32}"), 16: re.compile("[0-9a-f]{16}")}
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")  # json.loads pairs the surrogates of one character
 
 
 def read_vllm_requests(label: str, data: bytes) -> pd.DataFrame:
@@ -100,12 +101,18 @@ def _row(sp: dict) -> tuple | None:
     attrs = {}
     for a in _list(sp.get("attributes")):
         if isinstance(a, dict) and isinstance(a.get("key"), str) and isinstance(a.get("value"), dict):
-            attrs[a["key"]] = next(iter(a["value"].values()), None)  # {"doubleValue": 0.01}: the one entry
+            value = next(iter(a["value"].values()), None)  # {"doubleValue": 0.01}: the one entry
+            attrs[_text(a["key"])] = _text(value) if isinstance(value, str) else value
     values = [_value(attrs.get(key), scale) for key, (_, scale) in VLLM_ATTRIBUTES.items()]
     status = sp.get("status")
     code = status.get("code", 0) if isinstance(status, dict) else 0
     return (trace_id, span_id, _id(sp.get("parentSpanId"), 16) or "", start, end,
             code if code in (0, 1, 2) else 0, *values, attrs or None)
+
+
+def _text(value: str) -> str:
+    """A string with any lone surrogate (JSON can escape one: "\\ud800") replaced: pages encode it as UTF-8."""
+    return _LONE_SURROGATE.sub("\ufffd", value)
 
 
 def _id(value: Any, width: int) -> str | None:
@@ -133,8 +140,9 @@ def _frame(rows: list[tuple]) -> pd.DataFrame:
     for col, scale in VLLM_ATTRIBUTES.values():
         if scale is not None:
             frame[col] = frame[col].astype(float)
-    for col in _TOKEN_COLUMNS:  # counts: integers where whole, NA otherwise
-        whole = frame[col].where(np.isfinite(frame[col]) & (frame[col] == np.floor(frame[col])))
+    for col in _TOKEN_COLUMNS:  # counts: integers where whole and within int64, NA otherwise
+        values = frame[col]
+        whole = values.where(np.isfinite(values) & (values == np.floor(values)) & (values.abs() < 2.0 ** 63))
         frame[col] = whole.astype("Int64")
     for col in ("trace_id", "span_id", "parent_span_id", "vllm_request_id", "attributes", "source_file"):
         frame[col] = frame[col].astype(object)

@@ -137,3 +137,37 @@ def test_the_fixtures_vllm_spans_join_every_even_request():
     assert sorted(joined[joined].index) == [f"cmpl-r{r}-{i:02d}" for r in (1, 2) for i in range(0, 10, 2)]
     assert (requests.loc[joined, "vllm_prompt_tokens"] == requests.loc[joined, "tokens_queried"]).all()
     assert requests["vllm_ttft_ms"].isna().all() and read.spans_left_out == 0
+
+
+def test_the_same_collector_file_given_twice_leaves_no_span_out(tmp_path):
+    """A vLLM span read twice (the same export in two files) is one request span and no span left out."""
+    kvscope = write(tmp_path, line(*kvscope_request("cmpl-7-0-1a2b3c4d", TRACE_A, 0x10)), name="kvscope.jsonl")
+    export = vllm_line(llm_request("cmpl-7-0", trace=TRACE_A, span_id="e1" * 8, start=T, end=T + MS))
+    first, second = write(tmp_path, export, name="a.jsonl"), write(tmp_path, export, name="b.jsonl")
+    read = traces.read_trace_files([kvscope, first, second])
+    assert len(read.vllm_requests) == 1 and read.other_spans == 2 and read.spans_left_out == 0
+
+
+@pytest.mark.parametrize("tokens", [{"intValue": str(2 ** 64)}, {"doubleValue": 1e19}, {"intValue": "-" + "9" * 20}])
+def test_a_token_count_beyond_int64_is_unknown_not_a_crash(tmp_path, tokens):
+    sp = llm_request("cmpl-7-0", trace=TRACE_A, span_id="e1" * 8, start=T, end=T + MS)
+    for attribute in sp["attributes"]:
+        if attribute["key"] == "gen_ai.usage.prompt_tokens":
+            attribute["value"] = tokens
+    path = write(tmp_path, line(*kvscope_request("cmpl-7-0-1a2b3c4d", TRACE_A, 0x10)), vllm_line(sp))
+    read, requests = read_requests(path)
+    joined = requests.loc["cmpl-7-0-1a2b3c4d"]
+    assert pd.isna(joined["vllm_prompt_tokens"]) and joined["vllm_ttft_ms"] == pytest.approx(120.0)
+
+
+def test_a_lone_surrogate_in_a_vllm_span_is_replaced_not_a_crash(tmp_path):
+    """JSON may escape half a UTF-16 pair ("\\ud800"); the waterfall encodes attributes as UTF-8."""
+    sp = llm_request("cmpl-7-0", trace=TRACE_A, span_id="e1" * 8, start=T, end=T + MS)
+    sp["attributes"].append({"key": "gen_ai.response.model", "value": {"stringValue": "tiny\ud800"}})
+    path = write(tmp_path, line(*kvscope_request("cmpl-7-0-1a2b3c4d", TRACE_A, 0x10)), vllm_line(sp))
+    assert "\\ud800" in path.read_text()  # json.dumps escapes it: the file holds the escape, as a writer's would
+    read = traces.read_trace_files([path])
+    requests = traces.requests_table(read.spans, read.vllm_requests)
+    rows = traces.waterfall_rows(read.spans, requests, "cmpl-7-0-1a2b3c4d", TRACE_A, read.vllm_requests)
+    assert rows["attributes"].iloc[0].endswith("response.model=tiny\ufffd")
+    rows["attributes"].iloc[0].encode()  # what the page does with it
