@@ -124,3 +124,54 @@ def test_the_first_calibration_waits_for_its_event_and_is_soon_made_again_when_i
     start_ns, _ = clock.interval(device.event(1_100.0), device.event(1_100.01))
     assert device.events == events + 3
     assert abs(start_ns - (WALL_AT_DEVICE_ZERO_NS + 1_100_000_000)) <= 1_000
+
+
+def test_a_recalibration_seen_done_only_after_a_host_stall_is_given_up_too():
+    """The event completed at once, but the worker thread first saw it 8 ms later (GIL, preemption): its
+    stamp is known only within those 8 ms, so it is not taken."""
+    device = _Device()
+    clock = _clock(device, recalibrate_s=5.0)
+    clock.interval(device.event(0.0), device.event(0.01))
+    device.ms = 6_000.0
+    device.tick_ms = 8.0  # every read of the wall clock comes 8 ms after the last
+    start_ns, _ = clock.interval(device.event(6_000.0), device.event(6_000.02))
+    assert clock.late_calibrations == 1
+    assert abs(start_ns - (WALL_AT_DEVICE_ZERO_NS + 6_000_000_000)) <= 1_000  # the old calibration's placing
+
+
+def test_a_wall_clock_stepped_back_during_a_recalibration_gives_it_up_at_once():
+    device = _Device()
+    clock = _clock(device, recalibrate_s=5.0)
+    clock.interval(device.event(0.0), device.event(0.01))
+    device.ms, device.queued_until_ms, device.tick_ms = 6_000.0, 6_030.0, 0.002
+    reads = []
+    real_now = device.now_ns
+
+    def stepping_back() -> int:  # NTP steps the clock back 1 s right after the event is recorded
+        reads.append(None)
+        return real_now() - (1_000_000_000 if len(reads) > 2 else 0)
+
+    clock._now_ns = stepping_back
+    clock.interval(device.event(6_000.0), device.event(6_000.02))
+    assert clock.late_calibrations == 1 and len(reads) == 3  # due?, before, one poll: no wait for the queue
+
+
+def test_a_calibration_a_minute_old_is_made_again_waiting_if_the_queue_stays_busy():
+    """Every recalibration waits behind a forward: the clock keeps its calibration a minute at most, then
+    waits for one (float32 steps grow with its age: 8 ms after a day)."""
+    device = _Device()
+    clock = _clock(device, recalibrate_s=5.0)
+    clock.interval(device.event(0.0), device.event(0.01))
+    waited = []
+    for second in range(7, 200, 7):  # a copy every 7 s, the calibration queue always 30 ms behind
+        device.ms = second * 1_000.0
+        device.queued_until_ms = device.ms + 30.0
+        device.tick_ms = 0.002
+        before = device.ms
+        start_ns, _ = clock.interval(device.event(device.ms), device.event(device.ms + 0.02))
+        device.tick_ms = 0.0
+        waited.append(device.ms - before >= 30.0)
+        assert abs(start_ns - (WALL_AT_DEVICE_ZERO_NS + second * 1_000_000_000)) <= 15_100_000
+    # waits only once the accepted calibration is past a minute old: at 63 s, 126 s, 189 s
+    assert [7 * (i + 1) for i, w in enumerate(waited) if w] == [63, 126, 189]
+    assert clock.late_calibrations == len(waited) - 3
