@@ -42,10 +42,11 @@ with st.sidebar:
     st.subheader("Trace files")
     uploads = st.file_uploader(
         "Add trace files",
-        type=["jsonl", "json", "gz"],
+        type=["jsonl", "json", "gz", "zst", "zstd", "pb", "binpb", "proto"],
         accept_multiple_files=True,
         key="uploads",
-        help="OTLP/JSON lines, as the connector's trace_file or the OpenTelemetry Collector's file exporter write.",
+        help="OTLP/JSON lines, as the connector's trace_file or the OpenTelemetry Collector's file exporter write "
+             "(also the Collector's `format: proto` and `compression: zstd` files).",
     )
 try:
     loaded = data.load(paths, uploads or [])

@@ -7,7 +7,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 ENV_VAR = "KVSCOPE_TRACE_FILES"
-TRACE_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz")
+# JSON lines (gzip too), and the Collector's zstd and protobuf files (`traces.collector_files`)
+TRACE_SUFFIXES = (".jsonl", ".json", ".gz", ".zst", ".zstd", ".pb", ".binpb", ".proto")
 
 
 def trace_paths(argv: Sequence[str], environ: Mapping[str, str]) -> list[str]:

@@ -46,12 +46,15 @@ def test_step_and_window():
 def test_trace_paths_from_arguments_then_environment(tmp_path):
     (tmp_path / "a.jsonl").write_text("")
     (tmp_path / "b.jsonl.gz").write_bytes(b"")
+    (tmp_path / "c.zst").write_bytes(b"")  # the Collector's `compression: zstd`
+    (tmp_path / "d.pb").write_bytes(b"")  # and `format: proto`
     (tmp_path / "notes.txt").write_text("")
     env = {"KVSCOPE_TRACE_FILES": " x.jsonl, ,y.jsonl "}
     assert sources.trace_paths(["p.jsonl"], env) == ["p.jsonl"]
     assert sources.trace_paths([], env) == ["x.jsonl", "y.jsonl"]
     assert sources.trace_paths([], {}) == []
-    assert sources.trace_paths([str(tmp_path)], {}) == [str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl.gz")]
+    assert sources.trace_paths([str(tmp_path)], {}) == [str(tmp_path / n) for n in ("a.jsonl", "b.jsonl.gz", "c.zst",
+                                                                                   "d.pb")]
     assert sources.file_key(str(tmp_path / "missing")) == (str(tmp_path / "missing"), -1, -1)
     assert sources.file_key(str(TWO_ROUNDS))[2] == TWO_ROUNDS.stat().st_size
 
