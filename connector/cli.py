@@ -1,4 +1,4 @@
-"""`kvscope` command: demo, dashboard, bench."""
+"""`kvscope` command: demo, dashboard, bench, check."""
 
 from __future__ import annotations
 
@@ -104,6 +104,23 @@ def dashboard(args) -> int:
     return launch(args.paths, streamlit_args + list(args.streamlit_option))
 
 
+def check(args) -> int:
+    """Check a --kv-transfer-config before starting vLLM with it: 0 when it passes, 2 when it does not."""
+    from .config import ConfigError
+    from .config_check import check_transfer_config, describe
+
+    try:
+        result = check_transfer_config(args.kv_transfer_config, args.tensor_parallel_size * args.pipeline_parallel_size)
+    except ConfigError as exc:
+        print(f"kvscope check: {exc}", file=sys.stderr)
+        return 2
+    for warning in result.warnings:
+        print(f"warning: {warning}", file=sys.stderr)
+    print(describe(result))
+    print("ok (block sizes and the size of an offloaded block are checked against the model at start-up)")
+    return 0
+
+
 def bench(args) -> int:
     from bench.run_all import main as run_all
 
@@ -161,6 +178,12 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--streamlit-option", action="append", default=[], metavar="OPTION",
                    help="passed to `streamlit run` as is, e.g. --streamlit-option=--theme.base=dark (repeatable)")
     s.set_defaults(func=dashboard)
+    c = sub.add_parser("check", help="check a --kv-transfer-config before vllm serve loads a model with it")
+    c.add_argument("kv_transfer_config", help="the JSON given to vllm serve --kv-transfer-config")
+    c.add_argument("--tensor-parallel-size", "-tp", type=_at_least(1), default=1,
+                   help="as given to vllm serve: workers sharing this host's memory")
+    c.add_argument("--pipeline-parallel-size", "-pp", type=_at_least(1), default=1)
+    c.set_defaults(func=check)
     b = sub.add_parser("bench", help="run the benchmarks, write bench/results.md and .json "
                                      "(--quick: bench/results-quick.*)")
     b.add_argument("--quick", action="store_true")

@@ -103,3 +103,72 @@ def test_kvscope_dashboard_serves_on_the_port_it_is_given(tmp_path):
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def _transfer(**extra) -> str:
+    import json
+
+    return json.dumps({"kv_connector": "KVScopeConnector", "kv_role": "kv_both", "kv_connector_extra_config": extra})
+
+
+def test_check_passes_a_good_config_and_says_what_the_engine_will_run_with(tmp_path, capsys):
+    assert cli.main(["check", _transfer(cpu_bytes=1 << 30, trace_file=str(tmp_path / "t.jsonl"),
+                                        trace_sample_ratio=0.25)]) == 0
+    out = capsys.readouterr().out
+    assert "host tier: 1,073,741,824 bytes (1.00 GiB) per worker" in out
+    assert f"trace file: {tmp_path / 't.jsonl'} (sample ratio 0.25)" in out and out.rstrip().endswith(
+        "checked against the model at start-up)")
+    assert not (tmp_path / "t.jsonl").exists()  # checked, not created
+
+
+@pytest.mark.parametrize("text, said", [
+    (_transfer(cpu_byte=1 << 30), "kv_connector_extra_config has unknown key(s) cpu_byte=1073741824; accepted keys: "
+                                  "cpu_bytes"),
+    (_transfer(cpu_bytes=-1), "kv_connector_extra_config.cpu_bytes=-1 is not accepted"),
+    (_transfer(cpu_bytes=1, trace_sample_ratio=2), "trace_sample_ratio=2 is not accepted"),
+    ('{"kv_connector": "KVScopeConnector", "kv_role": "kv_both", "kv_conector_extra_config": {}}',
+     "vLLM refuses this --kv-transfer-config"),
+    ('{"kv_connector": "KVScopeConnector", "kv_role": "kv_producer", "kv_connector_extra_config": {"cpu_bytes": 1}}',
+     "kv_role='kv_producer' is not accepted by KVScopeConnector: accepted is 'kv_both'"),
+    ('{"kv_connector": "OffloadingConnector", "kv_role": "kv_both"}', "kv_connector='OffloadingConnector' is not"),
+    ('{"kv_connector": "KVScopeConnector", "kv_role": "kv_both", "kv_connector_module_path": "kvscope"}',
+     "kv_connector_module_path='kvscope' does not hold KVScopeConnector"),
+    ('{"kv_connector": "KVScopeConnector",', "--kv-transfer-config is not JSON (Expecting property name"),
+    ("[1]", "--kv-transfer-config is a JSON list; expected an object"),
+])
+def test_check_refuses_a_bad_config_naming_what_is_wrong(text, said, capsys):
+    assert cli.main(["check", text]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvscope check: ") and said in err, err
+
+
+def test_check_uses_the_connectors_own_words_for_its_extra_config():
+    """The same message the engine gives at start-up (both run `parse_config`)."""
+    from connector.config import ConfigError, parse_config
+    from connector.config_check import check_transfer_config
+
+    with pytest.raises(ConfigError) as at_start_up:
+        parse_config({"cpu_bytes": "8G"})
+    with pytest.raises(ConfigError) as checked:
+        check_transfer_config(_transfer(cpu_bytes="8G"))
+    assert str(checked.value) == str(at_start_up.value)
+
+
+def test_check_warns_when_the_workers_tiers_outgrow_this_hosts_memory(monkeypatch, capsys):
+    from connector import config_check
+
+    monkeypatch.setattr(config_check, "physical_memory_bytes", lambda: 16 << 30)
+    assert cli.main(["check", "-tp", "4", _transfer(cpu_bytes=8 << 30)]) == 0
+    assert "4 workers on this host with a host tier of 8589934592 bytes each" in capsys.readouterr().err
+    assert cli.main(["check", _transfer(cpu_bytes=32 << 30)]) == 2  # one worker's tier alone does not fit
+    assert "more than this host's 17179869184 bytes of memory" in capsys.readouterr().err
+
+
+def test_kvscope_check_runs_as_a_command():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    done = subprocess.run([sys.executable, "-m", "connector.cli", "check", _transfer(cpu_bytes=0)],
+                          cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "kv_connector_extra_config.cpu_bytes=0 is not accepted" in done.stderr

@@ -1,0 +1,84 @@
+"""`kvscope check`: the `--kv-transfer-config` an operator will give `vllm serve`, checked before any model loads.
+
+vLLM builds the connector, and so reports its configuration errors, only after loading the model
+(unless it asks `requires_piecewise_for_cudagraph` first, on GPUs with full CUDA graphs). This runs
+the same checks, in the same words, on the JSON alone: vLLM's own `KVTransferConfig` validation, the
+connector's name and role, `kv_connector_extra_config` (`config.parse_config`), the host tier against
+this host's memory, and the installed vLLM's version. What needs the model (block sizes, the size of
+one offloaded block) is still checked at start-up.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from . import CONNECTOR_NAME
+from .config import ConfigError, KVScopeConfig, check_host_memory, parse_config, physical_memory_bytes
+
+_MODULE_PATHS = (None, "connector", "connector.connector")
+
+
+@dataclass
+class CheckResult:
+    config: KVScopeConfig
+    warnings: list[str] = field(default_factory=list)
+
+
+def check_transfer_config(text: str, workers_on_this_host: int = 1) -> CheckResult:
+    """Check the JSON of ``--kv-transfer-config``; raises `ConfigError` naming what is wrong and what is
+    accepted. ``workers_on_this_host``: tensor × pipeline parallel workers sharing this host's memory."""
+    try:
+        document = json.loads(text)
+    except ValueError as exc:
+        raise ConfigError(f"--kv-transfer-config is not JSON ({exc}); expected an object such as "
+                          f'\'{{"kv_connector":"{CONNECTOR_NAME}","kv_role":"kv_both",'
+                          '"kv_connector_extra_config":{"cpu_bytes":...}}\'') from None
+    if not isinstance(document, dict):
+        raise ConfigError(f"--kv-transfer-config is a JSON {type(document).__name__}; expected an object")
+    _check_with_vllm(document)
+    if document.get("kv_connector") != CONNECTOR_NAME:
+        raise ConfigError(f"kv_connector={document.get('kv_connector')!r} is not kvscope's: expected "
+                          f"{CONNECTOR_NAME!r}")
+    if document.get("kv_role") != "kv_both":
+        raise ConfigError(f"kv_role={document.get('kv_role')!r} is not accepted by {CONNECTOR_NAME}: accepted is "
+                          "'kv_both' (it stores to and loads from its host tier)")
+    if document.get("kv_connector_module_path") not in _MODULE_PATHS:
+        raise ConfigError(f"kv_connector_module_path={document['kv_connector_module_path']!r} does not hold "
+                          f"{CONNECTOR_NAME}: give 'connector', or leave it out (the plugin registers the name)")
+    config = parse_config(document.get("kv_connector_extra_config"))
+    result = CheckResult(config)
+    crowded = check_host_memory(config.cpu_bytes, workers_on_this_host, physical_memory_bytes())
+    if crowded:
+        result.warnings.append(crowded)
+    return result
+
+
+def _check_with_vllm(document: dict) -> None:
+    """vLLM's own validation of the object (unknown fields, its role names), and its version."""
+    from .version_check import UnsupportedVLLMVersion, check_vllm_version
+
+    try:
+        check_vllm_version()
+    except UnsupportedVLLMVersion as exc:
+        raise ConfigError(str(exc)) from None
+    from vllm.config import KVTransferConfig
+
+    try:
+        KVTransferConfig(**document)
+    except (TypeError, ValueError) as exc:  # pydantic's ValidationError is a ValueError
+        raise ConfigError(f"vLLM refuses this --kv-transfer-config: {exc}") from None
+
+
+def describe(result: CheckResult) -> str:
+    """What the engine will run with, in an operator's words."""
+    c = result.config
+    ratio = 1.0 if c.trace_sample_ratio is None else c.trace_sample_ratio
+    lines = [f"host tier: {c.cpu_bytes:,} bytes ({c.cpu_bytes / 2**30:.2f} GiB) per worker",
+             f"offloaded block: {c.block_size} tokens" if c.block_size else
+             "offloaded block: the device block size (checked against the model at start-up)",
+             f"trace file: {c.trace_file} (sample ratio {ratio})" if c.trace_file else
+             "trace file: none (OTLP export follows the OTEL_* variables)"]
+    if c.metrics_port is not None:
+        lines.append(f"metrics port: {c.metrics_port} (offline vllm.LLM runs; `vllm serve` has /metrics)")
+    return "\n".join(lines)
