@@ -110,7 +110,7 @@ def check(args) -> int:
     from .config_check import check_transfer_config, describe
 
     try:
-        result = check_transfer_config(args.kv_transfer_config, args.tensor_parallel_size * args.pipeline_parallel_size)
+        result = check_transfer_config(args.kv_transfer_config, args.tensor_parallel_size, args.pipeline_parallel_size)
     except ConfigError as exc:
         print(f"kvscope check: {exc}", file=sys.stderr)
         return 2
@@ -182,7 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("kv_transfer_config", help="the JSON given to vllm serve --kv-transfer-config")
     c.add_argument("--tensor-parallel-size", "-tp", type=_at_least(1), default=1,
                    help="as given to vllm serve: workers sharing this host's memory")
-    c.add_argument("--pipeline-parallel-size", "-pp", type=_at_least(1), default=1)
+    c.add_argument("--pipeline-parallel-size", "-pp", type=_at_least(1), default=1,
+                   help="as given to vllm serve (kvscope supports 1)")
     c.set_defaults(func=check)
     b = sub.add_parser("bench", help="run the benchmarks, write bench/results.md and .json "
                                      "(--quick: bench/results-quick.*)")

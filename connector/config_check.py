@@ -25,9 +25,9 @@ class CheckResult:
     warnings: list[str] = field(default_factory=list)
 
 
-def check_transfer_config(text: str, workers_on_this_host: int = 1) -> CheckResult:
-    """Check the JSON of ``--kv-transfer-config``; raises `ConfigError` naming what is wrong and what is
-    accepted. ``workers_on_this_host``: tensor × pipeline parallel workers sharing this host's memory."""
+def check_transfer_config(text: str, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1) -> CheckResult:
+    """Check the JSON of ``--kv-transfer-config`` for an engine of these parallel sizes (its workers share this
+    host's memory); raises `ConfigError` naming what is wrong and what is accepted."""
     try:
         document = json.loads(text)
     except ValueError as exc:
@@ -47,8 +47,10 @@ def check_transfer_config(text: str, workers_on_this_host: int = 1) -> CheckResu
         raise ConfigError(f"kv_connector_module_path={document['kv_connector_module_path']!r} does not hold "
                           f"{CONNECTOR_NAME}: give 'connector', or leave it out (the plugin registers the name)")
     config = parse_config(document.get("kv_connector_extra_config"))
+    _check_parallel_sizes(tensor_parallel_size, pipeline_parallel_size)
     result = CheckResult(config)
-    crowded = check_host_memory(config.cpu_bytes, workers_on_this_host, physical_memory_bytes())
+    crowded = check_host_memory(config.cpu_bytes, tensor_parallel_size * pipeline_parallel_size,
+                                physical_memory_bytes())
     if crowded:
         result.warnings.append(crowded)
     return result
@@ -68,6 +70,18 @@ def _check_with_vllm(document: dict) -> None:
         KVTransferConfig(**document)
     except (TypeError, ValueError) as exc:  # pydantic's ValidationError is a ValueError
         raise ConfigError(f"vLLM refuses this --kv-transfer-config: {exc}") from None
+
+
+def _check_parallel_sizes(tensor_parallel_size: int, pipeline_parallel_size: int) -> None:
+    from types import SimpleNamespace
+
+    from .vllm_layout import UnsupportedKVCache, check_parallelism
+
+    try:  # start-up's own check, on the sizes given
+        check_parallelism(SimpleNamespace(pipeline_parallel_size=pipeline_parallel_size,
+                                          world_size=tensor_parallel_size * pipeline_parallel_size))
+    except UnsupportedKVCache as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def describe(result: CheckResult) -> str:

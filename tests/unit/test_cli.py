@@ -142,6 +142,11 @@ def test_check_refuses_a_bad_config_naming_what_is_wrong(text, said, capsys):
     assert err.startswith("kvscope check: ") and said in err, err
 
 
+def test_check_refuses_pipeline_parallelism_as_start_up_does(capsys):
+    assert cli.main(["check", "-pp", "2", _transfer(cpu_bytes=1 << 20)]) == 2
+    assert "pipeline_parallel_size=2 is not supported by kvscope" in capsys.readouterr().err
+
+
 def test_check_uses_the_connectors_own_words_for_its_extra_config():
     """The same message the engine gives at start-up (both run `parse_config`)."""
     from connector.config import ConfigError, parse_config
