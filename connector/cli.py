@@ -117,7 +117,8 @@ def check(args) -> int:
     for warning in result.warnings:
         print(f"warning: {warning}", file=sys.stderr)
     print(describe(result))
-    print("ok (block sizes and the size of an offloaded block are checked against the model at start-up)")
+    print("ok. Not checked here, but at start-up: block sizes and the size of an offloaded block (the model), "
+          "--enable-sleep-mode, context parallelism, the executor backend")
     return 0
 
 

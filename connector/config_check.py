@@ -2,7 +2,7 @@
 
 vLLM builds the connector, and so reports its configuration errors, only after loading the model
 (unless it asks `requires_piecewise_for_cudagraph` first, on GPUs with full CUDA graphs). This runs
-the same checks, in the same words, on the JSON alone: vLLM's own `KVTransferConfig` validation, the
+the same checks, in the same words, on the JSON alone: vLLM's own parsing and validation of it, the
 connector's name and role, `kv_connector_extra_config` (`config.parse_config`), the host tier against
 this host's memory, and the installed vLLM's version. What needs the model (block sizes, the size of
 one offloaded block) is still checked at start-up.
@@ -10,7 +10,6 @@ one offloaded block) is still checked at start-up.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 
 from . import CONNECTOR_NAME
@@ -28,25 +27,16 @@ class CheckResult:
 def check_transfer_config(text: str, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1) -> CheckResult:
     """Check the JSON of ``--kv-transfer-config`` for an engine of these parallel sizes (its workers share this
     host's memory); raises `ConfigError` naming what is wrong and what is accepted."""
-    try:
-        document = json.loads(text)
-    except ValueError as exc:
-        raise ConfigError(f"--kv-transfer-config is not JSON ({exc}); expected an object such as "
-                          f'\'{{"kv_connector":"{CONNECTOR_NAME}","kv_role":"kv_both",'
-                          '"kv_connector_extra_config":{"cpu_bytes":...}}\'') from None
-    if not isinstance(document, dict):
-        raise ConfigError(f"--kv-transfer-config is a JSON {type(document).__name__}; expected an object")
-    _check_with_vllm(document)
-    if document.get("kv_connector") != CONNECTOR_NAME:
-        raise ConfigError(f"kv_connector={document.get('kv_connector')!r} is not kvscope's: expected "
-                          f"{CONNECTOR_NAME!r}")
-    if document.get("kv_role") != "kv_both":
-        raise ConfigError(f"kv_role={document.get('kv_role')!r} is not accepted by {CONNECTOR_NAME}: accepted is "
+    transfer = _parse_as_vllm_does(text)
+    if transfer.kv_connector != CONNECTOR_NAME:
+        raise ConfigError(f"kv_connector={transfer.kv_connector!r} is not kvscope's: expected {CONNECTOR_NAME!r}")
+    if transfer.kv_role != "kv_both":
+        raise ConfigError(f"kv_role={transfer.kv_role!r} is not accepted by {CONNECTOR_NAME}: accepted is "
                           "'kv_both' (it stores to and loads from its host tier)")
-    if document.get("kv_connector_module_path") not in _MODULE_PATHS:
-        raise ConfigError(f"kv_connector_module_path={document['kv_connector_module_path']!r} does not hold "
+    if transfer.kv_connector_module_path not in _MODULE_PATHS:
+        raise ConfigError(f"kv_connector_module_path={transfer.kv_connector_module_path!r} does not hold "
                           f"{CONNECTOR_NAME}: give 'connector', or leave it out (the plugin registers the name)")
-    config = parse_config(document.get("kv_connector_extra_config"))
+    config = parse_config(transfer.kv_connector_extra_config)
     _check_parallel_sizes(tensor_parallel_size, pipeline_parallel_size)
     result = CheckResult(config)
     crowded = check_host_memory(config.cpu_bytes, tensor_parallel_size * pipeline_parallel_size,
@@ -56,20 +46,31 @@ def check_transfer_config(text: str, tensor_parallel_size: int = 1, pipeline_par
     return result
 
 
-def _check_with_vllm(document: dict) -> None:
-    """vLLM's own validation of the object (unknown fields, its role names), and its version."""
+def _parse_as_vllm_does(text: str):
+    """The `KVTransferConfig` vLLM's argument parser makes of ``text`` (`engine/arg_utils.py`: human-readable
+    numbers such as 8G expanded, then pydantic's JSON validation), after checking the vLLM version."""
     from .version_check import UnsupportedVLLMVersion, check_vllm_version
 
     try:
         check_vllm_version()
     except UnsupportedVLLMVersion as exc:
         raise ConfigError(str(exc)) from None
+    except ImportError as exc:
+        raise ConfigError(f"vLLM is not installed here ({exc}): install a supported vLLM, then check") from None
+    from pydantic import TypeAdapter, ValidationError
     from vllm.config import KVTransferConfig
+    from vllm.engine import arg_utils
 
+    expand = getattr(arg_utils, "_expand_json_human_readable_numbers", lambda value: value)
     try:
-        KVTransferConfig(**document)
-    except (TypeError, ValueError) as exc:  # pydantic's ValidationError is a ValueError
+        transfer = TypeAdapter(KVTransferConfig).validate_json(expand(text))
+    except ValidationError as exc:
         raise ConfigError(f"vLLM refuses this --kv-transfer-config: {exc}") from None
+    except (ValueError, RecursionError) as exc:
+        raise ConfigError(f"vLLM cannot read this --kv-transfer-config ({type(exc).__name__}: {exc})") from None
+    if transfer.kv_connector is None:
+        raise ConfigError(f"kv_connector is missing: expected {CONNECTOR_NAME!r}")
+    return transfer
 
 
 def _check_parallel_sizes(tensor_parallel_size: int, pipeline_parallel_size: int) -> None:
