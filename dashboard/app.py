@@ -42,7 +42,7 @@ with st.sidebar:
     st.subheader("Trace files")
     uploads = st.file_uploader(
         "Add trace files",
-        type=["jsonl", "json", "gz", "zst", "zstd", "pb", "binpb", "proto"],
+        type=["jsonl", "json", "gz", "zst", "zstd", "pb", "binpb"],
         accept_multiple_files=True,
         key="uploads",
         help="OTLP/JSON lines, as the connector's trace_file or the OpenTelemetry Collector's file exporter write "

@@ -8,7 +8,7 @@ from pathlib import Path
 
 ENV_VAR = "KVSCOPE_TRACE_FILES"
 # JSON lines (gzip too), and the Collector's zstd and protobuf files (`traces.collector_files`)
-TRACE_SUFFIXES = (".jsonl", ".json", ".gz", ".zst", ".zstd", ".pb", ".binpb", ".proto")
+TRACE_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".zst", ".zstd", ".pb", ".binpb")
 
 
 def trace_paths(argv: Sequence[str], environ: Mapping[str, str]) -> list[str]:

@@ -30,40 +30,69 @@ ZSTD_MODULE_MISSING = ("zstd-compressed (the Collector's file exporter with `com
                        "or decompress it first (`zstd -d FILE`)")
 ZSTD_CUT_SHORT = ("zstd stream ends early (is the file still being written?): the lines before the cut are read, "
                   "the rest is unknown")
+MAX_INFLATED_BYTES = 8 << 30  # what one zstd file may decompress to: a bomb stops here, not in the OOM killer
+ZSTD_TOO_LARGE = (f"zstd stream decompresses past {MAX_INFLATED_BYTES >> 30} GiB: what comes before is read; "
+                  "split the file")
+_ZSTD_PIECE = 1 << 16  # compressed bytes per step
+NOT_TRACES = ("not a trace export: no span of it has a trace and span id (the Collector's metrics or logs "
+              "written with `format: proto`?)")
 MESSAGE_CUT_SHORT = ("the last length-prefixed message is cut short (is the file still being written?): the "
                      "messages before it are read")
 
 
 def is_length_prefixed(data: bytes) -> bool:
-    """Whether ``data`` starts like the Collector's length-prefixed messages: a big-endian length (a first
-    byte of 0 below 16 MiB, which no JSON or text file starts with) followed by a zstd frame or a protobuf
-    `ExportTraceServiceRequest` (field 1, length-delimited: byte 0x0A)."""
-    if len(data) < 5 or data[0] != 0:
-        return False
-    return data[4:8] == ZSTD_MAGIC or data[4] == 0x0A
+    """Whether ``data`` starts like the Collector's length-prefixed messages: a big-endian length that fits
+    in the file, then a zstd frame or a protobuf `ExportTraceServiceRequest` (field 1, length-delimited:
+    byte 0x0A). Empty messages (length 0) before the first are passed over. No JSON or text file starts so:
+    its first 4 bytes read as a length beyond any file."""
+    at = 0
+    for _ in range(64):
+        if len(data) - at < _LENGTH.size + 1:
+            return False
+        (size,) = _LENGTH.unpack_from(data, at)
+        if size == 0:
+            at += _LENGTH.size
+            continue
+        body = data[at + _LENGTH.size: at + _LENGTH.size + 4]
+        return size <= len(data) - at - _LENGTH.size and (body == ZSTD_MAGIC or body[:1] == b"\x0a")
+    return False
 
 
 def unzstd(label: str, data: bytes) -> tuple[bytes | None, list[Problem]]:
-    """A zstd stream of one or more frames, decompressed; None when it cannot be read at all. Frame by frame:
-    a frame cut short (a file still being written) or corrupt ends it, keeping the frames before."""
+    """A zstd stream of one or more frames, decompressed; None when it cannot be read at all.
+
+    In pieces, so a corrupt or cut-short frame keeps what came out of it before (the caller keeps its
+    complete lines or messages), and a stream that would inflate past `MAX_INFLATED_BYTES` (a zstd bomb
+    in an upload) stops there."""
     try:
         import zstandard
     except ImportError:
         return None, [Problem(label, 0, ZSTD_MODULE_MISSING, spans=None)]
     parts: list[bytes] = []
-    rest = data
-    while rest:
-        frame = zstandard.ZstdDecompressor().decompressobj()
+    inflated = 0
+    view, at, frame = memoryview(data), 0, None
+    while at < len(data):
+        if frame is None:
+            frame = zstandard.ZstdDecompressor().decompressobj()
+        piece = view[at:at + _ZSTD_PIECE]
         try:
-            out = frame.decompress(rest)
+            out = frame.decompress(piece)
         except zstandard.ZstdError as exc:
-            done = sum(map(len, parts))
-            return b"".join(parts), [Problem(label, 0, f"cannot decompress this zstd stream past byte {done:,} of "
-                                                       f"its content ({exc}): what comes before is read", spans=None)]
-        if not frame.eof:
-            return b"".join(parts), [Problem(label, 0, ZSTD_CUT_SHORT, spans=None)]
+            return b"".join(parts), [Problem(label, 0, f"cannot decompress this zstd stream past byte {inflated:,} "
+                                                       f"of its content ({exc}): what comes before is read",
+                                             spans=None)]
         parts.append(out)
-        rest = frame.unused_data
+        inflated += len(out)
+        if inflated > MAX_INFLATED_BYTES:
+            kept = b"".join(parts)[:MAX_INFLATED_BYTES]
+            return kept, [Problem(label, 0, ZSTD_TOO_LARGE, spans=None)]
+        if frame.eof:  # the next frame starts in what this one left of the piece
+            at += len(piece) - len(frame.unused_data)
+            frame = None
+        else:
+            at += len(piece)
+    if frame is not None:  # a frame cut short: only its complete lines (or messages) count
+        return b"".join(parts), [Problem(label, 0, ZSTD_CUT_SHORT, spans=None)]
     return b"".join(parts), []
 
 
@@ -86,6 +115,9 @@ def messages_as_json_lines(label: str, data: bytes) -> tuple[bytes, list[Problem
             problems.append(Problem(label, 0, MESSAGE_CUT_SHORT, spans=None))
             break
         at += _LENGTH.size + size
+        if not size:  # an empty export: nothing to read, and no problem
+            lines.append(b"")
+            continue
         line, why = _message_as_json_line(label, bytes(body))
         if why is not None:
             problems.append(Problem(label, len(lines) + 1, why, spans=None))
@@ -116,6 +148,10 @@ def _protobuf_as_json_line(body: bytes) -> tuple[bytes, str | None]:
         message = ExportTraceServiceRequest.FromString(body)
     except DecodeError as exc:
         return b"", f"not a protobuf ExportTraceServiceRequest ({exc})"
+    spans = [span for rs in message.resource_spans for ss in rs.scope_spans for span in ss.spans]
+    if spans and not any(len(span.trace_id) == 16 and len(span.span_id) == 8 for span in spans):
+        # metrics and logs parse as traces too (their messages share field numbers), into spans without ids
+        return b"", NOT_TRACES
     document = json_format.MessageToDict(message, use_integers_for_enums=True)
     for resource_spans in document.get("resourceSpans", []):
         for scope_spans in resource_spans.get("scopeSpans", []):

@@ -125,3 +125,55 @@ def test_json_lines_are_never_taken_for_length_prefixed_messages():
     assert not collector_files.is_length_prefixed(LINES[0])
     assert collector_files.is_length_prefixed(FORMATS["proto"]())
     assert collector_files.is_length_prefixed(FORMATS["json+zstd"]())
+
+
+def test_a_single_zstd_frame_cut_short_keeps_the_lines_it_holds(tmp_path):
+    """`zstd FILE` on a trace file makes one frame: cut short, the lines it had given are still read (as gzip's).
+    The trace's lines come first, then 2 MB of blank lines (random blanks and tabs, which the reader skips
+    and zstd cannot squeeze into one block): the cut falls there."""
+    import random
+
+    rng = random.Random(0)
+    blanks = "".join(rng.choice(" \t") for _ in range(2_000_000)).encode()
+    filler = b"\n".join(blanks[i:i + 1000] for i in range(0, len(blanks), 1000))
+    data = _ZSTD.compress(TWO_ROUNDS.read_bytes() + filler)
+    path = tmp_path / "t.jsonl.zst"
+    path.write_bytes(data[: len(data) * 95 // 100])
+    read = traces.read_trace_files([path])
+    assert [p.reason for p in read.problems] == [collector_files.ZSTD_CUT_SHORT]
+    assert len(read.spans) == 103  # every span, from the frame's first blocks
+
+
+def test_a_zstd_bomb_stops_at_the_cap(tmp_path, monkeypatch):
+    monkeypatch.setattr(collector_files, "MAX_INFLATED_BYTES", 10_000)
+    path = tmp_path / "bomb.zst"
+    path.write_bytes(_ZSTD.compress(b" " * 50_000_000))  # 50 MB of blanks in a few kB
+    assert path.stat().st_size < 10_000
+    inflated, problems = collector_files.unzstd(str(path), path.read_bytes())
+    assert len(inflated) == 10_000 and [p.reason for p in problems] == [collector_files.ZSTD_TOO_LARGE]
+
+
+def test_a_metrics_file_written_as_protobuf_is_named_not_read_as_spans(tmp_path):
+    from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
+
+    metrics = json_format.ParseDict({"resourceMetrics": [{"scopeMetrics": [{"metrics": [
+        {"name": "vllm:num_requests_running", "gauge": {"dataPoints": [{"asInt": "3"}]}}]}]}]},
+        ExportMetricsServiceRequest()).SerializeToString()
+    path = tmp_path / "metrics.pb"
+    path.write_bytes(length_prefixed([metrics]))
+    read = traces.read_trace_files([path])
+    assert [(p.line, p.reason) for p in read.problems] == [(1, collector_files.NOT_TRACES)]
+    assert read.spans.empty and read.other_spans == 0
+
+
+def test_empty_exports_are_passed_over_silently(tmp_path):
+    path = tmp_path / "collector.pb"
+    path.write_bytes(length_prefixed([b"", as_protobuf(LINES[0]), b"", as_protobuf(LINES[1])]))
+    read = traces.read_trace_files([path])
+    assert read.problems == [] and sorted(set(read.spans["source_line"])) == [2, 4]
+
+
+def test_a_first_message_of_16_mib_or_more_is_still_recognised():
+    body = b"\x0a" + bytes(16 << 20)
+    assert collector_files.is_length_prefixed(length_prefixed([body]))
+    assert not collector_files.is_length_prefixed(length_prefixed([body])[:-1])  # its length runs past the file
