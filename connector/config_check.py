@@ -10,6 +10,8 @@ one offloaded block) is still checked at start-up.
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from . import CONNECTOR_NAME
@@ -22,11 +24,14 @@ _MODULE_PATHS = (None, "connector", "connector.connector")
 class CheckResult:
     config: KVScopeConfig
     warnings: list[str] = field(default_factory=list)
+    otlp: str | None = None  # the OTLP export the OTEL_* variables ask for, as the engine would set it up
 
 
-def check_transfer_config(text: str, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1) -> CheckResult:
+def check_transfer_config(text: str, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
+                          env: Mapping[str, str] | None = None) -> CheckResult:
     """Check the JSON of ``--kv-transfer-config`` for an engine of these parallel sizes (its workers share this
-    host's memory); raises `ConfigError` naming what is wrong and what is accepted."""
+    host's memory) and the ``OTEL_*`` variables of ``env`` (default: this process's); raises `ConfigError`
+    naming what is wrong and what is accepted."""
     transfer = _parse_as_vllm_does(text)
     if transfer.kv_connector != CONNECTOR_NAME:
         raise ConfigError(f"kv_connector={transfer.kv_connector!r} is not kvscope's: expected {CONNECTOR_NAME!r}")
@@ -43,7 +48,35 @@ def check_transfer_config(text: str, tensor_parallel_size: int = 1, pipeline_par
                                 physical_memory_bytes())
     if crowded:
         result.warnings.append(crowded)
+    result.otlp = _otlp_export(env if env is not None else os.environ, result.warnings)
     return result
+
+
+def _otlp_export(env: Mapping[str, str], warnings: list[str]) -> str | None:
+    """What OTLP export ``env`` sets up, built as the engine builds it (nothing is sent); its warnings
+    (e.g. a timeout it ignores) go to ``warnings``."""
+    import logging
+
+    from .telemetry.sinks import build_otlp_exporter, otlp_requested
+
+    if not otlp_requested(env):
+        return None
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            warnings.append(record.getMessage())
+
+    sinks_logger, keep = logging.getLogger("connector.telemetry.sinks"), Keep(logging.WARNING)
+    sinks_logger.addHandler(keep)
+    try:
+        exporter = build_otlp_exporter(env)
+    finally:
+        sinks_logger.removeHandler(keep)
+    if exporter is None:
+        return "off (the exporter could not be created)"
+    description = exporter.description
+    exporter.shutdown()
+    return description
 
 
 def _parse_as_vllm_does(text: str):
@@ -93,7 +126,8 @@ def describe(result: CheckResult) -> str:
              f"offloaded block: {c.block_size} tokens" if c.block_size else
              "offloaded block: the device block size (checked against the model at start-up)",
              f"trace file: {c.trace_file} (sample ratio {ratio})" if c.trace_file else
-             "trace file: none (OTLP export follows the OTEL_* variables)"]
+             "trace file: none"]
+    lines.append(f"OTLP export: {result.otlp}" if result.otlp else "OTLP export: none (no OTEL_* variable asks for it)")
     if c.metrics_port is not None:
         lines.append(f"metrics port: {c.metrics_port} (offline vllm.LLM runs; `vllm serve` has /metrics)")
     return "\n".join(lines)

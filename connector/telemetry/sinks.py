@@ -133,6 +133,7 @@ def build_otlp_exporter(env: Mapping[str, str]) -> SpanExporter | None:
                     "(accepted: 'grpc', 'http/protobuf')",
                     protocol,
                 )
+                protocol = "http/protobuf"  # what the exporter below speaks: its failures say so
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
                 OTLPSpanExporter as HttpExporter,
             )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from connector import cli
@@ -144,6 +146,20 @@ def test_check_refuses_a_bad_config_naming_what_is_wrong(text, said, capsys):
     assert cli.main(["check", text]) == 2
     err = capsys.readouterr().err
     assert err.startswith("kvscope check: ") and said in err, err
+
+
+def test_check_says_which_otlp_export_the_otel_variables_set_up_and_what_they_get_wrong(monkeypatch, capsys):
+    for name in [n for n in os.environ if n.startswith("OTEL_")]:
+        monkeypatch.delenv(name)
+    assert cli.main(["check", _transfer(cpu_bytes=1 << 20)]) == 0
+    assert "OTLP export: none (no OTEL_* variable asks for it)" in capsys.readouterr().out
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://collector:4318")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "http/json")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TIMEOUT", "500ms")
+    assert cli.main(["check", _transfer(cpu_bytes=1 << 20)]) == 0
+    captured = capsys.readouterr()
+    assert "OTLP export: OTLP http/protobuf http://collector:4318/v1/traces" in captured.out
+    assert "ignoring OTLP timeout '500ms'" in captured.err and "'http/json' is not supported" in captured.err
 
 
 def test_check_reads_human_readable_numbers_as_vllm_does(capsys):
