@@ -107,18 +107,21 @@ def dashboard(args) -> int:
 def check(args) -> int:
     """Check a --kv-transfer-config before starting vLLM with it: 0 when it passes, 2 when it does not."""
     from .config import ConfigError
-    from .config_check import check_transfer_config, describe
+    from .config_check import EngineShape, check_transfer_config, describe
 
+    if args.data_parallel_size_local is None:
+        args.data_parallel_size_local = args.data_parallel_size
+    engine = EngineShape(**{name: getattr(args, name) for name in EngineShape.__dataclass_fields__})
     try:
-        result = check_transfer_config(args.kv_transfer_config, args.tensor_parallel_size, args.pipeline_parallel_size)
+        result = check_transfer_config(args.kv_transfer_config, engine)
     except ConfigError as exc:
         print(f"kvscope check: {exc}", file=sys.stderr)
         return 2
     for warning in result.warnings:
         print(f"warning: {warning}", file=sys.stderr)
     print(describe(result))
-    print("ok. Not checked here, but at start-up: block sizes and the size of an offloaded block (the model), "
-          "--enable-sleep-mode, context parallelism, the executor backend")
+    print("ok. Left to start-up, which needs the model: block sizes, the size of one offloaded block, the "
+          "KV cache layouts")
     return 0
 
 
@@ -181,10 +184,17 @@ def main(argv: list[str] | None = None) -> int:
     s.set_defaults(func=dashboard)
     c = sub.add_parser("check", help="check a --kv-transfer-config before vllm serve loads a model with it")
     c.add_argument("kv_transfer_config", help="the JSON given to vllm serve --kv-transfer-config")
-    c.add_argument("--tensor-parallel-size", "-tp", type=_at_least(1), default=1,
-                   help="as given to vllm serve: workers sharing this host's memory")
-    c.add_argument("--pipeline-parallel-size", "-pp", type=_at_least(1), default=1,
-                   help="as given to vllm serve (kvscope supports 1)")
+    # vllm serve's own flags, as given to it: what start-up checks without the model
+    c.add_argument("--tensor-parallel-size", "-tp", type=_at_least(1), default=1)
+    c.add_argument("--pipeline-parallel-size", "-pp", type=_at_least(1), default=1)
+    c.add_argument("--decode-context-parallel-size", "-dcp", type=_at_least(1), default=1)
+    c.add_argument("--prefill-context-parallel-size", "-pcp", type=_at_least(1), default=1)
+    c.add_argument("--data-parallel-size", "-dp", type=_at_least(1), default=1)
+    c.add_argument("--data-parallel-size-local", "-dpl", type=_at_least(1), default=None,
+                   help="engines on this host (vLLM's default: --data-parallel-size)")
+    c.add_argument("--nnodes", "-n", type=_at_least(1), default=1)
+    c.add_argument("--distributed-executor-backend", default=None)
+    c.add_argument("--enable-sleep-mode", action="store_true")
     c.set_defaults(func=check)
     b = sub.add_parser("bench", help="run the benchmarks, write bench/results.md and .json "
                                      "(--quick: bench/results-quick.*)")

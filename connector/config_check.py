@@ -27,11 +27,41 @@ class CheckResult:
     otlp: str | None = None  # the OTLP export the OTEL_* variables ask for, as the engine would set it up
 
 
-def check_transfer_config(text: str, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
+@dataclass(frozen=True)
+class EngineShape:
+    """What `vllm serve` flags say of the engine that start-up checks without the model (vLLM's flag names)."""
+
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    decode_context_parallel_size: int = 1
+    prefill_context_parallel_size: int = 1
+    data_parallel_size: int = 1
+    data_parallel_size_local: int = 1  # engines on this host
+    nnodes: int = 1
+    distributed_executor_backend: str | None = None
+    enable_sleep_mode: bool = False
+
+    @property
+    def parallel_config(self):
+        """As much of vLLM's `ParallelConfig` as start-up's checks read."""
+        from types import SimpleNamespace
+
+        return SimpleNamespace(**{name: getattr(self, name) for name in (
+            "tensor_parallel_size", "pipeline_parallel_size", "decode_context_parallel_size",
+            "prefill_context_parallel_size", "data_parallel_size", "data_parallel_size_local", "nnodes",
+            "distributed_executor_backend")}, world_size=self.world_size)
+
+    @property
+    def world_size(self) -> int:
+        # vLLM's: the engine's workers; with the external launcher every rank, data-parallel ones too
+        ranks = self.tensor_parallel_size * self.pipeline_parallel_size
+        return ranks * self.data_parallel_size if self.distributed_executor_backend == "external_launcher" else ranks
+
+
+def check_transfer_config(text: str, engine: EngineShape = EngineShape(),
                           env: Mapping[str, str] | None = None) -> CheckResult:
-    """Check the JSON of ``--kv-transfer-config`` for an engine of these parallel sizes (its workers share this
-    host's memory) and the ``OTEL_*`` variables of ``env`` (default: this process's); raises `ConfigError`
-    naming what is wrong and what is accepted."""
+    """Check the JSON of ``--kv-transfer-config`` for ``engine`` and the ``OTEL_*`` variables of ``env``
+    (default: this process's); raises `ConfigError` naming what is wrong and what is accepted."""
     transfer = _parse_as_vllm_does(text)
     if transfer.kv_connector != CONNECTOR_NAME:
         raise ConfigError(f"kv_connector={transfer.kv_connector!r} is not kvscope's: expected {CONNECTOR_NAME!r}")
@@ -42,9 +72,11 @@ def check_transfer_config(text: str, tensor_parallel_size: int = 1, pipeline_par
         raise ConfigError(f"kv_connector_module_path={transfer.kv_connector_module_path!r} does not hold "
                           f"{CONNECTOR_NAME}: give 'connector', or leave it out (the plugin registers the name)")
     config = parse_config(transfer.kv_connector_extra_config)
-    _check_parallel_sizes(tensor_parallel_size, pipeline_parallel_size)
+    _check_engine(engine)
     result = CheckResult(config)
-    crowded = check_host_memory(config.cpu_bytes, tensor_parallel_size * pipeline_parallel_size,
+    from .vllm_layout import workers_on_this_host
+
+    crowded = check_host_memory(config.cpu_bytes, workers_on_this_host(engine.parallel_config),
                                 physical_memory_bytes())
     if crowded:
         result.warnings.append(crowded)
@@ -106,14 +138,15 @@ def _parse_as_vllm_does(text: str):
     return transfer
 
 
-def _check_parallel_sizes(tensor_parallel_size: int, pipeline_parallel_size: int) -> None:
+def _check_engine(engine: EngineShape) -> None:
+    """Start-up's own checks of the engine's parallelism and sleep mode (`vllm_layout`)."""
     from types import SimpleNamespace
 
-    from .vllm_layout import UnsupportedKVCache, check_parallelism
+    from .vllm_layout import UnsupportedKVCache, check_parallelism, check_sleep_mode
 
-    try:  # start-up's own check, on the sizes given
-        check_parallelism(SimpleNamespace(pipeline_parallel_size=pipeline_parallel_size,
-                                          world_size=tensor_parallel_size * pipeline_parallel_size))
+    try:
+        check_parallelism(engine.parallel_config)
+        check_sleep_mode(SimpleNamespace(enable_sleep_mode=engine.enable_sleep_mode))
     except UnsupportedKVCache as exc:
         raise ConfigError(str(exc)) from None
 

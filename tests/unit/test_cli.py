@@ -119,7 +119,7 @@ def test_check_passes_a_good_config_and_says_what_the_engine_will_run_with(tmp_p
     out = capsys.readouterr().out
     assert "host tier: 1,073,741,824 bytes (1.00 GiB) per worker" in out
     assert f"trace file: {tmp_path / 't.jsonl'} (sample ratio 0.25)" in out
-    assert out.rstrip().endswith("context parallelism, the executor backend")
+    assert out.rstrip().endswith("the KV cache layouts")
     assert not (tmp_path / "t.jsonl").exists()  # checked, not created
 
 
@@ -169,9 +169,23 @@ def test_check_reads_human_readable_numbers_as_vllm_does(capsys):
     assert "host tier: 8,589,934,592 bytes (8.00 GiB) per worker" in capsys.readouterr().out
 
 
-def test_check_refuses_pipeline_parallelism_as_start_up_does(capsys):
-    assert cli.main(["check", "-pp", "2", _transfer(cpu_bytes=1 << 20)]) == 2
-    assert "pipeline_parallel_size=2 is not supported by kvscope" in capsys.readouterr().err
+@pytest.mark.parametrize("flags, said", [
+    (["-pp", "2"], "pipeline_parallel_size=2 is not supported by kvscope"),
+    (["-dcp", "2"], "decode_context_parallel_size=2 is not supported by kvscope"),
+    (["--prefill-context-parallel-size", "2"], "prefill_context_parallel_size=2 is not supported by kvscope"),
+    (["--enable-sleep-mode"], "enable_sleep_mode=True is not supported by kvscope"),
+    (["-tp", "2", "-dp", "2", "--distributed-executor-backend", "external_launcher"],
+     "distributed_executor_backend='external_launcher' with 2 ranks per data-parallel rank"),
+])
+def test_check_refuses_what_start_up_refuses_of_the_engines_flags(flags, said, capsys):
+    assert cli.main(["check", *flags, _transfer(cpu_bytes=1 << 20)]) == 2
+    assert said in capsys.readouterr().err
+
+
+def test_check_accepts_the_engines_kvscope_runs_on(capsys):
+    for flags in (["-tp", "4"], ["-dp", "2", "--distributed-executor-backend", "external_launcher"],
+                  ["--distributed-executor-backend", "ray", "-tp", "2", "--nnodes", "2"]):
+        assert cli.main(["check", *flags, _transfer(cpu_bytes=1 << 20)]) == 0, flags
 
 
 def test_check_uses_the_connectors_own_words_for_its_extra_config():
@@ -192,6 +206,10 @@ def test_check_warns_when_the_workers_tiers_outgrow_this_hosts_memory(monkeypatc
     monkeypatch.setattr(config_check, "physical_memory_bytes", lambda: 16 << 30)
     assert cli.main(["check", "-tp", "4", _transfer(cpu_bytes=8 << 30)]) == 0
     assert "4 workers on this host with a host tier of 8589934592 bytes each" in capsys.readouterr().err
+    assert cli.main(["check", "-tp", "2", "-dp", "2", _transfer(cpu_bytes=6 << 30)]) == 0  # two engines here
+    assert "4 workers on this host with a host tier of 6442450944 bytes each" in capsys.readouterr().err
+    assert cli.main(["check", "-tp", "4", "--nnodes", "2", _transfer(cpu_bytes=6 << 30)]) == 0  # 2 on each node
+    assert "workers on this host" not in capsys.readouterr().err
     assert cli.main(["check", _transfer(cpu_bytes=32 << 30)]) == 2  # one worker's tier alone does not fit
     assert "more than this host's 17179869184 bytes of memory" in capsys.readouterr().err
 
