@@ -66,13 +66,14 @@ from dashboard.traces.schema import (
     group_label,
 )
 from dashboard.traces.vllm_join import VLLM_REQUEST_COLUMNS, VLLM_TIMES_DEFINITION, vllm_keys
+from dashboard.traces.vllm_outcomes import OUTCOME_COLUMNS, OUTCOME_DEFINITION, vllm_latency_by_outcome
 from dashboard.traces.vllm_spans import VLLM_COLUMNS, VLLM_REQUEST_SPAN
 from dashboard.traces.waterfall import VLLM_KIND, waterfall_rows
 
 __all__ = [
     "ATTRIBUTE_COLUMNS", "COPY", "GROUP_COPY_COLUMNS", "GROUP_COPY_DEFINITION", "GROUP_KINDS", "HIT_RATE_DEFINITION",
     "LOAD", "LOAD_FAILED_DEFINITION",
-    "LOAD_TIME_DEFINITION", "LOOKUP", "REPLAY_COLUMNS", "REPLAY_DEFINITION", "REQUEST_COLUMNS", "REQUEST_FILTERS",
+    "LOAD_TIME_DEFINITION", "LOOKUP", "OUTCOME_COLUMNS", "OUTCOME_DEFINITION", "REPLAY_COLUMNS", "REPLAY_DEFINITION", "REQUEST_COLUMNS", "REQUEST_FILTERS",
     "REQUEST_KEY", "SCAN", "SCOPE_NAME",
     "SPAN_COLUMNS", "SPAN_NAMES", "STORE", "VLLM_COLUMNS", "VLLM_KIND", "VLLM_REQUEST_COLUMNS", "VLLM_REQUEST_SPAN",
     "VLLM_TIMES_DEFINITION", "DecodedSpans", "Problem", "TraceSource", "Traces", "copy_throughput",
@@ -82,5 +83,5 @@ __all__ = [
     "replay_state", "replay_timeline", "request_group_copies", "request_labels", "requests_table", "search_requests",
     "supported_version",
     "top_slow_loads",
-    "unsupported_version_reason", "vllm_keys", "waterfall_rows",
+    "unsupported_version_reason", "vllm_keys", "vllm_latency_by_outcome", "waterfall_rows",
 ]

@@ -42,6 +42,25 @@ over_time = traces.hit_rate_over_time(requests)
 bucket_s = traces.pick_bucket_seconds(float(requests["t_s"].max()))
 st.altair_chart(charts.hit_rate_over_time(over_time, bucket_s), width="stretch")
 
+by_outcome = traces.vllm_latency_by_outcome(requests)
+if not by_outcome.empty:  # vLLM's own request spans were read: does loading from the host tier cut TTFT?
+    st.subheader("vLLM latency by host-tier outcome", help=traces.OUTCOME_DEFINITION)
+    st.dataframe(
+        by_outcome,
+        hide_index=True,
+        width="stretch",
+        placeholder="–",
+        column_order=list(traces.OUTCOME_COLUMNS),
+        column_config={
+            "outcome": "outcome",
+            "requests": st.column_config.NumberColumn("requests"),
+            "prompt_tokens_p50": st.column_config.NumberColumn("prompt p50 (tokens)", format="%.0f"),
+            "tokens_hit_p50": st.column_config.NumberColumn("hit p50 (tokens)", format="%.0f"),
+            **{col: st.column_config.NumberColumn(col.replace("_ms", " (ms)").replace("_", " "), format="%.1f")
+               for col in ("queue_p50_ms", "ttft_p50_ms", "ttft_p90_ms", "e2e_p50_ms")},
+        },
+    )
+
 st.subheader("KV groups")
 st.caption("A lookup is joint over all KV groups (a prefix hits only where every group can serve it): "
            "the token hit rate above is the groups' too.")

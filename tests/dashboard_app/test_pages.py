@@ -196,6 +196,21 @@ def test_requests_page_shows_vllm_latencies_and_copies_per_group(monkeypatch, tm
     assert not any("vLLM" in label for label in metrics(at))
 
 
+def test_overview_splits_vllm_latency_by_host_tier_outcome_when_vllm_spans_are_read(monkeypatch, tmp_path):
+    at = app(monkeypatch, TWO_ROUNDS)  # the fixture's older vLLM spans carry no latencies: no table
+    assert_ok(at)
+    assert "vLLM latency by host-tier outcome" not in [h.value for h in at.subheader]
+    collector = vllm_spans_of(TWO_ROUNDS, {"cmpl-r1-05": 0.9, "cmpl-r2-05": 0.25, "cmpl-r2-07": 0.5},
+                              tmp_path / "vllm.jsonl")
+    at = app(monkeypatch, TWO_ROUNDS, collector)
+    assert_ok(at)
+    assert "vLLM latency by host-tier outcome" in [h.value for h in at.subheader]
+    table = next(d.value for d in at.dataframe if "outcome" in d.value.columns).set_index("outcome")
+    assert table["requests"].to_dict() == {"loaded from the host tier": 2, "no host-tier load": 1}
+    assert table.loc["loaded from the host tier", "ttft_p50_ms"] == pytest.approx(375.0)
+    assert table.loc["no host-tier load", "ttft_p50_ms"] == pytest.approx(900.0)
+
+
 def test_replay_steps_and_cumulative_state(monkeypatch, expected):
     at = app(monkeypatch, TWO_ROUNDS)
     at.switch_page("views/replay.py").run()
@@ -356,7 +371,8 @@ def test_request_filters_misses_and_failed_loads(monkeypatch, tmp_path):
     path.write_text(_failed_load_trace())
     at = app(monkeypatch, path)
     assert_ok(at)
-    assert "1 request(s) had a load that failed on a worker" in at.warning[0].value and "r-failed" in at.warning[0].value
+    warning = at.warning[0].value
+    assert "1 request(s) had a load that failed on a worker" in warning and "r-failed" in warning
     at.switch_page("views/request_explorer.py").run()
     at.radio(key="request_show").set_value("failed loads").run()
     assert at.dataframe[0].value["request_id"].tolist() == ["r-failed"]

@@ -171,3 +171,24 @@ def test_a_lone_surrogate_in_a_vllm_span_is_replaced_not_a_crash(tmp_path):
     rows = traces.waterfall_rows(read.spans, requests, "cmpl-7-0-1a2b3c4d", TRACE_A, read.vllm_requests)
     assert rows["attributes"].iloc[0].endswith("response.model=tiny\ufffd")
     rows["attributes"].iloc[0].encode()  # what the page does with it
+
+
+def test_vllm_latency_by_host_tier_outcome():
+    """TTFT and queue medians per outcome, from the requests with vLLM's span only."""
+    requests = pd.DataFrame({
+        "loads": [1, 1, 0, 0, 1, 0],
+        "load_failed": [False, False, False, False, True, False],
+        "tokens_hit": [512, 256, 0, 0, 512, 0],
+        "vllm_prompt_tokens": pd.array([600, 300, 600, 200, 600, pd.NA], dtype="Int64"),
+        "vllm_queue_ms": [1.0, 3.0, 2.0, 4.0, 5.0, float("nan")],
+        "vllm_ttft_ms": [20.0, 40.0, 100.0, 60.0, 150.0, float("nan")],  # the last: no vLLM span
+        "vllm_e2e_ms": [200.0, 220.0, 300.0, 260.0, 400.0, float("nan")],
+    })
+    table = traces.vllm_latency_by_outcome(requests).set_index("outcome")
+    assert list(table.index) == ["loaded from the host tier", "no host-tier load", "load failed (recomputed)"]
+    assert table["requests"].tolist() == [2, 2, 1]
+    assert table.loc["loaded from the host tier", ["prompt_tokens_p50", "tokens_hit_p50", "queue_p50_ms",
+                                                   "ttft_p50_ms", "e2e_p50_ms"]].tolist() == [450, 384, 2, 30, 210]
+    assert table.loc["loaded from the host tier", "ttft_p90_ms"] == pytest.approx(38.0)
+    assert table.loc["no host-tier load", "ttft_p50_ms"] == 80.0
+    assert traces.vllm_latency_by_outcome(requests.assign(vllm_ttft_ms=float("nan"))).empty
