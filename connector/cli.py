@@ -109,8 +109,6 @@ def check(args) -> int:
     from .config import ConfigError
     from .config_check import EngineShape, check_transfer_config, describe
 
-    if args.data_parallel_size_local is None:
-        args.data_parallel_size_local = args.data_parallel_size
     engine = EngineShape(**{name: getattr(args, name) for name in EngineShape.__dataclass_fields__})
     try:
         result = check_transfer_config(args.kv_transfer_config, engine)
@@ -190,11 +188,11 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--decode-context-parallel-size", "-dcp", type=_at_least(1), default=1)
     c.add_argument("--prefill-context-parallel-size", "-pcp", type=_at_least(1), default=1)
     c.add_argument("--data-parallel-size", "-dp", type=_at_least(1), default=1)
-    c.add_argument("--data-parallel-size-local", "-dpl", type=_at_least(1), default=None,
-                   help="engines on this host (vLLM's default: --data-parallel-size)")
+    c.add_argument("--data-parallel-size-local", "-dpl", type=_at_least(0), default=None,
+                   help="engines on this host (default: as vLLM derives it)")
     c.add_argument("--nnodes", "-n", type=_at_least(1), default=1)
     c.add_argument("--distributed-executor-backend", default=None)
-    c.add_argument("--enable-sleep-mode", action="store_true")
+    c.add_argument("--enable-sleep-mode", action=argparse.BooleanOptionalAction, default=False)
     c.set_defaults(func=check)
     b = sub.add_parser("bench", help="run the benchmarks, write bench/results.md and .json "
                                      "(--quick: bench/results-quick.*)")

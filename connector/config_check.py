@@ -36,26 +36,38 @@ class EngineShape:
     decode_context_parallel_size: int = 1
     prefill_context_parallel_size: int = 1
     data_parallel_size: int = 1
-    data_parallel_size_local: int = 1  # engines on this host
+    data_parallel_size_local: int | None = None  # None: as vLLM derives it
     nnodes: int = 1
     distributed_executor_backend: str | None = None
     enable_sleep_mode: bool = False
 
-    @property
     def parallel_config(self):
-        """As much of vLLM's `ParallelConfig` as start-up's checks read."""
+        """vLLM's own `ParallelConfig` of these flags (its validation runs: `ConfigError` naming its refusal);
+        with the external launcher, which reads torchrun's environment, as much of it as start-up reads."""
         from types import SimpleNamespace
 
-        return SimpleNamespace(**{name: getattr(self, name) for name in (
+        fields = {name: getattr(self, name) for name in (
             "tensor_parallel_size", "pipeline_parallel_size", "decode_context_parallel_size",
-            "prefill_context_parallel_size", "data_parallel_size", "data_parallel_size_local", "nnodes",
-            "distributed_executor_backend")}, world_size=self.world_size)
+            "prefill_context_parallel_size", "data_parallel_size", "nnodes", "distributed_executor_backend")}
+        fields["data_parallel_size_local"] = self._data_parallel_size_local()
+        ranks = self.tensor_parallel_size * self.pipeline_parallel_size * self.prefill_context_parallel_size
+        if self.distributed_executor_backend == "external_launcher":  # every rank, data-parallel ones too
+            return SimpleNamespace(**fields, world_size=ranks * self.data_parallel_size)
+        from pydantic import ValidationError
+        from vllm.config import ParallelConfig
 
-    @property
-    def world_size(self) -> int:
-        # vLLM's: the engine's workers; with the external launcher every rank, data-parallel ones too
-        ranks = self.tensor_parallel_size * self.pipeline_parallel_size
-        return ranks * self.data_parallel_size if self.distributed_executor_backend == "external_launcher" else ranks
+        try:
+            return ParallelConfig(**fields)
+        except (ValidationError, ValueError) as exc:
+            raise ConfigError(f"vLLM refuses these parallel flags: {exc}") from None
+
+    def _data_parallel_size_local(self) -> int:
+        if self.data_parallel_size_local is not None:
+            return self.data_parallel_size_local
+        if self.nnodes > 1:  # vLLM's engine/arg_utils.py: the replicas of this node
+            ranks = self.tensor_parallel_size * self.pipeline_parallel_size * self.prefill_context_parallel_size
+            return max((self.data_parallel_size * ranks // self.nnodes) // ranks, 1)
+        return self.data_parallel_size
 
 
 def check_transfer_config(text: str, engine: EngineShape = EngineShape(),
@@ -72,15 +84,19 @@ def check_transfer_config(text: str, engine: EngineShape = EngineShape(),
         raise ConfigError(f"kv_connector_module_path={transfer.kv_connector_module_path!r} does not hold "
                           f"{CONNECTOR_NAME}: give 'connector', or leave it out (the plugin registers the name)")
     config = parse_config(transfer.kv_connector_extra_config)
-    _check_engine(engine)
+    parallel = engine.parallel_config()
+    _check_engine(parallel, engine.enable_sleep_mode)
     result = CheckResult(config)
     from .vllm_layout import workers_on_this_host
 
-    crowded = check_host_memory(config.cpu_bytes, workers_on_this_host(engine.parallel_config),
-                                physical_memory_bytes())
+    crowded = check_host_memory(config.cpu_bytes, workers_on_this_host(parallel), physical_memory_bytes())
     if crowded:
         result.warnings.append(crowded)
-    result.otlp = _otlp_export(env if env is not None else os.environ, result.warnings)
+    environment = env if env is not None else os.environ
+    if "expandable_segments:true" in environment.get("PYTORCH_CUDA_ALLOC_CONF", "").replace(" ", "").lower():
+        result.warnings.append("PYTORCH_CUDA_ALLOC_CONF has expandable_segments:True: vLLM refuses a KV connector "
+                               "with it unless started with --enable-cumem-allocator")
+    result.otlp = _otlp_export(environment, result.warnings)
     return result
 
 
@@ -138,15 +154,15 @@ def _parse_as_vllm_does(text: str):
     return transfer
 
 
-def _check_engine(engine: EngineShape) -> None:
+def _check_engine(parallel, enable_sleep_mode: bool) -> None:
     """Start-up's own checks of the engine's parallelism and sleep mode (`vllm_layout`)."""
     from types import SimpleNamespace
 
     from .vllm_layout import UnsupportedKVCache, check_parallelism, check_sleep_mode
 
     try:
-        check_parallelism(engine.parallel_config)
-        check_sleep_mode(SimpleNamespace(enable_sleep_mode=engine.enable_sleep_mode))
+        check_parallelism(parallel)
+        check_sleep_mode(SimpleNamespace(enable_sleep_mode=enable_sleep_mode))
     except UnsupportedKVCache as exc:
         raise ConfigError(str(exc)) from None
 

@@ -100,9 +100,17 @@ def workers_on_this_host(parallel_config) -> int:
     """About how many workers (each with its own host tier) run on this host: the engine's workers
     spread over `nnodes`, times the engines of this host (local data parallelism). An estimate:
     multi-node Ray without `nnodes` counts every worker as local; other engines are not seen."""
-    nodes = max(1, getattr(parallel_config, "nnodes", 1) or 1)
     engines = max(1, getattr(parallel_config, "data_parallel_size_local", 1) or 1)
-    return -(-workers_per_scheduler(parallel_config) // nodes) * engines
+    local = None
+    if getattr(parallel_config, "distributed_executor_backend", None) != "external_launcher":
+        try:  # vLLM's own count of one engine's workers on a node (a node may hold several replicas)
+            local = int(parallel_config.local_world_size)
+        except Exception:  # not a vLLM ParallelConfig, or one that cannot say
+            local = None
+    if local is None:
+        nodes = max(1, getattr(parallel_config, "nnodes", 1) or 1)
+        local = -(-workers_per_scheduler(parallel_config) // nodes)
+    return max(1, local) * engines
 
 
 def check_parallelism(parallel_config) -> None:

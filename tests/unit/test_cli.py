@@ -171,7 +171,7 @@ def test_check_reads_human_readable_numbers_as_vllm_does(capsys):
 
 @pytest.mark.parametrize("flags, said", [
     (["-pp", "2"], "pipeline_parallel_size=2 is not supported by kvscope"),
-    (["-dcp", "2"], "decode_context_parallel_size=2 is not supported by kvscope"),
+    (["-tp", "2", "-dcp", "2"], "decode_context_parallel_size=2 is not supported by kvscope"),
     (["--prefill-context-parallel-size", "2"], "prefill_context_parallel_size=2 is not supported by kvscope"),
     (["--enable-sleep-mode"], "enable_sleep_mode=True is not supported by kvscope"),
     (["-tp", "2", "-dp", "2", "--distributed-executor-backend", "external_launcher"],
@@ -184,8 +184,24 @@ def test_check_refuses_what_start_up_refuses_of_the_engines_flags(flags, said, c
 
 def test_check_accepts_the_engines_kvscope_runs_on(capsys):
     for flags in (["-tp", "4"], ["-dp", "2", "--distributed-executor-backend", "external_launcher"],
-                  ["--distributed-executor-backend", "ray", "-tp", "2", "--nnodes", "2"]):
-        assert cli.main(["check", *flags, _transfer(cpu_bytes=1 << 20)]) == 0, flags
+                  ["-tp", "2", "--nnodes", "2"], ["--no-enable-sleep-mode"], ["-dp", "2", "-dpl", "0"]):
+        assert cli.main(["check", *flags, _transfer(cpu_bytes=1 << 20)]) == 0, (flags, capsys.readouterr().err)
+
+
+@pytest.mark.parametrize("flags, said", [
+    (["--distributed-executor-backend", "ray", "-tp", "2", "--nnodes", "2"], "nnodes > 1 can only be set when"),
+    (["-dp", "2", "-dpl", "4"], "data_parallel_size_local (4) must be <= data_parallel_size (2)"),
+])
+def test_check_runs_vllms_own_validation_of_the_parallel_flags(flags, said, capsys):
+    assert cli.main(["check", *flags, _transfer(cpu_bytes=1 << 20)]) == 2
+    err = capsys.readouterr().err
+    assert "vLLM refuses these parallel flags" in err and said in err, err
+
+
+def test_check_warns_that_vllm_refuses_a_connector_with_expandable_segments(monkeypatch, capsys):
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    assert cli.main(["check", _transfer(cpu_bytes=1 << 20)]) == 0
+    assert "unless started with --enable-cumem-allocator" in capsys.readouterr().err
 
 
 def test_check_uses_the_connectors_own_words_for_its_extra_config():
@@ -210,6 +226,9 @@ def test_check_warns_when_the_workers_tiers_outgrow_this_hosts_memory(monkeypatc
     assert "4 workers on this host with a host tier of 6442450944 bytes each" in capsys.readouterr().err
     assert cli.main(["check", "-tp", "4", "--nnodes", "2", _transfer(cpu_bytes=6 << 30)]) == 0  # 2 on each node
     assert "workers on this host" not in capsys.readouterr().err
+    # two replicas on two nodes: one whole replica on this one (vLLM derives -dpl 1)
+    assert cli.main(["check", "-tp", "4", "-dp", "2", "--nnodes", "2", _transfer(cpu_bytes=6 << 30)]) == 0
+    assert "4 workers on this host with a host tier of 6442450944 bytes each" in capsys.readouterr().err
     assert cli.main(["check", _transfer(cpu_bytes=32 << 30)]) == 2  # one worker's tier alone does not fit
     assert "more than this host's 17179869184 bytes of memory" in capsys.readouterr().err
 

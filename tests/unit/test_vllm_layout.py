@@ -221,6 +221,20 @@ def test_no_proof_without_a_drafter_that_needs_vllms_drop(vllm_config):
     assert eagle_proof_groups(vllm_config, config, group_layouts(config)) == frozenset()
 
 
+@pytest.mark.parametrize("flags, workers", [
+    ({"tensor_parallel_size": 8, "data_parallel_size": 2, "nnodes": 2, "data_parallel_size_local": 1}, 8),
+    ({"data_parallel_size": 8, "nnodes": 8, "data_parallel_size_local": 1}, 1),
+    ({"data_parallel_size": 8, "nnodes": 2, "data_parallel_size_local": 4}, 4),
+    ({"tensor_parallel_size": 4}, 4),
+])
+def test_workers_on_this_host_follow_vllms_own_count_of_a_nodes_workers(flags, workers):
+    """Nodes may hold several data-parallel replicas, or one replica may span nodes: vLLM's ParallelConfig
+    knows (`local_world_size`), times the engines of this node."""
+    from vllm.config import ParallelConfig
+
+    assert workers_on_this_host(ParallelConfig(**flags)) == workers
+
+
 def test_workers_on_this_host_spread_over_nodes_times_local_engines():
     assert workers_on_this_host(SimpleNamespace(world_size=8)) == 8
     assert workers_on_this_host(SimpleNamespace(world_size=8, nnodes=2)) == 4
