@@ -257,6 +257,14 @@ def test_the_dashboard_puts_vllms_request_span_beside_kvscopes(two_rounds, otlp_
     assert loading["load_ms"].notna().all() and loading["vllm_ttft_ms"].notna().all()
     # the load ran between the request's arrival and its first token
     assert (loading["load_ms"] < loading["vllm_ttft_ms"]).all()
+    # the Overview's split by host-tier outcome counts every traced request once, where it belongs
+    traced = table[table["trace_id"].isin(set(sent[0]) | set(sent[1]))]
+    by_outcome = traces.vllm_latency_by_outcome(traced).set_index("outcome")["requests"].to_dict()
+    failed = int(traced["load_failed"].sum())
+    expected = {"loaded from the host tier": int((traced["loads"] > 0).sum()) - failed,
+                "no host-tier load": int((traced["loads"] == 0).sum()), "load failed (recomputed)": failed}
+    assert by_outcome == {k: v for k, v in expected.items() if v}
+    assert by_outcome["loaded from the host tier"] >= len(loading) and sum(by_outcome.values()) == len(traced)
 
 
 # ---- the Grafana boards and Prometheus rules against this real server ----
