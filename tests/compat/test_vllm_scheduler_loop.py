@@ -288,6 +288,49 @@ def test_known_vllm_gap_mamba_align_with_partial_hash_hits_caches_a_state_under_
     assert result.vllm_mamba_align and result.verdict == "vllm_mamba_align" and result.failure is None
 
 
+def test_the_fuzzer_tells_vllms_mamba_align_mix_up_apart_where_kvscope_loaded_for_another_request():
+    """Random workload seed 211678, shrunk: k3-19 resumes from vLLM's own cached Mamba state of fewer
+    tokens (the mix-up above), while kvscope loads for k3-18. Replayed with kvscope offering no hit, the
+    same violation comes again, so it is vLLM's (it was reported as a kvscope failure before)."""
+    from tests.compat import workload_fuzz
+
+    def add(req_id, *segments):
+        return {"id": req_id, "prompt": [list(s) for s in segments], "max_tokens": 2, "salt": None}
+
+    def phase(*adds):
+        return {"adds": list(adds), "pause_after": None, "abort_on_schedule": [], "abort_after": []}
+
+    plan = {"seed": 211678, "config": {"mamba": {"block": 64, "hash_block": 16, "retention": 0}, "block_size": 64,
+                                       "workers": 1, "async_scheduling": False, "runner": "v1", "num_blocks": 1200,
+                                       "max_num_batched_tokens": 512, "cpu_bytes": 64 << 20},
+            "rounds": [
+                {"between": "none", "phases": [
+                    phase(add("k0-3", ("211678p1", 300), ("211678s3", 550)),
+                          add("k0-4", ("211678p0", 300), ("211678s4", 39))),
+                    phase(add("k0-6", ("211678p1", 215), ("211678s6", 5)),
+                          add("k0-7", ("211678p1", 300), ("211678s7", 400)))]},
+                {"between": "none", "phases": [
+                    phase(add("k3-18", ("211678p0", 268), ("211678s18", 200)),
+                          add("k3-19", ("211678p1", 300), ("211678s19", 1)))]}]}
+    seen = []
+    real = workload_fuzz._same_without_kvscope_hits
+
+    def telling(plan, engine):
+        verdict = real(plan, engine)
+        seen.append(verdict)
+        return verdict
+
+    workload_fuzz._same_without_kvscope_hits = telling
+    try:
+        result = workload_fuzz.execute(plan)
+    finally:
+        workload_fuzz._same_without_kvscope_hits = real
+    assert result.external_hit_tokens > 0  # kvscope loaded: the first rule does not apply
+    assert result.violations and all("req_id='k3-19'" in v and "not the state after 256 tokens" in v
+                                      for v in result.violations), result.violations
+    assert seen == [True] and result.verdict == "vllm_mamba_align" and result.failure is None
+
+
 def test_the_fuzzer_tells_the_known_admission_stall_apart_where_vllms_own_estimate_fits():
     """The stall of `test_known_vllm_gap_async_loads_admitted_past_their_reserve_stall_the_scheduler`,
     where vLLM's capped estimate of what the stuck requests need fits in the free blocks, but the

@@ -310,7 +310,8 @@ class _Replay:
     def finish(self) -> WorkloadResult:
         stats, result = self.engine.stats, self.result
         result.violations = [str(v) for v in stats.violations]
-        result.vllm_mamba_align = _vllm_mamba_align(self.plan["config"], self.engine)
+        result.vllm_mamba_align = (_vllm_mamba_align(self.plan["config"], self.engine)
+                                   or _same_without_kvscope_hits(self.plan, self.engine))
         if not result.failure:
             result.leaks = self.engine.host_tier_leaks()
         for name in ("steps", "checked_blocks", "checked_loaded_blocks", "external_hit_tokens", "drafts_rejected"):
@@ -369,6 +370,35 @@ def _vllm_mamba_align(config: dict, engine) -> bool:
         return False
     kinds = [layout.kind.value for layout in engine.scheduler.get_kv_connector()._scheduler.layouts]
     return all(kinds[v.group] == "mamba" and "not the state after" in v.reason for v in stats.violations)
+
+
+def _same_without_kvscope_hits(plan: dict, engine) -> bool:
+    """Whether the Mamba violations of a run where kvscope loaded something are vLLM's own mix-up all the
+    same: the plan replayed with kvscope offering no hit gives every one of them again (same request,
+    group, block and reason; steps may shift), so vLLM's device prefix cache, not a load, gave those
+    states. (Seed 211678: a request kvscope never loaded read vLLM's wrong state, while another loaded.)"""
+    from unittest import mock
+
+    from connector.scheduler import KVScopeScheduler
+
+    mamba, stats = plan["config"].get("mamba"), engine.stats
+    if not mamba or mamba["hash_block"] >= mamba["block"] or not stats.violations or not stats.external_hit_tokens:
+        return False
+    kinds = [layout.kind.value for layout in engine.scheduler.get_kv_connector()._scheduler.layouts]
+    if not all(kinds[v.group] == "mamba" and "not the state after" in v.reason for v in stats.violations):
+        return False
+    with mock.patch.object(KVScopeScheduler, "get_num_new_matched_tokens", lambda self, request, computed: (0, False)):
+        replay = _Replay(plan)
+        try:
+            try:
+                replay.rounds()
+            except _Stop:
+                pass
+            again = {(v.req_id, v.group, v.block_index, v.reason) for v in replay.engine.stats.violations}
+            loaded = replay.engine.stats.external_hit_tokens
+        finally:
+            replay.engine.shutdown()
+    return not loaded and {(v.req_id, v.group, v.block_index, v.reason) for v in stats.violations} <= again
 
 
 def _stalled_by_vllm(engine) -> list[str] | None:
