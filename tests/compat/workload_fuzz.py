@@ -22,6 +22,8 @@ import logging
 import random
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -204,13 +206,20 @@ class _Stop(Exception):
 
 def execute(plan: dict) -> WorkloadResult:
     """Replay `plan` on a fresh engine. Unexpected errors (from kvscope, vLLM or the fake forward) propagate."""
+    with _played(plan) as replay:
+        return replay.finish()
+
+
+@contextmanager
+def _played(plan: dict) -> Iterator[_Replay]:
+    """`plan`'s rounds run on a fresh engine, which is shut down when the block ends."""
     replay = _Replay(plan)
     try:
         try:
             replay.rounds()
         except _Stop:
             pass
-        return replay.finish()
+        yield replay
     finally:
         replay.engine.shutdown()
 
@@ -364,9 +373,14 @@ def _vllm_mamba_align(config: dict, engine) -> bool:
     that block's end (it saves its checkpoint inside the chunk), yet vLLM caches the block it copied
     for the partial hit under that end's key: a later request resumes from a state of fewer tokens.
     Told apart only where kvscope loaded nothing at all and every violation is a Mamba state."""
-    mamba = config.get("mamba")
-    stats = engine.stats
-    if not mamba or mamba["hash_block"] >= mamba["block"] or not stats.violations or stats.external_hit_tokens:
+    return not engine.stats.external_hit_tokens and _mamba_state_violations_only(config, engine)
+
+
+def _mamba_state_violations_only(config: dict, engine) -> bool:
+    """Violations there are, every one a Mamba state of the wrong token count, with hash blocks finer than
+    Mamba blocks: the form of vLLM's align mix-up (`_vllm_mamba_align`)."""
+    mamba, stats = config.get("mamba"), engine.stats
+    if not mamba or mamba["hash_block"] >= mamba["block"] or not stats.violations:
         return False
     kinds = [layout.kind.value for layout in engine.scheduler.get_kv_connector()._scheduler.layouts]
     return all(kinds[v.group] == "mamba" and "not the state after" in v.reason for v in stats.violations)
@@ -381,23 +395,13 @@ def _same_without_kvscope_hits(plan: dict, engine) -> bool:
 
     from connector.scheduler import KVScopeScheduler
 
-    mamba, stats = plan["config"].get("mamba"), engine.stats
-    if not mamba or mamba["hash_block"] >= mamba["block"] or not stats.violations or not stats.external_hit_tokens:
+    stats = engine.stats
+    if not stats.external_hit_tokens or not _mamba_state_violations_only(plan["config"], engine):
         return False
-    kinds = [layout.kind.value for layout in engine.scheduler.get_kv_connector()._scheduler.layouts]
-    if not all(kinds[v.group] == "mamba" and "not the state after" in v.reason for v in stats.violations):
-        return False
-    with mock.patch.object(KVScopeScheduler, "get_num_new_matched_tokens", lambda self, request, computed: (0, False)):
-        replay = _Replay(plan)
-        try:
-            try:
-                replay.rounds()
-            except _Stop:
-                pass
-            again = {(v.req_id, v.group, v.block_index, v.reason) for v in replay.engine.stats.violations}
-            loaded = replay.engine.stats.external_hit_tokens
-        finally:
-            replay.engine.shutdown()
+    no_hits = mock.patch.object(KVScopeScheduler, "get_num_new_matched_tokens", lambda self, req, computed: (0, False))
+    with no_hits, _played(plan) as replay:
+        again = {(v.req_id, v.group, v.block_index, v.reason) for v in replay.engine.stats.violations}
+        loaded = replay.engine.stats.external_hit_tokens
     return not loaded and {(v.req_id, v.group, v.block_index, v.reason) for v in stats.violations} <= again
 
 
