@@ -101,7 +101,10 @@ def dashboard(args) -> int:
         streamlit_args += ["--server.address", args.address]
     if args.headless:
         streamlit_args += ["--server.headless", "true"]
-    return launch(args.paths, streamlit_args + list(args.streamlit_option))
+    # `--streamlit-option theme.base=dark` (argparse cannot take a separate value that starts with
+    # "--") means `--theme.base=dark`, as `--streamlit-option=--theme.base=dark` does
+    options = [o if o.startswith("-") else "--" + o for o in args.streamlit_option]
+    return launch(args.paths, streamlit_args + options)
 
 
 def check(args) -> int:
@@ -178,7 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--address", default=None, help="address to bind, e.g. 0.0.0.0 (Streamlit's default: all)")
     s.add_argument("--headless", action="store_true", help="do not open a browser")
     s.add_argument("--streamlit-option", action="append", default=[], metavar="OPTION",
-                   help="passed to `streamlit run` as is, e.g. --streamlit-option=--theme.base=dark (repeatable)")
+                   help="passed to `streamlit run`, e.g. --streamlit-option theme.base=dark or "
+                        "--streamlit-option=--theme.base=dark (repeatable)")
     s.set_defaults(func=dashboard)
     c = sub.add_parser("check", help="check a --kv-transfer-config before vllm serve loads a model with it")
     c.add_argument("kv_transfer_config", help="the JSON given to vllm serve --kv-transfer-config")

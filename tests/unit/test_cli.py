@@ -58,13 +58,15 @@ def test_dashboard_options_reach_streamlit(tmp_path, monkeypatch):
     trace.write_text("")
     monkeypatch.setattr(launch.subprocess, "Popen", RecordingPopen)
     assert cli.main(["dashboard", "--port", "8642", "--address", "127.0.0.1", "--headless",
-                     "--streamlit-option=--theme.base=dark", str(trace)]) == 0
+                     "--streamlit-option=--theme.base=dark", "--streamlit-option", "client.toolbarMode=minimal",
+                     str(trace)]) == 0
     cmd = started[0]
     options, paths = cmd[:cmd.index("--")], cmd[cmd.index("--") + 1:]
     assert options[options.index("--server.port") + 1] == "8642"
     assert options[options.index("--server.address") + 1] == "127.0.0.1"
     assert options[options.index("--server.headless") + 1] == "true"
     assert "--theme.base=dark" in options
+    assert "--client.toolbarMode=minimal" in options  # the separate form, dashes added
     assert paths == [str(trace)]
 
 
