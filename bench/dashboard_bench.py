@@ -1,7 +1,8 @@
 """Benchmark: read and shape synthetic kvscope trace files of 10k and 100k spans.
 
 Not a test. Writes the synthetic files to a temporary directory (or --dir), then reports the
-median of --repeat runs of each step: reading the file(s) into the span frame, building the
+median of --repeat runs of each step: reading the file(s) into the span frame, reading the same
+spans from the OpenTelemetry Collector's protobuf file (`format: proto`) beside it, building the
 requests table, and the shaping behind each page. Run from the repo root:
 
     .venv/bin/python bench/dashboard_bench.py [--spans 10000 100000] [--repeat 5]
@@ -10,9 +11,11 @@ requests table, and the shaping behind each page. Run from the repo root:
 from __future__ import annotations
 
 import argparse
+import base64
 import json
 import random
 import statistics
+import struct
 import sys
 import tempfile
 import time
@@ -108,6 +111,25 @@ def _write_line(f, spans: list[dict]) -> int:
     return len(spans)
 
 
+def write_protobuf(json_lines: Path, path: Path) -> None:
+    """The spans of `json_lines` as the Collector's file exporter writes them with `format: proto`: each line
+    a protobuf `ExportTraceServiceRequest` after its length (4 bytes, big-endian)."""
+    from google.protobuf import json_format
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+    with open(json_lines, "rb") as lines, open(path, "wb") as out:
+        for raw in lines:
+            doc = json.loads(raw)
+            for rs in doc["resourceSpans"]:
+                for ss in rs["scopeSpans"]:
+                    for span in ss["spans"]:
+                        for key in ("traceId", "spanId", "parentSpanId"):  # hex -> protobuf-JSON's base64
+                            if span.get(key):
+                                span[key] = base64.b64encode(bytes.fromhex(span[key])).decode()
+            message = json_format.ParseDict(doc, ExportTraceServiceRequest()).SerializeToString()
+            out.write(struct.pack(">I", len(message)) + message)
+
+
 def _median_seconds(fn, repeat: int) -> tuple[float, object]:
     times, result = [], None
     for _ in range(repeat):
@@ -122,6 +144,10 @@ def measure(path: Path, repeat: int) -> dict[str, float]:
     size_mb = path.stat().st_size / 1e6
     read_s, loaded = _median_seconds(lambda: traces.read_trace_files([path]), repeat)
     spans = loaded.spans
+    protobuf = path.with_suffix(".pb")
+    write_protobuf(path, protobuf)
+    proto_s, from_proto = _median_seconds(lambda: traces.read_trace_files([protobuf]), repeat)
+    assert len(from_proto.spans) == len(spans) and not from_proto.problems
     lines = path.read_bytes().split(b"\n")
     slow_s, _ = _median_seconds(lambda: traces.decode_lines(str(path), lines), max(1, repeat // 2))
     req_s, requests = _median_seconds(lambda: traces.requests_table(spans), repeat)
@@ -140,9 +166,11 @@ def measure(path: Path, repeat: int) -> dict[str, float]:
     }
     print(f"{len(spans):>7} spans, {len(requests)} requests, {size_mb:.1f} MB, {len(loaded.problems)} problems")
     print(f"  read file -> span frame      {read_s * 1e3:9.1f} ms  ({read_s / len(spans) * 1e6:.2f} µs/span)")
+    print(f"  read protobuf file -> frame  {proto_s * 1e3:9.1f} ms  ({proto_s / read_s:.2f}x the JSON lines; "
+          f"the same spans in {protobuf.stat().st_size / 1e6:.1f} MB of `format: proto`)")
     print(f"  (line-by-line decoder alone, used for files with bad lines: {slow_s * 1e3:.1f} ms)")
     print(f"  requests table               {req_s * 1e3:9.1f} ms")
-    out = {"read": read_s, "decode_line_by_line": slow_s, "requests_table": req_s}
+    out = {"read": read_s, "read_protobuf": proto_s, "decode_line_by_line": slow_s, "requests_table": req_s}
     for label, fn in steps.items():
         s, _ = _median_seconds(fn, repeat)
         print(f"  {label:<28} {s * 1e3:9.1f} ms")
@@ -153,7 +181,8 @@ def measure(path: Path, repeat: int) -> dict[str, float]:
 def run(quick: bool = False) -> list[dict]:
     """For `kvscope bench`: {name, median (ms), unit, ratio, ratio_of} records of 10k (and 100k) spans.
 
-    The read record's ratio is against the line-by-line decoder that files with bad lines take.
+    The read record's ratio is against the line-by-line decoder that files with bad lines take; the
+    protobuf read's against reading the same spans as JSON lines.
     """
     sizes, repeat = ([10_000], 3) if quick else ([10_000, 100_000], 5)
     records = []
@@ -163,13 +192,13 @@ def run(quick: bool = False) -> list[dict]:
             write_trace(path, n)
             tag = f"[{n // 1000}k spans]"
             results = measure(path, repeat)
-            slow_name = f"dashboard.decode_line_by_line{tag}"
+            against = {"read": "decode_line_by_line", "read_protobuf": "read"}
             for step, seconds in results.items():
                 name = f"dashboard.{step}{tag}"
-                is_read = step == "read"
+                base = against.get(step)
                 records.append({"name": name, "median": seconds * 1e3, "unit": "ms",
-                                "ratio": seconds / results["decode_line_by_line"] if is_read else None,
-                                "ratio_of": slow_name if is_read else None})
+                                "ratio": seconds / results[base] if base else None,
+                                "ratio_of": f"dashboard.{base}{tag}" if base else None})
     return records
 
 

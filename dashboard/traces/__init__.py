@@ -5,7 +5,8 @@ span plus the problems it skipped; the other modules shape that span frame into 
 series the pages show, and never re-read files:
 
 - `file_formats`: gzip, zstd, Prometheus text, pretty-printed JSON -> JSON lines;  `problems`: what was skipped;
-- `collector_files`: the Collector's protobuf and zstd framings -> JSON lines;
+- `collector_files`: the Collector's protobuf and zstd framings -> JSON lines;  `protobuf_json`: one protobuf
+  export -> its JSON line;
 - `schema`: the span contract as frame columns;  `request_table`: one row per request;
 - `hit_rates`, `group_stats`, `headline`: the overview;  `waterfall`, `group_copies`: one request;  `replay`;
 - `vllm_spans`: vLLM's own request spans, read beside kvscope's;  `vllm_join`: which is which request's.

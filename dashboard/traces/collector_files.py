@@ -10,15 +10,13 @@ marshaller.go, compression_writer.go):
   what the file would hold uncompressed (JSON lines, or length-prefixed protobuf), which ``zstd -d``
   also reads.
 
-Each message becomes one JSON line, numbered from 1 as lines are (a problem's "line" is then the
-message). A file still being written ends in a message or zstd frame cut short: the messages before
-it are read and the cut reported, as for gzip.
+Each message becomes one JSON line (a protobuf one written by `protobuf_json`), numbered from 1 as lines
+are (a problem's "line" is then the message). A file still being written ends in a message or zstd frame
+cut short: the messages before it are read and the cut reported, as for gzip.
 """
 
 from __future__ import annotations
 
-import base64
-import json
 import struct
 
 from dashboard.traces.problems import Problem
@@ -138,11 +136,12 @@ def _message_as_json_line(label: str, body: bytes) -> tuple[bytes, str | None]:
 
 
 def _protobuf_as_json_line(body: bytes) -> tuple[bytes, str | None]:
-    """A protobuf `ExportTraceServiceRequest` as an OTLP/JSON line: ids in hex (protobuf's JSON mapping
-    writes bytes as base64, OTLP/JSON as hex), 64-bit integers as decimal strings, enums as numbers."""
-    from google.protobuf import json_format
+    """A protobuf `ExportTraceServiceRequest` as an OTLP/JSON line (`protobuf_json`): ids in hex, 64-bit
+    integers as decimal strings, enums as numbers; the fields the readers look at."""
     from google.protobuf.message import DecodeError
     from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+    from dashboard.traces.protobuf_json import export_as_json_line
 
     try:
         message = ExportTraceServiceRequest.FromString(body)
@@ -152,12 +151,4 @@ def _protobuf_as_json_line(body: bytes) -> tuple[bytes, str | None]:
     if spans and not any(len(span.trace_id) == 16 and len(span.span_id) == 8 for span in spans):
         # metrics and logs parse as traces too (their messages share field numbers), into spans without ids
         return b"", NOT_TRACES
-    document = json_format.MessageToDict(message, use_integers_for_enums=True)
-    for resource_spans in document.get("resourceSpans", []):
-        for scope_spans in resource_spans.get("scopeSpans", []):
-            for span in scope_spans.get("spans", []):
-                for ids in (span, *span.get("links", [])):
-                    for key in ("traceId", "spanId", "parentSpanId"):
-                        if ids.get(key):
-                            ids[key] = base64.b64decode(ids[key]).hex()
-    return json.dumps(document, separators=(",", ":")).encode(), None
+    return export_as_json_line(message), None

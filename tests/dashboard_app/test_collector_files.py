@@ -72,6 +72,8 @@ def test_each_collector_format_reads_as_the_json_lines_it_encodes(tmp_path, kind
     pd_testing = pytest.importorskip("pandas.testing")
     pd_testing.assert_frame_equal(spans, want_spans)
     pd_testing.assert_frame_equal(vllm, want_vllm)
+    assert (read.lines, read.other_spans, read.vllm_spans_read) == (expected.lines, expected.other_spans,
+                                                                    expected.vllm_spans_read)
     assert len(want_spans) == 103 and len(want_vllm) == 10  # the fixture: every kind of span, vLLM's too
 
 
