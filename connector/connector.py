@@ -116,6 +116,7 @@ class KVScopeConnector(KVConnectorBase_V1, SupportsHMA):
                 reprefillable_tokens=max(0, getattr(vllm_config, "num_prefill_lookahead_tokens", 0) - 1),
                 speculative=getattr(vllm_config, "speculative_config", None) is not None,
                 eagle_groups=eagle_proof_groups(vllm_config, kv_cache_config, layouts),
+                host_events=_host_tier_events(vllm_config, kv_cache_config, layouts, block_size, hash_block_size),
             )
         else:
             self._worker = KVScopeWorker(
@@ -171,13 +172,20 @@ class KVScopeConnector(KVConnectorBase_V1, SupportsHMA):
         # vLLM keeps stepping while this is True (as for its own offloading connector). On CUDA a
         # store can outlive its request's last step and only a later step reports it; without steps
         # its host blocks would wait, not ready, for the next request, whose lookup comes first.
-        return self._scheduler is not None and self._scheduler.has_unreported_jobs()
+        # Likewise while host-tier KV events wait to be published (vLLM publishes with a step): a reset
+        # of an idle engine (a weight update) is announced at once, not with the next request.
+        return self._scheduler is not None and (self._scheduler.has_unreported_jobs()
+                                                or self._scheduler.has_unpublished_events())
 
     def request_finished(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
         return self._scheduler.request_finished(request)
 
     def request_finished_all_groups(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
         return self._scheduler.request_finished(request)
+
+    def take_events(self):
+        """The host tier's KV cache events (`host_tier_events`), published by vLLM with its own."""
+        return self._scheduler.take_events() if self._scheduler is not None else ()
 
     def reset_cache(self) -> bool | None:
         return self._scheduler.reset_cache() if self._scheduler else None
@@ -255,6 +263,17 @@ class KVScopeConnector(KVConnectorBase_V1, SupportsHMA):
                     f"serve on 127.0.0.1:{config.metrics_port} ({exc.strerror or exc}); expected a free TCP "
                     "port 1..65535 this process may bind") from exc
         return KVScopePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+
+def _host_tier_events(vllm_config, kv_cache_config, layouts, block_size: int, hash_block_size: int):
+    """The host tier's KV cache events when vLLM publishes its own (`--kv-events-config` with
+    `enable_kv_cache_events`), else None: nothing is described or recorded."""
+    events_config = getattr(vllm_config, "kv_events_config", None)
+    if not (events_config is not None and events_config.enable_kv_cache_events):
+        return None
+    from .host_tier_events import HostTierEvents
+
+    return HostTierEvents(layouts, kv_cache_config.kv_cache_groups, block_size, hash_block_size)
 
 
 def _store_fence(vllm_config, kv_cache_config) -> str:

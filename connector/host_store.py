@@ -13,6 +13,9 @@ from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
 
 Key = Hashable  # (group index, block hash)
+# `HostIndex.journal` entries: (JOURNAL_STORED, key, announcement) or (JOURNAL_REMOVED, key, None)
+JOURNAL_STORED = True
+JOURNAL_REMOVED = False
 
 
 @dataclass(slots=True)
@@ -32,6 +35,9 @@ class HostIndex:
         self._entries: OrderedDict[Key, _Entry] = OrderedDict()  # LRU order: oldest first
         self._free = list(range(num_slots - 1, -1, -1))
         self.evicted_total = 0
+        # With KV cache events on, a list: each entry made ready, and each ready entry that leaves
+        # (evicted, dropped, cleared), in order (`host_tier_events`). None: nothing is recorded.
+        self.journal: list | None = None
 
     # -- queries (no side effects) --
     def is_ready(self, key: Key) -> bool:
@@ -84,11 +90,15 @@ class HostIndex:
         self._entries[new] = entry
         return True
 
-    def complete_store(self, key: Key) -> None:
+    def complete_store(self, key: Key, announcement=None) -> None:
+        """The store that fills `key`'s slot has completed on every worker (`announcement`: what the
+        journal records of it)."""
         entry = self._entries.get(key)
         if entry is not None and not entry.ready and not entry.stale:  # the store's own pin, released once
             entry.ready = True
             entry.pins = max(0, entry.pins - 1)
+            if self.journal is not None:
+                self.journal.append((JOURNAL_STORED, key, announcement))
 
     def abort_store(self, key: Key) -> None:
         entry = self._entries.get(key)
@@ -105,6 +115,8 @@ class HostIndex:
                 del self._entries[key]
                 self._free.append(entry.slot)
                 dropped += 1
+                if entry.ready:
+                    self._removed(key)
         return dropped
 
     def clear(self) -> None:
@@ -112,14 +124,21 @@ class HostIndex:
         entries at once; one a load still reads is never found again and frees its slot once
         unpinned. Slots reserved for stores stay with them: their owners abort them."""
         self.drop(list(self._entries))
-        for entry in self._entries.values():  # pinned: a load's (ready) or a store's
+        for key, entry in self._entries.items():  # pinned: a load's (ready) or a store's
             if entry.ready:
                 entry.ready, entry.stale = False, True
+                self._removed(key)
 
     def _evict_one(self) -> int | None:
         for key, entry in self._entries.items():
             if entry.ready and entry.pins == 0:
                 del self._entries[key]
                 self.evicted_total += 1
+                self._removed(key)
                 return entry.slot
         return None
+
+    def _removed(self, key: Key) -> None:
+        """A ready entry left the tier."""
+        if self.journal is not None:
+            self.journal.append((JOURNAL_REMOVED, key, None))

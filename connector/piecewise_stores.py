@@ -34,6 +34,7 @@ class Filling:
     planned: int = 0
     jobs: int = 0  # store jobs with a piece of it, not yet reported
     failed: bool = False  # a piece failed or will never come: abort when no job is left
+    announcement: object = None  # with KV cache events on, its description once keyed (`describe`)
 
 
 class PiecewiseStores:
@@ -52,6 +53,9 @@ class PiecewiseStores:
                              for layout in layouts]
         self.ahead_groups = [layout.index for layout, ahead in zip(layouts, self.stores_ahead) if ahead]
         self.by_key: dict[tuple, Filling] = {}  # unsettled fillings
+        # With KV cache events on, `describe(request, group, block index)` describes a block once it
+        # has its key, while its request is at hand (`host_tier_events`); None: events are off.
+        self.describe = None
 
     def start_block(self, request, g: int, k: int, needed: int, first_block_id: int, known: int) -> Filling | None:
         """The filling of the request's offloaded block `k` in group `g`, whose first device block is
@@ -59,7 +63,10 @@ class PiecewiseStores:
         no block hash equals, until `key_blocks` gives it the key; None when skipped."""
         if k < known:
             key = (g, request.block_hashes[(k + 1) * self.hashes_per_block - 1])
-            return self._start(key, needed, first_block_id, k, keyed=True)
+            filling = self._start(key, needed, first_block_id, k, keyed=True)
+            if filling is not None and self.describe is not None:
+                filling.announcement = self.describe(request, g, k)
+            return filling
         if not self._may_complete(request, k):
             return None  # the request ends before the block does: no slot for it
         return self._start((g, ("unkeyed", request.request_id, k)), needed, first_block_id, k, keyed=False)
@@ -100,6 +107,8 @@ class PiecewiseStores:
             del self.by_key[placeholder]
             self.by_key[key] = filling
             filling.key, filling.keyed = key, True
+            if self.describe is not None:
+                filling.announcement = self.describe(request, g, filling.block_index)
             # with async scheduling its last piece can be planned (even written) before its key exists
             self.settle(filling)
 
@@ -133,4 +142,4 @@ class PiecewiseStores:
             self.index.abort_store(filling.key)
         elif filling.planned == filling.needed and filling.keyed:
             del self.by_key[filling.key]
-            self.index.complete_store(filling.key)
+            self.index.complete_store(filling.key, filling.announcement)

@@ -80,6 +80,7 @@ class KVScopeScheduler:
         reprefillable_tokens: int = 0,
         speculative: bool = False,
         eagle_groups: frozenset[int] = frozenset(),
+        host_events=None,
     ):
         self.layouts = layouts
         # Groups whose hits must prove their next token (EAGLE drafters' KV): `find_hit_tokens`
@@ -90,6 +91,12 @@ class KVScopeScheduler:
         self.hashes_per_block = offload_block_size // hash_block_size
         self.index = HostIndex(num_slots)
         self.stores = PiecewiseStores(self.index, layouts, offload_block_size, self.hashes_per_block)
+        # KV cache events of the host tier (`host_tier_events.HostTierEvents`), or None when vLLM's are off
+        self.host_events = host_events
+        self._events_taken = False
+        if host_events is not None:
+            self.index.journal = []
+            self.stores.describe = host_events.describe
         self.slot_bytes = slot_bytes
         self.capacity_bytes = num_slots * slot_bytes
         self.world_size = world_size
@@ -589,6 +596,19 @@ class KVScopeScheduler:
         self.index.clear()
         self._update_capacity_stats()  # the reset's own stats carry the emptied tier
         return True
+
+    def take_events(self) -> list | tuple:
+        """The host tier's KV cache events since the last call (none when vLLM's are off)."""
+        self._events_taken = True
+        journal = self.index.journal
+        if not journal:
+            return ()
+        return self.host_events.take(journal)
+
+    def has_unpublished_events(self) -> bool:
+        """Whether host-tier events wait for vLLM to take them; only once vLLM has taken some (it takes
+        them every step): a vLLM that never did would be kept stepping for nothing."""
+        return self._events_taken and bool(self.index.journal)
 
     def take_stats(self) -> KVScopeStats | None:
         for queried, hit in self._lookup_log:

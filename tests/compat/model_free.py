@@ -129,7 +129,7 @@ class ModelFreeEngine:
                  max_num_batched_tokens: int = 2048, max_model_len: int = 2048, workers: int = 1,
                  async_scheduling: bool = False, runner: str = "v1", spec_tokens: int = 0,
                  spec_method: str = "ngram", mamba: MambaAlign | None = None,
-                 parallel_overrides: dict | None = None):
+                 parallel_overrides: dict | None = None, kv_events: bool = False):
         from vllm.config import KVTransferConfig
         from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -147,6 +147,8 @@ class ModelFreeEngine:
             enable_chunked_prefill=True, max_num_seqs=16, tensor_parallel_size=workers,
             kv_transfer_config=KVTransferConfig(kv_connector="KVScopeConnector", kv_connector_module_path="connector",
                                                 kv_role="kv_both", kv_connector_extra_config=extra_config),
+            # vLLM's KV cache events (its device blocks', kvscope's host tier's): `published_events`
+            kv_events_config={"enable_kv_cache_events": True, "publisher": "null"} if kv_events else None,
             # vLLM schedules `spec_tokens` drafts per decode step; the drafter here is `propose_drafts`
             speculative_config={"method": "ngram", "num_speculative_tokens": spec_tokens,
                                 "prompt_lookup_max": 2, "prompt_lookup_min": 1} if spec_tokens else None,
@@ -204,6 +206,9 @@ class ModelFreeEngine:
         self.scheduler = scheduler_class(vllm_config=self.vllm_config, kv_cache_config=self.kv_cache_config,
                                          structured_output_manager=StructuredOutputManager(self.vllm_config),
                                          block_size=scheduler_block, hash_block_size=hash_block, log_stats=True)
+        self.published_events: list = []  # with `kv_events`: every event vLLM's scheduler published, in order
+        if kv_events:
+            self.scheduler.kv_event_publisher.publish = lambda batch: self.published_events.extend(batch.events)
         hash_fn = get_hash_fn_by_name(self.vllm_config.cache_config.prefix_caching_hash_algo)
         init_none_hash(hash_fn)
         self._block_hasher = get_request_block_hasher(hash_block, hash_fn)

@@ -18,16 +18,20 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+import msgspec
 import pytest
 import requests
+import zmq
 from google.protobuf import json_format
 from google.protobuf.message import DecodeError
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from prometheus_client.parser import text_string_to_metric_families
+from vllm.distributed.kv_events import BlockStored, KVEventBatch
 
 from connector.telemetry.metrics import METRIC_NAMES
 from connector.telemetry.trace_file import parse_json_line
 from connector.tiny_models import build_model
+from tests.compat.kv_event_views import host_blocks_unlike_device, router_view
 
 from .conftest import prompts_sharing_prefixes
 
@@ -74,7 +78,37 @@ def otlp_sink():
 
 
 @pytest.fixture(scope="module")
-def server(otlp_sink):
+def kv_events():
+    """A KV-aware router's subscription to the server's KV cache events (`--kv-events-config`, ZMQ):
+    (the port the server publishes on, every event received, in order). Subscribed before the server
+    starts, so no event is missed."""
+    port = _free_port()
+    context = zmq.Context()
+    socket_ = context.socket(zmq.SUB)
+    socket_.setsockopt(zmq.SUBSCRIBE, b"")
+    socket_.connect(f"tcp://127.0.0.1:{port}")
+    received, stop = [], threading.Event()
+
+    def receive():
+        decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+        while not stop.is_set():
+            if socket_.poll(100):
+                _topic, _seq, payload = socket_.recv_multipart()
+                received.extend(decoder.decode(payload).events)
+
+    thread = threading.Thread(target=receive, daemon=True)
+    thread.start()
+    try:
+        yield port, received
+    finally:
+        stop.set()
+        thread.join(timeout=10)
+        socket_.close(0)
+        context.term()
+
+
+@pytest.fixture(scope="module")
+def server(otlp_sink, kv_events):
     model = build_model("gemma3", window=64)
     port = _free_port()
     trace_file = os.path.join(tempfile.mkdtemp(prefix="kvscope-server-"), "spans.jsonl")
@@ -91,7 +125,9 @@ def server(otlp_sink):
          "--kv-transfer-config", json.dumps(transfer),
          # 0 (the default) aborts on Ctrl-C: every engine process is SIGKILLed at once, spans still queued lost
          "--shutdown-timeout", "20",
-         "--otlp-traces-endpoint", f"http://127.0.0.1:{otlp_sink.server_port}/v1/traces"],
+         "--otlp-traces-endpoint", f"http://127.0.0.1:{otlp_sink.server_port}/v1/traces",
+         "--kv-events-config", json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
+                                           "endpoint": f"tcp://*:{kv_events[0]}"})],
         cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
         start_new_session=True)  # its own process group: the Ctrl-C test signals the group
     base = f"http://127.0.0.1:{port}"
@@ -327,6 +363,29 @@ def test_every_board_query_and_rule_returns_data_from_the_real_engine(prometheus
         time.sleep(3)
     assert failures == [], "\n".join(failures) + "\n" + prometheus_scraping_server.log_tail()
     assert rule_health_failures(url) == []
+
+
+def test_a_kv_aware_router_sees_the_host_tier_beside_the_device_blocks(server, two_rounds, kv_events):
+    """What a router subscribed to the server's KV cache events learns: the host tier's blocks (medium
+    CPU) of both groups, each described as vLLM described the device blocks of the same tokens; after a
+    reset of the tier (`/reset_prefix_cache?reset_external=true`), none."""
+    base, model, _, _ = server
+    _, events = kv_events
+    host = [e for e in list(events) if isinstance(e, BlockStored) and e.medium == "CPU"]
+    assert {e.group_idx for e in host} == {0, 1}
+    assert {e.kv_cache_spec_kind for e in host} == {"sliding_window", "full_attention"}
+    checked, unlike = host_blocks_unlike_device(list(events))
+    assert checked >= len(host) and unlike == []
+    assert router_view(list(events))
+    deadline = time.time() + 60
+    while not requests.post(base + "/reset_prefix_cache?reset_external=true", timeout=30).json()["success"]:
+        assert time.time() < deadline, "the server never reset its caches"
+        time.sleep(1)
+    while router_view(list(events)):  # published with the next step
+        assert time.time() < deadline, f"the tier's removals never came: {router_view(list(events))}"
+        requests.post(base + "/v1/completions", timeout=60, json={
+            "model": model, "prompt": [1, 2, 3], "max_tokens": 1, "temperature": 0})
+        time.sleep(0.5)
 
 
 # ---- last: Ctrl-C (it stops this module's server) ----

@@ -13,7 +13,7 @@ from hypothesis.stateful import (
     rule,
 )
 
-from connector.host_store import HostIndex
+from connector.host_store import JOURNAL_REMOVED, JOURNAL_STORED, HostIndex
 
 
 def _filled(n: int, keys) -> HostIndex:
@@ -319,6 +319,27 @@ def test_unpin_never_goes_negative():
     assert index.reserve_for_store("b") == 0
 
 
+def test_the_journal_records_what_becomes_ready_and_what_leaves_the_tier_in_order():
+    index = HostIndex(2)
+    assert index.journal is None  # off unless asked for: nothing recorded
+    index.journal = journal = []
+    index.reserve_for_store("a")
+    index.complete_store("a", "described a")
+    index.reserve_for_store("b")
+    index.abort_store("b")  # never ready: nothing to announce
+    index.reserve_for_store("c")
+    index.complete_store("c", None)
+    index.reserve_for_store("d")  # evicts "a"
+    index.complete_store("d")
+    index.pin_for_load("c")
+    index.drop(["d", "c"])  # "c" is pinned: stays
+    index.clear()  # "c" leaves the tier now, though its slot waits for the load
+    index.unpin("c")
+    assert journal == [(JOURNAL_STORED, "a", "described a"), (JOURNAL_STORED, "c", None),
+                       (JOURNAL_REMOVED, "a", None), (JOURNAL_STORED, "d", None),
+                       (JOURNAL_REMOVED, "d", None), (JOURNAL_REMOVED, "c", None)]
+
+
 # --- stateful: random operation sequences against a model ---------------------------------------
 
 
@@ -341,6 +362,8 @@ class HostIndexMachine(RuleBasedStateMachine):
     def start(self, n):
         self.n = n
         self.index = HostIndex(n)
+        self.index.journal = []  # KV cache events on: the journal must replay to the ready entries
+        self.announced: set = set()
 
     @rule(target=keys, key=st.integers(0, 9))
     def new_key(self, key):
@@ -473,6 +496,15 @@ class HostIndexMachine(RuleBasedStateMachine):
             if ready:
                 assert k in self.ever_completed
         assert index.evicted_total == self.evicted
+        for kind, key, _ in index.journal:  # what a router replaying the tier's events would hold
+            if kind is JOURNAL_STORED:
+                assert key not in self.announced
+                self.announced.add(key)
+            else:
+                assert kind is JOURNAL_REMOVED
+                self.announced.remove(key)
+        index.journal.clear()
+        assert self.announced == {k for k, (_, ready, _, _) in self.model.items() if ready}
 
 
 HostIndexMachine.TestCase.settings = settings(
