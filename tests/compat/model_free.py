@@ -17,8 +17,9 @@ the prefix for full attention, the last `window - 1` positions for a sliding win
 those bytes. With speculative decoding (`spec_tokens`) the forward also writes the KV of draft
 tokens, some of them wrong, which vLLM rejects and the next step overwrites in place; under async
 scheduling each step is scheduled as if all the previous step's drafts were accepted, and the runner
-corrects that, as vLLM's model runners do. A load that put wrong or misplaced KV into a block a
-request reads fails that check, whichever vLLM version runs it: the test suite's vLLM 0.32, or
+corrects that, as vLLM's model runners do; a Mamba group keeps a state block per draft and its
+states move by the accepted tokens as vLLM's runners move them (`_plan_state_moves`). A load that
+put wrong or misplaced KV into a block a request reads fails that check, whichever vLLM version runs it: the test suite's vLLM 0.32, or
 0.33's own sources (`scripts/dev compat`).
 """
 
@@ -58,6 +59,10 @@ class MambaAlign:
     # vLLM's `prefix_cache_retention_interval`: 0 (its default) keys only the states a later
     # request is known to resume from (the prompt's, shared-prefix junctions); None keys every one
     retention: int | None = 0
+    # vLLM's `enable_mamba_shared_prefix_checkpoint` (0.32, 0.33): a chunk also stops at, and vLLM
+    # keys the state at, the junction where a sibling request sharing the prefix was seen to resume
+    # (in effect only with EAGLE-style drafts and hash blocks finer than Mamba blocks)
+    shared_prefix_checkpoint: bool = False
 
 
 @dataclass
@@ -86,6 +91,10 @@ class LoopStats:
     drafts_rejected: int = 0  # draft tokens whose KV the forward wrote and the next step overwrote
     runner_corrections: int = 0  # forwards started before where vLLM counted (its drafts rejected)
     zeroed_blocks: int = 0  # new blocks vLLM had the runner zero (`new_block_ids_to_zero`)
+    # Mamba with drafts: prefill chunks whose checkpoint (one vLLM's scheduler declined) the runner
+    # exports into the running block itself, a speculative block the scheduler relocated there while
+    # the worker's append-only table keeps it in the column before (`_write_states`)
+    checkpoint_clobbers: int = 0
     # kvscope's stats as vLLM hands them to its stat loggers (`SchedulerStats.kv_connector_stats`),
     # rebuilt and summed the way the front end does
     connector: object | None = None
@@ -166,7 +175,8 @@ class ModelFreeEngine:
         self.vllm_config.scheduler_config.async_scheduling = async_scheduling
         self.vllm_config.cache_config.num_gpu_blocks = num_blocks
         self.window, self.mamba = window, mamba
-        self.kv_cache_config = _kv_cache_config(num_blocks, window, mamba)
+        # with drafts vLLM gives a Mamba group a state block per draft (`num_speculative_blocks`)
+        self.kv_cache_config = _kv_cache_config(num_blocks, window, mamba, spec_tokens)
         self.group_kinds = [MAMBA if mamba else SLIDING, FULL]
         scheduler_block, hash_block = (mamba.block, mamba.hash_block) if mamba else (BLOCK, BLOCK)
         if mamba:  # what vLLM resolves for a hybrid Mamba model in align mode (`engine/core.py`)
@@ -178,6 +188,12 @@ class ModelFreeEngine:
             self.kv_cache_config.cache_hit_alignment_tokens = hash_block
             cache.prefix_cache_retention_interval = mamba.retention
             self.kv_cache_config.prefix_cache_retention_interval = mamba.retention
+            if mamba.shared_prefix_checkpoint:
+                cache.enable_mamba_shared_prefix_checkpoint = True
+        spec = self.vllm_config.speculative_config
+        drops = getattr(spec, "use_eagle_block_drop", None)
+        # the runner's prefill checkpoints follow EAGLE's dropped last block (`MambaPrefillCheckpointBuilder`)
+        self._drop_eagle_block = spec is not None and bool(drops() if callable(drops) else spec.use_eagle())
         self.group_layers = [g.layer_names for g in self.kv_cache_config.kv_cache_groups]
         self._attention_layers = [name for g in self.kv_cache_config.kv_cache_groups
                                   if not isinstance(g.kv_cache_spec, MambaSpec) for name in g.layer_names]
@@ -219,6 +235,14 @@ class ModelFreeEngine:
                        for names in self.group_layers for name in names}
         self.spec_tokens = spec_tokens
         self._rejected: dict[str, int] = {}  # drafts each request of the last step had rejected
+        # A Mamba group with drafts: the runner's state bookkeeping (`mamba_utils.preprocess_mamba`,
+        # `postprocess_mamba_fused_kernel`), per request: the block its running state is kept in, and
+        # the tokens its last step accepted (the state to resume from is that many blocks on, less one)
+        self._mamba_drafts = bool(mamba and spec_tokens)
+        self._state_idx: dict[str, int] = {}
+        self._num_accepted: dict[str, int] = {}
+        self._state_steps: dict[str, tuple[int, int, bool, bool]] = {}  # this step: (read, running, copy, drafted)
+        self._state_copies: list[tuple[str, int, int]] = []  # this step's postprocess: (req, from, to)
         self.tables: dict[str, list[list[int]]] = {}  # per request, per group: block ids (worker's view)
         self.stats = LoopStats()
         self._loaded: dict[tuple[str, int], set[int]] = {}  # (req id, group) -> device blocks loads filled
@@ -276,6 +300,8 @@ class ModelFreeEngine:
             for part in job.groups:
                 self._loaded.setdefault((job.req_id, part.group_index), set()).update(part.block_ids)
         forwards = {req_id: self._plan_forward(out, req_id, computed[req_id]) for req_id in out.num_scheduled_tokens}
+        if self._mamba_drafts:
+            self._plan_state_moves(out, forwards)
         kv_outputs = []
         for rank, worker in enumerate(self.workers):
             if self.runner != "v1":
@@ -287,6 +313,8 @@ class ModelFreeEngine:
                     KVConnectorModelRunnerMixin._get_kv_connector_output(out) as kv_output:
                 self._forward_all(rank, forwards)
             kv_outputs.append(kv_output)
+            # the V1 runner's Mamba postprocess runs with the sampling, after execute_model's stores
+            self._postprocess_states(rank)
         for callback in self.after_step:
             callback()
         req_ids = list(out.num_scheduled_tokens)
@@ -384,6 +412,7 @@ class ModelFreeEngine:
                 glue.pre_forward(out)
                 self._forward_all(rank, forwards)
             glue.finish_forward()
+            self._postprocess_states(rank)  # V2: `postprocess_state` after the sampling, before `post_forward`
             if self.runner == "v2":
                 return glue.post_forward(out.finished_req_ids)
             kv_output = glue.post_forward(out.finished_req_ids, defer_finalize=True)
@@ -483,7 +512,8 @@ class ModelFreeEngine:
             table = self.tables[req_id][group]
             loaded = self._loaded.get((req_id, group), ())
             if self.group_kinds[group] == MAMBA:
-                self._check_state(rank, req_id, group, computed, loaded)
+                read = self._state_steps[req_id][0] if self._mamba_drafts else None
+                self._check_state(rank, req_id, group, computed, loaded, read)
                 continue
             for i in range(self._first_read(group, computed) // BLOCK, -(-computed // BLOCK)):
                 block_id = table[i] if i < len(table) else None
@@ -521,12 +551,15 @@ class ModelFreeEngine:
 
 
     # ------------------------------------------------------------------ Mamba states (align mode)
-    def _check_state(self, rank: int, req_id: str, group: int, computed: int, loaded=()) -> None:
+    def _check_state(self, rank: int, req_id: str, group: int, computed: int, loaded=(),
+                     index: int | None = None) -> None:
         """The step starts from the state after `computed` tokens, in the block holding that
-        position (vLLM's runner reads block ``(computed - 1) // block``): it must be that state."""
+        position (vLLM's runner reads block ``(computed - 1) // block``), or with drafts in block
+        `index` (`_plan_state_moves`): it must be that state."""
         if computed == 0:
             return
-        index = (computed - 1) // self.mamba.block
+        if index is None:
+            index = (computed - 1) // self.mamba.block
         table = self.tables[req_id][group]
         block_id = table[index] if index < len(table) else 0
         want = self._chain(req_id)[computed - 1]
@@ -541,25 +574,131 @@ class ModelFreeEngine:
     def _write_states(self, rank: int, req_id: str, group: int, start: int, identities: list[int]) -> None:
         """The states a step leaves, where vLLM's runner puts them: the state after the step in the
         block of its last position; on a prompt's last chunk, the checkpoint state at vLLM's
-        checkpoint position in the block before (`compute_mamba_prefill_checkpoints`)."""
+        checkpoint position in the block before (`compute_mamba_prefill_checkpoints`). With drafts,
+        first the runner's copy of the state resumed from, and a step verifying drafts leaves the
+        state after each of its tokens instead (`_plan_state_moves`)."""
         from vllm.model_executor.layers.mamba.checkpoint import compute_mamba_prefill_checkpoints
         from vllm.v1.kv_cache_interface import MambaSpec
 
-        mamba, end, table = self.mamba, start + len(identities), self.tables[req_id][group]
+        mamba, end = self.mamba, start + len(identities)
         writes = [(-(-end // mamba.block) - 1, identities[-1])]
+        if self._mamba_drafts:
+            read, running, copy, drafted = self._state_steps[req_id]
+            if copy:  # `preprocess_mamba`: the state resumed from, into the running block
+                self._copy_state(rank, req_id, group, read, running)
+            if drafted:
+                # a step verifying drafts keeps the state after each of its tokens, one block each from
+                # the running block on (`mamba_get_block_table_tensor`: 1 + num_speculative_blocks columns)
+                self._fill_states(rank, req_id, group, [(running + j, v) for j, v in enumerate(identities)])
+                return
         spec = self.kv_cache_config.kv_cache_groups[group].kv_cache_spec
         assert isinstance(spec, MambaSpec)
         offsets, cols = compute_mamba_prefill_checkpoints(
             [end], [len(identities)], mamba.hash_block, mamba.block, spec.prefill_checkpoint_alignment,
-            drop_eagle_block=False, cache_hit_alignment_tokens=mamba.hash_block)
+            drop_eagle_block=self._drop_eagle_block, cache_hit_alignment_tokens=mamba.hash_block)
         if cols[0] >= 0:
             writes.append((cols[0], identities[offsets[0] - 1]))
+            table = self.tables[req_id][group]
+            if self._mamba_drafts and cols[0] < len(table) and table[cols[0]] == table[writes[0][0]]:
+                # vLLM's own: its worker exports every valid checkpoint, declined or not, and the column
+                # of a relocated speculative block still names it. Mamba2 stores the checkpoint before
+                # the final SSM state (`mamba_mixer2`: `store_prefill_checkpoint`, then the final
+                # states), so the fake state is the final one; the conv state vLLM leaves there is
+                # the checkpoint's. Counted, not failed: no load of kvscope's is involved.
+                self.stats.checkpoint_clobbers += rank == 0
+                writes.reverse()
+        self._fill_states(rank, req_id, group, writes)
+
+    def _fill_states(self, rank: int, req_id: str, group: int, writes) -> None:
+        """Each (block index, identity): that block of the request's table holds the state `identity`
+        (a checkpoint vLLM's scheduler declined lands in the null block, as on vLLM's workers)."""
+        table = self.tables[req_id][group]
         for index, identity in writes:
+            if self._mamba_drafts and index >= len(table):
+                self._no_state_block(rank, req_id, group, index, "the runner writes a state")
+                continue
             for layer in self.group_layers[group]:
                 self.words[rank][layer][table[index]].fill_(identity ^ self._salts[rank, layer])
 
+    def _no_state_block(self, rank: int, req_id: str, group: int, index: int, what: str) -> None:
+        table = self.tables[req_id][group]
+        block_id = table[index] if index < len(table) else 0
+        self.stats.violations.append(Violation(self.stats.steps, rank, req_id, group, index, block_id,
+                                               f"no state block where {what}"))
 
-def _kv_cache_config(num_blocks: int, window: int, mamba: MambaAlign | None = None):
+    def _copy_state(self, rank: int, req_id: str, group: int, source: int, target: int) -> None:
+        """The runner's copy of a whole state block (`collect_mamba_copy_meta`, its fused kernels)."""
+        table = self.tables[req_id][group]
+        for index in (source, target):
+            if not 0 <= index < len(table) or not table[index]:
+                self._no_state_block(rank, req_id, group, index, f"the runner copies a state ({source} to {target})")
+                return
+        for layer in self.group_layers[group]:
+            words = self.words[rank][layer]
+            words[table[target]] = words[table[source]]
+
+    def _plan_state_moves(self, out, forwards) -> None:
+        """Where the runner reads and moves each request's Mamba state this step, with drafts (V1's
+        `preprocess_mamba` and `postprocess_mamba_fused_kernel`, V2's `MambaHybridModelState` alike).
+
+        The running state is kept in the block of the step's last token (drafts included): the state
+        to resume from, in the block of the last step's plus its accepted tokens less one (the column
+        of the last accepted token), is copied there first when that block moved. A step with drafts
+        writes the state after each token from the running block on; after the sampling, when the
+        accepted tokens cross a block end, the state at that end is copied into the block it ends
+        (vLLM keys it there), and the count resets where that block is the running one."""
+        block = self.mamba.block
+        for req_id in (*out.finished_req_ids, *(getattr(out, "preempted_req_ids", None) or ()),
+                       *(getattr(out.scheduled_cached_reqs, "resumed_req_ids", None) or ())):
+            self._state_idx.pop(req_id, None)  # `cleanup_mamba_state_idx`
+            self._num_accepted.pop(req_id, None)
+        self._state_steps, self._state_copies = {}, []
+        for req_id, (start, drafts, values) in forwards.items():
+            n = out.num_scheduled_tokens[req_id]
+            if req_id in self._state_idx:
+                previous, accepted = self._state_idx[req_id], self._num_accepted.get(req_id, 1)
+            else:  # new or resumed: the state of its computed tokens, where a hit or a load put it
+                previous, accepted = (start - 1) // block, 1
+            running = -(-(start + n) // block) - 1
+            copy = previous != -1 and previous != running
+            self._state_steps[req_id] = (previous + accepted - 1, running, copy, bool(drafts))
+            self._state_idx[req_id] = running
+            accepted = 1 if copy else accepted
+            # after the sampling: a prefill chunk counts one token accepted, as vLLM's sampler does
+            num_sampled = max(1, self._num_sampled(req_id, start, drafts, values))
+            state_tokens = start + n - len(drafts)  # the running state's tokens, drafts aside
+            done = state_tokens + num_sampled - 1
+            aligned = done // block * block
+            if aligned >= state_tokens:
+                bias, target = aligned - state_tokens, aligned // block - 1
+                if target == running:
+                    num_sampled = 1
+                if target != running or bias:
+                    self._state_copies.append((req_id, running + bias, target))
+            self._num_accepted[req_id] = num_sampled
+
+    def _num_sampled(self, req_id: str, start: int, drafts: list[int], values: list[int]) -> int:
+        """How many tokens `_sample` will give the request this step (0 for a prefill chunk)."""
+        tokens = self.tokens[req_id]
+        if start + len(values) < len(tokens):
+            return 0
+        accepted = 0
+        for draft in drafts:
+            if draft != true_token(len(tokens) + accepted):
+                break
+            accepted += 1
+        return accepted + 1
+
+    def _postprocess_states(self, rank: int) -> None:
+        """The step's postprocess copies (`_plan_state_moves`) on one worker."""
+        if not self._mamba_drafts:
+            return
+        group = self.group_kinds.index(MAMBA)
+        for req_id, source, target in self._state_copies:
+            self._copy_state(rank, req_id, group, source, target)
+
+
+def _kv_cache_config(num_blocks: int, window: int, mamba: MambaAlign | None = None, spec_tokens: int = 0):
     from vllm.v1.kv_cache_interface import (
         FullAttentionSpec,
         KVCacheConfig,
@@ -570,7 +709,8 @@ def _kv_cache_config(num_blocks: int, window: int, mamba: MambaAlign | None = No
 
     common = dict(block_size=BLOCK, num_kv_heads=1, head_size=64, dtype=torch.bfloat16)
     first = (MambaSpec(shapes=((PAGE,),), dtypes=(torch.int8,), block_size=mamba.block, mamba_cache_mode="align",
-                       num_prefill_checkpoint_blocks=1, prefill_checkpoint_alignment=1) if mamba
+                       num_prefill_checkpoint_blocks=1, prefill_checkpoint_alignment=1,
+                       num_speculative_blocks=spec_tokens) if mamba
              else SlidingWindowSpec(**common, sliding_window=window))
     groups = [
         KVCacheGroupSpec(["layers.0", "layers.2"], first),

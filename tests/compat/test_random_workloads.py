@@ -116,3 +116,32 @@ def test_the_known_vllm_stall_is_told_apart_from_a_kvscope_failure():
     result = execute(plan)
     assert result.vllm_stalls == [["b", "c", "d"]] and result.aborts == 3
     assert result.verdict == "vllm_stall" and result.failure is None
+
+
+# V1 and V2, async scheduling, ngram, EAGLE and MTP, the shared-prefix checkpoint; all but 260032 load
+# from the host tier, and 260032 meets vLLM's checkpoint exported over the running state (`model_free`)
+MAMBA_SPEC_SEEDS = [260014, 260032, 260056, 260063, 260085, 260088]
+
+
+@pytest.mark.parametrize("seed", [pytest.param(seed, id=f"seed{seed}") for seed in MAMBA_SPEC_SEEDS])
+def test_the_mamba_spec_profile_combines_a_mamba_group_with_drafts(seed):
+    """The "mamba-spec" profile draws a Mamba group and drafts together, which "fast" and "full" never
+    do: the replay's drafts are verified and rejected with the Mamba states moved as vLLM's runners
+    move them (`ModelFreeEngine._plan_state_moves`), and every state a step resumes from checks out."""
+    plan = make_plan(seed, "mamba-spec")
+    config = plan["config"]
+    assert "mamba" in config and config["spec_tokens"] >= 1, config
+    if reason := missing_feature(plan):
+        pytest.skip(reason)
+    result = execute(plan)
+    assert result.verdict == "ok", (result.violations[:6], result.unfinished[:6], result.leaks[:6])
+    assert result.drafts_rejected > 0 and result.checked_blocks > 0
+    assert result.checked_loaded_blocks > 0 or result.checkpoint_clobbers > 0
+
+
+def test_the_mamba_spec_profile_draws_every_drafter_and_the_shared_prefix_checkpoint():
+    configs = [make_plan(seed, "mamba-spec")["config"] for seed in range(260000, 260060)]
+    assert all("mamba" in c and c["spec_tokens"] for c in configs)
+    assert {c["spec_method"] for c in configs} == {"ngram", "eagle", "mtp"}
+    assert any(c["mamba"].get("shared_prefix_checkpoint") and c["spec_method"] != "ngram"
+               and c["mamba"]["block"] > c["mamba"]["hash_block"] for c in configs)

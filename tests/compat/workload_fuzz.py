@@ -32,9 +32,13 @@ MAX_STEPS = 4000  # engine steps one `run` may take before its requests count as
 SHRINK_SECONDS = 300
 # Probabilities per seed. "fast" keeps a seed around a second (the pytest seeds); "full" adds what is
 # slow or rare: late-landing copies (CUDA's DMA timing) and a worker whose loads all fail in some rounds.
+# "mamba-spec" draws every plan with a Mamba group and drafts (ngram, EAGLE or single-module MTP), half of
+# them with vLLM's `enable_mamba_shared_prefix_checkpoint`; the others never combine the two, and their
+# seeds keep their plans (pinned tests and past campaigns name them).
 PROFILES = {
     "fast": {"mamba": 0.08, "two_workers": 0.1, "spec": 0.15, "fail_loads": 0.0, "late": 0.0},
     "full": {"mamba": 0.15, "two_workers": 0.25, "spec": 0.3, "fail_loads": 0.12, "late": 0.15},
+    "mamba-spec": {"mamba_with_drafts": True, "two_workers": 0.25, "fail_loads": 0.12, "late": 0.15},
 }
 
 
@@ -70,7 +74,9 @@ def make_plan(seed: int, profile: str = "fast") -> dict:
 
 def _config(r: random.Random, odds: dict) -> dict:
     config: dict = {}
-    if r.random() < odds["mamba"]:
+    if odds.get("mamba_with_drafts"):
+        _mamba_with_drafts(r, config)
+    elif r.random() < odds["mamba"]:
         state_block = r.choice([16, 64])
         config["mamba"] = {"block": state_block, "hash_block": 16, "retention": r.choice([0, 0, None, 128])}
         config["block_size"] = state_block * r.choice([1, 2, 4])
@@ -93,6 +99,21 @@ def _config(r: random.Random, odds: dict) -> dict:
     if r.random() < odds["late"]:
         config["late"] = {"store_steps": r.choice([1, 3]), "load_steps": r.choice([0, 0, 2])}
     return config
+
+
+def _mamba_with_drafts(r: random.Random, config: dict) -> None:
+    """A Mamba group (as `_config` draws it) and drafts. vLLM takes both together: the Mamba group gets a
+    state block per draft (`MambaSpec.num_speculative_blocks`), its runners move states by the accepted
+    tokens (`mamba_utils.preprocess_mamba`, `postprocess_mamba_fused_kernel`), and with EAGLE or MTP
+    the checkpoints drop the last block as the attention groups do. MTP here is single-module (no
+    draft model to read): multi-module MTP re-prefills a tail the fake drafter does not model."""
+    state_block = r.choice([16, 64])
+    config["mamba"] = {"block": state_block, "hash_block": 16, "retention": r.choice([0, 0, None, 128])}
+    if r.random() < 0.5:  # in effect with EAGLE or MTP and 64-token Mamba blocks (finer hashes)
+        config["mamba"]["shared_prefix_checkpoint"] = True
+    config["block_size"] = state_block * r.choice([1, 2, 4])
+    config["spec_tokens"] = r.choice([1, 2, 3])
+    config["spec_method"] = r.choice(["ngram", "ngram", "eagle", "mtp"])
 
 
 def _request(r: random.Random, segment: str, req_id: str, prefixes, earlier: list[dict], small_device: bool,
@@ -152,11 +173,15 @@ def prompt_tokens(plan_seed: int, prompt: list) -> list[int]:
 
 def missing_feature(plan: dict) -> str | None:
     """Why the installed vLLM cannot replay `plan`, or None."""
+    from vllm.config import CacheConfig
     from vllm.v1.worker.gpu.kv_connector import ActiveKVConnector
 
     if plan["config"]["runner"] == "v2-spec" and \
             "defer_finalize" not in inspect.signature(ActiveKVConnector.post_forward).parameters:
         return "this vLLM's V2 runner has no deferred finalize (speculative decoding)"
+    if plan["config"].get("mamba", {}).get("shared_prefix_checkpoint") and \
+            "enable_mamba_shared_prefix_checkpoint" not in CacheConfig.__dataclass_fields__:
+        return "this vLLM has no enable_mamba_shared_prefix_checkpoint"
     return None
 
 
@@ -183,6 +208,7 @@ class WorkloadResult:
     aborts: int = 0  # requests aborted while vLLM still had them
     drafts_rejected: int = 0
     failed_loads: int = 0
+    checkpoint_clobbers: int = 0  # vLLM's Mamba checkpoint exported over the running state (`model_free`)
 
     @property
     def failure(self) -> str | None:
@@ -323,7 +349,8 @@ class _Replay:
                                    or _same_without_kvscope_hits(self.plan, self.engine))
         if not result.failure:
             result.leaks = self.engine.host_tier_leaks()
-        for name in ("steps", "checked_blocks", "checked_loaded_blocks", "external_hit_tokens", "drafts_rejected"):
+        for name in ("steps", "checked_blocks", "checked_loaded_blocks", "external_hit_tokens", "drafts_rejected",
+                     "checkpoint_clobbers"):
             setattr(result, name, getattr(stats, name))
         result.evictions = self.engine.scheduler.get_kv_connector()._scheduler.index.evicted_total
         result.preemptions, result.failed_loads = len(stats.resumed), len(stats.failed_recving)
@@ -337,7 +364,8 @@ def _engine(config: dict):
     options = {}
     if "mamba" in config:
         mamba = config["mamba"]
-        options["mamba"] = MambaAlign(mamba["block"], mamba["hash_block"], retention=mamba["retention"])
+        options["mamba"] = MambaAlign(mamba["block"], mamba["hash_block"], retention=mamba["retention"],
+                                      shared_prefix_checkpoint=mamba.get("shared_prefix_checkpoint", False))
     if "spec_tokens" in config:
         options.update(spec_tokens=config["spec_tokens"], spec_method=config["spec_method"])
     engine = ModelFreeEngine(build_model("gemma3", window=WINDOW),
@@ -533,6 +561,8 @@ def _simplifications(plan: dict):
     for keys in (("late",), ("fail_loads",), ("spec_tokens", "spec_method")):
         if keys[0] in plan["config"]:
             yield edited(lambda p: [p["config"].pop(key) for key in keys])
+    if plan["config"].get("mamba", {}).get("shared_prefix_checkpoint"):
+        yield edited(lambda p: p["config"]["mamba"].pop("shared_prefix_checkpoint"))
 
 
 def _drop_request(phase: dict, index: int) -> None:
