@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from bench import copy_bench, planner_bench, planner_vs_vllm, run_all  # noqa: E402
+from bench import copy_bench, kv_events_bench, planner_bench, planner_vs_vllm, run_all  # noqa: E402
 
 
 def _check(records: list[dict]) -> None:
@@ -55,6 +55,14 @@ def test_planner_vs_vllm_tiny():
         assert r["ratio_of"] == f"planner_vs_vllm.{reference}[{case}"
         assert r["ratio"] == pytest.approx(r["median"] / by_name[r["ratio_of"]]["median"])
     assert {r.pending_blocks for r in results} == {96, 160}  # 1g: 96 blocks; 2g: + 64 in the window
+
+
+def test_kv_events_bench_tiny():
+    results = [kv_events_bench.measure(1024, repeats=2)]
+    records = kv_events_bench.to_records(results)
+    _check(records)
+    assert {r["name"] for r in records} == {f"kv_events.{side}[1k tokens]" for side in kv_events_bench.SIDES}
+    assert "kvscope host events" in kv_events_bench.format_table(results)
 
 
 def test_planner_bench_tiny():

@@ -48,6 +48,21 @@ def router_view(events) -> Counter:
     return +view
 
 
+def announced_blocks(events, hashes_per_block: list[int]) -> set:
+    """(group, last hash) of each offloaded block the host tier's events leave announced (`hashes_per_block`:
+    device-sized blocks per offloaded block, by group; a removal lists its blocks' hashes one block after
+    the other). Raises AssertionError when a block is announced twice or removed unannounced."""
+    blocks: Counter = Counter()
+    for event in events:
+        if getattr(event, "medium", None) != "CPU":
+            continue
+        step = hashes_per_block[event.group_idx]
+        for end in event.block_hashes[step - 1::step]:
+            blocks[(event.group_idx, end)] += 1 if isinstance(event, BlockStored) else -1
+            assert blocks[(event.group_idx, end)] in (0, 1), f"block {(event.group_idx, end)} announced wrong"
+    return {block for block, count in blocks.items() if count}
+
+
 def host_blocks_unlike_device(events) -> tuple[int, list[str]]:
     """(device-sized blocks the host tier announced, those of them unlike what vLLM announced for its device
     blocks: a hash it never announced, or another parent, token ids, extra keys or LoRA)."""

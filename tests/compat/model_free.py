@@ -19,8 +19,8 @@ tokens, some of them wrong, which vLLM rejects and the next step overwrites in p
 scheduling each step is scheduled as if all the previous step's drafts were accepted, and the runner
 corrects that, as vLLM's model runners do; a Mamba group keeps a state block per draft and its
 states move by the accepted tokens as vLLM's runners move them (`_plan_state_moves`). A load that
-put wrong or misplaced KV into a block a request reads fails that check, whichever vLLM version runs it: the test suite's vLLM 0.32, or
-0.33's own sources (`scripts/dev compat`).
+put wrong or misplaced KV into a block a request reads fails that check, whichever vLLM version
+runs it: the test suite's vLLM 0.32, or 0.33's own sources (`scripts/dev compat`).
 """
 
 from __future__ import annotations
@@ -459,6 +459,29 @@ class ModelFreeEngine:
         # nor per-request state of a request vLLM has let go of (a server runs for months)
         gone = [r for r in (*sched._requests, *sched._lookups) if r not in self.scheduler.requests]
         return leaks + [f"state of finished request {r}" for r in gone]
+
+    def kv_event_mismatches(self) -> list[str]:
+        """With `kv_events`, where the host tier's events published so far tell a router other than the
+        tier holds between two steps (a router counting each block announced and removed): a block it
+        holds missing or extra, or device-sized hashes counted wrong. Empty when they agree."""
+        sched = self.scheduler.get_kv_connector()._scheduler
+        if sched.index.journal is None:
+            return []
+        from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+        from tests.compat.kv_event_views import announced_blocks, router_view
+
+        tier = {(g, maybe_convert_block_hash(h)) for (g, h), entry in sched.index._entries.items() if entry.ready}
+        per_block = [sched.block_size // layout.block_size for layout in sched.layouts]
+        announced = announced_blocks(self.published_events, per_block)
+        view = router_view(self.published_events)
+        problems = [f"kv events: {len(tier - announced)} blocks of the tier never announced, "
+                    f"{len(announced - tier)} announced blocks not in it"] if announced != tier else []
+        if sum(view.values()) != sum(per_block[g] for g, _ in tier):
+            problems.append(f"kv events: {sum(view.values())} device-sized blocks announced for {len(tier)} offloaded")
+        if sched.index.journal:
+            problems.append(f"kv events: {len(sched.index.journal)} journal entries never published")
+        return problems
 
     def reset_device_prefix_cache(self) -> None:
         assert self.scheduler.reset_prefix_cache(), "vLLM refused to reset its prefix cache"

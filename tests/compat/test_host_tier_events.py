@@ -13,7 +13,7 @@ from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 from connector.host_store import JOURNAL_REMOVED, JOURNAL_STORED
 from connector.host_tier_events import Announcement, HostTierEvents
 from connector.tiny_models import build_model
-from tests.compat.kv_event_views import host_blocks_unlike_device, router_view
+from tests.compat.kv_event_views import announced_blocks, host_blocks_unlike_device, router_view
 from tests.compat.model_free import ModelFreeEngine
 
 WINDOW = 64
@@ -33,20 +33,6 @@ def _run(engine: ModelFreeEngine, prompts, tag: str, max_tokens: int = 20, salts
     for j, prompt in enumerate(prompts):
         engine.add(f"{tag}-{j}", prompt, max_tokens, cache_salt=salts[j] if salts else None)
     engine.run()
-
-
-def _announced_blocks(events, hashes_per_block: int = 4) -> set:
-    """(group, last hash) of each offloaded block the events leave in the tier (a removal lists its blocks'
-    hashes one block after the other)."""
-    blocks: Counter = Counter()
-    for event in events:
-        if getattr(event, "medium", None) != "CPU":
-            continue
-        ends = event.block_hashes[hashes_per_block - 1::hashes_per_block]
-        for end in ends:
-            blocks[(event.group_idx, end)] += 1 if isinstance(event, BlockStored) else -1
-    assert all(count in (0, 1) for count in blocks.values()), blocks
-    return {block for block, count in blocks.items() if count}
 
 
 def _tier(engine: ModelFreeEngine) -> set:
@@ -96,7 +82,7 @@ def test_the_events_track_the_host_tier_through_evictions_and_a_reset(model_path
     try:
         for round_ in range(3):
             _run(engine, _prompts(2, offset=2 * round_), f"r{round_}")
-            assert _announced_blocks(engine.published_events) == _tier(engine)
+            assert announced_blocks(engine.published_events, [4, 4]) == _tier(engine)
             view = router_view(engine.published_events)
             assert sum(view.values()) == 4 * len(_tier(engine)), "each offloaded block is 4 device blocks"
         assert sched.index.evicted_total > 0

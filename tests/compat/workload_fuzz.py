@@ -4,7 +4,8 @@ The scheduler-loop tests pin one scenario each; here a seed and a profile give a
 at random: pure data (JSON), an engine configuration and a multi-round workload (shared prefixes,
 conversation turns, cache salts, requests added mid-run, aborts, device prefix-cache resets, rarely a
 reset with new weights). `execute(plan)` replays it and reports KV violations (the fake forward checks
-every position it reads), requests that never finished and host-tier leaks. vLLM's known stalls
+every position it reads), requests that never finished and host-tier leaks (with the host tier's KV
+cache events, on in every replay, disagreeing with the tier after a round counted as one). vLLM's known stalls
 (`test_known_vllm_gap_...`) are told apart as `vllm_stall`, and its known Mamba state mix-up under
 partial hash hits (`test_known_vllm_gap_mamba_align_...`) as `vllm_mamba_align`: not kvscope's failures.
 
@@ -282,9 +283,11 @@ class _Replay:
             self.run()
             if weights_due:
                 self.reset_for_new_weights()
+                self.run()  # vLLM's engine steps while the connector has events to publish (the reset's)
             if engine.stats.violations:
                 raise _Stop
-            self.result.leaks = [f"after round {k}: {leak}" for leak in engine.host_tier_leaks()]
+            self.result.leaks = [f"after round {k}: {leak}" for leak in
+                                 engine.host_tier_leaks() + engine.kv_event_mismatches()]
             if self.result.leaks:
                 raise _Stop
             if round_["between"] == "reset":
@@ -348,7 +351,7 @@ class _Replay:
         result.vllm_mamba_align = (_vllm_mamba_align(self.plan["config"], self.engine)
                                    or _same_without_kvscope_hits(self.plan, self.engine))
         if not result.failure:
-            result.leaks = self.engine.host_tier_leaks()
+            result.leaks = self.engine.host_tier_leaks() + self.engine.kv_event_mismatches()
         for name in ("steps", "checked_blocks", "checked_loaded_blocks", "external_hit_tokens", "drafts_rejected",
                      "checkpoint_clobbers"):
             setattr(result, name, getattr(stats, name))
@@ -372,7 +375,7 @@ def _engine(config: dict):
                              {"cpu_bytes": config["cpu_bytes"], "block_size": config["block_size"]}, window=WINDOW,
                              num_blocks=config["num_blocks"], max_num_batched_tokens=config["max_num_batched_tokens"],
                              workers=config["workers"], async_scheduling=config["async_scheduling"],
-                             runner=config["runner"], **options)
+                             runner=config["runner"], kv_events=True, **options)
     if "late" in config:
         fence = _cuda_store_fence(engine, config["runner"])
         for connector in engine.workers:
