@@ -473,8 +473,11 @@ class ModelFreeEngine:
 
         tier = {(g, maybe_convert_block_hash(h)) for (g, h), entry in sched.index._entries.items() if entry.ready}
         per_block = [sched.block_size // layout.block_size for layout in sched.layouts]
-        announced = announced_blocks(self.published_events, per_block)
-        view = router_view(self.published_events)
+        try:
+            announced = announced_blocks(self.published_events, per_block)
+            view = router_view(self.published_events)
+        except AssertionError as exc:  # a block announced twice, or removed unannounced
+            return [f"kv events: {exc}"]
         problems = [f"kv events: {len(tier - announced)} blocks of the tier never announced, "
                     f"{len(announced - tier)} announced blocks not in it"] if announced != tier else []
         if sum(view.values()) != sum(per_block[g] for g, _ in tier):
