@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from .groups import GroupKind, GroupLayout
@@ -339,7 +340,10 @@ class KVScopeScheduler:
         for i, req_id in enumerate(cached.req_ids):
             computed[req_id] = cached.num_computed_tokens[i]
         spec = scheduler_output.scheduled_spec_decode_tokens or {}
-        restarted = self._restarted(scheduler_output) if self.states.groups else None
+        restarted = None
+        if self.states.groups:
+            restarted = self._restarted(scheduler_output)
+            self.states.given_out_anew(self._allocated_anew(scheduler_output))  # before this step's forwards
         for req_id, scheduled in scheduler_output.num_scheduled_tokens.items():
             state = self._requests.get(req_id)
             if state is None or req_id not in computed:
@@ -372,7 +376,7 @@ class KVScopeScheduler:
             state.witnessed_states.clear()
         req_id = state.request.request_id
         self.states.note_forward(state.witnessed_states, computed, computed + scheduled,
-                                 lambda: self._kv_cache_manager().get_block_ids(req_id))
+                                 lambda: self._kv_cache_manager().get_blocks(req_id).blocks)
 
     def _sources_reallocated(self, scheduler_output) -> bool:
         """Whether this step allocates a device block that an unreported store reads (vLLM freed it,
@@ -382,25 +386,27 @@ class KVScopeScheduler:
         A block copy vLLM applies before the workers hear of the step (V2 runner) cannot wait: the
         stores reading its destination are failed instead, so their host blocks never become ready.
         Blocks a request finds in vLLM's prefix cache are not written, so they do not count."""
-        cached = scheduler_output.scheduled_cached_reqs
-        resumed = getattr(cached, "resumed_req_ids", None) or ()
-        # a resumed request's list is whole (prefix-cache hits first); others' are appended blocks
-        reallocated = any(self._any_source(new.block_ids, new.num_computed_tokens)
-                          for new in scheduler_output.scheduled_new_reqs) or any(
-            self._any_source(groups, cached.num_computed_tokens[i] if req_id in resumed else 0)
-            for i, (req_id, groups) in enumerate(zip(cached.req_ids, cached.new_block_ids)) if groups is not None)
+        sources = self._store_sources
+        reallocated = any(block_id in sources for block_id in self._allocated_anew(scheduler_output))
         for copy in getattr(scheduler_output, "kv_cache_block_copies", None) or ():
             for job_id in self._store_sources.get(copy.dst_block_id, ()):
                 self._jobs[job_id].failed = True
         return reallocated
 
-    def _any_source(self, group_block_ids, computed_tokens: int) -> bool:
-        sources = self._store_sources
+    def _allocated_anew(self, scheduler_output) -> Iterator[int]:
+        """The device blocks this step gives out afresh: each scheduled request's blocks past those it found
+        in vLLM's prefix cache (a resumed request's list is whole, its hits first; others' are appended)."""
+        cached = scheduler_output.scheduled_cached_reqs
+        resumed = getattr(cached, "resumed_req_ids", None) or ()
+        for new in scheduler_output.scheduled_new_reqs:
+            yield from self._past_hits(new.block_ids, new.num_computed_tokens)
+        for i, (req_id, groups) in enumerate(zip(cached.req_ids, cached.new_block_ids)):
+            if groups is not None:
+                yield from self._past_hits(groups, cached.num_computed_tokens[i] if req_id in resumed else 0)
+
+    def _past_hits(self, group_block_ids, computed_tokens: int) -> Iterator[int]:
         for layout, ids in zip(self.layouts, group_block_ids):
-            for block_id in ids[computed_tokens // layout.block_size:]:
-                if block_id in sources:
-                    return True
-        return False
+            yield from ids[computed_tokens // layout.block_size:]
 
     def _plan_store(self, state: _RequestState, computed_tokens: int) -> TransferJob | None:
         """The store job of this step for one request: every device block computed since the last
@@ -445,7 +451,7 @@ class KVScopeScheduler:
                 state.filling[g] = None
             for i in range(state.stored_blocks[g], end):
                 block_id = ids[i]
-                if states is not None and block_id != NULL_BLOCK_ID and not StateBlocks.holds_own_state(
+                if states is not None and block_id != NULL_BLOCK_ID and not self.states.holds_own_state(
                         states[i], g, i, layout.block_size, state.witnessed_states):
                     self._log_foreign_state(states[i], (i + 1) * layout.block_size)
                     block_id = NULL_BLOCK_ID  # another state, or none: never stored under this block's key

@@ -13,7 +13,9 @@ re-keyed for a checkpoint). Or a forward of the request ended exactly there, so 
 the state after that step into it: decode states past the prompt, which vLLM does not key. A block
 keyed for another number of tokens is never stored, nor one a forward started inside and ran past:
 it keeps the state at that start (a partial prefix-cache hit's private copy), even where vLLM,
-keeping every state (`prefix_cache_retention_interval` None or periodic), keys it for its end.
+keeping every state (`prefix_cache_retention_interval` None or periodic), keys it for its end. That
+holds for every request: another one may find such a block in vLLM's prefix cache under that key, so
+the fact is kept per device block (with vLLM's key of it) until vLLM gives the block out anew.
 """
 
 from __future__ import annotations
@@ -32,26 +34,42 @@ class StateBlocks:
         # With drafts a forward's end is not where its state is kept (the accepted draft decides), and
         # under async scheduling vLLM counts drafts as computed before it knows: only keys witness.
         self.forward_ends_witness = not speculative
+        # device block id -> vLLM's key of it, for keyed blocks a forward started inside and left
+        # (for every request: others reach them through vLLM's prefix cache); until given out anew
+        self._started_inside: dict[int, object] = {}
 
-    def note_forward(self, witnessed: dict, start: int, end: int, block_ids_of) -> None:
+    def note_forward(self, witnessed: dict, start: int, end: int, blocks_of) -> None:
         """A forward of the request computes tokens [start, end). The block holding its last
         position then holds the state after ``end``; a block it started inside and left holds the
         state at ``start`` for good (``witnessed``: (group, block index) -> block id, or None for
-        such a block; per request). ``block_ids_of()`` gives vLLM's block ids of the request, asked
-        for only at a block's end."""
-        group_block_ids = None
+        such a block; per request). ``blocks_of()`` gives vLLM's blocks of the request per group,
+        asked for only at a block's end or one a forward leaves."""
+        group_blocks = None
         for g, size in self.groups:
             if start % size and end > (start // size + 1) * size:
-                witnessed[(g, start // size)] = None
+                index = start // size
+                witnessed[(g, index)] = None
+                group_blocks = group_blocks or blocks_of()
+                if index < len(group_blocks[g]):
+                    block = group_blocks[g][index]
+                    if block.block_id != NULL_BLOCK_ID and block.block_hash is not None:
+                        self._started_inside[block.block_id] = block.block_hash
             if not self.forward_ends_witness or end <= 0 or end % size:
                 continue
-            group_block_ids = group_block_ids or block_ids_of()
-            index, ids = end // size - 1, group_block_ids[g]
-            if index < len(ids) and ids[index] != NULL_BLOCK_ID:
-                witnessed[(g, index)] = ids[index]
+            group_blocks = group_blocks or blocks_of()
+            index, blocks = end // size - 1, group_blocks[g]
+            if index < len(blocks) and blocks[index].block_id != NULL_BLOCK_ID:
+                witnessed[(g, index)] = blocks[index].block_id
 
-    @staticmethod
-    def holds_own_state(block, g: int, index: int, size: int, witnessed: dict) -> bool:
+    def given_out_anew(self, block_ids) -> None:
+        """vLLM allocates these device blocks afresh (not found in its prefix cache): whatever a forward
+        left in them before is gone."""
+        started_inside = self._started_inside
+        if started_inside:
+            for block_id in block_ids:
+                started_inside.pop(block_id, None)
+
+    def holds_own_state(self, block, g: int, index: int, size: int, witnessed: dict) -> bool:
         """Whether vLLM's block ``block``, at ``index`` of group ``g``, holds the state after
         ``(index + 1) * size`` tokens."""
         seen = witnessed.get((g, index), _UNSEEN)
@@ -59,5 +77,7 @@ class StateBlocks:
             return False  # a forward started inside it and went on: it keeps the state at that start
         keyed_tokens = block.block_hash_num_tokens
         if keyed_tokens is not None:
+            if self._started_inside and self._started_inside.get(block.block_id) == block.block_hash:
+                return False  # another request's forward started inside it and went on, under this key
             return keyed_tokens == (index + 1) * size
         return seen == block.block_id

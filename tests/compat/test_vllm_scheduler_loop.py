@@ -1083,3 +1083,31 @@ def test_a_mamba_block_a_chunk_started_inside_keeps_that_state(model_path, reten
         return
     # `c` finds no stored state to resume from at 128 (nor past it): it loads nothing
     _assert_no_violations(engine.stats, loads=False)
+
+
+@pytest.mark.parametrize("retention", [None, 128], ids=["dense", "every-128"])
+def test_nor_for_a_request_that_finds_that_block_in_vllms_prefix_cache(model_path, retention):
+    """As above, and before vLLM's device cache is reset, `d` shares 128 tokens with `b` and finds `b`'s
+    block in vLLM's prefix cache under its 128-token key: resuming from it, `d` reads the state at 80
+    (vLLM's own mix-up, reported for `d` alone). kvscope must not store that block for `d` either: it
+    has seen `b`'s forward start inside it, under that key. So `c`, after the reset, reads no wrong state
+    (fuzz seed 270492: `c` loaded the state at 80 from the host tier)."""
+    from tests.compat.model_free import MambaAlign
+
+    engine = ModelFreeEngine(model_path, {"cpu_bytes": 64 << 20, "block_size": 64}, window=WINDOW,
+                             mamba=MambaAlign(64, 16, retention=retention))
+    first = [(31 * i + 3) % 509 + 1 for i in range(90)]
+    second = first + [(17 * i + 5) % 509 + 1 for i in range(210)]
+    try:
+        for req_id, prompt in (("a", first), ("b", second), ("d", second[:128] + [11, 12, 13, 14])):
+            engine.add(req_id, prompt, max_tokens=1)
+            engine.run()
+        assert engine.stats.external_hit_tokens == 0
+        engine.reset_device_prefix_cache()
+        engine.add("c", second + [7, 8, 9], max_tokens=1)
+        engine.run()
+        assert engine.host_tier_leaks() == []
+    finally:
+        engine.shutdown()
+    assert {(v.req_id, v.block_index) for v in engine.stats.violations} == {("d", 1)}  # vLLM's, not a load's
+    assert engine.stats.checked_blocks > 0

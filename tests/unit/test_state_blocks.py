@@ -15,52 +15,75 @@ LAYOUTS = [GroupLayout(0, GroupKind.MAMBA, 64), GroupLayout(1, GroupKind.FULL_AT
 
 
 def _block(block_id: int, keyed_tokens: int | None = None):
-    return SimpleNamespace(block_id=block_id, block_hash_num_tokens=keyed_tokens)
+    return SimpleNamespace(block_id=block_id, block_hash_num_tokens=keyed_tokens,
+                           block_hash=None if keyed_tokens is None else f"hash of {keyed_tokens} tokens")
+
+
+def _blocks(*group_ids):
+    """vLLM's blocks per group (`blocks_of`): keyed for their own ends."""
+    return [[_block(block_id, None if block_id == NULL_BLOCK_ID else 64 * (i + 1)) for i, block_id in enumerate(ids)]
+            for ids in group_ids]
+
+
+STATES = StateBlocks(LAYOUTS, speculative=False)
 
 
 def test_a_block_keyed_for_its_own_end_holds_its_state():
-    assert StateBlocks.holds_own_state(_block(7, 192), 0, 2, 64, {})
+    assert STATES.holds_own_state(_block(7, 192), 0, 2, 64, {})
 
 
 def test_a_block_keyed_for_another_boundary_never_does_even_if_a_forward_ended_there():
     # a prefill checkpoint at the last 16-token hash boundary, in the block before the last
-    assert not StateBlocks.holds_own_state(_block(7, 176), 0, 2, 64, {(0, 2): 7})
+    assert not STATES.holds_own_state(_block(7, 176), 0, 2, 64, {(0, 2): 7})
 
 
 def test_an_unkeyed_block_holds_its_state_only_if_a_forward_ended_in_it():
-    assert StateBlocks.holds_own_state(_block(7), 0, 2, 64, {(0, 2): 7})
-    assert not StateBlocks.holds_own_state(_block(7), 0, 2, 64, {})
-    assert not StateBlocks.holds_own_state(_block(8), 0, 2, 64, {(0, 2): 7})  # the block was given out again
-    assert not StateBlocks.holds_own_state(_block(NULL_BLOCK_ID), 0, 2, 64, {})
+    assert STATES.holds_own_state(_block(7), 0, 2, 64, {(0, 2): 7})
+    assert not STATES.holds_own_state(_block(7), 0, 2, 64, {})
+    assert not STATES.holds_own_state(_block(8), 0, 2, 64, {(0, 2): 7})  # the block was given out again
+    assert not STATES.holds_own_state(_block(NULL_BLOCK_ID), 0, 2, 64, {})
 
 
 def test_forward_ends_are_witnessed_at_block_ends_only():
     states, witnessed, asked = StateBlocks(LAYOUTS, speculative=False), {}, []
 
-    def block_ids():
+    def blocks():
         asked.append(1)
-        return [[NULL_BLOCK_ID, 11, 12, NULL_BLOCK_ID], list(range(20, 36))]
+        return _blocks([NULL_BLOCK_ID, 11, 12, NULL_BLOCK_ID], list(range(20, 36)))
 
-    states.note_forward(witnessed, 0, 100, block_ids)
+    states.note_forward(witnessed, 0, 100, blocks)
     assert witnessed == {} and not asked  # not a state block's end: vLLM is not asked
-    states.note_forward(witnessed, 100, 128, block_ids)
-    states.note_forward(witnessed, 128, 192, block_ids)
-    states.note_forward(witnessed, 192, 256, block_ids)  # a null block there: nothing to witness
+    states.note_forward(witnessed, 100, 128, blocks)
+    states.note_forward(witnessed, 128, 192, blocks)
+    states.note_forward(witnessed, 192, 256, blocks)  # a null block there: nothing to witness
     assert witnessed == {(0, 1): 11, (0, 2): 12}
 
 
 def test_a_block_a_forward_started_inside_and_left_keeps_that_state_whatever_its_key():
     states, witnessed = StateBlocks(LAYOUTS, speculative=True), {}
-    states.note_forward(witnessed, 80, 128, lambda: [[0, 11], []])  # ends at the block's end: not left
+    states.note_forward(witnessed, 80, 128, lambda: _blocks([0, 11], []))  # ends at the block's end: not left
     assert witnessed == {}
-    states.note_forward(witnessed, 80, 300, lambda: [[0, 11, 12, 13, 14], []])  # a partial hit at 80, then on
+    states.note_forward(witnessed, 80, 300, lambda: _blocks([0, 11, 12, 13, 14], []))  # a partial hit at 80, then on
     assert witnessed == {(0, 1): None}
-    assert not StateBlocks.holds_own_state(_block(11, 128), 0, 1, 64, witnessed)
+    assert not states.holds_own_state(_block(11, 128), 0, 1, 64, witnessed)
+
+
+def test_so_does_it_for_a_request_that_finds_it_in_vllms_prefix_cache_until_vllm_gives_it_out_anew():
+    """Another request reaching that block through vLLM's prefix cache (its own forwards never touched it)
+    must not take it for its end's state either; once vLLM allocates the block afresh, that is over."""
+    states = StateBlocks(LAYOUTS, speculative=False)
+    states.note_forward({}, 80, 300, lambda: _blocks([0, 11, 12, 13, 14], []))
+    assert not states.holds_own_state(_block(11, 128), 0, 1, 64, {})  # another request, same key
+    assert states.holds_own_state(_block(12, 192), 0, 2, 64, {})  # the blocks after it are not concerned
+    rekeyed = SimpleNamespace(block_id=11, block_hash_num_tokens=128, block_hash="another prefix's 128 tokens")
+    assert states.holds_own_state(rekeyed, 0, 1, 64, {})  # the same block id under another key: other content
+    states.given_out_anew([30, 11])
+    assert states.holds_own_state(_block(11, 128), 0, 1, 64, {})
 
 
 def test_with_speculative_decoding_only_keys_witness():
     states, witnessed = StateBlocks(LAYOUTS, speculative=True), {}
-    states.note_forward(witnessed, 64, 128, lambda: [[0, 11], []])
+    states.note_forward(witnessed, 64, 128, lambda: _blocks([0, 11], []))
     assert witnessed == {}
 
 
