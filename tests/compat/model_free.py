@@ -689,7 +689,6 @@ class ModelFreeEngine:
             copy = previous != -1 and previous != running
             self._state_steps[req_id] = (previous + accepted - 1, running, copy, bool(drafts))
             self._state_idx[req_id] = running
-            accepted = 1 if copy else accepted
             # after the sampling: a prefill chunk counts one token accepted, as vLLM's sampler does
             num_sampled = max(1, self._num_sampled(req_id, start, drafts, values))
             state_tokens = start + n - len(drafts)  # the running state's tokens, drafts aside
