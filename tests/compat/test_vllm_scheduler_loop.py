@@ -1111,3 +1111,27 @@ def test_nor_for_a_request_that_finds_that_block_in_vllms_prefix_cache(model_pat
         engine.shutdown()
     assert {(v.req_id, v.block_index) for v in engine.stats.violations} == {("d", 1)}  # vLLM's, not a load's
     assert engine.stats.checked_blocks > 0
+
+
+def test_a_block_a_forward_started_inside_is_forgotten_once_vllm_gives_it_out_anew(model_path):
+    """What kvscope keeps of such a block lasts only while vLLM keeps the block: requests that cycle a
+    small device cache get every block allocated afresh, and then nothing of it is left (else a block
+    later recomputed right under the same key would never be stored)."""
+    from tests.compat.model_free import MambaAlign
+
+    engine = ModelFreeEngine(model_path, {"cpu_bytes": 64 << 20, "block_size": 64}, window=WINDOW,
+                             mamba=MambaAlign(64, 16, retention=None), num_blocks=100)
+    first = [(31 * i + 3) % 509 + 1 for i in range(90)]
+    states = engine.scheduler.get_kv_connector()._scheduler.states
+    try:
+        for req_id, prompt in (("a", first), ("b", first + [(17 * i + 5) % 509 + 1 for i in range(210)])):
+            engine.add(req_id, prompt, max_tokens=1)
+            engine.run()
+        assert len(states._started_inside) == 1  # `b` started inside its block 1 and left it
+        for k in range(4):
+            engine.add(f"x{k}", [(13 * i + 7 * k + 1) % 509 + 1 for i in range(600)], max_tokens=1)
+            engine.run()
+        assert states._started_inside == {}
+        _assert_no_violations(engine.stats, loads=False)
+    finally:
+        engine.shutdown()
