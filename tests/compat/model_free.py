@@ -95,6 +95,9 @@ class LoopStats:
     # exports into the running block itself, a speculative block the scheduler relocated there while
     # the worker's append-only table keeps it in the column before (`_write_states`)
     checkpoint_clobbers: int = 0
+    # store jobs of kvscope reading a block so clobbered, before any forward wrote it again: on real vLLM
+    # the host tier would keep that block's wrong conv state (vLLM's fault, carried further by the tier)
+    clobbered_stored: int = 0
     # kvscope's stats as vLLM hands them to its stat loggers (`SchedulerStats.kv_connector_stats`),
     # rebuilt and summed the way the front end does
     connector: object | None = None
@@ -239,6 +242,7 @@ class ModelFreeEngine:
         # `postprocess_mamba_fused_kernel`), per request: the block its running state is kept in, and
         # the tokens its last step accepted (the state to resume from is that many blocks on, less one)
         self._mamba_drafts = bool(mamba and spec_tokens)
+        self._clobbered: set[int] = set()  # rank 0's blocks holding a checkpoint's conv state (`checkpoint_clobbers`)
         self._state_idx: dict[str, int] = {}
         self._num_accepted: dict[str, int] = {}
         self._state_steps: dict[str, tuple[int, int, bool, bool]] = {}  # this step: (read, running, copy, drafted)
@@ -317,6 +321,10 @@ class ModelFreeEngine:
             self._postprocess_states(rank)
         for callback in self.after_step:
             callback()
+        if self._clobbered:
+            self.stats.clobbered_stored += sum(bool(self._clobbered.intersection(part.block_ids))
+                                               for job in getattr(meta, "stores", ()) for part in job.groups
+                                               if self.group_kinds[part.group_index] == MAMBA)
         req_ids = list(out.num_scheduled_tokens)
         sampled = [self._sample(req_id, *forwards[req_id]) for req_id in req_ids]
         self._rejected = {req_id: len(forwards[req_id][1]) - (len(tokens) - 1)
@@ -633,6 +641,10 @@ class ModelFreeEngine:
                 # the checkpoint's. Counted, not failed: no load of kvscope's is involved.
                 self.stats.checkpoint_clobbers += rank == 0
                 writes.reverse()
+                self._fill_states(rank, req_id, group, writes)
+                if rank == 0:
+                    self._clobbered.add(table[cols[0]])
+                return
         self._fill_states(rank, req_id, group, writes)
 
     def _fill_states(self, rank: int, req_id: str, group: int, writes) -> None:
@@ -643,6 +655,8 @@ class ModelFreeEngine:
             if self._mamba_drafts and index >= len(table):
                 self._no_state_block(rank, req_id, group, index, "the runner writes a state")
                 continue
+            if rank == 0:
+                self._clobbered.discard(table[index])
             for layer in self.group_layers[group]:
                 self.words[rank][layer][table[index]].fill_(identity ^ self._salts[rank, layer])
 
@@ -659,6 +673,8 @@ class ModelFreeEngine:
             if not 0 <= index < len(table) or not table[index]:
                 self._no_state_block(rank, req_id, group, index, f"the runner copies a state ({source} to {target})")
                 return
+        if rank == 0:
+            self._clobbered.discard(table[target])
         for layer in self.group_layers[group]:
             words = self.words[rank][layer]
             words[table[target]] = words[table[source]]

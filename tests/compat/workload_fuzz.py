@@ -210,6 +210,7 @@ class WorkloadResult:
     drafts_rejected: int = 0
     failed_loads: int = 0
     checkpoint_clobbers: int = 0  # vLLM's Mamba checkpoint exported over the running state (`model_free`)
+    clobbered_stored: int = 0  # kvscope store jobs reading such a block (`model_free.LoopStats`)
 
     @property
     def failure(self) -> str | None:
@@ -353,7 +354,7 @@ class _Replay:
         if not result.failure:
             result.leaks = self.engine.host_tier_leaks() + self.engine.kv_event_mismatches()
         for name in ("steps", "checked_blocks", "checked_loaded_blocks", "external_hit_tokens", "drafts_rejected",
-                     "checkpoint_clobbers"):
+                     "checkpoint_clobbers", "clobbered_stored"):
             setattr(result, name, getattr(stats, name))
         result.evictions = self.engine.scheduler.get_kv_connector()._scheduler.index.evicted_total
         result.preemptions, result.failed_loads = len(stats.resumed), len(stats.failed_recving)
