@@ -404,6 +404,9 @@ def _vllm_mamba_align(config: dict, engine) -> bool:
     With hash blocks finer than Mamba blocks, a chunk that starts inside a block skips the stop at
     that block's end (it saves its checkpoint inside the chunk), yet vLLM caches the block it copied
     for the partial hit under that end's key: a later request resumes from a state of fewer tokens.
+    The chunk can also start inside the block at a shared-prefix junction (vLLM's
+    `enable_mamba_shared_prefix_checkpoint` with EAGLE or MTP, whose dropped block moves the junction
+    off a block boundary: seed 261049 of "mamba-spec"), or at a checkpoint EAGLE's drop moved (260158).
     Told apart only where kvscope loaded nothing at all and every violation is a Mamba state."""
     return not engine.stats.external_hit_tokens and _mamba_state_violations_only(config, engine)
 
