@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import Counter
 
 from vllm.distributed.kv_events import BlockStored
+from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
 
 def device_blocks(events) -> dict:
@@ -46,6 +47,12 @@ def router_view(events) -> Counter:
                 assert view[(event.group_idx, block_hash)] > 0, "a removal of a block never announced"
                 view[(event.group_idx, block_hash)] -= 1
     return +view
+
+
+def tier_blocks(index) -> set:
+    """(group, last hash as events carry it) of every offloaded block ready in the host index (`HostIndex`)."""
+    return {(group, maybe_convert_block_hash(block_hash))
+            for (group, block_hash), entry in index._entries.items() if entry.ready}
 
 
 def announced_blocks(events, hashes_per_block: list[int]) -> set:

@@ -475,11 +475,9 @@ class ModelFreeEngine:
         sched = self.scheduler.get_kv_connector()._scheduler
         if sched.index.journal is None:
             return []
-        from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+        from tests.compat.kv_event_views import announced_blocks, router_view, tier_blocks
 
-        from tests.compat.kv_event_views import announced_blocks, router_view
-
-        tier = {(g, maybe_convert_block_hash(h)) for (g, h), entry in sched.index._entries.items() if entry.ready}
+        tier = tier_blocks(sched.index)
         per_block = [sched.block_size // layout.block_size for layout in sched.layouts]
         try:
             announced = announced_blocks(self.published_events, per_block)

@@ -8,12 +8,11 @@ from collections import Counter
 import pytest
 import torch
 from vllm.distributed.kv_events import BlockRemoved, BlockStored
-from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
 from connector.host_store import JOURNAL_REMOVED, JOURNAL_STORED
 from connector.host_tier_events import Announcement, HostTierEvents
 from connector.tiny_models import build_model
-from tests.compat.kv_event_views import announced_blocks, host_blocks_unlike_device, router_view
+from tests.compat.kv_event_views import announced_blocks, host_blocks_unlike_device, router_view, tier_blocks
 from tests.compat.model_free import ModelFreeEngine
 
 WINDOW = 64
@@ -36,10 +35,7 @@ def _run(engine: ModelFreeEngine, prompts, tag: str, max_tokens: int = 20, salts
 
 
 def _tier(engine: ModelFreeEngine) -> set:
-    """(group, hash) of the last hash block of every offloaded block ready in the host tier."""
-    index = engine.scheduler.get_kv_connector()._scheduler.index
-    return {(group, maybe_convert_block_hash(block_hash))
-            for (group, block_hash), entry in index._entries.items() if entry.ready}
+    return tier_blocks(engine.scheduler.get_kv_connector()._scheduler.index)
 
 
 @pytest.mark.parametrize("block_size, max_num_batched_tokens", [(64, 2048), (64, 100), (128, 64)])
