@@ -12,6 +12,8 @@ from collections import OrderedDict
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
 
+from .miss_reasons import DROPPED, EVICTED, NEW, RESET, STORING
+
 Key = Hashable  # (group index, block hash)
 # `HostIndex.journal` entries: (JOURNAL_STORED, key, announcement) or (JOURNAL_REMOVED, key, None)
 JOURNAL_STORED = True
@@ -38,11 +40,24 @@ class HostIndex:
         # With KV cache events on, a list: each entry made ready, and each ready entry that leaves
         # (evicted, dropped, cleared), in order (`host_tier_events`). None: nothing is recorded.
         self.journal: list | None = None
+        # Keys that left the tier, oldest first, with why (a `miss_reasons` reason): a lookup that misses
+        # one tells it was evicted, not new. As many as the tier has slots, at most 2^20.
+        self._gone: OrderedDict[Key, str] = OrderedDict()
+        self._gone_limit = min(num_slots, 1 << 20)
 
     # -- queries (no side effects) --
     def is_ready(self, key: Key) -> bool:
         entry = self._entries.get(key)
         return entry is not None and entry.ready
+
+    def why_absent(self, key: Key) -> str | None:
+        """None when `key` is ready; else why not (`miss_reasons`): being stored, or how it left."""
+        entry = self._entries.get(key)
+        if entry is None:
+            return self._gone.get(key, NEW)
+        if entry.ready:
+            return None
+        return RESET if entry.stale else STORING
 
     def contains(self, key: Key) -> bool:
         return key in self._entries
@@ -68,6 +83,7 @@ class HostIndex:
             if entry.stale and entry.pins == 0:
                 del self._entries[key]
                 self._free.append(entry.slot)
+                self._remember_gone(key, RESET)
 
     # -- stores --
     def reserve_for_store(self, key: Key) -> int | None:
@@ -78,6 +94,7 @@ class HostIndex:
         if slot is None:
             return None
         self._entries[key] = _Entry(slot=slot, pins=1)
+        self._gone.pop(key, None)
         return slot
 
     def rekey(self, old: Key, new: Key) -> bool:
@@ -88,6 +105,7 @@ class HostIndex:
             return False
         del self._entries[old]
         self._entries[new] = entry
+        self._gone.pop(new, None)
         return True
 
     def complete_store(self, key: Key, announcement=None) -> None:
@@ -106,7 +124,7 @@ class HostIndex:
             del self._entries[key]
             self._free.append(entry.slot)
 
-    def drop(self, keys: Iterable[Key]) -> int:
+    def drop(self, keys: Iterable[Key], reason: str = DROPPED) -> int:
         """Forget unpinned entries (lost host data); returns how many were dropped."""
         dropped = 0
         for key in list(keys):
@@ -116,29 +134,37 @@ class HostIndex:
                 self._free.append(entry.slot)
                 dropped += 1
                 if entry.ready:
-                    self._removed(key)
+                    self._removed(key, reason)
         return dropped
 
     def clear(self) -> None:
         """Forget every stored block (vLLM resets its caches, e.g. after a weight update): unpinned
         entries at once; one a load still reads is never found again and frees its slot once
         unpinned. Slots reserved for stores stay with them: their owners abort them."""
-        self.drop(list(self._entries))
+        self.drop(list(self._entries), RESET)
         for key, entry in self._entries.items():  # pinned: a load's (ready) or a store's
             if entry.ready:
                 entry.ready, entry.stale = False, True
-                self._removed(key)
+                self._removed(key, None)  # still here, stale (`why_absent`); remembered once freed
 
     def _evict_one(self) -> int | None:
         for key, entry in self._entries.items():
             if entry.ready and entry.pins == 0:
                 del self._entries[key]
                 self.evicted_total += 1
-                self._removed(key)
+                self._removed(key, EVICTED)
                 return entry.slot
         return None
 
-    def _removed(self, key: Key) -> None:
-        """A ready entry left the tier."""
+    def _removed(self, key: Key, reason: str | None) -> None:
+        """A ready entry left the tier (``reason``: why, None while it is still kept stale)."""
+        if reason is not None:
+            self._remember_gone(key, reason)
         if self.journal is not None:
             self.journal.append((JOURNAL_REMOVED, key, None))
+
+    def _remember_gone(self, key: Key, reason: str) -> None:
+        gone = self._gone
+        gone[key] = reason
+        if len(gone) > self._gone_limit:
+            gone.popitem(last=False)

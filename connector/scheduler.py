@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from .groups import GroupKind, GroupLayout
 from .host_store import HostIndex
 from .lookup import find_hit_tokens
+from .miss_reasons import LOAD_FAILED, TAIL, Miss, lookup_miss
 from .metadata import LOAD, STORE, GroupTransfer, KVScopeMetadata, KVScopeWorkerMetadata, TransferJob
 from .piecewise_stores import Filling, PiecewiseStores
 from .planning import NULL_BLOCK_ID, GroupScan, scan_group
@@ -32,6 +33,7 @@ class _Lookup:
     external_tokens: int
     start_ns: int
     end_ns: int
+    miss: Miss  # what the tier did not serve, and why, as the index stood at the lookup
 
 
 @dataclass(slots=True)
@@ -120,7 +122,7 @@ class KVScopeScheduler:
         # Per group, one (nanoseconds, blocks scanned, null blocks skipped) per scan: a single list
         # append on the planning path, folded into the stats payload once per stats interval.
         self._scan_log: list[list[tuple[int, int, int]]] = [[] for _ in layouts]
-        self._lookup_log: list[tuple[int, int]] = []  # (tokens queried, tokens hit), likewise
+        self._lookup_log: list[tuple[int, int, Miss]] = []  # (tokens queried, tokens hit, miss), likewise
         self._evicted_reported = 0
 
     # -- keys --
@@ -138,7 +140,10 @@ class KVScopeScheduler:
             # Recompute, do not load again: vLLM (0.32, 0.33) keeps the in-flight reserve of a request
             # whose async load failed, and counts it against the request's own next async admission,
             # which then never fits once the request needs half the free blocks: it would wait for ever.
-            self._lookups[request.request_id] = _Lookup(num_computed_tokens, 0, start, start)
+            miss = lookup_miss(self.layouts, request.num_tokens, num_computed_tokens, 0,
+                               len(request.block_hashes) // self.hashes_per_block, self.block_size,
+                               lambda group, k: LOAD_FAILED, self.eagle_groups)
+            self._lookups[request.request_id] = _Lookup(num_computed_tokens, 0, start, start, miss)
             return 0, False
         hashes = self._offload_hashes(request)
         index = self.index
@@ -152,7 +157,13 @@ class KVScopeScheduler:
             proof_groups=self.eagle_groups,
         )
         external = max(0, hit - num_computed_tokens)
-        self._lookups[request.request_id] = _Lookup(num_computed_tokens, external, start, time.time_ns())
+        end = time.time_ns()
+        # Why it did not serve more (`miss_reasons`), asked of the index as it stands now; outside the
+        # lookup's span time, as the stats it feeds are
+        miss = lookup_miss(self.layouts, request.num_tokens, num_computed_tokens, external, len(hashes),
+                           self.block_size, lambda group, k: index.why_absent((group, hashes[k])),
+                           self.eagle_groups)
+        self._lookups[request.request_id] = _Lookup(num_computed_tokens, external, start, end, miss)
         # Asynchronous load: the request waits while others run; Mamba state must land
         # before vLLM's mamba preprocessing, which a synchronous load would miss.
         return external, external > 0
@@ -182,7 +193,7 @@ class KVScopeScheduler:
             # (`preempted_hits`, not exported): so neither the lookup metrics nor a lookup span
             # count it here either; its load is traced under the request's first lookup (or upstream span).
             queried = request.num_tokens - lookup.local_tokens
-            self._lookup_log.append((queried, num_external_tokens))
+            self._lookup_log.append((queried, num_external_tokens, lookup.miss))
             if self.tracing.enabled:
                 lookup_record = self._lookup_span(state, req_id, lookup, queried, num_external_tokens)
         if num_external_tokens == 0:
@@ -228,17 +239,18 @@ class KVScopeScheduler:
         if type(span) is not SpanRef:
             return None
         if not hit:
-            self.tracing.end_span(LOOKUP_SPAN, span, lookup.end_ns, (req_id, queried, hit))
+            self.tracing.end_span(LOOKUP_SPAN, span, lookup.end_ns, (req_id, queried, hit, lookup.miss.reason))
             return None
         return (span.span_id, span.parent_span_id, span.parent_is_remote, span.start_time, lookup.end_ns,
-                queried, hit)
+                queried, hit, lookup.miss.reason)
 
     def _end_lookup_span(self, state, req_id: str, lookup_record: tuple) -> None:
         """Record the lookup part of a load's record (`_lookup_span`) as a span of its own."""
-        span_id, parent_id, parent_remote, start, end, queried, hit = lookup_record
+        span_id, parent_id, parent_remote, start, end, queried, hit, miss_reason = lookup_record
         trace = state.trace_context  # the lookup span itself, or its upstream parent: one trace, one state
         self.tracing.end_span(LOOKUP_SPAN, SpanRef(trace.trace_id, span_id, parent_id, parent_remote,
-                                                   trace.trace_state, start), end, (req_id, queried, hit))
+                                                   trace.trace_state, start), end,
+                              (req_id, queried, hit, miss_reason))
 
     def _plan_load(self, state, request, group_block_ids, local: int, external: int,
                    lookup_record: tuple | None = None) -> None:
@@ -617,8 +629,12 @@ class KVScopeScheduler:
         return self._events_taken and bool(self.index.journal)
 
     def take_stats(self) -> KVScopeStats | None:
-        for queried, hit in self._lookup_log:
+        for queried, hit, miss in self._lookup_log:
             self._stats.record_lookup(queried, hit)
+            # The tail takes what the lookup's miss does not: the reasons always add up to queried - hit
+            missed = min(miss.tokens, max(0, queried - hit))
+            self._stats.record_missed(miss.reason, missed)
+            self._stats.record_missed(TAIL, queried - hit - missed)
         self._lookup_log.clear()
         for layout, log in zip(self.layouts, self._scan_log):
             if not log:

@@ -81,6 +81,42 @@ def lookup_and_hit_tokens():
     )
 
 
+# --- Why lookups missed --------------------------------------------------------------------
+
+def evicted_miss_share_stat():
+    evicted = 'reason="evicted"'
+    return pc.stat(
+        "Missed because evicted (5m)",
+        "Share of the prompt tokens looked up in the host tier that it did not serve because their "
+        "block had been evicted to make room, over the last 5 minutes (kvscope:evicted_miss_ratio:rate5m, "
+        "over the selected engines): what a larger tier would have served. kvscope remembers as many "
+        "evicted blocks as the tier holds, so this counts what a tier up to about twice the size would "
+        "have kept. Above a few percent with a workload that repeats prefixes: raise cpu_bytes.",
+        pc.queries((f"sum(kvscope:missed_tokens:rate5m{sel(evicted)}) / "
+                    f"(sum(kvscope:lookup_tokens:rate5m{sel()}) > 0)", "evicted")),
+        "percentunit",
+        [(None, "green"), (0.05, "orange"), (0.2, "red")],
+    )
+
+
+def missed_tokens_by_reason():
+    return pc.timeseries(
+        "Looked-up tokens not served, by reason",
+        "Tokens per second the host tier did not serve, stacked by why the block right after each hit "
+        "was missing (kvscope_missed_tokens_total): new (never stored: first sight of a prefix), "
+        "evicted (a larger tier would have held it), storing (its store had not completed: the same "
+        "prefix arrived twice within a copy), dropped (after a failed copy), reset (cache reset), "
+        "no_state (no Mamba state stored at that block's end), other_blocks (the hit needed another "
+        "block: a sliding window's, EAGLE's proof), load_failed (an earlier load of the request "
+        "failed), tail (the partial last block and the last token: never served). The stack is the "
+        "gap between looked-up and hit tokens.",
+        pc.queries((f"sum by (reason) (rate(kvscope_missed_tokens_total{sel()}{RATE}))", "{{reason}}")),
+        pc.TOKENS_PER_SECOND,
+        width=18,
+        stacked=True,
+    )
+
+
 # --- KV groups ------------------------------------------------------------------------------
 
 def group_loaded_share():
@@ -292,6 +328,8 @@ def build():
     return pc.with_panels(board, [
         pc.row("Host tier hit rate"),
         token_hit_rate_stat(), token_hit_rate_over_time(), lookup_and_hit_tokens(),
+        pc.row("Why lookups missed"),
+        evicted_miss_share_stat(), missed_tokens_by_reason(),
         pc.row("KV groups"),
         group_loaded_share(), group_null_skipped_share(),
         pc.row("Latency and throughput"),

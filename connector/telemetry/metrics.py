@@ -11,6 +11,7 @@ scheduler and msgpack-encoded by vLLM towards the front end)::
 
     {
       "lookup_tokens": int, "hit_tokens": int,                # counters
+      "missed_tokens":       {"<reason>": int, ...},          # counters per miss reason
       "evicted_blocks": int, "load_failures": int,
       "scan_blocks":         {"<group>|<kind>": int, ...},    # counters per group
       "null_blocks_skipped": {"<group>|<kind>": int, ...},
@@ -33,6 +34,7 @@ Which call feeds which contract metric (each metric has exactly one source):
 
 =================================  =============================================================
 ``record_lookup``                  ``kvscope_lookup_tokens_total``, ``kvscope_hit_tokens_total``
+``record_missed``                  ``kvscope_missed_tokens_total`` (per reason: they add up to lookup - hit)
 ``record_scan``                    ``kvscope_scan_blocks_total``, ``kvscope_null_blocks_skipped_total``,
                                    ``kvscope_scan_duration_seconds``
 ``record_loaded_blocks``           ``kvscope_loaded_blocks_total`` (scheduler: blocks a request used)
@@ -86,7 +88,7 @@ _GROUP_OBSERVATIONS = ("scan_duration_s",)
 _COPY_OBSERVATIONS = ("copy_duration_s",)
 _OBSERVATIONS = ("request_load_duration_s",)
 _GAUGES = ("host_used_bytes", "host_capacity_bytes")
-_KEYED_COUNTERS = _GROUP_COUNTERS + _COPY_COUNTERS
+_KEYED_COUNTERS = _GROUP_COUNTERS + _COPY_COUNTERS + ("missed_tokens",)
 _KEYED_OBSERVATIONS = _GROUP_OBSERVATIONS + _COPY_OBSERVATIONS
 
 
@@ -114,6 +116,10 @@ class KVScopeStats(KVConnectorStats):
         hit = min(max(0, int(hit_tokens)), queried)
         self._inc("lookup_tokens", queried)
         self._inc("hit_tokens", hit)
+
+    def record_missed(self, reason: str, tokens: int) -> None:
+        """Looked-up tokens the host tier did not serve, for one reason (`connector.miss_reasons`)."""
+        self._inc_keyed("missed_tokens", reason, tokens)
 
     def record_scan(
         self, group: int, kind: str, blocks_total: int, null_skipped: int, duration_s: float
@@ -211,6 +217,8 @@ class KVScopeStats(KVConnectorStats):
             out["lookup_tokens"] = lookup
             out["hit_tokens"] = hit
             out["hit_rate"] = round(hit / lookup, 4) if lookup else 0.0
+        for reason, tokens in sorted(d.get("missed_tokens", {}).items()):
+            out[f"missed_tokens_{reason}"] = tokens
         if "loaded_blocks" in d:
             out["loaded_blocks"] = sum(d["loaded_blocks"].values())
         if "load_bytes" in d:
@@ -287,6 +295,13 @@ METRICS: tuple[MetricSpec, ...] = (
                "down to a block, as vLLM asks (vLLM's external queries start after its whole hit)."),
     MetricSpec("kvscope_hit_tokens_total", Counter, "hit_tokens", (),
                "Looked-up tokens found in the kvscope host tier (never more than the looked-up tokens)."),
+    MetricSpec("kvscope_missed_tokens_total", Counter, "missed_tokens", ("reason",),
+               "Looked-up tokens the kvscope host tier did not serve, by why the offloaded block right after "
+               "the hit was missing: new (never stored, or left longer ago than the tier remembers), evicted "
+               "(to make room: a larger tier would have held it), dropped (after a failed copy), reset, storing "
+               "(its store had not completed), no_state (no Mamba state stored at that block's end), "
+               "other_blocks (the hit needed another block), load_failed (the request's earlier load failed); "
+               "tail: past the last offloaded block a hit can cover. Adds up to lookup minus hit tokens."),
     MetricSpec("kvscope_scan_blocks_total", Counter, "scan_blocks", _GK,
                "Blocks scanned while planning loads, per KV cache group."),
     MetricSpec("kvscope_null_blocks_skipped_total", Counter, "null_blocks_skipped", _GK,

@@ -25,8 +25,10 @@ from dashboard.traces.group_copies import GROUP_COPY_COLUMNS, GROUP_COPY_DEFINIT
 from dashboard.traces.headline import overview_numbers, top_slow_loads
 from dashboard.traces.hit_rates import (
     HIT_RATE_DEFINITION,
+    MISSES_COLUMNS,
     hit_rate,
     hit_rate_over_time,
+    misses_by_reason,
     pick_bucket_seconds,
 )
 from dashboard.traces.problems import Problem, problem_lines, problems_frame
@@ -44,6 +46,7 @@ from dashboard.traces.replay import REPLAY_COLUMNS, REPLAY_DEFINITION, replay_st
 from dashboard.traces.request_table import (
     LOAD_FAILED_DEFINITION,
     LOAD_TIME_DEFINITION,
+    MISS_REASON_DEFINITION,
     REQUEST_COLUMNS,
     REQUEST_FILTERS,
     find_request,
@@ -73,13 +76,14 @@ from dashboard.traces.waterfall import VLLM_KIND, waterfall_rows
 
 __all__ = [
     "ATTRIBUTE_COLUMNS", "COPY", "GROUP_COPY_COLUMNS", "GROUP_COPY_DEFINITION", "GROUP_KINDS", "HIT_RATE_DEFINITION",
-    "LOAD", "LOAD_FAILED_DEFINITION",
+    "LOAD", "LOAD_FAILED_DEFINITION", "MISS_REASON_DEFINITION", "MISSES_COLUMNS",
     "LOAD_TIME_DEFINITION", "LOOKUP", "OUTCOME_COLUMNS", "OUTCOME_DEFINITION", "REPLAY_COLUMNS", "REPLAY_DEFINITION", "REQUEST_COLUMNS", "REQUEST_FILTERS",
     "REQUEST_KEY", "SCAN", "SCOPE_NAME",
     "SPAN_COLUMNS", "SPAN_NAMES", "STORE", "VLLM_COLUMNS", "VLLM_KIND", "VLLM_REQUEST_COLUMNS", "VLLM_REQUEST_SPAN",
     "VLLM_TIMES_DEFINITION", "DecodedSpans", "Problem", "TraceSource", "Traces", "copy_throughput",
     "decode_lines", "decode_spans", "find_request", "group_label", "group_summary", "hit_rate",
-    "hit_rate_over_time", "load_latency_distribution", "load_rows", "load_latency_quantiles", "null_skip_by_group",
+    "hit_rate_over_time", "load_latency_distribution", "misses_by_reason",
+    "load_rows", "load_latency_quantiles", "null_skip_by_group",
     "overview_numbers", "pick_bucket_seconds", "problem_lines", "problems_frame", "read_trace_files",
     "replay_state", "replay_timeline", "request_group_copies", "request_labels", "requests_table", "search_requests",
     "supported_version",

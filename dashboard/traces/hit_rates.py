@@ -16,6 +16,25 @@ HIT_RATE_DEFINITION = (
 )
 
 
+MISSES_COLUMNS = ("miss_reason", "requests", "tokens_not_served", "share")
+
+
+def misses_by_reason(requests: pd.DataFrame) -> pd.DataFrame:
+    """Per miss reason (`MISS_REASON_DEFINITION`): requests, the looked-up tokens they were not served
+    (queried minus hit) and that as a share of all tokens not served, most first; empty when no lookup
+    recorded a reason (older trace files)."""
+    known = requests[requests["miss_reason"].notna()]
+    if known.empty:
+        return pd.DataFrame(columns=list(MISSES_COLUMNS))
+    not_served = (known["tokens_queried"].fillna(0) - known["tokens_hit"].fillna(0)).astype("int64")
+    grouped = not_served.groupby(known["miss_reason"].astype(str))
+    out = pd.DataFrame({"requests": grouped.size(), "tokens_not_served": grouped.sum()})
+    total = out["tokens_not_served"].sum()
+    out["share"] = out["tokens_not_served"] / total if total else math.nan
+    out = out.sort_values(["tokens_not_served", "requests"], ascending=False, kind="stable")
+    return out.rename_axis("miss_reason").reset_index()[list(MISSES_COLUMNS)]
+
+
 def _ratio(num: float, den: float) -> float:
     return float(num) / float(den) if den else math.nan
 

@@ -17,6 +17,16 @@ LOAD_TIME_DEFINITION = (
     "A load with no copy span (worker file missing or cut short?) or with one timed on another clock "
     "(it ends before it starts, or starts more than 1 ms before the load: listed with the problems) has none."
 )
+MISS_REASON_DEFINITION = (
+    "Why the host tier served no more of the prompt (`kvscope.miss.reason` of the request's first lookup, as "
+    "kvscope_missed_tokens_total counts it): the reason of the offloaded block right after the hit. new: never "
+    "stored (or it left longer ago than the tier remembers: as many blocks as it holds); evicted: evicted to make "
+    "room, a larger tier would have held it; dropped: after a failed copy; reset: a cache reset forgot it; "
+    "storing: its store had not completed; no_state: no Mamba state was stored at that block's end; "
+    "other_blocks: every group held it, the hit needed another block; load_failed: an earlier load of the "
+    "request failed; tail: nothing missed but what no offloaded block covers (the partial last block, the "
+    "last token). Empty for trace files written before kvscope recorded it."
+)
 LOAD_FAILED_DEFINITION = (
     "A load failed when one of its copy spans has status ERROR (a worker could not load: vLLM "
     "recomputed the request's tokens instead). Its hit still counts, as vLLM counts it."
@@ -32,6 +42,7 @@ REQUEST_COLUMNS = (
     "tokens_queried",
     "tokens_hit",
     "hit_rate",
+    "miss_reason",
     "tokens_local",
     "tokens_external",
     "groups",
@@ -77,6 +88,7 @@ def requests_table(spans: pd.DataFrame, vllm: pd.DataFrame | None = None) -> pd.
     for col in ("tokens_local", "tokens_external", "groups"):
         out[col] = first_load[col].reindex(ids)
     out["lookups"] = by_lookup.size().reindex(ids).fillna(0).astype("int64")
+    out["miss_reason"] = by_lookup["miss_reason"].first().reindex(ids)  # its first lookup's (`MISS_REASON_DEFINITION`)
 
     by_request = load_rows(spans).groupby(REQUEST_KEY, sort=False)
     out["loads"] = by_request.size().reindex(ids).fillna(0).astype("int64")

@@ -32,6 +32,7 @@ ATTRIBUTE_COLUMNS: dict[str, tuple[str, bool]] = {
     "kvscope.request.id": ("request_id", False),
     "kvscope.tokens.queried": ("tokens_queried", True),
     "kvscope.tokens.hit": ("tokens_hit", True),
+    "kvscope.miss.reason": ("miss_reason", False),  # newer files only: NA in older ones
     "kvscope.tokens.local": ("tokens_local", True),
     "kvscope.tokens.external": ("tokens_external", True),
     "kvscope.groups": ("groups", True),

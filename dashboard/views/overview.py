@@ -42,6 +42,25 @@ over_time = traces.hit_rate_over_time(requests)
 bucket_s = traces.pick_bucket_seconds(float(requests["t_s"].max()))
 st.altair_chart(charts.hit_rate_over_time(over_time, bucket_s), width="stretch")
 
+misses = traces.misses_by_reason(requests)
+if not misses.empty:  # trace files that record why each lookup missed
+    st.subheader("Why the host tier missed", help=traces.MISS_REASON_DEFINITION)
+    st.caption("Looked-up tokens the tier did not serve, by the reason of each request's first missing block: "
+               "'evicted' is what a larger tier would have served.")
+    st.dataframe(
+        misses,
+        hide_index=True,
+        width="stretch",
+        placeholder="–",
+        column_order=list(traces.MISSES_COLUMNS),
+        column_config={
+            "miss_reason": "reason",
+            "requests": st.column_config.NumberColumn("requests"),
+            "tokens_not_served": st.column_config.NumberColumn("tokens not served"),
+            "share": st.column_config.NumberColumn("share", format="percent"),
+        },
+    )
+
 by_outcome = traces.vllm_latency_by_outcome(requests)
 if not by_outcome.empty:  # vLLM's own request spans were read: does loading from the host tier cut TTFT?
     st.subheader("vLLM latency by host-tier outcome", help=traces.OUTCOME_DEFINITION)

@@ -42,7 +42,7 @@ st.dataframe(
     width="stretch",
     height=min(320, 35 * (len(shown) + 1) + 3),  # no empty rows below a short result
     placeholder="–",
-    column_order=["request", "t_s", "tokens_queried", "tokens_hit", "hit_rate", "tokens_local",
+    column_order=["request", "t_s", "tokens_queried", "tokens_hit", "hit_rate", "miss_reason", "tokens_local",
                   "tokens_external", "groups", "load_ms", *vllm_columns, "loads", "load_failed", "bytes_loaded",
                   "bytes_stored", "trace_id"],
     column_config={
@@ -52,6 +52,7 @@ st.dataframe(
         "tokens_queried": st.column_config.NumberColumn("queried", help="Σ over the request's lookups"),
         "tokens_hit": st.column_config.NumberColumn("hit", help="Σ over the request's lookups"),
         "hit_rate": st.column_config.NumberColumn("hit rate", format="percent"),
+        "miss_reason": st.column_config.TextColumn("missed because", help=traces.MISS_REASON_DEFINITION),
         "tokens_local": st.column_config.NumberColumn("local"),
         "tokens_external": st.column_config.NumberColumn("external"),
         "groups": st.column_config.NumberColumn("groups"),

@@ -58,7 +58,7 @@ def test_overview_numbers_match_the_spans(monkeypatch, expected):
         assert number(shown[f"Load time {label}"]) == pytest.approx(round(value, 2))
     assert number(shown["Loaded from host"]) * 1e6 == pytest.approx(expected.bytes["load"], rel=5e-3)
     assert number(shown["Stored to host"]) * 1e6 == pytest.approx(expected.bytes["store"], rel=5e-3)
-    groups = at.dataframe[0].value
+    groups = next(d.value for d in at.dataframe if "null_skip_share" in d.value.columns)
     assert groups["group"].tolist() == ["g0 sliding_window", "g1 full_attention"]
     sw = [s for s in expected.scans if s["group.index"] == 0]
     assert groups["null_skip_share"].iloc[0] == pytest.approx(
@@ -194,6 +194,14 @@ def test_requests_page_shows_vllm_latencies_and_copies_per_group(monkeypatch, tm
     at.text_input(key="request_search").input("r2-03").run()  # no vLLM span: no vLLM numbers, not zeros
     assert_ok(at)
     assert not any("vLLM" in label for label in metrics(at))
+
+
+def test_overview_shows_why_the_tier_missed(monkeypatch, expected):
+    at = app(monkeypatch, TWO_ROUNDS)
+    assert_ok(at)
+    assert "Why the host tier missed" in [h.value for h in at.subheader]
+    table = next(d.value for d in at.dataframe if "miss_reason" in d.value.columns).set_index("miss_reason")
+    assert table["tokens_not_served"].sum() == sum(s["tokens.queried"] - s["tokens.hit"] for s in expected.lookups)
 
 
 def test_overview_splits_vllm_latency_by_host_tier_outcome_when_vllm_spans_are_read(monkeypatch, tmp_path):

@@ -44,6 +44,23 @@ def test_requests_table(read, requests, expected):
                                           if c["trace"] == load["trace"] and c["copy.direction"] == "load")
 
 
+def test_why_the_tier_missed_sums_what_each_reasons_lookups_were_not_served(requests, expected):
+    assert list(requests["miss_reason"]) == [s["miss.reason"] for s in expected.lookups]
+    table = traces.misses_by_reason(requests).set_index("miss_reason")
+    assert list(table.index) == ["new", "tail"]  # most tokens first
+    for reason in table.index:
+        lookups = [s for s in expected.lookups if s["miss.reason"] == reason]
+        assert table.loc[reason, "requests"] == len(lookups)
+        assert table.loc[reason, "tokens_not_served"] == sum(s["tokens.queried"] - s["tokens.hit"] for s in lookups)
+    assert table["share"].sum() == pytest.approx(1.0)
+
+
+def test_a_file_from_before_miss_reasons_has_none_and_no_misses_table():
+    older = traces.requests_table(traces.read_trace_files([TWO_ROUNDS.parent / "engine_gemma3_two_rounds.jsonl"]).spans)
+    assert len(older) and older["miss_reason"].isna().all()
+    assert traces.misses_by_reason(older).empty
+
+
 def test_bytes_stored_only_where_store_copies_join_the_request_trace(requests, expected):
     # Odd requests' store copies are in their own trace: they count as traffic, not per request.
     stored = requests.set_index("request_id")["bytes_stored"]

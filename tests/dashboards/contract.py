@@ -9,6 +9,7 @@ ENGINE_LABELS = ("model_name", "engine")
 COUNTERS: dict[str, tuple[str, ...]] = {
     "kvscope_lookup_tokens_total": (),
     "kvscope_hit_tokens_total": (),
+    "kvscope_missed_tokens_total": ("reason",),
     "kvscope_evicted_blocks_total": (),
     "kvscope_load_failures_total": (),
     "kvscope_scan_blocks_total": ("group", "kind"),
@@ -30,6 +31,7 @@ HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
 
 GROUP_KINDS = ("full_attention", "sliding_window", "mamba")
 DIRECTIONS = ("load", "store")
+MISS_REASONS = ("new", "evicted", "dropped", "reset", "storing", "no_state", "other_blocks", "load_failed", "tail")
 
 
 def series_names() -> set[str]:

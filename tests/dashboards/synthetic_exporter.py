@@ -32,6 +32,9 @@ RATES = {
     "load_failures": 0.2,
 }
 HOST_CAPACITY_BYTES = 8 * 2**30
+# Per-second missed tokens by reason: they add up to lookup minus hit tokens, as the connector's do.
+MISSED_RATES = {"new": 450.0, "evicted": 250.0, "storing": 20.0, "dropped": 2.0, "reset": 0.0, "no_state": 0.0,
+                "other_blocks": 8.0, "load_failed": 0.0, "tail": 70.0}
 
 
 @dataclass(frozen=True)
@@ -106,6 +109,8 @@ class SyntheticKVScopeExporter:
             c["kvscope_hit_tokens_total"].labels(*e).inc(RATES["hit_tokens"] * dt)
             c["kvscope_evicted_blocks_total"].labels(*e).inc(RATES["evicted_blocks"] * dt)
             c["kvscope_load_failures_total"].labels(*e).inc(RATES["load_failures"] * dt)
+            for reason, rate in MISSED_RATES.items():
+                c["kvscope_missed_tokens_total"].labels(*e, reason).inc(rate * dt)
             for g in GROUPS:
                 gl = (*e, g.index, g.kind)
                 c["kvscope_scan_blocks_total"].labels(*gl).inc(g.scan_blocks * dt)

@@ -135,6 +135,7 @@ def run(spec: dict) -> dict:
         "counters": counters,
         "kvscope": kvscope_samples(),
         "kvscope_by_kind": kvscope_samples(by="kind"),
+        "kvscope_by_reason": kvscope_samples(by="reason"),
         "host": {"used_slots": sched.index.used_slots, "num_slots": sched.index.num_slots,
                  "evicted": sched.index.evicted_total},
         "groups": [layout.kind.value for layout in sched.layouts],

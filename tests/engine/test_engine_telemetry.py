@@ -116,6 +116,17 @@ def test_metric_totals_agree_with_span_attributes_and_vllm(traced_run):
     assert kv["kvscope_hit_tokens_total"] == sum(a["kvscope.tokens.hit"] for a in lookups)
     assert kv["kvscope_lookup_tokens_total"] == sum(a["kvscope.tokens.queried"] for a in lookups)
     assert kv["kvscope_hit_tokens_total"] <= kv["kvscope_lookup_tokens_total"]
+    # why the rest was not served: the reasons add up to it; the lookups' spans tell the same reasons
+    missed = result["kvscope_by_reason"]["kvscope_missed_tokens_total"]
+    assert sum(missed.values()) == kv["kvscope_lookup_tokens_total"] - kv["kvscope_hit_tokens_total"]
+    not_served = defaultdict(int)
+    for a in lookups:
+        not_served[a["kvscope.miss.reason"]] += a["kvscope.tokens.queried"] - a["kvscope.tokens.hit"]
+    assert missed["new"] > 0 and not_served["new"] > 0  # round 0 is cold
+    assert missed["tail"] >= len(lookups)  # each lookup leaves at least its last token to compute
+    for reason, tokens in missed.items():
+        if reason != "tail":  # a lookup's tokens past the last whole block go to the tail
+            assert 0 < tokens <= not_served[reason], (reason, missed, dict(not_served))
     vllm_external_hits = sum(c["vllm:external_prefix_cache_hits"] for c in result["counters"])
     assert kv["kvscope_hit_tokens_total"] == vllm_external_hits
     copies = [proto_span_attributes(s) for s in _by_name(spans, "kvscope.group.copy")]

@@ -203,6 +203,9 @@ def test_hits_are_sane_and_equal_vllm_external_hits(two_rounds):
     external = _total(fams, "vllm:external_prefix_cache_hits")
     assert 0 < hits <= lookups
     assert hits == external
+    # what was not served, by reason, adds up to the rest; round 1 was cold
+    missed = {s.labels["reason"]: s.value for s in fams["kvscope_missed_tokens"].samples if s.name.endswith("_total")}
+    assert sum(missed.values()) == lookups - hits and missed["new"] > 0
     # vLLM's per-tier cache-hit counter files kvscope's hits under the host tier
     by_source = {s.labels["source"]: s.value for s in fams["vllm:prompt_tokens_cached_by_source"].samples
                  if s.name.endswith("_total")}

@@ -30,7 +30,7 @@ def _records(requests: int = 3) -> list[tuple]:
     keep = _Keep()
     tracing = KVScopeTracing(keep, None)
     for i in range(requests):
-        lookup = tracing.record(LOOKUP_SPAN, None, 10, 20, (f"req-{i}", 64, 32))
+        lookup = tracing.record(LOOKUP_SPAN, None, 10, 20, (f"req-{i}", 64, 32, "evicted"))
         load = tracing.open_span(lookup, 30)
         tracing.record(SCAN_SPAN, load, 31, 32, (0, "sliding_window", 8, 3, 2, 5))
         tracing.end_span(LOAD_SPAN, load, 40, (f"req-{i}", 16, 32, 1))
@@ -223,7 +223,7 @@ def test_tracing_exports_through_a_helper_unless_told_otherwise(tmp_path):
         env = {} if mode is None else {"KVSCOPE_TRACE_EXPORT": mode}
         path = tmp_path / f"{mode}.jsonl"
         tracing = KVScopeTracing.from_config(str(path), 1.0, env=env)
-        tracing.record(LOOKUP_SPAN, None, 1, 2, ("r", 1, 0))
+        tracing.record(LOOKUP_SPAN, None, 1, 2, ("r", 1, 0, "new"))
         assert tracing.force_flush()
         exporters = tracing._processor._exporters
         assert isinstance(exporters[0], ExportProcess) == helper_expected
@@ -299,7 +299,7 @@ def _numbered(first: int, count: int) -> list[tuple]:
     keep = _Keep()
     tracing = KVScopeTracing(keep, None)
     for i in range(first, first + count):
-        tracing.record(LOOKUP_SPAN, None, 10, 20, (f"req-{i}", 64, 32))
+        tracing.record(LOOKUP_SPAN, None, 10, 20, (f"req-{i}", 64, 32, "evicted"))
     return keep.records
 
 
@@ -418,9 +418,9 @@ def test_spans_of_a_finished_step_survive_the_engine_process_being_killed(tmp_pa
         "from connector.telemetry.span_records import LOOKUP_SPAN\n"
         "from connector.telemetry.tracing import KVScopeTracing\n"
         f"t = KVScopeTracing.from_config(trace_file={str(path)!r}, sample_ratio=1.0)\n"
-        "t.record(LOOKUP_SPAN, None, 1, 2, ('warm-up', 1, 1))\n"
+        "t.record(LOOKUP_SPAN, None, 1, 2, ('warm-up', 1, 1, 'tail'))\n"
         "assert t.force_flush()\n"  # the helper runs (it starts on the first export)
-        "t.record(LOOKUP_SPAN, None, 3, 4, ('last-step', 64, 32))\n"
+        "t.record(LOOKUP_SPAN, None, 3, 4, ('last-step', 64, 32, 'new'))\n"
         "t.end_step()\n"
         "os.kill(os.getpid(), signal.SIGKILL)\n"
     )

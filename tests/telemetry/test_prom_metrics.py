@@ -24,6 +24,7 @@ VLLM = ["model_name", "engine"]
 CONTRACT = {
     "kvscope_lookup_tokens_total": ("counter", []),
     "kvscope_hit_tokens_total": ("counter", []),
+    "kvscope_missed_tokens_total": ("counter", ["reason"]),
     "kvscope_scan_blocks_total": ("counter", ["group", "kind"]),
     "kvscope_null_blocks_skipped_total": ("counter", ["group", "kind"]),
     "kvscope_loaded_blocks_total": ("counter", ["group", "kind"]),
@@ -42,6 +43,8 @@ CONTRACT = {
 def _payload() -> dict:
     s = KVScopeStats()
     s.record_lookup(100, 64)
+    s.record_missed("evicted", 32)
+    s.record_missed("tail", 4)
     s.record_scan(0, "full_attention", 8, 0, 3e-6)
     s.record_scan(1, "sliding_window", 8, 6, 2e-6)
     s.record_loaded_blocks(1, "sliding_window", 2)
@@ -95,6 +98,8 @@ def test_observe_applies_a_payload_per_engine(registry, prom_metrics):
     assert get("kvscope_lookup_tokens_total", e1) == 200
     assert get("kvscope_hit_tokens_total", e1) == 128
     assert get("kvscope_lookup_tokens_total", e0) == 0
+    assert get("kvscope_missed_tokens_total", engine_labels(1, reason="evicted")) == 64
+    assert get("kvscope_missed_tokens_total", engine_labels(1, reason="tail")) == 8
     sw = engine_labels(1, group="1", kind="sliding_window")
     assert get("kvscope_scan_blocks_total", sw) == 16
     assert get("kvscope_null_blocks_skipped_total", sw) == 12

@@ -78,7 +78,7 @@ def test_one_scan_span_per_group_under_the_load_with_the_planners_counts():
     assert _attrs(load[0]) == {"kvscope.request.id": "r1", "kvscope.tokens.local": 0,
                                "kvscope.tokens.external": 192, "kvscope.groups": 2}
     assert _attrs(lookup[0]) == {"kvscope.request.id": "r1", "kvscope.tokens.queried": 200,
-                                 "kvscope.tokens.hit": 192}
+                                 "kvscope.tokens.hit": 192, "kvscope.miss.reason": "tail"}
     # 192 cached tokens = 12 device blocks; the window (40 tokens) keeps blocks 9-11 at token 192
     expected = {0: ("sliding_window", 12, 9, 3, 9), 1: ("full_attention", 12, 0, 12, 0)}
     for span in scans:
@@ -109,6 +109,7 @@ def test_stats_agree_with_the_spans():
     scans = [_attrs(s) for s in exporter.get_finished_spans() if s.name == "kvscope.group.scan"]
     assert len(scans) == 3 * len(LAYOUTS)
     assert data["lookup_tokens"] == 3 * 200 and data["hit_tokens"] == 3 * 192
+    assert data["missed_tokens"] == {"tail": 3 * 8}  # the partial block past the last whole one
     assert sum(data["scan_blocks"].values()) == sum(a["kvscope.group.blocks.total"] for a in scans)
     assert sum(data["null_blocks_skipped"].values()) == sum(a["kvscope.group.blocks.null_skipped"] for a in scans)
 
@@ -238,7 +239,8 @@ def test_a_miss_records_its_lookup_alone():
     assert external == 0
     (lookup,) = exporter.get_finished_spans()
     assert lookup.name == "kvscope.lookup" and lookup.parent is None
-    assert _attrs(lookup) == {"kvscope.request.id": "r1", "kvscope.tokens.queried": 200, "kvscope.tokens.hit": 0}
+    assert _attrs(lookup) == {"kvscope.request.id": "r1", "kvscope.tokens.queried": 200, "kvscope.tokens.hit": 0,
+                              "kvscope.miss.reason": "new"}
 
 
 def test_a_load_without_a_lookup_span_roots_its_own_trace():
@@ -349,10 +351,40 @@ def test_a_load_failed_at_planning_still_records_its_lookup_span_with_the_metric
         (lookup,) = exporter.get_finished_spans()
         assert lookup.name == "kvscope.lookup"
         assert _attrs(lookup) == {"kvscope.request.id": "r1", "kvscope.tokens.queried": 200,
-                                  "kvscope.tokens.hit": external - B}
+                                  "kvscope.tokens.hit": external - B, "kvscope.miss.reason": "tail"}
         assert sched.take_stats().data["lookup_tokens"] == 200
         if headers:
             assert f"{lookup.context.trace_id:032x}" == upstream.split("-")[1]
             assert lookup.parent.span_id == int(upstream.split("-")[2], 16) and lookup.parent.is_remote
         else:
             assert lookup.parent is None
+
+
+def test_a_lookup_tells_why_the_tier_missed_in_its_span_and_in_the_stats():
+    """Evicted, being stored, forgotten by a reset, never seen: each miss's reason, as the index stood at
+    the lookup, on its span and in `missed_tokens`, which with the hits add up to the looked-up tokens."""
+    tracing, exporter = in_memory_tracing()
+    sched = KVScopeScheduler(LAYOUTS, offload_block_size=B, hash_block_size=BS, num_slots=24, slot_bytes=1024,
+                             world_size=1, tracing=tracing, kv_cache_manager_getter=lambda: None)
+    for rid in ("a1", "b1"):  # 6 blocks in each of 2 groups, block by block: the tier is full
+        for h in sched._offload_hashes(make_request(rid, 200)):
+            for layout in LAYOUTS:
+                sched.index.reserve_for_store((layout.index, h))
+                sched.index.complete_store((layout.index, h))
+    first = sched._offload_hashes(make_request("c1", 200))[0]
+    for layout in LAYOUTS:  # c's first block is being stored, in place of a's (the least recently used)
+        sched.index.reserve_for_store((layout.index, first))
+    for rid in ("a2", "c2", "d2"):
+        external, _, _ = plan(sched, make_request(rid, 200))
+        assert external == 0
+    sched.reset_cache()
+    store_everything(sched, make_request("e1", 200))
+    sched.reset_cache()
+    plan(sched, make_request("e2", 200))
+    tracing.force_flush()
+    reasons = {_attrs(s)["kvscope.request.id"]: _attrs(s)["kvscope.miss.reason"]
+               for s in exporter.get_finished_spans() if s.name == "kvscope.lookup"}
+    assert reasons == {"a2": "evicted", "c2": "storing", "d2": "new", "e2": "reset"}
+    data = sched.take_stats().data
+    assert data["missed_tokens"] == {"evicted": 192, "storing": 192, "new": 192, "reset": 192, "tail": 4 * 8}
+    assert sum(data["missed_tokens"].values()) + data.get("hit_tokens", 0) == data["lookup_tokens"] == 4 * 200
