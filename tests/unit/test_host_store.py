@@ -343,6 +343,26 @@ def test_the_journal_records_what_becomes_ready_and_what_leaves_the_tier_in_orde
 # --- stateful: random operation sequences against a model ---------------------------------------
 
 
+def test_why_absent_tells_how_a_key_left_and_forgets_the_oldest_past_as_many_as_slots():
+    index = _filled(2, ["a", "b"])
+    assert index.why_absent("a") is None and index.why_absent("x") == "new"
+    index.reserve_for_store("c")  # evicts a
+    assert index.why_absent("a") == "evicted" and index.why_absent("c") == "storing"
+    index.complete_store("c")
+    index.drop(["b"])
+    assert index.why_absent("b") == "dropped"
+    assert index.pin_for_load("c") is not None
+    index.clear()
+    assert index.why_absent("c") == "reset"  # still read by a load: stale
+    index.unpin("c")
+    assert index.why_absent("c") == "reset" and index.why_absent("b") == "dropped"
+    assert index.why_absent("a") == "new"  # the third to leave a 2-slot tier: forgotten
+    index.reserve_for_store("b")
+    assert index.why_absent("b") == "storing"
+    index.abort_store("b")
+    assert index.why_absent("b") == "new"  # never ready, so it never left; its earlier leaving is forgotten
+
+
 class HostIndexMachine(RuleBasedStateMachine):
     """Model: key -> (slot, ready, pins) plus LRU order (oldest first)."""
 
@@ -356,6 +376,7 @@ class HostIndexMachine(RuleBasedStateMachine):
         self.order: list = []  # LRU, oldest first
         self.evicted = 0
         self.ever_completed: set = set()
+        self.gone: dict = {}  # key -> why it left the tier (oldest first, as many as slots)
 
     @precondition(lambda self: self.index is None)
     @rule(n=st.integers(1, 5))
@@ -368,6 +389,11 @@ class HostIndexMachine(RuleBasedStateMachine):
     @rule(target=keys, key=st.integers(0, 9))
     def new_key(self, key):
         return key
+
+    def _left(self, key, reason):
+        self.gone[key] = reason
+        if len(self.gone) > self.n:
+            del self.gone[next(iter(self.gone))]
 
     def _pinned(self):
         return {k for k, (_, _, pins, _) in self.model.items() if pins > 0}
@@ -393,9 +419,11 @@ class HostIndexMachine(RuleBasedStateMachine):
             del self.model[victim]
             self.order.remove(victim)
             self.evicted += 1
+            self._left(victim, "evicted")
         assert 0 <= slot < self.n
         self.model[key] = [slot, False, 1, False]
         self.order.append(key)
+        self.gone.pop(key, None)
         for k, s in pinned_before.items():  # pinned entries survive, in place
             assert self.index.contains(k) and k in self.model and self.model[k][0] == s
 
@@ -427,6 +455,7 @@ class HostIndexMachine(RuleBasedStateMachine):
             self.model[new] = self.model.pop(old)
             self.order.remove(old)
             self.order.append(new)
+            self.gone.pop(new, None)
 
     @precondition(lambda self: self.index is not None)
     @rule(key=keys)
@@ -449,6 +478,7 @@ class HostIndexMachine(RuleBasedStateMachine):
             if self.model[key][3] and self.model[key][2] == 0:  # forgotten by a clear: freed now
                 del self.model[key]
                 self.order.remove(key)
+                self._left(key, "reset")
 
     @precondition(lambda self: self.index is not None)
     @rule(ks=st.lists(keys, max_size=4))
@@ -457,6 +487,8 @@ class HostIndexMachine(RuleBasedStateMachine):
         expected = 0
         for k in ks:
             if k in self.model and self.model[k][2] == 0:
+                if self.model[k][1]:
+                    self._left(k, "dropped")
                 del self.model[k]
                 self.order.remove(k)
                 expected += 1
@@ -469,6 +501,8 @@ class HostIndexMachine(RuleBasedStateMachine):
         self.index.clear()
         for k in list(self.model):
             if k not in pinned:
+                if self.model[k][1]:
+                    self._left(k, "reset")
                 del self.model[k]
                 self.order.remove(k)
             elif self.model[k][1]:  # read by a load: forgotten, its slot kept until unpinned
@@ -496,6 +530,13 @@ class HostIndexMachine(RuleBasedStateMachine):
             if ready:
                 assert k in self.ever_completed
         assert index.evicted_total == self.evicted
+        for k in range(10):  # what a lookup missing the key is told (`miss_reasons`)
+            if k in self.model:
+                _, ready, _, stale = self.model[k]
+                expected = None if ready else "reset" if stale else "storing"
+            else:
+                expected = self.gone.get(k, "new")
+            assert index.why_absent(k) == expected, k
         for kind, key, _ in index.journal:  # what a router replaying the tier's events would hold
             if kind is JOURNAL_STORED:
                 assert key not in self.announced
