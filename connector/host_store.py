@@ -41,7 +41,8 @@ class HostIndex:
         # (evicted, dropped, cleared), in order (`host_tier_events`). None: nothing is recorded.
         self.journal: list | None = None
         # Keys that left the tier, oldest first, with why (a `miss_reasons` reason): a lookup that misses
-        # one tells it was evicted, not new. As many as the tier has slots, at most 2^20.
+        # one tells it was evicted, not new. As many as the tier has slots, at most 2^20; a key is
+        # forgotten here once it is ready again.
         self._gone: OrderedDict[Key, str] = OrderedDict()
         self._gone_limit = min(num_slots, 1 << 20)
 
@@ -94,7 +95,6 @@ class HostIndex:
         if slot is None:
             return None
         self._entries[key] = _Entry(slot=slot, pins=1)
-        self._gone.pop(key, None)
         return slot
 
     def rekey(self, old: Key, new: Key) -> bool:
@@ -105,7 +105,6 @@ class HostIndex:
             return False
         del self._entries[old]
         self._entries[new] = entry
-        self._gone.pop(new, None)
         return True
 
     def complete_store(self, key: Key, announcement=None) -> None:
@@ -115,6 +114,7 @@ class HostIndex:
         if entry is not None and not entry.ready and not entry.stale:  # the store's own pin, released once
             entry.ready = True
             entry.pins = max(0, entry.pins - 1)
+            self._gone.pop(key, None)  # back: a store given up before this would have kept how it left
             if self.journal is not None:
                 self.journal.append((JOURNAL_STORED, key, announcement))
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from .groups import GroupKind, GroupLayout
 from .host_store import HostIndex
 from .lookup import find_hit_tokens
-from .miss_reasons import LOAD_FAILED, TAIL, Miss, lookup_miss
+from .miss_reasons import LOAD_FAILED, NOT_TAKEN, TAIL, Miss, lookup_miss, miss_order
 from .metadata import LOAD, STORE, GroupTransfer, KVScopeMetadata, KVScopeWorkerMetadata, TransferJob
 from .piecewise_stores import Filling, PiecewiseStores
 from .planning import NULL_BLOCK_ID, GroupScan, scan_group
@@ -122,7 +122,8 @@ class KVScopeScheduler:
         # Per group, one (nanoseconds, blocks scanned, null blocks skipped) per scan: a single list
         # append on the planning path, folded into the stats payload once per stats interval.
         self._scan_log: list[list[tuple[int, int, int]]] = [[] for _ in layouts]
-        self._lookup_log: list[tuple[int, int, Miss]] = []  # (tokens queried, tokens hit, miss), likewise
+        self._lookup_log: list[tuple[int, int, _Lookup]] = []  # (tokens queried, tokens hit, its lookup), likewise
+        self._miss_layouts = miss_order(layouts)  # `lookup_miss`
         self._evicted_reported = 0
 
     # -- keys --
@@ -140,7 +141,7 @@ class KVScopeScheduler:
             # Recompute, do not load again: vLLM (0.32, 0.33) keeps the in-flight reserve of a request
             # whose async load failed, and counts it against the request's own next async admission,
             # which then never fits once the request needs half the free blocks: it would wait for ever.
-            miss = lookup_miss(self.layouts, request.num_tokens, num_computed_tokens, 0,
+            miss = lookup_miss(self._miss_layouts, request.num_tokens, num_computed_tokens, 0,
                                len(request.block_hashes) // self.hashes_per_block, self.block_size,
                                lambda group, k: LOAD_FAILED, self.eagle_groups)
             self._lookups[request.request_id] = _Lookup(num_computed_tokens, 0, start, start, miss)
@@ -160,7 +161,7 @@ class KVScopeScheduler:
         end = time.time_ns()
         # Why it did not serve more (`miss_reasons`), asked of the index as it stands now; outside the
         # lookup's span time, as the stats it feeds are
-        miss = lookup_miss(self.layouts, request.num_tokens, num_computed_tokens, external, len(hashes),
+        miss = lookup_miss(self._miss_layouts, request.num_tokens, num_computed_tokens, external, len(hashes),
                            self.block_size, lambda group, k: index.why_absent((group, hashes[k])),
                            self.eagle_groups)
         self._lookups[request.request_id] = _Lookup(num_computed_tokens, external, start, end, miss)
@@ -193,9 +194,11 @@ class KVScopeScheduler:
             # (`preempted_hits`, not exported): so neither the lookup metrics nor a lookup span
             # count it here either; its load is traced under the request's first lookup (or upstream span).
             queried = request.num_tokens - lookup.local_tokens
-            self._lookup_log.append((queried, num_external_tokens, lookup.miss))
+            self._lookup_log.append((queried, num_external_tokens, lookup))
             if self.tracing.enabled:
-                lookup_record = self._lookup_span(state, req_id, lookup, queried, num_external_tokens)
+                # why the hit stopped where it did; vLLM taking less than was found is its own reason
+                reason = lookup.miss.reason if num_external_tokens >= lookup.external_tokens else NOT_TAKEN
+                lookup_record = self._lookup_span(state, req_id, lookup, queried, num_external_tokens, reason)
         if num_external_tokens == 0:
             return
         if lookup is None:
@@ -228,7 +231,7 @@ class KVScopeScheduler:
         self._pending_loads.append(TransferJob(job_id=job_id, req_id=req_id, direction=LOAD, groups=[],
                                                failed_at_plan=True))
 
-    def _lookup_span(self, state, req_id, lookup, queried, hit) -> tuple | None:
+    def _lookup_span(self, state, req_id, lookup, queried, hit, miss_reason: str) -> tuple | None:
         """The request's lookup span: recorded at once when no load follows (``hit`` 0); otherwise
         returned as the lookup part of the load's record (`span_records.LOAD_PLAN`). None when
         sampling drops the request."""
@@ -239,10 +242,10 @@ class KVScopeScheduler:
         if type(span) is not SpanRef:
             return None
         if not hit:
-            self.tracing.end_span(LOOKUP_SPAN, span, lookup.end_ns, (req_id, queried, hit, lookup.miss.reason))
+            self.tracing.end_span(LOOKUP_SPAN, span, lookup.end_ns, (req_id, queried, hit, miss_reason))
             return None
         return (span.span_id, span.parent_span_id, span.parent_is_remote, span.start_time, lookup.end_ns,
-                queried, hit, lookup.miss.reason)
+                queried, hit, miss_reason)
 
     def _end_lookup_span(self, state, req_id: str, lookup_record: tuple) -> None:
         """Record the lookup part of a load's record (`_lookup_span`) as a span of its own."""
@@ -629,12 +632,20 @@ class KVScopeScheduler:
         return self._events_taken and bool(self.index.journal)
 
     def take_stats(self) -> KVScopeStats | None:
-        for queried, hit, miss in self._lookup_log:
+        record_missed = self._stats.record_missed
+        for queried, hit, lookup in self._lookup_log:
             self._stats.record_lookup(queried, hit)
-            # The tail takes what the lookup's miss does not: the reasons always add up to queried - hit
-            missed = min(miss.tokens, max(0, queried - hit))
-            self._stats.record_missed(miss.reason, missed)
-            self._stats.record_missed(TAIL, queried - hit - missed)
+            # What was not served, by reason: what vLLM did not take of the hit found, then the blocks
+            # past the hit; the tail takes the rest, so the reasons always add up to queried - hit.
+            left = max(0, queried - hit)
+            not_taken = min(left, max(0, lookup.external_tokens - hit))
+            record_missed(NOT_TAKEN, not_taken)
+            left -= not_taken
+            for reason, tokens in lookup.miss.by_reason:
+                tokens = min(tokens, left)
+                record_missed(reason, tokens)
+                left -= tokens
+            record_missed(TAIL, left)
         self._lookup_log.clear()
         for layout, log in zip(self.layouts, self._scan_log):
             if not log:

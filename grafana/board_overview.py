@@ -102,14 +102,14 @@ def evicted_miss_share_stat():
 def missed_tokens_by_reason():
     return pc.timeseries(
         "Looked-up tokens not served, by reason",
-        "Tokens per second the host tier did not serve, stacked by why the block right after each hit "
-        "was missing (kvscope_missed_tokens_total): new (never stored: first sight of a prefix), "
-        "evicted (a larger tier would have held it), storing (its store had not completed: the same "
-        "prefix arrived twice within a copy), dropped (after a failed copy), reset (cache reset), "
+        "Tokens per second the host tier did not serve, stacked by why their offloaded block was missing "
+        "(kvscope_missed_tokens_total, block by block past each hit): new (never stored: first sight of a "
+        "prefix), evicted (a larger tier would have held it), storing (its store had not completed: the same "
+        "prefix arrived twice within a copy), dropped (after a failed load), reset (cache reset), "
         "no_state (no Mamba state stored at that block's end), other_blocks (the hit needed another "
-        "block: a sliding window's, EAGLE's proof), load_failed (an earlier load of the request "
-        "failed), tail (the partial last block and the last token: never served). The stack is the "
-        "gap between looked-up and hit tokens.",
+        "block: a sliding window's), load_failed (an earlier load of the request failed), not_taken "
+        "(found, but vLLM took less of the hit: prompt-logprobs requests), tail (the partial last block "
+        "and the last token: never served). The stack is the gap between looked-up and hit tokens.",
         pc.queries((f"sum by (reason) (rate(kvscope_missed_tokens_total{sel()}{RATE}))", "{{reason}}")),
         pc.TOKENS_PER_SECOND,
         width=18,

@@ -59,6 +59,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+
+from connector.miss_reasons import MISS_REASONS
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
     KVConnectorStats,
@@ -296,12 +298,14 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("kvscope_hit_tokens_total", Counter, "hit_tokens", (),
                "Looked-up tokens found in the kvscope host tier (never more than the looked-up tokens)."),
     MetricSpec("kvscope_missed_tokens_total", Counter, "missed_tokens", ("reason",),
-               "Looked-up tokens the kvscope host tier did not serve, by why the offloaded block right after "
-               "the hit was missing: new (never stored, or left longer ago than the tier remembers), evicted "
-               "(to make room: a larger tier would have held it), dropped (after a failed copy), reset, storing "
+               "Looked-up tokens the kvscope host tier did not serve, by why their offloaded block was missing: "
+               "new (never stored, or left longer ago than the tier remembers), evicted (to make room: a larger "
+               "tier would have held it), dropped (after a failed load from it), reset, storing "
                "(its store had not completed), no_state (no Mamba state stored at that block's end), "
-               "other_blocks (the hit needed another block), load_failed (the request's earlier load failed); "
-               "tail: past the last offloaded block a hit can cover. Adds up to lookup minus hit tokens."),
+               "other_blocks (the hit needed another block), load_failed (the request's earlier load failed), "
+               "not_taken (found, but vLLM took less of the hit); tail: past the last offloaded block a hit can "
+               "cover. Each offloaded block past the hit counts under its own reason. Adds up to lookup minus "
+               "hit tokens."),
     MetricSpec("kvscope_scan_blocks_total", Counter, "scan_blocks", _GK,
                "Blocks scanned while planning loads, per KV cache group."),
     MetricSpec("kvscope_null_blocks_skipped_total", Counter, "null_blocks_skipped", _GK,
@@ -373,11 +377,15 @@ class KVScopePromMetrics(KVConnectorPromMetrics):
             self._metrics[spec.data_key] = classes[spec.kind](**kwargs)
         # (engine_idx, data_key, own label values) -> child
         self._children: dict[tuple[int, str, tuple[str, ...]], Any] = {}
-        # Unlabelled series exist from the start (at zero) so rate() and dashboards see them.
+        # Unlabelled series, and the missed tokens of every reason, exist from the start (at zero) so
+        # rate() and dashboards see them (the evicted share is 0 before any eviction, not absent).
         for engine_idx in self.per_engine_labelvalues:
             for spec in METRICS:
                 if not spec.labels and spec.kind is not Gauge:
                     self._child(engine_idx, spec.data_key, ())
+                elif spec.labels == ("reason",):
+                    for reason in MISS_REASONS:
+                        self._child(engine_idx, spec.data_key, (reason,))
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         """Apply one ``KVScopeStats.data`` payload to the metrics of engine ``engine_idx``."""

@@ -26,6 +26,7 @@ from dashboard.traces.headline import overview_numbers, top_slow_loads
 from dashboard.traces.hit_rates import (
     HIT_RATE_DEFINITION,
     MISSES_COLUMNS,
+    MISSES_DEFINITION,
     hit_rate,
     hit_rate_over_time,
     misses_by_reason,
@@ -77,6 +78,7 @@ from dashboard.traces.waterfall import VLLM_KIND, waterfall_rows
 __all__ = [
     "ATTRIBUTE_COLUMNS", "COPY", "GROUP_COPY_COLUMNS", "GROUP_COPY_DEFINITION", "GROUP_KINDS", "HIT_RATE_DEFINITION",
     "LOAD", "LOAD_FAILED_DEFINITION", "MISS_REASON_DEFINITION", "MISSES_COLUMNS",
+    "MISSES_DEFINITION",
     "LOAD_TIME_DEFINITION", "LOOKUP", "OUTCOME_COLUMNS", "OUTCOME_DEFINITION", "REPLAY_COLUMNS", "REPLAY_DEFINITION", "REQUEST_COLUMNS", "REQUEST_FILTERS",
     "REQUEST_KEY", "SCAN", "SCOPE_NAME",
     "SPAN_COLUMNS", "SPAN_NAMES", "STORE", "VLLM_COLUMNS", "VLLM_KIND", "VLLM_REQUEST_COLUMNS", "VLLM_REQUEST_SPAN",

@@ -7,6 +7,8 @@ import math
 
 import pandas as pd
 
+from dashboard.traces.schema import LOOKUP
+
 
 HIT_RATE_DEFINITION = (
     "Token hit rate: Σ `tokens.hit` / Σ `tokens.queried` over every `kvscope.lookup` span, as "
@@ -16,22 +18,26 @@ HIT_RATE_DEFINITION = (
 )
 
 
-MISSES_COLUMNS = ("miss_reason", "requests", "tokens_not_served", "share")
+MISSES_COLUMNS = ("miss_reason", "lookups", "tokens_not_served", "share")
+MISSES_DEFINITION = (
+    "Lookups by the reason their hit stopped (`kvscope.miss.reason`), with the looked-up tokens they were "
+    "not served (queried minus hit, the tail included) and that as a share of all tokens not served. "
+    "kvscope_missed_tokens_total splits the same tokens finer: block by block, the tail apart."
+)
 
 
-def misses_by_reason(requests: pd.DataFrame) -> pd.DataFrame:
-    """Per miss reason (`MISS_REASON_DEFINITION`): requests, the looked-up tokens they were not served
-    (queried minus hit) and that as a share of all tokens not served, most first; empty when no lookup
-    recorded a reason (older trace files)."""
-    known = requests[requests["miss_reason"].notna()]
-    if known.empty:
+def misses_by_reason(spans: pd.DataFrame) -> pd.DataFrame:
+    """Per miss reason (`MISSES_DEFINITION`): lookups, the tokens they did not serve and that share of
+    all, most first; empty when no lookup recorded a reason (older trace files)."""
+    lookups = spans[(spans["name"] == LOOKUP) & spans["miss_reason"].notna()]
+    if lookups.empty:
         return pd.DataFrame(columns=list(MISSES_COLUMNS))
-    not_served = (known["tokens_queried"].fillna(0) - known["tokens_hit"].fillna(0)).astype("int64")
-    grouped = not_served.groupby(known["miss_reason"].astype(str))
-    out = pd.DataFrame({"requests": grouped.size(), "tokens_not_served": grouped.sum()})
+    not_served = (lookups["tokens_queried"].fillna(0) - lookups["tokens_hit"].fillna(0)).astype("int64")
+    grouped = not_served.groupby(lookups["miss_reason"].astype(str))
+    out = pd.DataFrame({"lookups": grouped.size(), "tokens_not_served": grouped.sum()})
     total = out["tokens_not_served"].sum()
     out["share"] = out["tokens_not_served"] / total if total else math.nan
-    out = out.sort_values(["tokens_not_served", "requests"], ascending=False, kind="stable")
+    out = out.sort_values(["tokens_not_served", "lookups"], ascending=False, kind="stable")
     return out.rename_axis("miss_reason").reset_index()[list(MISSES_COLUMNS)]
 
 

@@ -18,13 +18,15 @@ LOAD_TIME_DEFINITION = (
     "(it ends before it starts, or starts more than 1 ms before the load: listed with the problems) has none."
 )
 MISS_REASON_DEFINITION = (
-    "Why the host tier served no more of the prompt (`kvscope.miss.reason` of the request's first lookup, as "
-    "kvscope_missed_tokens_total counts it): the reason of the offloaded block right after the hit. new: never "
+    "Why the host tier served no more of the prompt (`kvscope.miss.reason` of the request's last lookup: a "
+    "request whose load failed is looked up again): the reason of the offloaded block right after the hit, "
+    "as kvscope_missed_tokens_total counts it. new: never "
     "stored (or it left longer ago than the tier remembers: as many blocks as it holds); evicted: evicted to make "
     "room, a larger tier would have held it; dropped: after a failed copy; reset: a cache reset forgot it; "
     "storing: its store had not completed; no_state: no Mamba state was stored at that block's end; "
     "other_blocks: every group held it, the hit needed another block; load_failed: an earlier load of the "
-    "request failed; tail: nothing missed but what no offloaded block covers (the partial last block, the "
+    "request failed; not_taken: found, but vLLM took less of the hit (a request asking for prompt logprobs "
+    "skips prefix caches); tail: nothing missed but what no offloaded block covers (the partial last block, the "
     "last token). Empty for trace files written before kvscope recorded it."
 )
 LOAD_FAILED_DEFINITION = (
@@ -88,7 +90,7 @@ def requests_table(spans: pd.DataFrame, vllm: pd.DataFrame | None = None) -> pd.
     for col in ("tokens_local", "tokens_external", "groups"):
         out[col] = first_load[col].reindex(ids)
     out["lookups"] = by_lookup.size().reindex(ids).fillna(0).astype("int64")
-    out["miss_reason"] = by_lookup["miss_reason"].first().reindex(ids)  # its first lookup's (`MISS_REASON_DEFINITION`)
+    out["miss_reason"] = by_lookup["miss_reason"].last().reindex(ids)  # its last lookup's (`MISS_REASON_DEFINITION`)
 
     by_request = load_rows(spans).groupby(REQUEST_KEY, sort=False)
     out["loads"] = by_request.size().reindex(ids).fillna(0).astype("int64")

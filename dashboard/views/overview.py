@@ -42,11 +42,10 @@ over_time = traces.hit_rate_over_time(requests)
 bucket_s = traces.pick_bucket_seconds(float(requests["t_s"].max()))
 st.altair_chart(charts.hit_rate_over_time(over_time, bucket_s), width="stretch")
 
-misses = traces.misses_by_reason(requests)
+misses = traces.misses_by_reason(spans)
 if not misses.empty:  # trace files that record why each lookup missed
     st.subheader("Why the host tier missed", help=traces.MISS_REASON_DEFINITION)
-    st.caption("Looked-up tokens the tier did not serve, by the reason of each request's first missing block: "
-               "'evicted' is what a larger tier would have served.")
+    st.caption(traces.MISSES_DEFINITION + " 'evicted': a larger tier would have served them.")
     st.dataframe(
         misses,
         hide_index=True,
@@ -55,7 +54,7 @@ if not misses.empty:  # trace files that record why each lookup missed
         column_order=list(traces.MISSES_COLUMNS),
         column_config={
             "miss_reason": "reason",
-            "requests": st.column_config.NumberColumn("requests"),
+            "lookups": st.column_config.NumberColumn("lookups"),
             "tokens_not_served": st.column_config.NumberColumn("tokens not served"),
             "share": st.column_config.NumberColumn("share", format="percent"),
         },

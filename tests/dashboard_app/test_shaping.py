@@ -44,21 +44,22 @@ def test_requests_table(read, requests, expected):
                                           if c["trace"] == load["trace"] and c["copy.direction"] == "load")
 
 
-def test_why_the_tier_missed_sums_what_each_reasons_lookups_were_not_served(requests, expected):
+def test_why_the_tier_missed_sums_what_each_reasons_lookups_were_not_served(read, requests, expected):
     assert list(requests["miss_reason"]) == [s["miss.reason"] for s in expected.lookups]
-    table = traces.misses_by_reason(requests).set_index("miss_reason")
+    table = traces.misses_by_reason(read.spans).set_index("miss_reason")
     assert list(table.index) == ["new", "tail"]  # most tokens first
     for reason in table.index:
         lookups = [s for s in expected.lookups if s["miss.reason"] == reason]
-        assert table.loc[reason, "requests"] == len(lookups)
+        assert table.loc[reason, "lookups"] == len(lookups)
         assert table.loc[reason, "tokens_not_served"] == sum(s["tokens.queried"] - s["tokens.hit"] for s in lookups)
     assert table["share"].sum() == pytest.approx(1.0)
 
 
 def test_a_file_from_before_miss_reasons_has_none_and_no_misses_table():
-    older = traces.requests_table(traces.read_trace_files([TWO_ROUNDS.parent / "engine_gemma3_two_rounds.jsonl"]).spans)
+    spans = traces.read_trace_files([TWO_ROUNDS.parent / "engine_gemma3_two_rounds.jsonl"]).spans
+    older = traces.requests_table(spans)
     assert len(older) and older["miss_reason"].isna().all()
-    assert traces.misses_by_reason(older).empty
+    assert traces.misses_by_reason(spans).empty
 
 
 def test_bytes_stored_only_where_store_copies_join_the_request_trace(requests, expected):
@@ -254,6 +255,21 @@ def test_a_failed_load_and_its_second_lookup_both_count(tmp_path):
     assert (row.tokens_queried, row.tokens_hit, row.lookups, row.load_failed) == (6277, 1024, 2, True)
     assert traces.hit_rate(requests) == pytest.approx(1024 / 6277)
     assert "may be looked up again; every recorded lookup counts" in traces.HIT_RATE_DEFINITION  # not always
+
+
+def test_a_request_missed_for_its_last_lookups_reason_and_each_lookup_counts_under_its_own(tmp_path):
+    t = 1_700_000_000_000_000_000
+    first = lookup("r", 4711, 1024, span_id="01" * 8, start=t)
+    again = lookup("r", 1566, 0, span_id="04" * 8, parent="01" * 8, start=t + 30)
+    other = lookup("s", 300, 0, span_id="05" * 8, trace="ef" * 16, start=t + 40)
+    for span_, reason in ((first, "evicted"), (again, "load_failed"), (other, "evicted")):
+        span_["attributes"].append({"key": "kvscope.miss.reason", "value": {"stringValue": reason}})
+    spans = traces.read_trace_files([write(tmp_path, line(first, again, other))]).spans
+    assert traces.requests_table(spans).set_index("request_id")["miss_reason"].to_dict() == {
+        "r": "load_failed", "s": "evicted"}
+    table = traces.misses_by_reason(spans).set_index("miss_reason")
+    assert table.loc["evicted", ["lookups", "tokens_not_served"]].tolist() == [2, 4711 - 1024 + 300]
+    assert table.loc["load_failed", ["lookups", "tokens_not_served"]].tolist() == [1, 1566]
 
 
 def test_search_filters(requests):

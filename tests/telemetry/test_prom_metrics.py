@@ -88,6 +88,8 @@ def test_unlabelled_series_exist_at_zero_before_any_observation(registry, prom_m
         labels = engine_labels(engine)
         assert registry.get_sample_value("kvscope_lookup_tokens_total", labels) == 0
         assert registry.get_sample_value("kvscope_request_load_duration_seconds_count", labels) == 0
+        for reason in ("evicted", "new", "tail"):  # every reason: an evicted share is 0, not absent
+            assert registry.get_sample_value("kvscope_missed_tokens_total", {**labels, "reason": reason}) == 0
 
 
 def test_observe_applies_a_payload_per_engine(registry, prom_metrics):

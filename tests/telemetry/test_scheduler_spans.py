@@ -351,8 +351,10 @@ def test_a_load_failed_at_planning_still_records_its_lookup_span_with_the_metric
         (lookup,) = exporter.get_finished_spans()
         assert lookup.name == "kvscope.lookup"
         assert _attrs(lookup) == {"kvscope.request.id": "r1", "kvscope.tokens.queried": 200,
-                                  "kvscope.tokens.hit": external - B, "kvscope.miss.reason": "tail"}
-        assert sched.take_stats().data["lookup_tokens"] == 200
+                                  "kvscope.tokens.hit": external - B, "kvscope.miss.reason": "not_taken"}
+        data = sched.take_stats().data
+        assert data["lookup_tokens"] == 200
+        assert data["missed_tokens"] == {"not_taken": B, "tail": 8}  # found, vLLM took less; the partial block
         if headers:
             assert f"{lookup.context.trace_id:032x}" == upstream.split("-")[1]
             assert lookup.parent.span_id == int(upstream.split("-")[2], 16) and lookup.parent.is_remote
@@ -386,5 +388,8 @@ def test_a_lookup_tells_why_the_tier_missed_in_its_span_and_in_the_stats():
                for s in exporter.get_finished_spans() if s.name == "kvscope.lookup"}
     assert reasons == {"a2": "evicted", "c2": "storing", "d2": "new", "e2": "reset"}
     data = sched.take_stats().data
-    assert data["missed_tokens"] == {"evicted": 192, "storing": 192, "new": 192, "reset": 192, "tail": 4 * 8}
+    # block by block: a2 lost its first block only (the rest was there, past the hit), c2's first block
+    # was being stored and the rest never was, d2 and e2 as their first block
+    assert data["missed_tokens"] == {"evicted": 32, "other_blocks": 160, "storing": 32, "new": 160 + 192,
+                                     "reset": 192, "tail": 4 * 8}
     assert sum(data["missed_tokens"].values()) + data.get("hit_tokens", 0) == data["lookup_tokens"] == 4 * 200

@@ -360,7 +360,11 @@ def test_why_absent_tells_how_a_key_left_and_forgets_the_oldest_past_as_many_as_
     index.reserve_for_store("b")
     assert index.why_absent("b") == "storing"
     index.abort_store("b")
-    assert index.why_absent("b") == "new"  # never ready, so it never left; its earlier leaving is forgotten
+    assert index.why_absent("b") == "dropped"  # a store given up: still how it last left
+    index.reserve_for_store("b")
+    index.complete_store("b")
+    index.drop(["b"], "reset")
+    assert index.why_absent("b") == "reset"
 
 
 class HostIndexMachine(RuleBasedStateMachine):
@@ -423,7 +427,6 @@ class HostIndexMachine(RuleBasedStateMachine):
         assert 0 <= slot < self.n
         self.model[key] = [slot, False, 1, False]
         self.order.append(key)
-        self.gone.pop(key, None)
         for k, s in pinned_before.items():  # pinned entries survive, in place
             assert self.index.contains(k) and k in self.model and self.model[k][0] == s
 
@@ -436,6 +439,7 @@ class HostIndexMachine(RuleBasedStateMachine):
             entry[1] = True
             entry[2] = max(0, entry[2] - 1)
             self.ever_completed.add(key)
+            self.gone.pop(key, None)
 
     @precondition(lambda self: self.index is not None)
     @rule(key=keys)
@@ -455,7 +459,6 @@ class HostIndexMachine(RuleBasedStateMachine):
             self.model[new] = self.model.pop(old)
             self.order.remove(old)
             self.order.append(new)
-            self.gone.pop(new, None)
 
     @precondition(lambda self: self.index is not None)
     @rule(key=keys)

@@ -1,4 +1,4 @@
-"""lookup_miss: why a lookup served no more, and how many tokens the tier could have served past its hit."""
+"""lookup_miss: why a lookup served no more, block by block past its hit, and what no block could serve."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from connector.groups import GroupKind, GroupLayout
+from connector.lookup import find_hit_tokens
 from connector.miss_reasons import (
     EVICTED,
     MISS_REASONS,
@@ -15,6 +16,7 @@ from connector.miss_reasons import (
     STORING,
     TAIL,
     lookup_miss,
+    miss_order,
 )
 
 B = 64  # offload block size
@@ -23,77 +25,99 @@ SWA = GroupLayout(1, GroupKind.SLIDING_WINDOW, 16, sliding_window=48)
 MAMBA = GroupLayout(2, GroupKind.MAMBA, 64)
 
 
-def absent(table: dict):
-    """why_absent from {(group, block): reason}; every other block is ready."""
-    return lambda group, k: table.get((group, k))
+def absent(table: dict, default=None):
+    """why_absent from {(group, block): reason}; every other block is ready (or `default`)."""
+    return lambda group, k: table.get((group, k), default)
 
 
 def test_nothing_stored_misses_every_whole_block_as_new_and_the_rest_as_tail():
     # 300 tokens: 4 whole blocks (256 tokens) a hit could cover, 44 tokens past them
-    miss = lookup_miss([FULL], 300, 0, 0, 4, B, lambda group, k: NEW)
-    assert miss == (NEW, 256, 44)
+    assert lookup_miss([FULL], 300, 0, 0, 4, B, lambda group, k: NEW) == (NEW, ((NEW, 256),), 44)
 
 
 def test_a_hit_up_to_the_last_whole_block_leaves_only_the_tail():
-    assert lookup_miss([FULL, SWA], 300, 0, 256, 4, B, absent({})) == (TAIL, 0, 44)
+    assert lookup_miss([FULL, SWA], 300, 0, 256, 4, B, absent({})) == (TAIL, (), 44)
 
 
 def test_the_last_token_is_always_tail_even_on_a_block_boundary():
     # 256 tokens: a hit can cover 3 blocks only (vLLM computes the last token)
-    assert lookup_miss([FULL], 256, 0, 192, 4, B, absent({})) == (TAIL, 0, 64)
-    assert lookup_miss([FULL], 256, 0, 64, 4, B, absent({(0, 1): EVICTED})) == (EVICTED, 128, 64)
+    assert lookup_miss([FULL], 256, 0, 192, 4, B, absent({})) == (TAIL, (), 64)
+    assert lookup_miss([FULL], 256, 0, 64, 4, B, absent({(0, 1): EVICTED, (0, 2): EVICTED})) == (
+        EVICTED, ((EVICTED, 128),), 64)
 
 
-def test_the_reason_is_that_of_the_first_block_past_the_hit_in_the_first_group_lacking_it():
+def test_each_block_past_the_hit_counts_under_its_own_reason():
+    # a follow-up turn: the old conversation's blocks were evicted, the new turn's were never stored
+    table = {(0, 0): EVICTED, (0, 1): EVICTED, (0, 2): NEW, (0, 3): NEW}
+    assert lookup_miss([FULL], 300, 0, 0, 4, B, absent(table)) == (EVICTED, ((EVICTED, 128), (NEW, 128)), 44)
+    # a block every group held again after one that was missing
+    table = {(0, 1): STORING}
+    assert lookup_miss([FULL], 300, 0, 64, 4, B, absent(table)) == (STORING, ((STORING, 64), (OTHER_BLOCKS, 128)), 44)
+
+
+def test_a_blocks_reason_is_that_of_the_first_group_lacking_it():
     table = {(1, 2): EVICTED, (0, 3): NEW, (1, 3): NEW}
-    assert lookup_miss([FULL, SWA], 300, 0, 128, 4, B, absent(table)) == (EVICTED, 128, 44)
-    table = {(0, 2): STORING, (1, 2): EVICTED}
-    assert lookup_miss([FULL, SWA], 300, 0, 128, 4, B, absent(table)).reason == STORING
+    assert lookup_miss([FULL, SWA], 300, 0, 128, 4, B, absent(table)) == (EVICTED, ((EVICTED, 64), (NEW, 64)), 44)
+    table = {(0, 2): STORING, (1, 2): EVICTED, (0, 3): STORING}
+    assert lookup_miss([FULL, SWA], 300, 0, 128, 4, B, absent(table)).by_reason == ((STORING, 128),)
 
 
 def test_a_device_hit_moves_where_the_miss_starts():
     # 100 tokens on the device: the block holding token 100 (block 1) is the first the tier would serve
-    miss = lookup_miss([FULL], 300, 100, 0, 4, B, absent({(0, 1): EVICTED}))
-    assert miss == (EVICTED, 156, 44)
+    miss = lookup_miss([FULL], 300, 100, 0, 4, B, absent({}, default=EVICTED))
+    assert miss == (EVICTED, ((EVICTED, 156),), 44)
     # a device hit past the last whole block: nothing left the tier could serve
-    assert lookup_miss([FULL], 300, 280, 0, 4, B, lambda group, k: NEW) == (TAIL, 0, 20)
+    assert lookup_miss([FULL], 300, 280, 0, 4, B, lambda group, k: NEW) == (TAIL, (), 20)
 
 
 def test_unhashed_blocks_are_tail():
-    # vLLM hashed only 2 blocks of the prompt (a hash block size above the prompt's tail, say)
-    assert lookup_miss([FULL], 300, 0, 0, 2, B, lambda group, k: NEW) == (NEW, 128, 172)
+    # vLLM hashed only 2 blocks of the prompt
+    assert lookup_miss([FULL], 300, 0, 0, 2, B, lambda group, k: NEW) == (NEW, ((NEW, 128),), 172)
 
 
 def test_a_missing_mamba_state_where_attention_is_stored_is_no_state_unless_it_left():
-    assert lookup_miss([MAMBA, FULL], 300, 0, 128, 4, B, absent({(2, 2): NEW})).reason == NO_STATE
-    assert lookup_miss([MAMBA, FULL], 300, 0, 128, 4, B, absent({(2, 2): EVICTED})).reason == EVICTED
-    # attention missing too: the attention group's reason (Mamba states exist at some block ends only)
-    assert lookup_miss([MAMBA, FULL], 300, 0, 128, 4, B, absent({(2, 2): NEW, (0, 2): EVICTED})).reason == EVICTED
+    layouts = miss_order([MAMBA, FULL])
+    assert [layout.kind for layout in layouts] == [GroupKind.FULL_ATTENTION, GroupKind.MAMBA]
+    assert lookup_miss(layouts, 300, 0, 128, 4, B, absent({(2, 2): NEW, (2, 3): NEW})).reason == NO_STATE
+    assert lookup_miss(layouts, 300, 0, 128, 4, B, absent({(2, 2): EVICTED})).reason == EVICTED
+    # attention missing too: the attention group's reason
+    table = {(2, 2): NEW, (0, 2): EVICTED}
+    assert lookup_miss(layouts, 300, 0, 128, 4, B, absent(table)).reason == EVICTED
 
 
 def test_every_group_holding_the_block_means_the_hit_needed_another():
-    assert lookup_miss([FULL, SWA], 300, 0, 64, 4, B, absent({})) == (OTHER_BLOCKS, 192, 44)
+    assert lookup_miss([FULL, SWA], 300, 0, 64, 4, B, absent({})) == (OTHER_BLOCKS, ((OTHER_BLOCKS, 192),), 44)
 
 
-def test_an_eagle_proof_block_is_never_served():
-    # the last hashed block only proves the one before it: a hit covers 3 of 4 whole blocks
+def test_with_an_eagle_drafter_a_block_waits_for_the_next_ones_key_and_that_is_its_reason():
     eagle = frozenset({0})
-    assert lookup_miss([FULL], 300, 0, 192, 4, B, absent({}), eagle) == (TAIL, 0, 108)
-    assert lookup_miss([FULL], 300, 0, 0, 4, B, lambda group, k: NEW, eagle) == (NEW, 192, 108)
+    # the last hashed block only proves the one before it: a hit covers 3 of 4 whole blocks
+    assert lookup_miss([FULL], 300, 0, 192, 4, B, absent({}), eagle) == (TAIL, (), 108)
+    assert lookup_miss([FULL], 300, 0, 0, 4, B, lambda group, k: NEW, eagle) == (NEW, ((NEW, 192),), 108)
+    # 8 blocks stored, block 5 evicted: the hit stops at 4 blocks (block 4 is 5's proof), and 4 is missed
+    # because 5 was evicted, not because of "another block"
+    stored = {(0, 5): EVICTED}
+    is_stored = lambda group, k: (group, k) not in stored  # noqa: E731
+    hit = find_hit_tokens([FULL], 600, 0, 9, B, is_stored, eagle)
+    assert hit == 4 * B
+    miss = lookup_miss([FULL], 600, 0, hit, 9, B, absent(stored), eagle)
+    assert miss.reason == EVICTED and miss.by_reason == ((EVICTED, 128), (OTHER_BLOCKS, 128))
     # a Mamba group needs no proof
-    assert lookup_miss([MAMBA], 300, 0, 256, 4, B, absent({}), frozenset({2})) == (TAIL, 0, 44)
+    assert lookup_miss([MAMBA], 300, 0, 256, 4, B, absent({}), frozenset({2})) == (TAIL, (), 44)
 
 
-@given(num_tokens=st.integers(1, 2000), local=st.integers(0, 2000), hit_blocks=st.integers(0, 40),
-       hashed=st.integers(0, 40), reason=st.sampled_from(MISS_REASONS[:-1]))
-def test_missed_and_tail_tokens_add_up_to_what_the_lookup_did_not_serve(num_tokens, local, hit_blocks, hashed,
-                                                                       reason):
+@given(num_tokens=st.integers(1, 2000), local=st.integers(0, 2000), hashed=st.integers(0, 40),
+       stored=st.sets(st.tuples(st.integers(0, 2), st.integers(0, 40))), eagle=st.booleans(),
+       reason=st.sampled_from(MISS_REASONS[:-2]))
+def test_the_reasons_add_up_to_what_the_lookup_did_not_serve(num_tokens, local, hashed, stored, eagle, reason):
+    layouts = miss_order([FULL, SWA, MAMBA])
     local = min(local, num_tokens - 1)
-    reach = min((num_tokens - 1) // B, hashed)
-    served = max(local, min(hit_blocks, reach) * B)  # a hit ends on a block edge past the device hit, or is 0
-    external = served - local
-    miss = lookup_miss([FULL, SWA], num_tokens, local, external, hashed, B, lambda group, k: reason)
-    assert miss.tokens + miss.tail_tokens == num_tokens - local - external
-    assert miss.tokens >= 0 and miss.tail_tokens >= 1
-    assert (miss.reason == TAIL) == (miss.tokens == 0)
-    assert miss.reason in (reason, TAIL)
+    proof = frozenset({0}) if eagle else frozenset()
+    hit = find_hit_tokens(layouts, num_tokens, local, hashed, B, lambda g, k: (g, k) in stored, proof)
+    external = max(0, hit - local)
+    miss = lookup_miss(layouts, num_tokens, local, external, hashed, B,
+                       lambda g, k: None if (g, k) in stored else reason, proof)
+    assert sum(tokens for _, tokens in miss.by_reason) + miss.tail_tokens == num_tokens - local - external
+    assert all(tokens > 0 for _, tokens in miss.by_reason) and miss.tail_tokens >= 1
+    assert (miss.reason == TAIL) == (not miss.by_reason)
+    assert {r for r, _ in miss.by_reason} <= {reason, NO_STATE, OTHER_BLOCKS}
