@@ -72,15 +72,22 @@ def lookup_miss(
     served_end = num_local_tokens + num_external_tokens
     if served_end >= reach_end:
         return Miss(TAIL, (), num_tokens - served_end)
+    attention = [layout.index for layout in ordered_layouts if layout.kind is not GroupKind.MAMBA]
     by_reason: list[tuple[str, int]] = []
     start = served_end
     for k in range(served_end // offload_block_size, reach):
         reason = _block_reason(ordered_layouts, proving, k, why_absent)
         end = (k + 1) * offload_block_size
+        if reason == NEW and all(why_absent(group, k) == NEW for group in attention):
+            # No attention group ever held it (as far as the index remembers): the blocks after it, whose
+            # keys chain through it, are taken as new too; a cold prompt costs one block's questions.
+            end = reach_end
         if by_reason and by_reason[-1][0] == reason:
             by_reason[-1] = (reason, by_reason[-1][1] + end - start)
         else:
             by_reason.append((reason, end - start))
+        if end == reach_end:
+            break
         start = end
     return Miss(by_reason[0][0], tuple(by_reason), num_tokens - reach_end)
 

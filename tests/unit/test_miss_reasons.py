@@ -55,6 +55,22 @@ def test_each_block_past_the_hit_counts_under_its_own_reason():
     assert lookup_miss([FULL], 300, 0, 64, 4, B, absent(table)) == (STORING, ((STORING, 64), (OTHER_BLOCKS, 128)), 44)
 
 
+def test_past_a_block_no_attention_group_ever_held_the_rest_is_new_without_asking():
+    asked = []
+
+    def why_absent(group, k):
+        asked.append((group, k))
+        return NEW
+
+    layouts = miss_order([MAMBA, FULL, SWA])
+    assert lookup_miss(layouts, 5000, 0, 0, 78, B, why_absent) == (NEW, ((NEW, 78 * B),), 5000 - 78 * B)
+    assert {k for _, k in asked} == {0}  # a cold prompt costs one block's questions, however long
+    # a block some attention group still remembers (evicted) is walked past, block by block
+    table = {(0, 0): EVICTED, (0, 1): EVICTED}
+    miss = lookup_miss(layouts, 5000, 0, 0, 78, B, absent(table, default=NEW))
+    assert miss.by_reason == ((EVICTED, 128), (NEW, 76 * B))
+
+
 def test_a_blocks_reason_is_that_of_the_first_group_lacking_it():
     table = {(1, 2): EVICTED, (0, 3): NEW, (1, 3): NEW}
     assert lookup_miss([FULL, SWA], 300, 0, 128, 4, B, absent(table)) == (EVICTED, ((EVICTED, 64), (NEW, 64)), 44)
