@@ -30,6 +30,11 @@ def test_workload_larger_than_cpu_bytes_evicts_and_stays_within_capacity(scenari
     assert host["used_slots"] <= host["num_slots"] == 24
     assert kv["kvscope_evicted_blocks_total"] == host["evicted"]
     assert kv["kvscope_host_used_bytes"] <= kv["kvscope_host_capacity_bytes"] <= SMALL_HOST["cpu_bytes"]
+    # what the tier did not serve adds up (its evictions here took no block a later hit needed: the
+    # evicted reason is shown under vLLM's scheduler in tests/compat/test_miss_reasons.py)
+    missed = result["kvscope_by_reason"]["kvscope_missed_tokens_total"]
+    assert missed["new"] > 0, missed
+    assert sum(missed.values()) == kv["kvscope_lookup_tokens_total"] - kv["kvscope_hit_tokens_total"]
     for round_ in result["rounds"]:
         assert _tokens(round_) == _tokens(baseline["rounds"][0])
 
@@ -39,6 +44,9 @@ def test_host_blocks_dropped_after_lookup_are_recomputed_and_counted(scenarios, 
     assert result["kvscope"]["kvscope_load_failures_total"] > 0
     # vLLM still counted the planned external hits, then recomputed them
     assert result["counters"][1]["vllm:external_prefix_cache_hits"] > 0
+    # looked up again after the failure, they recompute: counted as load_failed, not as new
+    missed = result["kvscope_by_reason"]["kvscope_missed_tokens_total"]
+    assert missed["load_failed"] > 0, missed
     for round_ in result["rounds"]:
         assert _tokens(round_) == _tokens(baseline["rounds"][0])
 
