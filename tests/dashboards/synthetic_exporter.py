@@ -33,7 +33,7 @@ RATES = {
 }
 HOST_CAPACITY_BYTES = 8 * 2**30
 # Per-second missed tokens by reason: they add up to lookup minus hit tokens, as the connector's do.
-MISSED_RATES = {"new": 450.0, "evicted": 250.0, "storing": 20.0, "dropped": 2.0, "reset": 0.0, "no_state": 0.0,
+MISSED_RATES = {"new": 600.0, "evicted": 100.0, "storing": 20.0, "dropped": 2.0, "reset": 0.0, "no_state": 0.0,
                 "other_blocks": 8.0, "load_failed": 0.0, "tail": 70.0}
 
 
