@@ -61,6 +61,10 @@ def request_numbers(request: pd.Series) -> None:
     cols[1].metric("Request hit rate", formatting.percent(request["hit_rate"]))
     cols[2].metric("Load time", formatting.millis(request["load_ms"]), help=traces.LOAD_TIME_DEFINITION)
     cols[3].metric("Loaded from host", formatting.data_size(request["bytes_loaded"]))
+    reason = request["miss_reason"]
+    if isinstance(reason, str):  # trace files that record it
+        text = traces.MISS_REASON_TEXT.get(reason, "a reason this version of the app does not know")
+        st.info(f"Why the host tier served no more (`{reason}`): {text}.", icon=":material/help:")
     vllm_times = ["vllm_queue_ms", "vllm_ttft_ms", "vllm_prefill_ms", "vllm_e2e_ms"]
     if request[vllm_times].notna().any():  # the request as vLLM timed it; nothing (not zeros) without its span
         cols = st.columns(4)

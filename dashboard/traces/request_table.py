@@ -29,6 +29,26 @@ MISS_REASON_DEFINITION = (
     "skips prefix caches); tail: nothing missed but what no offloaded block covers (the partial last block, the "
     "last token). Empty for trace files written before kvscope recorded it."
 )
+# One request's `miss_reason`, as the request view says it (what its hit stopped at)
+MISS_REASON_TEXT = {
+    "new": "the offloaded block after its hit was never stored (or left the tier longer ago than the tier "
+           "remembers): a first sight of that prefix",
+    "evicted": "the offloaded block after its hit had been evicted to make room: a larger tier would have "
+               "served it (raise cpu_bytes)",
+    "dropped": "the offloaded block after its hit was dropped after a load from it failed",
+    "reset": "a cache reset had forgotten the offloaded block after its hit",
+    "storing": "the offloaded block after its hit was still being stored (the same prefix came again "
+               "within one copy)",
+    "no_state": "no Mamba state was stored at the end of the block after its hit (vLLM keeps states at "
+                "some block ends only)",
+    "other_blocks": "every group held the block after its hit, but the hit needed another one (a sliding "
+                    "window's earlier block)",
+    "load_failed": "an earlier load of this request failed: it recomputes and is not offered a hit again",
+    "not_taken": "the tier had more, but vLLM took less of the hit (a request asking for prompt logprobs "
+                 "skips prefix caches)",
+    "tail": "it served every offloaded block a hit could cover; the rest (the prompt's partial last block, "
+            "the last token) no offloaded block covers",
+}
 LOAD_FAILED_DEFINITION = (
     "A load failed when one of its copy spans has status ERROR (a worker could not load: vLLM "
     "recomputed the request's tokens instead). Its hit still counts, as vLLM counts it."

@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 from streamlit.testing.v1 import AppTest
 
+from dashboard import traces
+
 from .conftest import APP, FIXTURES, MALFORMED, TWO_ROUNDS, raw_spans
 from .test_joins import copy, load
 from .test_reader import line, lookup
@@ -142,6 +144,8 @@ def test_requests_page_search_select_and_waterfall(monkeypatch, expected):
     assert number(shown["Load time"]) == pytest.approx(round(expected.load_ms["cmpl-r2-06"], 2))
     lookup = next(s for s in expected.lookups if s["request.id"] == "cmpl-r2-06")
     assert shown["Tokens hit / queried"] == f"{lookup['tokens.hit']} / {lookup['tokens.queried']}"
+    assert [i.value for i in at.info] == [f"Why the host tier served no more (`{lookup['miss.reason']}`): "
+                                          f"{traces.MISS_REASON_TEXT[lookup['miss.reason']]}."]
     spans = at.dataframe[1].value
     # the fixture holds vLLM's request span of every even request: it leads, as the parent row
     assert spans["row"].tolist() == ["vLLM request", "lookup", "load", "group.scan g0 sliding_window",

@@ -55,6 +55,13 @@ def test_why_the_tier_missed_sums_what_each_reasons_lookups_were_not_served(read
     assert table["share"].sum() == pytest.approx(1.0)
 
 
+def test_the_app_explains_every_reason_the_connector_gives():
+    from connector.miss_reasons import MISS_REASONS
+
+    assert set(traces.MISS_REASON_TEXT) == set(MISS_REASONS)
+    assert all(f"{reason}:" in traces.MISS_REASON_DEFINITION for reason in MISS_REASONS)
+
+
 def test_a_file_from_before_miss_reasons_has_none_and_no_misses_table():
     spans = traces.read_trace_files([TWO_ROUNDS.parent / "engine_gemma3_two_rounds.jsonl"]).spans
     older = traces.requests_table(spans)
