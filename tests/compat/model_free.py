@@ -468,6 +468,20 @@ class ModelFreeEngine:
         gone = [r for r in (*sched._requests, *sched._lookups) if r not in self.scheduler.requests]
         return leaks + [f"state of finished request {r}" for r in gone]
 
+    def telemetry_mismatches(self) -> list[str]:
+        """Where kvscope's stats, as vLLM hands them to its stat loggers, disagree with vLLM's own count
+        or with themselves: hit tokens against vLLM's external prefix-cache hits; the missed tokens by
+        reason against lookup minus hit tokens. Empty when they agree."""
+        data = self.stats.connector.data if self.stats.connector is not None else {}
+        hit, looked_up = data.get("hit_tokens", 0), data.get("lookup_tokens", 0)
+        missed = sum(data.get("missed_tokens", {}).values())
+        problems = []
+        if hit != self.stats.external_hit_tokens:
+            problems.append(f"telemetry: kvscope counted {hit} hit tokens, vLLM {self.stats.external_hit_tokens}")
+        if missed != looked_up - hit:
+            problems.append(f"telemetry: {missed} missed tokens by reason, lookup - hit is {looked_up - hit}")
+        return problems
+
     def kv_event_mismatches(self) -> list[str]:
         """With `kv_events`, where the host tier's events published so far tell a router other than the
         tier holds between two steps (a router counting each block announced and removed): a block it

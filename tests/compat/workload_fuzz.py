@@ -352,7 +352,8 @@ class _Replay:
         result.vllm_mamba_align = (_vllm_mamba_align(self.plan["config"], self.engine)
                                    or _same_without_kvscope_hits(self.plan, self.engine))
         if not result.failure:
-            result.leaks = self.engine.host_tier_leaks() + self.engine.kv_event_mismatches()
+            result.leaks = (self.engine.host_tier_leaks() + self.engine.kv_event_mismatches()
+                            + self.engine.telemetry_mismatches())
         for name in ("steps", "checked_blocks", "checked_loaded_blocks", "external_hit_tokens", "drafts_rejected",
                      "checkpoint_clobbers", "clobbered_stored"):
             setattr(result, name, getattr(stats, name))
