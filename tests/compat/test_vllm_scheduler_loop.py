@@ -157,6 +157,27 @@ def test_a_request_resumed_after_preemption_counts_its_host_hits_once_as_vllm_do
     assert data["lookup_tokens"] == stats.external_queried_tokens
 
 
+@pytest.mark.parametrize("kv_events", [False, True], ids=["events-off", "events-on"])
+def test_a_reset_on_an_idle_engine_shows_the_emptied_tier_at_once(model_path, kv_events):
+    """An RL loop resets the caches between weight updates, often with no request running: the host
+    tier's gauges must say it is empty then (vLLM publishes stats with a step: the idle engine steps
+    once), not when the next request comes. And only once: then the engine idles."""
+    engine = ModelFreeEngine(model_path, {"cpu_bytes": 64 << 20}, window=WINDOW, kv_events=kv_events)
+    try:
+        engine.add("r0", [(7 * i + 3) % 509 + 1 for i in range(600)], 4)
+        engine.run()
+        assert engine.stats.connector.data["host_used_bytes"] > 0
+        assert not engine.scheduler.has_requests()
+        assert engine.scheduler.reset_prefix_cache(reset_connector=True)
+        assert engine.scheduler.has_requests(), "an idle engine steps once to publish the emptied tier"
+        steps = engine.stats.steps
+        engine.run()
+        assert engine.stats.steps == steps + 1 and not engine.scheduler.has_requests()
+        assert engine.stats.connector.data["host_used_bytes"] == 0
+    finally:
+        engine.shutdown()
+
+
 def test_a_misplaced_load_is_caught(model_path, monkeypatch):
     """The check can fail: loads whose destination blocks are reversed within each group feed the
     forward KV of other positions, and the model-free loop reports it."""
