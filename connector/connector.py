@@ -172,12 +172,11 @@ class KVScopeConnector(KVConnectorBase_V1, SupportsHMA):
         # vLLM keeps stepping while this is True (as for its own offloading connector). On CUDA a
         # store can outlive its request's last step and only a later step reports it; without steps
         # its host blocks would wait, not ready, for the next request, whose lookup comes first.
-        # Likewise while host-tier KV events or a reset's stats wait to be published (vLLM publishes both
-        # with a step): a reset of an idle engine (a weight update) is announced, and the emptied tier
-        # shows on /metrics, at once, not with the next request.
-        return self._scheduler is not None and (self._scheduler.has_unreported_jobs()
-                                                or self._scheduler.has_unpublished_events()
-                                                or self._scheduler.has_unpublished_stats())
+        # Not for KV cache events or stats waiting to be published (vLLM publishes them with a step): a
+        # reset of an idle or paused engine (a weight update) would then keep it from idling, and vLLM's
+        # `release_kv_cache_memory` after `pause_generation(clear_cache=True)` requires no work left.
+        # They go out with the next step.
+        return self._scheduler is not None and self._scheduler.has_unreported_jobs()
 
     def request_finished(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
         return self._scheduler.request_finished(request)

@@ -96,10 +96,6 @@ class KVScopeScheduler:
         self.stores = PiecewiseStores(self.index, layouts, offload_block_size, self.hashes_per_block)
         # KV cache events of the host tier (`host_tier_events.HostTierEvents`), or None when vLLM's are off
         self.host_events = host_events
-        self._events_taken = False
-        # vLLM has taken stats (it does every step), and a reset's emptied tier waits to be published
-        self._stats_taken = False
-        self._reset_unpublished = False
         if host_events is not None:
             self.index.journal = []
             self.stores.describe = host_events.describe
@@ -618,30 +614,17 @@ class KVScopeScheduler:
             if state.request.num_computed_tokens > 0:
                 state.stores_stopped = True
         self.index.clear()
-        self._update_capacity_stats()  # the reset's own stats carry the emptied tier
-        self._reset_unpublished = True  # an idle engine steps once to publish them (`has_unpublished_stats`)
+        self._update_capacity_stats()  # the reset's own stats carry the emptied tier (out with the next step)
         return True
 
     def take_events(self) -> list | tuple:
         """The host tier's KV cache events since the last call (none when vLLM's are off)."""
-        self._events_taken = True
         journal = self.index.journal
         if not journal:
             return ()
         return self.host_events.take(journal)
 
-    def has_unpublished_events(self) -> bool:
-        """Whether host-tier events wait for vLLM to take them; only once vLLM has taken some (it takes
-        them every step): a vLLM that never did would be kept stepping for nothing."""
-        return self._events_taken and bool(self.index.journal)
-
-    def has_unpublished_stats(self) -> bool:
-        """Whether a reset's stats (the emptied tier's gauges) wait for vLLM to take them; only once vLLM
-        has taken stats at all, as `has_unpublished_events`."""
-        return self._stats_taken and self._reset_unpublished
-
     def take_stats(self) -> KVScopeStats | None:
-        self._stats_taken, self._reset_unpublished = True, False
         record_missed = self._stats.record_missed
         for queried, hit, lookup in self._lookup_log:
             self._stats.record_lookup(queried, hit)

@@ -290,6 +290,13 @@ class ModelFreeEngine:
                 self._process(out, self._execute(out))
         raise AssertionError(f"requests still unfinished (or connector work pending) after {max_steps} steps")
 
+    def step_once(self) -> None:
+        """One engine step with nothing to do, as the next request's first step: what waits to be
+        published on an idle engine (KV cache events, stats) goes out with it."""
+        out = self.scheduler.schedule()
+        self.stats.steps += 1
+        self._process(out, self._execute(out))
+
     def _execute(self, out):
         """What the workers do with one scheduler output, in scheduling order: their block tables,
         the connector's hooks around the fake forward, the sampled tokens; merged as vLLM merges them."""

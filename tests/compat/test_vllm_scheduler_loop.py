@@ -158,22 +158,33 @@ def test_a_request_resumed_after_preemption_counts_its_host_hits_once_as_vllm_do
 
 
 @pytest.mark.parametrize("kv_events", [False, True], ids=["events-off", "events-on"])
-def test_a_reset_on_an_idle_engine_shows_the_emptied_tier_at_once(model_path, kv_events):
-    """An RL loop resets the caches between weight updates, often with no request running: the host
-    tier's gauges must say it is empty then (vLLM publishes stats with a step: the idle engine steps
-    once), not when the next request comes. And only once: then the engine idles."""
+def test_a_paused_engine_that_cleared_its_caches_can_release_its_kv_memory(model_path, kv_events):
+    """An RL loop pauses generation with `clear_cache=True` (vLLM resets its caches, the host tier with
+    them), then releases the KV cache memory, which vLLM allows only with no work left
+    (`EngineCore.release_kv_cache_memory`): the tier's reset must leave none (its events and the emptied
+    tier's gauges go out with the next step)."""
+    from vllm.v1.core.sched.interface import PauseState
+    from vllm.v1.engine.core import EngineCore
+
     engine = ModelFreeEngine(model_path, {"cpu_bytes": 64 << 20}, window=WINDOW, kv_events=kv_events)
+    sched = engine.scheduler
+    released = []
+    core = mock.Mock(scheduler=sched, batch_queue=None, model_executor=mock.Mock(is_sleeping=False))
+    core.is_scheduler_paused = lambda: sched.pause_state != PauseState.UNPAUSED
+    core._reset_caches = lambda: released.append("caches")
     try:
         engine.add("r0", [(7 * i + 3) % 509 + 1 for i in range(600)], 4)
         engine.run()
         assert engine.stats.connector.data["host_used_bytes"] > 0
-        assert not engine.scheduler.has_requests()
-        assert engine.scheduler.reset_prefix_cache(reset_connector=True)
-        assert engine.scheduler.has_requests(), "an idle engine steps once to publish the emptied tier"
-        steps = engine.stats.steps
-        engine.run()
-        assert engine.stats.steps == steps + 1 and not engine.scheduler.has_requests()
+        sched.set_pause_state(PauseState.PAUSED_ALL)  # as `_finish_pause(clear_cache=True)`, then its reset
+        assert sched.reset_prefix_cache(reset_running_requests=True, reset_connector=True)
+        EngineCore.release_kv_cache_memory(core)  # vLLM's own check: raises with work left
+        assert released == ["caches"]
+        sched.set_pause_state(PauseState.UNPAUSED)
+        engine.step_once()  # the next step publishes the emptied tier
         assert engine.stats.connector.data["host_used_bytes"] == 0
+        if kv_events:
+            assert not engine.kv_event_mismatches()
     finally:
         engine.shutdown()
 

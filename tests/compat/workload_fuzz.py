@@ -284,7 +284,8 @@ class _Replay:
             self.run()
             if weights_due:
                 self.reset_for_new_weights()
-                self.run()  # vLLM's engine steps while the connector has events to publish (the reset's)
+                self.run()
+            engine.step_once()  # a reset's events go out with the next step (the next request's)
             if engine.stats.violations:
                 raise _Stop
             self.result.leaks = [f"after round {k}: {leak}" for leak in
