@@ -75,8 +75,9 @@ def lookup_miss(
     attention = [layout.index for layout in ordered_layouts if layout.kind is not GroupKind.MAMBA]
     by_reason: list[tuple[str, int]] = []
     start = served_end
+    has_attention = bool(attention)
     for k in range(served_end // offload_block_size, reach):
-        reason = _block_reason(ordered_layouts, proving, k, why_absent)
+        reason = _block_reason(ordered_layouts, proving, k, why_absent, has_attention)
         end = (k + 1) * offload_block_size
         if reason == NEW and all(why_absent(group, k) == NEW for group in attention):
             # No attention group ever held it (as far as the index remembers): the blocks after it, whose
@@ -92,12 +93,13 @@ def lookup_miss(
     return Miss(by_reason[0][0], tuple(by_reason), num_tokens - reach_end)
 
 
-def _block_reason(ordered_layouts, proving, k: int, why_absent: WhyAbsent) -> str:
-    """Why offloaded block ``k`` was not served: the reason of the first group lacking it."""
+def _block_reason(ordered_layouts, proving, k: int, why_absent: WhyAbsent, has_attention: bool) -> str:
+    """Why offloaded block ``k`` was not served: the reason of the first group lacking it (a Mamba state
+    never stored where attention groups held the block: `NO_STATE`)."""
     for layout in ordered_layouts:
         absent = why_absent(layout.index, k)
         if absent is not None:
-            return NO_STATE if absent == NEW and layout.kind is GroupKind.MAMBA else absent
+            return NO_STATE if absent == NEW and has_attention and layout.kind is GroupKind.MAMBA else absent
     for group in proving:  # a drafter's KV at a block's end also needs the next block's key (its proof)
         absent = why_absent(group, k + 1)
         if absent is not None:

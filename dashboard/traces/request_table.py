@@ -93,7 +93,7 @@ def requests_table(spans: pd.DataFrame, vllm: pd.DataFrame | None = None) -> pd.
     where the id is another request's too (two runs read together). With `vllm` (the reader's
     `vllm_requests`), each request's vLLM latencies where vLLM's request span joins it (`vllm_join`).
     """
-    lookups = spans[spans["name"] == LOOKUP]
+    lookups = spans[spans["name"] == LOOKUP].sort_values("start_ns", kind="stable")  # `.last()` is the latest
     loads = spans[spans["name"] == LOAD].sort_values("start_ns", kind="stable")
     if lookups.empty and loads.empty:
         return with_vllm_columns(_empty_requests(), None)[list(REQUEST_COLUMNS)]

@@ -101,6 +101,17 @@ def test_a_missing_mamba_state_where_attention_is_stored_is_no_state_unless_it_l
     assert lookup_miss(layouts, 300, 0, 128, 4, B, absent(table)).reason == EVICTED
 
 
+def test_a_model_of_mamba_groups_only_misses_new_prompts_as_new_and_asks_one_block():
+    asked = []
+
+    def why_absent(group, k):
+        asked.append(k)
+        return NEW
+
+    assert lookup_miss([MAMBA], 5000, 0, 0, 78, B, why_absent) == (NEW, ((NEW, 78 * B),), 5000 - 78 * B)
+    assert asked == [0]
+
+
 def test_every_group_holding_the_block_means_the_hit_needed_another():
     assert lookup_miss([FULL, SWA], 300, 0, 64, 4, B, absent({})) == (OTHER_BLOCKS, ((OTHER_BLOCKS, 192),), 44)
 
