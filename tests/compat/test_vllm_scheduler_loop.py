@@ -294,6 +294,38 @@ def test_known_vllm_gap_a_failed_load_at_the_head_of_the_queue_stalls_the_loads_
         engine.shutdown()
 
 
+def test_known_vllm_gap_mamba_align_at_a_shared_prefix_junction_with_drafts():
+    """vLLM (0.32, 0.33), align mode, hash blocks (16) finer than Mamba blocks (64), MTP drafts and
+    `enable_mamba_shared_prefix_checkpoint`: Z's first chunk stops at a shared-prefix junction inside a
+    Mamba block (96, off a block boundary: the drafter's dropped block moves it), its next chunk starts
+    there and runs to the prompt's end without stopping at 128 (it saves its checkpoint inside the
+    chunk), yet vLLM caches the block it started inside under the 128-token key. W resumes at 128 from
+    the state after 96. kvscope loads nothing. (Fuzz seed 276150 of "mamba-spec" on 0.33 reached it
+    through a failed load that sent a request back to vLLM's prefix cache: traced by hand, vLLM's.)
+    This pins it: when it fails, vLLM changed it."""
+    from tests.compat.workload_fuzz import execute
+
+    def add(req_id, prompt):
+        return {"id": req_id, "prompt": prompt, "max_tokens": 2, "salt": None}
+
+    plan = {"seed": 276150, "config": {
+        "mamba": {"block": 64, "hash_block": 16, "retention": None, "shared_prefix_checkpoint": True},
+        "block_size": 64, "spec_tokens": 1, "spec_method": "mtp", "workers": 1, "async_scheduling": True,
+        "runner": "v1", "num_blocks": 1200, "max_num_batched_tokens": 2048, "cpu_bytes": 64 << 20},
+        "rounds": [{"between": "none", "phases": [
+            {"adds": [add("X", [["276150p0", 112], ["x", 40]])], "pause_after": 6, "abort_on_schedule": [],
+             "abort_after": []},
+            {"adds": [add("Z", [["276150p0", 345], ["276150s9", 180]])], "pause_after": 2,
+             "abort_on_schedule": [], "abort_after": []},
+            {"adds": [add("W", [["276150p0", 345], ["w", 100]])], "pause_after": None, "abort_on_schedule": [],
+             "abort_after": []}]}]}
+    result = execute(plan)
+    assert result.external_hit_tokens == 0 and result.checked_loaded_blocks == 0
+    assert result.violations and all("req_id='W'" in v and "not the state after 128 tokens" in v
+                                      for v in result.violations), result.violations
+    assert result.vllm_mamba_align and result.verdict == "vllm_mamba_align" and result.failure is None
+
+
 def test_known_vllm_gap_mamba_align_with_partial_hash_hits_caches_a_state_under_a_later_key():
     """vLLM (0.32, 0.33), align mode, hash blocks (16) finer than Mamba blocks (64): a request
     resuming at 560 from a partial hit gets the block it resumes in (a copy holding the state after
