@@ -16,6 +16,10 @@ it keeps the state at that start (a partial prefix-cache hit's private copy), ev
 keeping every state (`prefix_cache_retention_interval` None or periodic), keys it for its end. That
 holds for every request: another one may find such a block in vLLM's prefix cache under that key, so
 the fact is kept per device block (with vLLM's key of it) until vLLM gives the block out anew.
+
+A request that resumes at such a block's end (vLLM gives it as a prefix hit: its align mix-up) computes
+every later state from the wrong one: none of its states from there on is stored, and the blocks it
+ends in are kept as wrong too, for other requests that reach them through vLLM's prefix cache.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from .groups import GroupKind, GroupLayout
 from .planning import NULL_BLOCK_ID
 
 _UNSEEN = -1  # no forward ended or started in the block: not a block id
+_WRONG_FROM = "wrong from"  # witnessed[(_WRONG_FROM, group)]: the block index from which its states are wrong
 
 
 class StateBlocks:
@@ -34,9 +39,10 @@ class StateBlocks:
         # With drafts a forward's end is not where its state is kept (the accepted draft decides), and
         # under async scheduling vLLM counts drafts as computed before it knows: only keys witness.
         self.forward_ends_witness = not speculative
-        # device block id -> vLLM's key of it, for keyed blocks a forward started inside and left
-        # (for every request: others reach them through vLLM's prefix cache); until given out anew
-        self._started_inside: dict[int, object] = {}
+        # device block id -> vLLM's key of it, for keyed blocks holding another state than that key's: a
+        # forward started inside and left them, or computed them from such a state (for every request:
+        # others reach them through vLLM's prefix cache); until given out anew
+        self._wrong_states: dict[int, object] = {}
 
     def note_forward(self, witnessed: dict, start: int, end: int, blocks_of) -> None:
         """A forward of the request computes tokens [start, end). The block holding its last
@@ -46,14 +52,24 @@ class StateBlocks:
         asked for only at a block's end or one a forward leaves."""
         group_blocks = None
         for g, size in self.groups:
+            if start and not start % size and self._wrong_states and (_WRONG_FROM, g) not in witnessed:
+                # resumes from the state in the block ending at `start`: a wrong one taints the rest
+                group_blocks = group_blocks or blocks_of()
+                index = start // size - 1
+                if index < len(group_blocks[g]) and self._is_wrong(group_blocks[g][index]):
+                    witnessed[(_WRONG_FROM, g)] = index + 1
             if start % size and end > (start // size + 1) * size:
                 index = start // size
                 witnessed[(g, index)] = None
                 group_blocks = group_blocks or blocks_of()
                 if index < len(group_blocks[g]):
-                    block = group_blocks[g][index]
-                    if block.block_id != NULL_BLOCK_ID and block.block_hash is not None:
-                        self._started_inside[block.block_id] = block.block_hash
+                    self._mark_wrong(group_blocks[g][index])
+            wrong_from = witnessed.get((_WRONG_FROM, g))
+            if wrong_from is not None and end > 0:
+                group_blocks = group_blocks or blocks_of()
+                index = (end - 1) // size  # the block its last position is in: its state there is wrong too
+                if wrong_from <= index < len(group_blocks[g]):
+                    self._mark_wrong(group_blocks[g][index])
             if not self.forward_ends_witness or end <= 0 or end % size:
                 continue
             group_blocks = group_blocks or blocks_of()
@@ -64,10 +80,10 @@ class StateBlocks:
     def given_out_anew(self, block_ids) -> None:
         """vLLM allocates these device blocks afresh (not found in its prefix cache): whatever a forward
         left in them before is gone."""
-        started_inside = self._started_inside
-        if started_inside:
+        wrong_states = self._wrong_states
+        if wrong_states:
             for block_id in block_ids:
-                started_inside.pop(block_id, None)
+                wrong_states.pop(block_id, None)
 
     def holds_own_state(self, block, g: int, index: int, size: int, witnessed: dict) -> bool:
         """Whether vLLM's block ``block``, at ``index`` of group ``g``, holds the state after
@@ -75,9 +91,21 @@ class StateBlocks:
         seen = witnessed.get((g, index), _UNSEEN)
         if seen is None:
             return False  # a forward started inside it and went on: it keeps the state at that start
+        wrong_from = witnessed.get((_WRONG_FROM, g))
+        if wrong_from is not None and index >= wrong_from:
+            return False  # computed from a wrong state the request resumed from
         keyed_tokens = block.block_hash_num_tokens
         if keyed_tokens is not None:
-            if self._started_inside and self._started_inside.get(block.block_id) == block.block_hash:
+            if self._is_wrong(block):
                 return False  # another request's forward started inside it and went on, under this key
             return keyed_tokens == (index + 1) * size
         return seen == block.block_id
+
+    def _mark_wrong(self, block) -> None:
+        if block.block_id != NULL_BLOCK_ID and block.block_hash is not None:
+            self._wrong_states[block.block_id] = block.block_hash
+
+    def _is_wrong(self, block) -> bool:
+        wrong_states = self._wrong_states
+        return (bool(wrong_states) and block.block_hash is not None
+                and wrong_states.get(block.block_id) == block.block_hash)

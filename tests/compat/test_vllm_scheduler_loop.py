@@ -305,10 +305,19 @@ def test_known_vllm_gap_mamba_align_at_a_shared_prefix_junction_with_drafts():
     This pins it: when it fails, vLLM changed it."""
     from tests.compat.workload_fuzz import execute
 
+    result = execute(_junction_plan())
+    assert result.external_hit_tokens == 0 and result.checked_loaded_blocks == 0
+    assert result.violations and all("req_id='W'" in v and "not the state after 128 tokens" in v
+                                      for v in result.violations), result.violations
+    assert result.vllm_mamba_align and result.verdict == "vllm_mamba_align" and result.failure is None
+
+
+def _junction_plan() -> dict:
+    """X, Z, W of `test_known_vllm_gap_mamba_align_at_a_shared_prefix_junction_with_drafts`."""
     def add(req_id, prompt):
         return {"id": req_id, "prompt": prompt, "max_tokens": 2, "salt": None}
 
-    plan = {"seed": 276150, "config": {
+    return {"seed": 276150, "config": {
         "mamba": {"block": 64, "hash_block": 16, "retention": None, "shared_prefix_checkpoint": True},
         "block_size": 64, "spec_tokens": 1, "spec_method": "mtp", "workers": 1, "async_scheduling": True,
         "runner": "v1", "num_blocks": 1200, "max_num_batched_tokens": 2048, "cpu_bytes": 64 << 20},
@@ -319,11 +328,24 @@ def test_known_vllm_gap_mamba_align_at_a_shared_prefix_junction_with_drafts():
              "abort_on_schedule": [], "abort_after": []},
             {"adds": [add("W", [["276150p0", 345], ["w", 100]])], "pause_after": None, "abort_on_schedule": [],
              "abort_after": []}]}]}
-    result = execute(plan)
-    assert result.external_hit_tokens == 0 and result.checked_loaded_blocks == 0
-    assert result.violations and all("req_id='W'" in v and "not the state after 128 tokens" in v
-                                      for v in result.violations), result.violations
-    assert result.vllm_mamba_align and result.verdict == "vllm_mamba_align" and result.failure is None
+
+
+def test_a_request_resuming_from_vllms_mislabelled_mamba_block_stores_none_of_its_states():
+    """vLLM's mix-up above hands W the state after 96 as the state after 128: every state W computes
+    from it is wrong, and vLLM keys them. kvscope knows the block is wrong (a forward started inside it
+    and left) and stores none of W's states, so the host tier does not keep them past vLLM's own cache.
+    Same plan: W adds no Mamba state to the tier (without the guard it stored two)."""
+    from tests.compat.workload_fuzz import _played
+
+    plan = _junction_plan()
+
+    def mamba_states(plan):
+        with _played(plan) as replay:
+            index = replay.engine.scheduler.get_kv_connector()._scheduler.index
+            return {key for key in index._entries if key[0] == 0 and index.is_ready(key)}
+
+    before_w = {**plan, "rounds": [{**plan["rounds"][0], "phases": plan["rounds"][0]["phases"][:2]}]}
+    assert mamba_states(plan) == mamba_states(before_w)
 
 
 def test_known_vllm_gap_mamba_align_with_partial_hash_hits_caches_a_state_under_a_later_key():
@@ -1191,11 +1213,11 @@ def test_a_block_a_forward_started_inside_is_forgotten_once_vllm_gives_it_out_an
         for req_id, prompt in (("a", first), ("b", first + [(17 * i + 5) % 509 + 1 for i in range(210)])):
             engine.add(req_id, prompt, max_tokens=1)
             engine.run()
-        assert len(states._started_inside) == 1  # `b` started inside its block 1 and left it
+        assert len(states._wrong_states) == 1  # `b` started inside its block 1 and left it
         for k in range(4):
             engine.add(f"x{k}", [(13 * i + 7 * k + 1) % 509 + 1 for i in range(600)], max_tokens=1)
             engine.run()
-        assert states._started_inside == {}
+        assert states._wrong_states == {}
         _assert_no_violations(engine.stats, loads=False)
     finally:
         engine.shutdown()

@@ -81,6 +81,26 @@ def test_so_does_it_for_a_request_that_finds_it_in_vllms_prefix_cache_until_vllm
     assert states.holds_own_state(_block(11, 128), 0, 1, 64, {})
 
 
+def test_a_request_resuming_at_such_a_blocks_end_computes_wrong_states_and_they_stay_wrong_for_others():
+    """vLLM's align mix-up: it gives block 11 (keyed for 128 tokens, holding the state at 80) as a prefix
+    hit of 128 tokens. The request resuming there computes every later state from it: none is stored,
+    and the blocks it ends in stay wrong for requests that find them in vLLM's prefix cache."""
+    states = StateBlocks(LAYOUTS, speculative=False)
+    states.note_forward({}, 80, 300, lambda: _blocks([0, 11, 12, 13, 14], []))  # another request left 11
+    witnessed = {}
+    blocks = _blocks([0, 11, 22, 23, 24, 25], [])
+    states.note_forward(witnessed, 128, 256, lambda: blocks)  # resumes from 11, ends in 23
+    assert states.holds_own_state(_block(0, 64), 0, 0, 64, witnessed)  # before it: not concerned
+    assert not states.holds_own_state(_block(23, 256), 0, 3, 64, witnessed)
+    states.note_forward(witnessed, 256, 320, lambda: blocks)  # its next chunk: still from the wrong state
+    assert not states.holds_own_state(_block(24, 320), 0, 4, 64, witnessed)
+    assert not states.holds_own_state(_block(23, 256), 0, 3, 64, {})  # another request, same key
+    assert not states.holds_own_state(_block(24, 320), 0, 4, 64, {})
+    fresh = {}  # a request resuming from a block that holds its state is not concerned
+    states.note_forward(fresh, 192, 256, lambda: _blocks([0, 31, 32, 33], []))
+    assert states.holds_own_state(_block(33, 256), 0, 3, 64, fresh)
+
+
 def test_with_speculative_decoding_only_keys_witness():
     states, witnessed = StateBlocks(LAYOUTS, speculative=True), {}
     states.note_forward(witnessed, 64, 128, lambda: _blocks([0, 11], []))
