@@ -18,8 +18,11 @@ holds for every request: another one may find such a block in vLLM's prefix cach
 the fact is kept per device block (with vLLM's key of it) until vLLM gives the block out anew.
 
 A request that resumes at such a block's end (vLLM gives it as a prefix hit: its align mix-up) computes
-every later state from the wrong one: none of its states from there on is stored, and the blocks it
-ends in are kept as wrong too, for other requests that reach them through vLLM's prefix cache.
+every later state from the wrong one: none of its states from there on is stored, and its blocks from
+there on are kept as wrong too, for other requests that reach them through vLLM's prefix cache. Not
+with drafts: a decode step starts inside a block and leaves it while vLLM's postprocess copies the right
+state into it, and the next step starts at its end reading the running column, not that block (marking
+those would refuse correct states). Nor for a partial hit inside a block (a private copy of another).
 """
 
 from __future__ import annotations
@@ -51,8 +54,9 @@ class StateBlocks:
         such a block; per request). ``blocks_of()`` gives vLLM's blocks of the request per group,
         asked for only at a block's end or one a forward leaves."""
         group_blocks = None
+        tracks_wrong = self.forward_ends_witness and bool(self._wrong_states)
         for g, size in self.groups:
-            if start and not start % size and self._wrong_states and (_WRONG_FROM, g) not in witnessed:
+            if tracks_wrong and start and not start % size and (_WRONG_FROM, g) not in witnessed:
                 # resumes from the state in the block ending at `start`: a wrong one taints the rest
                 group_blocks = group_blocks or blocks_of()
                 index = start // size - 1
@@ -64,12 +68,13 @@ class StateBlocks:
                 group_blocks = group_blocks or blocks_of()
                 if index < len(group_blocks[g]):
                     self._mark_wrong(group_blocks[g][index])
-            wrong_from = witnessed.get((_WRONG_FROM, g))
+            wrong_from = witnessed.get((_WRONG_FROM, g)) if tracks_wrong else None
             if wrong_from is not None and end > 0:
+                # every block it wrote from there on (its ends, its prompt's checkpoint) is wrong too,
+                # under the keys vLLM gives them now (a checkpoint is keyed late: marked again each forward)
                 group_blocks = group_blocks or blocks_of()
-                index = (end - 1) // size  # the block its last position is in: its state there is wrong too
-                if wrong_from <= index < len(group_blocks[g]):
-                    self._mark_wrong(group_blocks[g][index])
+                for block in group_blocks[g][wrong_from:(end - 1) // size + 1]:
+                    self._mark_wrong(block)
             if not self.forward_ends_witness or end <= 0 or end % size:
                 continue
             group_blocks = group_blocks or blocks_of()
@@ -96,7 +101,7 @@ class StateBlocks:
             return False  # computed from a wrong state the request resumed from
         keyed_tokens = block.block_hash_num_tokens
         if keyed_tokens is not None:
-            if self._is_wrong(block):
+            if self._wrong_states and self._is_wrong(block):
                 return False  # another request's forward started inside it and went on, under this key
             return keyed_tokens == (index + 1) * size
         return seen == block.block_id

@@ -331,21 +331,37 @@ def _junction_plan() -> dict:
 
 
 def test_a_request_resuming_from_vllms_mislabelled_mamba_block_stores_none_of_its_states():
-    """vLLM's mix-up above hands W the state after 96 as the state after 128: every state W computes
-    from it is wrong, and vLLM keys them. kvscope knows the block is wrong (a forward started inside it
-    and left) and stores none of W's states, so the host tier does not keep them past vLLM's own cache.
-    Same plan: W adds no Mamba state to the tier (without the guard it stored two)."""
+    """vLLM's mix-up below (partial hash hits, no drafts) hands c the state after 560 as the state after
+    576: every state c computes from it is wrong, and vLLM keys them. kvscope knows the block is wrong (b's
+    forward started inside it and left) and stores none of c's states, so the host tier does not keep them
+    past vLLM's own cache: c adds no Mamba state to the tier (without the guard it stored two). With
+    drafts the guard is off (`StateBlocks`)."""
     from tests.compat.workload_fuzz import _played
 
-    plan = _junction_plan()
+    def add(req_id, prompt):
+        return {"id": req_id, "prompt": prompt, "max_tokens": 2, "salt": None}
+
+    def plan(*phases):
+        return {"seed": 21164, "config": {"mamba": {"block": 64, "hash_block": 16, "retention": None},
+                                          "block_size": 64, "workers": 1, "async_scheduling": False,
+                                          "runner": "v1", "num_blocks": 1200, "max_num_batched_tokens": 2048,
+                                          "cpu_bytes": 64 << 20},
+                "rounds": [{"between": "none", "phases": [
+                    {"adds": adds, "pause_after": None, "abort_on_schedule": [], "abort_after": []}
+                    for adds in phases]}]}
 
     def mamba_states(plan):
         with _played(plan) as replay:
             index = replay.engine.scheduler.get_kv_connector()._scheduler.index
-            return {key for key in index._entries if key[0] == 0 and index.is_ready(key)}
+            wrong_reads = {v.req_id for v in replay.engine.stats.violations}
+            return {key for key in index._entries if key[0] == 0 and index.is_ready(key)}, wrong_reads
 
-    before_w = {**plan, "rounds": [{**plan["rounds"][0], "phases": plan["rounds"][0]["phases"][:2]}]}
-    assert mamba_states(plan) == mamba_states(before_w)
+    a = add("a", [["21164p1", 500], ["21164s0", 72]])
+    b = add("b", [["21164p1", 500], ["21164s0", 72], ["gen", 150], ["21164s1", 67]])
+    c = add("c", [["21164p1", 500], ["21164s0", 72], ["gen", 150], ["c", 200]])
+    with_c, wrong_reads = mamba_states(plan([a, b], [c]))
+    assert wrong_reads == {"c"}  # vLLM's mix-up: c resumed from the wrong state
+    assert with_c == mamba_states(plan([a, b]))[0]
 
 
 def test_known_vllm_gap_mamba_align_with_partial_hash_hits_caches_a_state_under_a_later_key():

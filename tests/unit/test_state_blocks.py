@@ -101,6 +101,16 @@ def test_a_request_resuming_at_such_a_blocks_end_computes_wrong_states_and_they_
     assert states.holds_own_state(_block(33, 256), 0, 3, 64, fresh)
 
 
+def test_with_drafts_a_request_is_never_tainted():
+    """With drafts a step starts inside a block and leaves it while vLLM's postprocess copies the right
+    state into it, and the next step reads the running column: the taint would refuse correct states."""
+    states = StateBlocks(LAYOUTS, speculative=True)
+    states.note_forward({}, 80, 300, lambda: _blocks([0, 11, 12, 13, 14], []))
+    witnessed = {}
+    states.note_forward(witnessed, 128, 256, lambda: _blocks([0, 11, 22, 23, 24], []))
+    assert states.holds_own_state(_block(23, 256), 0, 3, 64, witnessed)
+
+
 def test_with_speculative_decoding_only_keys_witness():
     states, witnessed = StateBlocks(LAYOUTS, speculative=True), {}
     states.note_forward(witnessed, 64, 128, lambda: _blocks([0, 11], []))
