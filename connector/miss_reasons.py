@@ -72,14 +72,14 @@ def lookup_miss(
     served_end = num_local_tokens + num_external_tokens
     if served_end >= reach_end:
         return Miss(TAIL, (), num_tokens - served_end)
-    attention = [layout.index for layout in ordered_layouts if layout.kind is not GroupKind.MAMBA]
+    num_attention = sum(layout.kind is not GroupKind.MAMBA for layout in ordered_layouts)
     by_reason: list[tuple[str, int]] = []
     start = served_end
-    has_attention = bool(attention)
     for k in range(served_end // offload_block_size, reach):
-        reason = _block_reason(ordered_layouts, proving, k, why_absent, has_attention)
+        absences = [why_absent(layout.index, k) for layout in ordered_layouts]  # each group asked once
+        reason = _block_reason(ordered_layouts, absences, num_attention, proving, k, why_absent)
         end = (k + 1) * offload_block_size
-        if reason == NEW and all(why_absent(group, k) == NEW for group in attention):
+        if all(a == NEW for a in absences[:num_attention]) if num_attention else reason == NEW:
             # No attention group ever held it (as far as the index remembers): the blocks after it, whose
             # keys chain through it, are taken as new too; a cold prompt costs one block's questions.
             end = reach_end
@@ -93,13 +93,12 @@ def lookup_miss(
     return Miss(by_reason[0][0], tuple(by_reason), num_tokens - reach_end)
 
 
-def _block_reason(ordered_layouts, proving, k: int, why_absent: WhyAbsent, has_attention: bool) -> str:
-    """Why offloaded block ``k`` was not served: the reason of the first group lacking it (a Mamba state
-    never stored where attention groups held the block: `NO_STATE`)."""
-    for layout in ordered_layouts:
-        absent = why_absent(layout.index, k)
+def _block_reason(ordered_layouts, absences, num_attention: int, proving, k: int, why_absent: WhyAbsent) -> str:
+    """Why offloaded block ``k`` was not served: the reason of the first group lacking it (``absences``,
+    one per group; a Mamba state never stored where attention groups held the block: `NO_STATE`)."""
+    for layout, absent in zip(ordered_layouts, absences):
         if absent is not None:
-            return NO_STATE if absent == NEW and has_attention and layout.kind is GroupKind.MAMBA else absent
+            return NO_STATE if absent == NEW and num_attention and layout.kind is GroupKind.MAMBA else absent
     for group in proving:  # a drafter's KV at a block's end also needs the next block's key (its proof)
         absent = why_absent(group, k + 1)
         if absent is not None:

@@ -101,7 +101,7 @@ class StateBlocks:
             return False  # computed from a wrong state the request resumed from
         keyed_tokens = block.block_hash_num_tokens
         if keyed_tokens is not None:
-            if self._wrong_states and self._is_wrong(block):
+            if self._is_wrong(block):
                 return False  # another request's forward started inside it and went on, under this key
             return keyed_tokens == (index + 1) * size
         return seen == block.block_id
@@ -111,6 +111,4 @@ class StateBlocks:
             self._wrong_states[block.block_id] = block.block_hash
 
     def _is_wrong(self, block) -> bool:
-        wrong_states = self._wrong_states
-        return (bool(wrong_states) and block.block_hash is not None
-                and wrong_states.get(block.block_id) == block.block_hash)
+        return block.block_hash is not None and self._wrong_states.get(block.block_id) == block.block_hash
