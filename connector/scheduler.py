@@ -118,6 +118,7 @@ class KVScopeScheduler:
         # again must not write it before they have read it (`_sources_reallocated`)
         self._store_sources: dict[int, set[int]] = {}
         self._stats = KVScopeStats()
+        self._stats.declare_groups([(layout.index, layout.kind.value) for layout in layouts])  # series at 0
         # Per group, one (nanoseconds, blocks scanned, null blocks skipped) per scan: a single list
         # append on the planning path, folded into the stats payload once per stats interval.
         self._scan_log: list[list[tuple[int, int, int]]] = [[] for _ in layouts]

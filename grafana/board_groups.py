@@ -16,7 +16,8 @@ UID = "kvscope-groups"
 TITLE = "kvscope / KV groups"
 DESCRIPTION = (
     "Per KV cache group: blocks scanned, skipped and loaded, scan time, copy latency, throughput "
-    "and the bandwidth copies reach while they run. One row per group (variable `group`)."
+    "and the bandwidth copies reach while they run. One row per group (variable `group`); a group "
+    "index means another cache in another model, so every series is per model."
 )
 
 RATE = "[$__rate_interval]"
@@ -45,9 +46,12 @@ def blocks_per_second():
         "blocks did not reach a request: failed loads (see load failures on the overview), and loads "
         "whose request was aborted meanwhile, count none.",
         pc.queries(
-            (f"sum by (group, kind) (rate(kvscope_scan_blocks_total{sel(GROUP)}{RATE}))", "scanned ({{kind}})"),
-            (f"sum by (group, kind) (rate(kvscope_null_blocks_skipped_total{sel(GROUP)}{RATE}))", "null skipped ({{kind}})"),
-            (f"sum by (group, kind) (rate(kvscope_loaded_blocks_total{sel(GROUP)}{RATE}))", "loaded ({{kind}})"),
+            (f"sum by (model_name, group, kind) (rate(kvscope_scan_blocks_total{sel(GROUP)}{RATE}))",
+             "scanned ({{kind}}, {{model_name}})"),
+            (f"sum by (model_name, group, kind) (rate(kvscope_null_blocks_skipped_total{sel(GROUP)}{RATE}))",
+             "null skipped ({{kind}}, {{model_name}})"),
+            (f"sum by (model_name, group, kind) (rate(kvscope_loaded_blocks_total{sel(GROUP)}{RATE}))",
+             "loaded ({{kind}}, {{model_name}})"),
         ),
         pc.BLOCKS_PER_SECOND,
         width=pc.THIRD,
@@ -65,8 +69,8 @@ def scan_duration():
         pc.queries(*(
             (
                 pc.quantile(q, lambda *m: f"rate(kvscope_scan_duration_seconds_bucket{sel(GROUP, *m)}{RATE})",
-                            by=("group", "kind")),
-                f"p{round(q * 100)} ({{{{kind}}}})",
+                            by=("model_name", "group", "kind")),
+                f"p{round(q * 100)} ({{{{kind}}}}, {{{{model_name}}}})",
             )
             for q in (0.5, 0.99)
         )),
@@ -84,8 +88,8 @@ def copy_latency_by_direction():
         pc.queries(*(
             (
                 pc.quantile(q, lambda *m: f"rate(kvscope_copy_duration_seconds_bucket{sel(GROUP, *m)}{RATE})",
-                            by=("direction",)),
-                f"p{round(q * 100)} {{{{direction}}}}",
+                            by=("model_name", "direction")),
+                f"p{round(q * 100)} {{{{direction}}}} ({{{{model_name}}}})",
             )
             for q in (0.5, 0.99)
         )),
@@ -102,8 +106,8 @@ def copy_throughput_by_direction():
         "workers (a worker's copied part of a load that failed on another worker included). Groups "
         "with null-skipped blocks move fewer bytes per token; that is the saving of the hybrid-aware plan.",
         pc.queries(
-            (f"sum(rate(kvscope_load_bytes_total{sel(GROUP)}{RATE}))", "load"),
-            (f"sum(rate(kvscope_store_bytes_total{sel(GROUP)}{RATE}))", "store"),
+            (f"sum by (model_name) (rate(kvscope_load_bytes_total{sel(GROUP)}{RATE}))", "load ({{model_name}})"),
+            (f"sum by (model_name) (rate(kvscope_store_bytes_total{sel(GROUP)}{RATE}))", "store ({{model_name}})"),
         ),
         "Bps",
         width=pc.THIRD,
@@ -120,14 +124,14 @@ def copy_bandwidth_while_copying():
         "memory that is not pinned.",
         pc.queries(
             (
-                f"sum(rate(kvscope_load_bytes_total{sel(GROUP)}{RATE})) / "
-                f"(sum(rate(kvscope_copy_duration_seconds_sum{sel(GROUP, LOAD)}{RATE})) > 0)",
-                "load",
+                f"sum by (model_name) (rate(kvscope_load_bytes_total{sel(GROUP)}{RATE})) / "
+                f"(sum by (model_name) (rate(kvscope_copy_duration_seconds_sum{sel(GROUP, LOAD)}{RATE})) > 0)",
+                "load ({{model_name}})",
             ),
             (
-                f"sum(rate(kvscope_store_bytes_total{sel(GROUP)}{RATE})) / "
-                f"(sum(rate(kvscope_copy_duration_seconds_sum{sel(GROUP, STORE)}{RATE})) > 0)",
-                "store",
+                f"sum by (model_name) (rate(kvscope_store_bytes_total{sel(GROUP)}{RATE})) / "
+                f"(sum by (model_name) (rate(kvscope_copy_duration_seconds_sum{sel(GROUP, STORE)}{RATE})) > 0)",
+                "store ({{model_name}})",
             ),
         ),
         "Bps",
@@ -143,16 +147,17 @@ def copies_per_second():
         "copies cost launch overhead each; if copies are small, a larger offload block_size batches "
         "more tokens per copy.",
         pc.queries(
-            (f"sum by (direction) (rate(kvscope_copy_duration_seconds_count{sel(GROUP)}{RATE}))", "{{direction}} copies/s"),
+            (f"sum by (model_name, direction) (rate(kvscope_copy_duration_seconds_count{sel(GROUP)}{RATE}))",
+             "{{direction}} copies/s ({{model_name}})"),
             (
-                f"sum(rate(kvscope_load_bytes_total{sel(GROUP)}{RATE})) / "
-                f"(sum(rate(kvscope_copy_duration_seconds_count{sel(GROUP, LOAD)}{RATE})) > 0)",
-                "bytes per load",
+                f"sum by (model_name) (rate(kvscope_load_bytes_total{sel(GROUP)}{RATE})) / "
+                f"(sum by (model_name) (rate(kvscope_copy_duration_seconds_count{sel(GROUP, LOAD)}{RATE})) > 0)",
+                "bytes per load ({{model_name}})",
             ),
         ),
         "short",
         width=pc.THIRD,
-    ).override_by_name("bytes per load", [
+    ).override_by_query("B", [  # the bytes per load, one series per model
         DynamicConfigValue(id_val="unit", value="bytes"),
         DynamicConfigValue(id_val="custom.axisPlacement", value="right"),
     ])

@@ -27,8 +27,10 @@ def token_hit_rate_stat():
         "Token hit rate (5m)",
         "Share of prompt tokens looked up in the host tier that were found there, over the last 5 "
         "minutes (recording rules kvscope:hit_tokens:rate5m / kvscope:lookup_tokens:rate5m, the "
-        "numbers the KVScopeHitRateCollapsed alert uses). Each hit token is prefill the engine "
-        "does not recompute. Low with a workload that repeats prefixes (chat history, shared system "
+        "numbers the KVScopeHitRateCollapsed alert uses, per instance and engine: pick one of each to "
+        "see an alert's number). Each hit token is prefill the engine does not recompute, unless its "
+        "load fails (see load failures; the request is then looked up again and counts its tokens "
+        "a second time, with no hit). Low with a workload that repeats prefixes (chat history, shared system "
         "prompts) means the tier is too small (see evictions) or blocks are evicted before reuse: "
         "raise cpu_bytes. A sudden drop at steady traffic points at a restart that emptied the tier "
         "or at a changed prompt prefix.",
@@ -45,8 +47,8 @@ def token_hit_rate_over_time():
     return pc.timeseries(
         "Token hit rate over time",
         "Hit tokens / looked-up tokens per model, at the zoom level's rate interval, plus the 5-minute "
-        "recorded ratio the alert evaluates. The rate a prefix-heavy workload reaches here is the "
-        "ceiling of prefill saved; compare with evictions and host tier usage when it sags. No data "
+        "recorded ratio the alert evaluates (the alert per instance and engine). The rate a "
+        "prefix-heavy workload reaches here is the ceiling of prefill saved; compare with evictions and host tier usage when it sags. No data "
         "means no lookups (no traffic, or the connector is not loaded: check vLLM's start-up log).",
         pc.queries(
             (
@@ -57,7 +59,7 @@ def token_hit_rate_over_time():
             (
                 f"sum by (model_name) (kvscope:hit_tokens:rate5m{sel()}) / "
                 f"(sum by (model_name) (kvscope:lookup_tokens:rate5m{sel()}) > 0)",
-                "{{model_name}} (5m, as alerted)",
+                "{{model_name}} (5m, recording rules)",
             ),
         ),
         "percentunit",
@@ -168,7 +170,8 @@ def request_load_p99_stat():
         "the end of an engine step, so it includes that step's time; recording rule "
         "kvscope:request_load_duration_seconds_bucket:rate5m). The request's prefill waits this "
         "long; it should stay well below the prefill time it saves. Red is the "
-        "KVScopeLoadLatencyHigh alert threshold (500 ms). If high: check copy latency and "
+        "KVScopeLoadLatencyHigh alert threshold (500 ms; the alert is per instance and engine, this "
+        "stat over every selected one: pick one of each to see an alert's number). If high: check copy latency and "
         "throughput below (PCIe/host memory bandwidth), and whether the host is swapping.",
         pc.queries((
             pc.quantile(0.99, lambda *m: f"kvscope:request_load_duration_seconds_bucket:rate5m{sel(*m)}"),

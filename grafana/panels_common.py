@@ -1,7 +1,7 @@
 """Shared defaults for the kvscope Grafana boards: datasource, selectors, variables, panel styles.
 
 Every board module builds its panels through these helpers so that all boards look alike and
-filter alike (`$model_name`, `$engine`), and so that rendering is deterministic.
+filter alike (`$model_name`, `$instance`, `$engine`), and so that rendering is deterministic.
 """
 
 from __future__ import annotations
@@ -22,8 +22,9 @@ TAG = "kvscope"
 # Every panel queries the Prometheus chosen in the `datasource` variable.
 DATASOURCE = dashboard_m.DataSourceRef(type_val="prometheus", uid="${datasource}")
 
-# Label filter shared by every query: vLLM adds these engine labels to all of its metrics.
-ENGINE_SELECTOR = 'model_name=~"$model_name", engine=~"$engine"'
+# Label filter shared by every query: vLLM adds model_name and engine to all of its metrics, and
+# Prometheus adds instance (the scrape target: one vLLM server; every server's first engine is 0).
+ENGINE_SELECTOR = 'model_name=~"$model_name", instance=~"$instance", engine=~"$engine"'
 
 # Grid: 24 columns wide.
 FULL, HALF, THIRD, QUARTER = 24, 12, 8, 6
@@ -188,15 +189,22 @@ def label_variable(name: str, label: str, metric_selector: str, description: str
 
 
 def engine_variables() -> list[dashboard_b.QueryVariable]:
-    """`model_name` and `engine`, the labels vLLM puts on every metric it exports."""
+    """`model_name` and `engine`, the labels vLLM puts on every metric it exports, and the scrape
+    target `instance` between them: alerts fire per instance and engine, so one pick of each shows
+    what an alert saw."""
     return [
         label_variable(
             "model_name", "Model", "kvscope_lookup_tokens_total",
             "vLLM's model_name label (the served model name).",
         ),
         label_variable(
-            "engine", "Engine", 'kvscope_lookup_tokens_total{model_name=~"$model_name"}',
-            "vLLM's engine label (engine core index; several with data parallelism).",
+            "instance", "Instance", 'kvscope_lookup_tokens_total{model_name=~"$model_name"}',
+            "The scrape target: one vLLM server. Replicas of a model each have an engine 0; pick one "
+            "instance and one engine to see the numbers an alert on them uses.",
+        ),
+        label_variable(
+            "engine", "Engine", 'kvscope_lookup_tokens_total{model_name=~"$model_name", instance=~"$instance"}',
+            "vLLM's engine label (engine core index within one server; several with data parallelism).",
         ),
     ]
 

@@ -26,7 +26,9 @@ scheduler and msgpack-encoded by vLLM towards the front end)::
       "host_used_bytes": int, "host_capacity_bytes": int,     # gauges
     }
 
-Keys appear when first recorded. Aggregation sums counters, concatenates observations and keeps
+Keys appear when first recorded, except the per-group series: the scheduler's first payload names
+every group, kind and direction with zeros (`declare_groups`), so each series exists from the start
+and ``rate()`` sees its first increase after a restart. Aggregation sums counters, concatenates observations and keeps
 the *latest* gauge value (the payload aggregated in, ``other``, is the newer one in vLLM's order;
 only the host tier's owner reports the gauges, so there is nothing to combine).
 
@@ -112,6 +114,21 @@ class KVScopeStats(KVConnectorStats):
         return cls(data=data if isinstance(data, dict) else dict(data or {}))
 
     # ------------------------------------------------------------------ recording
+    def declare_groups(self, groups: list[tuple[int, str]]) -> None:
+        """Zero entries for every per-group series of these ``(group, kind)`` pairs, load and store
+        alike: the metrics create a series when its key first arrives, and one created at its first
+        value loses that value to ``rate()`` and ``increase()`` (and a board listing groups would miss
+        a group not loaded yet)."""
+        data = self.data
+        for group, kind in groups:
+            key = group_key(group, kind)
+            for counter in _GROUP_COUNTERS:
+                data.setdefault(counter, {}).setdefault(key, 0)
+            for observations in _GROUP_OBSERVATIONS:
+                data.setdefault(observations, {}).setdefault(key, [])
+            for direction in DIRECTIONS:
+                data.setdefault("copy_duration_s", {}).setdefault(copy_key(group, kind, direction), [])
+
     def record_lookup(self, queried_tokens: int, hit_tokens: int) -> None:
         """One lookup against the host tier; ``hit_tokens`` is clamped to ``0..queried_tokens``."""
         queried = max(0, int(queried_tokens))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -80,7 +81,7 @@ def test_board_conventions(path):
     variables = {v["name"]: v for v in board["templating"]["list"]}
     assert variables["datasource"]["type"] == "datasource"
     assert variables["datasource"]["query"] == "prometheus"
-    for name in ("model_name", "engine"):
+    for name in ("model_name", "instance", "engine"):  # alerts fire per instance and engine: each can be picked
         v = variables[name]
         assert v["type"] == "query"
         assert v["query"].startswith("label_values(") and v["query"].rstrip(")").endswith(name)
@@ -98,9 +99,25 @@ def test_board_conventions(path):
         for target in panel["targets"]:
             assert 'model_name=~"$model_name"' in target["expr"], f"{title}: query not filtered by model_name"
             assert 'engine=~"$engine"' in target["expr"], f"{title}: query not filtered by engine"
+            assert 'instance=~"$instance"' in target["expr"], f"{title}: query not filtered by instance"
         ref_ids = [t["refId"] for t in panel["targets"]]
         assert len(ref_ids) == len(set(ref_ids)), title
         assert panel["fieldConfig"]["defaults"].get("unit"), f"{title}: no unit"
+
+
+def test_the_groups_board_never_adds_up_groups_of_different_models():
+    """A group index is a cache of one model: group 1 of a sliding-window model and group 1 of a
+    full-attention model differ in block size and kind. Every sum on the per-group board keeps
+    model_name (with All models selected, one series per model)."""
+    board = _board(next(p for p in BOARD_FILES if p.stem == "kvscope-groups"))
+    sums = 0
+    for panel in iter_panels(board["panels"]):
+        for target in panel.get("targets", ()):
+            for match in re.finditer(r"\bsum\b\s*(by\s*\(([^)]*)\))?", target["expr"]):
+                sums += 1
+                by = [label.strip() for label in (match.group(2) or "").split(",")]
+                assert "model_name" in by, f"{panel['title']}: {match.group(0)!r} adds up models in {target['expr']!r}"
+    assert sums > 10
 
 
 @pytest.mark.parametrize("path", BOARD_FILES, ids=lambda p: p.name)

@@ -20,8 +20,8 @@ from .promtools import PrometheusServer, fast_scrape_config, require_binary
 
 # Grafana's built-ins, as a short dashboard range would set them with 1s scrapes.
 BUILTINS = {"__rate_interval": "30s", "__interval": "5s", "__range": "5m", "datasource": "prometheus"}
-ALL_VALUES = {**BUILTINS, "model_name": ".*", "engine": ".*", "group": ".*"}
-ACTUAL_VALUES = {**BUILTINS, "model_name": synth.MODEL_NAME, "engine": synth.ENGINE, "group": "1"}
+ALL_VALUES = {**BUILTINS, "model_name": ".*", "instance": ".*", "engine": ".*", "group": ".*"}
+ACTUAL_VALUES = {**BUILTINS, "model_name": synth.MODEL_NAME, "instance": ".+", "engine": synth.ENGINE, "group": "1"}
 WAIT_S = 45
 
 

@@ -14,7 +14,7 @@ from .promcheck import board_queries, substitute
 from .promtools import require_binary, run_promtool
 
 VARIABLES = {"__rate_interval": "5m", "__interval": "1m", "__range": "5m", "datasource": "prometheus",
-             "model_name": ".*", "engine": ".*", "group": ".*"}
+             "model_name": ".*", "instance": ".*", "engine": ".*", "group": ".*"}
 ENGINE = 'model_name="tiny", engine="0"'
 # Every latency histogram of the contract with the labels kvscope gives it, counts frozen (idle).
 IDLE_HISTOGRAMS = {

@@ -355,7 +355,7 @@ def test_every_board_query_and_rule_returns_data_from_the_real_engine(prometheus
     from tests.dashboards.promcheck import evaluate_board_queries, rule_health_failures
 
     variables = {"__rate_interval": "30s", "__interval": "5s", "__range": "5m",
-                 "datasource": "prometheus", "model_name": ".*", "engine": ".*", "group": ".*"}
+                 "datasource": "prometheus", "model_name": ".*", "instance": ".*", "engine": ".*", "group": ".*"}
     url = prometheus_scraping_server.url
     deadline = time.time() + 120
     failures = ["not evaluated"]

@@ -92,6 +92,31 @@ def test_unlabelled_series_exist_at_zero_before_any_observation(registry, prom_m
             assert registry.get_sample_value("kvscope_missed_tokens_total", {**labels, "reason": reason}) == 0
 
 
+def test_every_groups_series_exists_at_zero_from_the_schedulers_first_payload(registry, prom_metrics):
+    """A series created at its first value loses that value to rate() and increase(), and a board
+    listing groups misses one never loaded: the scheduler's first payload names them all at zero."""
+    from connector.telemetry.tracing import KVScopeTracing
+    from tests.telemetry.test_scheduler_spans import LAYOUTS, make_scheduler
+
+    payload = make_scheduler(KVScopeTracing.disabled()).take_stats().data
+    prom_metrics.observe(payload, engine_idx=1)
+    get = registry.get_sample_value
+    for layout in LAYOUTS:
+        group = engine_labels(1, group=str(layout.index), kind=layout.kind.value)
+        for name in ("kvscope_scan_blocks_total", "kvscope_null_blocks_skipped_total", "kvscope_loaded_blocks_total",
+                     "kvscope_load_bytes_total", "kvscope_store_bytes_total", "kvscope_scan_duration_seconds_count"):
+            assert get(name, group) == 0, name
+        for direction in ("load", "store"):
+            assert get("kvscope_copy_duration_seconds_count", {**group, "direction": direction}) == 0
+    assert get("kvscope_scan_blocks_total", engine_labels(0, group="0", kind="sliding_window")) is None
+    # the zeros add nothing where real payloads follow, nor to vLLM's log line
+    stats = KVScopeStats(data=payload).aggregate(KVScopeStats(data=_payload()))
+    prom_metrics.observe(stats.data, engine_idx=1)
+    assert get("kvscope_scan_blocks_total", engine_labels(1, group="1", kind="sliding_window")) == 8
+    assert get("kvscope_scan_blocks_total", engine_labels(1, group="1", kind="full_attention")) == 0
+    assert stats.reduce()["loaded_blocks"] == 2
+
+
 def test_observe_applies_a_payload_per_engine(registry, prom_metrics):
     prom_metrics.observe(_payload(), engine_idx=1)
     prom_metrics.observe(_payload(), engine_idx=1)
