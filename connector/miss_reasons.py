@@ -79,7 +79,7 @@ def lookup_miss(
         absences = [why_absent(layout.index, k) for layout in ordered_layouts]  # each group asked once
         reason = _block_reason(ordered_layouts, absences, num_attention, proving, k, why_absent)
         end = (k + 1) * offload_block_size
-        if all(a == NEW for a in absences[:num_attention]) if num_attention else reason == NEW:
+        if reason == NEW and all(a == NEW for a in absences[:num_attention]):
             # No attention group ever held it (as far as the index remembers): the blocks after it, whose
             # keys chain through it, are taken as new too; a cold prompt costs one block's questions.
             end = reach_end
@@ -95,10 +95,20 @@ def lookup_miss(
 
 def _block_reason(ordered_layouts, absences, num_attention: int, proving, k: int, why_absent: WhyAbsent) -> str:
     """Why offloaded block ``k`` was not served: the reason of the first group lacking it (``absences``,
-    one per group; a Mamba state never stored where attention groups held the block: `NO_STATE`)."""
+    one per group; a Mamba state never stored where attention groups held the block: `NO_STATE`), but
+    a group that remembers how the block left comes before one that says `NEW`: the groups' entries
+    leave at different times (a load refreshes only the blocks a sliding window needs), and the one
+    that left first may be forgotten already (the index remembers as many keys as it has slots)."""
+    first = None
     for layout, absent in zip(ordered_layouts, absences):
-        if absent is not None:
-            return NO_STATE if absent == NEW and num_attention and layout.kind is GroupKind.MAMBA else absent
+        if absent is None:
+            continue
+        if absent != NEW:
+            return absent
+        if first is None:
+            first = NO_STATE if num_attention and layout.kind is GroupKind.MAMBA else NEW
+    if first is not None:
+        return first
     for group in proving:  # a drafter's KV at a block's end also needs the next block's key (its proof)
         absent = why_absent(group, k + 1)
         if absent is not None:

@@ -13,6 +13,7 @@ from connector.miss_reasons import (
     NEW,
     NO_STATE,
     OTHER_BLOCKS,
+    RESET,
     STORING,
     TAIL,
     lookup_miss,
@@ -76,6 +77,18 @@ def test_a_blocks_reason_is_that_of_the_first_group_lacking_it():
     assert lookup_miss([FULL, SWA], 300, 0, 128, 4, B, absent(table)) == (EVICTED, ((EVICTED, 64), (NEW, 64)), 44)
     table = {(0, 2): STORING, (1, 2): EVICTED, (0, 3): STORING}
     assert lookup_miss([FULL, SWA], 300, 0, 128, 4, B, absent(table)).by_reason == ((STORING, 128),)
+
+
+def test_a_group_that_remembers_how_the_block_left_comes_before_one_that_says_new():
+    # The groups' entries leave at different times (a load refreshes only the blocks a sliding window
+    # needs: its other blocks are evicted first), and the index forgets the oldest departures: a reset
+    # that emptied the full-attention group is the reason, not the sliding window's forgotten eviction.
+    table = {(1, 2): NEW, (0, 2): RESET, (1, 3): NEW, (0, 3): RESET}
+    assert lookup_miss([SWA, FULL], 300, 0, 128, 4, B, absent(table)) == (RESET, ((RESET, 128),), 44)
+    # a Mamba state that was evicted where the attention groups forgot theirs: evicted, and the walk goes on
+    layouts = miss_order([MAMBA, FULL])
+    table = {(0, 2): NEW, (2, 2): EVICTED, (0, 3): NEW, (2, 3): NEW}
+    assert lookup_miss(layouts, 300, 0, 128, 4, B, absent(table)).by_reason == ((EVICTED, 64), (NEW, 64))
 
 
 def test_a_device_hit_moves_where_the_miss_starts():
