@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -22,7 +21,8 @@ def streamlit_command(paths: Sequence[str], streamlit_args: Sequence[str] = ()) 
 
 
 def main(paths: list[str], streamlit_args: Sequence[str] = ()) -> int:
-    """Run the dashboard on `paths` until it is stopped; returns the exit status.
+    """Run the dashboard on `paths`: this process becomes streamlit's; returns an exit status only
+    when it cannot start.
 
     `streamlit_args` go to `streamlit run` (e.g. ["--server.port", "8502", "--server.headless", "true"]).
     """
@@ -34,11 +34,11 @@ def main(paths: list[str], streamlit_args: Sequence[str] = ()) -> int:
     if missing:
         print(f"kvscope dashboard: no such trace file or directory: {', '.join(missing)}", file=sys.stderr)
         return 2
-    process = subprocess.Popen(streamlit_command(paths, streamlit_args))
-    try:
-        return process.wait()
-    except KeyboardInterrupt:  # Ctrl-C reaches streamlit too; let it shut down
-        return process.wait()
+    command = streamlit_command(paths, streamlit_args)
+    # Become streamlit instead of waiting for it: a signal to this process (a supervisor's SIGTERM,
+    # SIGKILL) then stops the server itself; a waiting parent left it running, orphaned.
+    os.execv(command[0], command)
+    return 1  # not reached: execv replaces this process or raises
 
 
 if __name__ == "__main__":

@@ -68,21 +68,53 @@ def test_formatting():
 
 def test_launch_runs_streamlit_on_the_app_with_the_paths(monkeypatch):
     started = []
-
-    class FakePopen:
-        def __init__(self, cmd):
-            started.append(cmd)
-
-        def wait(self):
-            return 0
-
-    monkeypatch.setattr(launch.subprocess, "Popen", FakePopen)
-    assert launch.main([str(TWO_ROUNDS)], ["--server.port", "8599"]) == 0
-    cmd = started[0]
-    assert cmd[:4] == [sys.executable, "-m", "streamlit", "run"]
+    monkeypatch.setattr(launch.os, "execv", lambda path, cmd: started.append((path, cmd)))
+    launch.main([str(TWO_ROUNDS)], ["--server.port", "8599"])
+    path, cmd = started[0]
+    assert path == cmd[0] and cmd[:4] == [sys.executable, "-m", "streamlit", "run"]
     assert Path(cmd[4]) == conftest.APP
     assert cmd[cmd.index("--server.port") + 1] == "8599"
     assert cmd[cmd.index("--") + 1:] == [str(TWO_ROUNDS)]
+
+
+def test_a_supervisors_sigterm_to_kvscope_dashboard_stops_the_server():
+    """The real command: `kvscope dashboard` serves, and SIGTERM to the process started stops the
+    server (a launcher that waited on streamlit left it running, orphaned, on its port)."""
+    import signal
+    import subprocess
+    import time
+    import urllib.request
+
+    from tests.dashboard_app.browser import free_port
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "connector.cli", "dashboard", str(TWO_ROUNDS), "--headless",
+                             "--port", str(port), "--address", "127.0.0.1"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    health = f"http://127.0.0.1:{port}/_stcore/health"
+
+    def answers() -> bool:
+        try:
+            with urllib.request.urlopen(health, timeout=2) as r:
+                return r.read().strip() == b"ok"
+        except OSError:
+            return False
+
+    try:
+        deadline = time.monotonic() + 60
+        while not answers():
+            assert proc.poll() is None and time.monotonic() < deadline, "kvscope dashboard did not start"
+            time.sleep(0.3)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(20) is not None
+        deadline = time.monotonic() + 10
+        while answers():  # nothing left serving on the port
+            assert time.monotonic() < deadline, "the dashboard still serves after SIGTERM"
+            time.sleep(0.3)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 def test_launch_refuses_missing_paths(capsys):
