@@ -20,23 +20,29 @@ WATERFALL_TABLE_COLUMNS = {
 
 
 def read_problems(read: traces.Traces) -> None:
-    """A warning with the lines the reader skipped, by file and line number."""
-    if not read.problems:
+    """A warning with the lines the reader skipped, by file and line number; spans read twice (the same span in
+    two files) only a note, as they count once."""
+    duplicates = [p for p in read.problems if p.reason == traces.DUPLICATE_SPAN]
+    if duplicates:
+        st.caption(f"{sum(p.spans or 0 for p in duplicates)} span(s) were in two of the files read (a Collector's "
+                   "copy beside the connector's trace file, or a file given twice): each counts once.")
+    problems = [p for p in read.problems if p.reason != traces.DUPLICATE_SPAN]
+    if not problems:
         return
-    spans = sum(p.spans or 0 for p in read.problems)
+    spans = sum(p.spans or 0 for p in problems)
     # places, not problems: one line can break the contract in several ways
-    unknown = len({(p.file, p.line) for p in read.problems if p.spans is None})
-    lines = len({(p.file, p.line) for p in read.problems if p.line})
+    unknown = len({(p.file, p.line) for p in problems if p.spans is None})
+    lines = len({(p.file, p.line) for p in problems if p.line})
     skipped = f"{spans} kvscope span(s) skipped"
     if unknown:  # a line that does not parse (or a file not read) held how many? nobody can tell
         skipped += f", and an unknown number in {unknown} line(s) or file(s) that could not be read"
     st.warning(
-        f"{len(read.problems)} problem(s) while reading the trace files ({lines} line(s), {skipped}): "
-        f"{traces.problem_lines(read.problems)}. Everything else is shown.",
+        f"{len(problems)} problem(s) while reading the trace files ({lines} line(s), {skipped}): "
+        f"{traces.problem_lines(problems)}. Everything else is shown.",
         icon=":material/warning:",
     )
     with st.expander("Skipped lines and spans"):
-        st.dataframe(traces.problems_frame(read.problems), hide_index=True, width="stretch", placeholder="unknown",
+        st.dataframe(traces.problems_frame(problems), hide_index=True, width="stretch", placeholder="unknown",
                      column_config={"reason": st.column_config.TextColumn("reason", width="large")})
 
 
@@ -61,6 +67,12 @@ def request_numbers(request: pd.Series) -> None:
     cols[1].metric("Request hit rate", formatting.percent(request["hit_rate"]))
     cols[2].metric("Load time", formatting.millis(request["load_ms"]), help=traces.LOAD_TIME_DEFINITION)
     cols[3].metric("Loaded from host", formatting.data_size(request["bytes_loaded"]))
+    if pd.notna(request["load_ms"]) and pd.notna(request["load_copy_ms"]):  # where its load time went
+        waited = max(0.0, request["load_ms"] - request["load_copy_ms"])
+        st.caption(f"Load time: {formatting.millis(request['load_copy_ms'])} copying (its first copy's start to "
+                   f"its last copy's end, every worker and group) and {formatting.millis(waited)} before the "
+                   "first copy started: planning, then waiting for a worker to run the engine step that starts "
+                   "it (a long step before it, or copies queued ahead, delay it).")
     reason = request["miss_reason"]
     if isinstance(reason, str):  # trace files that record it
         text = traces.MISS_REASON_TEXT.get(reason, "a reason this version of the app does not know")

@@ -32,7 +32,7 @@ from dashboard.traces.hit_rates import (
     misses_by_reason,
     pick_bucket_seconds,
 )
-from dashboard.traces.problems import Problem, problem_lines, problems_frame
+from dashboard.traces.problems import DUPLICATE_SPAN, Problem, problem_lines, problems_frame
 from dashboard.traces.reader import (
     DecodedSpans,
     Traces,
@@ -77,7 +77,8 @@ from dashboard.traces.vllm_spans import VLLM_COLUMNS, VLLM_REQUEST_SPAN
 from dashboard.traces.waterfall import VLLM_KIND, waterfall_rows
 
 __all__ = [
-    "ATTRIBUTE_COLUMNS", "COPY", "GROUP_COPY_COLUMNS", "GROUP_COPY_DEFINITION", "GROUP_KINDS", "HIT_RATE_DEFINITION",
+    "ATTRIBUTE_COLUMNS", "COPY", "DUPLICATE_SPAN", "GROUP_COPY_COLUMNS", "GROUP_COPY_DEFINITION", "GROUP_KINDS",
+    "HIT_RATE_DEFINITION",
     "LOAD", "LOAD_FAILED_DEFINITION", "MISS_REASON_DEFINITION", "MISS_REASON_TEXT", "MISSES_COLUMNS",
     "MISSES_DEFINITION",
     "LOAD_TIME_DEFINITION", "LOOKUP", "OUTCOME_COLUMNS", "OUTCOME_DEFINITION", "REPLAY_COLUMNS", "REPLAY_DEFINITION", "REQUEST_COLUMNS", "REQUEST_FILTERS",

@@ -45,13 +45,14 @@ def _quantile_row(values: pd.Series) -> dict[str, float]:
     values = values.dropna().astype(float)
     if values.empty:
         return {"count": 0, "p50_ms": math.nan, "p95_ms": math.nan, "p99_ms": math.nan, "max_ms": math.nan}
-    q = np.percentile(values.to_numpy(), [q * 100 for q in QUANTILES])
+    q = np.percentile(values.to_numpy(), [q * 100 for q in QUANTILES], method="inverted_cdf")  # nearest rank
     return {"count": int(len(values)), "p50_ms": q[0], "p95_ms": q[1], "p99_ms": q[2],
             "max_ms": float(values.max())}
 
 
 def load_latency_quantiles(spans: pd.DataFrame, requests: pd.DataFrame) -> pd.DataFrame:
-    """p50/p95/p99 (linear interpolation) of request load time, then of load copies per group."""
+    """p50/p95/p99 (nearest rank: each is a value that occurred) of request load time, then of load copies
+    per group."""
     rows = [{"scope": "request load (all groups)", "group_index": pd.NA, "group_kind": "",
              **_quantile_row(requests["load_ms"])}]
     copies = copies_of(spans, "load", timed=True)

@@ -11,6 +11,11 @@ import pandas as pd
 from dashboard.formatting import names
 
 
+# Not a fault: the same span in two files (a Collector's copy beside the connector's trace file, as the
+# README suggests reading them together, or a file given twice) is kept once.
+DUPLICATE_SPAN = "duplicate span (same ids and times as an earlier one)"
+
+
 @dataclass(frozen=True)
 class Problem:
     """Something the reader skipped: `line` is 1-based, 0 when it concerns the whole file."""

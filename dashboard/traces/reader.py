@@ -26,7 +26,7 @@ import pandas as pd
 
 from dashboard.traces.file_formats import as_json_lines
 from dashboard.traces.owners import CLOCK_TOLERANCE_NS, owner_keys, starts_before_owner
-from dashboard.traces.problems import Problem
+from dashboard.traces.problems import DUPLICATE_SPAN, Problem
 from dashboard.traces.schema import (
     ALLOWED_VALUES,
     ATTRIBUTE_COLUMNS,
@@ -558,7 +558,7 @@ def _combine(frames: list[pd.DataFrame]) -> tuple[pd.DataFrame, list[Problem]]:
     ids = ["trace_id", "span_id"]
     dup = frame.duplicated([*ids, "name", "start_ns", "end_ns"], keep="first").to_numpy()
     if dup.any():  # the same span twice: a file read twice, or a Collector copy beside the connector's
-        problems = _problems_at(frame, dup, "duplicate span (same ids and times as an earlier one)")
+        problems = _problems_at(frame, dup, DUPLICATE_SPAN)
         frame = frame[~dup].reset_index(drop=True)
     # Kept: different spans. Owners are looked for in the child's own file first (`owners`), and in
     # another file only when one span of all the others has the id, so a span id reused in another

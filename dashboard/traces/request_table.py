@@ -69,6 +69,7 @@ REQUEST_COLUMNS = (
     "tokens_external",
     "groups",
     "load_ms",
+    "load_copy_ms",
     "loads",
     "load_failed",
     "load_mistimed",
@@ -117,6 +118,8 @@ def requests_table(spans: pd.DataFrame, vllm: pd.DataFrame | None = None) -> pd.
     out["load_failed"] = by_request["failed"].any().reindex(ids).fillna(False).astype(bool)
     out["load_mistimed"] = by_request["mistimed"].any().reindex(ids).fillna(False).astype(bool)
     out["load_ms"] = by_request["load_ms"].sum(min_count=1).reindex(ids).astype(float)
+    copy_ms = by_request["copy_ms"].sum(min_count=1).reindex(ids).astype(float)
+    out["load_copy_ms"] = copy_ms.where(out["load_ms"].notna())
     out["bytes_loaded"] = by_request["bytes"].sum(min_count=1).reindex(ids).astype("Int64")
     out["bytes_stored"] = _bytes_stored(spans).reindex(ids).astype("Int64")
 
@@ -147,19 +150,24 @@ def _bytes_stored(spans: pd.DataFrame) -> pd.Series:
 def load_rows(spans: pd.DataFrame) -> pd.DataFrame:
     """One row per `kvscope.load` span: span_key, trace_id, request_id, span_id, start_ns, load_ms (NA when
     no copy of it was recorded, it failed, or one of its copies is timed on another clock: `mistimed`),
-    its load copies and the bytes they moved, and whether it failed (`LOAD_FAILED_DEFINITION`)."""
+    copy_ms (from its first copy's start to its last copy's end, on every worker and group: the part of
+    load_ms spent copying; NA where load_ms is), its load copies and the bytes they moved, and whether
+    it failed (`LOAD_FAILED_DEFINITION`)."""
     loads = spans.loc[spans["name"] == LOAD, ["span_key", *REQUEST_KEY, "span_id", "start_ns"]].set_index("span_key")
     copies = spans[(spans["name"] == COPY) & (spans["copy_direction"] == "load")].groupby("owner_key", sort=False)
     failed = copies["status_code"].max().reindex(loads.index).fillna(0) == STATUS_ERROR
     mistimed = ~copies["clock_ok"].all().reindex(loads.index).fillna(True).astype(bool)
     end = copies["end_ns"].max().astype("Int64").reindex(loads.index)
     load_ms = ((end - loads["start_ns"].astype("Int64")) / 1e6).astype(float).where(~failed & ~mistimed)
+    first_start = copies["start_ns"].min().astype("Int64").reindex(loads.index)
+    copy_ms = ((end - first_start) / 1e6).astype(float).where(load_ms.notna())
     return pd.DataFrame({
         "trace_id": loads["trace_id"],
         "request_id": loads["request_id"],
         "span_id": loads["span_id"],
         "start_ns": loads["start_ns"],
         "load_ms": load_ms,
+        "copy_ms": copy_ms,
         "copies": copies.size().reindex(loads.index).fillna(0).astype("int64"),
         "bytes": copies["copy_bytes"].sum().reindex(loads.index).astype("Int64"),
         "failed": failed.astype(bool),
@@ -173,7 +181,7 @@ def _empty_requests() -> pd.DataFrame:
     for col in ("tokens_queried", "tokens_hit", "tokens_local", "tokens_external", "groups",
                 "bytes_loaded", "bytes_stored"):
         frame[col] = frame[col].astype("Int64")
-    for col in ("hit_rate", "load_ms", "t_s"):
+    for col in ("hit_rate", "load_ms", "load_copy_ms", "t_s"):
         frame[col] = frame[col].astype(float)
     frame["lookups"] = frame["lookups"].astype("int64")
     frame["loads"] = frame["loads"].astype("int64")

@@ -44,7 +44,7 @@ st.altair_chart(charts.hit_rate_over_time(over_time, bucket_s), width="stretch")
 
 misses = traces.misses_by_reason(spans)
 if not misses.empty:  # trace files that record why each lookup missed
-    st.subheader("Why the host tier missed", help=traces.MISS_REASON_DEFINITION)
+    st.subheader("Why the host tier served no more", help=traces.MISS_REASON_DEFINITION)
     st.caption(traces.MISSES_DEFINITION + " 'evicted': a larger tier would have served them.")
     st.dataframe(
         misses,

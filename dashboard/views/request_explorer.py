@@ -52,7 +52,7 @@ st.dataframe(
         "tokens_queried": st.column_config.NumberColumn("queried", help="Σ over the request's lookups"),
         "tokens_hit": st.column_config.NumberColumn("hit", help="Σ over the request's lookups"),
         "hit_rate": st.column_config.NumberColumn("hit rate", format="percent"),
-        "miss_reason": st.column_config.TextColumn("missed because", help=traces.MISS_REASON_DEFINITION),
+        "miss_reason": st.column_config.TextColumn("served no more because", help=traces.MISS_REASON_DEFINITION),
         "tokens_local": st.column_config.NumberColumn("local"),
         "tokens_external": st.column_config.NumberColumn("external"),
         "groups": st.column_config.NumberColumn("groups"),

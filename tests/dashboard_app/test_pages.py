@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from streamlit.testing.v1 import AppTest
 
-from dashboard import traces
+from dashboard import formatting, traces
 
 from .conftest import APP, FIXTURES, MALFORMED, TWO_ROUNDS, raw_spans
 from .test_joins import copy, load
@@ -203,7 +203,7 @@ def test_requests_page_shows_vllm_latencies_and_copies_per_group(monkeypatch, tm
 def test_overview_shows_why_the_tier_missed(monkeypatch, expected):
     at = app(monkeypatch, TWO_ROUNDS)
     assert_ok(at)
-    assert "Why the host tier missed" in [h.value for h in at.subheader]
+    assert "Why the host tier served no more" in [h.value for h in at.subheader]
     table = next(d.value for d in at.dataframe if "miss_reason" in d.value.columns).set_index("miss_reason")
     assert table["tokens_not_served"].sum() == sum(s["tokens.queried"] - s["tokens.hit"] for s in expected.lookups)
 
@@ -427,6 +427,30 @@ def test_warnings_for_unparsed_lines_and_loads_without_copies(monkeypatch, tmp_p
     at.switch_page("views/request_explorer.py").run()
     at.text_input(key="request_search").input("r1").run()
     assert any("No copy span of its load was recorded" in w.value for w in at.warning)
+
+
+def test_spans_in_two_files_are_a_note_not_a_problem(monkeypatch, tmp_path):
+    """The README has a Collector's file read beside the connector's: the spans in both count once,
+    and say so without the problems warning."""
+    collector = tmp_path / "collector.jsonl"
+    collector.write_bytes(TWO_ROUNDS.read_bytes())
+    at = app(monkeypatch, TWO_ROUNDS, collector)
+    assert_ok(at)
+    assert not at.warning
+    spans = len(raw_spans(TWO_ROUNDS))
+    assert f"{spans} span(s) were in two of the files read" in " ".join(c.value for c in at.caption)
+    assert number(metrics(at)["Requests"]) == 20
+
+
+def test_a_requests_view_splits_its_load_time(monkeypatch, expected):
+    at = app(monkeypatch, TWO_ROUNDS)
+    at.switch_page("views/request_explorer.py").run()
+    at.text_input(key="request_search").input("r2-06").run()
+    assert_ok(at)
+    copying = formatting.millis(expected.load_copy_ms["cmpl-r2-06"])
+    waited = formatting.millis(expected.load_ms["cmpl-r2-06"] - expected.load_copy_ms["cmpl-r2-06"])
+    assert any(c.value.startswith(f"Load time: {copying} copying") and f"and {waited} before the first copy" in c.value
+               for c in at.caption)
 
 
 def test_missing_and_repeated_files_say_why_in_the_headline(monkeypatch, tmp_path):

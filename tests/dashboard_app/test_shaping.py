@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 import pandas as pd
 import pytest
 
 from dashboard import traces
 
-from .conftest import MALFORMED, TWO_ROUNDS
+from .conftest import MALFORMED, TWO_ROUNDS, nearest_rank
 from .test_joins import copy, load
 from .test_reader import line, lookup, span, write
 
@@ -76,6 +75,17 @@ def test_bytes_stored_only_where_store_copies_join_the_request_trace(requests, e
     assert stored.sum() < expected.bytes["store"]
 
 
+def test_a_requests_load_time_splits_into_copying_and_what_came_before(requests, expected):
+    """Copying: from its first copy's start to its last copy's end (all workers and groups); the rest of the
+    load time came before the copies started (planning, and waiting for the step that starts them)."""
+    timed = requests[requests["load_ms"].notna()].set_index("request_id")
+    assert len(timed) == len(expected.load_copy_ms) > 0
+    for rid, copy_ms in expected.load_copy_ms.items():
+        assert timed.loc[rid, "load_copy_ms"] == pytest.approx(copy_ms)
+        assert 0 < timed.loc[rid, "load_copy_ms"] < timed.loc[rid, "load_ms"]
+    assert requests.loc[requests["load_ms"].isna(), "load_copy_ms"].isna().all()
+
+
 def test_overall_hit_rate_and_numbers(read, requests, expected):
     assert traces.hit_rate(requests) == pytest.approx(expected.hit_rate)
     numbers = traces.overview_numbers(requests, read.spans)
@@ -125,7 +135,7 @@ def test_latency_quantiles_and_distribution(read, requests, expected):
     for g, row in zip((0, 1), q.iloc[1:].itertuples()):
         durations = [(c["end"] - c["start"]) / 1e6 for c in expected.copies
                      if c["group.index"] == g and c["copy.direction"] == "load"]
-        assert [row.p50_ms, row.p95_ms, row.p99_ms] == pytest.approx(np.percentile(durations, [50, 95, 99]))
+        assert [row.p50_ms, row.p95_ms, row.p99_ms] == pytest.approx([nearest_rank(durations, p) for p in (50, 95, 99)])
         assert row.count == len(durations)
     dist = traces.load_latency_distribution(read.spans, requests)
     assert dist["series"].value_counts().to_dict() == {
