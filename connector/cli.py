@@ -26,8 +26,8 @@ def demo(args) -> int:
     from .tiny_models import build_model
 
     engine_env()
-    print(f"kvscope demo: building a small random-weight {args.model} model (sliding window "
-          f"{args.window} + full attention) ...", flush=True)
+    layers = "full attention" if args.model == "llama" else f"sliding window {args.window} + full attention"
+    print(f"kvscope demo: building a small random-weight {args.model} model ({layers}) ...", flush=True)
     model = build_model(args.model, window=args.window)
     extra = {"cpu_bytes": args.cpu_mib << 20}
     if args.trace_file:
@@ -161,19 +161,26 @@ def _port(text: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvscope")
     sub = parser.add_subparsers(dest="command", required=True)
-    d = sub.add_parser("demo", help="real vLLM engine + kvscope on a small hybrid model")
-    d.add_argument("--model", default="gemma3", choices=["gemma3", "gptoss", "llama"])
-    d.add_argument("--window", type=_at_least(1), default=64)
-    d.add_argument("--prefixes", type=_at_least(1), default=4)
-    d.add_argument("--per-prefix", type=_at_least(1), default=4)
-    d.add_argument("--prefix-len", type=_at_least(1), default=700)
-    d.add_argument("--suffix-len", type=_at_least(2), default=200)  # suffixes of 1..N-1 random tokens
-    d.add_argument("--rounds", type=_at_least(1), default=3)
-    d.add_argument("--batch", type=_at_least(1), default=4)
-    d.add_argument("--max-tokens", type=_at_least(1), default=8)
-    d.add_argument("--cpu-mib", type=_at_least(1), default=256)
-    d.add_argument("--trace-file", default=None)
-    d.add_argument("--seed", type=int, default=0)
+    d = sub.add_parser("demo", help="real vLLM engine + kvscope on a small hybrid model",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                       description="Builds a random-weight model, runs requests sharing prefixes for several "
+                                   "rounds with a device prefix-cache reset between rounds, and prints the "
+                                   "host-tier hits per round, whether outputs equal round 0, and loads per KV group.")
+    d.add_argument("--model", default="gemma3", choices=["gemma3", "gptoss", "llama"],
+                   help="family of the tiny random-weight model (gemma3, gptoss: sliding window + full "
+                        "attention; llama: full attention only; connector/tiny_models.py)")
+    d.add_argument("--window", type=_at_least(1), default=64, help="sliding window in tokens")
+    d.add_argument("--prefixes", type=_at_least(1), default=4, help="distinct shared prefixes")
+    d.add_argument("--per-prefix", type=_at_least(1), default=4, help="requests per prefix in each round")
+    d.add_argument("--prefix-len", type=_at_least(1), default=700, help="tokens in each shared prefix")
+    d.add_argument("--suffix-len", type=_at_least(2), default=200,
+                   help="each request adds a random suffix of 1 to this many tokens minus one")
+    d.add_argument("--rounds", type=_at_least(1), default=3, help="rounds of the same requests")
+    d.add_argument("--batch", type=_at_least(1), default=4, help="requests given to vLLM at a time")
+    d.add_argument("--max-tokens", type=_at_least(1), default=8, help="tokens generated per request (greedy)")
+    d.add_argument("--cpu-mib", type=_at_least(1), default=256, help="host tier size (cpu_bytes) in MiB")
+    d.add_argument("--trace-file", default=None, help="write the connector's spans here (OTLP/JSON lines)")
+    d.add_argument("--seed", type=int, default=0, help="seed of the prompts")
     d.set_defaults(func=demo)
     s = sub.add_parser("dashboard", help="Streamlit replay of trace files")
     s.add_argument("paths", nargs="*", help="trace files or folders of them (default: $KVSCOPE_TRACE_FILES)")
