@@ -46,20 +46,12 @@ def test_dashboard_options_reach_streamlit(tmp_path, monkeypatch):
     from dashboard import launch
 
     started = []
-
-    class RecordingPopen:  # the real start is `test_kvscope_dashboard_serves_on_the_port_it_is_given`
-        def __init__(self, cmd):
-            started.append(cmd)
-
-        def wait(self):
-            return 0
-
+    # the real start is `test_kvscope_dashboard_serves_on_the_port_it_is_given`
+    monkeypatch.setattr(launch.os, "execv", lambda path, cmd: started.append(cmd))
     trace = tmp_path / "t.jsonl"
     trace.write_text("")
-    monkeypatch.setattr(launch.subprocess, "Popen", RecordingPopen)
-    assert cli.main(["dashboard", "--port", "8642", "--address", "127.0.0.1", "--headless",
-                     "--streamlit-option=--theme.base=dark", "--streamlit-option", "client.toolbarMode=minimal",
-                     str(trace)]) == 0
+    cli.main(["dashboard", "--port", "8642", "--address", "127.0.0.1", "--headless",
+              "--streamlit-option=--theme.base=dark", "--streamlit-option", "client.toolbarMode=minimal", str(trace)])
     cmd = started[0]
     options, paths = cmd[:cmd.index("--")], cmd[cmd.index("--") + 1:]
     assert options[options.index("--server.port") + 1] == "8642"
