@@ -73,6 +73,10 @@ def request_numbers(request: pd.Series) -> None:
                    f"its last copy's end, every worker and group) and {formatting.millis(waited)} before the "
                    "first copy started: planning, then waiting for a worker to run the engine step that starts "
                    "it (a long step before it, or copies queued ahead, delay it).")
+    local = request["tokens_local"]
+    if pd.notna(local) and local > 0:
+        st.caption(f"vLLM's device prefix cache had its first {formatting.count(local)} tokens: the host tier was "
+                   "asked for the rest only (they are not in the tokens queried).")
     reason = request["miss_reason"]
     if isinstance(reason, str):  # trace files that record it
         text = traces.MISS_REASON_TEXT.get(reason, "a reason this version of the app does not know")

@@ -53,7 +53,8 @@ class RecordKind:
 GENERIC_SPAN = RecordKind(0, "", ())
 LOOKUP_SPAN = RecordKind(1, "kvscope.lookup", (
     ("kvscope.request.id", str), ("kvscope.tokens.queried", int), ("kvscope.tokens.hit", int),
-    ("kvscope.miss.reason", str)))  # why it served no more (`connector.miss_reasons`)
+    ("kvscope.miss.reason", str),  # why it served no more (`connector.miss_reasons`)
+    ("kvscope.tokens.local", int)))  # vLLM's device prefix-cache hit before it (not queried)
 LOAD_SPAN = RecordKind(2, "kvscope.load", (
     ("kvscope.request.id", str), ("kvscope.tokens.local", int), ("kvscope.tokens.external", int),
     ("kvscope.groups", int)))
@@ -78,7 +79,7 @@ KINDS = (GENERIC_SPAN, LOOKUP_SPAN, LOAD_SPAN, SCAN_SPAN, STORE_SPAN, COPY_SPAN,
 # ``(request id, local tokens, external tokens, groups, scans, lookup)`` with
 # - ``scans``: one ``(start_ns, end_ns, *SCAN_SPAN values)`` per group, in the load's group order;
 # - ``lookup``: None, or ``(span_id, parent_span_id, parent_is_remote, start_ns, end_ns, queried, hit,
-#   miss reason)``.
+#   miss reason, local tokens)``.
 LOAD_PLAN = 7
 
 _MASK64 = (1 << 64) - 1
@@ -108,9 +109,9 @@ def expand_records(records) -> list[tuple]:
         _, trace_id, span_id, parent_id, parent_remote, state, start, end, values = r
         req_id, local, external, groups, scans, lookup = values
         if lookup is not None:
-            lookup_id, lookup_parent, lookup_remote, lookup_start, lookup_end, queried, hit, reason = lookup
+            lookup_id, lookup_parent, lookup_remote, lookup_start, lookup_end, *lookup_values = lookup
             out.append((LOOKUP_SPAN.code, trace_id, lookup_id, lookup_parent, lookup_remote, state,
-                        lookup_start, lookup_end, (req_id, queried, hit, reason)))
+                        lookup_start, lookup_end, (req_id, *lookup_values)))  # queried, hit, reason, local
         for i, scan in enumerate(scans):
             out.append((SCAN_SPAN.code, trace_id, child_span_id(span_id, i), span_id, False, state,
                         scan[0], scan[1], scan[2:]))

@@ -86,8 +86,9 @@ def requests_table(spans: pd.DataFrame, vllm: pd.DataFrame | None = None) -> pd.
     """One row per request (trace id, request id: see `REQUEST_KEY`), in arrival order (first lookup, else its load).
 
     Tokens queried/hit are summed over the request's lookups (a request whose load failed may be
-    looked up again: every recorded lookup counts, as in kvscope's counters); local/external/groups
-    come from its first load (the one its hit planned); the load time (see `LOAD_TIME_DEFINITION`),
+    looked up again: every recorded lookup counts, as in kvscope's counters); local (vLLM's device
+    prefix-cache hit) from its first lookup, else its first load; external/groups from its first load
+    (the one its hit planned); the load time (see `LOAD_TIME_DEFINITION`),
     the number of loads and whether one failed (`LOAD_FAILED_DEFINITION`) over all its loads; bytes
     from the copies of its loads and stores. Missing parts (no load for a miss, no copy spans
     recorded) are NA. `request` labels the row: the request id, with its trace id's first 8 digits
@@ -110,6 +111,8 @@ def requests_table(spans: pd.DataFrame, vllm: pd.DataFrame | None = None) -> pd.
         out[col] = by_lookup[col].sum(min_count=1).reindex(ids)
     for col in ("tokens_local", "tokens_external", "groups"):
         out[col] = first_load[col].reindex(ids)
+    # vLLM's device prefix-cache hit: the first lookup says it (newer files), a load does too
+    out["tokens_local"] = by_lookup["tokens_local"].first().reindex(ids).astype("Int64").fillna(out["tokens_local"])
     out["lookups"] = by_lookup.size().reindex(ids).fillna(0).astype("int64")
     out["miss_reason"] = by_lookup["miss_reason"].last().reindex(ids)  # its last lookup's (`MISS_REASON_DEFINITION`)
 

@@ -53,7 +53,8 @@ st.dataframe(
         "tokens_hit": st.column_config.NumberColumn("hit", help="Σ over the request's lookups"),
         "hit_rate": st.column_config.NumberColumn("hit rate", format="percent"),
         "miss_reason": st.column_config.TextColumn("served no more because", help=traces.MISS_REASON_DEFINITION),
-        "tokens_local": st.column_config.NumberColumn("local"),
+        "tokens_local": st.column_config.NumberColumn("device hit", help="Tokens vLLM's own device prefix cache "
+                                                      "had: the host tier was asked for the rest only"),
         "tokens_external": st.column_config.NumberColumn("external"),
         "groups": st.column_config.NumberColumn("groups"),
         "load_ms": st.column_config.NumberColumn("load time (ms)", format="%.3f",

@@ -86,6 +86,26 @@ def test_a_requests_load_time_splits_into_copying_and_what_came_before(requests,
     assert requests.loc[requests["load_ms"].isna(), "load_copy_ms"].isna().all()
 
 
+def test_a_requests_device_hit_comes_from_its_lookup_even_without_a_load(tmp_path):
+    """A short query after a long device prefix-cache hit is not a short prompt: the lookup says how many
+    tokens the device had (newer files); older files, without it, fall back to the load's."""
+    device_hit = span("kvscope.lookup", {"kvscope.request.id": "long", "kvscope.tokens.queried": 50,
+                                         "kvscope.tokens.hit": 0, "kvscope.miss.reason": "tail",
+                                         "kvscope.tokens.local": 1280}, span_id="01" * 8)
+    short = span("kvscope.lookup", {"kvscope.request.id": "short", "kvscope.tokens.queried": 100,
+                                    "kvscope.tokens.hit": 0, "kvscope.miss.reason": "tail",
+                                    "kvscope.tokens.local": 0}, trace="cd" * 16, span_id="02" * 8)
+    older = lookup("older", 100, 64, trace="ef" * 16, span_id="03" * 8)  # no kvscope.tokens.local
+    older_load = span("kvscope.load", {"kvscope.request.id": "older", "kvscope.tokens.local": 32,
+                                       "kvscope.tokens.external": 64, "kvscope.groups": 1},
+                      trace="ef" * 16, span_id="04" * 8, parent="03" * 8)
+    read = traces.read_trace_files([write(tmp_path, line(device_hit, short, older, older_load))])
+    table = traces.requests_table(read.spans).set_index("request_id")
+    assert table.loc["long", "tokens_local"] == 1280 and table.loc["long", "tokens_queried"] == 50
+    assert table.loc["short", "tokens_local"] == 0
+    assert table.loc["older", "tokens_local"] == 32
+
+
 def test_overall_hit_rate_and_numbers(read, requests, expected):
     assert traces.hit_rate(requests) == pytest.approx(expected.hit_rate)
     numbers = traces.overview_numbers(requests, read.spans)

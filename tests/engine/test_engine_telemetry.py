@@ -130,6 +130,9 @@ def test_metric_totals_agree_with_span_attributes_and_vllm(traced_run):
     assert 0 < blocks_missed <= sum(tokens for reason, tokens in not_served.items() if reason != "tail")
     vllm_external_hits = sum(c["vllm:external_prefix_cache_hits"] for c in result["counters"])
     assert kv["kvscope_hit_tokens_total"] == vllm_external_hits
+    # each lookup names vLLM's device prefix-cache hit before it: together, vLLM's own count of them
+    device_hits = sum(c["vllm:prefix_cache_hits"] for c in result["counters"])
+    assert sum(a["kvscope.tokens.local"] for a in lookups) == device_hits > 0
     copies = [proto_span_attributes(s) for s in _by_name(spans, "kvscope.group.copy")]
     load_bytes = sum(a["kvscope.copy.bytes"] for a in copies if a["kvscope.copy.direction"] == "load")
     store_bytes = sum(a["kvscope.copy.bytes"] for a in copies if a["kvscope.copy.direction"] == "store")

@@ -30,7 +30,7 @@ def _records(requests: int = 3) -> list[tuple]:
     keep = _Keep()
     tracing = KVScopeTracing(keep, None)
     for i in range(requests):
-        lookup = tracing.record(LOOKUP_SPAN, None, 10, 20, (f"req-{i}", 64, 32, "evicted"))
+        lookup = tracing.record(LOOKUP_SPAN, None, 10, 20, (f"req-{i}", 64, 32, "evicted", 16))
         load = tracing.open_span(lookup, 30)
         tracing.record(SCAN_SPAN, load, 31, 32, (0, "sliding_window", 8, 3, 2, 5))
         tracing.end_span(LOAD_SPAN, load, 40, (f"req-{i}", 16, 32, 1))
@@ -223,7 +223,7 @@ def test_tracing_exports_through_a_helper_unless_told_otherwise(tmp_path):
         env = {} if mode is None else {"KVSCOPE_TRACE_EXPORT": mode}
         path = tmp_path / f"{mode}.jsonl"
         tracing = KVScopeTracing.from_config(str(path), 1.0, env=env)
-        tracing.record(LOOKUP_SPAN, None, 1, 2, ("r", 1, 0, "new"))
+        tracing.record(LOOKUP_SPAN, None, 1, 2, ("r", 1, 0, "new", 0))
         assert tracing.force_flush()
         exporters = tracing._processor._exporters
         assert isinstance(exporters[0], ExportProcess) == helper_expected
@@ -299,7 +299,7 @@ def _numbered(first: int, count: int) -> list[tuple]:
     keep = _Keep()
     tracing = KVScopeTracing(keep, None)
     for i in range(first, first + count):
-        tracing.record(LOOKUP_SPAN, None, 10, 20, (f"req-{i}", 64, 32, "evicted"))
+        tracing.record(LOOKUP_SPAN, None, 10, 20, (f"req-{i}", 64, 32, "evicted", 16))
     return keep.records
 
 
@@ -418,9 +418,9 @@ def test_spans_of_a_finished_step_survive_the_engine_process_being_killed(tmp_pa
         "from connector.telemetry.span_records import LOOKUP_SPAN\n"
         "from connector.telemetry.tracing import KVScopeTracing\n"
         f"t = KVScopeTracing.from_config(trace_file={str(path)!r}, sample_ratio=1.0)\n"
-        "t.record(LOOKUP_SPAN, None, 1, 2, ('warm-up', 1, 1, 'tail'))\n"
+        "t.record(LOOKUP_SPAN, None, 1, 2, ('warm-up', 1, 1, 'tail', 0))\n"
         "assert t.force_flush()\n"  # the helper runs (it starts on the first export)
-        "t.record(LOOKUP_SPAN, None, 3, 4, ('last-step', 64, 32, 'new'))\n"
+        "t.record(LOOKUP_SPAN, None, 3, 4, ('last-step', 64, 32, 'new', 0))\n"
         "t.end_step()\n"
         "os.kill(os.getpid(), signal.SIGKILL)\n"
     )
@@ -445,13 +445,14 @@ def test_a_helper_whose_engine_died_writes_everything_it_was_sent_and_exits_clea
     import sys
     from dataclasses import asdict
 
-    from connector.telemetry.export_process import _HEADER, _read_frame
+    from connector.telemetry.export_process import _HEADER, _enlarge_pipe, _read_frame
 
     path = tmp_path / "t.jsonl"
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     helper = subprocess.Popen([sys.executable, "-P", "-m", "connector.telemetry.export_process"],
                               env={**os.environ, "PYTHONPATH": root}, stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, bufsize=0)
+    _enlarge_pipe(helper.stdin.fileno())  # as the engine's side does: 600 spans exceed Linux's default 64 KiB
     config = marshal.dumps(asdict(_sinks(path)))
     helper.stdin.write(_HEADER.pack(len(config)) + config)
     assert _read_frame(helper.stdout, 30) == ("ready",)

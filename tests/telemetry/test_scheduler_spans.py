@@ -10,6 +10,7 @@ from connector.metadata import KVScopeWorkerMetadata
 from connector.scheduler import KVScopeScheduler
 from connector.telemetry.testing import in_memory_tracing
 from connector.telemetry.tracing import KVScopeTracing, OsRandomIdGenerator
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 BS, B = 16, 32  # device block 16 tokens, offload block 32 tokens (factor 2)
 LAYOUTS = [
@@ -78,7 +79,7 @@ def test_one_scan_span_per_group_under_the_load_with_the_planners_counts():
     assert _attrs(load[0]) == {"kvscope.request.id": "r1", "kvscope.tokens.local": 0,
                                "kvscope.tokens.external": 192, "kvscope.groups": 2}
     assert _attrs(lookup[0]) == {"kvscope.request.id": "r1", "kvscope.tokens.queried": 200,
-                                 "kvscope.tokens.hit": 192, "kvscope.miss.reason": "tail"}
+                                 "kvscope.tokens.hit": 192, "kvscope.miss.reason": "tail", "kvscope.tokens.local": 0}
     # 192 cached tokens = 12 device blocks; the window (40 tokens) keeps blocks 9-11 at token 192
     expected = {0: ("sliding_window", 12, 9, 3, 9), 1: ("full_attention", 12, 0, 12, 0)}
     for span in scans:
@@ -240,7 +241,21 @@ def test_a_miss_records_its_lookup_alone():
     (lookup,) = exporter.get_finished_spans()
     assert lookup.name == "kvscope.lookup" and lookup.parent is None
     assert _attrs(lookup) == {"kvscope.request.id": "r1", "kvscope.tokens.queried": 200, "kvscope.tokens.hit": 0,
-                              "kvscope.miss.reason": "new"}
+                              "kvscope.miss.reason": "new", "kvscope.tokens.local": 0}
+
+
+def test_a_lookup_after_a_device_prefix_hit_says_how_many_tokens_the_device_had():
+    """The tokens vLLM's own prefix cache computed are not looked up: the lookup span says how many, so a
+    replay can tell a short query after a long device hit from a short prompt."""
+    exporter = InMemorySpanExporter()
+    sched = make_scheduler(KVScopeTracing.for_exporter(exporter))
+    request = make_request("r1", 200)
+    external, _ = sched.get_num_new_matched_tokens(request, 64)
+    assert external == 0
+    sched.update_state_after_alloc(request, blocks_for(200)[0], 0)
+    (lookup,) = exporter.get_finished_spans()
+    assert _attrs(lookup) == {"kvscope.request.id": "r1", "kvscope.tokens.queried": 136, "kvscope.tokens.hit": 0,
+                              "kvscope.miss.reason": "new", "kvscope.tokens.local": 64}
 
 
 def test_a_load_without_a_lookup_span_roots_its_own_trace():
@@ -351,7 +366,8 @@ def test_a_load_failed_at_planning_still_records_its_lookup_span_with_the_metric
         (lookup,) = exporter.get_finished_spans()
         assert lookup.name == "kvscope.lookup"
         assert _attrs(lookup) == {"kvscope.request.id": "r1", "kvscope.tokens.queried": 200,
-                                  "kvscope.tokens.hit": external - B, "kvscope.miss.reason": "not_taken"}
+                                  "kvscope.tokens.hit": external - B, "kvscope.miss.reason": "not_taken",
+                                  "kvscope.tokens.local": 0}
         data = sched.take_stats().data
         assert data["lookup_tokens"] == 200
         assert data["missed_tokens"] == {"not_taken": B, "tail": 8}  # found, vLLM took less; the partial block

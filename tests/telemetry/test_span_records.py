@@ -21,12 +21,12 @@ def test_scan_ids_are_derived_distinct_and_never_zero():
 
 def test_a_load_plan_expands_to_lookup_scans_and_load_in_the_order_they_ended():
     scans = [(11, 12, 0, "sliding_window", 8, 3, 2, 5), (12, 13, 1, "full_attention", 8, 0, 2, 6)]
-    lookup = (77, None, False, 5, 9, 200, 192, "evicted")
+    lookup = (77, None, False, 5, 9, 200, 192, "evicted", 64)
     plain = (SCAN_SPAN.code, 1, 2, 3, False, None, 0, 1, (0, "full_attention", 1, 0, 1, 0))
     record = (LOAD_PLAN, 0xABC, 99, 77, False, "v=1", 10, 14, ("r1", 0, 192, 2, scans, lookup))
     out = expand_records([plain, record])
     assert out[0] is plain
-    assert out[1] == (LOOKUP_SPAN.code, 0xABC, 77, None, False, "v=1", 5, 9, ("r1", 200, 192, "evicted"))
+    assert out[1] == (LOOKUP_SPAN.code, 0xABC, 77, None, False, "v=1", 5, 9, ("r1", 200, 192, "evicted", 64))
     assert out[2] == (SCAN_SPAN.code, 0xABC, child_span_id(99, 0), 99, False, "v=1", 11, 12,
                       (0, "sliding_window", 8, 3, 2, 5))
     assert out[3][2] == child_span_id(99, 1) and out[3][8] == (1, "full_attention", 8, 0, 2, 6)

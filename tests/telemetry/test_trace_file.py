@@ -170,7 +170,7 @@ def test_record_encoder_writes_exactly_what_the_sdk_encoder_writes(tmp_path):
     tracing.record_span("kvscope.lookup", None, 5, 9, {"kvscope.tokens.hit": 0})
     # typed records: a root, local children (the template path), remote parents, a tracestate
     odd_id = 'req "1" %d \\ \u00e9\u2603'
-    lookup = tracing.record(LOOKUP_SPAN, None, 10, 12, (odd_id, 64, 32, "storing"))
+    lookup = tracing.record(LOOKUP_SPAN, None, 10, 12, (odd_id, 64, 32, "storing", 0))
     load = tracing.open_span(lookup, 13)
     tracing.record(SCAN_SPAN, load, 14, 15, (0, "sliding_window", 8, 3, 2, 5))
     tracing.record(SCAN_SPAN, load, 15, 16, (1, "full_attention", 8, 0, 2, 6))
@@ -182,14 +182,14 @@ def test_record_encoder_writes_exactly_what_the_sdk_encoder_writes(tmp_path):
     tracing.record(FAILED_COPY_SPAN, tracing.context_from_carrier(carrier), 26, 26,
                    (1, "full_attention", "load", 0, 0, 1, odd_id))
     tracing.record(FAILED_COPY_SPAN, upstream, 27, 27, (0, "sliding_window", "store", 0, 0, 0, "r2"))
-    tracing.record(LOOKUP_SPAN, upstream, 30, 31, ("r2", 1, 0, "new"))
+    tracing.record(LOOKUP_SPAN, upstream, 30, 31, ("r2", 1, 0, "new", 0))
     no_state = tracing.context_from_trace_headers({"traceparent": headers["traceparent"]})
-    tracing.record(LOOKUP_SPAN, no_state, 32, 33, ("r3", 1, 0, "new"))
+    tracing.record(LOOKUP_SPAN, no_state, 32, 33, ("r3", 1, 0, "new", 0))
     # compound load records (one per load: lookup, scans and load), under a local and a remote parent
     scans = [(41, 42, 0, "sliding_window", 8, 3, 2, 5), (42, 43, 1, "full_attention", 8, 0, 2, 6)]
     tracing.end_load(tracing.open_span(None, 40), 40, 44, (odd_id, 16, 32, 2, scans, None))
     remote = tracing.parent_from_trace_headers(headers)
-    lookup_part = (0x1234, remote.span_id, True, 50, 51, 64, 32, "other_blocks")
+    lookup_part = (0x1234, remote.span_id, True, 50, 51, 64, 32, "other_blocks", 128)
     tracing.end_load(remote, 52, 55, ("r4", 0, 32, 2, scans, lookup_part))
     assert len(captured) == 15
     resource = Resource.create({"service.name": "kvscope"})

@@ -53,7 +53,7 @@ def test_no_sink_builds_nothing_and_spans_do_not_record(disabled_tracing):
     # the typed API too: nothing recorded, nothing to parent children with
     from connector.telemetry.span_records import LOAD_SPAN, LOOKUP_SPAN
 
-    lookup = t.record(LOOKUP_SPAN, None, 1, 2, ("r", 1, 0, "new"))
+    lookup = t.record(LOOKUP_SPAN, None, 1, 2, ("r", 1, 0, "new", 0))
     assert lookup is trace.INVALID_SPAN and not t.may_record(lookup)
     load = t.open_span(None)
     t.end_span(LOAD_SPAN, load, 3, ("r", 0, 1, 1))
@@ -196,7 +196,7 @@ def test_a_carrier_gives_the_worker_what_the_w3c_propagator_would(tracing):
     for root_context in (upstream, None):
         load = tracing.start_span("kvscope.load", context=root_context)
         scan = tracing.start_span("kvscope.group.scan", context=tracing.context_of(load))
-        typed = tracing.open_span(tracing.record(LOOKUP_SPAN, root_context, 1, 2, ("r", 1, 0, "new")))
+        typed = tracing.open_span(tracing.record(LOOKUP_SPAN, root_context, 1, 2, ("r", 1, 0, "new", 0)))
         for span in (load, scan, typed):
             headers: dict[str, str] = {}
             propagator.inject(headers, context=trace.set_span_in_context(NonRecordingSpan(span.get_span_context())))
