@@ -48,8 +48,8 @@ def token_hit_rate_over_time():
         "Token hit rate over time",
         "Hit tokens / looked-up tokens per model, at the zoom level's rate interval, plus the 5-minute "
         "recorded ratio the alert evaluates (the alert per instance and engine). The rate a "
-        "prefix-heavy workload reaches here is the ceiling of prefill saved; compare with evictions and host tier usage when it sags. No data "
-        "means no lookups (no traffic, or the connector is not loaded: check vLLM's start-up log).",
+        "prefix-heavy workload reaches here is the ceiling of prefill saved; compare with evictions and "
+        "host tier usage when it sags. No data means no lookups (no traffic, or the connector is not loaded: check vLLM's start-up log).",
         pc.queries(
             (
                 f"sum by (model_name) (rate(kvscope_hit_tokens_total{sel()}{RATE})) / "

@@ -28,8 +28,8 @@ scheduler and msgpack-encoded by vLLM towards the front end)::
 
 Keys appear when first recorded, except the per-group series: the scheduler's first payload names
 every group, kind and direction with zeros (`declare_groups`), so each series exists from the start
-and ``rate()`` sees its first increase after a restart. Aggregation sums counters, concatenates observations and keeps
-the *latest* gauge value (the payload aggregated in, ``other``, is the newer one in vLLM's order;
+and ``rate()`` sees its first increase after a restart. Aggregation sums counters, concatenates
+observations and keeps the *latest* gauge value (the payload aggregated in, ``other``, is the newer one in vLLM's order;
 only the host tier's owner reports the gauges, so there is nothing to combine).
 
 Which call feeds which contract metric (each metric has exactly one source):
