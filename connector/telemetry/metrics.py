@@ -126,8 +126,9 @@ class KVScopeStats(KVConnectorStats):
                 data.setdefault(counter, {}).setdefault(key, 0)
             for observations in _GROUP_OBSERVATIONS:
                 data.setdefault(observations, {}).setdefault(key, [])
-            for direction in DIRECTIONS:
-                data.setdefault("copy_duration_s", {}).setdefault(copy_key(group, kind, direction), [])
+            for observations in _COPY_OBSERVATIONS:
+                for direction in DIRECTIONS:
+                    data.setdefault(observations, {}).setdefault(copy_key(group, kind, direction), [])
 
     def record_lookup(self, queried_tokens: int, hit_tokens: int) -> None:
         """One lookup against the host tier; ``hit_tokens`` is clamped to ``0..queried_tokens``."""

@@ -109,10 +109,11 @@ def requests_table(spans: pd.DataFrame, vllm: pd.DataFrame | None = None) -> pd.
                          .fillna(first_load["start_ns"].astype("Int64").reindex(ids)).astype("int64"))
     for col in ("tokens_queried", "tokens_hit"):
         out[col] = by_lookup[col].sum(min_count=1).reindex(ids)
-    for col in ("tokens_local", "tokens_external", "groups"):
+    for col in ("tokens_external", "groups"):
         out[col] = first_load[col].reindex(ids)
     # vLLM's device prefix-cache hit: the first lookup says it (newer files), a load does too
-    out["tokens_local"] = by_lookup["tokens_local"].first().reindex(ids).astype("Int64").fillna(out["tokens_local"])
+    out["tokens_local"] = (by_lookup["tokens_local"].first().reindex(ids).astype("Int64")
+                           .fillna(first_load["tokens_local"].reindex(ids)))
     out["lookups"] = by_lookup.size().reindex(ids).fillna(0).astype("int64")
     out["miss_reason"] = by_lookup["miss_reason"].last().reindex(ids)  # its last lookup's (`MISS_REASON_DEFINITION`)
 
@@ -121,8 +122,7 @@ def requests_table(spans: pd.DataFrame, vllm: pd.DataFrame | None = None) -> pd.
     out["load_failed"] = by_request["failed"].any().reindex(ids).fillna(False).astype(bool)
     out["load_mistimed"] = by_request["mistimed"].any().reindex(ids).fillna(False).astype(bool)
     out["load_ms"] = by_request["load_ms"].sum(min_count=1).reindex(ids).astype(float)
-    copy_ms = by_request["copy_ms"].sum(min_count=1).reindex(ids).astype(float)
-    out["load_copy_ms"] = copy_ms.where(out["load_ms"].notna())
+    out["load_copy_ms"] = by_request["copy_ms"].sum(min_count=1).reindex(ids).astype(float)  # NA where load_ms is
     out["bytes_loaded"] = by_request["bytes"].sum(min_count=1).reindex(ids).astype("Int64")
     out["bytes_stored"] = _bytes_stored(spans).reindex(ids).astype("Int64")
 
