@@ -18,12 +18,13 @@ DIRECTION_COLORS = alt.Scale(domain=["load", "store"], range=["#f58518", "#e4575
 
 
 def hit_rate_over_time(frame: pd.DataFrame, bucket_s: float) -> alt.Chart:
-    """Token hit rate per arrival bucket."""
+    """Token hit rate per arrival bucket; the line breaks where buckets without requests lie."""
     return (
         alt.Chart(frame)
         .mark_line(point=True, interpolate="step-after")
         .encode(
             x=alt.X("t_s:Q", title="seconds since the first request"),
+            detail="run:N",  # one line per stretch of consecutive buckets
             y=alt.Y("hit_rate:Q", title="token hit rate", axis=alt.Axis(format="%"),
                     scale=alt.Scale(domain=[0, 1])),
             tooltip=[

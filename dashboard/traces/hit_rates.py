@@ -63,8 +63,9 @@ def pick_bucket_seconds(duration_s: float, max_buckets: int = 60) -> float:
 
 
 def hit_rate_over_time(requests: pd.DataFrame, bucket_s: float | None = None) -> pd.DataFrame:
-    """Token hit rate per time bucket of request arrival; buckets without requests are left out."""
-    cols = ["bucket_start", "t_s", "requests", "tokens_queried", "tokens_hit", "hit_rate"]
+    """Token hit rate per time bucket of request arrival; buckets without requests are left out, and
+    ``run`` numbers the stretches of consecutive buckets (a chart's line must not bridge the gaps)."""
+    cols = ["bucket_start", "t_s", "requests", "tokens_queried", "tokens_hit", "hit_rate", "run"]
     if requests.empty:
         return pd.DataFrame(columns=cols)
     t0 = int(requests["arrival_ns"].min())
@@ -76,6 +77,7 @@ def hit_rate_over_time(requests: pd.DataFrame, bucket_s: float | None = None) ->
     start_ns = t0 + out.index.to_numpy() * width_ns
     out["t_s"] = (start_ns - t0) / 1e9
     out["bucket_start"] = pd.to_datetime(start_ns, unit="ns", utc=True)
+    out["run"] = (pd.Series(out.index).diff() != 1).cumsum().to_numpy()
     return out.reset_index(drop=True)[cols]
 
 

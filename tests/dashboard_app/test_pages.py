@@ -472,3 +472,12 @@ def test_long_traces_show_their_duration_in_readable_units(monkeypatch, tmp_path
     at = app(monkeypatch, path)
     assert_ok(at)
     assert "2 traced requests over 1.1 d, from 1 file(s)." == at.caption[0].value
+
+
+def test_a_single_matching_row_is_shown_without_asking_for_a_selection(monkeypatch):
+    at = app(monkeypatch, TWO_ROUNDS)
+    at.switch_page("views/request_explorer.py").run()
+    at.text_input(key="request_search").input("cmpl-r2-03").run()
+    assert_ok(at)
+    assert at.subheader[0].value == "Request `cmpl-r2-03`"
+    assert not any("first row is shown" in c.value for c in at.caption)

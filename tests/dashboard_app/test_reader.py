@@ -582,7 +582,8 @@ def test_a_misshapen_export_names_the_field(tmp_path, decoder, doc, reason):
 @pytest.mark.parametrize(
     ("edit", "reason"),
     [
-        (lambda s: s.update(attributes={"k": 1}), "malformed kvscope.lookup span: attributes is an object, expected a list"),
+        (lambda s: s.update(attributes={"k": 1}),
+         "malformed kvscope.lookup span: attributes is an object, expected a list"),
         (lambda s: s["attributes"].append("x"), "malformed kvscope.lookup span: an entry of attributes is a string, "
                                                "expected an object"),
         (lambda s: s["attributes"].append({"key": "k", "value": 5}),

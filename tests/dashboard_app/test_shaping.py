@@ -120,6 +120,7 @@ def test_hit_rate_over_time(requests, expected):
     # Round 1 (all misses) within the first second, round 2 (hits) about 2.4 s later.
     assert list(frame["t_s"]) == [0.0, 2.0]
     assert list(frame["requests"]) == [10, 10]
+    assert frame["run"].iloc[0] != frame["run"].iloc[1]  # bucket 1 is empty: the chart's line breaks there
     assert frame["hit_rate"].iloc[0] == 0
     round2 = expected.lookups[10:]
     assert frame["hit_rate"].iloc[1] == pytest.approx(
@@ -127,6 +128,10 @@ def test_hit_rate_over_time(requests, expected):
     assert frame["tokens_queried"].sum() == sum(s["tokens.queried"] for s in expected.lookups)
     auto = traces.hit_rate_over_time(requests)
     assert len(auto) <= 60 and auto["requests"].sum() == 20
+    steps = auto["t_s"].diff().round(9)  # consecutive buckets share a run, a gap starts the next
+    width = steps.min()
+    assert ((auto["run"].diff() == 0) == (steps == width)).all()
+    assert auto["run"].nunique() == 1 + (steps > width).sum()
 
 
 @pytest.mark.parametrize(("duration", "width"), [(0, 0.001), (0.05, 0.001), (2.7, 0.05), (3600, 60), (1e9, 86400)])
