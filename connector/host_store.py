@@ -2,7 +2,9 @@
 
 Pure bookkeeping (no torch, no vLLM): a fixed number of slots (the `cpu_bytes` capacity),
 least-recently-used eviction of ready, unpinned entries, and pins that keep a slot alive
-while a store is being written or a load is reading it. The bytes themselves live in
+while a store is being written or a load is reading it. The scheduler marks a prefix used
+tail first (`touch`), so its head is the last of it to go: a hit needs every block from the
+first, and a prefix evicted from its head would strand the rest in slots no lookup reaches. The bytes themselves live in
 the workers' host buffers, addressed by slot.
 """
 
@@ -76,6 +78,14 @@ class HostIndex:
         entry.pins += 1
         self._entries.move_to_end(key)
         return entry.slot
+
+    def touch(self, keys: Iterable[Key]) -> None:
+        """Mark the present entries among ``keys`` recently used, the last one most recently."""
+        entries = self._entries
+        move = entries.move_to_end
+        for key in keys:
+            if key in entries:
+                move(key)
 
     def unpin(self, key: Key) -> None:
         entry = self._entries.get(key)

@@ -89,6 +89,7 @@ class KVScopeScheduler:
         # Groups whose hits must prove their next token (EAGLE drafters' KV): `find_hit_tokens`
         self.eagle_groups = eagle_groups
         self._kind_names = [layout.kind.value for layout in layouts]  # plain str: an enum's .value is slow
+        self._group_indices = [layout.index for layout in layouts]
         self.block_size = offload_block_size
         self.hash_block_size = hash_block_size
         self.hashes_per_block = offload_block_size // hash_block_size
@@ -292,6 +293,7 @@ class KVScopeScheduler:
                 slots += [slot] * count
             parts.append(GroupTransfer(scan.group_index, scan.block_ids, slots, scan.sub_indices))
             job.loaded.append((scan.group_index, scan.pending))
+        self._touch_prefix(hashes, min(cached // self.block_size, num_hashes))
         carrier = None
         if traced:
             # One record for the lookup, the load and its scans; the carrier puts the copy spans under the load.
@@ -312,6 +314,13 @@ class KVScopeScheduler:
                 failed_at_plan=failed,
             )
         )
+
+    def _touch_prefix(self, hashes: list, num_blocks: int) -> None:
+        """Mark a request's first ``num_blocks`` offloaded blocks (every group's) used, block by
+        block from the last: the tier then evicts a prefix from its tail, keeping its head a hit
+        (as vLLM's own offloading LRU orders a request's blocks)."""
+        groups = self._group_indices
+        self.index.touch([(group, hashes[k]) for k in range(num_blocks - 1, -1, -1) for group in groups])
 
     def _scan_groups(self, group_block_ids, local, cached, t0: int) -> list[GroupScan]:
         """Each group's scan, timed from ``t0`` (``perf_counter_ns``) for the scan histogram."""
@@ -591,6 +600,10 @@ class KVScopeScheduler:
         req_id = request.request_id
         state = self._requests.pop(req_id, None)
         self._lookups.pop(req_id, None)
+        if state is not None:
+            # Everything it loaded or stored, and the rest of its prefix the tier holds, was used last:
+            # its stores went in head first, so this puts the head last in line for eviction
+            self._touch_prefix(hashes := self._offload_hashes(request), len(hashes))
         if state is not None and state.filling is not None:
             self.stores.request_finished(request, state.filling)
         if state is not None and state.load_job is not None:

@@ -94,6 +94,17 @@ def test_pin_for_load_touches_recency():
     assert index.contains("a") and not index.contains("c")
 
 
+def test_touch_makes_the_last_key_the_most_recently_used_and_ignores_absent_ones():
+    index = _filled(4, ["a", "b", "c", "d"])
+    index.touch(["c", "x", "a"])  # LRU now: b, d, c, a
+    evicted = []
+    for new in "efg":
+        index.reserve_for_store(new)
+        index.complete_store(new)
+        evicted.append(next(k for k in "abcd" if not index.contains(k) and k not in evicted))
+    assert evicted == ["b", "d", "c"] and index.contains("a") and not index.contains("x")
+
+
 def test_is_ready_and_contains_do_not_touch_recency():
     index = _filled(2, ["a", "b"])
     assert index.is_ready("a") and index.contains("a")
@@ -471,6 +482,15 @@ class HostIndexMachine(RuleBasedStateMachine):
             self.order.append(key)
         else:
             assert slot is None
+
+    @precondition(lambda self: self.index is not None)
+    @rule(ks=st.lists(keys, max_size=4))
+    def touch(self, ks):
+        self.index.touch(ks)
+        for k in ks:  # present entries, in the order given: the last is the most recent
+            if k in self.model:
+                self.order.remove(k)
+                self.order.append(k)
 
     @precondition(lambda self: self.index is not None)
     @rule(key=keys)

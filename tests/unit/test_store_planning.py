@@ -502,3 +502,38 @@ def test_a_load_of_part_of_a_hit_fails_whole():
     sched.update_state_after_alloc(request, SimpleNamespace(get_block_ids=lambda: _ids(0, 16)), 96)
     (job,) = sched.build_connector_meta(_output()).loads
     assert job.failed_at_plan and job.groups == []
+
+
+# The tier evicts a prefix from its tail: a hit needs every block from the first, so a prefix that
+# lost its head would keep the rest in slots no lookup reaches (its later blocks counted as misses
+# of other blocks, not evictions).
+def _lookup_after_one_more_store(sched):
+    """Store one more offloaded block (both groups) into the full tier, then look the prefix up again."""
+    _stored(sched, (0, "other"), (1, "other"))
+    request = _state("again", 256).request
+    hit, _ = sched.get_num_new_matched_tokens(request, 0)
+    return hit, sched._lookups["again"].miss
+
+
+def test_a_prefix_stored_by_a_finished_request_is_evicted_from_its_tail():
+    sched, manager = _scheduler(num_slots=4)  # two offloaded blocks of both groups
+    state = _state("r", 128)
+    sched._requests["r"] = state
+    manager.ids = _ids(0)
+    _report(sched, sched._plan_store(state, 128))
+    sched.request_finished(state.request)
+    assert sched.index.used_slots == 4
+    hit, miss = _lookup_after_one_more_store(sched)
+    assert hit == 64 and miss.reason == "evicted"
+
+
+def test_a_prefix_a_request_loaded_is_evicted_from_its_tail():
+    sched, manager = _scheduler(num_slots=4)
+    _stored(sched, (0, "h3"), (1, "h3"), (0, "h7"), (1, "h7"))
+    request = _state("r", 256).request
+    assert sched.get_num_new_matched_tokens(request, 0) == (128, True)
+    sched.update_state_after_alloc(request, SimpleNamespace(get_block_ids=lambda: _ids(0, 16)), 128)
+    (job,) = sched.build_connector_meta(_output()).loads
+    _report(sched, job)
+    hit, miss = _lookup_after_one_more_store(sched)
+    assert hit == 64 and miss.reason == "evicted"
