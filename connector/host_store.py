@@ -71,16 +71,16 @@ class HostIndex:
 
     # -- loads --
     def pin_for_load(self, key: Key) -> int | None:
-        """Pin a ready entry for a load and mark it recently used; None if not ready."""
+        """Pin a ready entry for a load; None if not ready. Recency is the caller's (`touch`): a load
+        marks its keys used tail first, after pinning them all."""
         entry = self._entries.get(key)
         if entry is None or not entry.ready:
             return None
         entry.pins += 1
-        self._entries.move_to_end(key)
         return entry.slot
 
     def touch(self, keys: Iterable[Key]) -> None:
-        """Mark the present entries among ``keys`` recently used, the last one most recently."""
+        """Mark the present entries among ``keys`` used, the last one most recently."""
         entries = self._entries
         move = entries.move_to_end
         for key in keys:

@@ -293,7 +293,9 @@ class KVScopeScheduler:
                 slots += [slot] * count
             parts.append(GroupTransfer(scan.group_index, scan.block_ids, slots, scan.sub_indices))
             job.loaded.append((scan.group_index, scan.pending))
-        self._touch_prefix(hashes, min(cached // self.block_size, num_hashes))
+        # What it loads was used last, tail first: a prefix is evicted from its tail (its finish
+        # orders its whole prefix block by block across groups; here, for the hot path, group by group)
+        self.index.touch(reversed(job.keys))
         carrier = None
         if traced:
             # One record for the lookup, the load and its scans; the carrier puts the copy spans under the load.
@@ -315,12 +317,12 @@ class KVScopeScheduler:
             )
         )
 
-    def _touch_prefix(self, hashes: list, num_blocks: int) -> None:
-        """Mark a request's first ``num_blocks`` offloaded blocks (every group's) used, block by
-        block from the last: the tier then evicts a prefix from its tail, keeping its head a hit
-        (as vLLM's own offloading LRU orders a request's blocks)."""
+    def _touch_prefix(self, hashes: list) -> None:
+        """Mark every offloaded block of a request's prefix the tier holds (every group's) used, block
+        by block from the last: the tier then evicts a prefix from its tail, keeping its head a hit
+        (as vLLM's own offloading LRU orders a request's blocks when it finishes)."""
         groups = self._group_indices
-        self.index.touch([(group, hashes[k]) for k in range(num_blocks - 1, -1, -1) for group in groups])
+        self.index.touch([(group, h) for h in reversed(hashes) for group in groups])
 
     def _scan_groups(self, group_block_ids, local, cached, t0: int) -> list[GroupScan]:
         """Each group's scan, timed from ``t0`` (``perf_counter_ns``) for the scan histogram."""
@@ -603,7 +605,7 @@ class KVScopeScheduler:
         if state is not None:
             # Everything it loaded or stored, and the rest of its prefix the tier holds, was used last:
             # its stores went in head first, so this puts the head last in line for eviction
-            self._touch_prefix(hashes := self._offload_hashes(request), len(hashes))
+            self._touch_prefix(self._offload_hashes(request))
         if state is not None and state.filling is not None:
             self.stores.request_finished(request, state.filling)
         if state is not None and state.load_job is not None:

@@ -82,16 +82,19 @@ def test_lru_evicts_oldest_ready_entry():
     assert index.evicted_total == 1
 
 
-def test_pin_for_load_touches_recency():
+def test_pin_for_load_leaves_recency_to_touch():
     index = _filled(3, ["a", "b", "c"])
     slot_a = index.pin_for_load("a")
     assert slot_a == _slots(index)["a"]
-    index.unpin("a")  # unpinned again, but now the most recently used
+    index.unpin("a")  # unpinned again, and still the least recently used: the load touches its keys itself
     assert index.reserve_for_store("d") is not None
-    assert index.contains("a") and not index.contains("b")
+    assert not index.contains("a") and index.contains("b")
+    index.pin_for_load("b")
+    index.touch(["b"])
+    index.unpin("b")
     index.complete_store("d")
     assert index.reserve_for_store("e") is not None
-    assert index.contains("a") and not index.contains("c")
+    assert index.contains("b") and not index.contains("c")
 
 
 def test_touch_makes_the_last_key_the_most_recently_used_and_ignores_absent_ones():
@@ -193,10 +196,10 @@ def test_every_slot_pinned_reserve_returns_none():
 def test_pinned_oldest_skipped_evicts_next():
     index = _filled(3, ["a", "b", "c"])
     index.pin_for_load("a")
-    index.pin_for_load("c")  # LRU now: b, a, c  (a, c pinned)
+    index.pin_for_load("c")  # LRU still: a, b, c  (a, c pinned)
     index.unpin("c")
     index.reserve_for_store("d")
-    assert not index.contains("b")
+    assert not index.contains("b")  # a pinned: the oldest unpinned is b
     index.complete_store("d")
     index.reserve_for_store("e")  # a pinned: next oldest unpinned is c
     assert index.contains("a") and not index.contains("c")
@@ -478,8 +481,6 @@ class HostIndexMachine(RuleBasedStateMachine):
         if key in self.model and self.model[key][1]:
             assert slot == self.model[key][0]
             self.model[key][2] += 1
-            self.order.remove(key)
-            self.order.append(key)
         else:
             assert slot is None
 

@@ -527,7 +527,9 @@ def test_a_prefix_stored_by_a_finished_request_is_evicted_from_its_tail():
     assert hit == 64 and miss.reason == "evicted"
 
 
-def test_a_prefix_a_request_loaded_is_evicted_from_its_tail():
+def test_a_prefix_a_finished_request_loaded_is_evicted_from_its_tail():
+    """Block by block across the groups (the load alone marks them group by group: the full-attention
+    group's, then the window's)."""
     sched, manager = _scheduler(num_slots=4)
     _stored(sched, (0, "h3"), (1, "h3"), (0, "h7"), (1, "h7"))
     request = _state("r", 256).request
@@ -535,5 +537,22 @@ def test_a_prefix_a_request_loaded_is_evicted_from_its_tail():
     sched.update_state_after_alloc(request, SimpleNamespace(get_block_ids=lambda: _ids(0, 16)), 128)
     (job,) = sched.build_connector_meta(_output()).loads
     _report(sched, job)
+    sched.request_finished(request)
     hit, miss = _lookup_after_one_more_store(sched)
     assert hit == 64 and miss.reason == "evicted"
+
+
+def test_a_load_marks_what_it_read_used_tail_first():
+    """While the request still runs: the blocks it loaded, tail first (one full-attention group)."""
+    sched = KVScopeScheduler([GroupLayout(0, GroupKind.FULL_ATTENTION, BS)], offload_block_size=B,
+                             hash_block_size=BS, num_slots=2, slot_bytes=1024, world_size=1,
+                             tracing=KVScopeTracing.disabled(), kv_cache_manager_getter=lambda: None)
+    _stored(sched, (0, "h3"), (0, "h7"))
+    request = _state("r", 256).request
+    assert sched.get_num_new_matched_tokens(request, 0) == (128, True)
+    sched.update_state_after_alloc(request, SimpleNamespace(get_block_ids=lambda: ([200 + i for i in range(16)],)),
+                                   128)
+    (job,) = sched.build_connector_meta(_output()).loads
+    _report(sched, job)
+    _stored(sched, (0, "other"))
+    assert sched.get_num_new_matched_tokens(_state("again", 256).request, 0) == (64, True)
