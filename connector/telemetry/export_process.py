@@ -13,12 +13,13 @@ the export thread starts the helper, sends the tail and waits out a full pipe.
 Robustness: the helper reads until its stdin closes, so it drains and exits when the engine
 process shuts down or dies, and it ignores SIGINT, SIGTERM and SIGHUP (a Ctrl-C to ``vllm serve``
 or a service manager's stop reaches the whole process group; the engine's shutdown still flushes
-through it). Its warnings (an unwritable
-trace file, a dead OTLP endpoint) come back over its stdout and are logged by the engine
-process, once, as before. If the helper cannot start or dies, the export falls back to the
-same sinks in the engine process, logged once; what a dead helper had read but not yet written
-(at most the pipe's 1 MiB) is lost, counted in `dropped_spans` and said in that log line. It runs at a lower priority (nice 10) and
-may use every core, not only the ones vLLM pinned the engine's threads to.
+through it). Its warnings (an unwritable trace file, a dead OTLP endpoint) come back over a pipe
+of their own and are logged by the engine process, once, as before; its stdout and stderr are the
+engine's, so a ``trace_file`` of ``/dev/stdout`` or ``/dev/stderr`` is the engine's. If the helper
+cannot start or dies, the export falls back to the same sinks in the engine process, logged once;
+what a dead helper had read but not yet written (at most the pipe's 1 MiB) is lost, counted in
+`dropped_spans` and said in that log line. It runs at a lower priority (nice 10) and may use every
+core, not only the ones vLLM pinned the engine's threads to.
 
 ``KVSCOPE_TRACE_EXPORT=thread`` keeps the export in the engine process (debugging, comparison).
 """
@@ -84,6 +85,7 @@ class ExportProcess(SpanExporter):
     def _init_process_state(self) -> None:
         self._proc: subprocess.Popen | None = None
         self._fd = -1  # the helper's stdin, non-blocking once it runs
+        self._replies = None  # the read end of the helper's reply pipe (a raw file)
         self._reader: threading.Thread | None = None
         self._acks: dict[int, threading.Event] = {}
         self._next_ack = 0
@@ -106,7 +108,7 @@ class ExportProcess(SpanExporter):
         # (Raw file objects: closing them takes no lock the parent's reader thread might hold.)
         proc = self._proc
         if proc is not None:
-            for stream in (proc.stdin, proc.stdout):
+            for stream in (proc.stdin, self._replies):
                 try:
                     stream.close()
                 except Exception:
@@ -229,6 +231,7 @@ class ExportProcess(SpanExporter):
                     pass
             if self._reader is not None:
                 self._reader.join(timeout=5)
+            _close_quietly(self._replies)
         for exporter in self._local or ():
             exporter.shutdown()
 
@@ -306,43 +309,53 @@ class ExportProcess(SpanExporter):
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
         safe_path = ["-P"] if sys.version_info >= (3, 11) else []
-        proc = subprocess.Popen(
-            [sys.executable, *safe_path, "-m", __name__],
-            env=env,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            bufsize=0,  # raw pipes: no buffer lock that a fork could leave held (see `_after_fork`)
-            close_fds=True,
-        )
+        # Replies on a pipe of their own: the helper's stdout stays the engine's (a trace file of
+        # /dev/stdout is then the engine's stdout, not the reply stream).
+        reply_read, reply_write = os.pipe()
+        try:
+            proc = subprocess.Popen(
+                [sys.executable, *safe_path, "-m", __name__, str(reply_write)],
+                env=env,
+                stdin=subprocess.PIPE,
+                bufsize=0,  # raw pipes: no buffer lock that a fork could leave held (see `_after_fork`)
+                close_fds=True,
+                pass_fds=(reply_write,),
+            )
+        except BaseException:
+            os.close(reply_read)
+            raise
+        finally:
+            os.close(reply_write)  # the helper holds it: its end of the stream is the end of the helper
         self._proc = proc
+        self._replies = os.fdopen(reply_read, "rb", buffering=0)
         config = marshal.dumps(asdict(self._sinks))
         write_all(proc.stdin.fileno(), _HEADER.pack(len(config)) + config)
-        self._await_ready(proc)
+        self._await_ready(self._replies)
         self._fd = proc.stdin.fileno()
         os.set_blocking(self._fd, False)  # the engine thread's writes must never wait for the helper
         _enlarge_pipe(self._fd)
-        self._reader = threading.Thread(target=self._read_replies, args=(proc,), name="kvscope-export-replies",
-                                        daemon=True)
+        self._reader = threading.Thread(target=self._read_replies, args=(self._replies,),
+                                        name="kvscope-export-replies", daemon=True)
         self._reader.start()
 
     @staticmethod
-    def _await_ready(proc: subprocess.Popen) -> None:
+    def _await_ready(replies) -> None:
         """Wait for the helper's "ready"; warnings it logs while building its sinks (an OTLP setting
         it does not take, say) come first and are logged here, as every later one is."""
         deadline = time.monotonic() + _START_TIMEOUT_S
         while True:
-            message = _read_frame(proc.stdout, timeout_s=max(0.0, deadline - time.monotonic()))
+            message = _read_frame(replies, timeout_s=max(0.0, deadline - time.monotonic()))
             if message == ("ready",):
                 return
             if not (isinstance(message, tuple) and message and message[0] == "log"):
                 raise RuntimeError(f"span export process did not start (said {message!r})")
             logger.log(message[1], "%s", message[2])
 
-    def _read_replies(self, proc: subprocess.Popen) -> None:
+    def _read_replies(self, replies) -> None:
         """Acks of flushes and the helper's warnings, logged here as the engine process's own."""
         while True:
             try:
-                message = _read_frame(proc.stdout)
+                message = _read_frame(replies)
             except Exception:
                 message = None
             if message is None:
@@ -371,6 +384,7 @@ class ExportProcess(SpanExporter):
                 pass
             if self._reader is not None:
                 self._reader.join(timeout=5)  # every "exported" it sent before it died is counted
+            _close_quietly(self._replies)
         frames, self._frames, self._offset, self._pending_bytes = self._frames, deque(), 0, 0
         messages = [marshal.loads(memoryview(frame)[_HEADER.size:]) for frame in frames]
         here = sum(len(m[1]) for m in messages if m[0] == "spans")
@@ -390,6 +404,14 @@ class ExportProcess(SpanExporter):
         results = [e.export(records) for e in self._local]
         ok = all(r is SpanExportResult.SUCCESS for r in results)
         return SpanExportResult.SUCCESS if ok else SpanExportResult.FAILURE
+
+
+def _close_quietly(stream) -> None:
+    try:
+        if stream is not None:
+            stream.close()
+    except OSError:
+        pass
 
 
 def _enlarge_pipe(fd: int) -> None:
@@ -456,7 +478,7 @@ def _yield_to_the_engine() -> None:
         pass
 
 
-def _serve() -> int:
+def _serve(reply_fd: int) -> int:
     # A signal to the whole process group (Ctrl-C, systemd's stop, `timeout`) must not end the
     # helper before the engine's shutdown has drained through it: it ends when its stdin closes
     # (the engine process exits or dies), and a helper that hangs is killed by the engine process.
@@ -464,8 +486,7 @@ def _serve() -> int:
         signal.signal(signum, signal.SIG_IGN)
     _yield_to_the_engine()
     # Unbuffered: a buffer could hold frames that `select` (`_readable`) does not see.
-    requests, replies = sys.stdin.buffer.raw, sys.stdout.buffer
-    sys.stdout = sys.stderr  # stray prints must not corrupt the reply stream
+    requests = sys.stdin.buffer.raw
     reply_lock = threading.Lock()
     engine_gone = False
 
@@ -476,8 +497,7 @@ def _serve() -> int:
         payload = marshal.dumps(message)
         with reply_lock:
             try:
-                replies.write(_HEADER.pack(len(payload)) + payload)
-                replies.flush()
+                write_all(reply_fd, _HEADER.pack(len(payload)) + payload)
             except OSError:  # the engine process died: nobody reads replies, the spans still get written
                 engine_gone = True
 
@@ -526,4 +546,4 @@ def _readable(stream) -> bool:
 
 
 if __name__ == "__main__":
-    raise SystemExit(_serve())
+    raise SystemExit(_serve(int(sys.argv[1])))  # the reply pipe's descriptor, from `ExportProcess._start`

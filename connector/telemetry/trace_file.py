@@ -12,6 +12,7 @@ written with a single ``write(2)`` on an ``O_APPEND`` descriptor, so lines never
 from __future__ import annotations
 
 import base64
+import errno
 import json
 import logging
 import math
@@ -279,7 +280,16 @@ class OtlpJsonLinesExporter(SpanExporter):
         if self._fd is None:
             directory = os.path.dirname(os.path.abspath(self.path))
             os.makedirs(directory, exist_ok=True)
-            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            # Non-blocking to open: a named pipe nobody reads fails now (ENXIO) instead of holding
+            # the exporter, and the engine's shutdown behind it, until a reader comes
+            try:
+                fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NONBLOCK, 0o644)
+            except OSError as exc:
+                if exc.errno == errno.ENXIO:
+                    raise OSError(exc.errno, f"{exc.strerror} (a named pipe that nothing reads)") from exc
+                raise
+            os.set_blocking(fd, True)
+            self._fd = fd
         return self._fd
 
     def _still_at_path(self, fd: int) -> bool:

@@ -449,19 +449,49 @@ def test_a_helper_whose_engine_died_writes_everything_it_was_sent_and_exits_clea
 
     path = tmp_path / "t.jsonl"
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    helper = subprocess.Popen([sys.executable, "-P", "-m", "connector.telemetry.export_process"],
+    reply_read, reply_write = os.pipe()
+    helper = subprocess.Popen([sys.executable, "-P", "-m", "connector.telemetry.export_process", str(reply_write)],
                               env={**os.environ, "PYTHONPATH": root}, stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, bufsize=0)
+                              stderr=subprocess.PIPE, bufsize=0, pass_fds=(reply_write,))
+    os.close(reply_write)
+    replies = os.fdopen(reply_read, "rb", buffering=0)
     _enlarge_pipe(helper.stdin.fileno())  # as the engine's side does: 600 spans exceed Linux's default 64 KiB
     config = marshal.dumps(asdict(_sinks(path)))
     helper.stdin.write(_HEADER.pack(len(config)) + config)
-    assert _read_frame(helper.stdout, 30) == ("ready",)
+    assert _read_frame(replies, 30) == ("ready",)
     os.kill(helper.pid, signal.SIGSTOP)  # everything below waits in its pipe
     for first in range(0, 600, 100):
         payload = marshal.dumps(("spans", _numbered(first, 100)), 2)
         helper.stdin.write(_HEADER.pack(len(payload)) + payload)
     helper.stdin.close()
-    helper.stdout.close()  # the engine process is gone: both ends closed
+    replies.close()  # the engine process is gone: both ends closed
     os.kill(helper.pid, signal.SIGCONT)
     assert helper.wait(30) == 0, helper.stderr.read().decode()[-2000:]
     assert _request_ids(path) == list(range(600))
+
+
+@pytest.mark.parametrize("stream", ["stdout", "stderr"])
+def test_a_trace_file_of_dev_stdout_or_stderr_is_the_engine_processs_stream(stream):
+    """The helper's replies have a pipe of their own: its stdout and stderr are the engine's, so
+    spans written to /dev/stdout reach whatever reads the engine's stdout (a container's log)."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys\n"
+        "from connector.telemetry.span_records import LOOKUP_SPAN\n"
+        "from connector.telemetry.tracing import KVScopeTracing\n"
+        f"t = KVScopeTracing.from_config(trace_file='/dev/{stream}', sample_ratio=1.0)\n"
+        "for i in range(200):\n"
+        "    t.record(LOOKUP_SPAN, None, 1, 2, (f'req-{i}', 64, 32, 'new', 0))\n"
+        "assert t.force_flush()\n"
+        "t.shutdown()\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], timeout=60, capture_output=True, text=True,
+                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = [line for line in getattr(proc, stream).splitlines() if line.startswith('{"resourceSpans"')]
+    ids = [a["value"]["stringValue"] for line in lines for rs in json.loads(line)["resourceSpans"]
+           for ss in rs["scopeSpans"] for span in ss["spans"] for a in span["attributes"]
+           if a["key"] == "kvscope.request.id"]
+    assert ids == [f"req-{i}" for i in range(200)]

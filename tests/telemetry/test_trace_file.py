@@ -285,3 +285,31 @@ def test_non_finite_doubles_are_written_as_otlp_json_spells_them(tmp_path):
     back = {a.key: a.value for a in parsed.attributes}
     assert math.isnan(back["nan"].double_value) and back["inf"].double_value == math.inf
     assert back["ninf"].double_value == -math.inf
+
+
+def test_a_named_pipe_nothing_reads_fails_at_once_and_one_with_a_reader_gets_the_lines(
+        tmp_path, tracing, span_exporter, caplog):
+    """Opening a FIFO for writing waits for a reader: the exporter (and the engine's shutdown
+    waiting for its lock) must not. With a reader, lines go through it as to a file."""
+    import os
+
+    _make_spans(tracing)
+    spans = span_exporter.get_finished_spans()
+    path = tmp_path / "spans.fifo"
+    os.mkfifo(path)
+    exporter = OtlpJsonLinesExporter(path)
+    done = []
+    worker = threading.Thread(target=lambda: done.append(exporter.export(spans)), daemon=True)
+    with caplog.at_level(logging.WARNING, logger="connector.telemetry.trace_file"):
+        worker.start()
+        worker.join(10)
+    assert done == [SpanExportResult.FAILURE], "the export waited for a reader of the named pipe"
+    assert "a named pipe that nothing reads" in caplog.records[-1].getMessage()
+    reader = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        assert exporter.export(spans) is SpanExportResult.SUCCESS
+        line = os.read(reader, 1 << 20).decode()
+        assert line.endswith("\n") and len(json.loads(line)["resourceSpans"][0]["scopeSpans"][0]["spans"]) == 3
+    finally:
+        exporter.shutdown()
+        os.close(reader)
