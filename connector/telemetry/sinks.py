@@ -42,6 +42,8 @@ SCOPE_NAME = "kvscope"
 DEFAULT_SERVICE_NAME = "kvscope"
 # Seconds one OTLP export may take (retries included) unless OTEL_EXPORTER_OTLP[_TRACES]_TIMEOUT says.
 DEFAULT_OTLP_TIMEOUT_S = 2.0
+# At most this (a longer export holds the engine's shutdown: it waits for the sinks to drain).
+MAX_OTLP_TIMEOUT_S = 30.0
 # After a failed OTLP export, batches are dropped for this long instead of waiting on a dead endpoint.
 OTLP_FAILURE_COOLDOWN_S = 10.0
 
@@ -276,10 +278,16 @@ def _timeout_s(env: Mapping[str, str]) -> float:
     if raw:
         try:
             value = float(raw)
-            if value > 0:
-                return value
         except ValueError:
-            pass
+            value = float("nan")
+        if value > MAX_OTLP_TIMEOUT_S:
+            # the OpenTelemetry spec says milliseconds: 10000 meant 10 s, not the 2.8 h it reads as here
+            logger.warning("kvscope: OTLP timeout %r is read as seconds (as the Python OTLP exporters read it, "
+                           "not milliseconds as the OpenTelemetry spec says); using the most accepted, %g s",
+                           raw, MAX_OTLP_TIMEOUT_S)
+            return MAX_OTLP_TIMEOUT_S
+        if value > 0:
+            return value
         logger.warning("kvscope: ignoring OTLP timeout %r (seconds > 0 accepted)", raw)
     return DEFAULT_OTLP_TIMEOUT_S
 

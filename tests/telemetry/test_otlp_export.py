@@ -85,3 +85,12 @@ def test_a_load_reaches_an_otlp_collector_as_lookup_load_and_one_scan_per_group(
         assert load.start_time_unix_nano <= scan.start_time_unix_nano <= scan.end_time_unix_nano <= load.end_time_unix_nano
     carrier = sched._pending_loads[0].trace_carrier  # the workers' copy spans go under this load
     assert carrier[:2] == (int.from_bytes(load.trace_id, "big"), int.from_bytes(load.span_id, "big"))
+
+
+def test_an_otlp_timeout_past_the_most_accepted_is_capped_and_one_in_seconds_kept():
+    from connector.telemetry.sinks import DEFAULT_OTLP_TIMEOUT_S, MAX_OTLP_TIMEOUT_S, _timeout_s
+
+    assert _timeout_s({"OTEL_EXPORTER_OTLP_TIMEOUT": "10000"}) == MAX_OTLP_TIMEOUT_S  # the spec's 10 s, in ms
+    assert _timeout_s({"OTEL_EXPORTER_OTLP_TRACES_TIMEOUT": "inf"}) == MAX_OTLP_TIMEOUT_S
+    assert _timeout_s({"OTEL_EXPORTER_OTLP_TIMEOUT": "5"}) == 5.0
+    assert _timeout_s({"OTEL_EXPORTER_OTLP_TIMEOUT": "nan"}) == DEFAULT_OTLP_TIMEOUT_S

@@ -154,6 +154,10 @@ def test_check_says_which_otlp_export_the_otel_variables_set_up_and_what_they_ge
     captured = capsys.readouterr()
     assert "OTLP export: OTLP http/protobuf http://collector:4318/v1/traces" in captured.out
     assert "ignoring OTLP timeout '500ms'" in captured.err and "'http/json' is not supported" in captured.err
+    for spec_milliseconds in ("10000", "inf"):  # read as seconds, as the Python exporters do: capped, said
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_TIMEOUT", spec_milliseconds)
+        assert cli.main(["check", _transfer(cpu_bytes=1 << 20)]) == 0
+        assert f"OTLP timeout '{spec_milliseconds}' is read as seconds" in capsys.readouterr().err
 
 
 def test_check_reads_human_readable_numbers_as_vllm_does(capsys):
