@@ -147,6 +147,23 @@ def _at_least(lowest: int):
     return parse
 
 
+def _bind_address(text: str) -> str:
+    """An argparse type: an address of this host that a server can bind (Streamlit would otherwise
+    fail with a traceback)."""
+    import socket
+
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(text, 0, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.bind(address)
+    except (OSError, UnicodeError) as exc:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an address of this host to serve on ({exc}): "
+                                         "accepted are its IP addresses or host names, e.g. 127.0.0.1 or "
+                                         "0.0.0.0 (all)") from None
+    return text
+
+
 def _port(text: str) -> int:
     """An argparse type: a TCP port, 1..65535."""
     try:
@@ -185,7 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     s = sub.add_parser("dashboard", help="Streamlit replay of trace files")
     s.add_argument("paths", nargs="*", help="trace files or folders of them (default: $KVSCOPE_TRACE_FILES)")
     s.add_argument("--port", type=_port, default=None, help="port to serve on (Streamlit's default: 8501)")
-    s.add_argument("--address", default=None, help="address to bind, e.g. 0.0.0.0 (Streamlit's default: all)")
+    s.add_argument("--address", default=None, type=_bind_address,
+                   help="address to bind, e.g. 0.0.0.0 (Streamlit's default: all)")
     s.add_argument("--headless", action="store_true", help="do not open a browser")
     s.add_argument("--streamlit-option", action="append", default=[], metavar="OPTION",
                    help="passed to `streamlit run`, e.g. --streamlit-option theme.base=dark or "

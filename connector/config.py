@@ -36,7 +36,8 @@ class KVScopeConfig:
 
 
 _ACCEPTED = {
-    "cpu_bytes": "an integer number of bytes > 0 (required)",
+    "cpu_bytes": ("an integer number of bytes > 0 (required; in --kv-transfer-config vLLM expands an "
+                  "unquoted 8G to GiB and 8g to GB, not a quoted \"8G\")"),
     "block_size": "a positive integer number of tokens, a multiple of the device block size",
     "trace_file": "a path (string) of a file to append OTLP/JSON lines to (missing folders are made)",
     "trace_sample_ratio": "a number between 0 and 1",
@@ -74,16 +75,32 @@ def _writable_file(key: str, value: Any) -> str:
     existing = os.path.dirname(os.path.abspath(path))  # missing folders are made at the first write
     while not os.path.exists(existing):
         existing = os.path.dirname(existing)
+    too_long = _name_too_long(existing, os.path.relpath(os.path.abspath(path), existing))
     if os.path.isdir(path):
         problem = "it is a folder"
     elif not os.path.isdir(existing):
         problem = f"{existing} is a file, not a folder"
+    elif too_long:
+        problem = too_long
     elif not os.access(path if os.path.exists(path) else existing, os.W_OK):
         problem = "it cannot be written by this process"
     else:
         return path
     raise ConfigError(f"kv_connector_extra_config.{key}={value!r} is not accepted: {problem}; "
                       f"expected {_ACCEPTED[key]}")
+
+
+def _name_too_long(folder: str, below: str) -> str | None:
+    """Which name of the path ``below`` the existing ``folder`` its file system cannot take, if any."""
+    try:
+        limit = os.pathconf(folder, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        return None
+    for name in below.split(os.sep):
+        if len(os.fsencode(name)) > limit:
+            return (f"the name {name[:16]}... is {len(os.fsencode(name))} bytes, longer than the {limit} its "
+                    "file system takes")
+    return None
 
 
 def check_host_memory(tier_bytes: int, local_workers: int, physical_bytes: int | None) -> str | None:

@@ -97,6 +97,13 @@ def check_transfer_config(text: str, engine: EngineShape = EngineShape(),
         result.warnings.append("PYTORCH_CUDA_ALLOC_CONF has expandable_segments:True: vLLM refuses a KV connector "
                                "with it unless started with --enable-cumem-allocator")
     result.otlp = _otlp_export(environment, result.warnings)
+    if config.trace_file or result.otlp:
+        from .telemetry.tracing import export_mode
+
+        try:
+            export_mode(environment)  # start-up refuses a bad one only when something is traced: so here
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
     return result
 
 

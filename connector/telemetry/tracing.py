@@ -123,10 +123,7 @@ class KVScopeTracing:
         resource = resource_from_env(env)
         sinks = Sinks(trace_file or None, {k: v for k, v in env.items() if k.startswith("OTEL_")},
                       dict(resource.attributes))
-        mode = (env.get(EXPORT_MODE_VARIABLE) or "process").strip().lower()
-        if mode not in ("process", "thread"):
-            raise ValueError(f"{EXPORT_MODE_VARIABLE}={mode!r} is invalid: accepted are 'process' "
-                             "(spans are encoded in a helper process, the default) and 'thread'")
+        mode = export_mode(env)
         exporters = [ExportProcess(sinks)] if mode == "process" else build_exporters(sinks)
         if not exporters:
             return cls.disabled()
@@ -379,6 +376,16 @@ class KVScopeTracing:
             return
         self._shutdown_done = True
         self._processor.shutdown()
+
+
+def export_mode(env: Mapping[str, str]) -> str:
+    """Where spans are encoded and exported (``KVSCOPE_TRACE_EXPORT``): "process" or "thread";
+    raises ``ValueError`` naming the accepted values."""
+    mode = (env.get(EXPORT_MODE_VARIABLE) or "process").strip().lower()
+    if mode not in ("process", "thread"):
+        raise ValueError(f"{EXPORT_MODE_VARIABLE}={mode!r} is invalid: accepted are 'process' "
+                         "(spans are encoded in a helper process, the default) and 'thread'")
+    return mode
 
 
 class SyncRecordProcessor:

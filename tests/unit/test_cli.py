@@ -42,6 +42,16 @@ def test_a_bad_dashboard_port_is_refused_naming_it(port, capsys, monkeypatch):
     assert "argument --port" in err and "accepted are 1 to 65535" in err, err
 
 
+@pytest.mark.parametrize("address", ["999.1.1.1", "not an address", "192.0.2.1"])  # the last: not this host's
+def test_an_address_the_dashboard_cannot_serve_on_is_refused_naming_it(address, capsys, monkeypatch):
+    monkeypatch.setattr(cli, "dashboard", lambda args: pytest.fail("the dashboard started"))
+    with pytest.raises(SystemExit) as info:
+        cli.main(["dashboard", "--address", address, "trace.jsonl"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument --address: {address!r} is not an address of this host" in err and "127.0.0.1" in err, err
+
+
 def test_dashboard_options_reach_streamlit(tmp_path, monkeypatch):
     from dashboard import launch
 
@@ -165,6 +175,8 @@ def test_check_reads_human_readable_numbers_as_vllm_does(capsys):
     text = '{"kv_connector": "KVScopeConnector", "kv_role": "kv_both", "kv_connector_extra_config": {"cpu_bytes": 8G}}'
     assert cli.main(["check", text]) == 0
     assert "host tier: 8,589,934,592 bytes (8.00 GiB) per worker" in capsys.readouterr().out
+    assert cli.main(["check", text.replace("8G", '"8G"')]) == 2  # a JSON string: vLLM leaves it as it is
+    assert 'vLLM expands an unquoted 8G to GiB and 8g to GB, not a quoted "8G"' in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("flags, said", [
@@ -239,3 +251,15 @@ def test_kvscope_check_runs_as_a_command():
     done = subprocess.run([sys.executable, "-m", "connector.cli", "check", _transfer(cpu_bytes=0)],
                           cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "kv_connector_extra_config.cpu_bytes=0 is not accepted" in done.stderr
+
+
+def test_check_refuses_a_bad_trace_export_mode_when_something_is_traced(tmp_path, monkeypatch, capsys):
+    """As start-up does: it reads KVSCOPE_TRACE_EXPORT only when there is a sink to export to."""
+    for name in [n for n in os.environ if n.startswith("OTEL_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("KVSCOPE_TRACE_EXPORT", "proces")
+    assert cli.main(["check", _transfer(cpu_bytes=1 << 20)]) == 0
+    capsys.readouterr()
+    assert cli.main(["check", _transfer(cpu_bytes=1 << 20, trace_file=str(tmp_path / "t.jsonl"))]) == 2
+    err = capsys.readouterr().err
+    assert "KVSCOPE_TRACE_EXPORT='proces' is invalid: accepted are 'process'" in err and "'thread'" in err

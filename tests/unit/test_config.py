@@ -197,6 +197,13 @@ def test_a_trace_file_that_cannot_be_written_stops_start_up(tmp_path):
         assert parse_config({"cpu_bytes": 1, "trace_file": str(fine)}).trace_file == str(fine)
 
 
+@pytest.mark.parametrize("below", ["x" * 300, "y" * 300 + "/t.jsonl"])
+def test_a_trace_file_name_longer_than_its_file_system_takes_stops_start_up(tmp_path, below):
+    message = _error({"cpu_bytes": 1, "trace_file": str(tmp_path / below)})
+    _assert_names(message, "trace_file", str(tmp_path / below))
+    assert "is 300 bytes, longer than the 255 its file system takes" in message
+
+
 def test_a_trace_file_under_home_is_expanded(tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path))
     assert parse_config({"cpu_bytes": 1, "trace_file": "~/kvscope.jsonl"}).trace_file == str(tmp_path / "kvscope.jsonl")
