@@ -63,7 +63,6 @@ def reference_plan(layouts, group_block_ids, num_local_tokens, num_external_toke
                     scan.start = i
                 k = i // factor
                 scan.block_ids.append(block_id)
-                scan.offload_indices.append(k)
                 scan.sub_indices.append(i % factor)
                 if scan.runs and scan.runs[-1][0] == k:
                     scan.runs[-1] = (k, scan.runs[-1][1] + 1)

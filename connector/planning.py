@@ -27,11 +27,11 @@ class GroupScan:
     blocks_total: int = 0  # device blocks scanned (local boundary .. end of cached tokens)
     null_skipped: int = 0
     start: int = -1  # index (in the group's block list) of the first pending block, -1 if none
-    # Per pending device block: destination block id, offload block index, position inside it.
+    # Per pending device block: destination block id, and its position inside its offload block.
     block_ids: list[int] = field(default_factory=list)
-    offload_indices: list[int] = field(default_factory=list)
     sub_indices: list[int] = field(default_factory=list)
-    # (offload block index, pending device blocks in it) per offload block read, in order.
+    # (offload block index, pending device blocks in it) per offload block read, in order: the
+    # offload block of each pending block, without a list as long as the blocks.
     runs: list[tuple[int, int]] = field(default_factory=list)
 
     @property
@@ -100,23 +100,20 @@ def scan_group(
         if nulls == len(window):
             return scan
         first = begin + nulls
-        quotients, remainders = _index_tables(factor, end)
         scan.block_ids = window[nulls:] if nulls else window
-        scan.offload_indices = quotients[first:end]
-        scan.sub_indices = remainders[first:end]
+        scan.sub_indices = _positions_in_offload_block(factor, end)[first:end]
         scan.runs = [(k, min(end, (k + 1) * factor) - max(first, k * factor))
                      for k in range(first // factor, (end - 1) // factor + 1)]
         scan.start = first
         return scan
     # Nulls between real blocks (Mamba padding, odd layouts): one block at a time.
-    ids, offs, subs, runs = scan.block_ids, scan.offload_indices, scan.sub_indices, scan.runs
+    ids, subs, runs = scan.block_ids, scan.sub_indices, scan.runs
     for i in range(begin, end):
         b = block_ids[i]
         if b == NULL_BLOCK_ID:
             continue
         k = i // factor
         ids.append(b)
-        offs.append(k)
         subs.append(i % factor)
         if runs and runs[-1][0] == k:
             runs[-1] = (k, runs[-1][1] + 1)
@@ -134,17 +131,17 @@ def _count_leading_nulls(block_ids: Sequence[int], begin: int) -> int:
     return n
 
 
-# factor -> ([i // factor], [i % factor]) for i below the list length, grown by doubling.
-_INDEX_TABLES: dict[int, tuple[list[int], list[int]]] = {}
+# factor -> [i % factor] for i below the list length, grown by doubling: slicing it costs less
+# than computing the positions of a long run of blocks.
+_POSITION_TABLES: dict[int, list[int]] = {}
 
 
-def _index_tables(factor: int, size: int) -> tuple[list[int], list[int]]:
-    tables = _INDEX_TABLES.get(factor)
-    if tables is None or len(tables[0]) < size:
+def _positions_in_offload_block(factor: int, size: int) -> list[int]:
+    table = _POSITION_TABLES.get(factor)
+    if table is None or len(table) < size:
         n = max(1024, 1 << (size - 1).bit_length())
-        tables = ([i // factor for i in range(n)], [i % factor for i in range(n)])
-        _INDEX_TABLES[factor] = tables
-    return tables
+        table = _POSITION_TABLES[factor] = [i % factor for i in range(n)]
+    return table
 
 
 def plan_load(
