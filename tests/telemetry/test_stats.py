@@ -151,3 +151,29 @@ def test_hit_tokens_never_exceed_lookup_tokens(lookups):
         assert one.data.get("hit_tokens", 0) <= one.data.get("lookup_tokens", 0)
         total.aggregate(one)
     assert 0 <= total.data.get("hit_tokens", 0) <= total.data.get("lookup_tokens", 0)
+
+
+# An argument for each parameter name of the recording methods (a new name fails the test below
+# until it is given one here).
+_SAMPLE_ARGUMENTS = {
+    "group": 1, "kind": "sliding_window", "direction": "store", "blocks": 3, "nbytes": 3072, "duration_s": 0.002,
+    "queried_tokens": 64, "hit_tokens": 32, "reason": "evicted", "tokens": 32, "blocks_total": 8, "null_skipped": 5,
+    "n": 2, "used_bytes": 1024, "capacity_bytes": 4096, "groups": [(0, "full_attention"), (1, "sliding_window")],
+}
+
+
+def test_everything_a_recording_method_writes_survives_aggregation():
+    """vLLM aggregates the workers' payloads into the scheduler's (an empty one first): a data key
+    `aggregate` does not know is dropped there, and its metric loses exactly the steps that had copies."""
+    import inspect
+
+    recorders = [name for name in vars(KVScopeStats) if name.startswith(("record_", "set_", "declare_"))]
+    assert {"record_copy", "record_scan", "set_host_usage", "declare_groups"} <= set(recorders)
+    for name in recorders:
+        method = getattr(KVScopeStats, name)
+        params = [p for p in inspect.signature(method).parameters if p != "self"]
+        recorded = KVScopeStats()
+        getattr(recorded, name)(**{p: _SAMPLE_ARGUMENTS[p] for p in params})
+        assert recorded.data, name
+        aggregated = KVScopeStats().aggregate(KVScopeStats(data=pickle.loads(pickle.dumps(recorded.data))))
+        assert aggregated.data == recorded.data, name
