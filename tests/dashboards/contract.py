@@ -31,7 +31,6 @@ HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
 
 GROUP_KINDS = ("full_attention", "sliding_window", "mamba")
 DIRECTIONS = ("load", "store")
-MISS_REASONS = ("new", "evicted", "dropped", "reset", "storing", "no_state", "other_blocks", "load_failed", "tail")
 
 
 def series_names() -> set[str]:

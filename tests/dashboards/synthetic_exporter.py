@@ -14,15 +14,15 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import start_http_server
 
+from connector.telemetry.metrics import COPY_BUCKETS_S, REQUEST_LOAD_BUCKETS_S, SCAN_BUCKETS_S
+
 from . import contract
 
 MODEL_NAME = "synthetic-model"
 ENGINE = "0"
 
-# Buckets as the connector would choose them: microseconds for scans, milliseconds for copies.
-SCAN_BUCKETS = (5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 1e-2)
-COPY_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0)
-REQUEST_LOAD_BUCKETS = (1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+# The connector's own buckets: microseconds for scans, milliseconds for copies.
+SCAN_BUCKETS, COPY_BUCKETS, REQUEST_LOAD_BUCKETS = SCAN_BUCKETS_S, COPY_BUCKETS_S, REQUEST_LOAD_BUCKETS_S
 
 # Per-second rates of the engine-wide counters.
 RATES = {
