@@ -22,6 +22,19 @@ def needed_offload_blocks(
     return range(first_token // offload_block_size, num_hit_tokens // offload_block_size)
 
 
+def proving_groups(layouts: Sequence[GroupLayout], proof_groups: frozenset[int]) -> set[int] | tuple:
+    """The groups whose hits must prove their next token (EAGLE drafters' attention KV; a state needs no proof)."""
+    if not proof_groups:
+        return ()
+    return {layout.index for layout in layouts if layout.index in proof_groups and layout.kind is not GroupKind.MAMBA}
+
+
+def hit_reach(num_tokens: int, num_hashed_blocks: int, offload_block_size: int, proving) -> int:
+    """The most offloaded blocks a hit can cover: one token is left to compute, only whole hashed blocks
+    have keys, and a proving group's hit needs the key of the block after it."""
+    return min((num_tokens - 1) // offload_block_size, num_hashed_blocks - (1 if proving else 0))
+
+
 def find_hit_tokens(
     layouts: Sequence[GroupLayout],
     num_tokens: int,
@@ -41,9 +54,8 @@ def find_hit_tokens(
     A hit of n blocks then also needs block n stored in those groups (its key proves that next
     token), and block n is left to compute, as vLLM's prefix cache and offloading connector do.
     """
-    proving = {layout.index for layout in layouts  # a state needs no proof
-               if layout.index in proof_groups and layout.kind is not GroupKind.MAMBA} if proof_groups else ()
-    max_blocks = min((num_tokens - 1) // offload_block_size, num_hashed_blocks - (1 if proving else 0))
+    proving = proving_groups(layouts, proof_groups)
+    max_blocks = hit_reach(num_tokens, num_hashed_blocks, offload_block_size, proving)
     # Full attention needs a contiguous run from the local boundary: it bounds the search.
     first_needed = num_local_tokens // offload_block_size
     if max_blocks <= first_needed:  # no hit can reach past the local one (and no key past the last is asked for)

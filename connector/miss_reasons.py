@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 from .groups import GroupKind, GroupLayout
+from .lookup import hit_reach, proving_groups
 
 # Why a key is not ready in the host tier (`HostIndex.why_absent`), or why a lookup stopped.
 NEW = "new"  # never stored, or it left the tier longer ago than the tier remembers (as many keys as slots)
@@ -64,10 +65,8 @@ def lookup_miss(
     gives them. The tokens of ``by_reason`` and ``tail_tokens`` add up to the looked-up tokens
     (``num_tokens - num_local_tokens``) minus the hit.
     """
-    proving = [layout.index for layout in ordered_layouts
-               if layout.index in proof_groups and layout.kind is not GroupKind.MAMBA] if proof_groups else ()
-    # as `find_hit_tokens` caps a hit: one token left to compute, whole hashed blocks, EAGLE's proof block
-    reach = min((num_tokens - 1) // offload_block_size, num_hashed_blocks - (1 if proving else 0))
+    proving = sorted(proving_groups(ordered_layouts, proof_groups))
+    reach = hit_reach(num_tokens, num_hashed_blocks, offload_block_size, proving)  # as `find_hit_tokens` caps a hit
     reach_end = max(0, reach) * offload_block_size
     served_end = num_local_tokens + num_external_tokens
     if served_end >= reach_end:

@@ -646,7 +646,9 @@ class KVScopeScheduler:
         for queried, hit, lookup in self._lookup_log:
             self._stats.record_lookup(queried, hit)
             # What was not served, by reason: what vLLM did not take of the hit found, then the blocks
-            # past the hit; the tail takes the rest, so the reasons always add up to queried - hit.
+            # past the hit; the tail takes the rest (not `miss.tail_tokens`: queried is counted now, when
+            # vLLM schedules the request, and may differ from the lookup's), so the reasons always add up
+            # to queried - hit.
             left = max(0, queried - hit)
             not_taken = min(left, max(0, lookup.external_tokens - hit))
             record_missed(NOT_TAKEN, not_taken)
@@ -660,12 +662,8 @@ class KVScopeScheduler:
         for layout, log in zip(self.layouts, self._scan_log):
             if not log:
                 continue
-            blocks = sum(entry[1] for entry in log)
-            nulls = sum(entry[2] for entry in log)
-            for i, (ns, _, _) in enumerate(log):
-                # counts once per group and interval, every duration observed
-                self._stats.record_scan(layout.index, layout.kind.value,
-                                        blocks if i == 0 else 0, nulls if i == 0 else 0, ns / 1e9)
+            self._stats.record_scans(layout.index, layout.kind.value, sum(entry[1] for entry in log),
+                                     sum(entry[2] for entry in log), [entry[0] / 1e9 for entry in log])
             log.clear()
         if self._stats.is_empty():
             return None

@@ -37,7 +37,7 @@ Which call feeds which contract metric (each metric has exactly one source):
 =================================  =============================================================
 ``record_lookup``                  ``kvscope_lookup_tokens_total``, ``kvscope_hit_tokens_total``
 ``record_missed``                  ``kvscope_missed_tokens_total`` (per reason: they add up to lookup - hit)
-``record_scan``                    ``kvscope_scan_blocks_total``, ``kvscope_null_blocks_skipped_total``,
+``record_scans``                   ``kvscope_scan_blocks_total``, ``kvscope_null_blocks_skipped_total``,
                                    ``kvscope_scan_duration_seconds``
 ``record_loaded_blocks``           ``kvscope_loaded_blocks_total`` (scheduler: blocks a request used)
 ``record_copy``                    ``kvscope_copy_duration_seconds``, ``kvscope_load_bytes_total`` /
@@ -141,14 +141,16 @@ class KVScopeStats(KVConnectorStats):
         """Looked-up tokens the host tier did not serve, for one reason (`connector.miss_reasons`)."""
         self._inc_keyed("missed_tokens", reason, tokens)
 
-    def record_scan(
-        self, group: int, kind: str, blocks_total: int, null_skipped: int, duration_s: float
+    def record_scans(
+        self, group: int, kind: str, blocks_total: int, null_skipped: int, durations_s: list[float]
     ) -> None:
-        """One group's scan while planning a load."""
+        """One group's scans while planning loads: blocks scanned and null blocks skipped by them all,
+        and each scan's duration."""
         key = group_key(group, kind)
         self._inc_keyed("scan_blocks", key, blocks_total)
         self._inc_keyed("null_blocks_skipped", key, null_skipped)
-        self._observe_keyed("scan_duration_s", key, duration_s)
+        for duration_s in durations_s:
+            self._observe_keyed("scan_duration_s", key, duration_s)
 
     def record_loaded_blocks(self, group: int, kind: str, blocks: int) -> None:
         """Device blocks of one group a request received from the host tier (its load succeeded on

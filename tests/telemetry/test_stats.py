@@ -22,8 +22,8 @@ def _worker_stats() -> KVScopeStats:
 def _scheduler_stats() -> KVScopeStats:
     s = KVScopeStats()
     s.record_lookup(queried_tokens=100, hit_tokens=64)
-    s.record_scan(0, "full_attention", blocks_total=8, null_skipped=0, duration_s=3e-6)
-    s.record_scan(1, "sliding_window", blocks_total=8, null_skipped=6, duration_s=2e-6)
+    s.record_scans(0, "full_attention", blocks_total=8, null_skipped=0, durations_s=[3e-6])
+    s.record_scans(1, "sliding_window", blocks_total=8, null_skipped=6, durations_s=[2e-6])
     s.record_loaded_blocks(0, "full_attention", blocks=4)
     s.record_loaded_blocks(1, "sliding_window", blocks=2)
     s.record_request_load(0.004)
@@ -85,7 +85,7 @@ def test_aggregate_sums_concatenates_and_keeps_latest_gauge():
 def test_aggregate_does_not_alias_the_other_payload():
     a, b = KVScopeStats(), _scheduler_stats()
     a.aggregate(b)
-    a.record_scan(0, "full_attention", 1, 0, 1e-6)
+    a.record_scans(0, "full_attention", 1, 0, [1e-6])
     assert b.data["scan_duration_s"]["0|full_attention"] == [3e-6]
 
 
@@ -158,7 +158,8 @@ def test_hit_tokens_never_exceed_lookup_tokens(lookups):
 _SAMPLE_ARGUMENTS = {
     "group": 1, "kind": "sliding_window", "direction": "store", "blocks": 3, "nbytes": 3072, "duration_s": 0.002,
     "queried_tokens": 64, "hit_tokens": 32, "reason": "evicted", "tokens": 32, "blocks_total": 8, "null_skipped": 5,
-    "n": 2, "used_bytes": 1024, "capacity_bytes": 4096, "groups": [(0, "full_attention"), (1, "sliding_window")],
+    "n": 2, "durations_s": [1e-6, 2e-6], "used_bytes": 1024, "capacity_bytes": 4096,
+    "groups": [(0, "full_attention"), (1, "sliding_window")],
 }
 
 
@@ -168,7 +169,7 @@ def test_everything_a_recording_method_writes_survives_aggregation():
     import inspect
 
     recorders = [name for name in vars(KVScopeStats) if name.startswith(("record_", "set_", "declare_"))]
-    assert {"record_copy", "record_scan", "set_host_usage", "declare_groups"} <= set(recorders)
+    assert {"record_copy", "record_scans", "set_host_usage", "declare_groups"} <= set(recorders)
     for name in recorders:
         method = getattr(KVScopeStats, name)
         params = [p for p in inspect.signature(method).parameters if p != "self"]
