@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from .groups import GroupKind, GroupLayout
 from .host_store import HostIndex
+from .offload_keys import OffloadKeys
 from .planning import NULL_BLOCK_ID
 
 
@@ -41,10 +42,10 @@ class PiecewiseStores:
     """The offloaded blocks being filled, by host key, and the rules of their life."""
 
     def __init__(self, index: HostIndex, layouts: list[GroupLayout], offload_block_size: int,
-                 hashes_per_block: int):
+                 keys: OffloadKeys):
         self.index = index
         self.block_size = offload_block_size
-        self.hashes_per_block = hashes_per_block
+        self.keys = keys
         # Groups whose sliding window drops an offloaded block's first pieces before its last is
         # computed (window <= offloaded block - device block, as vLLM frees window blocks): they
         # store pieces of blocks whose key does not exist yet, under a placeholder.
@@ -62,7 +63,7 @@ class PiecewiseStores:
         computed: under its key once that exists (`known` blocks have one), else under a placeholder
         no block hash equals, until `key_blocks` gives it the key; None when skipped."""
         if k < known:
-            key = (g, request.block_hashes[(k + 1) * self.hashes_per_block - 1])
+            key = (g, self.keys.hash_of(request.block_hashes, k))
             filling = self._start(key, needed, first_block_id, k, keyed=True)
             if filling is not None and self.describe is not None:
                 filling.announcement = self.describe(request, g, k)
@@ -95,12 +96,12 @@ class PiecewiseStores:
         """Give the request's placeholder-keyed blocks (``fillings``: the one per group it is filling)
         whose key now exists (their last token is known, ``known`` blocks have one) that key; a block
         stored or being stored under it already makes ours a duplicate."""
-        hashes, step = request.block_hashes, self.hashes_per_block
+        hashes = request.block_hashes
         for g in self.ahead_groups:
             filling = fillings[g]
             if filling is None or filling.keyed or filling.failed or filling.block_index >= known:
                 continue
-            placeholder, key = filling.key, (g, hashes[(filling.block_index + 1) * step - 1])
+            placeholder, key = filling.key, (g, self.keys.hash_of(hashes, filling.block_index))
             if not self.index.rekey(placeholder, key):
                 self.give_up(filling)
                 continue
@@ -123,7 +124,7 @@ class PiecewiseStores:
         """The request ends: blocks it was filling get their key if it exists now; the ones whose
         remaining pieces (or key) will never come are given up."""
         if self.ahead_groups:
-            self.key_blocks(request, fillings, len(request.block_hashes) // self.hashes_per_block)
+            self.key_blocks(request, fillings, self.keys.count(request.block_hashes))
         for filling in fillings:
             if filling is not None and (filling.planned < filling.needed or not filling.keyed):
                 self.give_up(filling)

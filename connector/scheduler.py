@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 from .groups import GroupKind, GroupLayout
 from .host_store import HostIndex
 from .lookup import find_hit_tokens
-from .miss_reasons import LOAD_FAILED, NOT_TAKEN, TAIL, Miss, lookup_miss, miss_order
 from .metadata import LOAD, STORE, GroupTransfer, KVScopeMetadata, KVScopeWorkerMetadata, TransferJob
+from .miss_reasons import LOAD_FAILED, NOT_TAKEN, TAIL, Miss, lookup_miss, miss_order
+from .offload_keys import OffloadKeys
 from .piecewise_stores import Filling, PiecewiseStores
 from .planning import NULL_BLOCK_ID, GroupScan, scan_group
 from .state_blocks import StateBlocks
@@ -92,9 +93,9 @@ class KVScopeScheduler:
         self._group_indices = [layout.index for layout in layouts]
         self.block_size = offload_block_size
         self.hash_block_size = hash_block_size
-        self.hashes_per_block = offload_block_size // hash_block_size
+        self.keys = OffloadKeys(offload_block_size // hash_block_size)
         self.index = HostIndex(num_slots)
-        self.stores = PiecewiseStores(self.index, layouts, offload_block_size, self.hashes_per_block)
+        self.stores = PiecewiseStores(self.index, layouts, offload_block_size, self.keys)
         # KV cache events of the host tier (`host_tier_events.HostTierEvents`), or None when vLLM's are off
         self.host_events = host_events
         if host_events is not None:
@@ -129,10 +130,8 @@ class KVScopeScheduler:
 
     # -- keys --
     def _offload_hashes(self, request) -> list:
-        """The key hash of each full offload block of the request (its last hash block)."""
-        step = self.hashes_per_block
-        hashes = request.block_hashes
-        return [hashes[i] for i in range(step - 1, len(hashes), step)]
+        """The key hash of each full offload block of the request (`offload_keys`)."""
+        return self.keys.hashes(request.block_hashes)
 
     # -- lookup (side-effect free towards vLLM: only memoises its answer) --
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
@@ -143,7 +142,7 @@ class KVScopeScheduler:
             # whose async load failed, and counts it against the request's own next async admission,
             # which then never fits once the request needs half the free blocks: it would wait for ever.
             miss = lookup_miss(self._miss_layouts, request.num_tokens, num_computed_tokens, 0,
-                               len(request.block_hashes) // self.hashes_per_block, self.block_size,
+                               self.keys.count(request.block_hashes), self.block_size,
                                lambda group, k: LOAD_FAILED, self.eagle_groups)
             self._lookups[request.request_id] = _Lookup(num_computed_tokens, 0, start, start, miss)
             return 0, False
@@ -448,7 +447,7 @@ class KVScopeScheduler:
         if state.stored_blocks is None:
             state.stored_blocks = [0] * len(layouts)
             state.filling = [None] * len(layouts)
-        known = len(request.block_hashes) // self.hashes_per_block  # offloaded blocks whose key exists
+        known = self.keys.count(request.block_hashes)  # offloaded blocks whose key exists
         stores = self.stores
         if stores.ahead_groups:
             stores.key_blocks(request, state.filling, known)
@@ -525,9 +524,8 @@ class KVScopeScheduler:
         A request's tokens past its computed ones can change under it (a streaming-input session's
         next turn drops the last sampled token and appends new input): the rest of the block would
         then hold KV of other tokens than its key's."""
-        i = (filling.block_index + 1) * self.hashes_per_block - 1
-        hashes = request.block_hashes
-        return i < len(hashes) and hashes[i] == filling.key[1]
+        key_hash = self.keys.hash_of(request.block_hashes, filling.block_index)
+        return key_hash is not None and key_hash == filling.key[1]
 
     def _log_foreign_state(self, block, block_end: int) -> None:
         """Say once why a model's Mamba states are stored less often than its blocks end."""

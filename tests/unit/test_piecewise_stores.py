@@ -12,6 +12,7 @@ import pytest
 
 from connector.groups import GroupKind, GroupLayout
 from connector.host_store import HostIndex
+from connector.offload_keys import OffloadKeys
 from connector.piecewise_stores import PiecewiseStores
 
 BS, B = 16, 64
@@ -19,7 +20,7 @@ FULL = GroupLayout(0, GroupKind.FULL_ATTENTION, BS)
 
 
 def _stores(*layouts: GroupLayout, num_slots: int = 4) -> PiecewiseStores:
-    return PiecewiseStores(HostIndex(num_slots), list(layouts), offload_block_size=B, hashes_per_block=B // BS)
+    return PiecewiseStores(HostIndex(num_slots), list(layouts), offload_block_size=B, keys=OffloadKeys(B // BS))
 
 
 def _request(rid: str, num_tokens: int, prompt: int = 0, max_tokens: int | None = None):
