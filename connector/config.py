@@ -13,6 +13,11 @@ class ConfigError(ValueError):
     """A `kv_connector_extra_config` key or value that kvscope does not accept."""
 
 
+# More host slots than any host could hold (the scheduler's index has one entry per slot); the
+# workers check the tier against their host's memory.
+MAX_HOST_SLOTS = 1 << 32
+
+
 @dataclass(frozen=True, slots=True)
 class KVScopeConfig:
     cpu_bytes: int
@@ -21,18 +26,48 @@ class KVScopeConfig:
     trace_sample_ratio: float | None = None
     metrics_port: int | None = None  # offline runs: serve /metrics on this port
 
-    def offload_block_size(self, device_block_sizes: Sequence[int]) -> int:
-        """Resolve `block_size` against the groups' device block sizes (validated)."""
+    def offload_block_size(self, device_block_sizes: Sequence[int], hash_block_size: int | None = None,
+                           max_model_len: int | None = None) -> tuple[int, str | None]:
+        """Tokens per offloaded block, from `block_size` or else the groups' device block sizes, and a
+        warning (or None). It must be a multiple of every group's device block size and of vLLM's
+        prefix-cache hash block size (an offloaded block's key is the hash of its last hash block), and
+        shorter than ``max_model_len`` (the last token's KV is never computed: no longer block fills)."""
         lcm = math.lcm(*device_block_sizes)
-        if self.block_size is None:
-            return lcm
-        if self.block_size % lcm:
+        block_size = lcm if self.block_size is None else self.block_size
+        if block_size % lcm:
             raise ConfigError(
-                f"kv_connector_extra_config.block_size={self.block_size} is not accepted: it must "
+                f"kv_connector_extra_config.block_size={block_size} is not accepted: it must "
                 f"be a multiple of every KV group's device block size {sorted(set(device_block_sizes))}"
                 f" (e.g. {lcm}, {2 * lcm}, ...)"
             )
-        return self.block_size
+        if hash_block_size and block_size % hash_block_size:
+            raise ConfigError(
+                f"kv_connector_extra_config.block_size={block_size} is not accepted: it must be a "
+                f"multiple of vLLM's prefix-cache hash block size {hash_block_size}"
+            )
+        if max_model_len and block_size >= max_model_len:
+            useless = (f"no request of this engine (max_model_len {max_model_len}) fills an offloaded block of "
+                       f"{block_size} tokens, so nothing would ever be stored")
+            if self.block_size is not None:
+                raise ConfigError(f"kv_connector_extra_config.block_size={block_size} is not accepted: {useless}; "
+                                  f"expected fewer than {max_model_len} tokens")
+            return block_size, f"kvscope: {useless} (the block size follows the KV groups' device block sizes)"
+        return block_size, None
+
+    def host_slots(self, slot_bytes: int) -> int:
+        """How many offloaded blocks of ``slot_bytes`` the tier of `cpu_bytes` holds (at least one, and
+        no more than an index could keep)."""
+        num_slots = self.cpu_bytes // slot_bytes
+        if num_slots < 1:
+            raise ConfigError(
+                f"kv_connector_extra_config.cpu_bytes={self.cpu_bytes} is not accepted: one "
+                f"offloaded block of this model needs {slot_bytes} bytes; use at least that"
+            )
+        if num_slots > MAX_HOST_SLOTS:
+            raise ConfigError(
+                f"kv_connector_extra_config.cpu_bytes={self.cpu_bytes} is not accepted: it gives "
+                f"{num_slots} host slots of {slot_bytes} bytes; expected at most {MAX_HOST_SLOTS} slots' worth")
+        return num_slots
 
 
 _ACCEPTED = {

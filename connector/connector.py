@@ -39,9 +39,6 @@ from .vllm_logging import log_through_vllm
 from .worker import FENCE_AT_NEXT_STEP, FENCE_AT_ONCE, FENCE_WHEN_REUSED, KVScopeWorker
 
 logger = logging.getLogger(__name__)
-# More host slots than any host could hold (the scheduler's index has one entry per slot); the
-# workers check the tier against their host's memory.
-_MAX_SLOTS = 1 << 32
 
 
 class KVScopeConnector(KVConnectorBase_V1, SupportsHMA):
@@ -62,35 +59,15 @@ class KVScopeConnector(KVConnectorBase_V1, SupportsHMA):
         check_parallelism(vllm_config.parallel_config)
         check_sleep_mode(vllm_config.model_config)
         layouts = group_layouts(kv_cache_config)
-        block_size = self.config.offload_block_size([g.block_size for g in layouts])
         cache_config = vllm_config.cache_config
         hash_block_size = (kv_cache_config.hash_block_size or getattr(cache_config, "hash_block_size", None)
                            or cache_config.block_size)
-        if block_size % hash_block_size:
-            raise ConfigError(
-                f"kv_connector_extra_config.block_size={block_size} is not accepted: it must be a "
-                f"multiple of vLLM's prefix-cache hash block size {hash_block_size}"
-            )
-        max_model_len = getattr(vllm_config.model_config, "max_model_len", None)
-        if max_model_len and block_size >= max_model_len:
-            # The KV of a sequence's last token is never computed: no block of max_model_len fills.
-            useless = (f"no request of this engine (max_model_len {max_model_len}) fills an offloaded block of "
-                       f"{block_size} tokens, so nothing would ever be stored")
-            if self.config.block_size is not None:
-                raise ConfigError(f"kv_connector_extra_config.block_size={block_size} is not accepted: {useless}; "
-                                  f"expected fewer than {max_model_len} tokens")
-            logger.warning("kvscope: %s (the block size follows the KV groups' device block sizes)", useless)
+        block_size, warning = self.config.offload_block_size(
+            [g.block_size for g in layouts], hash_block_size, getattr(vllm_config.model_config, "max_model_len", None))
+        if warning:
+            logger.warning(warning)
         layout = slot_layout(kv_cache_config, block_size)
-        num_slots = self.config.cpu_bytes // layout.slot_bytes
-        if num_slots < 1:
-            raise ConfigError(
-                f"kv_connector_extra_config.cpu_bytes={self.config.cpu_bytes} is not accepted: one "
-                f"offloaded block of this model needs {layout.slot_bytes} bytes; use at least that"
-            )
-        if num_slots > _MAX_SLOTS:
-            raise ConfigError(
-                f"kv_connector_extra_config.cpu_bytes={self.config.cpu_bytes} is not accepted: it gives "
-                f"{num_slots} host slots of {layout.slot_bytes} bytes; expected at most {_MAX_SLOTS} slots' worth")
+        num_slots = self.config.host_slots(layout.slot_bytes)
         if role != KVConnectorRole.SCHEDULER:  # the workers allocate the tiers, each on its own host
             local_workers = workers_on_this_host(vllm_config.parallel_config)
             crowded = check_host_memory(num_slots * layout.slot_bytes, local_workers, physical_memory_bytes())

@@ -131,14 +131,14 @@ def test_bad_block_size(value):
 
 def test_offload_block_size_default_is_lcm():
     cfg = parse_config({"cpu_bytes": 1})
-    assert cfg.offload_block_size([16]) == 16
-    assert cfg.offload_block_size([16, 64, 32]) == 64
-    assert cfg.offload_block_size([48, 32]) == 96
+    assert cfg.offload_block_size([16]) == (16, None)
+    assert cfg.offload_block_size([16, 64, 32]) == (64, None)
+    assert cfg.offload_block_size([48, 32]) == (96, None)
 
 
 @pytest.mark.parametrize("block_size, sizes", [(64, [16]), (128, [16, 64]), (96, [32, 48]), (192, [32, 48])])
 def test_offload_block_size_multiple_accepted(block_size, sizes):
-    assert parse_config({"cpu_bytes": 1, "block_size": block_size}).offload_block_size(sizes) == block_size
+    assert parse_config({"cpu_bytes": 1, "block_size": block_size}).offload_block_size(sizes) == (block_size, None)
 
 
 @pytest.mark.parametrize("block_size, sizes", [(48, [16, 32]), (8, [16]), (64, [32, 48]), (100, [16, 16, 64])])
@@ -150,6 +150,31 @@ def test_offload_block_size_not_a_multiple(block_size, sizes):
     assert f"kv_connector_extra_config.block_size={block_size}" in message
     assert str(sorted(set(sizes))) in message
     assert str(math.lcm(*sizes)) in message  # a valid example
+
+
+def test_an_offload_block_size_must_be_a_multiple_of_vllms_hash_block_size():
+    assert parse_config({"cpu_bytes": 1, "block_size": 64}).offload_block_size([16], hash_block_size=32) == (64, None)
+    with pytest.raises(ConfigError, match=r"block_size=48 is not accepted: .* prefix-cache hash block size 32"):
+        parse_config({"cpu_bytes": 1, "block_size": 48}).offload_block_size([16], hash_block_size=32)
+
+
+def test_an_offloaded_block_no_request_can_fill_is_refused_when_asked_for_and_said_when_derived():
+    """The last token's KV is never computed: a block of max_model_len tokens never fills."""
+    with pytest.raises(ConfigError, match=r"block_size=2048 is not accepted: no request .* fewer than 2048 tokens"):
+        parse_config({"cpu_bytes": 1, "block_size": 2048}).offload_block_size([16], 16, max_model_len=2048)
+    block_size, warning = parse_config({"cpu_bytes": 1}).offload_block_size([2048], 16, max_model_len=2048)
+    assert block_size == 2048 and "nothing would ever be stored" in warning
+    assert parse_config({"cpu_bytes": 1}).offload_block_size([16], 16, max_model_len=2048) == (16, None)
+
+
+def test_the_host_tier_holds_at_least_one_offloaded_block_and_no_more_than_an_index_can_keep():
+    from connector.config import MAX_HOST_SLOTS
+
+    assert parse_config({"cpu_bytes": 10_000}).host_slots(3000) == 3
+    with pytest.raises(ConfigError, match=r"cpu_bytes=1000 is not accepted: one offloaded block .* needs 3000 bytes"):
+        parse_config({"cpu_bytes": 1000}).host_slots(3000)
+    with pytest.raises(ConfigError, match=rf"gives {MAX_HOST_SLOTS + 1} host slots of 1 bytes"):
+        parse_config({"cpu_bytes": MAX_HOST_SLOTS + 1}).host_slots(1)
 
 
 # --- trace_sample_ratio -------------------------------------------------------------------------
