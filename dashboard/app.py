@@ -37,7 +37,8 @@ navigation = st.navigation([
     st.Page(_HERE / "views" / "live.py", title="Live", icon=":material/monitoring:", url_path="live"),
 ])
 
-paths = sources.trace_paths(command_line_paths(), os.environ)
+given = sources.trace_paths(command_line_paths(), os.environ)
+paths = given.paths
 with st.sidebar:
     st.subheader("Trace files")
     uploads = st.file_uploader(
@@ -49,7 +50,7 @@ with st.sidebar:
              "(also the Collector's `format: proto` and `compression: zstd` files).",
     )
 try:
-    loaded = data.load(paths, uploads or [])
+    loaded = data.load(paths, uploads or [], given.empty_folders)
 except Exception as exc:  # the reader reports bad input as problems (file, line): this is a bug's last guard
     st.error(f"kvscope could not read these trace files ({type(exc).__name__}: {exc}). Nothing is shown; "
              "please report this with the file.")
@@ -57,6 +58,8 @@ except Exception as exc:  # the reader reports bad input as problems (file, line
 with st.sidebar:
     for path in paths:
         st.caption(f":material/description: {Path(path).name}", help=path)
+    for note in given.empty_folders:
+        st.caption(f":material/folder_off: {note}")
     read = loaded.traces
     st.caption(
         f"{formatting.count(len(loaded.requests))} requests · {formatting.count(len(read.spans))} kvscope spans"

@@ -15,6 +15,7 @@ import streamlit as st
 from dashboard import sources, traces
 
 _SESSION_KEY = "kvscope.loaded"
+_EMPTY_FOLDERS_KEY = "kvscope.empty_folders"
 
 HOW_TO_ADD_TRACES = (
     "Start the dashboard with trace files: `kvscope dashboard PATH...` or "
@@ -46,11 +47,13 @@ def _read(path_keys: tuple[tuple[str, int, int], ...], upload_keys: tuple[str, .
     return Loaded(traces=read, requests=traces.requests_table(read.spans, read.vllm_requests))
 
 
-def load(paths: Sequence[str], uploads: Sequence) -> Loaded:
-    """Read `paths` and the uploaded files (Streamlit `UploadedFile`s), cached."""
+def load(paths: Sequence[str], uploads: Sequence, empty_folders: Sequence[str] = ()) -> Loaded:
+    """Read `paths` and the uploaded files (Streamlit `UploadedFile`s), cached; `empty_folders`: what the folders
+    given that held no trace file held (`sources.TracePaths`), for the pages to say."""
     upload_sources = tuple(traces.TraceSource(f"upload: {u.name}", u.getvalue()) for u in uploads)
     loaded = _read(tuple(sources.file_key(p) for p in paths), tuple(u.file_id for u in uploads), upload_sources)
     st.session_state[_SESSION_KEY] = loaded
+    st.session_state[_EMPTY_FOLDERS_KEY] = list(empty_folders)
     return loaded
 
 
@@ -65,7 +68,16 @@ def require_requests() -> Loaded:
     if loaded.requests.empty:
         if loaded.traces.files:
             st.info("The trace files hold no kvscope lookup or load spans. " + HOW_TO_ADD_TRACES)
+        elif empty_folders():  # paths were given: say why nothing came of them, not "no trace files yet"
+            for note in empty_folders():
+                st.warning(note, icon=":material/folder_off:")
+            st.info(HOW_TO_ADD_TRACES)
         else:
             st.info("No trace files yet. " + HOW_TO_ADD_TRACES)
         st.stop()
     return loaded
+
+
+def empty_folders() -> list[str]:
+    """What each folder given that held no trace file held (`sources.TracePaths.empty_folders`)."""
+    return st.session_state.get(_EMPTY_FOLDERS_KEY, [])

@@ -184,7 +184,10 @@ def _nanos(arr, name: str) -> np.ndarray:
     if arr is None or arr.null_count:
         raise _Declined(f"missing {name}")
     if pa.types.is_string(arr.type):
-        arr = pc.cast(arr, pa.int64())  # "1700000000000000000"; raises on junk -> declined
+        # Arrow's cast also takes "0x10" (hex) where the line decoder's int() does not: digits only here.
+        if not pc.all(pc.match_substring_regex(arr, r"^[0-9]+$")).as_py():
+            raise _Declined(f"{name} not in decimal digits")  # the line decoder names each line
+        arr = pc.cast(arr, pa.int64())  # "1700000000000000000"; raises past int64 -> declined
     elif not pa.types.is_integer(arr.type):
         raise _Declined(f"{name} of type {arr.type}")
     nanos = _as_numpy(arr).astype(np.int64)

@@ -5,6 +5,7 @@ No Streamlit here: the Live page passes the URL and the time range in and shows 
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 
@@ -50,9 +51,13 @@ def fetch_live(base_url: str, range_s: float, now: float, *, timeout: float = 5.
     for q in QUANTILES:
         queries[f"p{round(q * 100)}"] = LOAD_QUANTILE_QUERY.format(q=q, window=window)
     start, end = now - range_s, now
-    frames = {name: matrix_to_frame(query_range(base_url, query, start, end, step, timeout=timeout, session=session),
-                                    name)
-              for name, query in queries.items()}
+    frames = {}
+    for name, query in queries.items():
+        result = query_range(base_url, query, start, end, step, timeout=timeout, session=session)
+        try:
+            frames[name] = matrix_to_frame(result, name)
+        except PrometheusError as exc:
+            raise PrometheusError(f"Prometheus at {base_url.strip().rstrip('/')} sent {exc}") from None
     latency = pd.concat([frames[f"p{round(q * 100)}"] for q in QUANTILES], ignore_index=True)
     return LiveData(hit_rate=frames["hit rate"], load_latency=latency, queries=queries)
 
@@ -67,6 +72,9 @@ def query_range(base_url: str, query: str, start: float, end: float, step: int, 
     params = {"query": query, "start": f"{start:.3f}", "end": f"{end:.3f}", "step": str(step)}
     try:
         response = (session or requests).get(url, params=params, timeout=timeout)
+    except (requests.exceptions.InvalidURL, ValueError) as exc:  # ValueError: urllib3's LocationParseError, idna's
+        raise PrometheusError(
+            f"{base!r} is not a valid URL ({_short(str(exc))}): enter one like http://localhost:9090") from exc
     except requests.RequestException as exc:
         raise PrometheusError(
             f"Could not reach Prometheus at {base}: {_reason(exc)}. Check the URL and that Prometheus is "
@@ -86,10 +94,15 @@ def query_range(base_url: str, query: str, start: float, end: float, step: int, 
             f"Prometheus at {base} rejected the query (HTTP {response.status_code}, "
             f"{body.get('errorType', 'error')}): {body.get('error', 'no reason given')}"
         )
-    data = body.get("data") or {}
-    if data.get("resultType") != "matrix":
-        raise PrometheusError(f"Prometheus at {base} answered a {data.get('resultType')!r}, not a matrix")
-    return list(data.get("result") or [])
+    data = body.get("data")
+    kind = data.get("resultType") if isinstance(data, dict) else None
+    if kind != "matrix":
+        raise PrometheusError(f"Prometheus at {base} answered a {kind!r}, not a matrix")
+    result = data.get("result")
+    if not isinstance(result, list | None):
+        raise PrometheusError(f"Prometheus at {base} answered a matrix whose result is {_short(json.dumps(result))}, "
+                              "not a list of series")
+    return result or []
 
 
 def _reason(exc: requests.RequestException) -> str:
@@ -100,15 +113,44 @@ def _reason(exc: requests.RequestException) -> str:
     return type(exc).__name__
 
 
+def _short(text: str, limit: int = 120) -> str:
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+_TIME_LIMIT_S = 9e9  # |Unix seconds| a frame's nanosecond timestamps hold (they end in 1677 and 2262) with margin
+
+
+def _sample(pair: object) -> tuple[float, float] | None:
+    """(time, value) of one `[unix seconds, "value"]` pair of a matrix, None when it is not one."""
+    if not isinstance(pair, list) or len(pair) != 2 or isinstance(pair[1], bool):
+        return None
+    try:
+        ts, value = float(pair[0]), float(pair[1])
+    except (TypeError, ValueError):
+        return None
+    return (ts, value) if abs(ts) < _TIME_LIMIT_S else None
+
+
 def matrix_to_frame(result: list[dict], name: str) -> pd.DataFrame:
-    """Long frame (time, value, series) of a matrix result; NaN/Inf samples (e.g. 0/0) are left out."""
+    """Long frame (time, value, series) of a matrix result; NaN/Inf samples (e.g. 0/0) are left out.
+
+    PrometheusError when the matrix is malformed: the message says where ("a malformed answer to ...").
+    """
     rows = []
     for i, series in enumerate(result):
+        values = (series.get("values") or []) if isinstance(series, dict) else None  # none: native histograms
+        if not isinstance(values, list):
+            raise PrometheusError(f"a malformed answer to the {name!r} query: result[{i}] is "
+                                  f"{_short(json.dumps(series))}, "
+                                  'expected a series {"metric": {...}, "values": [[time, "value"], ...]}')
         label = name if len(result) == 1 else f"{name} {series.get('metric') or i}"
-        for ts, value in series.get("values") or ():
-            v = float(value)
-            if math.isfinite(v):
-                rows.append((float(ts), v, label))
+        for j, pair in enumerate(values):
+            sample = _sample(pair)
+            if sample is None:
+                raise PrometheusError(f"a malformed answer to the {name!r} query: result[{i}].values[{j}] is "
+                                      f'{_short(json.dumps(pair))}, expected [unix seconds, "value"]')
+            if math.isfinite(sample[1]):
+                rows.append((*sample, label))
     frame = pd.DataFrame(rows, columns=["ts", "value", "series"])
     frame["time"] = pd.to_datetime(frame["ts"], unit="s", utc=True)
     return frame[["time", "value", "series"]]

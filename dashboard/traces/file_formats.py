@@ -1,6 +1,6 @@
 """What a trace file holds, told from its first bytes, and its content as JSON lines.
 
-gzip and zstd are decompressed, the Collector's length-prefixed messages (protobuf, zstd frames:
+gzip (`gzip_files`) and zstd are decompressed, the Collector's length-prefixed messages (protobuf, zstd frames:
 `collector_files`) become JSON lines, Prometheus' text format is recognized and reported, and one
 JSON document over many lines (a pretty-printed export, or a list of exports) becomes one line; the
 reader then decodes JSON lines only.
@@ -10,14 +10,11 @@ from __future__ import annotations
 
 import json
 import re
-import zlib
 
+from dashboard.traces import gzip_files
 from dashboard.traces.collector_files import ZSTD_MAGIC, is_length_prefixed, messages_as_json_lines, unzstd
 from dashboard.traces.problems import Problem
 
-_GZIP_MAGIC = b"\x1f\x8b"
-GZIP_CUT_SHORT = ("gzip stream ends early (is the file still being written?): the lines before the cut are read, "
-                  "the rest is unknown")
 EXPECTED_JSON_LINES = ("expected JSON Lines: one ExportTraceServiceRequest per line (a pretty-printed export can be "
                        "converted with `jq -c . FILE`)")
 PROMETHEUS_TEXT = ("looks like Prometheus metrics (text exposition format), not a trace file: the Live page "
@@ -36,10 +33,13 @@ def as_json_lines(label: str, data: bytes) -> tuple[bytes | None, list[Problem]]
     several lines (a pretty-printed export, or a list of exports) into one line.
     """
     problems = []
-    if data[:2] == _GZIP_MAGIC:
-        data, stopped = _gunzip(data)
-        if stopped:
-            problems.append(Problem(label, 0, stopped, spans=None))
+    stopped_early = False  # a compressed stream cut short or corrupt: its problem says why the rest is missing
+    if data[:2] == gzip_files.MAGIC:
+        gunzipped = gzip_files.gunzip(data)
+        data, stopped_early = gunzipped.data, gunzipped.stopped is not None
+        problems += [Problem(label, 0, reason) for reason in gunzipped.altered]  # read all the same
+        if gunzipped.stopped:
+            problems.append(Problem(label, 0, gunzipped.stopped, spans=None))
     elif data[:4] == ZSTD_MAGIC:
         data, found = unzstd(label, data)
         problems += found
@@ -47,6 +47,7 @@ def as_json_lines(label: str, data: bytes) -> tuple[bytes | None, list[Problem]]
             return None, problems
         if found:  # cut short: complete lines (or messages) only
             data = data if is_length_prefixed(data) else data[: data.rfind(b"\n") + 1]
+            stopped_early = True
     if is_length_prefixed(data):
         lines, found = messages_as_json_lines(label, data)
         return lines, problems + found
@@ -60,6 +61,8 @@ def as_json_lines(label: str, data: bytes) -> tuple[bytes | None, list[Problem]]
             document = json.loads(data)
         except (ValueError, RecursionError):
             if not any(map(_is_json_object, data.split(b"\n"))):  # not one line of JSON lines either
+                if stopped_early:  # a document cut short does not parse: the decompression problem says why
+                    return None, problems
                 return None, problems + [Problem(label, 0, f"{EXPECTED_JSON_LINES}; as one JSON document it does "
                                                            "not parse either", spans=None)]
             # JSON lines after all, with a bad first line (a stray "{"?): read line by line, each bad one reported
@@ -75,33 +78,3 @@ def _is_json_object(line: bytes) -> bool:
         return isinstance(json.loads(line), dict)
     except (ValueError, RecursionError):
         return False
-
-
-_GZIP_CHUNK = 1 << 16  # compressed bytes per step: an error loses at most the output of one step
-
-
-def _gunzip(data: bytes) -> tuple[bytes, str | None]:
-    """The bytes of every gzip member, and why decompression stopped early (None: it did not).
-
-    A stream cut short keeps all it holds (its last line is reported as incomplete); corruption or
-    bytes that are no gzip member keep the complete lines before it, as the step that fails yields nothing.
-    """
-    parts: list[bytes] = []
-    view, at = memoryview(data), 0
-    while at < len(data):
-        member = zlib.decompressobj(wbits=16 + zlib.MAX_WBITS)  # 16: a gzip header and trailer
-        try:
-            while at < len(data) and not member.eof:
-                chunk = view[at:at + _GZIP_CHUNK]
-                parts.append(member.decompress(chunk))
-                at += len(chunk) - len(member.unused_data)
-        except zlib.error as exc:
-            out = b"".join(parts)
-            out = out[: out.rfind(b"\n") + 1]
-            return out, (f"cannot decompress past byte {len(out):,} of its content ({exc}): the complete lines "
-                         "before it are read, the rest is unknown")
-        if not member.eof:
-            return b"".join(parts), GZIP_CUT_SHORT
-        while at < len(data) and data[at] == 0:  # members can follow; padding with zeros can too
-            at += 1
-    return b"".join(parts), None

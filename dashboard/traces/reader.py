@@ -30,6 +30,7 @@ from dashboard.traces.problems import DUPLICATE_SPAN, Problem
 from dashboard.traces.schema import (
     ALLOWED_VALUES,
     ATTRIBUTE_COLUMNS,
+    LOOKUP,
     REQUIRED_ATTRIBUTES,
     SCOPE_NAME,
     SPAN_COLUMNS,
@@ -293,7 +294,7 @@ def _parse_export(resource_spans: list, label: str, lineno: int,
                     rows.append((
                         sp["traceId"],
                         sp["spanId"],
-                        sp.get("parentSpanId") or "",
+                        "" if sp.get("parentSpanId") is None else sp["parentSpanId"],  # null: no parent
                         name,
                         _unix_nanos(sp["startTimeUnixNano"], "startTimeUnixNano"),
                         _unix_nanos(sp["endTimeUnixNano"], "endTimeUnixNano"),
@@ -496,18 +497,22 @@ def _validated_frame(d: DecodedSpans, label: str) -> tuple[pd.DataFrame, list[Pr
     reasons: list[tuple[np.ndarray, str]] = []
 
     # Ids: OTLP/JSON writes lowercase hex; protobuf-JSON tools write base64. Accept both.
+    # An id that is no string (null, a number, a list) is invalid: `astype(str)` would keep null as NaN
+    # (which base64 decoding rejects with TypeError) and could turn a 16-digit number into a valid id.
     for col, width in (("trace_id", 32), ("span_id", 16), ("parent_span_id", 16)):
-        original = frame[col].astype(str)
+        is_text = frame[col].map(lambda v: isinstance(v, str)).to_numpy(dtype=bool)
+        original = frame[col].where(is_text, "").astype(str)
         ids = original.str.lower()
-        ok = ids.str.fullmatch(f"[0-9a-f]{{{width}}}").to_numpy(dtype=bool, copy=True)
+        ok = ids.str.fullmatch(f"[0-9a-f]{{{width}}}").to_numpy(dtype=bool, copy=True) & is_text
         if col == "parent_span_id":
-            ok |= (ids == "").to_numpy(dtype=bool)
+            ok |= (ids == "").to_numpy(dtype=bool) & is_text
         if not ok.all():
             fixed = original[~ok].map(lambda v, w=width: base64_id(v, w))
             ids.loc[~ok] = fixed.fillna(ids[~ok])
             still = np.zeros(n, dtype=bool)
             still[~ok] = fixed.isna().to_numpy()
-            reasons.append((still, f"span with an invalid {col.replace('_', ' ')}"))
+            reasons.append((still, f"span with an invalid {col.replace('_', ' ')} (expected a string of {width} hex "
+                                   f"digits, or {width // 2} bytes in base64)"))
         frame[col] = ids
 
     for key, (col, is_int) in ATTRIBUTE_COLUMNS.items():
@@ -515,6 +520,11 @@ def _validated_frame(d: DecodedSpans, label: str) -> tuple[pd.DataFrame, list[Pr
         if d.invalid[key].any():
             reasons.append((d.invalid[key], f"{key} is not an integer (or beyond ±2^53)"))
         if is_int:
+            lowest, accepted = _LOWEST_VALUES.get(key, (0, "a count >= 0"))
+            with np.errstate(invalid="ignore"):
+                negative = values < lowest  # every integer attribute counts or indexes something
+            if negative.any():
+                reasons.append((negative, _each_value(values, negative, f"{key} is {{}}, expected {accepted}")))
             frame[col] = pd.array(np.where(integral_mask(values), values, np.nan), dtype="Int64")
             continue
         allowed = ALLOWED_VALUES.get(key)
@@ -534,6 +544,14 @@ def _validated_frame(d: DecodedSpans, label: str) -> tuple[pd.DataFrame, list[Pr
             if missing.any():
                 reasons.append((missing, f"{span_name} span lacks {key}"))
 
+    queried, hit = d.values["kvscope.tokens.queried"], d.values["kvscope.tokens.hit"]
+    with np.errstate(invalid="ignore"):
+        hit_too_many = (names == LOOKUP) & (hit > queried)
+    if hit_too_many.any():
+        reasons.append((hit_too_many, _each_value(
+            np.stack([hit, queried], axis=1), hit_too_many,
+            "kvscope.tokens.hit {} is more than kvscope.tokens.queried {}, expected hit <= queried")))
+
     frame["status_code"] = d.status_code
     frame["attributes"] = pd.Series(d.extra_attributes, dtype=object)
     frame["source_file"] = label
@@ -549,6 +567,19 @@ def _validated_frame(d: DecodedSpans, label: str) -> tuple[pd.DataFrame, list[Pr
     return frame[~bad], problems
 
 
+# Integer attributes that may go below 0, and how far: a scan with no pending block starts at -1.
+_LOWEST_VALUES = {"kvscope.group.blocks.start": (-1, "a block index >= 0, or -1 when no block is pending")}
+
+
+def _each_value(values: np.ndarray, mask: np.ndarray, template: str) -> np.ndarray:
+    """A reason per masked span naming its value(s) (`template` holds one {} per column of `values`)."""
+    reasons = np.full(len(mask), None, dtype=object)
+    picked = values[mask].reshape(int(mask.sum()), -1)
+    reasons[mask] = [template.format(*(f"{v:.0f}" if float(v).is_integer() else f"{v:g}" for v in row))
+                     for row in picked]
+    return reasons
+
+
 def _combine(frames: list[pd.DataFrame]) -> tuple[pd.DataFrame, list[Problem]]:
     frames = [f for f in frames if len(f)]
     if not frames:
@@ -560,6 +591,10 @@ def _combine(frames: list[pd.DataFrame]) -> tuple[pd.DataFrame, list[Problem]]:
     if dup.any():  # the same span twice: a file read twice, or a Collector copy beside the connector's
         problems = _problems_at(frame, dup, DUPLICATE_SPAN)
         frame = frame[~dup].reset_index(drop=True)
+    too_large, reasons = _counts_past_sum_limit(frame)
+    if too_large.any():
+        problems += _problems_at(frame, too_large, reasons)
+        frame = frame[~too_large].reset_index(drop=True)
     # Kept: different spans. Owners are looked for in the child's own file first (`owners`), and in
     # another file only when one span of all the others has the id, so a span id reused in another
     # file does no harm; within one file, the child's request id tells the spans apart.
@@ -580,6 +615,32 @@ def _combine(frames: list[pd.DataFrame]) -> tuple[pd.DataFrame, list[Problem]]:
     frame["owner_key"] = owner_keys(frame)
     problems += _clock_problems(frame)
     return frame[list(SPAN_COLUMNS)], problems
+
+
+# Every sum the pages make adds one integer column's values (all >= 0) over some spans, at most two such sums
+# together: with each column's total below 2^62, no int64 sum wraps around.
+_SUM_LIMIT = float(1 << 62)
+
+
+def _counts_past_sum_limit(frame: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
+    """The spans to leave out so that no column's total passes `_SUM_LIMIT`, and a reason per span.
+
+    Only when a column's total does (absurd counts: 2^53 tokens in each of a thousand lookups): then each value
+    above the column's share of the limit per span goes, which leaves the total below it.
+    """
+    mask = np.zeros(len(frame), dtype=bool)
+    reasons = np.full(len(frame), None, dtype=object)
+    for key, (col, is_int) in ATTRIBUTE_COLUMNS.items():
+        values = frame[col].to_numpy(dtype=float, na_value=np.nan) if is_int else None
+        if values is None or not np.nansum(values) > _SUM_LIMIT:
+            continue
+        having = np.count_nonzero(~np.isnan(values))
+        share = _SUM_LIMIT / having
+        over = (values > share) & ~mask
+        mask |= over
+        reasons[over] = [f"{key} is {v:.0f}: summed over the {having:,} spans that have it, counts this large would "
+                         f"pass 2^62, expected at most {share:.0f}" for v in values[over]]
+    return mask, reasons
 
 
 ENDS_BEFORE_START = ("span ends before it starts (endTimeUnixNano < startTimeUnixNano); a copy that does is left "
@@ -603,10 +664,13 @@ def _clock_problems(frame: pd.DataFrame) -> list[Problem]:
             + _problems_at(frame, early, STARTS_BEFORE_OWNER, skipped=False))
 
 
-def _problems_at(frame: pd.DataFrame, mask: np.ndarray, reason: str, skipped: bool = True) -> list[Problem]:
-    """One problem per (file, line) of the masked spans; `skipped` False: the spans stay, counted in the text."""
-    hits = frame.loc[mask, ["source_file", "source_line"]]
-    counts = hits.groupby(["source_file", "source_line"], observed=True, sort=True).size()
+def _problems_at(frame: pd.DataFrame, mask: np.ndarray, reason: str | np.ndarray,
+                 skipped: bool = True) -> list[Problem]:
+    """One problem per (file, line) and reason of the masked spans; `reason`: one for all, or one per span (an
+    array as long as the frame); `skipped` False: the spans stay, counted in the text."""
+    hits = frame.loc[mask, ["source_file", "source_line"]].assign(
+        reason=reason if isinstance(reason, str) else reason[mask])
+    counts = hits.groupby(["source_file", "source_line", "reason"], observed=True, sort=True).size()
     if skipped:
-        return [Problem(str(f), int(line), reason, int(n)) for (f, line), n in counts.items()]
-    return [Problem(str(f), int(line), f"{reason} ({n} span(s), kept)") for (f, line), n in counts.items()]
+        return [Problem(str(f), int(line), why, int(n)) for (f, line, why), n in counts.items()]
+    return [Problem(str(f), int(line), f"{why} ({n} span(s), kept)") for (f, line, why), n in counts.items()]

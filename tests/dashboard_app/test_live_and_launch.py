@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import math
+import re
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -36,6 +38,48 @@ def test_errors_say_what_went_wrong(fake_prometheus, closed_port_url):
         prometheus.query_range("localhost:9090", "up", 0, 60, 15)
 
 
+class _Answering:
+    """A stand-in `requests.Session` whose every GET is answered HTTP 200 with `body`."""
+
+    def __init__(self, body):
+        self.body = body
+
+    def get(self, url, params, timeout):
+        return SimpleNamespace(status_code=200, json=lambda: self.body)
+
+
+def _matrix(values) -> dict:
+    return {"status": "success", "data": {"resultType": "matrix", "result": [{"metric": {}, "values": values}]}}
+
+
+@pytest.mark.parametrize(
+    ("body", "said"),
+    [
+        (_matrix([[1, "abc"]]), 'result[0].values[0] is [1, "abc"], expected [unix seconds, "value"]'),
+        (_matrix([[1, None]]), "result[0].values[0] is [1, null]"),
+        (_matrix([[1]]), "result[0].values[0] is [1]"),
+        (_matrix([[1e300, "1"]]), 'result[0].values[0] is [1e+300, "1"]'),  # no time a frame can hold
+        (_matrix(5), 'result[0] is {"metric": {}, "values": 5}, expected a series'),
+        ({"status": "success", "data": {"resultType": "matrix", "result": ["x"]}}, 'result[0] is "x", expected'),
+        ({"status": "success", "data": {"resultType": "matrix", "result": 5}}, "result is 5, not a list of series"),
+        ({"status": "success", "data": [1]}, "answered a None, not a matrix"),
+    ],
+    ids=["value-not-a-number", "value-null", "no-value", "time-past-2262", "values-not-a-list", "series-not-an-object",
+         "result-not-a-list", "data-not-an-object"],
+)
+def test_a_malformed_answer_says_what_is_malformed(body, said):
+    with pytest.raises(prometheus.PrometheusError) as raised:
+        prometheus.fetch_live("http://prometheus:9090", 3600, now=1_700_000_000, session=_Answering(body))
+    assert str(raised.value).startswith("Prometheus at http://prometheus:9090 ") and said in str(raised.value)
+
+
+def test_a_url_no_http_client_can_parse_is_named():
+    long_label = "http://" + "a" * 70 + ".com"  # a host label over 63 characters: urllib3's LocationParseError
+    for url in (long_label, "http://ex ample", "http://.example.com"):
+        with pytest.raises(prometheus.PrometheusError, match=f"^'{re.escape(url)}' is not a valid URL .*localhost"):
+            prometheus.query_range(url, "up", 0, 60, 15, timeout=1)
+
+
 def test_step_and_window():
     assert prometheus.step_seconds(900) == 15 and prometheus.step_seconds(86400) == 360
     assert prometheus.rate_window(15) == "60s" and prometheus.rate_window(360) == "1440s"
@@ -50,13 +94,30 @@ def test_trace_paths_from_arguments_then_environment(tmp_path):
     (tmp_path / "d.pb").write_bytes(b"")  # and `format: proto`
     (tmp_path / "notes.txt").write_text("")
     env = {"KVSCOPE_TRACE_FILES": " x.jsonl, ,y.jsonl "}
-    assert sources.trace_paths(["p.jsonl"], env) == ["p.jsonl"]
-    assert sources.trace_paths([], env) == ["x.jsonl", "y.jsonl"]
-    assert sources.trace_paths([], {}) == []
-    assert sources.trace_paths([str(tmp_path)], {}) == [str(tmp_path / n) for n in ("a.jsonl", "b.jsonl.gz", "c.zst",
-                                                                                   "d.pb")]
+    assert sources.trace_paths(["p.jsonl"], env) == sources.TracePaths(["p.jsonl"])
+    assert sources.trace_paths([], env).paths == ["x.jsonl", "y.jsonl"]
+    assert sources.trace_paths([], {}) == sources.TracePaths([])
+    assert sources.trace_paths([str(tmp_path)], {}) == sources.TracePaths(
+        [str(tmp_path / n) for n in ("a.jsonl", "b.jsonl.gz", "c.zst", "d.pb")])  # notes.txt: silently
     assert sources.file_key(str(tmp_path / "missing")) == (str(tmp_path / "missing"), -1, -1)
     assert sources.file_key(str(TWO_ROUNDS))[2] == TWO_ROUNDS.stat().st_size
+
+
+def test_a_folder_holding_no_trace_files_is_named_with_the_names_read(tmp_path):
+    odd, empty = tmp_path / "odd", tmp_path / "empty"
+    odd.mkdir()
+    empty.mkdir()
+    for name in ("trace.JSONL", "trace.txt", "a.log", "b.log"):
+        (odd / name).write_text("")
+    given = sources.trace_paths([str(odd), str(empty), str(TWO_ROUNDS)], {})
+    assert given.paths == [str(TWO_ROUNDS)]
+    accepted = ", ".join(sources.TRACE_SUFFIXES)
+    assert given.empty_folders == [
+        f"The folder {odd} holds no trace files (only a.log, b.log, trace.JSONL and 1 more, which are left out): the "
+        f"dashboard reads the files in a folder whose names end in {accepted}.",
+        f"The folder {empty} holds no trace files (it is empty): the dashboard reads the files in a folder whose "
+        f"names end in {accepted}.",
+    ]
 
 
 def test_formatting():

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from streamlit.testing.v1 import AppTest
 
-from dashboard import formatting, traces
+from dashboard import formatting, sources, traces
 
 from .conftest import APP, FIXTURES, MALFORMED, TWO_ROUNDS, raw_spans
 from .test_joins import copy, load
@@ -287,6 +287,18 @@ def test_live_page_explains_an_unreachable_url(monkeypatch, closed_port_url):
     assert f"Could not reach Prometheus at {closed_port_url}" in at.error[0].value
     at.text_input(key="live_url").input("localhost:9090").run()
     assert "is not an HTTP URL" in at.error[0].value
+    at.text_input(key="live_url").input("http://" + "a" * 70 + ".com").run()  # a host label over 63 characters
+    assert not at.exception and "is not a valid URL" in at.error[0].value
+
+
+def test_a_folder_holding_no_trace_files_is_named_not_called_no_files_yet(monkeypatch, tmp_path):
+    (tmp_path / "trace.JSONL").write_text(line(lookup()) + "\n")
+    at = app(monkeypatch, tmp_path, argv=True)
+    assert not at.exception
+    assert [w.value for w in at.warning] == sources.trace_paths([str(tmp_path)], {}).empty_folders
+    assert f"The folder {tmp_path} holds no trace files (only trace.JSONL" in at.warning[0].value
+    assert ".jsonl.gz" in at.warning[0].value and not any("No trace files yet" in i.value for i in at.info)
+    assert any(str(tmp_path) in c.value for c in at.sidebar.caption)
 
 
 FIXTURE_FILES = sorted(p for p in FIXTURES.iterdir() if p.name.endswith((".jsonl", ".jsonl.gz")))

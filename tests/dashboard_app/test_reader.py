@@ -14,7 +14,7 @@ import pyarrow as pa
 import pytest
 
 from dashboard import otlp_arrow, traces
-from dashboard.traces import file_formats, reader
+from dashboard.traces import file_formats, gzip_files, reader
 
 from .conftest import MALFORMED, TWO_ROUNDS, raw_spans
 
@@ -170,6 +170,74 @@ def test_span_breaking_the_contract_is_skipped_and_reported(tmp_path, decoder, b
     assert read.problems[0].line == 2 and read.problems[0].spans == 1 and reason in read.problems[0].reason
 
 
+@pytest.mark.parametrize("value", [None, 1234567890123456, True, [], {}, ""], ids=repr)
+@pytest.mark.parametrize(("field", "reason"), [("traceId", "invalid trace id"), ("spanId", "invalid span id"),
+                                               ("parentSpanId", "invalid parent span id")])
+def test_an_id_that_is_not_a_string_skips_only_its_span(tmp_path, decoder, field, reason, value):
+    bad = lookup("r9", span_id="22" * 8)
+    bad[field] = value
+    if field == "parentSpanId" and value in (None, ""):  # unset: a root span
+        reason = None
+    path = write(tmp_path, line(lookup("r1", span_id="11" * 8)), line(bad), line(lookup("r2", span_id="33" * 8)))
+    read = traces.read_trace_files([path])
+    if reason is None:
+        assert read.problems == [] and len(read.spans) == 3
+        return
+    assert list(read.spans["request_id"]) == ["r1", "r2"]
+    assert [(p.line, p.spans) for p in read.problems] == [(2, 1)] and reason in read.problems[0].reason
+    assert "hex digits" in read.problems[0].reason
+
+
+COPY = {"kvscope.group.index": 0, "kvscope.group.kind": "full_attention", "kvscope.copy.direction": "load",
+        "kvscope.copy.blocks": 4, "kvscope.copy.bytes": 4096}
+SCAN = {"kvscope.group.index": 1, "kvscope.group.kind": "mamba", "kvscope.group.blocks.total": 4,
+        "kvscope.group.blocks.null_skipped": 4, "kvscope.group.blocks.pending": 0, "kvscope.group.blocks.start": -1}
+
+
+def test_a_scan_with_no_pending_block_starts_at_minus_one_and_is_kept(tmp_path, decoder):
+    path = write(tmp_path, line(span("kvscope.group.scan", SCAN)))
+    read = traces.read_trace_files([path])
+    assert read.problems == [] and list(read.spans["blocks_start"]) == [-1]
+
+
+@pytest.mark.parametrize(
+    ("bad", "reason"),
+    [
+        (lookup("r9", queried=-100, hit=0), "kvscope.tokens.queried is -100, expected a count >= 0"),
+        (lookup("r9", queried=100, hit=-50), "kvscope.tokens.hit is -50, expected a count >= 0"),
+        (lookup("r9", queried=10, hit=500), "kvscope.tokens.hit 500 is more than kvscope.tokens.queried 10, "
+                                            "expected hit <= queried"),
+        (span("kvscope.group.copy", {**COPY, "kvscope.copy.bytes": -4096}), "kvscope.copy.bytes is -4096, expected"),
+        (span("kvscope.group.copy", {**COPY, "kvscope.copy.blocks": -4}), "kvscope.copy.blocks is -4, expected"),
+        (span("kvscope.store", {"kvscope.request.id": "r9", "kvscope.groups": 1, "kvscope.blocks": -1}),
+         "kvscope.blocks is -1, expected a count >= 0"),
+        (span("kvscope.group.scan", {**SCAN, "kvscope.group.blocks.start": -2}),
+         "kvscope.group.blocks.start is -2, expected a block index >= 0, or -1 when no block is pending"),
+    ],
+    ids=["queried", "hit", "hit-over-queried", "bytes", "blocks", "store-blocks", "scan-start"],
+)
+def test_a_count_that_cannot_be_right_skips_its_span(tmp_path, decoder, bad, reason):
+    bad["spanId"] = "22" * 8
+    path = write(tmp_path, line(lookup("r1", span_id="11" * 8, queried=100, hit=100)), line(bad))
+    read = traces.read_trace_files([path])
+    assert list(read.spans["span_id"]) == ["11" * 8]
+    assert [(p.line, p.spans) for p in read.problems] == [(2, 1)] and reason in read.problems[0].reason
+    assert traces.overview_numbers(traces.requests_table(read.spans, read.vllm_requests), read.spans)["hit_rate"] == 1
+
+
+def test_counts_whose_sums_would_wrap_around_are_left_out(tmp_path):
+    huge = 1 << 53  # the most one span may hold; 1,100 of them add up past int64
+    lines = [line(lookup(f"h{i}", queried=huge, hit=huge, span_id=f"{i + 1:016x}")) for i in range(1100)]
+    path = write(tmp_path, line(lookup("r1", span_id="ff" * 8, queried=100, hit=50)), *lines)
+    read = traces.read_trace_files([path])
+    assert list(read.spans["request_id"]) == ["r1"]
+    assert [p.line for p in read.problems] == list(range(2, 1102)) and {p.spans for p in read.problems} == {1}
+    assert read.problems[0].reason.startswith(f"kvscope.tokens.queried is {huge}: summed over the 1,101 spans that "
+                                              "have it, counts this large would pass 2^62, expected at most")
+    numbers = traces.overview_numbers(traces.requests_table(read.spans, read.vllm_requests), read.spans)
+    assert (numbers["tokens_queried"], numbers["tokens_hit"], numbers["hit_rate"]) == (100, 50, 0.5)
+
+
 def _bad_lookup_line(**edits: str) -> str:
     """A lookup line with fields replaced by raw JSON text (values `json.dumps` cannot write)."""
     text = line(lookup("r9", span_id="22" * 8))
@@ -185,11 +253,13 @@ def _bad_lookup_line(**edits: str) -> str:
         (_bad_lookup_line(startTimeUnixNano="1e400"), "malformed kvscope.lookup"),
         (_bad_lookup_line(startTimeUnixNano='"99999999999999999999"'), "outside 0..2^63"),
         (_bad_lookup_line(startTimeUnixNano='"-5"'), "outside 0..2^63"),
+        (_bad_lookup_line(startTimeUnixNano='"0x10"'), "is '0x10', expected an integer"),  # Arrow's cast takes hex
         (_bad_lookup_line(status='{"code": 1e400}'), "malformed kvscope.lookup"),
         (_bad_lookup_line(status='{"code": 7}'), "unknown status code 7"),
         (line(lookup("r9", span_id="22" * 8, queried=99999999999999999999)), "tokens.queried is not an integer"),
     ],
-    ids=["deep", "infinite-time", "time-past-int64", "negative-time", "infinite-status", "unknown-status", "huge-int"],
+    ids=["deep", "infinite-time", "time-past-int64", "negative-time", "hex-time", "infinite-status", "unknown-status",
+         "huge-int"],
 )
 def test_values_no_frame_can_hold_are_problems_not_crashes(tmp_path, decoder, bad, reason):
     path = write(tmp_path, line(lookup("r1", span_id="11" * 8)), bad)
@@ -203,8 +273,8 @@ def test_a_corrupted_gzip_file_is_a_problem_not_an_error(tmp_path):
     data[20:40] = b"\xff" * 20
     (tmp_path / "bad.jsonl.gz").write_bytes(bytes(data))
     read = traces.read_trace_files([tmp_path / "bad.jsonl.gz", TWO_ROUNDS])
-    assert [(p.line, p.reason.split(" (")[0]) for p in read.problems] == [(0, "cannot decompress past byte 0 of "
-                                                                                "its content")]
+    assert [(p.line, p.reason.split(" (")[0]) for p in read.problems] == [(0, "gzip data is corrupt: cannot "
+                                                                                "decompress past byte 25 of the file")]
     assert len(read.spans) == len(raw_spans(TWO_ROUNDS))
 
 
@@ -519,8 +589,7 @@ def test_a_gzip_file_still_being_written_keeps_its_complete_lines(tmp_path):
     cut.write_bytes(data[: len(data) * 2 // 3])
     read = traces.read_trace_files([cut])
     assert 0 < len(read.spans) < len(raw_spans(TWO_ROUNDS))
-    assert read.problems[0].line == 0 and read.problems[0].reason == file_formats.GZIP_CUT_SHORT
-    assert all(p.line == 0 or p.reason == reader.INCOMPLETE_LAST_LINE for p in read.problems)
+    assert [(p.line, p.reason) for p in read.problems] == [(0, gzip_files.CUT_SHORT)]  # its last line is left out
     members = tmp_path / "members.jsonl.gz"  # gzip members appended one after the other
     members.write_bytes(gzip.compress(line(lookup("r1", span_id="11" * 8)).encode() + b"\n")
                         + gzip.compress(line(lookup("r2", span_id="22" * 8)).encode() + b"\n"))
@@ -533,16 +602,19 @@ def test_gzip_data_after_corruption_or_trailing_bytes_loses_only_what_follows(mo
     packed = gzip.compress(text)
     trailing = traces.read_trace_files([traces.TraceSource("t.jsonl.gz", packed + b"not gzip")])
     assert len(trailing.spans) == 200 and [p.line for p in trailing.problems] == [0]
-    assert trailing.problems[0].reason.startswith("cannot decompress past byte 114,890 of its content (Error -3")
+    # zlib reads a header's two magic bytes before it rejects them
+    assert trailing.problems[0].reason.startswith(f"gzip data is corrupt: cannot decompress past byte "
+                                                  f"{len(packed) + 1:,} of the file (Error -3")
 
-    monkeypatch.setattr(file_formats, "_GZIP_CHUNK", 256)  # decompressed step by step: an error loses one step
+    monkeypatch.setattr(gzip_files, "_CHUNK", 256)  # decompressed step by step
     corrupt = bytearray(packed)
     middle = len(corrupt) // 2
     corrupt[middle:middle + 16] = b"\xff" * 16
-    before = zlib.decompressobj(wbits=31).decompress(packed[:middle - 256]).count(b"\n")
+    before = zlib.decompressobj(wbits=31).decompress(packed[:middle]).count(b"\n")
     read = traces.read_trace_files([traces.TraceSource("t.jsonl.gz", bytes(corrupt))])
     assert read.spans["request_id"].tolist()[:before] == [f"r{i}" for i in range(before)] and before > 20
-    assert read.problems[0].line == 0 and read.problems[0].reason.startswith("cannot decompress past byte")
+    # deflate decodes these bytes (as garbage): only the member's checksum tells
+    assert read.problems[0].line == 0 and read.problems[0].reason.startswith("gzip checksum does not match")
     assert all(p.line > before for p in read.problems[1:])  # lines the corruption garbled, if any
 
 
