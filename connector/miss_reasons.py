@@ -17,21 +17,40 @@ from typing import NamedTuple
 from .groups import GroupKind, GroupLayout
 from .lookup import hit_reach, proving_groups
 
-# Why a key is not ready in the host tier (`HostIndex.why_absent`), or why a lookup stopped.
-NEW = "new"  # never stored, or it left the tier longer ago than the tier remembers (as many keys as slots)
-EVICTED = "evicted"  # evicted (least recently used) to make room: a larger tier would have held it
-DROPPED = "dropped"  # dropped after a load from it failed
-RESET = "reset"  # forgotten by a cache reset (reset_prefix_cache with the connector's tier)
-STORING = "storing"  # being stored: its copy had not completed on every worker yet
-# the attention groups held the block, but no Mamba state at its end was ever stored (vLLM keeps
-# Mamba states at some block ends only: kvscope stores those)
+# Why a key is not ready in the host tier (`HostIndex.why_absent`), or why a lookup stopped
+# (`MISS_REASON_MEANINGS` says each).
+NEW = "new"
+EVICTED = "evicted"
+DROPPED = "dropped"
+RESET = "reset"
+STORING = "storing"
 NO_STATE = "no_state"
-# the block was ready in every group; the hit needed another one (a sliding window's earlier block)
 OTHER_BLOCKS = "other_blocks"
-LOAD_FAILED = "load_failed"  # a load of this request failed before: it recomputes, never loads again
-NOT_TAKEN = "not_taken"  # found, but vLLM took less of the hit (prompt-logprobs requests skip prefix caches)
-TAIL = "tail"  # past the last offloaded block a hit can cover: nothing the tier could have served
+LOAD_FAILED = "load_failed"
+NOT_TAKEN = "not_taken"
+TAIL = "tail"
 MISS_REASONS = (NEW, EVICTED, DROPPED, RESET, STORING, NO_STATE, OTHER_BLOCKS, LOAD_FAILED, NOT_TAKEN, TAIL)
+# What each reason says of an offloaded block the tier did not serve, in one phrase: the metric's help,
+# the boards and the replay app say them from here.
+MISS_REASON_MEANINGS = {
+    NEW: "never stored, or it left the tier longer ago than the tier remembers (as many blocks as it holds)",
+    EVICTED: "evicted to make room: a larger tier would have held it",
+    DROPPED: "dropped after a load from it failed",
+    RESET: "forgotten by a cache reset",
+    STORING: "its store had not completed on every worker (the same prefix came again within a copy)",
+    NO_STATE: "the attention groups held it, but no Mamba state was stored at its end (vLLM keeps states at "
+              "some block ends only)",
+    OTHER_BLOCKS: "every group held it, but the hit needed another block (a sliding window's earlier one)",
+    LOAD_FAILED: "an earlier load of the request failed: it recomputes and is not offered a hit again",
+    NOT_TAKEN: "found, but vLLM took less of the hit (a request asking for prompt logprobs skips prefix caches)",
+    TAIL: "past the last offloaded block a hit can cover (the prompt's partial last block, the last token): "
+          "never served",
+}
+
+
+def miss_reasons_explained() -> str:
+    """Every reason with its meaning, as one sentence's list: "new (never stored, ...), evicted (...), ..."."""
+    return ", ".join(f"{reason} ({MISS_REASON_MEANINGS[reason]})" for reason in MISS_REASONS)
 
 # (group index, offload block index) -> None when that block is ready in that group, else its reason
 WhyAbsent = Callable[[int, int], "str | None"]

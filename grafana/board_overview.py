@@ -10,6 +10,8 @@ from __future__ import annotations
 import panels_common as pc
 from panels_common import sel
 
+from connector.miss_reasons import miss_reasons_explained
+
 UID = "kvscope-overview"
 TITLE = "kvscope / Overview"
 DESCRIPTION = (
@@ -105,13 +107,8 @@ def missed_tokens_by_reason():
     return pc.timeseries(
         "Looked-up tokens not served, by reason",
         "Tokens per second the host tier did not serve, stacked by why their offloaded block was missing "
-        "(kvscope_missed_tokens_total, block by block past each hit): new (never stored: first sight of a "
-        "prefix), evicted (a larger tier would have held it), storing (its store had not completed: the same "
-        "prefix arrived twice within a copy), dropped (after a failed load), reset (cache reset), "
-        "no_state (no Mamba state stored at that block's end), other_blocks (the hit needed another "
-        "block: a sliding window's), load_failed (an earlier load of the request failed), not_taken "
-        "(found, but vLLM took less of the hit: prompt-logprobs requests), tail (the partial last block "
-        "and the last token: never served). The stack is the gap between looked-up and hit tokens.",
+        f"(kvscope_missed_tokens_total, block by block past each hit): {miss_reasons_explained()}. The stack is "
+        "the gap between looked-up and hit tokens.",
         pc.queries((f"sum by (reason) (rate(kvscope_missed_tokens_total{sel()}{RATE}))", "{{reason}}")),
         pc.TOKENS_PER_SECOND,
         width=18,

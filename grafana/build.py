@@ -15,8 +15,9 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-if str(HERE) not in sys.path:  # the board modules import each other as top-level modules
-    sys.path.insert(0, str(HERE))
+for folder in (HERE.parent, HERE):  # the board modules import each other as top-level modules, and `connector`
+    if str(folder) not in sys.path:
+        sys.path.insert(0, str(folder))
 
 import board_groups  # noqa: E402
 import board_overview  # noqa: E402

@@ -62,7 +62,7 @@ from typing import Any
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
-from connector.miss_reasons import MISS_REASONS
+from connector.miss_reasons import MISS_REASONS, miss_reasons_explained
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
     KVConnectorStats,
@@ -319,13 +319,8 @@ METRICS: tuple[MetricSpec, ...] = (
                "Looked-up tokens found in the kvscope host tier (never more than the looked-up tokens)."),
     MetricSpec("kvscope_missed_tokens_total", Counter, "missed_tokens", ("reason",),
                "Looked-up tokens the kvscope host tier did not serve, by why their offloaded block was missing: "
-               "new (never stored, or left longer ago than the tier remembers), evicted (to make room: a larger "
-               "tier would have held it), dropped (after a failed load from it), reset, storing "
-               "(its store had not completed), no_state (no Mamba state stored at that block's end), "
-               "other_blocks (the hit needed another block), load_failed (the request's earlier load failed), "
-               "not_taken (found, but vLLM took less of the hit); tail: past the last offloaded block a hit can "
-               "cover. Each offloaded block past the hit counts under its own reason. Adds up to lookup minus "
-               "hit tokens."),
+               f"{miss_reasons_explained()}. Each offloaded block past the hit counts under its own reason. Adds "
+               "up to lookup minus hit tokens."),
     MetricSpec("kvscope_scan_blocks_total", Counter, "scan_blocks", _GK,
                "Blocks scanned while planning loads, per KV cache group."),
     MetricSpec("kvscope_null_blocks_skipped_total", Counter, "null_blocks_skipped", _GK,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pandas as pd
 
+from connector.miss_reasons import miss_reasons_explained
 from dashboard.traces.schema import COPY, LOAD, LOOKUP, REQUEST_KEY, STATUS_ERROR, STORE
 from dashboard.traces.vllm_join import VLLM_REQUEST_COLUMNS, with_vllm_columns
 
@@ -20,14 +21,8 @@ LOAD_TIME_DEFINITION = (
 MISS_REASON_DEFINITION = (
     "Why the host tier served no more of the prompt (`kvscope.miss.reason` of the request's last lookup: a "
     "request whose load failed is looked up again): the reason of the offloaded block right after the hit, "
-    "as kvscope_missed_tokens_total counts it. new: never "
-    "stored (or it left longer ago than the tier remembers: as many blocks as it holds); evicted: evicted to make "
-    "room, a larger tier would have held it; dropped: after a failed copy; reset: a cache reset forgot it; "
-    "storing: its store had not completed; no_state: no Mamba state was stored at that block's end; "
-    "other_blocks: every group held it, the hit needed another block; load_failed: an earlier load of the "
-    "request failed; not_taken: found, but vLLM took less of the hit (a request asking for prompt logprobs "
-    "skips prefix caches); tail: nothing missed but what no offloaded block covers (the partial last block, the "
-    "last token). Empty for trace files written before kvscope recorded it."
+    f"as kvscope_missed_tokens_total counts it: {miss_reasons_explained()}. Empty for trace files written before "
+    "kvscope recorded it."
 )
 # One request's `miss_reason`, as the request view says it (what its hit stopped at)
 MISS_REASON_TEXT = {

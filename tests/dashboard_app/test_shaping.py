@@ -55,10 +55,10 @@ def test_why_the_tier_missed_sums_what_each_reasons_lookups_were_not_served(read
 
 
 def test_the_app_explains_every_reason_the_connector_gives():
-    from connector.miss_reasons import MISS_REASONS
+    from connector.miss_reasons import MISS_REASON_MEANINGS, MISS_REASONS
 
     assert set(traces.MISS_REASON_TEXT) == set(MISS_REASONS)
-    assert all(f"{reason}:" in traces.MISS_REASON_DEFINITION for reason in MISS_REASONS)
+    assert all(f"{reason} ({MISS_REASON_MEANINGS[reason]})" in traces.MISS_REASON_DEFINITION for reason in MISS_REASONS)
 
 
 def test_a_file_from_before_miss_reasons_has_none_and_no_misses_table():

@@ -162,3 +162,20 @@ def test_the_reasons_add_up_to_what_the_lookup_did_not_serve(num_tokens, local, 
     assert all(tokens > 0 for _, tokens in miss.by_reason) and miss.tail_tokens >= 1
     assert (miss.reason == TAIL) == (not miss.by_reason)
     assert {r for r, _ in miss.by_reason} <= {reason, NO_STATE, OTHER_BLOCKS}
+
+
+def test_every_reason_has_its_meaning_said_where_operators_read_it():
+    """One table of meanings feeds the metric's help, the overview board and the replay app."""
+    import json
+    from pathlib import Path
+
+    from connector.miss_reasons import MISS_REASON_MEANINGS, MISS_REASONS, miss_reasons_explained
+    from connector.telemetry.metrics import METRICS
+
+    assert list(MISS_REASON_MEANINGS) == list(MISS_REASONS)
+    explained = miss_reasons_explained()
+    assert all(f"{reason} ({meaning})" in explained for reason, meaning in MISS_REASON_MEANINGS.items())
+    (missed,) = [m for m in METRICS if m.name == "kvscope_missed_tokens_total"]
+    assert explained in missed.documentation
+    board = Path(__file__).resolve().parents[2] / "grafana" / "dashboards" / "kvscope-overview.json"
+    assert explained in json.dumps(json.loads(board.read_text()), ensure_ascii=False)
