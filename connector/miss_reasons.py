@@ -41,7 +41,7 @@ MISS_REASON_MEANINGS = {
     NO_STATE: "the attention groups held it, but no Mamba state was stored at its end (vLLM keeps states at "
               "some block ends only)",
     OTHER_BLOCKS: "every group held it, but the hit needed another block (a sliding window's earlier one)",
-    LOAD_FAILED: "an earlier load of the request failed: it recomputes and is not offered a hit again",
+    LOAD_FAILED: "an earlier load of the request failed: it recomputes, not offered a hit until vLLM preempts it",
     NOT_TAKEN: "found, but vLLM took less of the hit (a request asking for prompt logprobs skips prefix caches)",
     TAIL: "past the last offloaded block a hit can cover (the prompt's partial last block, the last token): "
           "never served",

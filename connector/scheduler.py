@@ -51,8 +51,10 @@ class _RequestState:
     # its device KV predates a cache reset (it kept running through it): nothing it computes is stored
     stores_stopped: bool = False
     load_job: object | None = None  # its latest load's `_Job` (a request waits for its load: one at a time)
-    # a load of it failed: it recomputes from then on, never loads again (see `get_num_new_matched_tokens`)
+    # a load of it failed: it recomputes, never loads again, until vLLM preempts it (see
+    # `get_num_new_matched_tokens`); its preemptions when the load failed
     load_failed: bool = False
+    load_failed_preemptions: int = 0
 
 
 @dataclass(slots=True)
@@ -137,10 +139,14 @@ class KVScopeScheduler:
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
         start = time.time_ns()
         state = self._requests.get(request.request_id)
+        if state is not None and state.load_failed and getattr(request, "num_preemptions", 0) > \
+                state.load_failed_preemptions:
+            state.load_failed = False  # preempted since: vLLM dropped that reserve with its blocks, it may load
         if state is not None and state.load_failed:
             # Recompute, do not load again: vLLM (0.32, 0.33) keeps the in-flight reserve of a request
             # whose async load failed, and counts it against the request's own next async admission,
             # which then never fits once the request needs half the free blocks: it would wait for ever.
+            # (Until it is preempted: vLLM then drops it from its in-flight prefills, `_preempt_request`.)
             miss = lookup_miss(self._miss_layouts, request.num_tokens, num_computed_tokens, 0,
                                self.keys.count(request.block_hashes), self.block_size,
                                lambda group, k: LOAD_FAILED, self.eagle_groups)
@@ -575,6 +581,7 @@ class KVScopeScheduler:
             state = self._requests.get(job.req_id)
             if state is not None:
                 state.load_failed = True
+                state.load_failed_preemptions = getattr(state.request, "num_preemptions", 0)
             if not job.failed_at_plan:
                 # A copy failed: whatever those slots hold cannot be trusted. Forget them, so the
                 # retry that vLLM schedules misses and recomputes instead of failing the same way again.

@@ -38,7 +38,8 @@ MISS_REASON_TEXT = {
                 "some block ends only)",
     "other_blocks": "every group held the block after its hit, but the hit needed another one (a sliding "
                     "window's earlier block)",
-    "load_failed": "an earlier load of this request failed: it recomputes and is not offered a hit again",
+    "load_failed": "an earlier load of this request failed: it recomputes, and is not offered a hit again "
+                   "until vLLM preempts it",
     "not_taken": "the tier had more, but vLLM took less of the hit (a request asking for prompt logprobs "
                  "skips prefix caches)",
     "tail": "it served every offloaded block a hit could cover; the rest (the prompt's partial last block, "

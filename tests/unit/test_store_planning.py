@@ -556,3 +556,21 @@ def test_a_load_marks_what_it_read_used_tail_first():
     _report(sched, job)
     _stored(sched, (0, "other"))
     assert sched.get_num_new_matched_tokens(_state("again", 256).request, 0) == (64, True)
+
+
+def test_a_request_whose_load_failed_loads_again_only_once_vllm_preempted_it(monkeypatch):
+    """After a failed load vLLM keeps the request's in-flight reserve until it is preempted (its retry
+    must recompute, or it could wait for ever); once preempted, it starts over and may load."""
+    sched, manager = _scheduler()
+    _stored(sched, (0, "h3"), (1, "h3"), (0, "h7"), (1, "h7"))
+    monkeypatch.setattr(sched.index, "drop", lambda keys: 0)  # the host blocks stay after the failure
+    request = _state("r", 256).request
+    request.num_preemptions = 0
+    assert sched.get_num_new_matched_tokens(request, 0) == (128, True)
+    sched.update_state_after_alloc(request, SimpleNamespace(get_block_ids=lambda: _ids(0, 16)), 128)
+    (job,) = sched.build_connector_meta(_output()).loads
+    _report(sched, job, failed=True)
+    assert sched.get_num_new_matched_tokens(request, 0) == (0, False)
+    assert sched._lookups["r"].miss.reason == "load_failed"
+    request.num_preemptions = 1
+    assert sched.get_num_new_matched_tokens(request, 0) == (128, True)
