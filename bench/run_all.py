@@ -295,12 +295,15 @@ def _benches(quick: bool) -> list[tuple[str, Callable[[], list[dict]]]]:
     def kv_events_bench():
         return importlib.import_module("bench.kv_events_bench").run(quick)
 
+    def eviction_bench():
+        return importlib.import_module("bench.eviction_bench").run(quick)
+
     def e2e_bench():
         return importlib.import_module("bench.e2e_bench").run(quick, log=lambda s: print(s, flush=True))
 
     return [("planner_vs_vllm", planner_vs_vllm), ("planner_bench", planner_bench),
             ("copy_bench", copy_bench), ("dashboard_bench", dashboard_bench), ("kv_events_bench", kv_events_bench),
-            ("e2e_bench", e2e_bench)]
+            ("eviction_bench", eviction_bench), ("e2e_bench", e2e_bench)]
 
 
 class _Skipped(Exception):

@@ -3,8 +3,10 @@
 Pure bookkeeping (no torch, no vLLM): a fixed number of slots (the `cpu_bytes` capacity),
 least-recently-used eviction of ready, unpinned entries, and pins that keep a slot alive
 while a store is being written or a load is reading it. The scheduler marks a prefix used
-tail first (`touch`), so its head is the last of it to go: a hit needs every block from the
-first, and a prefix evicted from its head would strand the rest in slots no lookup reaches. The bytes themselves live in
+tail first (`touch`): what a load reads when it plans it, and a request's whole prefix when it
+finishes, so from then on its head is the last of it to go (a hit needs every block from the
+first, and a prefix evicted from its head would strand the rest in slots no lookup reaches).
+While a request runs, the blocks it stores are newer than the ones it loaded. The bytes themselves live in
 the workers' host buffers, addressed by slot.
 """
 

@@ -515,16 +515,52 @@ def _lookup_after_one_more_store(sched):
     return hit, sched._lookups["again"].miss
 
 
+def _full_attention_scheduler(num_slots: int, manager=None) -> KVScopeScheduler:
+    return KVScopeScheduler([GroupLayout(0, GroupKind.FULL_ATTENTION, BS)], offload_block_size=B,
+                            hash_block_size=BS, num_slots=num_slots, slot_bytes=1024, world_size=1,
+                            tracing=KVScopeTracing.disabled(), kv_cache_manager_getter=lambda: manager)
+
+
 def test_a_prefix_stored_by_a_finished_request_is_evicted_from_its_tail():
-    sched, manager = _scheduler(num_slots=4)  # two offloaded blocks of both groups
+    manager = _Manager()
+    sched = _full_attention_scheduler(num_slots=2, manager=manager)
+    state = _state("r", 128)
+    sched._requests["r"] = state
+    manager.ids = ([200 + i for i in range(8)],)
+    _report(sched, sched._plan_store(state, 128))
+    sched.request_finished(state.request)
+    assert sched.index.used_slots == 2
+    _stored(sched, (0, "other"))
+    request = _state("again", 256).request
+    assert sched.get_num_new_matched_tokens(request, 0) == (64, True)
+    assert sched._lookups["again"].miss.reason == "evicted"
+
+
+def test_a_finished_request_leaves_blocks_past_a_gap_in_its_prefix_as_old_as_they_were():
+    """No lookup reaches them (a hit needs every block from the first): refreshed, they would outlast
+    blocks that can still be hits."""
+    sched = _full_attention_scheduler(num_slots=3)
+    _stored(sched, (0, "h7"), (0, "h11"), (0, "useful"))  # the prefix's first block, h3, is not held
+    request = _state("r", 256).request
+    assert sched.get_num_new_matched_tokens(request, 0) == (0, False)
+    sched.update_state_after_alloc(request, SimpleNamespace(get_block_ids=lambda: ([200 + i for i in range(16)],)), 0)
+    sched.request_finished(request)
+    _stored(sched, (0, "other"))
+    assert sched.index.contains((0, "useful")) and not sched.index.contains((0, "h7"))
+
+
+def test_a_finished_requests_window_blocks_that_no_hit_at_its_end_needs_go_first():
+    """At 128 tokens a window of 24 needs only the second offloaded block: the first goes before
+    anything a hit of the whole prefix reads."""
+    sched, manager = _scheduler(num_slots=4)
     state = _state("r", 128)
     sched._requests["r"] = state
     manager.ids = _ids(0)
     _report(sched, sched._plan_store(state, 128))
     sched.request_finished(state.request)
-    assert sched.index.used_slots == 4
-    hit, miss = _lookup_after_one_more_store(sched)
-    assert hit == 64 and miss.reason == "evicted"
+    _stored(sched, (1, "other"))
+    assert not sched.index.contains((0, "h3"))
+    assert sched.get_num_new_matched_tokens(_state("again", 256).request, 0) == (128, True)
 
 
 def test_a_prefix_a_finished_request_loaded_is_evicted_from_its_tail():
@@ -544,9 +580,7 @@ def test_a_prefix_a_finished_request_loaded_is_evicted_from_its_tail():
 
 def test_a_load_marks_what_it_read_used_tail_first():
     """While the request still runs: the blocks it loaded, tail first (one full-attention group)."""
-    sched = KVScopeScheduler([GroupLayout(0, GroupKind.FULL_ATTENTION, BS)], offload_block_size=B,
-                             hash_block_size=BS, num_slots=2, slot_bytes=1024, world_size=1,
-                             tracing=KVScopeTracing.disabled(), kv_cache_manager_getter=lambda: None)
+    sched = _full_attention_scheduler(num_slots=2)
     _stored(sched, (0, "h3"), (0, "h7"))
     request = _state("r", 256).request
     assert sched.get_num_new_matched_tokens(request, 0) == (128, True)
