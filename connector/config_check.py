@@ -98,12 +98,14 @@ def check_transfer_config(text: str, engine: EngineShape = EngineShape(),
                                "with it unless started with --enable-cumem-allocator")
     result.otlp = _otlp_export(environment, result.warnings)
     if config.trace_file or result.otlp:
+        from .telemetry.sinks import truthy
         from .telemetry.tracing import export_mode
 
-        try:
-            export_mode(environment)  # start-up refuses a bad one only when something is traced: so here
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
+        if not truthy(environment.get("OTEL_SDK_DISABLED")):  # start-up reads it only when something is traced
+            try:
+                export_mode(environment)
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
     return result
 
 

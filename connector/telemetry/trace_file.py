@@ -17,6 +17,8 @@ import json
 import logging
 import math
 import os
+import re
+import stat
 import threading
 import weakref
 from collections.abc import Sequence
@@ -278,6 +280,12 @@ class OtlpJsonLinesExporter(SpanExporter):
         if self._fd is not None and not self._still_at_path(self._fd):
             self._close()  # rotated or deleted (logrotate, an operator): write to the path again
         if self._fd is None:
+            own = _own_stream(self.path)
+            if own is not None:
+                # The process's own stdout or stderr: the same open file, not a new one at the path, whose
+                # write offset would lag the process's own writes (`> log`: lines written over each other)
+                self._fd = os.dup(own)
+                return self._fd
             directory = os.path.dirname(os.path.abspath(self.path))
             os.makedirs(directory, exist_ok=True)
             # Non-blocking to open: a named pipe nobody reads fails now (ENXIO) instead of holding
@@ -285,7 +293,7 @@ class OtlpJsonLinesExporter(SpanExporter):
             try:
                 fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NONBLOCK, 0o644)
             except OSError as exc:
-                if exc.errno == errno.ENXIO:
+                if exc.errno == errno.ENXIO and _is_fifo(self.path):
                     raise OSError(exc.errno, f"{exc.strerror} (a named pipe that nothing reads)") from exc
                 raise
             os.set_blocking(fd, True)
@@ -294,7 +302,9 @@ class OtlpJsonLinesExporter(SpanExporter):
 
     def _still_at_path(self, fd: int) -> bool:
         """Whether the open file is still the one at the path (one stat a batch, as logging's
-        `WatchedFileHandler` does)."""
+        `WatchedFileHandler` does); the process's own stream always is."""
+        if _own_stream(self.path) is not None:
+            return True
         try:
             at_path, open_file = os.stat(self.path), os.fstat(fd)
         except OSError:
@@ -314,6 +324,26 @@ class OtlpJsonLinesExporter(SpanExporter):
             self._warned = True
             logger.warning("kvscope: %s; spans are dropped and further failures are not logged", message)
         return SpanExportResult.FAILURE
+
+
+_OWN_STREAMS = {"/dev/stdout": 1, "/dev/stderr": 2}
+_OWN_FD = re.compile(r"/(?:dev/fd|proc/self/fd)/(\d+)")
+
+
+def _own_stream(path: str) -> int | None:
+    """The descriptor a path names in this process (/dev/stdout, /dev/stderr, /dev/fd/N, /proc/self/fd/N)."""
+    path = os.path.normpath(str(path))
+    if path in _OWN_STREAMS:
+        return _OWN_STREAMS[path]
+    match = _OWN_FD.fullmatch(path)
+    return int(match.group(1)) if match else None
+
+
+def _is_fifo(path: str) -> bool:
+    try:
+        return stat.S_ISFIFO(os.stat(path).st_mode)
+    except OSError:
+        return False
 
 
 def write_all(fd: int, data: bytes) -> None:

@@ -495,3 +495,36 @@ def test_a_trace_file_of_dev_stdout_or_stderr_is_the_engine_processs_stream(stre
            for ss in rs["scopeSpans"] for span in ss["spans"] for a in span["attributes"]
            if a["key"] == "kvscope.request.id"]
     assert ids == [f"req-{i}" for i in range(200)]
+
+
+@pytest.mark.parametrize("mode", ["process", "thread"])
+def test_spans_to_dev_stdout_redirected_to_a_file_keep_the_engines_own_lines(tmp_path, mode):
+    """`vllm serve ... > log`: the trace file is the engine's own stdout, so its lines and the engine's
+    share one write offset (a file opened anew at /dev/stdout has its own, and writes over them)."""
+    import subprocess
+    import sys
+
+    script = (
+        "from connector.telemetry.span_records import LOOKUP_SPAN\n"
+        "from connector.telemetry.tracing import KVScopeTracing\n"
+        "t = KVScopeTracing.from_config(trace_file='/dev/stdout', sample_ratio=1.0)\n"
+        "for i in range(50):\n"
+        "    print(f'engine line {i:04d} ' + 'x' * 60, flush=True)\n"
+        "    t.record(LOOKUP_SPAN, None, 1, 2, (f'req-{i}', 64, 32, 'new', 0))\n"
+        "    assert t.force_flush()\n"
+        "t.shutdown()\n"
+    )
+    out = tmp_path / "engine.log"
+    with open(out, "w") as stdout:  # `>`: no O_APPEND
+        proc = subprocess.run([sys.executable, "-c", script], timeout=120, stdout=stdout, stderr=subprocess.PIPE,
+                              text=True, env={**os.environ, "KVSCOPE_TRACE_EXPORT": mode},
+                              cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = out.read_text().splitlines()
+    assert [line for line in lines if line.startswith("engine line")] == [
+        f"engine line {i:04d} " + "x" * 60 for i in range(50)]
+    spans = [line for line in lines if not line.startswith("engine line")]
+    ids = [a["value"]["stringValue"] for line in spans for rs in json.loads(line)["resourceSpans"]
+           for ss in rs["scopeSpans"] for span in ss["spans"] for a in span["attributes"]
+           if a["key"] == "kvscope.request.id"]
+    assert ids == [f"req-{i}" for i in range(50)]

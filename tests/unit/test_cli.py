@@ -263,3 +263,5 @@ def test_check_refuses_a_bad_trace_export_mode_when_something_is_traced(tmp_path
     assert cli.main(["check", _transfer(cpu_bytes=1 << 20, trace_file=str(tmp_path / "t.jsonl"))]) == 2
     err = capsys.readouterr().err
     assert "KVSCOPE_TRACE_EXPORT='proces' is invalid: accepted are 'process'" in err and "'thread'" in err
+    monkeypatch.setenv("OTEL_SDK_DISABLED", "true")  # start-up then traces nothing and reads no export mode
+    assert cli.main(["check", _transfer(cpu_bytes=1 << 20, trace_file=str(tmp_path / "t.jsonl"))]) == 0
