@@ -51,8 +51,8 @@ class _RequestState:
     # its device KV predates a cache reset (it kept running through it): nothing it computes is stored
     stores_stopped: bool = False
     load_job: object | None = None  # its latest load's `_Job` (a request waits for its load: one at a time)
-    # a load of it failed: it recomputes, never loads again, until vLLM preempts it (see
-    # `get_num_new_matched_tokens`); its preemptions when the load failed
+    # a load of it failed: it recomputes, never loads again, until vLLM preempts it or its streaming
+    # session goes on (see `get_num_new_matched_tokens`); its preemptions when the load failed
     load_failed: bool = False
     load_failed_preemptions: int = 0
 
@@ -139,9 +139,13 @@ class KVScopeScheduler:
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
         start = time.time_ns()
         state = self._requests.get(request.request_id)
-        if state is not None and state.load_failed and getattr(request, "num_preemptions", 0) > \
-                state.load_failed_preemptions:
-            state.load_failed = False  # preempted since: vLLM dropped that reserve with its blocks, it may load
+        if state is not None and state.load_failed and (
+                getattr(request, "num_preemptions", 0) > state.load_failed_preemptions
+                or request.num_computed_tokens > 0):
+            # Preempted since (vLLM dropped the failed load's reserve with its blocks), or a streaming
+            # session's next turn (its prefill, recomputed, finished: vLLM dropped the reserve then; a
+            # retry right after the failure starts from 0 tokens): it may load again
+            state.load_failed = False
         if state is not None and state.load_failed:
             # Recompute, do not load again: vLLM (0.32, 0.33) keeps the in-flight reserve of a request
             # whose async load failed, and counts it against the request's own next async admission,

@@ -608,3 +608,19 @@ def test_a_request_whose_load_failed_loads_again_only_once_vllm_preempted_it(mon
     assert sched._lookups["r"].miss.reason == "load_failed"
     request.num_preemptions = 1
     assert sched.get_num_new_matched_tokens(request, 0) == (128, True)
+
+
+def test_a_streaming_session_whose_load_failed_may_load_in_its_next_turn(monkeypatch):
+    """The turn whose load failed recomputed its prefill (vLLM drops the failed load's reserve when a
+    prefill ends); the next turn keeps its computed tokens, unlike a retry, which starts from 0."""
+    sched, manager = _scheduler()
+    _stored(sched, (0, "h3"), (1, "h3"), (0, "h7"), (1, "h7"), (0, "h11"), (1, "h11"))
+    monkeypatch.setattr(sched.index, "drop", lambda keys: 0)
+    request = _state("s", 256).request
+    assert sched.get_num_new_matched_tokens(request, 0) == (192, True)
+    sched.update_state_after_alloc(request, SimpleNamespace(get_block_ids=lambda: _ids(0, 16)), 192)
+    (job,) = sched.build_connector_meta(_output()).loads
+    _report(sched, job, failed=True)
+    assert sched.get_num_new_matched_tokens(request, 0) == (0, False)  # the retry, from 0 tokens
+    request.num_computed_tokens = 64  # its prefill recomputed, the session's next turn waits to be scheduled
+    assert sched.get_num_new_matched_tokens(request, 64) == (128, True)
