@@ -149,8 +149,8 @@ class KVScopeScheduler:
         if state is not None and state.load_failed:
             # Recompute, do not load again: vLLM (0.32, 0.33) keeps the in-flight reserve of a request
             # whose async load failed, and counts it against the request's own next async admission,
-            # which then never fits once the request needs half the free blocks: it would wait for ever.
-            # (Until it is preempted: vLLM then drops it from its in-flight prefills, `_preempt_request`.)
+            # which then never fits once the request needs half the free blocks: it would wait for ever
+            # (until the reserve is gone: above).
             miss = lookup_miss(self._miss_layouts, request.num_tokens, num_computed_tokens, 0,
                                self.keys.count(request.block_hashes), self.block_size,
                                lambda group, k: LOAD_FAILED, self.eagle_groups)
@@ -302,8 +302,8 @@ class KVScopeScheduler:
                 slots += [slot] * count
             parts.append(GroupTransfer(scan.group_index, scan.block_ids, slots, scan.sub_indices))
             job.loaded.append((scan.group_index, scan.pending))
-        # What it loads was used last, tail first: a prefix is evicted from its tail (its finish
-        # orders its whole prefix block by block across groups; here, for the hot path, group by group)
+        # What it loads was used last, tail first: a prefix is evicted from its tail (here group by group,
+        # for the hot path; the request's finish orders its prefix block by block across groups)
         self.index.touch(reversed(job.keys))
         carrier = None
         if traced:
