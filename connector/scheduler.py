@@ -8,6 +8,7 @@ stored piece by piece (`piecewise_stores.py`).
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -55,6 +56,10 @@ class _RequestState:
     # session goes on (see `get_num_new_matched_tokens`); its preemptions when the load failed
     load_failed: bool = False
     load_failed_preemptions: int = 0
+    # `_plan_store` found nothing to store with this many keys known, and will not below this many
+    # computed tokens (`_next_store_tokens`); idle_known -1: not known, decide in full
+    idle_known: int = -1
+    idle_until: float = 0
 
 
 @dataclass(slots=True)
@@ -398,8 +403,9 @@ class KVScopeScheduler:
         if self.states.groups:
             restarted = self._restarted(scheduler_output)
             self.states.given_out_anew(self._allocated_anew(scheduler_output))  # before this step's forwards
+        requests, count_keys, reprefillable = self._requests, self.keys.count, self.reprefillable_tokens
         for req_id, scheduled in scheduler_output.num_scheduled_tokens.items():
-            state = self._requests.get(req_id)
+            state = requests.get(req_id)
             if state is None or req_id not in computed:
                 continue
             if restarted is not None:
@@ -407,8 +413,15 @@ class KVScopeScheduler:
             # KV final by the end of this step: not its drafts, nor, under async scheduling, the
             # previous step's (counted as computed before vLLM knows which it accepts; a rejected
             # one's KV is rewritten in place): only tokens the request knows
-            done_after_step = min(computed[req_id] + scheduled - len(spec.get(req_id, ())),
-                                  state.request.num_tokens) - self.reprefillable_tokens
+            done_after_step = computed[req_id] + scheduled - reprefillable
+            if spec:
+                done_after_step -= len(spec.get(req_id, ()))
+            request = state.request
+            # Most decode steps store nothing (`_plan_store`'s idle mark), checked here: once per
+            # scheduled request per step
+            if done_after_step < state.idle_until and state.idle_known == count_keys(request.block_hashes):
+                continue
+            done_after_step = min(done_after_step, request.num_tokens - reprefillable)
             job = self._plan_store(state, done_after_step)
             if job is not None:
                 meta.stores.append(job)
@@ -472,19 +485,23 @@ class KVScopeScheduler:
             return None
         request = state.request
         layouts = self.layouts
+        known = self.keys.count(request.block_hashes)  # offloaded blocks whose key exists
         if state.stored_blocks is None:
             state.stored_blocks = [0] * len(layouts)
             state.filling = [None] * len(layouts)
-        known = self.keys.count(request.block_hashes)  # offloaded blocks whose key exists
         stores = self.stores
         if stores.ahead_groups:
             stores.key_blocks(request, state.filling, known)
         limits = [computed_tokens // layout.block_size if ahead else
                   min(computed_tokens // layout.block_size, known * layout.blocks_per_offload_block(self.block_size))
                   for layout, ahead in zip(layouts, stores.stores_ahead)]
-        # Called for every scheduled request every step: decide before asking vLLM for block ids.
+        # Decide before asking vLLM for block ids.
         if all(limit <= done for limit, done in zip(limits, state.stored_blocks)):
+            # Idle until a new key exists or a group's next device block is computed: most decode steps
+            # (`build_connector_meta` checks this before calling here again)
+            state.idle_known, state.idle_until = known, self._next_store_tokens(state.stored_blocks, known)
             return None
+        state.idle_known = -1
         state_blocks = None
         if self.states.groups:  # Mamba blocks count only where they hold their own end's state
             state_blocks = self._kv_cache_manager().get_blocks(request.request_id).blocks
@@ -546,6 +563,16 @@ class KVScopeScheduler:
             tracing.end_span(STORE_SPAN, span, time.time_ns(),
                              (request.request_id, len(parts), sum(len(p.block_ids) for p in parts)))
         return TransferJob(job_id, request.request_id, STORE, parts, trace_carrier=carrier)
+
+    def _next_store_tokens(self, stored_blocks: list[int], known: int) -> float:
+        """The computed tokens from which a request with ``known`` keys and ``stored_blocks`` per group
+        has a block to store (`_plan_store`'s limits, solved for the token count): a group's next device
+        block, once computed, where a key exists for it or the group stores ahead; never (inf) without a new key."""
+        until = math.inf
+        for layout, ahead, done in zip(self.layouts, self.stores.stores_ahead, stored_blocks):
+            if ahead or known * layout.blocks_per_offload_block(self.block_size) > done:
+                until = min(until, (done + 1) * layout.block_size)
+        return until
 
     def _key_still_holds(self, request, filling) -> bool:
         """Whether the request's tokens still give the offloaded block it is filling that block's key.
@@ -654,6 +681,7 @@ class KVScopeScheduler:
             self.stores.give_up(filling)
         for state in self._requests.values():
             state.stored_blocks = state.filling = None
+            state.idle_known = -1
             if state.request.num_computed_tokens > 0:
                 state.stores_stopped = True
         self.index.clear()

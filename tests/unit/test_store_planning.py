@@ -11,6 +11,8 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from connector.groups import GroupKind, GroupLayout
 from connector.metadata import KVScopeWorkerMetadata
@@ -624,3 +626,93 @@ def test_a_streaming_session_whose_load_failed_may_load_in_its_next_turn(monkeyp
     assert sched.get_num_new_matched_tokens(request, 0) == (0, False)  # the retry, from 0 tokens
     request.num_computed_tokens = 64  # its prefill recomputed, the session's next turn waits to be scheduled
     assert sched.get_num_new_matched_tokens(request, 64) == (128, True)
+
+
+# ---------------------------------------------------------------- decode steps that store nothing
+class _NeverIdle(KVScopeScheduler):
+    """Store planning without the idle mark: every scheduled request is planned in full every step."""
+
+    def _next_store_tokens(self, stored_blocks, known):
+        return -1
+
+
+_IDLE_LAYOUTS = {
+    "window stores ahead": LAYOUTS,
+    "window waits for keys": [GroupLayout(0, GroupKind.SLIDING_WINDOW, BS, sliding_window=200),
+                              GroupLayout(1, GroupKind.FULL_ATTENTION, BS)],
+    "full attention": [GroupLayout(0, GroupKind.FULL_ATTENTION, BS)],
+    "two block sizes": [GroupLayout(0, GroupKind.FULL_ATTENTION, 2 * BS), GroupLayout(1, GroupKind.FULL_ATTENTION, BS)],
+}
+
+
+def _serve_step_by_step(scheduler_class, layouts, prompt: int, chunks: list[int], drafts: list[int],
+                        decode: int) -> tuple[list, int]:
+    """One request through `build_connector_meta`: its prompt in `chunks` (cycled), then `decode` steps of
+    one token plus `drafts[i]` drafts (cycled); every store reported before the next step. Returns each
+    step's stores as plain data, and how often the full store planning ran."""
+    manager = _Manager()
+    sched = scheduler_class(layouts, offload_block_size=B, hash_block_size=BS, num_slots=64, slot_bytes=1024,
+                            world_size=1, tracing=KVScopeTracing.disabled(), kv_cache_manager_getter=lambda: manager)
+    planned = 0
+    plan_store = sched._plan_store
+
+    def counting_plan_store(state, computed):
+        nonlocal planned
+        planned += 1
+        return plan_store(state, computed)
+
+    sched._plan_store = counting_plan_store
+    state = _state("r", prompt)
+    sched._requests["r"] = state
+    request, computed, steps, step = state.request, 0, [], 0
+    while computed < prompt + decode:
+        if computed < prompt:
+            scheduled, spec = min(chunks[step % len(chunks)], prompt - computed), []
+        else:
+            spec = [7] * drafts[step % len(drafts)]
+            scheduled = 1 + len(spec)
+        n = max(layout.block_size for layout in layouts)
+        manager.ids = tuple([NULL_BLOCK_ID if layout.kind is GroupKind.SLIDING_WINDOW
+                             and (i + 1) * layout.block_size <= computed - layout.sliding_window + 1
+                             else 1000 * (layout.index + 1) + i for i in range(4 * (prompt + decode + 64) // n)]
+                            for layout in layouts)
+        out = _output(cached=[("r", None, computed)])
+        out.num_scheduled_tokens = {"r": scheduled}
+        out.scheduled_spec_decode_tokens = {"r": spec} if spec else {}
+        meta = sched.build_connector_meta(out)
+        steps.append([(p.group_index, p.block_ids, p.slots, p.subs) for job in meta.stores for p in job.groups])
+        for job in meta.stores:
+            _report(sched, job)
+        computed += scheduled - len(spec)  # the drafts are all rejected: their positions are written again
+        if computed >= request.num_tokens:  # a token sampled: its hash block's hash once that block is full
+            request.num_tokens += 1
+            request.block_hashes = [f"h{i}" for i in range(request.num_tokens // BS)]
+        step += 1
+    return steps, planned
+
+
+@settings(max_examples=60, deadline=None)
+@given(layouts=st.sampled_from(sorted(_IDLE_LAYOUTS)), prompt=st.integers(1, 300),
+       chunks=st.lists(st.integers(1, 96), min_size=1, max_size=4),
+       drafts=st.lists(st.integers(0, 3), min_size=1, max_size=3), decode=st.integers(0, 150))
+def test_skipping_idle_requests_stores_exactly_what_planning_every_step_stores(layouts, prompt, chunks, drafts,
+                                                                                decode):
+    """`build_connector_meta` skips a request's store planning while nothing can be stored (no new key,
+    no group's next device block computed): the stores must be the same, step by step, as planning
+    every scheduled request in full."""
+    layouts = _IDLE_LAYOUTS[layouts]
+    skipping, _ = _serve_step_by_step(KVScopeScheduler, layouts, prompt, chunks, drafts, decode)
+    full, _ = _serve_step_by_step(_NeverIdle, layouts, prompt, chunks, drafts, decode)
+    assert skipping == full
+
+
+def test_a_decoding_request_is_planned_only_when_a_block_can_be_stored():
+    """Decode steps one token at a time: with full attention alone, only the steps that complete an offloaded
+    block (its key appears) plan a store, and the steps right after the one that last stored nothing."""
+    layouts = _IDLE_LAYOUTS["full attention"]
+    steps, planned = _serve_step_by_step(KVScopeScheduler, layouts, 64, [64], [0], 256)
+    _, planned_every_step = _serve_step_by_step(_NeverIdle, layouts, 64, [64], [0], 256)
+    assert planned_every_step == 257
+    stored_steps = [i for i, stores in enumerate(steps) if stores]
+    assert len(stored_steps) == 5  # the prompt's block, then one per 64 decoded tokens
+    assert planned <= 2 * len(stored_steps) + 2
