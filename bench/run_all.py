@@ -2,7 +2,9 @@
 
 Runs, in order: kvscope's planner beside vLLM's (`planner_vs_vllm`), the planner beside a plain
 reference loop (`planner_bench`), the copy engine (`copy_bench`), the dashboard's trace reading
-(`dashboard_bench`, when it offers `run(quick)`), and the end-to-end engine runs (`e2e_bench`).
+(`dashboard_bench`, when it offers `run(quick)`), KV cache events (`kv_events_bench`), the host tier's
+eviction order (`eviction_bench`), the scheduler's work per request beside vLLM's connector
+(`step_bench`), and the end-to-end engine runs (`e2e_bench`).
 Writes `bench/results.json` (a list of {name, median, unit, ratio, ratio_of} records) and
 `bench/results.md` (machine, versions, the goals and whether they are met, every record), or
 `bench/results-quick.*` for `--quick` (git-ignored: the committed full results stay), and
@@ -298,12 +300,15 @@ def _benches(quick: bool) -> list[tuple[str, Callable[[], list[dict]]]]:
     def eviction_bench():
         return importlib.import_module("bench.eviction_bench").run(quick)
 
+    def step_bench():
+        return importlib.import_module("bench.step_bench").run(quick)
+
     def e2e_bench():
         return importlib.import_module("bench.e2e_bench").run(quick, log=lambda s: print(s, flush=True))
 
     return [("planner_vs_vllm", planner_vs_vllm), ("planner_bench", planner_bench),
             ("copy_bench", copy_bench), ("dashboard_bench", dashboard_bench), ("kv_events_bench", kv_events_bench),
-            ("eviction_bench", eviction_bench), ("e2e_bench", e2e_bench)]
+            ("eviction_bench", eviction_bench), ("step_bench", step_bench), ("e2e_bench", e2e_bench)]
 
 
 class _Skipped(Exception):
