@@ -21,8 +21,11 @@ connector's own worker metadata), so only the scheduler's side is timed: `schedu
 - `reload`: the same prompts again after a device prefix cache reset: the connectors load them
   from the host tier (asserted: every request loads, on both connectors), `none` computes them.
 
-Reported: the scheduler's time per request over the round (µs; medians of rounds sampled in
-rotating order in one process), and its ratio to `none` and to `vllm`.
+The sides run in lockstep in one process: one engine step of each in turn (the first to step
+rotating from round to round), so a slow moment of this machine falls on all of them alike; the
+garbage collector is off during a round. Reported: the scheduler's CPU time per request over the
+round (µs, the median over rounds) and its ratio to `none` and to `vllm` (the median of the
+per-round ratios).
 `run(quick)` returns {name, median, unit, ratio, ratio_of} records.
 """
 
@@ -119,43 +122,50 @@ class Round:
     loads: int = 0  # load jobs the connector planned
 
 
-def serve_round(scheduler, side: str, prompts: dict[str, list[int]], block_hasher) -> Round:
-    """Add the requests, then step until vLLM has nothing left to do; time the scheduler's calls."""
+def serve_round(schedulers: dict, prompts: dict[str, list[int]], block_hasher, first: int = 0) -> dict[str, Round]:
+    """Every side serves the same requests, in lockstep: one engine step of each side in turn (from
+    side ``first`` on) until vLLM has nothing left to do on any; each side's scheduler calls timed."""
     from vllm import SamplingParams
     from vllm.v1.request import Request
 
-    for req_id, prompt in prompts.items():
-        params = SamplingParams(max_tokens=DECODE_TOKENS, ignore_eos=True)
-        scheduler.add_request(Request(req_id, prompt, params, None, block_hasher=block_hasher))
-    result = Round()
+    for side, scheduler in schedulers.items():
+        for req_id, prompt in prompts.items():
+            params = SamplingParams(max_tokens=DECODE_TOKENS, ignore_eos=True)
+            scheduler.add_request(Request(req_id, prompt, params, None, block_hasher=block_hasher))
+    rounds = {side: Round() for side in schedulers}
+    order = list(schedulers)[first:] + list(schedulers)[:first]
     gc.collect()
     gc.disable()  # a collection lands in whichever side's call happens to trigger it
     try:
-        _step_until_done(scheduler, side, result)
+        busy = order
+        while busy:
+            for side in busy:
+                _step(schedulers[side], side, rounds[side])
+            busy = [side for side in busy if schedulers[side].has_requests()]
     finally:
         gc.enable()
-    return result
+    return rounds
 
 
-def _step_until_done(scheduler, side: str, result: Round) -> None:
+def _step(scheduler, side: str, result: Round) -> None:
+    """One engine step without a model: every scheduled request samples a token; one worker reports
+    the step's transfers done."""
     from vllm.v1.outputs import ModelRunnerOutput
 
     clock = time.thread_time  # this thread's CPU time: the engine core's thread (steadier than wall time here)
-    while scheduler.has_requests():
-        t0 = clock()
-        out = scheduler.schedule()
-        t1 = clock()
-        connector_output, loads = _worker_output(side, out)
-        req_ids = list(out.num_scheduled_tokens)
-        # one token per scheduled request (vLLM drops the samples of a prefill chunk that is not the last)
-        runner_output = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
-                                          sampled_token_ids=[[7] for _ in req_ids],
-                                          kv_connector_output=connector_output)
-        t2 = clock()
-        scheduler.update_from_output(out, runner_output)
-        result.seconds += (t1 - t0) + (clock() - t2)
-        result.steps += 1
-        result.loads += loads
+    t0 = clock()
+    out = scheduler.schedule()
+    t1 = clock()
+    connector_output, loads = _worker_output(side, out)
+    req_ids = list(out.num_scheduled_tokens)
+    # one token per scheduled request (vLLM drops the samples of a prefill chunk that is not the last)
+    runner_output = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                                      sampled_token_ids=[[7] for _ in req_ids], kv_connector_output=connector_output)
+    t2 = clock()
+    scheduler.update_from_output(out, runner_output)
+    result.seconds += (t1 - t0) + (clock() - t2)
+    result.steps += 1
+    result.loads += loads
 
 
 @dataclass
@@ -169,9 +179,14 @@ class Result:
     def median(self, workload: str, side: str) -> float:
         return statistics.median(self.samples[workload][side])
 
+    def ratio(self, workload: str, side: str, reference: str) -> float:
+        """The median of the per-round ratios (each round ran both sides in lockstep)."""
+        pairs = zip(self.samples[workload][side], self.samples[workload][reference])
+        return statistics.median(a / b for a, b in pairs)
+
 
 def measure(num_groups: int, requests: int, rounds: int) -> Result:
-    """`rounds` rounds of each workload on every side, sides in rotating order; one warm-up round."""
+    """`rounds` rounds of each workload, every side in lockstep (the first to step rotating); one warm-up round."""
     from vllm.utils.hashing import get_hash_fn_by_name
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 
@@ -187,23 +202,24 @@ def measure(num_groups: int, requests: int, rounds: int) -> Result:
                 result.samples[workload] = {side: [] for side in SIDES}
                 result.steps[workload] = {}
             for r in range(rounds + 1):
-                for side in SIDES[r % len(SIDES):] + SIDES[:r % len(SIDES)]:
-                    scheduler = schedulers[side]
-                    prompts = {f"{side}-{r}-{i}": [rng.randrange(1, 30000) for _ in range(PROMPT_TOKENS)]
-                               for i in range(requests)}
-                    decode = serve_round(scheduler, side, prompts, block_hasher)
+                prompts = {f"{r}-{i}": [rng.randrange(1, 30000) for _ in range(PROMPT_TOKENS)]
+                           for i in range(requests)}
+                decode = serve_round(schedulers, prompts, block_hasher, first=r % len(SIDES))
+                for side, scheduler in schedulers.items():
                     assert scheduler.reset_prefix_cache(), f"{side}: vLLM could not reset its prefix cache"
-                    again = {f"{req_id}-again": prompt for req_id, prompt in prompts.items()}
-                    reload = serve_round(scheduler, side, again, block_hasher)
+                again = {f"{req_id}-again": prompt for req_id, prompt in prompts.items()}
+                reload = serve_round(schedulers, again, block_hasher, first=r % len(SIDES))
+                for side, scheduler in schedulers.items():
                     assert scheduler.reset_prefix_cache(), f"{side}: vLLM could not reset its prefix cache"
-                    if side != "none" and reload.loads != requests:
-                        raise AssertionError(f"{result.case} {side}: {reload.loads} of {requests} requests "
+                    if side != "none" and reload[side].loads != requests:
+                        raise AssertionError(f"{result.case} {side}: {reload[side].loads} of {requests} requests "
                                              "loaded their prompt from the host tier")
-                    if r == 0:
-                        continue  # warm-up: first calls, first allocations
-                    for workload, served in (("decode", decode), ("reload", reload)):
-                        result.samples[workload][side].append(served.seconds / requests)
-                        result.steps[workload][side] = served.steps
+                if r == 0:
+                    continue  # warm-up: first calls, first allocations
+                for workload, served in (("decode", decode), ("reload", reload)):
+                    for side in SIDES:
+                        result.samples[workload][side].append(served[side].seconds / requests)
+                        result.steps[workload][side] = served[side].steps
         finally:
             for scheduler in schedulers.values():
                 scheduler.shutdown()
@@ -229,12 +245,12 @@ def to_records(results: list[Result]) -> list[dict]:
                 reference = None if side == "none" else ("none" if side == "vllm" else "vllm")
                 median = r.median(workload, side)
                 records.append({"name": name(side), "median": median * 1e6, "unit": UNIT,
-                                "ratio": median / r.median(workload, reference) if reference else None,
+                                "ratio": r.ratio(workload, side, reference) if reference else None,
                                 "ratio_of": name(reference) if reference else None})
                 if side.startswith("kvscope"):
                     records.append({"name": name(side).replace(f".{side}[", f".{side}_vs_none["),
                                     "median": median * 1e6, "unit": UNIT,
-                                    "ratio": median / r.median(workload, "none"), "ratio_of": name("none")})
+                                    "ratio": r.ratio(workload, side, "none"), "ratio_of": name("none")})
     return records
 
 
@@ -249,10 +265,11 @@ def format_table(results: list[Result]) -> str:
     for r in results:
         for workload in WORKLOADS:
             m = {side: r.median(workload, side) for side in SIDES}
+            ratios = [r.ratio(workload, a, b) for a, b in (("vllm", "none"), ("kvscope_off", "none"),
+                                                            ("kvscope_on", "none"), ("kvscope_off", "vllm"),
+                                                            ("kvscope_on", "vllm"))]
             rows.append((workload, r.case, str(r.steps[workload]["none"]), *(f"{m[s] * 1e6:.1f}" for s in SIDES),
-                         f"{m['vllm'] / m['none']:.3f}", f"{m['kvscope_off'] / m['none']:.3f}",
-                         f"{m['kvscope_on'] / m['none']:.3f}", f"{m['kvscope_off'] / m['vllm']:.3f}",
-                         f"{m['kvscope_on'] / m['vllm']:.3f}"))
+                         *(f"{x:.3f}" for x in ratios)))
     return render_table(rows)
 
 
