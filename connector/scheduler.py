@@ -57,7 +57,7 @@ class _RequestState:
     load_failed: bool = False
     load_failed_preemptions: int = 0
     # `_plan_store` found nothing to store with this many keys known, and will not below this many
-    # computed tokens (`_next_store_tokens`); idle_known -1: not known, decide in full
+    # computed tokens (`_next_store_tokens`; stores since only raise that bound); -1: decide in full
     idle_known: int = -1
     idle_until: float = 0
 
@@ -501,7 +501,6 @@ class KVScopeScheduler:
             # (`build_connector_meta` checks this before calling here again)
             state.idle_known, state.idle_until = known, self._next_store_tokens(state.stored_blocks, known)
             return None
-        state.idle_known = -1
         state_blocks = None
         if self.states.groups:  # Mamba blocks count only where they hold their own end's state
             state_blocks = self._kv_cache_manager().get_blocks(request.request_id).blocks
