@@ -262,6 +262,13 @@ METHOD_NOTES = [
     "planner_bench: `plan_load` vs a plain per-block reference loop (pure planning code only).",
     "copy_bench: `CopyEngine` loads/stores of n scattered blocks vs one contiguous `copy_` of the same "
     "bytes between the same buffers, alternately in one run, one intra-op thread.",
+    "step_bench: vLLM's scheduler CPU time per request (the engine core thread's, in `schedule()` and "
+    "`update_from_output()` over a round) with no connector, vLLM's `OffloadingConnector`, kvscope with "
+    "telemetry off and tracing on: four real vLLM `Scheduler`s stepping in lockstep through the same "
+    "requests without a model (one token sampled per scheduled request, every transfer reported done); "
+    "`decode`: fresh 512-token prompts, 64 tokens generated; `reload`: the same prompts after a device "
+    "prefix cache reset, loaded from the host tier (asserted); case `Ng/R`: N groups (1: full; 2: full + "
+    "sliding 1024), R requests at once; ratios are medians of per-round ratios.",
     "e2e: vLLM CPU engine, `big-llama` (random weights, 8 layers, hidden 1024) in float32 (this CPU "
     "has no native bf16 matmuls), one process per engine. Time to first token = wall time of a "
     "max_tokens=1 request; host load vs recompute measured as pairs in one engine (the last, "
