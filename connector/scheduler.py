@@ -485,10 +485,10 @@ class KVScopeScheduler:
             return None
         request = state.request
         layouts = self.layouts
-        known = self.keys.count(request.block_hashes)  # offloaded blocks whose key exists
         if state.stored_blocks is None:
             state.stored_blocks = [0] * len(layouts)
             state.filling = [None] * len(layouts)
+        known = self.keys.count(request.block_hashes)  # offloaded blocks whose key exists
         stores = self.stores
         if stores.ahead_groups:
             stores.key_blocks(request, state.filling, known)
