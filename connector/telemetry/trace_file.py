@@ -230,6 +230,7 @@ class OtlpJsonLinesExporter(SpanExporter):
 
     def __init__(self, path: str | os.PathLike[str], encode=spans_to_json_line):
         self.path = os.fspath(path)
+        self._own_fd = _own_stream(self.path)  # the path names this process's stdout, stderr or a descriptor
         self._encode = encode  # spans -> one line; kvscope's tracing passes a light-span encoder
         self._lock = threading.Lock()
         self._fd: int | None = None
@@ -280,11 +281,10 @@ class OtlpJsonLinesExporter(SpanExporter):
         if self._fd is not None and not self._still_at_path(self._fd):
             self._close()  # rotated or deleted (logrotate, an operator): write to the path again
         if self._fd is None:
-            own = _own_stream(self.path)
-            if own is not None:
+            if self._own_fd is not None:
                 # The process's own stdout or stderr: the same open file, not a new one at the path, whose
                 # write offset would lag the process's own writes (`> log`: lines written over each other)
-                self._fd = os.dup(own)
+                self._fd = os.dup(self._own_fd)
                 return self._fd
             directory = os.path.dirname(os.path.abspath(self.path))
             os.makedirs(directory, exist_ok=True)
@@ -303,7 +303,7 @@ class OtlpJsonLinesExporter(SpanExporter):
     def _still_at_path(self, fd: int) -> bool:
         """Whether the open file is still the one at the path (one stat a batch, as logging's
         `WatchedFileHandler` does); the process's own stream always is."""
-        if _own_stream(self.path) is not None:
+        if self._own_fd is not None:
             return True
         try:
             at_path, open_file = os.stat(self.path), os.fstat(fd)
