@@ -141,6 +141,7 @@ def run(spec: dict) -> dict:
         "groups": [layout.kind.value for layout in sched.layouts],
         "block_sizes": [layout.block_size for layout in sched.layouts],
         "offload_block_size": sched.block_size,
+        "slot_bytes": sched.slot_bytes,
         "prompts": prompts,  # of rounds 1 and 2
         "fence": fence,
     }

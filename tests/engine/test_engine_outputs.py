@@ -104,6 +104,37 @@ def test_offload_blocks_of_two_device_blocks(scenarios):
     assert result["counters"][1]["vllm:external_prefix_cache_hits"] == expected
 
 
+FP8 = {"kv_cache_dtype": "fp8"}
+
+
+def test_an_fp8_kv_cache_loads_what_it_stored_in_half_the_host_bytes(scenarios):
+    """`--kv-cache-dtype fp8`, common on GPUs: a KV element is one byte, so a host slot is half a
+    bfloat16 one, and loads still give the model the KV it stored (greedy outputs and logprobs of
+    the loaded round equal the cold round's and those of the same fp8 engine without kvscope)."""
+    result = scenarios.get("gemma3-w64-fp8", spec_for("gemma3-w64", llm_kwargs=FP8))
+    baseline = scenarios.get("gemma3-w64-fp8:baseline", spec_for("gemma3-w64", connector=False, llm_kwargs=FP8))
+    bf16 = scenarios.get("gemma3-w64", spec_for("gemma3-w64"))
+    assert result["slot_bytes"] * 2 == bf16["slot_bytes"]
+    cold, loaded, _ = result["rounds"]
+    assert result["counters"][1]["vllm:external_prefix_cache_hits"] > 0
+    assert _tokens(loaded) == _tokens(cold) == _tokens(baseline["rounds"][0])
+    for a, b in zip(cold, loaded):
+        assert max(abs(x - y) for x, y in zip(a["logprobs"], b["logprobs"])) <= LOGPROB_TOLERANCE
+    # fp8 is in effect: the model computes something else than with bfloat16 KV
+    assert [c["logprobs"] for c in cold] != [c["logprobs"] for c in bf16["rounds"][0]]
+
+
+def test_the_fp8_outputs_depend_on_the_loaded_kv(scenarios):
+    """The control for the test above: zeros loaded into the full-attention group's fp8 blocks move
+    what the model computes past the tolerance."""
+    result = scenarios.get("gemma3-w64-fp8-zero", spec_for("gemma3-w64", llm_kwargs=FP8,
+                                                             zero_group_kind="full_attention"))
+    cold, loaded, _ = result["rounds"]
+    assert result["counters"][1]["vllm:external_prefix_cache_hits"] > 0
+    moved = [max(abs(x - y) for x, y in zip(a["logprobs"], b["logprobs"])) for a, b in zip(cold, loaded)]
+    assert _tokens(loaded) != _tokens(cold) or max(moved) > LOGPROB_TOLERANCE, moved
+
+
 def test_a_conversation_turn_loads_the_previous_turns_output(scenarios):
     """Turn 2 sends turn 1's prompt, its 300 generated tokens and a new message. With offloaded
     blocks of two device blocks (256 tokens) and a 64-token window, the window drops a block's first
