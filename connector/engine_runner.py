@@ -48,14 +48,16 @@ class Completion:
 
 def generate(llm, prompts: list[list[int]], max_tokens: int = 8,
              trace_headers: list[dict | None] | None = None, request_ids: list[str] | None = None,
-             ignore_eos: bool = False) -> list[Completion]:
+             ignore_eos: bool = False, n: int = 1) -> list[Completion]:
     """Greedy completions in prompt order; with ids or trace headers, requests go in one by one
-    through the engine (vLLM's `LLM.generate` takes no trace headers)."""
+    through the engine (vLLM's `LLM.generate` takes no trace headers). With ``n`` > 1, ``n`` samples
+    a prompt (vLLM refuses greedy ones), seeded, so a run repeats: every sample in order."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=1, detokenize=False,
-                            ignore_eos=ignore_eos)
+    sampling = dict(temperature=0.0) if n == 1 else dict(n=n, temperature=1.0, seed=0)
+    params = SamplingParams(max_tokens=max_tokens, logprobs=1, detokenize=False, ignore_eos=ignore_eos,
+                            **sampling)
     inputs = [TokensPrompt(prompt_token_ids=p) for p in prompts]
     if trace_headers is None and request_ids is None:
         outs = llm.generate(inputs, params, use_tqdm=False)
@@ -73,9 +75,9 @@ def generate(llm, prompts: list[list[int]], max_tokens: int = 8,
         outs = [finished[rid] for rid in ids]
     result = []
     for out in outs:
-        o = out.outputs[0]
-        lps = [step[tok].logprob for step, tok in zip(o.logprobs or [], o.token_ids)]
-        result.append(Completion(list(o.token_ids), lps, out.num_cached_tokens or 0))
+        for o in sorted(out.outputs, key=lambda o: o.index):
+            lps = [step[tok].logprob for step, tok in zip(o.logprobs or [], o.token_ids)]
+            result.append(Completion(list(o.token_ids), lps, out.num_cached_tokens or 0))
     return result
 
 

@@ -89,10 +89,11 @@ def run(spec: dict) -> dict:
     # "conversation": round 0 is a first turn of `first_turn_tokens` tokens (EOS ignored); the later
     # rounds send the second turn (prompt, that output, a new message of `new_tokens`).
     conversation = spec.get("conversation")
+    samples = spec.get("n", 1)  # samples a prompt (vLLM's parallel sampling: a child request each)
     first_max_tokens = conversation["first_turn_tokens"] if conversation else max_tokens
 
     def first_turn(llm):
-        return generate(llm, spec["prompts"], first_max_tokens, ignore_eos=bool(conversation))
+        return generate(llm, spec["prompts"], first_max_tokens, ignore_eos=bool(conversation), n=samples)
 
     if not spec.get("connector", True):
         llm = make_llm(model, connector=False, **llm_kwargs)
@@ -119,10 +120,10 @@ def run(spec: dict) -> dict:
         worker.lost_slots.update(range(worker.num_slots))  # host data lost after the lookup
     # round 1: loads from the host tier (optionally with ids and W3C trace headers per request)
     rounds.append(generate(llm, prompts, max_tokens, trace_headers=spec.get("trace_headers"),
-                           request_ids=spec.get("request_ids")))
+                           request_ids=spec.get("request_ids"), n=samples))
     after1 = metric_values(llm)
     counters.append(_delta(after1, after0))
-    rounds.append(generate(llm, prompts, max_tokens))  # round 2: device prefix cache, no reset
+    rounds.append(generate(llm, prompts, max_tokens, n=samples))  # round 2: device prefix cache, no reset
     counters.append(_delta(metric_values(llm), after1))
     connector = get_scheduler_connector(llm)
     connector.tracing.force_flush()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from .conftest import prompts_sharing_prefixes
+from .conftest import BLOCK, prompts_sharing_prefixes
 
 pytestmark = pytest.mark.engine
 
@@ -102,6 +102,26 @@ def test_offload_blocks_of_two_device_blocks(scenarios):
     # every hit is whole 256-token blocks, leaving at least one token to compute
     expected = sum((len(p) - 1) // 256 * 256 for p in PROMPTS)
     assert result["counters"][1]["vllm:external_prefix_cache_hits"] == expected
+
+
+def test_parallel_samples_load_and_sample_what_they_sample_without_the_connector(scenarios):
+    """`n` > 1 (the OpenAI API's `n`): vLLM runs a child request per sample over the same prompt.
+    After the reset children load the prompt's blocks from the host tier (siblings scheduled in the
+    same step have no device KV to share yet), and with a fixed seed every sample is what the same
+    engine samples without kvscope, in every round."""
+    result = scenarios.get("gemma3-w64-n3", spec_for("gemma3-w64", n=3))
+    baseline = scenarios.get("gemma3-w64-n3:baseline", spec_for("gemma3-w64", connector=False, n=3))
+    cold, loaded, cached = result["rounds"]
+    assert len(cold) == 3 * len(PROMPTS)
+    assert _tokens(loaded) == _tokens(cold) == _tokens(cached) == _tokens(baseline["rounds"][0])
+    assert len({tuple(c["tokens"]) for c in cold[:3]}) > 1  # sampled: a prompt's children differ
+    for a, b in zip(cold, loaded):
+        assert max(abs(x - y) for x, y in zip(a["logprobs"], b["logprobs"])) <= LOGPROB_TOLERANCE
+    hits = [c["vllm:external_prefix_cache_hits"] for c in result["counters"]]
+    # more than one child of a prompt loaded: more than one load's worth of the prompts' blocks
+    one_each = sum((len(p) - 1) // BLOCK * BLOCK for p in PROMPTS)
+    assert hits[1] > one_each
+    assert result["kvscope"]["kvscope_hit_tokens_total"] == sum(hits)
 
 
 FP8 = {"kv_cache_dtype": "fp8"}
