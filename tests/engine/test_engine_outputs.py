@@ -104,6 +104,32 @@ def test_offload_blocks_of_two_device_blocks(scenarios):
     assert result["counters"][1]["vllm:external_prefix_cache_hits"] == expected
 
 
+ENGINE_SETTINGS = {
+    # vLLM's default on GPUs: the scheduler plans the next step before this one's outputs are back
+    "async-scheduling": {"async_scheduling": True},
+    # chunked prefill in 128-token chunks: a load, then the rest of the prompt over several steps
+    "chunks-of-128": {"max_num_batched_tokens": 128},
+}
+
+
+@pytest.mark.parametrize("setting", list(ENGINE_SETTINGS))
+def test_loads_under_common_engine_settings_give_the_outputs_without_the_connector(scenarios, setting):
+    kwargs = ENGINE_SETTINGS[setting]
+    result = scenarios.get(f"gemma3-w64-{setting}", spec_for("gemma3-w64", llm_kwargs=kwargs))
+    baseline = scenarios.get(f"gemma3-w64-{setting}:baseline", spec_for("gemma3-w64", connector=False,
+                                                                           llm_kwargs=kwargs))
+    cold, loaded, cached = result["rounds"]
+    assert _tokens(loaded) == _tokens(cold) == _tokens(cached) == _tokens(baseline["rounds"][0])
+    for a, b in zip(cold, loaded):
+        assert max(abs(x - y) for x, y in zip(a["logprobs"], b["logprobs"])) <= LOGPROB_TOLERANCE
+    hits = [c["vllm:external_prefix_cache_hits"] for c in result["counters"]]
+    # after the reset the host tier serves what the device prefix cache serves without one
+    after_reset, no_reset = result["counters"][1], result["counters"][2]
+    device = no_reset["vllm:prefix_cache_hits"] + no_reset["vllm:external_prefix_cache_hits"]
+    assert hits[1] > 0 and hits[1] + after_reset["vllm:prefix_cache_hits"] >= 0.9 * device > 0
+    assert result["kvscope"]["kvscope_hit_tokens_total"] == sum(hits)
+
+
 def test_parallel_samples_load_and_sample_what_they_sample_without_the_connector(scenarios):
     """`n` > 1 (the OpenAI API's `n`): vLLM runs a child request per sample over the same prompt.
     After the reset children load the prompt's blocks from the host tier (siblings scheduled in the
