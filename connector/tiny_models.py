@@ -40,10 +40,11 @@ def _recipe(name: str, window: int, layer_types: list[str] | None):
                              num_local_experts=4, num_experts_per_tok=2, layer_types=types)
         cfg.quantization_config = None
         return cfg, T.GptOssForCausalLM
-    if name == "qwen3next":  # Mamba-style linear attention (gated delta net) + full attention
+    if name in ("qwen3next", "qwen3next-tp2"):  # Mamba-style linear attention (gated delta net) + full attention
         types = layer_types or ["linear_attention", "full_attention", "linear_attention", "full_attention"]
+        heads = 2 if name == "qwen3next-tp2" else 1  # linear-attention key heads: tensor parallelism splits them
         cfg = T.Qwen3NextConfig(**COMMON, num_hidden_layers=len(types), layer_types=types,
-                                linear_num_value_heads=2, linear_num_key_heads=1,
+                                linear_num_value_heads=2 * heads, linear_num_key_heads=heads,
                                 linear_key_head_dim=64, linear_value_head_dim=64,
                                 linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2,
                                 moe_intermediate_size=128, shared_expert_intermediate_size=128,
@@ -54,7 +55,8 @@ def _recipe(name: str, window: int, layer_types: list[str] | None):
                                "num_attention_heads": 16, "num_key_value_heads": 4},
                             num_hidden_layers=8)
         return cfg, T.LlamaForCausalLM
-    raise ValueError(f"unknown tiny model {name!r}; known: llama, gemma3, gptoss, qwen3next, big-llama")
+    raise ValueError(f"unknown tiny model {name!r}; known: llama, gemma3, gptoss, qwen3next, qwen3next-tp2, "
+                     "big-llama")
 
 
 def build_model(name: str, window: int = 64, layer_types: list[str] | None = None,
@@ -70,7 +72,7 @@ def build_model(name: str, window: int = 64, layer_types: list[str] | None = Non
     torch.manual_seed(seed)
     cfg.torch_dtype = "bfloat16"
     model = cls(cfg).to(torch.bfloat16)
-    if name == "qwen3next":
+    if name.startswith("qwen3next"):
         _long_memory(model)
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     model.save_pretrained(tmp)

@@ -80,6 +80,17 @@ def test_tensor_parallel_two_workers_equal_outputs_and_hits(scenarios, gemma_bas
     assert kv["kvscope_load_bytes_total"] > 0
 
 
+def test_tensor_parallel_two_workers_load_their_shards_of_the_mamba_state(scenarios):
+    """Tensor parallelism splits the linear-attention heads, so each worker's Mamba state is its own
+    shard and each worker stores and loads it. The baseline is the same two-worker engine without
+    kvscope (one worker sums in another order: this random model's near-tied tokens may flip)."""
+    tp2 = {**QWEN, "model": "qwen3next-tp2", "llm_kwargs": {"tensor_parallel_size": 2}, "env": TP2["env"]}
+    result = scenarios.get("qwen3next-tp2", tp2)
+    baseline = scenarios.get("qwen3next-tp2:baseline", {**tp2, "connector": False})
+    _assert_equal_and_hits(result, baseline)
+    assert result["kvscope_by_kind"]["kvscope_loaded_blocks_total"]["mamba"] > 0
+
+
 def test_failure_on_one_worker_fails_the_whole_load_and_recomputes(scenarios, gemma_baseline):
     spec = {**TP2, "env": {**TP2["env"], "KVSCOPE_FAIL_LOADS_ON_RANK": "1"}}
     result = scenarios.get("gemma3-tp2-rank1-fails", spec)
