@@ -38,8 +38,11 @@ def qwen_baseline(scenarios):
 
 
 @pytest.fixture(scope="module")
-def gemma_baseline(scenarios):
-    return scenarios.get("gemma3-w64:baseline", dict(model="gemma3", window=64, prompts=PROMPTS, connector=False))
+def gemma_tp2_baseline(scenarios):
+    """The same two-worker engine without kvscope: one worker sums in another order, and this random
+    model's near-tied greedy tokens flip with the CPU's bf16 kernels (on one machine's CPU, the
+    90-token prompt that loads nothing)."""
+    return scenarios.get("gemma3-tp2:baseline", {**TP2, "connector": False})
 
 
 def test_mamba_model_loads_state_and_attention_with_equal_outputs(scenarios, qwen_baseline):
@@ -72,9 +75,9 @@ def test_mamba_loads_under_async_scheduling_give_the_outputs_without_the_connect
     assert result["kvscope_by_kind"]["kvscope_loaded_blocks_total"]["mamba"] > 0
 
 
-def test_tensor_parallel_two_workers_equal_outputs_and_hits(scenarios, gemma_baseline):
+def test_tensor_parallel_two_workers_equal_outputs_and_hits(scenarios, gemma_tp2_baseline):
     result = scenarios.get("gemma3-tp2", TP2)
-    _assert_equal_and_hits(result, gemma_baseline)
+    _assert_equal_and_hits(result, gemma_tp2_baseline)
     # every worker moves its own shard: bytes count both
     kv = result["kvscope"]
     assert kv["kvscope_load_bytes_total"] > 0
@@ -91,7 +94,7 @@ def test_tensor_parallel_two_workers_load_their_shards_of_the_mamba_state(scenar
     assert result["kvscope_by_kind"]["kvscope_loaded_blocks_total"]["mamba"] > 0
 
 
-def test_failure_on_one_worker_fails_the_whole_load_and_recomputes(scenarios, gemma_baseline):
+def test_failure_on_one_worker_fails_the_whole_load_and_recomputes(scenarios, gemma_tp2_baseline):
     spec = {**TP2, "env": {**TP2["env"], "KVSCOPE_FAIL_LOADS_ON_RANK": "1"}}
     result = scenarios.get("gemma3-tp2-rank1-fails", spec)
     assert result["kvscope"]["kvscope_load_failures_total"] > 0
@@ -99,7 +102,7 @@ def test_failure_on_one_worker_fails_the_whole_load_and_recomputes(scenarios, ge
     # bytes count where they move: rank 0's copies ran (as its copy spans say) though unused
     assert result["kvscope"]["kvscope_load_bytes_total"] > 0
     for round_ in result["rounds"]:
-        assert _tokens(round_) == _tokens(gemma_baseline["rounds"][0])
+        assert _tokens(round_) == _tokens(gemma_tp2_baseline["rounds"][0])
 
 
 def test_a_conversation_turn_loads_mamba_states_from_the_previous_turns_output(scenarios):
