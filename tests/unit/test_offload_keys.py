@@ -18,3 +18,11 @@ def test_an_offloaded_blocks_key_is_its_last_hash_block_and_exists_once_that_doe
 def test_an_offloaded_block_spans_at_least_one_hash_block():
     with pytest.raises(ValueError, match="at least one hash block"):
         OffloadKeys(0)
+
+
+def test_an_offloaded_block_of_one_hash_block_is_keyed_by_each_hash():
+    keys = OffloadKeys(1)  # offload block size == hash block size: the common default
+    hashes = ["h0", "h1", "h2"]
+    assert keys.count(hashes) == 3
+    assert keys.hashes(hashes) == hashes
+    assert [keys.hash_of(hashes, k) for k in range(4)] == ["h0", "h1", "h2", None]

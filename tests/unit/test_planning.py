@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from connector import planning
 from connector.groups import GroupKind, GroupLayout
 from connector.planning import NULL_BLOCK_ID, LoadPlan, cdiv, plan_load, scan_group
 
@@ -443,3 +444,23 @@ def test_vllm_null_pattern_loads_exactly_the_retained_blocks(data):
         first_kept_block = g.first_retained_token(cached) // g.block_size
         kept = range(max(local, first_kept_block * g.block_size), cached)
         assert scan.block_ids == sorted({t // g.block_size + 1 for t in kept})
+
+
+def test_a_block_id_sequence_that_is_not_a_list_still_gives_list_block_ids():
+    # The adapter may hand any sequence (a tuple here): the pending ids come back as a list.
+    g = GroupLayout(0, FULL, 16)
+    scan = scan_group(g, tuple(range(1, 9)), 64, 128, 64)
+    assert scan.block_ids == [5, 6, 7, 8]
+    assert scan.sub_indices == [0, 1, 2, 3]
+
+
+def test_a_scan_longer_than_the_cached_position_table_gets_every_sub_index(monkeypatch):
+    # Sub-indices are sliced from a per-factor table cached at 1024 entries and grown to a power of
+    # two: a 2049-block scan (one past 2048) after a short one must grow it far enough.
+    monkeypatch.setattr(planning, "_POSITION_TABLES", {})
+    g = GroupLayout(0, FULL, 16)
+    scan_group(g, list(range(1, 9)), 0, 128, 64)  # caches the small table first
+    ids = list(range(1, 2050))
+    scan = scan_group(g, ids, 0, 2049 * 16, 64)
+    assert scan.block_ids == ids
+    assert scan.sub_indices == [i % 4 for i in range(2049)]
