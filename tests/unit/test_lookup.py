@@ -102,10 +102,6 @@ def test_mamba_needs_only_the_last_block():
     assert needed_offload_blocks(g, 192, 256, 64) == range(3, 4)
 
 
-# --- find_hit_tokens examples ------------------------------------------------------------------
-
-
-
 def test_full_attention_keeps_every_token_and_mamba_only_the_last_state():
     full, mamba = GroupLayout(0, FULL, 16), GroupLayout(1, MAMBA, 64)
     assert [full.first_retained_token(n) for n in (0, 1, 2, 1000)] == [0, 0, 0, 0]
@@ -113,6 +109,10 @@ def test_full_attention_keeps_every_token_and_mamba_only_the_last_state():
     # with 1-token blocks the first token is itself a block the load must read
     assert needed_offload_blocks(GroupLayout(0, FULL, 1), 0, 1, 1) == range(0, 1)
     assert needed_offload_blocks(GroupLayout(0, MAMBA, 1), 0, 1, 1) == range(0, 1)
+
+
+# --- find_hit_tokens examples ------------------------------------------------------------------
+
 
 def test_full_attention_longest_contiguous_prefix():
     g = GroupLayout(0, FULL, 16)
