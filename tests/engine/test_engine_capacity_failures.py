@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from .conftest import prompts_sharing_prefixes
+from .outputs import tokens
 
 pytestmark = pytest.mark.engine
 
@@ -17,10 +18,6 @@ SMALL_HOST = {"cpu_bytes": 24 * 2 * 32768}
 @pytest.fixture(scope="module")
 def baseline(scenarios):
     return scenarios.get("gemma3-w64:baseline", {**GEMMA, "connector": False})
-
-
-def _tokens(round_):
-    return [c["tokens"] for c in round_]
 
 
 def test_workload_larger_than_cpu_bytes_evicts_and_stays_within_capacity(scenarios, baseline):
@@ -36,7 +33,7 @@ def test_workload_larger_than_cpu_bytes_evicts_and_stays_within_capacity(scenari
     assert missed["new"] > 0, missed
     assert sum(missed.values()) == kv["kvscope_lookup_tokens_total"] - kv["kvscope_hit_tokens_total"]
     for round_ in result["rounds"]:
-        assert _tokens(round_) == _tokens(baseline["rounds"][0])
+        assert tokens(round_) == tokens(baseline["rounds"][0])
 
 
 def test_host_blocks_dropped_after_lookup_are_recomputed_and_counted(scenarios, baseline):
@@ -48,7 +45,7 @@ def test_host_blocks_dropped_after_lookup_are_recomputed_and_counted(scenarios, 
     missed = result["kvscope_by_reason"]["kvscope_missed_tokens_total"]
     assert missed["load_failed"] > 0, missed
     for round_ in result["rounds"]:
-        assert _tokens(round_) == _tokens(baseline["rounds"][0])
+        assert tokens(round_) == tokens(baseline["rounds"][0])
 
 
 @pytest.mark.parametrize("extra, expected", [

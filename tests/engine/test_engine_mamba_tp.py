@@ -5,26 +5,21 @@ from __future__ import annotations
 import pytest
 
 from .conftest import prompts_sharing_prefixes
+from .outputs import assert_same_outputs, tokens
 
 pytestmark = pytest.mark.engine
 
 PROMPTS = prompts_sharing_prefixes()
-LOGPROB_TOLERANCE = 0.03
 QWEN = dict(model="qwen3next", prompts=PROMPTS)
 # Two CPU workers on one NUMA node need explicit thread binding, one core each.
 TP2 = dict(model="gemma3", window=64, prompts=PROMPTS, llm_kwargs={"tensor_parallel_size": 2},
            env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
 
 
-def _tokens(round_):
-    return [c["tokens"] for c in round_]
-
-
 def _assert_equal_and_hits(result, baseline):
     cold, loaded, _ = result["rounds"]
-    assert _tokens(loaded) == _tokens(cold) == _tokens(baseline["rounds"][0])
-    for a, b in zip(cold, loaded):
-        assert max((abs(x - y) for x, y in zip(a["logprobs"], b["logprobs"])), default=0) <= LOGPROB_TOLERANCE
+    assert_same_outputs(cold, loaded)
+    assert tokens(cold) == tokens(baseline["rounds"][0])
     after_reset, no_reset = result["counters"][1], result["counters"][2]
     host = after_reset["vllm:prefix_cache_hits"] + after_reset["vllm:external_prefix_cache_hits"]
     device = no_reset["vllm:prefix_cache_hits"] + no_reset["vllm:external_prefix_cache_hits"]
@@ -59,8 +54,8 @@ def test_outputs_depend_on_the_loaded_mamba_state(scenarios, qwen_baseline):
     """Zeros loaded into the state change the outputs: the state is carried by the load."""
     result = scenarios.get("qwen3next-zero-state", {**QWEN, "zero_group_kind": "mamba"})
     cold, loaded, _ = result["rounds"]
-    assert _tokens(cold) == _tokens(qwen_baseline["rounds"][0])
-    assert _tokens(loaded) != _tokens(cold)
+    assert tokens(cold) == tokens(qwen_baseline["rounds"][0])
+    assert tokens(loaded) != tokens(cold)
 
 
 def test_mamba_loads_under_async_scheduling_give_the_outputs_without_the_connector(scenarios):
@@ -102,7 +97,7 @@ def test_failure_on_one_worker_fails_the_whole_load_and_recomputes(scenarios, ge
     # bytes count where they move: rank 0's copies ran (as its copy spans say) though unused
     assert result["kvscope"]["kvscope_load_bytes_total"] > 0
     for round_ in result["rounds"]:
-        assert _tokens(round_) == _tokens(gemma_tp2_baseline["rounds"][0])
+        assert tokens(round_) == tokens(gemma_tp2_baseline["rounds"][0])
 
 
 def test_a_conversation_turn_loads_mamba_states_from_the_previous_turns_output(scenarios):
@@ -118,7 +113,7 @@ def test_a_conversation_turn_loads_mamba_states_from_the_previous_turns_output(s
     baseline = scenarios.get("qwen3next-conversation:baseline",
                              {**QWEN, "conversation": conversation, "max_tokens": 4, "connector": False})
     first, second, _ = result["rounds"]
-    assert _tokens(first) == _tokens(baseline["rounds"][0])
+    assert tokens(first) == tokens(baseline["rounds"][0])
     block = result["offload_block_size"]
     expected = sum((len(p) - conversation["new_tokens"] - 1) // block * block for p in result["prompts"])
     assert result["counters"][1]["vllm:external_prefix_cache_hits"] == expected

@@ -9,11 +9,11 @@ from __future__ import annotations
 import pytest
 
 from .conftest import BLOCK, prompts_sharing_prefixes
+from .outputs import assert_same_outputs, outputs_moved, tokens
 
 pytestmark = pytest.mark.engine
 
 PROMPTS = prompts_sharing_prefixes()
-LOGPROB_TOLERANCE = 0.03
 
 MODELS = {
     "llama": dict(model="llama"),
@@ -36,10 +36,6 @@ def model_run(request, scenarios):
     return name, scenarios.get(name, spec_for(name)), scenarios.get(name + ":baseline", spec_for(name, connector=False))
 
 
-def _tokens(round_):
-    return [c["tokens"] for c in round_]
-
-
 def test_groups_are_what_the_model_has(model_run):
     name, result, _ = model_run
     expected = {"full_attention"} if name == "llama" else {"full_attention", "sliding_window"}
@@ -49,11 +45,9 @@ def test_groups_are_what_the_model_has(model_run):
 def test_loaded_round_equals_cold_round_and_no_connector(model_run):
     name, result, baseline = model_run
     cold, loaded, _ = result["rounds"]
-    assert _tokens(loaded) == _tokens(cold)
-    assert _tokens(cold) == _tokens(baseline["rounds"][0])
-    for a, b in zip(cold, loaded):
-        assert len(a["logprobs"]) == len(b["logprobs"]) == len(a["tokens"]) > 0
-        assert max(abs(x - y) for x, y in zip(a["logprobs"], b["logprobs"])) <= LOGPROB_TOLERANCE
+    assert all(c["tokens"] for c in cold)
+    assert_same_outputs(cold, loaded)
+    assert tokens(cold) == tokens(baseline["rounds"][0])
 
 
 @pytest.mark.parametrize("kind", ["full_attention", "sliding_window"])
@@ -63,8 +57,7 @@ def test_the_outputs_depend_on_each_groups_loaded_kv(scenarios, kind):
     result = scenarios.get(f"gemma3-w64-zero-{kind}", spec_for("gemma3-w64", zero_group_kind=kind))
     cold, loaded, _ = result["rounds"]
     assert result["counters"][1]["vllm:external_prefix_cache_hits"] > 0
-    moved = [max(abs(x - y) for x, y in zip(a["logprobs"], b["logprobs"])) for a, b in zip(cold, loaded)]
-    assert _tokens(loaded) != _tokens(cold) or max(moved) > LOGPROB_TOLERANCE, moved
+    assert outputs_moved(cold, loaded)
 
 
 def test_the_runner_announces_every_step_before_binding_it(model_run):
@@ -98,7 +91,7 @@ def test_offload_blocks_of_two_device_blocks(scenarios):
     baseline = scenarios.get("gemma3-w64:baseline", spec_for("gemma3-w64", connector=False))
     assert result["offload_block_size"] == 256 and result["block_sizes"] == [128, 128]
     for round_ in result["rounds"]:
-        assert _tokens(round_) == _tokens(baseline["rounds"][0])
+        assert tokens(round_) == tokens(baseline["rounds"][0])
     # every hit is whole 256-token blocks, leaving at least one token to compute
     expected = sum((len(p) - 1) // 256 * 256 for p in PROMPTS)
     assert result["counters"][1]["vllm:external_prefix_cache_hits"] == expected
@@ -119,9 +112,8 @@ def test_loads_under_common_engine_settings_give_the_outputs_without_the_connect
     baseline = scenarios.get(f"gemma3-w64-{setting}:baseline", spec_for("gemma3-w64", connector=False,
                                                                            llm_kwargs=kwargs))
     cold, loaded, cached = result["rounds"]
-    assert _tokens(loaded) == _tokens(cold) == _tokens(cached) == _tokens(baseline["rounds"][0])
-    for a, b in zip(cold, loaded):
-        assert max(abs(x - y) for x, y in zip(a["logprobs"], b["logprobs"])) <= LOGPROB_TOLERANCE
+    assert_same_outputs(cold, loaded)
+    assert tokens(cold) == tokens(cached) == tokens(baseline["rounds"][0])
     hits = [c["vllm:external_prefix_cache_hits"] for c in result["counters"]]
     # after the reset the host tier serves what the device prefix cache serves without one
     after_reset, no_reset = result["counters"][1], result["counters"][2]
@@ -139,10 +131,9 @@ def test_parallel_samples_load_and_sample_what_they_sample_without_the_connector
     baseline = scenarios.get("gemma3-w64-n3:baseline", spec_for("gemma3-w64", connector=False, n=3))
     cold, loaded, cached = result["rounds"]
     assert len(cold) == 3 * len(PROMPTS)
-    assert _tokens(loaded) == _tokens(cold) == _tokens(cached) == _tokens(baseline["rounds"][0])
+    assert_same_outputs(cold, loaded)
+    assert tokens(cold) == tokens(cached) == tokens(baseline["rounds"][0])
     assert len({tuple(c["tokens"]) for c in cold[:3]}) > 1  # sampled: a prompt's children differ
-    for a, b in zip(cold, loaded):
-        assert max(abs(x - y) for x, y in zip(a["logprobs"], b["logprobs"])) <= LOGPROB_TOLERANCE
     hits = [c["vllm:external_prefix_cache_hits"] for c in result["counters"]]
     # more than one child of a prompt loaded: more than one load's worth of the prompts' blocks
     one_each = sum((len(p) - 1) // BLOCK * BLOCK for p in PROMPTS)
@@ -163,9 +154,8 @@ def test_an_fp8_kv_cache_loads_what_it_stored_in_half_the_host_bytes(scenarios):
     assert result["slot_bytes"] * 2 == bf16["slot_bytes"]
     cold, loaded, _ = result["rounds"]
     assert result["counters"][1]["vllm:external_prefix_cache_hits"] > 0
-    assert _tokens(loaded) == _tokens(cold) == _tokens(baseline["rounds"][0])
-    for a, b in zip(cold, loaded):
-        assert max(abs(x - y) for x, y in zip(a["logprobs"], b["logprobs"])) <= LOGPROB_TOLERANCE
+    assert_same_outputs(cold, loaded)
+    assert tokens(cold) == tokens(baseline["rounds"][0])
     # fp8 is in effect: the model computes something else than with bfloat16 KV
     assert [c["logprobs"] for c in cold] != [c["logprobs"] for c in bf16["rounds"][0]]
 
@@ -177,8 +167,7 @@ def test_the_fp8_outputs_depend_on_the_loaded_kv(scenarios):
                                                              zero_group_kind="full_attention"))
     cold, loaded, _ = result["rounds"]
     assert result["counters"][1]["vllm:external_prefix_cache_hits"] > 0
-    moved = [max(abs(x - y) for x, y in zip(a["logprobs"], b["logprobs"])) for a, b in zip(cold, loaded)]
-    assert _tokens(loaded) != _tokens(cold) or max(moved) > LOGPROB_TOLERANCE, moved
+    assert outputs_moved(cold, loaded)
 
 
 def test_a_conversation_turn_loads_the_previous_turns_output(scenarios):
@@ -193,16 +182,14 @@ def test_a_conversation_turn_loads_the_previous_turns_output(scenarios):
     baseline = scenarios.get("gemma3-w64-conversation:baseline", spec_for(
         "gemma3-w64", connector=False, conversation=conversation))
     first, second, _ = result["rounds"]
-    assert _tokens(first) == _tokens(baseline["rounds"][0])
+    assert tokens(first) == tokens(baseline["rounds"][0])
     assert all(len(c["tokens"]) == 300 for c in first)
     # turn 1's tokens but the last sampled one, whose KV no forward computed, in whole blocks
     expected = sum((len(p) - conversation["new_tokens"] - 1) // 256 * 256 for p in result["prompts"])
     assert result["counters"][1]["vllm:external_prefix_cache_hits"] == expected
-    assert _tokens(second) == _tokens(baseline["rounds"][1])
+    assert_same_outputs(second, baseline["rounds"][1])
     # the V1 runner saves after the draft model here (in sample_tokens): still before the next step
     assert result["fence"]["fenced_at_step_start"] > 0 and result["fence"]["kept"]
-    for a, b in zip(second, baseline["rounds"][1]):
-        assert max((abs(x - y) for x, y in zip(a["logprobs"], b["logprobs"])), default=0) <= LOGPROB_TOLERANCE
 
 
 def test_a_conversation_under_speculative_decoding(scenarios):
@@ -221,10 +208,10 @@ def test_a_conversation_under_speculative_decoding(scenarios):
     first, second, _ = result["rounds"]
     turn1 = result["counters"][0]
     assert turn1["vllm:spec_decode_num_draft_tokens"] > turn1["vllm:spec_decode_num_accepted_tokens"] > 0
-    assert _tokens(first) == _tokens(baseline["rounds"][0])
+    assert tokens(first) == tokens(baseline["rounds"][0])
     expected = sum((len(p) - conversation["new_tokens"] - 1) // 256 * 256 for p in result["prompts"])
     assert result["counters"][1]["vllm:external_prefix_cache_hits"] == expected
-    assert _tokens(second) == _tokens(baseline["rounds"][1])
+    assert tokens(second) == tokens(baseline["rounds"][1])
     # the V1 runner saves after the draft model here (in sample_tokens): still before the next step
     assert result["fence"]["fenced_at_step_start"] > 0 and result["fence"]["kept"]
 
@@ -236,7 +223,7 @@ def test_the_host_tier_serves_an_engine_with_its_prefix_cache_off(scenarios):
                            spec_for("gemma3-w64", llm_kwargs={"enable_prefix_caching": False}))
     baseline = scenarios.get("gemma3-w64:baseline", spec_for("gemma3-w64", connector=False))
     for round_ in result["rounds"]:
-        assert _tokens(round_) == _tokens(baseline["rounds"][0])
+        assert tokens(round_) == tokens(baseline["rounds"][0])
     for counters in result["counters"][1:]:  # no reset needed: nothing is cached on the device
         assert counters["vllm:prefix_cache_queries"] == 0
         assert counters["vllm:external_prefix_cache_hits"] > 0
