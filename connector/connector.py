@@ -196,7 +196,7 @@ class KVScopeConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker.wait_for_save(self._get_connector_metadata())
 
     def get_finished(self, finished_req_ids: set[str]):
-        # vLLM (0.32, 0.33) asks `get_transfer_results`. This older form cannot say a load failed:
+        # vLLM (0.32 to 0.34) asks `get_transfer_results`. This older form cannot say a load failed:
         # a caller of it would compute on blocks that were never loaded. Refused, not answered.
         raise NotImplementedError(
             "KVScopeConnector reports transfers through get_transfer_results (with failed loads); "
@@ -273,8 +273,17 @@ def _uses_v2_model_runner(vllm_config) -> bool | None:
     """Whether vLLM runs its V2 model runner; None when that cannot be told."""
     try:
         return bool(vllm_config.use_v2_model_runner)
-    except Exception:  # an older or newer vLLM, or a config the property rejects
+    except AttributeError:  # vLLM 0.34 on has no V1 runner, and no switch between them
+        return None if _has_v1_model_runner() else True
+    except Exception:  # a config the property rejects
         return None
+
+
+def _has_v1_model_runner() -> bool:
+    """Whether this vLLM has its V1 model runner (up to 0.33)."""
+    import importlib.util
+
+    return importlib.util.find_spec("vllm.v1.worker.gpu_model_runner") is not None
 
 
 def _worker_rank() -> int:

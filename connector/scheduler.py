@@ -152,7 +152,7 @@ class KVScopeScheduler:
             # retry right after the failure starts from 0 tokens): it may load again
             state.load_failed = False
         if state is not None and state.load_failed:
-            # Recompute, do not load again: vLLM (0.32, 0.33) keeps the in-flight reserve of a request
+            # Recompute, do not load again: vLLM (0.32 to 0.34) keeps the in-flight reserve of a request
             # whose async load failed, and counts it against the request's own next async admission,
             # which then never fits once the request needs half the free blocks: it would wait for ever
             # (until the reserve is gone: above).

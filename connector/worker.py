@@ -232,7 +232,7 @@ class KVScopeWorker:
 
     def build_worker_meta(self) -> KVScopeWorkerMetadata | None:
         # The step's copy spans are recorded: vLLM asks this last, except with speculative decoding
-        # (the V1 runner, and 0.33's V2 runner), where the stores run after it (after the drafter):
+        # (the V1 runner, and the V2 runner from 0.33), where the stores run after it (after the drafter):
         # those are reported a step later.
         self.tracing.end_step()
         if not (self._meta.completed_jobs or self._meta.failed_jobs):

@@ -20,12 +20,13 @@ scheduling each step is scheduled as if all the previous step's drafts were acce
 corrects that, as vLLM's model runners do; a Mamba group keeps a state block per draft and its
 states move by the accepted tokens as vLLM's runners move them (`_plan_state_moves`). A load that
 put wrong or misplaced KV into a block a request reads fails that check, whichever vLLM version
-runs it: the test suite's vLLM 0.32, or 0.33's own sources (`scripts/dev compat`).
+runs it: the test suite's vLLM 0.32, or 0.33's and 0.34's own sources (`scripts/dev compat`).
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 from collections import defaultdict, deque
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -35,10 +36,34 @@ import torch
 
 from connector import KVScopeConnector
 
+
+def create_engine_config(args):
+    """``args.create_engine_config()``, past vLLM 0.34's refusal of the CPU platform on x86 without
+    triton-cpu (0.32 and 0.33 only warn). No kernel runs here, the forward is ours; triton-cpu is not
+    installed beside the CPU build's torch. The flag is patched for the config alone, so an engine
+    started later in the same process still sees the truth."""
+    import vllm.triton_utils
+
+    with mock.patch.object(vllm.triton_utils, "HAS_TRITON", True):
+        return args.create_engine_config()
+
+
+def runner_output_index(req_ids: list[str]) -> dict:
+    """The ``req_id_to_index`` argument of ``ModelRunnerOutput`` where it has one (vLLM up to 0.33)."""
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    if "req_id_to_index" not in ModelRunnerOutput.__dataclass_fields__:
+        return {}
+    return {"req_id_to_index": {r: i for i, r in enumerate(req_ids)}}
+
+
 BLOCK = 16  # device block size (tokens)
-# How the worker side is driven: vLLM's V1 model runner, its V2 runner (the default on GPUs), and the V2
-# runner with speculative decoding (vLLM 0.33+: stores after the step's results)
-RUNNERS = ("v1", "v2", "v2-spec")
+# How the worker side is driven: vLLM's V1 model runner, its V2 runner (the default on GPUs; from 0.34
+# on the only one, on x86 CPUs too), the V2 runner with speculative decoding (vLLM 0.33+: stores after
+# the step's results), and 0.34's standalone CPU runner (CPUs without Triton; its own copy of V2's glue,
+# `vllm.v1.worker.cpu.kv_connector`), which "v1" drives where vLLM has no V1 runner
+RUNNERS = ("v1", "v2", "v2-spec", "cpu")
+HAS_V1_RUNNER = importlib.util.find_spec("vllm.v1.worker.kv_connector_model_runner_mixin") is not None
 PAGE = 2 * BLOCK * 1 * 64 * 2  # bytes of one block of one layer: K and V, 1 head of 64, bf16
 WORDS_PER_TOKEN = PAGE // 8 // BLOCK  # each position's slot in a block, as int64 words
 _MASK = (1 << 63) - 1
@@ -141,7 +166,7 @@ class ModelFreeEngine:
                  max_num_batched_tokens: int = 2048, max_model_len: int = 2048, workers: int = 1,
                  async_scheduling: bool = False, runner: str = "v1", spec_tokens: int = 0,
                  spec_method: str = "ngram", mamba: MambaAlign | None = None,
-                 parallel_overrides: dict | None = None, kv_events: bool = False):
+                 parallel_overrides: dict | None = None, kv_events: bool = False, engine_args: dict | None = None):
         from vllm.config import KVTransferConfig
         from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -164,8 +189,9 @@ class ModelFreeEngine:
             # vLLM schedules `spec_tokens` drafts per decode step; the drafter here is `propose_drafts`
             speculative_config={"method": "ngram", "num_speculative_tokens": spec_tokens,
                                 "prompt_lookup_max": 2, "prompt_lookup_min": 1} if spec_tokens else None,
+            **(engine_args or {}),  # more of vLLM's engine arguments, as `vllm serve` flags give them
         )
-        self.vllm_config = args.create_engine_config()
+        self.vllm_config = create_engine_config(args)
         for name, value in (parallel_overrides or {}).items():  # a launcher this machine cannot start
             setattr(self.vllm_config.parallel_config, name, value)
         if spec_tokens and spec_method != "ngram":
@@ -202,6 +228,8 @@ class ModelFreeEngine:
                                   if not isinstance(g.kv_cache_spec, MambaSpec) for name in g.layer_names]
         if runner not in RUNNERS:
             raise ValueError(f"runner={runner!r}: accepted are {', '.join(RUNNERS)}")
+        if runner == "v1" and not HAS_V1_RUNNER:
+            runner = "cpu"  # vLLM 0.34 on (`HAS_V1_RUNNER`): the one runner besides V2
         self.runner = runner
         self.workers, self.words = [], []  # per rank: its connector, and its caches as int64 words
         self.v2_glue = []  # per rank, for the V2 runners: vLLM's ActiveKVConnector around the connector
@@ -213,8 +241,11 @@ class ModelFreeEngine:
                 connector = KVScopeConnector(self.vllm_config, KVConnectorRole.WORKER, self.kv_cache_config)
             if runner == "v1":
                 connector.register_kv_caches(caches)
-            else:  # the V2 runner's glue registers the caches itself
-                from vllm.v1.worker.gpu.kv_connector import ActiveKVConnector
+            else:  # the V2 runner's glue registers the caches itself (the CPU runner's alike)
+                if runner == "cpu":
+                    from vllm.v1.worker.cpu.kv_connector import ActiveKVConnector
+                else:
+                    from vllm.v1.worker.gpu.kv_connector import ActiveKVConnector
 
                 with _as_transfer_group(connector):
                     self.v2_glue.append(ActiveKVConnector(self.vllm_config, caches))
@@ -248,6 +279,7 @@ class ModelFreeEngine:
         self._state_steps: dict[str, tuple[int, int, bool, bool]] = {}  # this step: (read, running, copy, drafted)
         self._state_copies: list[tuple[str, int, int]] = []  # this step's postprocess: (req, from, to)
         self.tables: dict[str, list[list[int]]] = {}  # per request, per group: block ids (worker's view)
+        self._resumed_now: set[str] = set()  # requests this step schedules again after a preemption
         self.stats = LoopStats()
         self._loaded: dict[tuple[str, int], set[int]] = {}  # (req id, group) -> device blocks loads filled
 
@@ -302,7 +334,6 @@ class ModelFreeEngine:
         the connector's hooks around the fake forward, the sampled tokens; merged as vLLM merges them."""
         from vllm.forward_context import set_forward_context
         from vllm.v1.outputs import ModelRunnerOutput
-        from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin
 
         computed = self._update_tables(out)
         meta = out.kv_connector_metadata
@@ -318,6 +349,8 @@ class ModelFreeEngine:
             if self.runner != "v1":
                 kv_outputs.append(self._execute_v2(rank, out, forwards))
                 continue
+            from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin
+
             worker.handle_preemptions(out.kv_connector_metadata)  # first in the V1 runner's execute_model
             self._zero_and_copy_blocks(rank, out)  # `_update_states`, before the forward
             with _as_transfer_group(worker), set_forward_context(None, self.vllm_config), \
@@ -337,9 +370,9 @@ class ModelFreeEngine:
         self._rejected = {req_id: len(forwards[req_id][1]) - (len(tokens) - 1)
                           for req_id, tokens in zip(req_ids, sampled) if tokens and forwards[req_id][1]}
         self.stats.drafts_rejected += sum(self._rejected.values())
-        index = {r: i for i, r in enumerate(req_ids)}
+        index = runner_output_index(req_ids)
         runner_output = self.aggregator.aggregate(
-            [ModelRunnerOutput(req_ids=req_ids, req_id_to_index=index, sampled_token_ids=sampled,
+            [ModelRunnerOutput(req_ids=req_ids, **index, sampled_token_ids=sampled,
                                kv_connector_output=kv_output) for kv_output in kv_outputs])
         merged = runner_output.kv_connector_output
         self.stats.finished_recving |= (merged.finished_recving or set()) if merged else set()
@@ -428,7 +461,7 @@ class ModelFreeEngine:
                 self._forward_all(rank, forwards)
             glue.finish_forward()
             self._postprocess_states(rank)  # V2: `postprocess_state` after the sampling, before `post_forward`
-            if self.runner == "v2":
+            if self.runner != "v2-spec":
                 return glue.post_forward(out.finished_req_ids)
             kv_output = glue.post_forward(out.finished_req_ids, defer_finalize=True)
             glue.finalize_step()  # the draft model has run
@@ -533,11 +566,15 @@ class ModelFreeEngine:
     def _update_tables(self, out) -> dict[str, int]:
         """Block tables as the model runner keeps them, and each scheduled request's computed tokens."""
         computed = {}
+        cached = out.scheduled_cached_reqs
+        # vLLM up to 0.33 names resumed requests among the cached ones; 0.34 sends them as new ones
+        resumed = set(getattr(cached, "resumed_req_ids", None) or ())
         for new in out.scheduled_new_reqs:
+            if new.req_id in self.tables:
+                resumed.add(new.req_id)
             self.tables[new.req_id] = [list(ids) for ids in new.block_ids]
             computed[new.req_id] = new.num_computed_tokens
-        cached = out.scheduled_cached_reqs
-        resumed = getattr(cached, "resumed_req_ids", set()) or set()
+        self._resumed_now = resumed
         self.stats.resumed |= resumed
         for i, req_id in enumerate(cached.req_ids):
             new_ids = cached.new_block_ids[i]
@@ -709,8 +746,7 @@ class ModelFreeEngine:
         accepted tokens cross a block end, the state at that end is copied into the block it ends
         (vLLM keys it there), and the count resets where that block is the running one."""
         block = self.mamba.block
-        for req_id in (*out.finished_req_ids, *(getattr(out, "preempted_req_ids", None) or ()),
-                       *(getattr(out.scheduled_cached_reqs, "resumed_req_ids", None) or ())):
+        for req_id in (*out.finished_req_ids, *(getattr(out, "preempted_req_ids", None) or ()), *self._resumed_now):
             self._state_idx.pop(req_id, None)  # `cleanup_mamba_state_idx`
             self._num_accepted.pop(req_id, None)
         self._state_steps, self._state_copies = {}, []

@@ -1,5 +1,5 @@
 """KVScopeConnector against the connector API of the vLLM that runs the tests (0.32 here, 0.33's
-sources under `scripts/dev compat`): every abstract method implemented, every override callable
+and 0.34's sources under `scripts/dev compat`): every abstract method implemented, every override callable
 the way the base class declares it."""
 
 from __future__ import annotations

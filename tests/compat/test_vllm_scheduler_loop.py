@@ -1,8 +1,8 @@
 """KVScopeConnector under vLLM's own scheduler and connector lifecycle, with a fake forward pass.
 
 No model runs, so this needs no vLLM platform build: the same tests run against the installed vLLM
-(0.32, CPU build) and against vLLM 0.33's own sources (`scripts/dev compat`, called by CI), where no
-engine can start. Every forward checks that the KV its new tokens attend to is what an earlier
+(0.32, CPU build) and against vLLM 0.33's and 0.34's own sources (`scripts/dev compat`, called by CI),
+where no engine can start. Every forward checks that the KV its new tokens attend to is what an earlier
 forward wrote for the same prefix (`model_free`): loads from the host tier must reproduce it block
 for block, in each KV group, with the sliding window's null blocks skipped.
 """
@@ -16,12 +16,16 @@ from collections import defaultdict
 from unittest import mock
 
 import pytest
+from vllm.config import SchedulerConfig
 from vllm.v1.worker.gpu.kv_connector import ActiveKVConnector
 
 from connector.tiny_models import build_model
 from connector.worker import FENCE_AT_NEXT_STEP, FENCE_AT_ONCE, FENCE_WHEN_REUSED
-from tests.compat.model_free import ModelFreeEngine, loaded_blocks_by_group, true_token
+from tests.compat.model_free import (HAS_V1_RUNNER, ModelFreeEngine, create_engine_config, loaded_blocks_by_group,
+                                     true_token)
 
+# vLLM 0.34 has no V1 runner ("v1" then drives its CPU runner): fence placements only V1's order allows
+_V1_RUNNER = pytest.mark.skipif(not HAS_V1_RUNNER, reason="this vLLM has no V1 model runner (0.34 on)")
 # The V2 runner with speculative decoding runs the stores after the step's results: vLLM 0.33 on
 _DEFERRED_FINALIZE = pytest.mark.skipif(
     "defer_finalize" not in inspect.signature(ActiveKVConnector.post_forward).parameters,
@@ -171,7 +175,7 @@ def test_a_paused_engine_that_cleared_its_caches_can_release_its_kv_memory(model
     released = []
     core = mock.Mock(scheduler=sched, batch_queue=None, model_executor=mock.Mock(is_sleeping=False))
     core.is_scheduler_paused = lambda: sched.pause_state != PauseState.UNPAUSED
-    core._reset_caches = lambda: released.append("caches")
+    core._reset_caches = lambda **how: released.append("caches")  # 0.34 says `reset_connector=`
     try:
         engine.add("r0", [(7 * i + 3) % 509 + 1 for i in range(600)], 4)
         engine.run()
@@ -231,24 +235,43 @@ def test_a_data_parallel_rank_of_the_external_launcher_loads_what_its_worker_sto
     assert stats.external_hit_tokens > 0 and any(r.startswith("r1-") for r in stats.loads)
 
 
+def _three_loads_past_their_reserve(model_path, engine_args: dict | None = None) -> ModelFreeEngine:
+    """Device-KV pressure: round 0 stored, then three requests that load 512, 1024 and 512 tokens."""
+    engine = ModelFreeEngine(model_path, {"cpu_bytes": 64 << 20, "block_size": 256}, window=WINDOW,
+                             num_blocks=200, max_num_batched_tokens=512, engine_args=engine_args)
+    shared = [(31 * i + 3) % 509 + 1 for i in range(700)]
+    suffix = [[(17 * i + 11 * j + 5) % 509 + 1 for i in range(n)] for j, n in enumerate((525, 307, 54, 63))]
+    first = shared + suffix[0]
+    _store_round(engine, [first])  # 1225 tokens, and the 2 it samples
+    engine.add("r1-0", shared + suffix[1], 2)  # loads 512 tokens
+    engine.add("r1-1", first + [true_token(p) for p in range(len(first), len(first) + 2)] + suffix[2], 2)  # 1024
+    engine.add("r1-2", shared + suffix[3], 1)  # 512
+    return engine
+
+
+def _two_failing_loads(model_path, engine_args: dict | None = None) -> ModelFreeEngine:
+    """Round 0 stored, then two requests whose loads fail (a copy error), admitted in one step."""
+    engine = ModelFreeEngine(model_path, {"cpu_bytes": 64 << 20, "block_size": 64}, window=WINDOW,
+                             num_blocks=150, max_num_batched_tokens=2048, engine_args=engine_args)
+    shared = [(31 * i + 3) % 509 + 1 for i in range(700)]
+    suffix = [[(17 * i + 11 * j + 5) % 509 + 1 for i in range(n)] for j, n in enumerate((308, 294, 40))]
+    _store_round(engine, [shared + suffix[0]])
+    engine.workers[0]._worker.fail_all_loads = True
+    engine.add("r1-0", shared + suffix[1], 2)
+    engine.add("r1-1", shared + suffix[2], 2)
+    return engine
+
+
 def test_known_vllm_gap_async_loads_admitted_past_their_reserve_stall_the_scheduler(model_path):
-    """Under device-KV pressure vLLM (0.32 and 0.33) admits three async loads, then the first one's
+    """Under device-KV pressure vLLM (0.32 to 0.34) admits three async loads, then the first one's
     next chunk needs more blocks than are free (its sliding-window group needs blocks for the whole
     chunk, not only its window: more than the admission estimate counts); its full-sequence check compares one
     request's need with all free blocks, the other loads' reserve is taken off the load's own blocks
     only. With nothing running nothing can be preempted, and the requests wait for ever (README).
     kvscope's part is sound: every load finished, no job is left. This pins vLLM's behaviour: when
     it fails, vLLM changed it and the README can say so."""
-    engine = ModelFreeEngine(model_path, {"cpu_bytes": 64 << 20, "block_size": 256}, window=WINDOW,
-                             num_blocks=200, max_num_batched_tokens=512)
-    shared = [(31 * i + 3) % 509 + 1 for i in range(700)]
-    suffix = [[(17 * i + 11 * j + 5) % 509 + 1 for i in range(n)] for j, n in enumerate((525, 307, 54, 63))]
-    first = shared + suffix[0]
+    engine = _three_loads_past_their_reserve(model_path)
     try:
-        _store_round(engine, [first])  # 1225 tokens, and the 2 it samples
-        engine.add("r1-0", shared + suffix[1], 2)  # loads 512 tokens
-        engine.add("r1-1", first + [true_token(p) for p in range(len(first), len(first) + 2)] + suffix[2], 2)  # 1024
-        engine.add("r1-2", shared + suffix[3], 1)  # 512
         with pytest.raises(AssertionError, match="still unfinished"):
             engine.run(max_steps=200)
         scheduler = engine.scheduler
@@ -269,17 +292,10 @@ def test_known_vllm_gap_a_failed_load_at_the_head_of_the_queue_stalls_the_loads_
     free while the second request, behind it, still holds its load's blocks, and vLLM stops at the
     first request it cannot admit: the second one's failure is never taken, its blocks never freed,
     and both wait for ever (README). kvscope's part is done: both loads were reported, no job is left,
-    no host block stays pinned. This pins vLLM's behaviour (0.32 and 0.33): when it fails, vLLM
+    no host block stays pinned. This pins vLLM's behaviour (0.32 to 0.34): when it fails, vLLM
     changed it and the README can say so."""
-    engine = ModelFreeEngine(model_path, {"cpu_bytes": 64 << 20, "block_size": 64}, window=WINDOW,
-                             num_blocks=150, max_num_batched_tokens=2048)
-    shared = [(31 * i + 3) % 509 + 1 for i in range(700)]
-    suffix = [[(17 * i + 11 * j + 5) % 509 + 1 for i in range(n)] for j, n in enumerate((308, 294, 40))]
+    engine = _two_failing_loads(model_path)
     try:
-        _store_round(engine, [shared + suffix[0]])
-        engine.workers[0]._worker.fail_all_loads = True
-        engine.add("r1-0", shared + suffix[1], 2)
-        engine.add("r1-1", shared + suffix[2], 2)
         with pytest.raises(AssertionError, match="still unfinished"):
             engine.run(max_steps=200)
         scheduler = engine.scheduler
@@ -292,6 +308,41 @@ def test_known_vllm_gap_a_failed_load_at_the_head_of_the_queue_stalls_the_loads_
         assert "r1-1" in scheduler.finished_recving_kv_req_ids  # reported, never taken
     finally:
         engine.shutdown()
+
+
+_INFLIGHT_KV_LOADS = pytest.mark.skipif(
+    "max_num_inflight_kv_loads" not in SchedulerConfig.__dataclass_fields__,
+    reason="this vLLM has no --max-num-inflight-kv-loads (0.34 on)")
+
+
+@_INFLIGHT_KV_LOADS
+@pytest.mark.parametrize("scenario, cap, finishes", [
+    ("past-their-reserve", 1, True), ("past-their-reserve", 2, True), ("past-their-reserve", 3, False),
+    ("failing", 1, True), ("failing", 2, False),
+])
+def test_one_async_load_in_flight_avoids_both_known_stalls(model_path, scenario, cap, finishes):
+    """vLLM 0.34's `--max-num-inflight-kv-loads N` caps the requests holding blocks for an async
+    load (kvscope's loads are all async). At 1 both stalls above are gone: each load's request
+    runs before the next is admitted; every load finishes or fails cleanly and the forward reads
+    what was written. At 2 the first stall is gone, not the second; at 3 neither (README)."""
+    build = _three_loads_past_their_reserve if scenario == "past-their-reserve" else _two_failing_loads
+    engine = build(model_path, engine_args={"max_num_inflight_kv_loads": cap})
+    try:
+        if finishes:
+            engine.run(max_steps=200)
+        else:
+            with pytest.raises(AssertionError, match="still unfinished"):
+                engine.run(max_steps=200)
+            return
+        assert engine.host_tier_leaks() == []
+    finally:
+        engine.shutdown()
+    # the failed loads' requests recompute, so no forward reads a loaded block there
+    _assert_no_violations(engine.stats, loads=scenario != "failing")
+    if scenario == "failing":
+        assert engine.stats.failed_recving
+    else:
+        assert engine.stats.external_hit_tokens > 0 and not engine.stats.failed_recving
 
 
 def test_known_vllm_gap_mamba_align_at_a_shared_prefix_junction_with_drafts():
@@ -815,7 +866,8 @@ def test_a_cache_salt_keeps_tenants_apart(model_path):
 @pytest.mark.parametrize("runner, fence", [
     # the placements CUDA picks (`connector._store_fence`): per runner, for caches that are zeroed
     # when allocated (Mamba, mixed precision) and for the others
-    ("v1", FENCE_AT_NEXT_STEP), ("v1", FENCE_WHEN_REUSED), ("v2", FENCE_AT_ONCE), ("v2", FENCE_WHEN_REUSED),
+    pytest.param("v1", FENCE_AT_NEXT_STEP, marks=_V1_RUNNER), ("v1", FENCE_WHEN_REUSED), ("v2", FENCE_AT_ONCE),
+    ("v2", FENCE_WHEN_REUSED),
     pytest.param("v2-spec", FENCE_AT_ONCE, marks=_DEFERRED_FINALIZE),
     pytest.param("v2-spec", FENCE_WHEN_REUSED, marks=_DEFERRED_FINALIZE),
 ])
@@ -856,8 +908,8 @@ def test_late_reading_stores_with_speculative_decoding(model_path, async_schedul
     assert 0 < fences < stats.steps / 4, (fences, stats.steps)
 
 
-@pytest.mark.parametrize("runner, fence, enough", [("v1", FENCE_AT_NEXT_STEP, True), ("v2", FENCE_AT_ONCE, True),
-                                                   ("v2", FENCE_WHEN_REUSED, False)],
+@pytest.mark.parametrize("runner, fence, enough", [pytest.param("v1", FENCE_AT_NEXT_STEP, True, marks=_V1_RUNNER),
+                                                   ("v2", FENCE_AT_ONCE, True), ("v2", FENCE_WHEN_REUSED, False)],
                          ids=["v1-next-step", "v2-at-once", "v2-when-reused-negative-control"])
 def test_late_reading_stores_beside_a_mamba_group_whose_new_blocks_vllm_zeroes(model_path, monkeypatch, runner,
                                                                                 fence, enough):
@@ -1011,8 +1063,8 @@ def test_sleep_mode_is_refused_at_start_up(model_path, role):
 
     transfer = KVTransferConfig(kv_connector="KVScopeConnector", kv_connector_module_path="connector",
                                 kv_role="kv_both", kv_connector_extra_config={"cpu_bytes": 64 << 20})
-    config = EngineArgs(model=model_path, skip_tokenizer_init=True, block_size=16,
-                        kv_transfer_config=transfer).create_engine_config()
+    config = create_engine_config(EngineArgs(model=model_path, skip_tokenizer_init=True, block_size=16,
+                                             kv_transfer_config=transfer))
     assert KVScopeConnector.supports_sleep_mode(transfer) is False
     config.model_config.enable_sleep_mode = True  # the CPU platform has no sleep mode to turn on
     with pytest.raises(UnsupportedKVCache, match="enable_sleep_mode=True"):
@@ -1032,8 +1084,8 @@ def test_a_bad_config_stops_vllm_while_it_builds_its_config_on_gpus(model_path):
     def config(extra):
         transfer = KVTransferConfig(kv_connector="KVScopeConnector", kv_connector_module_path="connector",
                                     kv_role="kv_both", kv_connector_extra_config=extra)
-        return EngineArgs(model=model_path, skip_tokenizer_init=True, block_size=16,
-                          kv_transfer_config=transfer).create_engine_config()
+        return create_engine_config(EngineArgs(model=model_path, skip_tokenizer_init=True, block_size=16,
+                                               kv_transfer_config=transfer))
 
     with mock.patch.object(CUDAGraphMode, "has_full_cudagraphs", lambda self: True), \
             mock.patch.object(type(current_platform), "support_static_graph_mode", classmethod(lambda cls: True)):
@@ -1058,8 +1110,8 @@ def test_a_kv_role_other_than_both_is_refused_at_start_up(model_path, kv_role):
 
     transfer = KVTransferConfig(kv_connector="KVScopeConnector", kv_connector_module_path="connector",
                                 kv_role=kv_role, kv_connector_extra_config={"cpu_bytes": 64 << 20})
-    config = EngineArgs(model=model_path, skip_tokenizer_init=True, block_size=16,
-                        kv_transfer_config=transfer).create_engine_config()
+    config = create_engine_config(EngineArgs(model=model_path, skip_tokenizer_init=True, block_size=16,
+                                             kv_transfer_config=transfer))
     with pytest.raises(ConfigError, match=f"kv_role='{kv_role}' is not accepted.*accepted is 'kv_both'"):
         KVScopeConnector(config, KVConnectorRole.SCHEDULER, _kv_cache_config(64, WINDOW))
 
@@ -1070,8 +1122,8 @@ def _connector_config(model_path, extra: dict, **engine_args):
 
     transfer = KVTransferConfig(kv_connector="KVScopeConnector", kv_connector_module_path="connector",
                                 kv_role="kv_both", kv_connector_extra_config=extra)
-    return EngineArgs(model=model_path, skip_tokenizer_init=True, block_size=16, kv_transfer_config=transfer,
-                      **engine_args).create_engine_config()
+    return create_engine_config(EngineArgs(model=model_path, skip_tokenizer_init=True, block_size=16,
+                                           kv_transfer_config=transfer, **engine_args))
 
 
 @pytest.mark.parametrize("role", ["SCHEDULER", "WORKER"])

@@ -380,7 +380,7 @@ def _engine(config: dict):
                              workers=config["workers"], async_scheduling=config["async_scheduling"],
                              runner=config["runner"], kv_events=True, **options)
     if "late" in config:
-        fence = _cuda_store_fence(engine, config["runner"])
+        fence = _cuda_store_fence(engine, engine.runner)  # "v1" is the CPU runner on vLLM 0.34
         for connector in engine.workers:
             late = LateReadingStores(connector._worker.engine, steps=config["late"]["store_steps"],
                                      load_steps=config["late"]["load_steps"])

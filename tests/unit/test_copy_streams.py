@@ -17,6 +17,7 @@ every stream dependency recorded, to pin the ordering the CUDA path relies on:
 from __future__ import annotations
 
 from contextlib import nullcontext
+from unittest import mock
 
 import pytest
 import torch
@@ -228,8 +229,15 @@ def test_where_the_fence_goes_by_runner_and_cache():
     def cache(zeroing):
         return type("KVCacheConfig", (), {"needs_kv_cache_zeroing": zeroing})()
 
-    assert _uses_v2_model_runner(object()) is None and _uses_v2_model_runner(Rejecting()) is None
-    assert _store_fence(Rejecting(), cache(False)) == FENCE_AT_ONCE  # an unknown runner
+    with mock.patch("connector.connector._has_v1_model_runner", return_value=True):
+        assert _uses_v2_model_runner(object()) is None and _uses_v2_model_runner(Rejecting()) is None
+        assert _store_fence(object(), cache(True)) == FENCE_AT_ONCE  # an unknown runner
+    assert _store_fence(Rejecting(), cache(False)) == FENCE_AT_ONCE  # a config that cannot tell
+    # vLLM 0.34 on: no V1 runner and no switch, so V2 (its CPU runner too): fenced as V2 is
+    with mock.patch("connector.connector._has_v1_model_runner", return_value=False):
+        assert _uses_v2_model_runner(object()) is True
+        assert _store_fence(object(), cache(True)) == FENCE_AT_ONCE
+        assert _store_fence(object(), cache(False)) == FENCE_WHEN_REUSED
     for v2 in (False, True):
         assert _store_fence(config(v2), cache(False)) == FENCE_WHEN_REUSED
     # blocks zeroed when allocated: V2 zeroes before handle_preemptions, V1 after

@@ -16,25 +16,25 @@ from connector.version_check import SUPPORTED, UnsupportedVLLMVersion, check_vll
 
 
 @pytest.mark.parametrize(
-    "version", ["0.32.0", "0.32.5+cpu", "0.33.1", "0.33.0", "0.32.1.dev3+g1234abc", "0.32"]
+    "version", ["0.32.0", "0.32.5+cpu", "0.33.1", "0.33.0", "0.34.0", "0.34.2+cu130", "0.32.1.dev3+g1234abc", "0.32"]
 )
 def test_supported_versions(version):
     assert check_vllm_version(version) == version
 
 
 @pytest.mark.parametrize(
-    "version", ["0.31.9", "0.34.0", "1.0.0", "1.32.0", "0.3.2", "garbage", "", "0", "v0.32.0", "0.x.1", "+cpu"]
+    "version", ["0.31.9", "0.35.0", "1.0.0", "1.32.0", "0.3.2", "garbage", "", "0", "v0.32.0", "0.x.1", "+cpu"]
 )
 def test_unsupported_versions(version):
     with pytest.raises(UnsupportedVLLMVersion) as info:
         check_vllm_version(version)
     message = str(info.value)
     assert f"vLLM {version}" in message
-    assert "0.32.x" in message and "0.33.x" in message
+    assert "vLLM 0.32.x, 0.33.x and 0.34.x;" in message and "'vllm>=0.32,<0.35'" in message
 
 
 def test_supported_range_matches_message():
-    assert SUPPORTED == ((0, 32), (0, 33))
+    assert SUPPORTED == ((0, 32), (0, 33), (0, 34))
 
 
 def test_installed_vllm_is_supported():
@@ -127,7 +127,7 @@ def test_importing_the_connector_on_an_unsupported_vllm_names_the_version():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.startswith("UnsupportedVLLMVersion"), out.stdout + out.stderr[-2000:]
-    assert "vLLM 0.31.0" in out.stdout and "0.32.x and 0.33.x" in out.stdout
+    assert "vLLM 0.31.0" in out.stdout and "0.32.x, 0.33.x and 0.34.x" in out.stdout
 
 
 def test_register_survives_a_factory_it_does_not_know(monkeypatch, caplog):
