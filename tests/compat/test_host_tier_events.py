@@ -4,6 +4,7 @@ KV-aware router receives them: vLLM publishes them with its device blocks' event
 from __future__ import annotations
 
 from collections import Counter
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -157,3 +158,28 @@ def test_removals_merge_per_group_until_a_store_comes_between():
 def test_a_block_stored_undescribed_is_neither_announced_nor_removed():
     events, _ = _events_of([(JOURNAL_STORED, (0, "u"), None), (JOURNAL_REMOVED, (0, "u"), None)])
     assert events == []
+
+
+def test_a_block_that_cannot_be_described_is_stored_unannounced_and_logged_once(caplog):
+    """Describing is for routers: a failure must cost neither the store nor the engine's step."""
+    _, tracker = _events_of([])
+    assert tracker.describe(object(), 0, 0) is None and tracker.describe(object(), 1, 0) is None
+    assert caplog.text.count("could not describe an offloaded block") == 1
+
+
+def test_a_block_holding_images_is_announced_with_their_extra_keys_per_device_block():
+    """As vLLM keys its device blocks: each image in the block it overlaps, at its offset from that
+    block's start (a router keys the same tokens with another image apart by them)."""
+    images = [SimpleNamespace(identifier=name, mm_position=SimpleNamespace(offset=offset, length=length))
+              for name, offset, length in [("A", 4, 4), ("B", 20, 20)]]
+    request = SimpleNamespace(block_hashes=[b"h%d" % i for i in range(4)], all_token_ids=list(range(64)),
+                              mm_features=images, lora_request=None, cache_salt=None, prompt_embeds=None)
+    _, tracker = _events_of([])
+    assert tracker.describe(request, 1, 0).extra_keys == [(("A", 4),), (("B", 4),)]
+    assert tracker.describe(request, 1, 1).extra_keys == [(("B", -12),), None]
+
+
+def test_a_block_stored_undescribed_leaves_the_later_entries_announced():
+    """A block whose description failed is skipped, not the end of the journal: the rest still goes out."""
+    events, _ = _events_of([(JOURNAL_STORED, (0, "u"), None), (JOURNAL_STORED, (0, "a"), _announcement(0, "a"))])
+    assert _summary(events) == [("BlockStored", 0, ("a0", "a1"))]

@@ -81,6 +81,16 @@ def test_page_view_of_attention_cache_is_block_rows():
         assert torch.equal(view[b], _block_bytes(t, b))
 
 
+def test_page_view_of_a_cache_starting_inside_its_storage_starts_at_its_first_block():
+    """A layer's cache may be a view some bytes into a larger buffer: its block 0 is there, not at the
+    storage's start (copying from there would move another layer's or padding bytes)."""
+    base = _bf16_cache(NB + 1, HEADS, BS, TWO_HD)
+    t = base[1:]
+    view = page_view(t, NB, PAGE)
+    for b in (0, NB - 1):
+        assert torch.equal(view[b], _block_bytes(t, b))
+
+
 def test_shared_tensor_two_groups_round_trip():
     engine, t0, t1 = _shared_attention_engine()
     assert engine.group_block_bytes(0) == engine.group_block_bytes(1) == 2 * PAGE
@@ -272,10 +282,18 @@ def test_state_larger_than_page():
     assert page_view([conv, ssm], M_NB, 144).shape == (M_NB, 144)  # padding may be left out
 
 
-def test_attention_page_larger_than_block_stride():
-    t = _bf16_cache(NB, HEADS, BS, TWO_HD)
+@pytest.mark.parametrize("num_blocks", [NB, 2])  # two blocks are enough to overlap
+def test_attention_page_larger_than_block_stride(num_blocks):
+    t = _bf16_cache(num_blocks, HEADS, BS, TWO_HD)
     with pytest.raises(CopyError, match="smaller than the page"):
-        page_view(t, NB, PAGE + 2)
+        page_view(t, num_blocks, PAGE + 2)
+
+
+def test_a_one_block_cache_is_accepted_whatever_its_block_stride():
+    """A single block's stride says nothing (torch may give a size-1 dimension any stride)."""
+    raw = torch.arange(64, dtype=torch.int8)
+    view = page_view(torch.as_strided(raw, (1, 64), (1, 1)), 1, 64)
+    assert torch.equal(view[0], raw)
 
 
 def test_states_of_different_storages():

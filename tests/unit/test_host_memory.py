@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from connector import host_memory
 from connector.host_memory import PAGE_BYTES, HostBuffer, register_chunks
 
 PAGE = 4096
@@ -34,6 +35,8 @@ def test_chunks_cover_the_buffer_within_the_limit_ending_on_pages(total, row, ma
 def test_a_buffer_within_the_limit_is_one_registration():
     assert register_chunks(10 * PAGE + 3, 7, page=PAGE, max_chunk=64 * PAGE) == [(0, 10 * PAGE + 3)]
     assert register_chunks(0, 7) == []
+    # 13 rows fit the limit, though a chunk ending on rows and pages would hold 12: still one
+    assert register_chunks(13 * 6144, 6144, page=PAGE, max_chunk=20 * PAGE) == [(0, 13 * 6144)]
 
 
 def test_the_buffer_is_page_aligned_and_not_registered_unless_pinned():
@@ -72,6 +75,34 @@ def test_a_failed_registration_leaves_the_buffer_pageable_and_nothing_registered
     assert not buffer.pinned and sorted(released) == sorted(registered)
     assert "stays pageable" in caplog.text
     buffer.tensor.fill_(1)  # still usable
+
+
+def test_after_a_failed_registration_no_later_chunk_is_registered():
+    """The first failure leaves the whole buffer pageable: a later chunk the driver would accept must
+    not stay pinned behind a buffer that reports itself pageable."""
+    calls, registered = [], []
+
+    def register(address, size):
+        calls.append(address)
+        if len(calls) == 2:
+            return False
+        registered.append(address)
+        return True
+
+    buffer = HostBuffer(64, 3 * PAGE_BYTES, pin=True, register=register, unregister=registered.remove,
+                        max_chunk=16 * PAGE_BYTES)
+    assert len(calls) == 2 and registered == [] and not buffer.pinned
+
+
+def test_without_a_register_function_the_buffer_is_pinned_through_vllms_host_register(monkeypatch):
+    """The production path (`CopyEngine` passes neither function): vLLM's `host_register`/`host_unregister`."""
+    registered, released = [], []
+    monkeypatch.setattr(host_memory, "_vllm_host_register",
+                        lambda: (lambda a, n: registered.append((a, n)) or True, released.append))
+    buffer = HostBuffer(4, PAGE_BYTES, pin=True)
+    assert buffer.pinned and registered == [(buffer.tensor.data_ptr(), 4 * PAGE_BYTES)]
+    buffer.release()
+    assert released == [buffer.tensor.data_ptr()] and not buffer.pinned
 
 
 @pytest.mark.parametrize("row", [PAGE, 3 * PAGE, 1000])

@@ -310,6 +310,19 @@ def test_clear_forgets_blocks_a_load_still_reads_and_frees_them_when_unpinned():
     assert sorted(index.reserve_for_store(k) for k in "wxyz") == [0, 1, 2, 3]
 
 
+def test_a_block_two_loads_read_when_the_tier_is_cleared_keeps_its_slot_until_both_are_done():
+    """A cleared block frees its slot only with its last load's unpin: freed at the first, a store
+    could overwrite the slot while the other load still copies from it (wrong KV loaded)."""
+    index = _filled(2, ["a"])
+    slot_a = index.pin_for_load("a")
+    index.pin_for_load("a")
+    index.clear()
+    index.unpin("a")
+    assert index.contains("a") and index.used_slots == 1 and slot_a not in index._free
+    index.unpin("a")
+    assert not index.contains("a") and index.used_slots == 0
+
+
 def test_evicted_total_counts_only_evictions():
     index = _filled(2, ["a", "b"])
     for i, key in enumerate("cdef", start=1):
@@ -331,6 +344,17 @@ def test_unpin_never_goes_negative():
     assert index.reserve_for_store("b") is None  # still pinned once
     index.unpin("a")
     assert index.reserve_for_store("b") == 0
+
+
+def test_a_store_unpinned_before_it_completes_is_ready_unpinned_not_negatively_pinned():
+    """Completing releases the store's pin once: taken already, nothing is left to release, and a
+    negative count would let the next load's pin leave the entry evictable while read."""
+    index = HostIndex(1)
+    index.reserve_for_store("a")
+    index.unpin("a")
+    index.complete_store("a")
+    index.pin_for_load("a")
+    assert index.reserve_for_store("b") is None and index.contains("a")
 
 
 def test_the_journal_records_what_becomes_ready_and_what_leaves_the_tier_in_order():
@@ -379,6 +403,22 @@ def test_why_absent_tells_how_a_key_left_and_forgets_the_oldest_past_as_many_as_
     index.complete_store("b")
     index.drop(["b"], "reset")
     assert index.why_absent("b") == "reset"
+
+
+def test_a_key_stored_again_leaves_the_past_and_is_remembered_as_its_latest_departure():
+    """Once stored again a key is forgotten by the miss reasons (`why_absent`); when it leaves again it
+    is the newest departure, not kept at its first one's place and forgotten before older keys."""
+    index = _filled(2, ["a", "b"])
+    index.reserve_for_store("c")  # evicts a
+    index.complete_store("c")
+    index.reserve_for_store("a")  # evicts b; a is back
+    index.complete_store("a")
+    index.drop(["a"])  # leaves again: after b
+    for key in "de":  # d into a's slot, e evicts c: the third to leave a 2-slot tier, b (the oldest) forgotten
+        index.reserve_for_store(key)
+        index.complete_store(key)
+    assert index.why_absent("a") == "dropped" and index.why_absent("c") == "evicted"
+    assert index.why_absent("b") == "new"
 
 
 class HostIndexMachine(RuleBasedStateMachine):

@@ -11,9 +11,10 @@ from types import SimpleNamespace
 import pytest
 
 from connector.groups import GroupKind, GroupLayout
-from connector.host_store import HostIndex
+from connector.host_store import JOURNAL_STORED, HostIndex
 from connector.offload_keys import OffloadKeys
 from connector.piecewise_stores import PiecewiseStores
+from connector.planning import NULL_BLOCK_ID
 
 BS, B = 16, 64
 FULL = GroupLayout(0, GroupKind.FULL_ATTENTION, BS)
@@ -79,6 +80,18 @@ def test_a_placeholder_gets_its_key_and_completes_even_when_its_pieces_were_writ
     assert stores.index.is_ready((0, "h3")) and stores.by_key == {}
 
 
+def test_every_window_group_gets_its_key_though_others_have_none_to_take():
+    """Several window groups: one that skipped the block, or whose placeholder is a duplicate, must not
+    keep the others' placeholders unkeyed (given up at the request's end, their pieces written for nothing)."""
+    stores = _stores(*(GroupLayout(g, GroupKind.SLIDING_WINDOW, BS, sliding_window=24) for g in range(3)))
+    request = _request("r", 48, prompt=40, max_tokens=100)
+    duplicate, filling = (stores.start_block(request, g, 0, 4, first_block_id=7, known=0) for g in (1, 2))
+    stores.index.reserve_for_store((1, "h3"))  # group 1: another request stores the block already
+    request.block_hashes.append("h3")
+    stores.key_blocks(request, [None, duplicate, filling], known=1)  # group 0 skipped it (no slot, say)
+    assert duplicate.failed and filling.keyed and filling.key == (2, "h3") and stores.index.contains((2, "h3"))
+
+
 def test_a_placeholder_whose_block_is_stored_already_is_dropped_and_the_stored_block_kept():
     window = GroupLayout(0, GroupKind.SLIDING_WINDOW, BS, sliding_window=24)
     stores = _stores(window)
@@ -113,3 +126,42 @@ def test_a_finished_request_gives_up_what_it_can_no_longer_complete():
     stores.job_reported([done, half], failed=False)
     assert stores.index.is_ready((0, "h3")) and not stores.index.contains((0, "h7"))
     assert stores.index.used_slots == 1 and stores.by_key == {}
+
+
+def test_a_block_whose_first_device_block_is_null_takes_no_slot():
+    """Out of the window from its start (or a Mamba block not holding its own state): never stored, so
+    it must not evict a stored block for a slot it would give back at once."""
+    stores = _stores(FULL, num_slots=1)
+    stores.index.reserve_for_store((0, "old"))
+    stores.index.complete_store((0, "old"))
+    assert stores.start_block(_request("r", 64), 0, 0, 4, first_block_id=NULL_BLOCK_ID, known=1) is None
+    assert stores.index.is_ready((0, "old")) and stores.by_key == {}
+
+
+def test_a_block_another_request_is_storing_is_skipped_and_theirs_completes():
+    """Two requests computing the same prefix: the second gets no filling (nor a description), and the
+    first's stays registered, so its jobs still complete the block instead of pinning its slot for good."""
+    stores = _stores(FULL)
+    stores.describe = lambda request, g, k: (request.request_id, g, k)
+    first = stores.start_block(_request("r", 64), 0, 0, 4, first_block_id=7, known=1)
+    assert stores.start_block(_request("s", 64), 0, 0, 4, first_block_id=9, known=1) is None
+    _plan(first, 4)
+    stores.job_reported([first], failed=False)
+    assert stores.index.is_ready((0, "h3")) and first.announcement == ("r", 0, 0) and stores.by_key == {}
+
+
+def test_a_placeholder_whose_key_exists_when_its_request_ends_is_stored_under_it():
+    """The request's last sampled token gives the block its key: every piece is written, so it is
+    kept under that key rather than given up with the placeholder, and announced as keyed blocks are."""
+    window = GroupLayout(0, GroupKind.SLIDING_WINDOW, BS, sliding_window=24)
+    stores = _stores(window)
+    stores.describe = lambda request, g, k: (request.request_id, g, k)
+    stores.index.journal = []
+    request = _request("r", 48, prompt=40, max_tokens=100)
+    filling = stores.start_block(request, 0, 0, 4, first_block_id=7, known=0)
+    _plan(filling, 4)
+    stores.job_reported([filling], failed=False)
+    request.block_hashes.append("h3")
+    stores.request_finished(request, [filling])
+    assert stores.index.is_ready((0, "h3")) and stores.index.used_slots == 1 and stores.by_key == {}
+    assert stores.index.journal == [(JOURNAL_STORED, (0, "h3"), ("r", 0, 0))]

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
+
 from connector.groups import GroupKind, GroupLayout
 from connector.planning import NULL_BLOCK_ID
 from connector.state_blocks import StateBlocks
@@ -59,6 +61,22 @@ def test_forward_ends_are_witnessed_at_block_ends_only():
     assert witnessed == {(0, 1): 11, (0, 2): 12}
 
 
+def test_a_forward_witnesses_the_block_it_ends_at_the_end_of():
+    """The state after 128 tokens is in block 1: witnessed there, not in the block before it."""
+    states, witnessed = StateBlocks(LAYOUTS, speculative=False), {}
+    states.note_forward(witnessed, 0, 128, lambda: _blocks([10, 11], []))
+    assert witnessed == {(0, 1): 11}
+
+
+@pytest.mark.parametrize("start, end, left", [(16, 70, 0), (80, 150, 1), (128, 320, None)])
+def test_a_forward_leaves_the_block_it_starts_inside_however_little_it_runs_past(start, end, left):
+    """Block 0 too (a partial hit inside it), and a few tokens past it; a forward starting at a block's
+    start leaves none (refusing those would lose every chunked prefill's states)."""
+    states, witnessed = StateBlocks(LAYOUTS, speculative=False), {}
+    states.note_forward(witnessed, start, end, lambda: _blocks([10, 11, 12, 13, 14], []))
+    assert [key for key, block_id in witnessed.items() if block_id is None] == ([] if left is None else [(0, left)])
+
+
 def test_a_block_a_forward_started_inside_and_left_keeps_that_state_whatever_its_key():
     states, witnessed = StateBlocks(LAYOUTS, speculative=True), {}
     states.note_forward(witnessed, 80, 128, lambda: _blocks([0, 11], []))  # ends at the block's end: not left
@@ -99,6 +117,41 @@ def test_a_request_resuming_at_such_a_blocks_end_computes_wrong_states_and_they_
     fresh = {}  # a request resuming from a block that holds its state is not concerned
     states.note_forward(fresh, 192, 256, lambda: _blocks([0, 31, 32, 33], []))
     assert states.holds_own_state(_block(33, 256), 0, 3, 64, fresh)
+
+
+def test_a_block_a_forward_left_before_vllm_keyed_it_keeps_that_state_once_keyed():
+    """The request's own witness decides: keyed later, the block is in no list of wrong states."""
+    states, witnessed = StateBlocks(LAYOUTS, speculative=False), {}
+    states.note_forward(witnessed, 80, 300, lambda: [[_block(0, 64), *map(_block, (11, 12, 13, 14))], []])
+    assert not states.holds_own_state(_block(11, 128), 0, 1, 64, witnessed)
+
+
+def test_a_decode_state_computed_from_a_wrong_one_is_not_taken_for_its_end():
+    """vLLM keys no decode state: a forward ending at its block's end witnesses it, yet computed from the
+    wrong state the request resumed from it is wrong too (stored, another request would load it)."""
+    states = StateBlocks(LAYOUTS, speculative=False)
+    states.note_forward({}, 80, 300, lambda: _blocks([0, 11, 12, 13, 14], []))  # another request left 11
+    witnessed = {}
+    states.note_forward(witnessed, 128, 192, lambda: [[_block(0, 64), _block(11, 128), _block(22)], []])
+    assert witnessed[(0, 2)] == 22 and not states.holds_own_state(_block(22), 0, 2, 64, witnessed)
+
+
+def test_resuming_at_the_end_of_an_unkeyed_block_taints_nothing():
+    """Decode steps resume at unkeyed blocks' ends all the time: no key, so never a wrong state's."""
+    states = StateBlocks(LAYOUTS, speculative=False)
+    states.note_forward({}, 80, 300, lambda: _blocks([0, 11, 12, 13, 14], []))  # a wrong state exists
+    witnessed, blocks = {}, [[_block(0, 64), _block(21), _block(22)], []]
+    states.note_forward(witnessed, 100, 128, lambda: blocks)
+    states.note_forward(witnessed, 128, 192, lambda: blocks)
+    assert states.holds_own_state(_block(22), 0, 2, 64, witnessed)
+
+
+def test_every_state_group_witnesses_a_forward():
+    """A model with several Mamba groups: each group's block is left by the forward, not only the first's."""
+    states, witnessed = StateBlocks([GroupLayout(0, GroupKind.MAMBA, 64), GroupLayout(1, GroupKind.MAMBA, 64)],
+                                    speculative=False), {}
+    states.note_forward(witnessed, 80, 300, lambda: _blocks([0, 11, 12, 13, 14], [0, 21, 22, 23, 24]))
+    assert witnessed == {(0, 1): None, (1, 1): None}
 
 
 def test_with_drafts_a_request_is_never_tainted():
