@@ -21,7 +21,7 @@ import re
 import stat
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from json.encoder import encode_basestring
 from typing import Any
 
@@ -180,6 +180,11 @@ def _any_value(value: Any) -> dict[str, Any]:
         return {"doubleValue": value}
     if isinstance(value, (list, tuple)):
         return {"arrayValue": {"values": [_any_value(v) for v in value]}}
+    # as the OTLP exporters encode them (the general span API takes any attribute value)
+    if isinstance(value, bytes):
+        return {"bytesValue": base64.b64encode(value).decode("ascii")}
+    if isinstance(value, Mapping):
+        return {"kvlistValue": {"values": [{"key": str(k), "value": _any_value(v)} for k, v in value.items()]}}
     return {"stringValue": str(value)}
 
 

@@ -162,7 +162,7 @@ def test_record_encoder_writes_exactly_what_the_sdk_encoder_writes(tmp_path):
     # the general span API (GENERIC_SPAN records), with a tracestate and odd attribute types
     root = tracing.start_span("kvscope.load", context=upstream)
     root.set_attributes({"kvscope.request.id": "r1", "kvscope.tokens.local": 0, "flag": True,
-                         "ratio": 0.25, "ids": [1, 2]})
+                         "ratio": 0.25, "ids": [1, 2], "raw": b"\x01\xff", "map": {"k": 1, "v": ["a", 2.5]}})
     child = tracing.start_span("kvscope.group.scan", context=tracing.context_of(root))
     child.set_attributes({"kvscope.group.kind": "sliding_window", "kvscope.group.index": 1})
     child.end()
