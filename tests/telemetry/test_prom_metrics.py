@@ -172,6 +172,34 @@ def test_bucket_edges(registry, prom_metrics):
     assert REQUEST_LOAD_BUCKETS_S[0] == 1e-4 and REQUEST_LOAD_BUCKETS_S[-1] == 10.0
 
 
+def test_host_gauges_are_absent_until_the_tier_reports_them(registry, prom_metrics):
+    """Only the host tier's owner sets the gauges: a capacity of 0 before it reports would be a wrong
+    value (a board dividing used by capacity), so the gauges have no series until then."""
+    get = registry.get_sample_value
+    assert get("kvscope_host_used_bytes", engine_labels(0)) is None
+    assert get("kvscope_host_capacity_bytes", engine_labels(0)) is None
+    prom_metrics.observe(_payload(), engine_idx=0)
+    assert get("kvscope_host_capacity_bytes", engine_labels(0)) == 1 << 30
+    assert get("kvscope_host_capacity_bytes", engine_labels(1)) is None
+
+
+def test_host_gauges_are_one_series_in_multiprocess_mode(tmp_path, monkeypatch):
+    """With several API servers vLLM runs Prometheus in multiprocess mode, where a gauge defaults to a
+    series per process (a `pid` label): the host tier's gauges are one value, the latest reported."""
+    from prometheus_client import multiprocess, values
+
+    from connector.telemetry.testing import build_prom_metrics
+
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
+    monkeypatch.setattr(values, "ValueClass", values.MultiProcessValue())
+    prom = build_prom_metrics(CollectorRegistry())
+    prom.observe(_payload())
+    merged = CollectorRegistry()
+    multiprocess.MultiProcessCollector(merged, path=str(tmp_path))
+    samples = [(s.labels, s.value) for f in merged.collect() if f.name == "kvscope_host_used_bytes" for s in f.samples]
+    assert samples == [(engine_labels(0), 10_000)]
+
+
 def test_unknown_and_internal_keys_are_ignored(registry, prom_metrics):
     prom_metrics.observe({"copy_blocks": {"0|mamba|load": 3}, "from_the_future": 1, "scan_blocks": {"bad": 1}})
     assert registry.get_sample_value("kvscope_scan_blocks_total", engine_labels(0, group="bad", kind="")) is None
@@ -197,6 +225,25 @@ def test_serve_metrics_port_is_idempotent_and_serves_the_registry(registry, prom
     assert serve_metrics_port(0, registry=registry) == port
     body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
     assert 'kvscope_hit_tokens_total{engine="0",model_name="test-model"} 64.0' in body
+
+
+def test_serve_metrics_port_serves_vllms_registry_by_default():
+    """What the connector starts for `metrics_port` (no registry given): vLLM's registry, which holds
+    vLLM's metrics and kvscope's."""
+    import socket
+    from types import SimpleNamespace
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    metric_types = {Gauge: Gauge, Counter: Counter, Histogram: Histogram}
+    try:
+        KVScopePromMetrics(SimpleNamespace(kv_transfer_config=None), metric_types, VLLM, {0: ["m", "0"]})
+        assert serve_metrics_port(port) == port
+        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    finally:
+        unregister_kvscope_metrics(REGISTRY)
+    assert 'kvscope_lookup_tokens_total{engine="0",model_name="m"} 0.0' in body
 
 
 def test_a_metrics_port_in_use_stops_start_up_naming_the_key():

@@ -260,3 +260,130 @@ def test_a_failing_nonblocking_path_never_reaches_the_engine_thread_and_loses_no
     assert sink.spans == list(range(10)) and sink.threads == {"kvscope-span-export"}
     assert len([r for r in caplog.records if "failed" in r.getMessage()]) == 1
     batcher.shutdown()
+
+
+def test_with_several_exporters_every_one_gets_every_span_even_if_one_can_take_batches_without_blocking():
+    """The engine thread hands batches over itself only to a lone exporter: a batch handed to one
+    exporter of several would be lost to the others."""
+    fast, other = CollectNowait(), Collect()
+    batcher = SpanBatcher([fast, other], schedule_delay_s=60, max_batch=4)
+    for i in range(8):
+        batcher.on_end(i)
+    assert batcher.force_flush(5000)
+    assert fast.spans == other.spans == list(range(8))
+    batcher.shutdown()
+
+
+def test_at_the_end_of_a_step_nothing_is_handed_over_to_an_exporter_that_could_block():
+    """`hand_over` runs on the engine thread after every step: with an ordinary exporter (the export
+    thread's only) it does nothing, and never raises into the engine."""
+    sink = Collect()
+    batcher = SpanBatcher([sink], schedule_delay_s=60, max_batch=64)
+    batcher.on_end(1)
+    batcher.hand_over()
+    assert sink.batches == []
+    assert batcher.force_flush(5000) and sink.spans == [1]
+    batcher.shutdown()
+
+
+def test_after_the_nonblocking_path_fails_its_batch_leaves_without_waiting_for_the_delay():
+    """The batch the engine thread could not hand over is the export thread's at once, not after
+    `schedule_delay_s` (nor only at the next flush)."""
+    class Failing(CollectNowait):
+        def export_nowait(self, spans):
+            raise RuntimeError("boom")
+
+    sink = Failing()
+    batcher = SpanBatcher([sink], schedule_delay_s=60, max_batch=4)
+    for i in range(4):
+        batcher.on_end(i)
+    deadline = time.monotonic() + 5
+    while len(sink.spans) < 4 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert sink.spans == [0, 1, 2, 3]
+    batcher.shutdown()
+
+
+def test_flush_gives_up_after_its_timeout_when_an_exporter_hangs():
+    """`force_flush(timeout_millis)` is what vLLM's shutdown waits on: a hung exporter costs it the
+    timeout, in milliseconds, not more."""
+    gate = threading.Event()
+    sink = Collect(block=gate)
+    batcher = SpanBatcher([sink], schedule_delay_s=60)
+    batcher.on_end(1)
+    result = []
+    flusher = threading.Thread(target=lambda: result.append(batcher.force_flush(200)), daemon=True)
+    flusher.start()
+    flusher.join(10)
+    assert result == [False]
+    gate.set()
+    batcher.shutdown()
+
+
+def test_a_second_shutdown_does_not_shut_the_exporters_down_again():
+    """vLLM's shutdown and the interpreter's exit both shut the batcher down: its exporters (a helper
+    process, a connection) are closed once."""
+    class CountShutdowns(Collect):
+        shutdowns = 0
+
+        def shutdown(self):
+            self.shutdowns += 1
+
+    sink = CountShutdowns()
+    batcher = SpanBatcher([sink], schedule_delay_s=60)
+    batcher.shutdown()
+    batcher.shutdown()
+    assert sink.shutdowns == 1
+
+
+def test_between_flushes_a_partial_batch_waits_for_the_delay():
+    """The export thread sleeps until a full batch, a flush or the delay: one that spins instead costs
+    the engine process a core."""
+    sink = Collect()
+    batcher = SpanBatcher([sink], schedule_delay_s=60, max_batch=64)
+    batcher.on_end(1)
+    assert batcher.force_flush(5000)
+    batcher.on_end(2)
+    time.sleep(0.5)
+    assert sink.spans == [1]
+    batcher.shutdown()
+
+
+def test_flush_flushes_the_exporters_too():
+    """An exporter may hold spans of its own (the export helper process): a flush reaches it, and
+    only a flush does."""
+    class CountFlushes(Collect):
+        flushes = 0
+
+        def force_flush(self, timeout_millis=30000):
+            self.flushes += 1
+            return True
+
+    sink = CountFlushes()
+    batcher = SpanBatcher([sink], schedule_delay_s=0.01)
+    batcher.on_end(1)
+    time.sleep(0.2)  # several scheduled exports
+    assert sink.spans == [1] and sink.flushes == 0
+    assert batcher.force_flush(5000)
+    assert sink.flushes == 1
+    batcher.shutdown()
+
+
+def test_exporters_run_with_instrumentation_suppressed():
+    """An instrumented HTTP client inside an OTLP exporter would trace its own exports, whose spans
+    would be exported in turn: the export thread suppresses instrumentation."""
+    from opentelemetry.context import _SUPPRESS_INSTRUMENTATION_KEY, get_value
+
+    class Probe(Collect):
+        suppressed = None
+
+        def export(self, spans):
+            self.suppressed = get_value(_SUPPRESS_INSTRUMENTATION_KEY)
+            return super().export(spans)
+
+    sink = Probe()
+    batcher = SpanBatcher([sink], schedule_delay_s=60)
+    batcher.on_end(1)
+    assert batcher.force_flush(5000)
+    assert sink.suppressed is True
+    batcher.shutdown()

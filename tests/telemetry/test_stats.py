@@ -66,6 +66,19 @@ def test_numpy_like_values_are_stored_as_python_numbers():
     msgspec.msgpack.encode(s.data)
 
 
+def test_numpy_counts_are_stored_as_python_ints():
+    """Counts often come out of numpy (block id arrays): a numpy int in the payload fails vLLM's
+    msgpack encoding of the stats, so every counter stores a plain int."""
+    import numpy as np
+
+    s = KVScopeStats()
+    s.record_evictions(np.int64(2))
+    s.record_load_failures(np.int64(1))
+    s.record_lookup(np.int64(16), np.int64(8))
+    _assert_plain(s.data)
+    msgspec.msgpack.encode(s.data)
+
+
 def test_aggregate_sums_concatenates_and_keeps_latest_gauge():
     a, b = _scheduler_stats(), _scheduler_stats()
     b.set_host_usage(used_bytes=20_000, capacity_bytes=1 << 30)
@@ -135,6 +148,65 @@ def test_reduce_summary():
     assert r["evicted_blocks"] == 3 and r["load_failures"] == 1
     assert all(isinstance(v, (int, float)) for v in r.values())
     assert KVScopeStats().reduce() == {}
+
+
+def test_reduce_reports_a_lookup_that_hit_nothing():
+    """A step whose lookups all missed still says how many tokens were looked up (hit rate 0), and
+    a rate that does not end is rounded for the log line."""
+    s = KVScopeStats()
+    s.record_lookup(queried_tokens=48, hit_tokens=0)
+    assert s.reduce() == {"lookup_tokens": 48, "hit_tokens": 0, "hit_rate": 0.0}
+    s.record_lookup(queried_tokens=48, hit_tokens=32)
+    assert s.reduce()["hit_rate"] == 0.3333
+
+
+def test_reduce_reports_missed_tokens_per_reason_and_host_usage():
+    """vLLM's log line is the offline user's only view of why the tier missed and how full it is."""
+    s = KVScopeStats()
+    s.record_missed("evicted", 32)
+    s.record_missed("tail", 4)
+    s.set_host_usage(used_bytes=3_000_000, capacity_bytes=4_000_000_000)
+    assert s.reduce() == {"missed_tokens_evicted": 32, "missed_tokens_tail": 4,
+                          "host_used_gb": 0.003, "host_capacity_gb": 4.0}
+
+
+def test_reduce_averages_every_observation():
+    """Counts and means are over all copies and loads of the interval, not the first one, rounded
+    for the log line (scans to ns, copies and loads to 0.1 µs)."""
+    s = KVScopeStats()
+    for duration_s in (0.001, 0.002, 0.002):
+        s.record_copy(0, "full_attention", "load", blocks=1, nbytes=1, duration_s=duration_s)
+        s.record_request_load(duration_s)
+    s.record_scans(0, "full_attention", blocks_total=3, null_skipped=0, durations_s=[1e-6, 2e-6, 2e-6])
+    r = s.reduce()
+    assert r["load_copies"] == 3 and r["load_copy_ms_mean"] == 1.6667
+    assert r["request_loads"] == 3 and r["request_load_ms_mean"] == 1.6667
+    assert r["scan_us_mean"] == 1.667
+    assert "store_copies" not in r
+
+
+def test_a_count_of_one_is_recorded():
+    """One block loaded, one byte copied: the smallest count is still a count."""
+    s = KVScopeStats()
+    s.record_loaded_blocks(0, "mamba", blocks=1)
+    s.record_scans(0, "mamba", blocks_total=1, null_skipped=1, durations_s=[])
+    s.record_missed("new", 1)
+    assert s.data == {"loaded_blocks": {"0|mamba": 1}, "scan_blocks": {"0|mamba": 1},
+                      "null_blocks_skipped": {"0|mamba": 1}, "missed_tokens": {"new": 1}}
+
+
+def test_zero_durations_are_observed_and_negative_ones_dropped():
+    """A clock too coarse to see a fast scan gives 0: still one observation (the histogram's count is
+    the number of scans). A negative duration (a clock stepped back) would lower the histogram's sum."""
+    s = KVScopeStats()
+    s.record_scans(0, "full_attention", blocks_total=1, null_skipped=0, durations_s=[0.0, -0.5])
+    s.record_copy(0, "full_attention", "store", blocks=1, nbytes=1, duration_s=0.0)
+    s.record_copy(0, "full_attention", "store", blocks=1, nbytes=1, duration_s=-0.5)
+    s.record_request_load(0.0)
+    s.record_request_load(-0.5)
+    assert s.data["scan_duration_s"] == {"0|full_attention": [0.0]}
+    assert s.data["copy_duration_s"] == {"0|full_attention|store": [0.0]}
+    assert s.data["request_load_duration_s"] == [0.0]
 
 
 def test_bad_copy_direction_is_rejected():

@@ -5,8 +5,12 @@ from __future__ import annotations
 import base64
 import json
 import logging
+import os
+import signal
 import threading
+import time
 
+import pytest
 from google.protobuf import json_format
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
@@ -313,3 +317,219 @@ def test_a_named_pipe_nothing_reads_fails_at_once_and_one_with_a_reader_gets_the
     finally:
         exporter.shutdown()
         os.close(reader)
+
+
+def test_string_array_attributes_are_written_as_the_sdk_encoder_writes_them(tmp_path):
+    """Spans made through the span API may carry lists of strings: the trace file's own encoder writes
+    them as the OTLP exporter does, so the two sinks of one span agree."""
+    import json as _json
+
+    from opentelemetry.sdk.resources import Resource
+
+    from connector.telemetry.sinks import SdkSpanExporter
+    from connector.telemetry.trace_file import records_to_json_line, spans_to_json_line
+    from connector.telemetry.tracing import KVScopeTracing
+
+    captured = []
+    tracing = KVScopeTracing(type("Keep", (), {"on_end": lambda self, r: captured.append(r)})(), None)
+    span = tracing.start_span("custom", start_time=1)
+    span.set_attributes({"names": ["a", "b\u00e9"]})
+    span.end(2)
+    resource = Resource.create({"service.name": "t"})
+    readable = []
+    SdkSpanExporter(type("Sink", (), {"export": lambda self, spans: readable.extend(spans)})(), resource).export(captured)
+    def spans(line):
+        return _json.loads(line)["resourceSpans"][0]["scopeSpans"][0]["spans"]
+
+    (written,) = spans(records_to_json_line(captured, resource, "kvscope", "0"))
+    assert written["attributes"] == [
+        {"key": "names", "value": {"arrayValue": {"values": [{"stringValue": "a"}, {"stringValue": "b\u00e9"}]}}}]
+    assert [written] == spans(spans_to_json_line(readable))
+
+
+def test_a_line_that_is_not_a_json_object_is_a_value_error():
+    """Readers report and skip a bad line on ValueError (contract §4): valid JSON that is not an
+    object must not escape as another error."""
+    for line in ("[]", '"resourceSpans"', "3"):
+        with pytest.raises(ValueError, match="expected a JSON object"):
+            parse_json_line(line)
+
+
+def test_link_ids_are_written_as_hex_and_read_back():
+    """OTLP/JSON writes every trace and span id as hex, those of a span's links included."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.trace import Link
+
+    from connector.telemetry.trace_file import spans_to_json_line
+
+    memory = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(memory))
+    tracer = provider.get_tracer("t")
+    with tracer.start_as_current_span("first") as first:
+        pass
+    tracer.start_span("second", links=[Link(first.get_span_context())]).end()
+    spans = memory.get_finished_spans()
+    line = spans_to_json_line(spans)
+    (link,) = json.loads(line)["resourceSpans"][0]["scopeSpans"][0]["spans"][1]["links"]
+    assert link["traceId"] == format(first.get_span_context().trace_id, "032x")
+    assert link["spanId"] == format(first.get_span_context().span_id, "016x")
+    assert parse_json_line(line) == encode_spans(spans)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_child_forked_while_an_export_held_the_file_lock_can_still_export(tmp_path, tracing, span_exporter):
+    """vLLM forks its workers from a process whose export thread may be writing at that moment: the
+    child's exporter must not inherit a lock that no thread of the child will ever release."""
+    _make_spans(tracing)
+    spans = span_exporter.get_finished_spans()
+    path = tmp_path / "t.jsonl"
+    exporter = OtlpJsonLinesExporter(path)
+    with exporter._lock:  # an export in progress on another thread, as the fork sees it
+        pid = os.fork()
+        if pid == 0:
+            signal.alarm(10)  # a child stuck on the lock dies instead of hanging the test
+            os._exit(0 if exporter.export(spans) is SpanExportResult.SUCCESS else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert len(path.read_text().splitlines()) == 1
+
+
+def test_an_empty_batch_writes_nothing(tmp_path):
+    """An empty line, or a request with no spans, is noise for every reader of the file."""
+    path = tmp_path / "t.jsonl"
+    exporter = OtlpJsonLinesExporter(path)
+    assert exporter.export([]) is SpanExportResult.SUCCESS
+    exporter.shutdown()
+    assert not path.exists()
+
+
+def test_a_batch_that_cannot_be_encoded_fails_and_is_logged_once(tmp_path, caplog):
+    """An encoder bug costs its batch, said once, and never reaches the engine as an exception."""
+    def broken(spans):
+        raise TypeError("not a span")
+
+    exporter = OtlpJsonLinesExporter(tmp_path / "t.jsonl", encode=broken)
+    with caplog.at_level(logging.WARNING, logger="connector.telemetry.trace_file"):
+        assert [exporter.export(["x"]) for _ in range(2)] == [SpanExportResult.FAILURE] * 2
+    (warning,) = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert "could not encode 1 spans: TypeError: not a span" in warning.getMessage()
+
+
+def test_after_shutdown_exports_fail_and_the_file_is_closed(tmp_path, tracing, span_exporter):
+    """Spans that end after the engine's shutdown are not written to a file it considers closed."""
+    _make_spans(tracing)
+    spans = span_exporter.get_finished_spans()
+    path = tmp_path / "t.jsonl"
+    exporter = OtlpJsonLinesExporter(path)
+    exporter.export(spans)
+    assert exporter.force_flush() is True  # every line is already with the kernel
+    open_before = len(os.listdir("/proc/self/fd"))
+    exporter.shutdown()
+    assert len(os.listdir("/proc/self/fd")) == open_before - 1
+    assert exporter.export(spans) is SpanExportResult.FAILURE
+    assert len(path.read_text().splitlines()) == 1
+
+
+def test_lines_after_a_torn_one_follow_each_other_without_blank_lines(tmp_path, tracing, span_exporter,
+                                                                      monkeypatch):
+    """Only the first line after a failed write starts with a newline (ending the torn one)."""
+    from connector.telemetry import trace_file
+
+    _make_spans(tracing)
+    spans = span_exporter.get_finished_spans()
+    path = tmp_path / "t.jsonl"
+    exporter = OtlpJsonLinesExporter(path)
+
+    def disk_full(fd, data):
+        raise OSError(28, "No space left on device")
+
+    real_write = os.write
+    monkeypatch.setattr(trace_file.os, "write", disk_full)
+    exporter.export(spans)
+    monkeypatch.setattr(trace_file.os, "write", real_write)
+    for _ in range(3):
+        assert exporter.export(spans) is SpanExportResult.SUCCESS
+    exporter.shutdown()
+    lines = path.read_text().split("\n")
+    assert lines[0] == "" and all(lines[1:4]) and lines[4:] == [""]
+
+
+def test_the_trace_file_and_its_directories_are_created_readable_by_all(tmp_path, tracing, span_exporter):
+    """A dashboard run by another user reads the file: 0644 (less the umask), like a log file."""
+    _make_spans(tracing)
+    path = tmp_path / "new" / "dir" / "t.jsonl"
+    exporter = OtlpJsonLinesExporter(path)
+    umask = os.umask(0o022)
+    try:
+        assert exporter.export(span_exporter.get_finished_spans()) is SpanExportResult.SUCCESS
+    finally:
+        os.umask(umask)
+    exporter.shutdown()
+    assert path.stat().st_mode & 0o777 == 0o644
+
+
+def test_a_path_that_cannot_be_opened_fails_the_export_without_raising(tmp_path, tracing, span_exporter, caplog):
+    """A directory given as the trace file (or one the process may not write): the export fails, said
+    once with the OS error, and never raises into the engine."""
+    _make_spans(tracing)
+    exporter = OtlpJsonLinesExporter(tmp_path)
+    with caplog.at_level(logging.WARNING, logger="connector.telemetry.trace_file"):
+        assert exporter.export(span_exporter.get_finished_spans()) is SpanExportResult.FAILURE
+    assert "Is a directory" in caplog.records[-1].getMessage()
+
+
+def test_a_line_longer_than_a_pipes_buffer_reaches_a_slow_reader_whole(tmp_path):
+    """The named pipe is opened non-blocking only to fail fast without a reader: writes block, so a
+    reader slower than the exporter still gets every byte of a long line."""
+    path = tmp_path / "spans.fifo"
+    os.mkfifo(path)
+    line = '{"resourceSpans":[]}' + " " * 300_000 + "\n"
+    exporter = OtlpJsonLinesExporter(path, encode=lambda spans: line)
+    reader = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    received = []
+
+    def read_slowly():
+        time.sleep(0.3)
+        os.set_blocking(reader, True)
+        while sum(map(len, received)) < len(line):
+            received.append(os.read(reader, 1 << 16))
+
+    thread = threading.Thread(target=read_slowly, daemon=True)
+    thread.start()
+    try:
+        assert exporter.export(["span"]) is SpanExportResult.SUCCESS
+        thread.join(10)
+        assert b"".join(received).decode() == line
+    finally:
+        exporter.shutdown()
+        os.close(reader)
+
+
+def test_a_file_rotated_with_a_new_one_created_in_its_place_is_written_at_its_path(tmp_path, tracing, span_exporter):
+    """logrotate's default (`create`): the file is renamed and a new empty one made at the path at
+    once; later spans go to the new file, not on into the rotated one."""
+    _make_spans(tracing)
+    spans = span_exporter.get_finished_spans()
+    path = tmp_path / "t.jsonl"
+    exporter = OtlpJsonLinesExporter(path)
+    exporter.export(spans)
+    path.rename(tmp_path / "t.jsonl.1")
+    path.touch()
+    assert exporter.export(spans) is SpanExportResult.SUCCESS
+    exporter.shutdown()
+    assert len((tmp_path / "t.jsonl.1").read_text().splitlines()) == 1
+    assert len(path.read_text().splitlines()) == 1
+
+
+@pytest.mark.parametrize("path, fd", [
+    ("/dev/stdout", 1), ("/dev/stderr", 2), ("/dev/fd/7", 7), ("/proc/self/fd/12", 12), ("/dev/./stderr", 2),
+    ("/dev/stdout.jsonl", None), ("/tmp/dev/fd/3", None), ("traces.jsonl", None),
+])
+def test_paths_naming_the_processs_own_streams_are_recognised(path, fd):
+    """Those are written through the process's own descriptor (one write offset with its own output);
+    any other path is opened as a file."""
+    from connector.telemetry.trace_file import _own_stream
+
+    assert _own_stream(path) == fd
