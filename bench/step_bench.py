@@ -159,8 +159,11 @@ def _step(scheduler, side: str, result: Round) -> None:
     connector_output, loads = _worker_output(side, out)
     req_ids = list(out.num_scheduled_tokens)
     # one token per scheduled request (vLLM drops the samples of a prefill chunk that is not the last)
-    runner_output = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
-                                      sampled_token_ids=[[7] for _ in req_ids], kv_connector_output=connector_output)
+    # vLLM up to 0.33 also takes each request's index (0.34 dropped the field)
+    takes_index = "req_id_to_index" in ModelRunnerOutput.__dataclass_fields__
+    index = {"req_id_to_index": {r: i for i, r in enumerate(req_ids)}} if takes_index else {}
+    runner_output = ModelRunnerOutput(req_ids=req_ids, **index, sampled_token_ids=[[7] for _ in req_ids],
+                                      kv_connector_output=connector_output)
     t2 = clock()
     scheduler.update_from_output(out, runner_output)
     result.seconds += (t1 - t0) + (clock() - t2)
