@@ -232,6 +232,11 @@ def _attributes(attributes, keep: np.ndarray, total: int) -> tuple[dict[str, np.
         raise _Declined("attribute without key")
     keys = _string_typed(keys)
     value = _field(items, "value")
+    if value is not None and pa.types.is_struct(value.type) and value.type.num_fields > 1:
+        held = sum(_as_numpy(pc.is_valid(pc.struct_field(value, [i]))).astype(np.int64)
+                   for i in range(value.type.num_fields))
+        if (held > 1).any():
+            raise _Declined("an attribute holding several values")  # the line decoder names it
     key_index = _as_numpy(pc.fill_null(pc.index_in(keys, value_set=pa.array(KNOWN_KEYS)), -1))
     number = _numbers(value, len(items))
     text = _field(value, "stringValue")
@@ -275,7 +280,7 @@ def _attributes(attributes, keep: np.ndarray, total: int) -> tuple[dict[str, np.
 def _numbers(value, count: int) -> np.ndarray:
     """intValue (a decimal string or a JSON number) or doubleValue of each attribute, NaN for others."""
     out = np.full(count, np.nan)
-    for name in ("doubleValue", "intValue"):  # intValue wins where both are set
+    for name in ("doubleValue", "intValue"):  # one of them at most (`_attributes` declines both)
         arr = _field(value, name)
         if arr is None or pa.types.is_null(arr.type):
             continue

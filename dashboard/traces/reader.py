@@ -289,7 +289,7 @@ def _parse_export(resource_spans: list, label: str, lineno: int,
                             raise _Malformed("an attribute has no key")
                         value = _object_at(a.get("value"), f"the value of attribute {a['key']!r}", optional=True)
                         # {"intValue": "128"}: the one entry; unset: OTLP/JSON writes {} or null, or leaves it out
-                        attrs[a["key"]] = next(iter(value.values()), None)
+                        attrs[a["key"]] = _one_value(value, a["key"])
                     status = _object_at(sp.get("status"), "status", optional=True)
                     rows.append((
                         sp["traceId"],
@@ -312,6 +312,16 @@ def _parse_export(resource_spans: list, label: str, lineno: int,
 
 class _Malformed(ValueError):
     """A part of an export is not of the shape OTLP/JSON gives it; the message names the part."""
+
+
+def _one_value(value: dict, key: Any) -> Any:
+    """The value an OTLP/JSON AnyValue holds, None when unset; _Malformed when it holds several (a
+    oneof holds one: which to read would be a guess, and the two decoders would guess apart)."""
+    held = [field for field, v in value.items() if v is not None]
+    if len(held) > 1:
+        raise _Malformed(f"attribute {key!r} holds {len(held)} values ({', '.join(map(str, held))}); "
+                         "an OTLP AnyValue holds one")
+    return value[held[0]] if held else None
 
 
 def _list_at(value: Any, where: str) -> list:

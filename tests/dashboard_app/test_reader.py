@@ -396,7 +396,7 @@ def _mutate(doc: dict, rng) -> None:
     """One random contract-relevant change to a parsed trace line."""
     spans = [s for rs in doc["resourceSpans"] for ss in rs["scopeSpans"] for s in ss["spans"]]
     target = rng.choice(spans)
-    choice = rng.randrange(15)
+    choice = rng.randrange(16)
     if choice == 0 and target["attributes"]:
         target["attributes"].pop(rng.randrange(len(target["attributes"])))
     elif choice == 1:
@@ -427,6 +427,8 @@ def _mutate(doc: dict, rng) -> None:
         target["attributes"].append({"key": "kvscope.worker.rank", "value": None})
     elif choice == 13:
         doc["resourceSpans"][0]["scopeSpans"][0]["spans"].append(rng.choice(["junk", None, 7]))
+    elif choice == 14:
+        target["attributes"].append({"key": "kvscope.tokens.hit", "value": {"doubleValue": 3.0, "intValue": "5"}})
     else:
         target["attributes"].append({"key": "extra.text", "value": {"stringValue": "half a pair: \ud800"}})
 
@@ -522,6 +524,27 @@ def test_decoders_agree_on_unset_and_nested_attribute_values(tmp_path):
         "array": {"values": [{"stringValue": "a"}, {"intValue": "2"}]},
         "kvlist": {"values": [{"key": "k", "value": {"boolValue": True}}]},
     }, None]
+
+
+@pytest.mark.parametrize("value", [{"doubleValue": 3.0, "intValue": "5"}, {"intValue": "5", "stringValue": "5"}])
+def test_an_attribute_holding_two_values_skips_its_span_in_both_decoders(tmp_path, decoder, value):
+    """OTLP's AnyValue is a oneof: with two fields set, which one to read is a guess (the decoders
+    guessed apart), so the span is a problem naming the attribute, as other malformed spans are."""
+    bad = lookup("r2", span_id="22" * 8)
+    bad["attributes"] = [a for a in bad["attributes"] if a["key"] != "kvscope.tokens.hit"]
+    bad["attributes"].append({"key": "kvscope.tokens.hit", "value": value})
+    path = write(tmp_path, line(lookup("r1", span_id="11" * 8), bad))
+    data = path.read_bytes()
+    assert otlp_arrow.decode(data, str(path), data.split(b"\n")) is None  # declined: the line decoder names it
+    read = traces.read_trace_files([path])
+    assert list(read.spans["request_id"]) == ["r1"]
+    assert [(p.line, p.spans) for p in read.problems] == [(1, 1)]
+    assert "'kvscope.tokens.hit' holds 2 values" in read.problems[0].reason
+    assert "an OTLP AnyValue holds one" in read.problems[0].reason
+    # null entries beside the one value set are not a second value
+    ok = lookup("r3", span_id="33" * 8)
+    ok["attributes"] = [{"key": a["key"], "value": {**a["value"], "boolValue": None}} for a in ok["attributes"]]
+    assert list(traces.read_trace_files([write(tmp_path, line(ok), name="ok.jsonl")]).spans["request_id"]) == ["r3"]
 
 
 def test_a_pretty_printed_export_is_read_as_one_document(tmp_path, decoder):
