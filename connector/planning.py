@@ -151,7 +151,10 @@ def plan_load(
     num_external_tokens: int,
     offload_block_size: int,
 ) -> LoadPlan:
-    """Plan the load of `num_external_tokens` after `num_local_tokens` for every group."""
+    """Plan the load of `num_external_tokens` after `num_local_tokens` for every group.
+
+    The whole pure plan, as tests and `bench/planner_bench.py` check it. The scheduler runs the same
+    `scan_group` per group itself (`KVScopeScheduler._plan_load`), to time each group's scan apart."""
     if len(layouts) != len(group_block_ids):
         raise ValueError(f"{len(layouts)} groups but {len(group_block_ids)} block lists")
     cached = num_local_tokens + num_external_tokens
