@@ -9,14 +9,10 @@ import gzip
 import json
 import os
 import signal
-import socket
-import subprocess
-import sys
 import tempfile
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 
 import msgspec
 import pytest
@@ -33,16 +29,10 @@ from connector.telemetry.trace_file import parse_json_line
 from connector.tiny_models import build_model
 from tests.compat.kv_event_views import host_blocks_unlike_device, router_view
 
+from .api_server import free_port, running_api_server
 from .conftest import prompts_sharing_prefixes
 
 pytestmark = pytest.mark.engine
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class _OtlpSink(BaseHTTPRequestHandler):
@@ -82,7 +72,7 @@ def kv_events():
     """A KV-aware router's subscription to the server's KV cache events (`--kv-events-config`, ZMQ):
     (the port the server publishes on, every event received, in order). Subscribed before the server
     starts, so no event is missed."""
-    port = _free_port()
+    port = free_port()
     context = zmq.Context()
     socket_ = context.socket(zmq.SUB)
     socket_.setsockopt(zmq.SUBSCRIBE, b"")
@@ -110,47 +100,19 @@ def kv_events():
 @pytest.fixture(scope="module")
 def server(otlp_sink, kv_events):
     model = build_model("gemma3", window=64)
-    port = _free_port()
     trace_file = os.path.join(tempfile.mkdtemp(prefix="kvscope-server-"), "spans.jsonl")
     transfer = {"kv_connector": "KVScopeConnector", "kv_role": "kv_both",  # entry point, no module path
                 "kv_connector_extra_config": {"cpu_bytes": 64 << 20, "trace_file": trace_file}}
-    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1",
-               OTEL_EXPORTER_OTLP_TRACES_PROTOCOL="http/protobuf", PYTHONPATH=str(ROOT))
-    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
-    log = open(os.path.join(os.path.dirname(trace_file), "server.log"), "w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
-         "--host", "127.0.0.1", "--port", str(port), "--skip-tokenizer-init", "--dtype", "bfloat16",
-         "--max-model-len", "4096", "--enforce-eager", "--max-num-seqs", "8",
-         "--kv-transfer-config", json.dumps(transfer),
-         # 0 (the default) aborts on Ctrl-C: every engine process is SIGKILLed at once, spans still queued lost
-         "--shutdown-timeout", "20",
-         "--otlp-traces-endpoint", f"http://127.0.0.1:{otlp_sink.server_port}/v1/traces",
-         "--kv-events-config", json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
-                                           "endpoint": f"tcp://*:{kv_events[0]}"})],
-        cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-        start_new_session=True)  # its own process group: the Ctrl-C test signals the group
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 300
-        while True:
-            if proc.poll() is not None:
-                raise AssertionError("server exited:\n" + open(log.name).read()[-5000:])
-            try:
-                if requests.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            except requests.RequestException:
-                pass
-            if time.time() > deadline:
-                raise AssertionError("server did not start:\n" + open(log.name).read()[-5000:])
-            time.sleep(2)
+    args = [
+        # 0 (the default) aborts on Ctrl-C: every engine process is SIGKILLed at once, spans still queued lost
+        "--shutdown-timeout", "20",
+        "--otlp-traces-endpoint", f"http://127.0.0.1:{otlp_sink.server_port}/v1/traces",
+        "--kv-events-config", json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
+                                          "endpoint": f"tcp://*:{kv_events[0]}"})]
+    log = os.path.join(os.path.dirname(trace_file), "server.log")
+    with running_api_server(model, transfer, log, args,
+                            env={"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf"}) as (base, proc):
         yield base, model, trace_file, proc
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 @pytest.fixture(scope="module")

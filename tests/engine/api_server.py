@@ -1,0 +1,64 @@
+"""The real OpenAI-compatible server as a subprocess, for the server tests: started with kvscope's
+transfer config on a tiny model, waited for until healthy, stopped with SIGTERM."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+import requests
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def running_api_server(model: str, transfer: dict, log_path: str, extra_args: Sequence[str] = (),
+                       env: dict | None = None, start_timeout_s: float = 300) -> Iterator[tuple[str, subprocess.Popen]]:
+    """(base URL, process) of a server on a free port; its output goes to `log_path`. Its own process
+    group (`start_new_session`), so a test may signal the group as Ctrl-C does."""
+    port = free_port()
+    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1", PYTHONPATH=str(ROOT),
+               **(env or {}))
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    log = open(log_path, "w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+         "--host", "127.0.0.1", "--port", str(port), "--skip-tokenizer-init", "--dtype", "bfloat16",
+         "--max-model-len", "4096", "--enforce-eager", "--max-num-seqs", "8",
+         "--kv-transfer-config", json.dumps(transfer), *extra_args],
+        cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + start_timeout_s
+        while True:
+            if proc.poll() is not None:
+                raise AssertionError("server exited:\n" + open(log_path).read()[-5000:])
+            try:
+                if requests.get(base + "/health", timeout=2).status_code == 200:
+                    break
+            except requests.RequestException:
+                pass
+            if time.time() > deadline:
+                raise AssertionError("server did not start:\n" + open(log_path).read()[-5000:])
+            time.sleep(2)
+        yield base, proc
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
