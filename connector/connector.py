@@ -25,6 +25,7 @@ from .config import ConfigError, check_host_memory, parse_config, physical_memor
 from .metadata import KVScopeMetadata
 from .scheduler import KVScopeScheduler
 from .telemetry.metrics import KVScopePromMetrics, KVScopeStats, serve_metrics_port
+from .telemetry.span_records import ENGINE_RESOURCE_ATTRIBUTE
 from .telemetry.tracing import KVScopeTracing
 from .vllm_layout import (
     check_parallelism,
@@ -73,7 +74,12 @@ class KVScopeConnector(KVConnectorBase_V1, SupportsHMA):
             crowded = check_host_memory(num_slots * layout.slot_bytes, local_workers, physical_memory_bytes())
             if crowded and _worker_rank() == 0:
                 logger.warning(crowded)
-        self.tracing = KVScopeTracing.from_config(self.config.trace_file, self.config.trace_sample_ratio)
+        # Spans name their engine as vLLM's metrics do (`engine` label: the data-parallel rank), so a
+        # trace file or backend fed by several engines tells which tier a request met. Not
+        # `data_parallel_rank`: vLLM resets that to 0 in each engine of a dense (non-MoE) model.
+        engine = _engine_index(vllm_config.parallel_config)
+        self.tracing = KVScopeTracing.from_config(self.config.trace_file, self.config.trace_sample_ratio,
+                                                  resource_attributes={ENGINE_RESOURCE_ATTRIBUTE: engine})
         self._scheduler: KVScopeScheduler | None = None
         self._worker: KVScopeWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -293,3 +299,10 @@ def _worker_rank() -> int:
         return get_tensor_model_parallel_rank()
     except Exception:  # not initialised (unit tests)
         return 0
+
+
+def _engine_index(parallel_config) -> int:
+    """This engine's index among the data-parallel engines, as vLLM labels its metrics (`engine`):
+    `data_parallel_index`, set in each engine process; the configured rank where it is not set."""
+    index = getattr(parallel_config, "data_parallel_index", None)
+    return int(index) if index is not None else int(getattr(parallel_config, "data_parallel_rank", 0) or 0)

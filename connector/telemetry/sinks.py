@@ -26,6 +26,7 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan
@@ -310,7 +311,10 @@ def _headers(env: Mapping[str, str]) -> dict[str, str]:
     return headers
 
 
-def resource_from_env(env: Mapping[str, str]) -> Resource:
+def resource_from_env(env: Mapping[str, str], attributes: Mapping[str, Any] | None = None) -> Resource:
+    """The resource of every span: ``service.name`` (``OTEL_SERVICE_NAME``, else ``kvscope``), the
+    ``OTEL_RESOURCE_ATTRIBUTES`` and ``attributes`` (facts of this process, such as its engine: they
+    win over the environment's)."""
     # Resource.create merges OTEL_RESOURCE_ATTRIBUTES from the process environment itself;
     # service.name is decided here so that `env` wins and "kvscope" is the default.
     service_name = (
@@ -318,4 +322,4 @@ def resource_from_env(env: Mapping[str, str]) -> Resource:
         or _parse_kv_list(env.get("OTEL_RESOURCE_ATTRIBUTES")).get("service.name")
         or DEFAULT_SERVICE_NAME
     )
-    return Resource.create({"service.name": service_name})
+    return Resource.create({"service.name": service_name, **(attributes or {})})

@@ -107,10 +107,12 @@ class KVScopeTracing:
         trace_file: str | None,
         sample_ratio: float | None,
         env: Mapping[str, str] = os.environ,
+        resource_attributes: Mapping[str, Any] | None = None,
     ) -> KVScopeTracing:
         """Build tracing from the connector config (``trace_file``, ``trace_sample_ratio``) and ``OTEL_*``.
 
         ``sample_ratio`` None means 1.0. Raises ``ValueError`` for a ratio outside 0..1.
+        ``resource_attributes`` join every span's resource (`resource_from_env`).
         """
         ratio = _check_ratio(sample_ratio)
         if truthy(env.get("OTEL_SDK_DISABLED")):
@@ -120,7 +122,7 @@ class KVScopeTracing:
             return cls.disabled()
         if not (trace_file or otlp_requested(env)):
             return cls.disabled()
-        resource = resource_from_env(env)
+        resource = resource_from_env(env, resource_attributes)
         sinks = Sinks(trace_file or None, {k: v for k, v in env.items() if k.startswith("OTEL_")},
                       dict(resource.attributes))
         mode = export_mode(env)

@@ -15,6 +15,7 @@ import pytest
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
+from connector.telemetry.span_records import ENGINE_RESOURCE_ATTRIBUTE
 from connector.telemetry.trace_file import parse_json_line
 from connector.tiny_models import build_model
 
@@ -71,13 +72,27 @@ def scaled_out():
 
 
 def _spans(trace_file: str) -> list:
+    """Every span of the file, each with its resource's engine as `span.engine` (str, as the metric label)."""
     spans = []
     with open(trace_file) as f:
         for line in f:  # a torn or interleaved line fails to parse here
             for rs in parse_json_line(line).resource_spans:
+                engine = next((str(a.value.int_value) for a in rs.resource.attributes
+                               if a.key == ENGINE_RESOURCE_ATTRIBUTE), None)
                 for ss in rs.scope_spans:
-                    spans.extend(ss.spans)
+                    for span in ss.spans:
+                        spans.append(_EngineSpan(span, engine))
     return spans
+
+
+class _EngineSpan:
+    """A protobuf span and the engine its resource names."""
+
+    def __init__(self, span, engine: str | None):
+        self.span, self.engine = span, engine
+
+    def __getattr__(self, name):
+        return getattr(self.span, name)
 
 
 def _all_written(trace_file: str, sent: int) -> bool:
@@ -117,8 +132,11 @@ def test_both_engines_write_whole_lines_to_one_trace_file_that_add_up(scaled_out
 
     lookups = [s for s in spans if s.name == "kvscope.lookup"]
     assert len(lookups) == requests_sent  # every request looked up once, by the engine it ran on
-    hit = sum(attribute(s, "kvscope.tokens.hit") for s in lookups)
-    assert hit == sum(_by_engine(scrapes[0])["kvscope_hit_tokens_total"].values()) > 0
+    assert {s.engine for s in spans} == {"0", "1"}  # every span names its engine, as the metrics do
+    hits = _by_engine(scrapes[0])["kvscope_hit_tokens_total"]
+    assert sum(hits.values()) > 0
+    for engine in ("0", "1"):  # each engine's spans add up to its own hit metric
+        assert sum(attribute(s, "kvscope.tokens.hit") for s in lookups if s.engine == engine) == hits[engine]
     loads = [s for s in spans if s.name == "kvscope.load"]
     assert len(loads) == sum(1 for s in lookups if attribute(s, "kvscope.tokens.hit") > 0)
     for load in loads:

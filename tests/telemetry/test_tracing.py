@@ -12,6 +12,7 @@ from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from opentelemetry.trace import format_span_id, format_trace_id
 
 from connector import __version__
+from connector.telemetry.span_records import ENGINE_RESOURCE_ATTRIBUTE
 from connector.telemetry.testing import in_memory_tracing
 from connector.telemetry.sinks import LogOnceExporter, build_otlp_exporter, otlp_requested
 from connector.telemetry.tracing import KVScopeTracing, trace_id_bound
@@ -108,6 +109,26 @@ def test_trace_file_sink_through_the_batch_processor(tmp_path):
     assert len({s["traceId"] for s in spans}) == 1
     assert resource["service.name"] == "my-svc"
     assert scopes == {("kvscope", __version__)}
+
+
+def test_resource_attributes_of_the_process_join_the_environments_and_win(tmp_path, monkeypatch):
+    """The connector names its engine (`ENGINE_RESOURCE_ATTRIBUTE`, the data-parallel rank): every
+    span's resource carries it beside OTEL_RESOURCE_ATTRIBUTES, over a stale one there."""
+    path = tmp_path / "traces.jsonl"
+    env = {"OTEL_RESOURCE_ATTRIBUTES": "deployment.environment=prod,kvscope.engine=7"}
+    monkeypatch.setenv("OTEL_RESOURCE_ATTRIBUTES", env["OTEL_RESOURCE_ATTRIBUTES"])  # Resource.create reads it
+    t = KVScopeTracing.from_config(str(path), None, env=env, resource_attributes={ENGINE_RESOURCE_ATTRIBUTE: 1})
+    _one_request(t)
+    assert t.force_flush()
+    t.shutdown()
+    resources = [rs["resource"]["attributes"] for line in path.read_text().splitlines()
+                 for rs in json.loads(line)["resourceSpans"]]
+    assert resources
+    for attributes in resources:
+        values = {a["key"]: a["value"] for a in attributes}
+        assert values["kvscope.engine"] == {"intValue": "1"}
+        assert values["deployment.environment"] == {"stringValue": "prod"}
+        assert values["service.name"] == {"stringValue": "kvscope"}
 
 
 def test_default_service_name_is_kvscope(tmp_path):

@@ -141,3 +141,17 @@ def test_register_survives_a_factory_it_does_not_know(monkeypatch, caplog):
     with caplog.at_level("WARNING", logger="connector"):
         connector.register()
     assert "kv_connector_module_path" in caplog.text
+
+
+def test_the_engine_index_is_vllms_data_parallel_index_not_the_reset_rank():
+    """vLLM sets `data_parallel_index` in each engine process and resets `data_parallel_rank` to 0 for
+    dense models: spans must name the engine as the metrics' `engine` label does."""
+    from vllm.config import ParallelConfig
+
+    from connector.connector import _engine_index
+
+    config = ParallelConfig(data_parallel_size=2)
+    config.data_parallel_index = 1  # as `EngineCoreProc.run_engine_core` sets it in engine 1
+    assert config.data_parallel_rank == 0 and _engine_index(config) == 1
+    assert _engine_index(ParallelConfig()) == 0
+    assert _engine_index(type("Older", (), {"data_parallel_rank": 3})()) == 3  # no index: the configured rank
