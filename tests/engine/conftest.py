@@ -15,6 +15,18 @@ ROOT = Path(__file__).resolve().parents[2]
 BLOCK = 128  # device block size of the CPU backend
 
 
+def cpu_backend_runs_fp8_kv() -> bool:
+    """vLLM's CPU attention backend runs an fp8 KV cache only on x86 with AVX-512 or AMX (it asks
+    torch, as here); elsewhere the engine refuses to start, whatever the connector does."""
+    import torch
+
+    return torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported()
+
+
+requires_cpu_fp8_kv = pytest.mark.skipif(
+    not cpu_backend_runs_fp8_kv(), reason="vLLM's CPU backend needs AVX-512 or AMX for an fp8 KV cache")
+
+
 def prompts_sharing_prefixes() -> list[list[int]]:
     """Lengths that are not multiples of the block size, a shared prefix with distinct suffixes,
     one exact multiple of the block size, and one prompt shorter than a block."""

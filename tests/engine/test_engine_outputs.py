@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from .conftest import BLOCK, prompts_sharing_prefixes
+from .conftest import BLOCK, prompts_sharing_prefixes, requires_cpu_fp8_kv
 from .outputs import assert_same_outputs, outputs_moved, tokens
 
 pytestmark = pytest.mark.engine
@@ -144,6 +144,7 @@ def test_parallel_samples_load_and_sample_what_they_sample_without_the_connector
 FP8 = {"kv_cache_dtype": "fp8"}
 
 
+@requires_cpu_fp8_kv
 def test_an_fp8_kv_cache_loads_what_it_stored_in_half_the_host_bytes(scenarios):
     """`--kv-cache-dtype fp8`, common on GPUs: a KV element is one byte, so a host slot is half a
     bfloat16 one, and loads still give the model the KV it stored (greedy outputs and logprobs of
@@ -160,6 +161,7 @@ def test_an_fp8_kv_cache_loads_what_it_stored_in_half_the_host_bytes(scenarios):
     assert [c["logprobs"] for c in cold] != [c["logprobs"] for c in bf16["rounds"][0]]
 
 
+@requires_cpu_fp8_kv
 def test_the_fp8_outputs_depend_on_the_loaded_kv(scenarios):
     """The control for the test above: zeros loaded into the full-attention group's fp8 blocks move
     what the model computes past the tolerance."""
