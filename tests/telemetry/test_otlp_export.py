@@ -94,3 +94,32 @@ def test_an_otlp_timeout_past_the_most_accepted_is_capped_and_one_in_seconds_kep
     assert _timeout_s({"OTEL_EXPORTER_OTLP_TRACES_TIMEOUT": "inf"}) == MAX_OTLP_TIMEOUT_S
     assert _timeout_s({"OTEL_EXPORTER_OTLP_TIMEOUT": "5"}) == 5.0
     assert _timeout_s({"OTEL_EXPORTER_OTLP_TIMEOUT": "nan"}) == DEFAULT_OTLP_TIMEOUT_S
+
+
+# --- found by the mutation campaign of sinks.py ---------------------------------------------------
+
+
+def test_trace_specific_otlp_headers_are_added_to_the_general_ones_and_win():
+    from connector.telemetry.sinks import _headers
+
+    assert _headers({"OTEL_EXPORTER_OTLP_HEADERS": "a=1,b=2", "OTEL_EXPORTER_OTLP_TRACES_HEADERS": "b=3,c=x%20y"}) == {
+        "a": "1", "b": "3", "c": "x y"}
+
+
+def test_an_exporter_that_raises_while_shutting_down_never_stops_the_engines_shutdown():
+    from opentelemetry.sdk.trace.export import SpanExporter
+
+    from connector.telemetry.sinks import LogOnceExporter
+
+    class Raising(SpanExporter):
+        calls = 0
+
+        def export(self, spans):
+            raise AssertionError("not exported")
+
+        def shutdown(self):
+            type(self).calls += 1
+            raise RuntimeError("channel already closed")
+
+    LogOnceExporter(Raising(), "OTLP test").shutdown()
+    assert Raising.calls == 1

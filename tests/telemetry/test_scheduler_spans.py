@@ -409,3 +409,46 @@ def test_a_lookup_tells_why_the_tier_missed_in_its_span_and_in_the_stats():
     assert data["missed_tokens"] == {"evicted": 32, "other_blocks": 160, "storing": 32, "new": 160 + 192,
                                      "reset": 192, "tail": 4 * 8}
     assert sum(data["missed_tokens"].values()) + data.get("hit_tokens", 0) == data["lookup_tokens"] == 4 * 200
+
+
+def test_a_requests_load_duration_is_in_seconds():
+    """`kvscope_request_load_duration_seconds`: from the load's planning to its last worker's report."""
+    import time
+
+    sched = make_scheduler(KVScopeTracing.disabled())
+    start = time.perf_counter()
+    _, job = _planned_load(sched, "r1")
+    _report(sched, completed=[job.job_id])
+    elapsed = time.perf_counter() - start
+    (duration,) = sched.take_stats().data["request_load_duration_s"]
+    assert 0 < duration <= elapsed
+
+
+def test_a_traced_loads_scan_durations_are_its_scan_spans_in_seconds():
+    """Traced scans are timed with the span clock: the histogram gets each scan span's interval."""
+    tracing, exporter = in_memory_tracing()
+    sched = make_scheduler(tracing)
+    request = make_request("r1", 200)
+    store_everything(sched, request)
+    plan(sched, request)
+    durations = sched.take_stats().data["scan_duration_s"]
+    tracing.force_flush()
+    scans = {s.attributes["kvscope.group.index"]: s for s in exporter.get_finished_spans()
+             if s.name == "kvscope.group.scan"}
+    assert durations == {f"{g}|{LAYOUTS[g].kind.value}": [(scans[g].end_time - scans[g].start_time) / 1e9]
+                         for g in (0, 1)}
+    assert all(d[0] > 0 for d in durations.values())
+
+
+def test_an_untraced_loads_scan_durations_are_in_seconds():
+    import time
+
+    sched = make_scheduler(KVScopeTracing.disabled())
+    request = make_request("r1", 200)
+    store_everything(sched, request)
+    start = time.perf_counter()
+    plan(sched, request)
+    elapsed = time.perf_counter() - start
+    durations = sched.take_stats().data["scan_duration_s"]
+    assert sorted(durations) == ["0|sliding_window", "1|full_attention"]
+    assert all(len(d) == 1 and 0 < d[0] <= elapsed for d in durations.values())

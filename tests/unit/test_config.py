@@ -253,3 +253,52 @@ def test_a_host_tier_beyond_host_memory_is_refused_and_several_workers_beyond_it
     warning = check_host_memory(40, 3, 100)
     assert "3 workers on this host" in warning and "120 bytes" in warning and "per worker" in warning
     assert check_host_memory(10**30, 8, None) is None  # memory unknown: nothing to compare with
+
+
+# --- found by the mutation campaign of config.py ------------------------------------------------
+
+
+def test_a_tier_of_exactly_one_block_holds_it_and_the_index_takes_exactly_2_to_the_32_slots():
+    from connector.config import MAX_HOST_SLOTS
+
+    assert parse_config({"cpu_bytes": 3000}).host_slots(3000) == 1  # one block is enough
+    assert parse_config({"cpu_bytes": 5999}).host_slots(3000) == 1
+    assert MAX_HOST_SLOTS == 1 << 32
+    assert parse_config({"cpu_bytes": 1 << 32}).host_slots(1) == 1 << 32
+
+
+def test_physical_memory_is_the_memory_the_kernel_reports():
+    """The tier is checked against it: a wrong size (or None) would let a tier larger than the host start."""
+    from connector.config import physical_memory_bytes
+
+    meminfo = {}
+    try:
+        with open("/proc/meminfo") as f:
+            meminfo = dict(line.split(":", 1) for line in f)
+    except OSError:
+        pytest.skip("no /proc/meminfo")
+    total_kib = int(meminfo["MemTotal"].split()[0])
+    assert physical_memory_bytes() == total_kib * 1024
+
+
+def test_a_trace_file_in_a_folder_this_process_cannot_write_stops_start_up():
+    import os
+
+    folder = "/proc/sys"  # not writable, even by root
+    if not os.path.isdir(folder) or os.access(folder, os.W_OK):
+        pytest.skip("needs a folder this process cannot write")
+    path = f"{folder}/kvscope-trace.jsonl"
+    message = _error({"cpu_bytes": 1, "trace_file": path})
+    _assert_names(message, "trace_file", path)
+    assert "it cannot be written by this process" in message
+
+
+def test_a_trace_file_on_a_file_system_that_does_not_tell_its_name_limit_is_accepted(tmp_path, monkeypatch):
+    import os
+
+    def no_limit(path, name):
+        raise OSError(22, "Invalid argument")
+
+    monkeypatch.setattr(os, "pathconf", no_limit)
+    path = str(tmp_path / ("z" * 300))  # only the file system could refuse it: not checked here
+    assert parse_config({"cpu_bytes": 1, "trace_file": path}).trace_file == path

@@ -547,3 +547,82 @@ def test_a_telemetry_error_neither_loses_a_job_nor_reaches_the_engine(caplog, mo
     assert worker.build_worker_meta().completed_jobs == {1: 1, 2: 1}
     assert worker.transfer_results() == ({"a", "b"}, set())
     assert sum("recording the stats or spans" in r.getMessage() for r in caplog.records) == 2
+
+
+# --- found by the mutation campaign of worker.py --------------------------------------------------
+
+
+def _plain_worker(engine, rank=0, tracing=None):
+    from connector.telemetry.tracing import KVScopeTracing
+    from connector.worker import KVScopeWorker
+
+    worker = KVScopeWorker(None, engine.layout, engine.num_slots, ["full_attention", "full_attention"], rank,
+                           tracing or KVScopeTracing.disabled())
+    worker.engine = engine
+    return worker
+
+
+def test_a_load_reading_a_lost_host_slot_fails_until_a_store_writes_that_slot_again():
+    """Host data known to be gone must never be loaded (that KV is not there): such a load fails and is
+    recomputed; a store to the slot makes it loadable again."""
+    from connector.metadata import LOAD, STORE, GroupTransfer, KVScopeMetadata, TransferJob
+
+    engine, _, _ = _shared_attention_engine(num_slots=4)
+    worker = _plain_worker(engine)
+    def job(job_id, request_id, kind, block_id, slot):
+        return TransferJob(job_id, request_id, kind, [GroupTransfer(0, block_ids=[block_id], slots=[slot], subs=[0])])
+
+    worker.lost_slots = {2}
+    worker.start_load_kv(KVScopeMetadata(loads=[job(1, "lost", LOAD, 1, 2), job(2, "kept", LOAD, 2, 3)]))
+    assert worker.transfer_results() == ({"lost", "kept"}, {"lost"})
+    worker.wait_for_save(KVScopeMetadata(stores=[job(3, "s", STORE, 5, 2)]))
+    assert worker.lost_slots == set()
+    worker.start_load_kv(KVScopeMetadata(loads=[job(4, "again", LOAD, 1, 2)]))
+    assert worker.transfer_results() == ({"again"}, set())
+    assert worker.build_worker_meta().failed_jobs == {1: 1}
+
+
+@pytest.mark.parametrize("value, rank, fails", [("1", 1, True), (" 1 ", 1, True), ("1", 0, False), ("", 0, False)])
+def test_the_fault_injection_variable_fails_the_loads_of_its_rank_only(monkeypatch, value, rank, fails):
+    engine, _, _ = _shared_attention_engine(num_slots=4)
+    monkeypatch.setenv("KVSCOPE_FAIL_LOADS_ON_RANK", value)
+    assert _plain_worker(engine, rank=rank).fail_all_loads is fails
+
+
+def test_a_step_without_finished_jobs_has_no_worker_metadata_but_still_hands_its_spans_over(monkeypatch):
+    """vLLM sends worker metadata only when there is some; the step's spans leave at every step end."""
+    engine, _, _ = _shared_attention_engine(num_slots=4)
+    worker = _plain_worker(engine)
+    ended = []
+    monkeypatch.setattr(worker.tracing, "end_step", lambda: ended.append(1))
+    assert worker.build_worker_meta() is None
+    assert worker.build_worker_meta() is None
+    assert ended == [1, 1]
+
+
+def test_shutdown_releases_the_pinned_host_tier():
+    from connector.host_memory import PAGE_BYTES, HostBuffer
+
+    engine, _, _ = _shared_attention_engine(num_slots=4)
+    registered, released = [], []
+    engine._host_buffer = HostBuffer(2, PAGE_BYTES, pin=True, register=lambda a, n: registered.append(a) or True,
+                                     unregister=released.append)
+    worker = _plain_worker(engine)
+    worker.shutdown()
+    assert registered and sorted(released) == sorted(registered)
+
+
+@pytest.mark.parametrize("subs", [[0, -1], [-1, 0], [0, 1], [1, 0]],
+                         ids=["neg-last", "neg-first", "big-last", "big-first"])
+def test_a_job_with_one_slot_piece_out_of_range_among_good_ones_fails_without_copying(subs):
+    """Every piece of a job is checked, not only the first or the largest: a negative one would be
+    another slot's last piece to a Python index (on CUDA: an address before the slot)."""
+    from connector.metadata import STORE, GroupTransfer, KVScopeMetadata, TransferJob
+
+    engine, _, _ = _shared_attention_engine(num_slots=4)  # one piece per slot in group 0
+    worker = _plain_worker(engine)
+    host_before = engine.host.clone()
+    worker.wait_for_save(KVScopeMetadata(stores=[TransferJob(1, "a", STORE, [
+        GroupTransfer(0, block_ids=[3, 4], slots=[1, 2], subs=subs)])]))
+    assert worker.build_worker_meta().failed_jobs == {1: 1}
+    assert torch.equal(engine.host, host_before)

@@ -262,3 +262,31 @@ def test_a_store_failing_part_way_is_reported_once_nothing_copies_any_more(cuda_
     assert ("load", "synchronized") in log
     meta = worker.build_worker_meta()
     assert meta is not None and meta.failed_jobs == {7: 1}
+
+
+def test_stores_fenced_at_once_need_no_announced_step(cuda_engine, caplog):
+    """A runner that binds metadata without handle_preemptions is fine when stores are fenced at once:
+    no second fence, no error."""
+    engine, _, log = cuda_engine
+    worker = _worker_on(engine)
+    worker.wait_for_save(_a_store(1))
+    log.clear()
+    with caplog.at_level("ERROR", logger="connector.worker"):
+        worker.check_stores_fenced(KVScopeMetadata(fence_stores=True))
+    assert log == [] and "handle_preemptions" not in caplog.text
+
+
+def test_an_unannounced_step_is_fenced_for_stores_left_unfenced_even_when_it_reuses_no_block(cuda_engine, caplog):
+    """Under the V1 runner's fence the stores wait for the next step; a step bound without
+    handle_preemptions must still fence them (the forward writes the KV cache), and only once."""
+    engine, _, log = cuda_engine
+    worker = _worker_on(engine)
+    worker.store_fence = FENCE_AT_NEXT_STEP
+    worker.wait_for_save(_a_store(1))
+    log.clear()
+    worker.check_stores_fenced(KVScopeMetadata(fence_stores=False))
+    assert log == [("compute", "waits for", "store")]
+    log.clear()
+    worker.begin_step(KVScopeMetadata())  # nothing stored since: nothing to wait for
+    worker.check_stores_fenced(KVScopeMetadata())
+    assert log == []

@@ -864,3 +864,166 @@ def test_a_request_preempted_by_a_cache_reset_stores_its_blocks_again():
     (job,) = step(0, 64)  # its prompt computed again: stored again
     assert job.groups[0].block_ids == [300, 301, 302, 303]
     assert sched.index.is_ready((0, "h3"))
+
+
+# ------------------------------------------------- host tier stats and vLLM-facing return values
+def test_the_host_tier_gauges_carry_the_bytes_of_its_slots():
+    """`kvscope_host_capacity_bytes` is every slot's bytes; `kvscope_host_used_bytes` the used slots'."""
+    sched, manager = _scheduler(num_slots=16)
+    state = sched._requests["r"] = _state("r", 256)
+    manager.ids = _ids(0, 16)
+    _report(sched, sched._plan_store(state, 64))  # offloaded block 0 of both groups: two slots
+    sched._update_capacity_stats()
+    data = sched.take_stats().data
+    assert data["host_capacity_bytes"] == 16 * 1024 and data["host_used_bytes"] == 2 * 1024
+
+
+def test_evictions_are_counted_once_each_and_only_when_they_happen():
+    sched = _full_attention_scheduler(num_slots=2)
+    _stored(sched, (0, "a"), (0, "b"))
+    sched._update_capacity_stats()
+    assert "evicted_blocks" not in (sched.take_stats().data or {})  # a full tier has evicted nothing
+    _stored(sched, (0, "c"))
+    sched._update_capacity_stats()
+    assert sched.take_stats().data["evicted_blocks"] == 1
+    sched._update_capacity_stats()  # nothing new: not counted again
+    assert "evicted_blocks" not in sched.take_stats().data
+    _stored(sched, (0, "d"), (0, "e"))
+    sched._update_capacity_stats()
+    assert sched.take_stats().data["evicted_blocks"] == 2
+
+
+def test_a_cache_reset_tells_vllm_it_succeeded():
+    """vLLM's `reset_prefix_cache(reset_connector=True)` reports failure unless the connector says True."""
+    sched, _ = _scheduler()
+    assert sched.reset_cache() is True
+
+
+def test_a_report_of_a_job_the_scheduler_does_not_know_is_ignored():
+    sched, manager = _scheduler()
+    job = _pending_store(sched, manager)
+    _report(sched, SimpleNamespace(job_id=job.job_id + 100))
+    _report(sched, SimpleNamespace(job_id=job.job_id + 100), failed=True)
+    assert sched.has_unreported_jobs()
+    _report(sched, job)
+    assert not sched.has_unreported_jobs()
+
+
+@pytest.mark.parametrize("chunks", [[8, 120], [8, 8, 112]])
+@pytest.mark.parametrize("name", sorted(_IDLE_LAYOUTS))
+def test_a_prefill_chunk_that_completes_no_block_leaves_the_next_chunks_blocks_to_store(name, chunks):
+    """A first chunk inside the first device block stores nothing and marks the request idle until
+    that block is computed (its key is known from the start; the chunk that ends exactly on it
+    stores it), not until a new key appears: the prompt's keys are all known already."""
+    layouts = _IDLE_LAYOUTS[name]
+    steps, _ = _serve_step_by_step(KVScopeScheduler, layouts, 128, chunks, [0], 0)
+    reference, _ = _serve_step_by_step(_NeverIdle, layouts, 128, chunks, [0], 0)
+    assert steps[0] == [] and steps[1] and steps == reference
+
+
+def test_requests_resumed_after_preemption_restart_like_new_ones():
+    """Both get new device blocks: their Mamba blocks' witnessed states are forgotten."""
+    out = _output(new=[(([], []), 0)], cached=[("c", None, 0), ("d", None, 32)], resumed=["c"])
+    assert KVScopeScheduler._restarted(out) == {"n0", "c"}
+    out.scheduled_cached_reqs.resumed_req_ids = None  # a vLLM without resumed requests this step
+    assert KVScopeScheduler._restarted(out) == {"n0"}
+
+
+def test_a_restarted_request_forgets_the_mamba_states_it_witnessed_and_a_running_one_keeps_them():
+    layouts = [GroupLayout(0, GroupKind.MAMBA, B), GroupLayout(1, GroupKind.FULL_ATTENTION, BS)]
+    sched = KVScopeScheduler(layouts, offload_block_size=B, hash_block_size=BS, num_slots=8, slot_bytes=1024,
+                             world_size=1, tracing=KVScopeTracing.disabled(), kv_cache_manager_getter=lambda: None)
+    state = sched._requests["r"] = _state("r", 256)
+    state.witnessed_states[(0, 1)] = 7
+
+    def step(resumed):
+        out = _output(cached=[("r", ([], []), 0)], resumed=resumed)
+        out.num_scheduled_tokens = {"r": 1}  # inside the first block: vLLM is not asked for blocks
+        assert sched.build_connector_meta(out).stores == []
+
+    step(resumed=[])
+    assert state.witnessed_states == {(0, 1): 7}
+    step(resumed=["r"])  # preempted and resumed: new blocks
+    assert state.witnessed_states == {}
+
+
+def test_the_retry_of_a_failed_load_counts_its_blocks_as_load_failed_and_nothing_as_not_taken(monkeypatch):
+    """The retry (from 0 tokens) is offered no hit: every block the tier holds is missed as load_failed,
+    the last one's tokens as tail; vLLM took all it was offered (nothing), so nothing is not_taken."""
+    sched, manager = _scheduler()
+    _stored(sched, (0, "h3"), (1, "h3"), (0, "h7"), (1, "h7"), (0, "h11"), (1, "h11"))
+    monkeypatch.setattr(sched.index, "drop", lambda keys: 0)  # the host blocks stay after the failure
+    request = _state("r", 256).request
+    assert sched.get_num_new_matched_tokens(request, 0) == (192, True)
+    sched.update_state_after_alloc(request, SimpleNamespace(get_block_ids=lambda: _ids(0, 16)), 192)
+    (job,) = sched.build_connector_meta(_output()).loads
+    _report(sched, job, failed=True)
+    sched.take_stats()
+    assert sched.get_num_new_matched_tokens(request, 0) == (0, False)
+    sched.update_state_after_alloc(request, SimpleNamespace(get_block_ids=lambda: _ids(0, 16)), 0)
+    data = sched.take_stats().data
+    assert (data["lookup_tokens"], data.get("hit_tokens", 0)) == (256, 0)
+    assert data["missed_tokens"] == {"load_failed": 192, "tail": 64}
+
+
+def test_tokens_a_drafter_may_write_again_are_not_stored_when_unverified_drafts_count_as_computed():
+    """Both bounds at once: under async scheduling the known tokens bound the store (65 known, the
+    previous step's 3 drafts counted as computed), and the last 2 known ones are re-prefillable."""
+    sched, manager = _scheduler()
+    sched.reprefillable_tokens = 2
+    sched._requests["r"] = _state("r", 65)
+    manager.ids = _ids(0)
+    out = _output(cached=[("r", ([], []), 68)])
+    out.num_scheduled_tokens = {"r": 3}
+    out.scheduled_spec_decode_tokens = {"r": [1, 2]}
+    meta = sched.build_connector_meta(out)
+    stored = {p.group_index: p.block_ids for job in meta.stores for p in job.groups}
+    # 63 final tokens: not block 3 (tokens 48..63), whose 63 may be written again
+    assert stored[0] == [100, 101, 102] and stored[1] == [200, 201, 202]
+
+
+def test_a_block_two_unreported_jobs_fill_is_ready_only_once_both_are_reported():
+    """Pieces 0-1 and 2-3 of offloaded block 0 go in two steps' jobs; the first reported must not
+    make the block loadable while the second still writes its last pieces."""
+    sched, manager = _scheduler()
+    state = _state("r", 128)
+    manager.ids = _ids(0)
+    first = sched._plan_store(state, 40)
+    manager.ids = _ids(40)
+    second = sched._plan_store(state, 64)
+    assert _pieces(second, 1) == [([202, 203], [2, 3])]
+    _report(sched, first)
+    assert not sched.index.is_ready((1, "h3")) and not sched.index.is_ready((0, "h3"))
+    _report(sched, second)
+    assert sched.index.is_ready((1, "h3")) and sched.index.is_ready((0, "h3"))
+
+
+def test_a_request_with_a_single_computed_token_keeps_its_kv_through_a_reset_and_stores_nothing_more():
+    sched, manager = _scheduler()
+    state = sched._requests["r"] = _state("r", 256)
+    state.request.num_computed_tokens = 1
+    sched.reset_cache()
+    manager.ids = _ids(0, 16)
+    assert sched._plan_store(state, 192) is None
+
+
+def test_a_prefill_in_small_chunks_plans_its_stores_only_when_a_block_is_computed():
+    """The idle mark also spares the prefill's steps that complete no device block (keys all known)."""
+    layouts = _IDLE_LAYOUTS["full attention"]
+    steps, planned = _serve_step_by_step(KVScopeScheduler, layouts, 64, [2], [0], 0)
+    reference, planned_every_step = _serve_step_by_step(_NeverIdle, layouts, 64, [2], [0], 0)
+    assert steps == reference and planned_every_step == 32
+    assert planned <= 2 * 4  # a step completing each device block, and the one after it
+
+
+def test_a_load_failed_at_planning_counts_one_failed_block_per_mamba_group():
+    """A Mamba group loads one state, whatever the external tokens span: one failed block."""
+    layouts = [GroupLayout(0, GroupKind.MAMBA, B), GroupLayout(1, GroupKind.FULL_ATTENTION, BS)]
+    sched = KVScopeScheduler(layouts, offload_block_size=B, hash_block_size=BS, num_slots=8, slot_bytes=1024,
+                             world_size=1, tracing=KVScopeTracing.disabled(), kv_cache_manager_getter=lambda: None)
+    request = _state("r", 256).request
+    sched.update_state_after_alloc(request, SimpleNamespace(get_block_ids=lambda: ([], [])), 128)  # no lookup
+    (job,) = sched.build_connector_meta(_output()).loads
+    assert job.failed_at_plan
+    _report(sched, job, failed=True)
+    assert sched.take_stats().data["load_failures"] == 1 + 128 // BS
