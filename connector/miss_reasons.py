@@ -41,7 +41,8 @@ MISS_REASON_MEANINGS = {
     NO_STATE: "the attention groups held it, but no Mamba state was stored at its end (vLLM keeps states at "
               "some block ends only)",
     OTHER_BLOCKS: "every group held it, but the hit needed another block (a sliding window's earlier one)",
-    LOAD_FAILED: "an earlier load of the request failed: it recomputes, not offered a hit until vLLM preempts it",
+    LOAD_FAILED: "held, but an earlier load of the request failed: it recomputes, not offered a hit until vLLM "
+                 "preempts it",
     NOT_TAKEN: "found, but vLLM took less of the hit (a request asking for prompt logprobs skips prefix caches)",
     TAIL: "past the last offloaded block a hit can cover (the prompt's partial last block, the last token): "
           "never served",
@@ -109,6 +110,16 @@ def lookup_miss(
             break
         start = end
     return Miss(by_reason[0][0], tuple(by_reason), num_tokens - reach_end)
+
+
+def barred_from_hit(miss: Miss, barred_tokens: int) -> Miss:
+    """The miss of a lookup offered no hit although the tier held ``barred_tokens`` past the device's
+    (an earlier load of the request failed): those tokens are `LOAD_FAILED`, the rest keep their
+    reasons. ``miss`` is `lookup_miss`'s answer for a hit of ``barred_tokens``; blocks the tier did not
+    hold (new, evicted, dropped by the failed load...) say so, as in any lookup."""
+    if barred_tokens <= 0:
+        return miss
+    return Miss(LOAD_FAILED, ((LOAD_FAILED, barred_tokens),) + miss.by_reason, miss.tail_tokens)
 
 
 def _block_reason(ordered_layouts, absences, num_attention: int, proving, k: int, why_absent: WhyAbsent) -> str:

@@ -17,7 +17,7 @@ from .groups import GroupKind, GroupLayout
 from .host_store import HostIndex
 from .lookup import find_hit_tokens, needed_offload_blocks
 from .metadata import LOAD, STORE, GroupTransfer, KVScopeMetadata, KVScopeWorkerMetadata, TransferJob
-from .miss_reasons import LOAD_FAILED, NOT_TAKEN, TAIL, Miss, lookup_miss, miss_order
+from .miss_reasons import NOT_TAKEN, TAIL, Miss, barred_from_hit, lookup_miss, miss_order
 from .offload_keys import OffloadKeys
 from .piecewise_stores import Filling, PiecewiseStores
 from .planning import NULL_BLOCK_ID, GroupScan, scan_group
@@ -156,12 +156,23 @@ class KVScopeScheduler:
             # whose async load failed, and counts it against the request's own next async admission,
             # which then never fits once the request needs half the free blocks: it would wait for ever
             # (until the reserve is gone: above).
-            miss = lookup_miss(self._miss_layouts, request.num_tokens, num_computed_tokens, 0,
-                               self.keys.count(request.block_hashes), self.block_size,
-                               lambda group, k: LOAD_FAILED, self.eagle_groups)
+            hashes = self._offload_hashes(request)
+            barred = self._hit_tokens(request, num_computed_tokens, hashes)  # what it would have been offered
+            miss = barred_from_hit(self._miss(request, num_computed_tokens, barred, hashes), barred)
             self._lookups[request.request_id] = _Lookup(num_computed_tokens, 0, start, start, miss)
             return 0, False
         hashes = self._offload_hashes(request)
+        external = self._hit_tokens(request, num_computed_tokens, hashes)
+        end = time.time_ns()
+        # Why it did not serve more, outside the lookup's span time, as the stats it feeds are
+        miss = self._miss(request, num_computed_tokens, external, hashes)
+        self._lookups[request.request_id] = _Lookup(num_computed_tokens, external, start, end, miss)
+        # Asynchronous load: the request waits while others run; Mamba state must land
+        # before vLLM's mamba preprocessing, which a synchronous load would miss.
+        return external, external > 0
+
+    def _hit_tokens(self, request, num_computed_tokens: int, hashes: list) -> int:
+        """The tokens past the device's that the host tier can serve (`find_hit_tokens`)."""
         index = self.index
         hit = find_hit_tokens(
             self.layouts,
@@ -172,17 +183,15 @@ class KVScopeScheduler:
             is_stored=lambda group, k: index.is_ready((group, hashes[k])),
             proof_groups=self.eagle_groups,
         )
-        external = max(0, hit - num_computed_tokens)
-        end = time.time_ns()
-        # Why it did not serve more (`miss_reasons`), asked of the index as it stands now; outside the
-        # lookup's span time, as the stats it feeds are
-        miss = lookup_miss(self._miss_layouts, request.num_tokens, num_computed_tokens, external, len(hashes),
+        return max(0, hit - num_computed_tokens)
+
+    def _miss(self, request, num_computed_tokens: int, external: int, hashes: list) -> Miss:
+        """Why the tier served no more than ``external`` tokens (`miss_reasons`), asked of the index as
+        it stands now."""
+        index = self.index
+        return lookup_miss(self._miss_layouts, request.num_tokens, num_computed_tokens, external, len(hashes),
                            self.block_size, lambda group, k: index.why_absent((group, hashes[k])),
                            self.eagle_groups)
-        self._lookups[request.request_id] = _Lookup(num_computed_tokens, external, start, end, miss)
-        # Asynchronous load: the request waits while others run; Mamba state must land
-        # before vLLM's mamba preprocessing, which a synchronous load would miss.
-        return external, external > 0
 
     # -- planning --
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:

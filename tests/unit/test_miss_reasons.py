@@ -17,6 +17,8 @@ from connector.miss_reasons import (
     RESET,
     STORING,
     TAIL,
+    Miss,
+    barred_from_hit,
     lookup_miss,
     miss_order,
 )
@@ -179,3 +181,9 @@ def test_every_reason_has_its_meaning_said_where_operators_read_it():
     assert explained in missed.documentation
     board = Path(__file__).resolve().parents[2] / "grafana" / "dashboards" / "kvscope-overview.json"
     assert explained in json.dumps(json.loads(board.read_text()), ensure_ascii=False)
+
+
+def test_a_lookup_barred_from_its_hit_counts_that_hit_as_load_failed_before_its_own_reasons():
+    miss = Miss(DROPPED, ((DROPPED, 64), (NEW, 64)), 64)
+    assert barred_from_hit(miss, 128) == Miss(LOAD_FAILED, ((LOAD_FAILED, 128), (DROPPED, 64), (NEW, 64)), 64)
+    assert barred_from_hit(miss, 0) is miss  # nothing held: the lookup's own reasons

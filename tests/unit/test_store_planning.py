@@ -966,6 +966,27 @@ def test_the_retry_of_a_failed_load_counts_its_blocks_as_load_failed_and_nothing
     assert data["missed_tokens"] == {"load_failed": 192, "tail": 64}
 
 
+
+def test_the_retry_of_a_failed_load_counts_as_load_failed_only_what_the_tier_still_held():
+    """Blocks the failed load read are dropped, blocks nobody stored are new: the bar on loading again
+    cost the retry only the hit the tier still held, and that alone is load_failed."""
+    sched, manager = _scheduler()
+    _stored(sched, *[(group, f"h{k}") for k in (3, 7, 11) for group in (0, 1)])
+    request = _state("r", 320).request  # offloaded blocks h3..h19: h15 and h19 never stored
+    assert sched.get_num_new_matched_tokens(request, 0) == (192, True)
+    sched.update_state_after_alloc(request, SimpleNamespace(get_block_ids=lambda: _ids(192, 20)), 192)
+    (job,) = sched.build_connector_meta(_output()).loads
+    _report(sched, job, failed=True)  # drops what it read: h3..h11 of full attention, the window's h11
+    assert sched.index.why_absent((1, "h3")) == "dropped" and sched.index.is_ready((0, "h7"))
+    _stored(sched, (1, "h3"), (1, "h7"))  # another request stores the first two blocks again
+    sched.take_stats()
+    assert sched.get_num_new_matched_tokens(request, 0) == (0, False)
+    assert sched._lookups["r"].miss.reason == "load_failed"
+    sched.update_state_after_alloc(request, SimpleNamespace(get_block_ids=lambda: _ids(0, 20)), 0)
+    data = sched.take_stats().data
+    assert data["missed_tokens"] == {"load_failed": 128, "dropped": 64, "new": 64, "tail": 64}
+    assert sum(data["missed_tokens"].values()) == data["lookup_tokens"] == 320
+
 def test_tokens_a_drafter_may_write_again_are_not_stored_when_unverified_drafts_count_as_computed():
     """Both bounds at once: under async scheduling the known tokens bound the store (65 known, the
     previous step's 3 drafts counted as computed), and the last 2 known ones are re-prefillable."""
