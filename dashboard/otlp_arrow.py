@@ -106,6 +106,7 @@ def _unnest(table: pa.Table, label: str, line_numbers: np.ndarray) -> reader.Dec
         return arr if arr is None or n == len(sp) else arr.take(pa.array(keep))
 
     values, invalid, extras = _attributes(_field(sp, "attributes"), keep, len(sp))
+    _inherit_resource_attributes(rs_items, ss_rs[sp_ss][keep], values, invalid)
     parent = column("parentSpanId")
     status = _field(sp, "status")
     code = _field(status, "code")
@@ -275,6 +276,43 @@ def _attributes(attributes, keep: np.ndarray, total: int) -> tuple[dict[str, np.
                 extras[span] = {}
             extras[span][key] = reader.without_nulls(entry)
     return values, invalid, extras
+
+
+def _inherit_resource_attributes(rs_items, rs_of_span: np.ndarray, values: dict, invalid: dict) -> None:
+    """Give each kept span the `schema.RESOURCE_ATTRIBUTES` of its resource (``rs_of_span``) where it has
+    none of its own, as the line decoder does; declines on a value that is not a plain number."""
+    items, rs_of_item = _flatten(_field(_field(rs_items, "resource"), "attributes"))
+    if items is None:
+        return
+    keys = _field(items, "key")
+    if keys is None or keys.null_count:
+        raise _Declined("resource attribute without key")
+    keys = _as_numpy(_string_typed(keys))
+    value = _field(items, "value")
+    for key in schema.RESOURCE_ATTRIBUTES:
+        rows = np.flatnonzero(keys == key)
+        if not len(rows):
+            continue
+        if len(np.unique(rs_of_item[rows])) < len(rows):
+            raise _Declined(f"resource attribute {key} given twice")  # the line decoder takes the first
+        picked = value.take(pa.array(rows)) if value is not None else None
+        if picked is not None and pa.types.is_struct(picked.type) and picked.type.num_fields > 1:
+            held = sum(_as_numpy(pc.is_valid(pc.struct_field(picked, [i]))).astype(np.int64)
+                       for i in range(picked.type.num_fields))
+            if (held > 1).any():
+                raise _Declined(f"resource attribute {key} holding several values")
+        number = _numbers(picked, len(rows))
+        if np.isnan(number).any():
+            raise _Declined(f"non-numeric resource attribute {key}")
+        by_resource = np.full(int(rs_of_item.max()) + 1 if len(rs_of_item) else 0, np.nan)
+        by_resource[rs_of_item[rows]] = number
+        inherited = np.full(len(rs_of_span), np.nan)
+        known = rs_of_span < len(by_resource)
+        inherited[known] = by_resource[rs_of_span[known]]
+        col = values[key]
+        own = ~np.isnan(col)
+        values[key] = np.where(own, col, inherited)
+        invalid[key] = ~np.isnan(values[key]) & ~reader.integral_mask(values[key])
 
 
 def _numbers(value, count: int) -> np.ndarray:

@@ -32,6 +32,7 @@ from dashboard.traces.schema import (
     ATTRIBUTE_COLUMNS,
     LOOKUP,
     REQUIRED_ATTRIBUTES,
+    RESOURCE_ATTRIBUTES,
     SCOPE_NAME,
     SPAN_COLUMNS,
     SUPPORTED_SCOPE_VERSIONS,
@@ -259,6 +260,7 @@ def _parse_export(resource_spans: list, label: str, lineno: int,
         # "instrumentationLibrarySpans" is the pre-1.0 OTLP name some old Collectors still write.
         legacy = not rs.get("scopeSpans") and "instrumentationLibrarySpans" in rs
         field = "instrumentationLibrarySpans" if legacy else "scopeSpans"
+        inherited = _resource_attributes(rs)
         for j, ss in enumerate(_list_at(rs.get(field), f"resourceSpans[{i}].{field}")):
             where = f"resourceSpans[{i}].{field}[{j}]"
             ss = _object_at(ss, where)
@@ -290,6 +292,10 @@ def _parse_export(resource_spans: list, label: str, lineno: int,
                         value = _object_at(a.get("value"), f"the value of attribute {a['key']!r}", optional=True)
                         # {"intValue": "128"}: the one entry; unset: OTLP/JSON writes {} or null, or leaves it out
                         attrs[a["key"]] = _one_value(value, a["key"])
+                    for key, value in inherited:
+                        if key not in attrs:
+                            attrs[key] = _one_value(_object_at(value, f"the value of resource attribute {key!r}",
+                                                               optional=True), key)
                     status = _object_at(sp.get("status"), "status", optional=True)
                     rows.append((
                         sp["traceId"],
@@ -308,6 +314,18 @@ def _parse_export(resource_spans: list, label: str, lineno: int,
                     bad[f"malformed {name} span: {_short(exc)}"] += 1
     problems = [Problem(label, lineno, reason, n) for reason, n in bad.items()]
     return rows, other, problems
+
+
+def _resource_attributes(rs: dict) -> list[tuple[str, Any]]:
+    """(key, raw AnyValue) of each of `RESOURCE_ATTRIBUTES` the resource holds, for its spans to inherit
+    (a value is checked as a span's own attribute is, span by span). A resource of another shape
+    holds none: it is not kvscope's to judge."""
+    resource = rs.get("resource")
+    attributes = resource.get("attributes") if isinstance(resource, dict) else None
+    if not isinstance(attributes, list):
+        return []
+    return [(a["key"], a.get("value")) for a in attributes
+            if isinstance(a, dict) and a.get("key") in RESOURCE_ATTRIBUTES]
 
 
 class _Malformed(ValueError):

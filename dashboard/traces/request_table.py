@@ -38,8 +38,8 @@ MISS_REASON_TEXT = {
                 "some block ends only)",
     "other_blocks": "every group held the block after its hit, but the hit needed another one (a sliding "
                     "window's earlier block)",
-    "load_failed": "an earlier load of this request failed: it recomputes, and is not offered a hit again "
-                   "until vLLM preempts it",
+    "load_failed": "the tier held the block after its hit, but an earlier load of this request failed: it "
+                   "recomputes, and is not offered a hit again until vLLM preempts it",
     "not_taken": "the tier had more, but vLLM took less of the hit (a request asking for prompt logprobs "
                  "skips prefix caches)",
     "tail": "it served every offloaded block a hit could cover; the rest (the prompt's partial last block, "
@@ -55,6 +55,7 @@ REQUEST_COLUMNS = (
     "request",
     "request_id",
     "trace_id",
+    "engine",
     "arrival",
     "t_s",
     "tokens_queried",
@@ -110,6 +111,9 @@ def requests_table(spans: pd.DataFrame, vllm: pd.DataFrame | None = None) -> pd.
     # vLLM's device prefix-cache hit: the first lookup says it (newer files), a load does too
     out["tokens_local"] = (by_lookup["tokens_local"].first().reindex(ids).astype("Int64")
                            .fillna(first_load["tokens_local"].reindex(ids)))
+    # the engine (vLLM's data-parallel index) that looked it up, else loaded it; NA in older files
+    out["engine"] = (by_lookup["engine"].first().reindex(ids).astype("Int64")
+                     .fillna(first_load["engine"].reindex(ids)))
     out["lookups"] = by_lookup.size().reindex(ids).fillna(0).astype("int64")
     out["miss_reason"] = by_lookup["miss_reason"].last().reindex(ids)  # its last lookup's (`MISS_REASON_DEFINITION`)
 
@@ -177,7 +181,7 @@ def load_rows(spans: pd.DataFrame) -> pd.DataFrame:
 def _empty_requests() -> pd.DataFrame:
     added_later = {*VLLM_REQUEST_COLUMNS, "vllm_key"}  # by `with_vllm_columns`
     frame = pd.DataFrame({col: pd.Series(dtype=object) for col in REQUEST_COLUMNS if col not in added_later})
-    for col in ("tokens_queried", "tokens_hit", "tokens_local", "tokens_external", "groups",
+    for col in ("engine", "tokens_queried", "tokens_hit", "tokens_local", "tokens_external", "groups",
                 "bytes_loaded", "bytes_stored"):
         frame[col] = frame[col].astype("Int64")
     for col in ("hit_rate", "load_ms", "load_copy_ms", "t_s"):
@@ -194,11 +198,19 @@ def _empty_requests() -> pd.DataFrame:
 REQUEST_FILTERS = ("all", "hits or loads", "misses", "failed loads")
 
 
-def search_requests(requests: pd.DataFrame, text: str, show: str = "all") -> pd.DataFrame:
+def engines_of(requests: pd.DataFrame) -> list[int]:
+    """The engines (vLLM's data-parallel indexes) the requests ran on, in order; none for older files."""
+    return sorted(int(e) for e in requests["engine"].dropna().unique())
+
+
+def search_requests(requests: pd.DataFrame, text: str, show: str = "all", engine: int | None = None) -> pd.DataFrame:
     """Requests whose label, id or trace id contains `text` (case-insensitive), and of the kind `show` names
     (`REQUEST_FILTERS`): "hits or loads" (a request resumed after preemption can load what it stored
-    itself, with no hit), "misses" (the others) or "failed loads"."""
+    itself, with no hit), "misses" (the others) or "failed loads"; with `engine`, those of that engine only
+    (each engine has a host tier of its own: a prefix another engine stored is a miss on this one)."""
     out = requests
+    if engine is not None:
+        out = out[(out["engine"] == engine).fillna(False).astype(bool)]
     text = text.strip().lower()
     if text:
         match = (out["request"].str.lower().str.contains(text, regex=False)

@@ -12,6 +12,8 @@ from typing import Any
 
 import pandas as pd
 
+from connector.telemetry.span_records import ENGINE_RESOURCE_ATTRIBUTE
+
 SCOPE_NAME = "kvscope"
 # Scope versions whose span schema this reader knows ("0.1" accepts 0.1, 0.1.0, 0.1.3.dev1, ...).
 SUPPORTED_SCOPE_VERSIONS = ("0.1",)
@@ -47,7 +49,12 @@ ATTRIBUTE_COLUMNS: dict[str, tuple[str, bool]] = {
     "kvscope.copy.blocks": ("copy_blocks", True),
     "kvscope.copy.bytes": ("copy_bytes", True),
     "kvscope.worker.rank": ("worker_rank", True),
+    # A resource attribute (vLLM's data-parallel index): each decoder gives it to every span of its
+    # resource (`RESOURCE_ATTRIBUTES`); NA in files written before kvscope recorded it.
+    ENGINE_RESOURCE_ATTRIBUTE: ("engine", True),
 }
+# Resource attributes read as if each span of the resource carried them (a span's own value wins).
+RESOURCE_ATTRIBUTES = (ENGINE_RESOURCE_ATTRIBUTE,)
 
 REQUIRED_ATTRIBUTES: dict[str, tuple[str, ...]] = {
     LOOKUP: ("kvscope.request.id", "kvscope.tokens.queried", "kvscope.tokens.hit"),

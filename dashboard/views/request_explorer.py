@@ -16,10 +16,17 @@ if opened is not None:  # show it: its id searched, whatever its kind
     st.session_state["request_search"] = opened[1]
     st.session_state["request_show"] = "all"
 
-search, show = st.columns([3, 2], vertical_alignment="bottom")
+# Several engines (data parallelism): each has its own host tier, so which one served a request matters
+engines = traces.engines_of(requests)
+search, show, *pick_engine = st.columns([3, 2, 1] if len(engines) > 1 else [3, 2], vertical_alignment="bottom")
 text = search.text_input("Search request or trace id", key="request_search", placeholder="e.g. cmpl-r2")
 kind = show.radio("Show", traces.REQUEST_FILTERS, key="request_show", horizontal=True)
-shown = traces.search_requests(requests, text, show=kind).reset_index(drop=True)
+engine = None
+if pick_engine:
+    engine = pick_engine[0].selectbox("Engine", [None, *engines], key="request_engine",
+                                      format_func=lambda e: "all" if e is None else str(e),
+                                      help="vLLM's data-parallel engine; each has its own host tier")
+shown = traces.search_requests(requests, text, show=kind, engine=engine).reset_index(drop=True)
 
 # The selection follows its request, not its row position, when the search or the filter changes the rows.
 keys = list(zip(shown["trace_id"], shown["request_id"]))
@@ -42,12 +49,14 @@ st.dataframe(
     width="stretch",
     height=min(320, 35 * (len(shown) + 1) + 3),  # no empty rows below a short result
     placeholder="–",
-    column_order=["request", "t_s", "tokens_queried", "tokens_hit", "hit_rate", "miss_reason", "tokens_local",
-                  "tokens_external", "groups", "load_ms", *vllm_columns, "loads", "load_failed", "bytes_loaded",
-                  "bytes_stored", "trace_id"],
+    column_order=["request", *(["engine"] if len(engines) > 1 else []), "t_s", "tokens_queried", "tokens_hit",
+                  "hit_rate", "miss_reason", "tokens_local", "tokens_external", "groups", "load_ms", *vllm_columns,
+                  "loads", "load_failed", "bytes_loaded", "bytes_stored", "trace_id"],
     column_config={
         "request": st.column_config.TextColumn("request", help="Request id; with its trace's first digits where "
                                                "another request has the same id (runs read together)"),
+        "engine": st.column_config.NumberColumn("engine", help="vLLM's data-parallel engine that looked the "
+                                                "request up (each has its own host tier)"),
         "t_s": st.column_config.NumberColumn("arrival (s)", format="%.3f"),
         "tokens_queried": st.column_config.NumberColumn("queried", help="Σ over the request's lookups"),
         "tokens_hit": st.column_config.NumberColumn("hit", help="Σ over the request's lookups"),

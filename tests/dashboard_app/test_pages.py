@@ -14,7 +14,7 @@ from dashboard import formatting, sources, traces
 
 from .conftest import APP, FIXTURES, MALFORMED, TWO_ROUNDS, raw_spans
 from .test_joins import copy, load
-from .test_reader import line, lookup
+from .test_reader import engine_line, line, lookup
 from .vllm_traces import vllm_spans_of
 
 PAGES = ["views/overview.py", "views/request_explorer.py", "views/replay.py", "views/live.py"]
@@ -403,6 +403,30 @@ def test_request_filters_misses_and_failed_loads(monkeypatch, tmp_path):
     at.radio(key="request_show").set_value("misses").run()
     assert at.dataframe[0].value["request_id"].tolist() == ["r-miss"]
 
+
+
+def test_requests_of_several_engines_show_their_engine_and_filter_by_it(monkeypatch, tmp_path):
+    """Data parallelism: the engine column and filter appear only when the spans name several engines."""
+    t = 1_700_000_000_000_000_000
+    path = tmp_path / "dp.jsonl"
+    path.write_text("\n".join([
+        engine_line({"intValue": "0"}, lookup("r-a", 100, 64, trace="aa" * 16, span_id="a1" * 8, start=t)),
+        engine_line({"intValue": "1"}, lookup("r-b", 100, 0, trace="bb" * 16, span_id="b1" * 8, start=t + 10),
+                    lookup("r-c", 100, 0, trace="cc" * 16, span_id="c1" * 8, start=t + 20)),
+    ]) + "\n")
+    at = app(monkeypatch, path)
+    at.switch_page("views/request_explorer.py").run()
+    assert_ok(at)
+    assert at.dataframe[0].value["engine"].tolist() == [0, 1, 1]
+    assert at.selectbox(key="request_engine").options == ["all", "0", "1"]
+    at.selectbox(key="request_engine").set_value(1).run()
+    assert_ok(at)
+    assert at.dataframe[0].value["request_id"].tolist() == ["r-b", "r-c"]
+
+    single = app(monkeypatch, TWO_ROUNDS)  # one engine (or none recorded): no filter
+    single.switch_page("views/request_explorer.py").run()
+    assert_ok(single)
+    assert not any(box.key == "request_engine" for box in single.selectbox)
 
 def _failed_load_trace() -> str:
     t = 1_700_000_000_000_000_000

@@ -396,7 +396,7 @@ def _mutate(doc: dict, rng) -> None:
     """One random contract-relevant change to a parsed trace line."""
     spans = [s for rs in doc["resourceSpans"] for ss in rs["scopeSpans"] for s in ss["spans"]]
     target = rng.choice(spans)
-    choice = rng.randrange(16)
+    choice = rng.randrange(17)
     if choice == 0 and target["attributes"]:
         target["attributes"].pop(rng.randrange(len(target["attributes"])))
     elif choice == 1:
@@ -429,6 +429,10 @@ def _mutate(doc: dict, rng) -> None:
         doc["resourceSpans"][0]["scopeSpans"][0]["spans"].append(rng.choice(["junk", None, 7]))
     elif choice == 14:
         target["attributes"].append({"key": "kvscope.tokens.hit", "value": {"doubleValue": 3.0, "intValue": "5"}})
+    elif choice == 15:  # the engine a resource names (data parallelism), well or badly
+        resource = rng.choice(doc["resourceSpans"]).setdefault("resource", {})
+        resource.setdefault("attributes", []).append({"key": "kvscope.engine", "value": rng.choice([
+            {"intValue": "1"}, {"intValue": 2}, {"stringValue": "x"}, {"doubleValue": 0.5}, {}])})
     else:
         target["attributes"].append({"key": "extra.text", "value": {"stringValue": "half a pair: \ud800"}})
 
@@ -546,6 +550,59 @@ def test_an_attribute_holding_two_values_skips_its_span_in_both_decoders(tmp_pat
     ok["attributes"] = [{"key": a["key"], "value": {**a["value"], "boolValue": None}} for a in ok["attributes"]]
     assert list(traces.read_trace_files([write(tmp_path, line(ok), name="ok.jsonl")]).spans["request_id"]) == ["r3"]
 
+
+
+def engine_line(engine_value, *spans: dict) -> str:
+    """A line whose resource names its engine (`kvscope.engine`, as the connector's SDK resource writes it)."""
+    doc = json.loads(line(*spans))
+    doc["resourceSpans"][0]["resource"]["attributes"] = [
+        {"key": "service.name", "value": {"stringValue": "vllm"}},
+        {"key": "kvscope.engine", "value": engine_value}]
+    return json.dumps(doc)
+
+
+def test_each_span_takes_the_engine_its_resource_names(tmp_path, decoder):
+    """Data parallelism: each engine's resource names it; its spans and requests carry it, a span's own
+    value wins, and files written before kvscope recorded it give NA."""
+    own = lookup("r4", span_id="44" * 8)
+    own["attributes"].append({"key": "kvscope.engine", "value": {"intValue": "5"}})
+    path = write(tmp_path, engine_line({"intValue": "0"}, lookup("r1", span_id="11" * 8)),
+                 engine_line({"intValue": 1}, lookup("r2", span_id="22" * 8, trace="12" * 16), own),
+                 line(lookup("r3", span_id="33" * 8, trace="34" * 16)))
+    read = traces.read_trace_files([path])
+    assert read.problems == []
+    engine_of = dict(zip(read.spans["request_id"], read.spans["engine"]))
+    assert engine_of == {"r1": 0, "r2": 1, "r4": 5, "r3": pd.NA}
+    assert str(read.spans["engine"].dtype) == "Int64"
+    requests = traces.requests_table(read.spans)
+    assert traces.engines_of(requests) == [0, 1, 5]
+    assert list(traces.search_requests(requests, "", engine=1)["request_id"]) == ["r2"]
+    assert len(traces.search_requests(requests, "")) == 4
+
+
+def test_the_arrow_decoder_reads_engines_as_the_line_decoder_does(tmp_path):
+    path = write(tmp_path, engine_line({"intValue": "0"}, lookup("r1", span_id="11" * 8)),
+                 engine_line({"intValue": "1"}, lookup("r2", span_id="22" * 8)), line(lookup("r3", span_id="33" * 8)))
+    data = path.read_bytes()
+    fast = otlp_arrow.decode(data, str(path), data.split(b"\n"))
+    assert fast is not None, "the Arrow decoder declined a clean file"
+    slow = traces.decode_lines(str(path), data.split(b"\n"))
+    pd.testing.assert_frame_equal(reader._validated_frame(fast, "t")[0], reader._validated_frame(slow, "t")[0])
+
+
+@pytest.mark.parametrize("value, reason", [
+    ({"stringValue": "west"}, "kvscope.engine is not an integer"),
+    ({"doubleValue": 1.5}, "kvscope.engine is not an integer"),
+    ({"intValue": "-1"}, "kvscope.engine is -1, expected a count >= 0"),
+    ({"intValue": "1", "stringValue": "1"}, "'kvscope.engine' holds 2 values"),
+])
+def test_a_bad_engine_in_a_resource_skips_that_resources_spans_only(tmp_path, decoder, value, reason):
+    path = write(tmp_path, engine_line(value, lookup("r1", span_id="11" * 8), lookup("r2", span_id="22" * 8)),
+                 engine_line({"intValue": "1"}, lookup("r3", span_id="33" * 8)))
+    read = traces.read_trace_files([path])
+    assert list(read.spans["request_id"]) == ["r3"]
+    assert [(p.line, p.spans) for p in read.problems] == [(1, 2)]
+    assert reason in read.problems[0].reason
 
 def test_a_pretty_printed_export_is_read_as_one_document(tmp_path, decoder):
     one = json.loads(line(lookup("r1", span_id="11" * 8)))

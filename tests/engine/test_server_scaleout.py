@@ -141,3 +141,18 @@ def test_both_engines_write_whole_lines_to_one_trace_file_that_add_up(scaled_out
     assert len(loads) == sum(1 for s in lookups if attribute(s, "kvscope.tokens.hit") > 0)
     for load in loads:
         assert [s for s in spans if s.name == "kvscope.group.copy" and s.trace_id == load.trace_id]
+
+
+def test_the_replay_app_tells_each_engines_requests_apart(scaled_out):
+    """The replay app reads the shared file: every request under the engine that ran it, whose hits
+    add up to that engine's metric."""
+    from dashboard import traces
+
+    scrapes, trace_file, requests_sent = scaled_out
+    read = traces.read_trace_files([trace_file])
+    requests = traces.requests_table(read.spans)
+    assert len(requests) == requests_sent and requests["engine"].notna().all()
+    assert traces.engines_of(requests) == [0, 1]
+    hits = _by_engine(scrapes[0])["kvscope_hit_tokens_total"]
+    for engine in (0, 1):
+        assert traces.search_requests(requests, "", engine=engine)["tokens_hit"].sum() == hits[str(engine)]
