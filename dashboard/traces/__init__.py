@@ -22,7 +22,14 @@ from dashboard.traces.group_stats import (
     null_skip_by_group,
 )
 from dashboard.traces.group_copies import GROUP_COPY_COLUMNS, GROUP_COPY_DEFINITION, request_group_copies
-from dashboard.traces.headline import overview_numbers, top_slow_loads
+from dashboard.traces.headline import (
+    ENGINE_COLUMNS,
+    ENGINE_DEFINITION,
+    engine_summary,
+    overview_numbers,
+    request_numbers,
+    top_slow_loads,
+)
 from dashboard.traces.hit_rates import (
     HIT_RATE_DEFINITION,
     MISSES_COLUMNS,
@@ -78,7 +85,8 @@ from dashboard.traces.vllm_spans import VLLM_COLUMNS, VLLM_REQUEST_SPAN
 from dashboard.traces.waterfall import VLLM_KIND, waterfall_rows
 
 __all__ = [
-    "ATTRIBUTE_COLUMNS", "COPY", "DUPLICATE_SPAN", "GROUP_COPY_COLUMNS", "GROUP_COPY_DEFINITION", "GROUP_KINDS",
+    "ATTRIBUTE_COLUMNS", "COPY", "DUPLICATE_SPAN", "ENGINE_COLUMNS", "ENGINE_DEFINITION", "GROUP_COPY_COLUMNS",
+    "GROUP_COPY_DEFINITION", "GROUP_KINDS",
     "HIT_RATE_DEFINITION",
     "LOAD", "LOAD_FAILED_DEFINITION", "MISS_REASON_DEFINITION", "MISS_REASON_TEXT", "MISSES_COLUMNS",
     "MISSES_DEFINITION",
@@ -87,10 +95,11 @@ __all__ = [
     "REQUEST_KEY", "SCAN", "SCOPE_NAME",
     "SPAN_COLUMNS", "SPAN_NAMES", "STORE", "VLLM_COLUMNS", "VLLM_KIND", "VLLM_REQUEST_COLUMNS", "VLLM_REQUEST_SPAN",
     "VLLM_TIMES_DEFINITION", "DecodedSpans", "Problem", "TraceSource", "Traces", "copy_throughput",
-    "decode_lines", "decode_spans", "engines_of", "find_request", "group_label", "group_summary", "hit_rate",
+    "decode_lines", "decode_spans", "engine_summary", "engines_of", "find_request", "group_label", "group_summary",
+    "hit_rate",
     "hit_rate_over_time", "load_latency_distribution", "misses_by_reason",
     "load_rows", "load_latency_quantiles", "null_skip_by_group",
-    "overview_numbers", "pick_bucket_seconds", "problem_lines", "problems_frame", "read_trace_files",
+    "overview_numbers", "pick_bucket_seconds", "request_numbers", "problem_lines", "problems_frame", "read_trace_files",
     "replay_state", "replay_timeline", "request_group_copies", "request_labels", "requests_table", "search_requests",
     "supported_version",
     "top_slow_loads",

@@ -20,16 +20,11 @@ def top_slow_loads(requests: pd.DataFrame, n: int = 10) -> pd.DataFrame:
     ].reset_index(drop=True)
 
 
-def overview_numbers(requests: pd.DataFrame, spans: pd.DataFrame) -> dict[str, float]:
-    """Headline numbers for the overview page."""
+def request_numbers(requests: pd.DataFrame) -> dict[str, float]:
+    """What the request table alone says: requests, hits, failed loads and load time quantiles."""
     load_ms = requests["load_ms"].dropna().astype(float)
     # nearest rank: every quantile is a load that happened (interpolating between two far apart is none)
     q = np.percentile(load_ms, [50, 95, 99], method="inverted_cdf") if len(load_ms) else [math.nan] * 3
-    copies = copies_of(spans)
-    by_dir = copies.groupby(copies["copy_direction"].astype(str))["copy_bytes"].sum()
-    loads = load_rows(spans)
-    start = spans["start_ns"].min() if len(spans) else 0
-    end = spans["end_ns"].max() if len(spans) else 0
     return {
         "requests": int(len(requests)),
         "requests_with_hit": int((requests["tokens_hit"].fillna(0) > 0).sum()),
@@ -38,13 +33,45 @@ def overview_numbers(requests: pd.DataFrame, spans: pd.DataFrame) -> dict[str, f
         "tokens_hit": int(requests["tokens_hit"].sum()),
         "hit_rate": hit_rate(requests),
         "loads_timed": int(len(load_ms)),
-        "loads": int(len(loads)),
-        "loads_without_copies": int((loads["copies"] == 0).sum()),
         "load_p50_ms": float(q[0]),
         "load_p95_ms": float(q[1]),
         "load_p99_ms": float(q[2]),
+    }
+
+
+def overview_numbers(requests: pd.DataFrame, spans: pd.DataFrame) -> dict[str, float]:
+    """Headline numbers for the overview page."""
+    copies = copies_of(spans)
+    by_dir = copies.groupby(copies["copy_direction"].astype(str))["copy_bytes"].sum()
+    loads = load_rows(spans)
+    start = spans["start_ns"].min() if len(spans) else 0
+    end = spans["end_ns"].max() if len(spans) else 0
+    return {
+        **request_numbers(requests),
+        "loads": int(len(loads)),
+        "loads_without_copies": int((loads["copies"] == 0).sum()),
         "bytes_loaded": int(by_dir.get("load", 0)),
         "bytes_stored": int(by_dir.get("store", 0)),
         "spans": int(len(spans)),
         "duration_s": (int(end) - int(start)) / 1e9,
     }
+
+ENGINE_COLUMNS = ("engine", "requests", "tokens_queried", "tokens_hit", "hit_rate", "requests_load_failed",
+                  "load_p50_ms", "load_p95_ms")
+ENGINE_DEFINITION = (
+    "Under data parallelism each vLLM engine (`kvscope.engine`, its data-parallel index, the metrics' "
+    "`engine` label) has a host tier of its own: a prefix one engine stored is a miss on another. Per "
+    "engine: the requests it looked up, their token hit rate, failed loads and load time quantiles "
+    "(nearest rank, as above)."
+)
+
+
+def engine_summary(requests: pd.DataFrame) -> pd.DataFrame:
+    """One row per engine (`ENGINE_COLUMNS`, `ENGINE_DEFINITION`) the requests ran on, in engine order;
+    empty for trace files that name none."""
+    known = requests[requests["engine"].notna()]
+    rows = []
+    for engine, of_engine in known.groupby(known["engine"].astype("int64"), sort=True):
+        numbers = request_numbers(of_engine)
+        rows.append({"engine": int(engine), **{col: numbers[col] for col in ENGINE_COLUMNS[1:]}})
+    return pd.DataFrame(rows, columns=list(ENGINE_COLUMNS))

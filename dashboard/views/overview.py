@@ -37,6 +37,26 @@ row[2].metric("Load time p99", formatting.millis(numbers["load_p99_ms"]), help=t
 row[3].metric("Loaded from host", formatting.data_size(numbers["bytes_loaded"]), help="Σ copy.bytes of load copies")
 row[4].metric("Stored to host", formatting.data_size(numbers["bytes_stored"]), help="Σ copy.bytes of store copies")
 
+if len(traces.engines_of(requests)) > 1:  # data parallelism: each engine has a host tier of its own
+    st.subheader("By engine", help=traces.ENGINE_DEFINITION)
+    st.dataframe(
+        traces.engine_summary(requests),
+        hide_index=True,
+        width="stretch",
+        placeholder="–",
+        column_order=list(traces.ENGINE_COLUMNS),
+        column_config={
+            "engine": st.column_config.NumberColumn("engine"),
+            "requests": st.column_config.NumberColumn("requests"),
+            "tokens_queried": st.column_config.NumberColumn("tokens queried"),
+            "tokens_hit": st.column_config.NumberColumn("tokens hit"),
+            "hit_rate": st.column_config.NumberColumn("hit rate", format="percent"),
+            "requests_load_failed": st.column_config.NumberColumn("failed loads"),
+            "load_p50_ms": st.column_config.NumberColumn("load p50 (ms)", format="%.3f"),
+            "load_p95_ms": st.column_config.NumberColumn("load p95 (ms)", format="%.3f"),
+        },
+    )
+
 st.subheader("Hit rate over time")
 over_time = traces.hit_rate_over_time(requests)
 bucket_s = traces.pick_bucket_seconds(float(requests["t_s"].max()))

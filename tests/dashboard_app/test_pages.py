@@ -406,7 +406,8 @@ def test_request_filters_misses_and_failed_loads(monkeypatch, tmp_path):
 
 
 def test_requests_of_several_engines_show_their_engine_and_filter_by_it(monkeypatch, tmp_path):
-    """Data parallelism: the engine column and filter appear only when the spans name several engines."""
+    """Data parallelism: the Overview's table by engine, the Requests page's engine column and filter appear
+    only when the spans name several engines."""
     t = 1_700_000_000_000_000_000
     path = tmp_path / "dp.jsonl"
     path.write_text("\n".join([
@@ -415,6 +416,9 @@ def test_requests_of_several_engines_show_their_engine_and_filter_by_it(monkeypa
                     lookup("r-c", 100, 0, trace="cc" * 16, span_id="c1" * 8, start=t + 20)),
     ]) + "\n")
     at = app(monkeypatch, path)
+    assert_ok(at)
+    by_engine = at.dataframe[0].value  # the Overview's first table
+    assert by_engine[["engine", "requests", "tokens_hit"]].values.tolist() == [[0, 1, 64], [1, 2, 0]]
     at.switch_page("views/request_explorer.py").run()
     assert_ok(at)
     assert at.dataframe[0].value["engine"].tolist() == [0, 1, 1]
@@ -423,7 +427,8 @@ def test_requests_of_several_engines_show_their_engine_and_filter_by_it(monkeypa
     assert_ok(at)
     assert at.dataframe[0].value["request_id"].tolist() == ["r-b", "r-c"]
 
-    single = app(monkeypatch, TWO_ROUNDS)  # one engine (or none recorded): no filter
+    single = app(monkeypatch, TWO_ROUNDS)  # one engine (or none recorded): no filter, no table by engine
+    assert "engine" not in single.dataframe[0].value.columns
     single.switch_page("views/request_explorer.py").run()
     assert_ok(single)
     assert not any(box.key == "request_engine" for box in single.selectbox)

@@ -115,6 +115,23 @@ def test_overall_hit_rate_and_numbers(read, requests, expected):
     assert (numbers["bytes_loaded"], numbers["bytes_stored"]) == (expected.bytes["load"], expected.bytes["store"])
 
 
+
+def test_per_engine_numbers_split_the_overall_ones(requests, expected):
+    """Each engine's row is the overview's numbers over its requests alone; requests of no engine (older
+    files) are in none, and a file naming no engine has no rows."""
+    assert traces.engine_summary(requests).empty
+    split = requests.assign(engine=pd.array([i % 2 if i < 18 else None for i in range(len(requests))],
+                                            dtype="Int64"))
+    table = traces.engine_summary(split).set_index("engine")
+    assert list(table.index) == [0, 1]
+    for engine in (0, 1):
+        mine = split[split["engine"] == engine]
+        assert table.loc[engine, "requests"] == len(mine) == 9
+        assert table.loc[engine, "tokens_hit"] == mine["tokens_hit"].sum()
+        assert table.loc[engine, "hit_rate"] == pytest.approx(mine["tokens_hit"].sum() / mine["tokens_queried"].sum())
+        assert table.loc[engine, "load_p50_ms"] == pytest.approx(nearest_rank(mine["load_ms"].dropna(), 50))
+    assert table["tokens_queried"].sum() == split["tokens_queried"].iloc[:18].sum()
+
 def test_hit_rate_over_time(requests, expected):
     frame = traces.hit_rate_over_time(requests, bucket_s=1.0)
     # Round 1 (all misses) within the first second, round 2 (hits) about 2.4 s later.
