@@ -18,8 +18,8 @@ scheduler and msgpack-encoded by vLLM towards the front end)::
       "loaded_blocks":       {"<group>|<kind>": int, ...},
       "load_bytes":          {"<group>|<kind>": int, ...},
       "store_bytes":         {"<group>|<kind>": int, ...},
-      "copy_blocks":         {"<group>|<kind>|<direction>": int, ...},   # log summary only
-      "copy_bytes":          {"<group>|<kind>|<direction>": int, ...},   # log summary only
+      "copy_blocks":         {"<group>|<kind>|<direction>": int, ...},   # not exported: summed over workers
+      "copy_bytes":          {"<group>|<kind>|<direction>": int, ...},   # not exported: summed over workers
       "scan_duration_s":     {"<group>|<kind>": [float, ...]},           # observations
       "copy_duration_s":     {"<group>|<kind>|<direction>": [float, ...]},
       "request_load_duration_s": [float, ...],
