@@ -74,7 +74,7 @@ class KVScopeConnector(KVConnectorBase_V1, SupportsHMA):
             crowded = check_host_memory(num_slots * layout.slot_bytes, local_workers, physical_memory_bytes())
             if crowded and _worker_rank() == 0:
                 logger.warning(crowded)
-        # Spans name their engine as vLLM's metrics do (`engine` label: the data-parallel rank), so a
+        # Spans name their engine as vLLM's metrics do (`engine` label: its data-parallel index), so a
         # trace file or backend fed by several engines tells which tier a request met. Not
         # `data_parallel_rank`: vLLM resets that to 0 in each engine of a dense (non-MoE) model.
         engine = _engine_index(vllm_config.parallel_config)

@@ -74,7 +74,7 @@ FAILED_COPY_SPAN = RecordKind(6, COPY_SPAN.name, COPY_SPAN.attributes,
                               error="copy failed on this worker: a load is recomputed, a store dropped")
 KINDS = (GENERIC_SPAN, LOOKUP_SPAN, LOAD_SPAN, SCAN_SPAN, STORE_SPAN, COPY_SPAN, FAILED_COPY_SPAN)  # by code
 # A resource attribute of every kvscope span: the engine that recorded it, as vLLM's metrics label it
-# (`engine`: the data-parallel rank). Each engine has its own host tier.
+# (`engine`: vLLM's data-parallel index). Each engine has its own host tier.
 ENGINE_RESOURCE_ATTRIBUTE = "kvscope.engine"
 
 # The compound load record's kind code (not in KINDS: it is never encoded as itself). Its ids,
