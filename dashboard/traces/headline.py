@@ -56,6 +56,7 @@ def overview_numbers(requests: pd.DataFrame, spans: pd.DataFrame) -> dict[str, f
         "duration_s": (int(end) - int(start)) / 1e9,
     }
 
+
 ENGINE_COLUMNS = ("engine", "requests", "tokens_queried", "tokens_hit", "hit_rate", "requests_load_failed",
                   "load_p50_ms", "load_p95_ms")
 ENGINE_DEFINITION = (

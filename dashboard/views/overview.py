@@ -51,7 +51,7 @@ if len(traces.engines_of(requests)) > 1:  # data parallelism: each engine has a 
             "tokens_queried": st.column_config.NumberColumn("tokens queried"),
             "tokens_hit": st.column_config.NumberColumn("tokens hit"),
             "hit_rate": st.column_config.NumberColumn("hit rate", format="percent"),
-            "requests_load_failed": st.column_config.NumberColumn("failed loads"),
+            "requests_load_failed": st.column_config.NumberColumn("requests with a failed load"),
             "load_p50_ms": st.column_config.NumberColumn("load p50 (ms)", format="%.3f"),
             "load_p95_ms": st.column_config.NumberColumn("load p95 (ms)", format="%.3f"),
         },
