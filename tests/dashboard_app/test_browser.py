@@ -146,3 +146,35 @@ def test_every_page_renders_without_errors(fake_prometheus, screenshot_dir, caps
     with capsys.disabled():
         print(f"\ndashboard screenshots: {screenshot_dir}")
     assert all(p.stat().st_size > 10_000 for p in shots)
+
+
+def test_several_engines_show_a_table_by_engine_and_an_engine_filter(tmp_path):
+    """Data parallelism in the browser: the fixture's lines split between two engines (each line's
+    resource names one), the Overview's table by engine and the Requests page's engine column."""
+    import json
+
+    from selenium.webdriver.common.by import By
+
+    dp_file = tmp_path / "two_engines.jsonl"
+    lines = []
+    for i, text in enumerate(TWO_ROUNDS.read_text().splitlines()):
+        doc = json.loads(text)
+        for rs in doc["resourceSpans"]:
+            rs.setdefault("resource", {}).setdefault("attributes", []).append(
+                {"key": "kvscope.engine", "value": {"intValue": str(i % 2)}})
+        lines.append(json.dumps(doc))
+    dp_file.write_text("\n".join(lines) + "\n")
+    with streamlit_server([str(dp_file)]) as base, chromium() as driver:
+        driver.get(base)
+        wait_rendered(driver, "Overview")
+        assert page_errors(driver) == []
+        assert any(h.text.startswith("By engine") for h in driver.find_elements(By.CSS_SELECTOR, "h3"))
+        headers, cells = table(driver, 0)
+        assert headers[:3] == ["engine", "requests", "tokens queried"]
+        rows = [cells[i:i + len(headers)] for i in range(0, len(cells), len(headers))]
+        assert [r[0] for r in rows] == ["0", "1"] and sum(int(r[1]) for r in rows) == 20
+        driver.get(f"{base}/requests")
+        wait_rendered(driver, "Requests")
+        assert page_errors(driver) == []
+        assert table(driver, 0)[0][:2] == ["request", "engine"]
+        assert driver.find_elements(By.CSS_SELECTOR, '[data-testid="stSelectbox"]')
