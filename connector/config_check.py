@@ -10,6 +10,7 @@ one offloaded block) is still checked at start-up.
 
 from __future__ import annotations
 
+import argparse
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -156,7 +157,8 @@ def _parse_as_vllm_does(text: str):
         transfer = TypeAdapter(KVTransferConfig).validate_json(expand(text))
     except ValidationError as exc:
         raise ConfigError(f"vLLM refuses this --kv-transfer-config: {exc}") from None
-    except (ValueError, RecursionError) as exc:
+    except (ValueError, RecursionError, OverflowError, argparse.ArgumentTypeError) as exc:
+        # ArgumentTypeError: vLLM's number expander refuses 1.5G (a decimal with a binary suffix)
         raise ConfigError(f"vLLM cannot read this --kv-transfer-config ({type(exc).__name__}: {exc})") from None
     if transfer.kv_connector is None:
         raise ConfigError(f"kv_connector is missing: expected {CONNECTOR_NAME!r}")

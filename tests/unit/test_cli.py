@@ -145,6 +145,11 @@ def test_check_passes_a_good_config_and_says_what_the_engine_will_run_with(tmp_p
     # vLLM's JSON parser refuses half a UTF-16 pair where Python's json takes it
     (_transfer(cpu_bytes=1, trace_file="/tmp/\ud800x.jsonl"), "Invalid JSON"),
     ("[" * 100_000 + "]" * 100_000, "vLLM refuses this --kv-transfer-config"),
+    # vLLM's number expander refuses these with errors that are no ValueError
+    (_transfer(cpu_bytes=1).replace('"cpu_bytes": 1', '"cpu_bytes": 1.5G'),
+     "vLLM cannot read this --kv-transfer-config (ArgumentTypeError: Decimals are not allowed"),
+    (_transfer(cpu_bytes=1).replace('"cpu_bytes": 1', '"cpu_bytes": ' + "9" * 400 + "k"),
+     "vLLM cannot read this --kv-transfer-config (OverflowError"),
 ])
 def test_check_refuses_a_bad_config_naming_what_is_wrong(text, said, capsys):
     assert cli.main(["check", text]) == 2
