@@ -94,7 +94,8 @@ def check_transfer_config(text: str, engine: EngineShape = EngineShape(),
     if crowded:
         result.warnings.append(crowded)
     environment = env if env is not None else os.environ
-    if "expandable_segments:true" in environment.get("PYTORCH_CUDA_ALLOC_CONF", "").replace(" ", "").lower():
+    # vLLM's own test, to the letter (0.32 to 0.34): it refuses any KV connector then
+    if "expandable_segments:True" in environment.get("PYTORCH_CUDA_ALLOC_CONF", ""):
         result.warnings.append("PYTORCH_CUDA_ALLOC_CONF has expandable_segments:True: vLLM refuses a KV connector "
                                "with it unless started with --enable-cumem-allocator")
     result.otlp = _otlp_export(environment, result.warnings)

@@ -56,3 +56,12 @@ def test_the_batched_copy_op_used_on_cuda_is_there():
     params = list(inspect.signature(op).parameters.values())
     assert [p.name for p in params[:3]] == ["src_ptrs", "dst_ptrs", "sizes"]
     assert all(p.default is not p.empty for p in params[3:])
+
+
+def test_vllm_counts_kvscopes_hits_as_host_memory_hits():
+    """vLLM's `vllm:prompt_tokens_cached_by_source` files a connector's hits under the source its
+    `get_external_cache_hit_sources` names: kvscope's come from host memory, not "external_unspecified"."""
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+    connector = object.__new__(KVScopeConnector)  # the base class's method needs no state of the connector
+    assert connector.get_external_cache_hit_sources(None, 48) == {CacheHitSource.HOST: 48}

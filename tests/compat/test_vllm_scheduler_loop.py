@@ -1180,6 +1180,158 @@ def test_kvscope_logs_through_vllms_handlers(model_path):
         ours.handlers, ours.level = saved
 
 
+@pytest.mark.parametrize("role", ["SCHEDULER", "WORKER"])
+@pytest.mark.parametrize("name", ["pipeline_parallel_size", "decode_context_parallel_size"])
+def test_parallelism_kvscope_cannot_follow_is_refused_at_start_up(model_path, role, name):
+    """`kvscope check` refuses these flags, but `vllm serve` never runs it: the connector itself must
+    refuse them when vLLM builds it (the CPU platform cannot start such an engine: set on the config)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from connector import KVScopeConnector
+    from connector.vllm_layout import UnsupportedKVCache
+    from tests.compat.model_free import _kv_cache_config
+
+    config = _connector_config(model_path, {"cpu_bytes": 64 << 20})
+    setattr(config.parallel_config, name, 2)
+    with pytest.raises(UnsupportedKVCache, match=f"{name}=2 is not supported by kvscope"):
+        KVScopeConnector(config, getattr(KVConnectorRole, role), _kv_cache_config(64, WINDOW))
+
+
+def test_the_tokens_a_drafter_may_prefill_again_are_not_final(model_path):
+    """vLLM's KV cache manager treats the last `num_prefill_lookahead_tokens - 1` tokens as re-prefillable
+    (multi-module MTP rewrites their KV) and does not cache them: nor may kvscope store them. Such a
+    drafter cannot be built here: vLLM's count is set on the config."""
+    from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from connector import KVScopeConnector
+    from tests.compat.model_free import _kv_cache_config
+
+    config = _connector_config(model_path, {"cpu_bytes": 64 << 20})
+    for lookahead, reprefillable in ((0, 0), (1, 0), (3, 2)):
+        with mock.patch.object(VllmConfig, "num_prefill_lookahead_tokens", new_callable=mock.PropertyMock,
+                               return_value=lookahead, create=True):
+            connector = KVScopeConnector(config, KVConnectorRole.SCHEDULER, _kv_cache_config(64, WINDOW))
+        assert connector._scheduler.reprefillable_tokens == reprefillable, lookahead
+        connector.shutdown()
+
+
+def test_the_scheduler_side_knows_when_vllm_drafts_tokens(model_path):
+    """With drafts a forward's end is not where a Mamba state is kept (the accepted draft decides): the
+    connector must tell its scheduler side that vLLM runs speculative decoding. (The mamba-spec scenarios
+    pass without it: this pins the wiring.)"""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from connector import KVScopeConnector
+    from tests.compat.model_free import _kv_cache_config
+
+    drafting = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2, "prompt_lookup_min": 1}
+    for speculative_config, witness in ((None, True), (drafting, False)):
+        config = _connector_config(model_path, {"cpu_bytes": 64 << 20}, speculative_config=speculative_config)
+        connector = KVScopeConnector(config, KVConnectorRole.SCHEDULER, _kv_cache_config(64, WINDOW))
+        assert connector._scheduler.states.forward_ends_witness is witness, speculative_config
+        connector.shutdown()
+
+
+def _crowding_warnings(model_path, role: str, rank: int | None = None) -> list[str]:
+    """What one connector warns at start-up of this host's memory, with four workers on the host and
+    memory for three of their tiers; ``rank``: its tensor-parallel rank (None: vLLM's, unset here)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    import connector.connector as connector_module
+    from connector import KVScopeConnector
+    from tests.compat.model_free import _kv_cache_config
+
+    config = _connector_config(model_path, {"cpu_bytes": 64 << 20})
+    ranked = {} if rank is None else {"_worker_rank": mock.DEFAULT}
+    with mock.patch.multiple(connector_module, workers_on_this_host=mock.DEFAULT, physical_memory_bytes=mock.DEFAULT,
+                             **ranked) as patched, mock.patch.object(connector_module.logger, "warning") as warning:
+        patched["workers_on_this_host"].return_value = 4
+        patched["physical_memory_bytes"].return_value = 3 * (64 << 20)
+        if rank is not None:
+            patched["_worker_rank"].return_value = rank
+        KVScopeConnector(config, getattr(KVConnectorRole, role), _kv_cache_config(64, WINDOW)).shutdown()
+    return [str(call.args[0]) for call in warning.call_args_list if "workers on this host" in str(call.args[0])]
+
+
+def test_only_the_first_worker_warns_that_this_hosts_tiers_outgrow_its_memory(model_path):
+    """Each worker allocates its own tier on its own host, so the workers check the host's memory, not the
+    scheduler (it may run on another host); one warning per engine is enough: rank 0's (outside vLLM's
+    distributed state, as here, a worker is rank 0)."""
+    warnings = _crowding_warnings(model_path, "WORKER")
+    assert len(warnings) == 1 and warnings[0].startswith("kvscope: 4 workers on this host"), warnings
+    assert _crowding_warnings(model_path, "WORKER", rank=1) == []
+    assert _crowding_warnings(model_path, "SCHEDULER") == []
+
+
+def test_a_worker_connector_shuts_its_worker_down(model_path):
+    """vLLM's shutdown of a worker's connector must reach the worker (its copy engine's threads and
+    pinned host tier), not only the tracing."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from connector import KVScopeConnector
+    from tests.compat.model_free import _kv_cache_config
+
+    connector = KVScopeConnector(_connector_config(model_path, {"cpu_bytes": 64 << 20}), KVConnectorRole.WORKER,
+                                 _kv_cache_config(64, WINDOW))
+    worker = connector._worker
+    with mock.patch.object(worker, "shutdown", wraps=worker.shutdown) as shutdown:
+        connector.shutdown()
+    shutdown.assert_called_once_with()
+
+
+def test_the_hash_block_size_falls_back_to_vllms_cache_config(model_path):
+    """Where vLLM's KV cache config names no hash block size, its cache config's (partial hash hits)
+    is the one an offloaded block must be a multiple of, not the device block size."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from connector import KVScopeConnector
+    from connector.config import ConfigError
+    from tests.compat.model_free import _kv_cache_config
+
+    config = _connector_config(model_path, {"cpu_bytes": 64 << 20, "block_size": 48})
+    config.cache_config.hash_block_size = 32
+    kv_cache_config = _kv_cache_config(64, WINDOW)
+    assert kv_cache_config.hash_block_size is None
+    with pytest.raises(ConfigError, match="block_size=48 is not accepted: it must be a multiple of vLLM's "
+                                          "prefix-cache hash block size 32"):
+        KVScopeConnector(config, KVConnectorRole.SCHEDULER, kv_cache_config)
+
+
+def test_a_cuda_worker_places_its_store_fence_when_its_caches_are_registered(model_path):
+    """Where a CUDA worker fences its stores depends on vLLM's runner and caches (`_store_fence`, its own
+    test in test_copy_streams): set when vLLM registers the KV caches (a CPU copy engine needs no fence).
+    CUDA is faked on CPU caches."""
+    import torch
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    import connector.connector as connector_module
+    from connector import KVScopeConnector
+    from connector.worker import KVScopeWorker
+    from tests.compat.model_free import PAGE, _kv_cache_config
+
+    config, kv_cache_config = _connector_config(model_path, {"cpu_bytes": 64 << 20}), _kv_cache_config(64, WINDOW)
+    real_register = KVScopeWorker.register_kv_caches
+
+    def register_on_cuda(worker, kv_caches):
+        real_register(worker, kv_caches)
+        worker.engine.is_cuda = True
+
+    caches = {name: torch.zeros(64, PAGE, dtype=torch.int8)
+              for group in kv_cache_config.kv_cache_groups for name in group.layer_names}
+    connector = KVScopeConnector(config, KVConnectorRole.WORKER, kv_cache_config)
+    assert connector._worker.store_fence == FENCE_AT_ONCE  # the default, before vLLM registers its caches
+    with mock.patch.object(KVScopeWorker, "register_kv_caches", register_on_cuda), \
+            mock.patch.object(connector_module, "_store_fence", return_value=FENCE_WHEN_REUSED) as store_fence:
+        connector.register_kv_caches(caches)
+    try:
+        store_fence.assert_called_once_with(config, kv_cache_config)
+        assert connector._worker.store_fence == FENCE_WHEN_REUSED
+    finally:
+        connector._worker.engine.is_cuda = False
+        connector.shutdown()
+
+
 @pytest.mark.parametrize("mamba_block, hash_block, max_num_batched_tokens",
                          [(64, 16, 2048), (64, 16, 100), (16, 16, 2048), (16, 16, 100)],
                          ids=["partial-hits-one-step", "partial-hits-chunked", "one-step", "chunked"])

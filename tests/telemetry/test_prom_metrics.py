@@ -300,3 +300,9 @@ def test_only_the_first_api_server_serves_the_metrics_port(monkeypatch):
         monkeypatch.setattr(connector_module, "serve_metrics_port", lambda p, rank=rank: served.append((rank, p)))
         build(port, rank)
     assert served == [(0, port)]
+
+    # -1 (`vllm serve` sets it before it starts its API servers) is not a later front end: it serves the port too
+    served.clear()
+    monkeypatch.setattr(connector_module, "serve_metrics_port", lambda p: served.append(p))
+    build(port, rank=-1)
+    assert served == [port]

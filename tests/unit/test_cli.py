@@ -214,9 +214,14 @@ def test_check_runs_vllms_own_validation_of_the_parallel_flags(flags, said, caps
 
 
 def test_check_warns_that_vllm_refuses_a_connector_with_expandable_segments(monkeypatch, capsys):
-    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-    assert cli.main(["check", _transfer(cpu_bytes=1 << 20)]) == 0
-    assert "unless started with --enable-cumem-allocator" in capsys.readouterr().err
+    """Said when vLLM's own test, a search for the exact text, finds it: only then does vLLM refuse (a
+    spaced form turns expandable segments on in PyTorch too, but vLLM lets it pass, and kvscope's copies
+    read the KV cache through its tensors, whatever pages back them)."""
+    for conf, refused in (("expandable_segments:True", True), ("max_split_size_mb:512,expandable_segments:True", True),
+                          ("expandable_segments: True", False), ("expandable_segments:False", False)):
+        monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", conf)
+        assert cli.main(["check", _transfer(cpu_bytes=1 << 20)]) == 0
+        assert ("unless started with --enable-cumem-allocator" in capsys.readouterr().err) == refused, conf
 
 
 def test_check_uses_the_connectors_own_words_for_its_extra_config():
@@ -244,6 +249,9 @@ def test_check_warns_when_the_workers_tiers_outgrow_this_hosts_memory(monkeypatc
     # two replicas on two nodes: one whole replica on this one (vLLM derives -dpl 1)
     assert cli.main(["check", "-tp", "4", "-dp", "2", "--nnodes", "2", _transfer(cpu_bytes=6 << 30)]) == 0
     assert "4 workers on this host with a host tier of 6442450944 bytes each" in capsys.readouterr().err
+    # four replicas of two workers on two nodes: two replicas here (vLLM derives -dpl 2)
+    assert cli.main(["check", "-tp", "2", "-dp", "4", "--nnodes", "2", _transfer(cpu_bytes=6 << 30)]) == 0
+    assert "4 workers on this host with a host tier of 6442450944 bytes each" in capsys.readouterr().err
     assert cli.main(["check", _transfer(cpu_bytes=32 << 30)]) == 2  # one worker's tier alone does not fit
     assert "more than this host's 17179869184 bytes of memory" in capsys.readouterr().err
 
@@ -270,3 +278,79 @@ def test_check_refuses_a_bad_trace_export_mode_when_something_is_traced(tmp_path
     assert "KVSCOPE_TRACE_EXPORT='proces' is invalid: accepted are 'process'" in err and "'thread'" in err
     monkeypatch.setenv("OTEL_SDK_DISABLED", "true")  # start-up then traces nothing and reads no export mode
     assert cli.main(["check", _transfer(cpu_bytes=1 << 20, trace_file=str(tmp_path / "t.jsonl"))]) == 0
+
+
+def test_describe_names_a_metrics_port_only_when_one_is_set_and_a_whole_sample_by_default():
+    """A trace file without `trace_sample_ratio` samples every request (1.0), as the engine does; no
+    `metrics_port`: no metrics port line (not "None")."""
+    from connector.config import parse_config
+    from connector.config_check import CheckResult, describe
+
+    plain = describe(CheckResult(parse_config({"cpu_bytes": 1 << 20, "trace_file": "t.jsonl"})))
+    assert "trace file: t.jsonl (sample ratio 1.0)" in plain
+    assert "metrics port" not in plain and "OTLP export: none" in plain
+    served = describe(CheckResult(parse_config({"cpu_bytes": 1 << 20, "metrics_port": 9464})))
+    assert "metrics port: 9464 (offline vllm.LLM runs" in served
+
+
+@pytest.mark.parametrize("module_path", ["connector", "connector.connector"])
+def test_check_accepts_the_module_paths_that_hold_the_connector(module_path, capsys):
+    """vLLM imports `kv_connector_module_path` to find the class: both the package and its module hold it."""
+    import json
+
+    text = json.dumps({"kv_connector": "KVScopeConnector", "kv_role": "kv_both",
+                       "kv_connector_module_path": module_path, "kv_connector_extra_config": {"cpu_bytes": 1 << 20}})
+    assert cli.main(["check", text]) == 0, capsys.readouterr().err
+
+
+def test_check_refuses_a_vllm_outside_the_supported_range_naming_its_version(monkeypatch, capsys):
+    """The connector would refuse to start on it: the check says so, with the same version message."""
+    import vllm
+
+    monkeypatch.setattr(vllm, "__version__", "0.31.0")
+    assert cli.main(["check", _transfer(cpu_bytes=1 << 20)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvscope check: ") and "vLLM 0.31.0" in err and "0.32.x, 0.33.x and 0.34.x" in err, err
+
+
+def test_check_refuses_a_number_vllm_cannot_expand_naming_the_error(capsys):
+    """vLLM's expansion of unquoted 8G-style numbers can raise a ValueError (here: a result longer than
+    Python converts to text): refused, with what went wrong, not a traceback."""
+    import sys
+
+    limit = sys.get_int_max_str_digits()
+    if not limit:
+        pytest.skip("this Python has no limit on integer string conversion")
+    text = ('{"kv_connector": "KVScopeConnector", "kv_role": "kv_both", "kv_connector_extra_config": {"cpu_bytes": '
+            + "9" * (limit - 1) + "K}}")
+    assert cli.main(["check", text]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvscope check: vLLM cannot read this --kv-transfer-config (ValueError: "), err[:300]
+
+
+def test_check_says_when_the_otlp_exporter_cannot_be_created(monkeypatch, capsys):
+    """The engine starts with OTLP export off when its exporter cannot be built: the check says so, and why."""
+    from opentelemetry.exporter.otlp.proto.http import trace_exporter
+
+    def broken(**kwargs):
+        raise RuntimeError("broken exporter install")
+
+    for name in [n for n in os.environ if n.startswith("OTEL_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://collector:4318")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")
+    monkeypatch.setattr(trace_exporter, "OTLPSpanExporter", broken)
+    assert cli.main(["check", _transfer(cpu_bytes=1 << 20)]) == 0
+    captured = capsys.readouterr()
+    assert "OTLP export: off (the exporter could not be created)" in captured.out.splitlines()
+    assert "cannot create the OTLP trace exporter (broken exporter install)" in captured.err
+
+
+def test_check_of_the_json_alone_is_for_an_engine_of_one_worker(monkeypatch):
+    """`check_transfer_config` without an `EngineShape`: vLLM's defaults (one worker, no pipeline
+    stages), which kvscope supports; the host memory check counts that one worker."""
+    from connector import config_check
+
+    monkeypatch.setattr(config_check, "physical_memory_bytes", lambda: 3 << 30)
+    result = config_check.check_transfer_config(_transfer(cpu_bytes=2 << 30), env={})
+    assert result.warnings == [] and result.config.cpu_bytes == 2 << 30

@@ -246,6 +246,16 @@ def test_where_the_fence_goes_by_runner_and_cache():
     assert _store_fence(config(False), object()) == FENCE_AT_NEXT_STEP  # a vLLM that cannot tell: as zeroing
 
 
+def test_vllm_has_its_v1_model_runner_up_to_0_33():
+    """Where vLLM's config has no runner switch (0.34 on), the runner is V2 only when vLLM has no V1 runner."""
+    import vllm
+
+    from connector.connector import _has_v1_model_runner
+
+    major_minor = tuple(int(part) for part in vllm.__version__.split(".")[:2])
+    assert _has_v1_model_runner() is (major_minor < (0, 34))
+
+
 def test_a_store_failing_part_way_is_reported_once_nothing_copies_any_more(cuda_engine, monkeypatch):
     """A copy that raises after enqueueing part of its blocks leaves no event behind: the worker
     waits for the copy streams before the job's failure releases its host slots and blocks."""

@@ -155,3 +155,19 @@ def test_the_engine_index_is_vllms_data_parallel_index_not_the_reset_rank():
     assert config.data_parallel_rank == 0 and _engine_index(config) == 1
     assert _engine_index(ParallelConfig()) == 0
     assert _engine_index(type("Older", (), {"data_parallel_rank": 3})()) == 3  # no index: the configured rank
+    assert _engine_index(type("Older", (), {"data_parallel_rank": 0})()) == 0
+    assert _engine_index(type("Unset", (), {"data_parallel_rank": None})()) == 0  # neither: engine 0
+
+
+def test_vllm_lays_the_kv_cache_out_as_the_connector_requires():
+    """Host slots are copied page by page: vLLM must lay each block's K and V out contiguously, blocks
+    outermost ("LBHNC"), which it does when the configured connector class asks for it."""
+    from types import SimpleNamespace
+
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.utils import get_kv_connector_cache_layout
+
+    connector.register()
+    transfer = KVTransferConfig(kv_connector="KVScopeConnector", kv_role="kv_both",
+                                kv_connector_extra_config={"cpu_bytes": 1 << 20})
+    assert get_kv_connector_cache_layout(SimpleNamespace(kv_transfer_config=transfer)) == "LBHNC"
