@@ -203,6 +203,12 @@ def engines_of(requests: pd.DataFrame) -> list[int]:
     return sorted(int(e) for e in requests["engine"].dropna().unique())
 
 
+def of_engine(requests: pd.DataFrame, spans: pd.DataFrame, engine: int) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """The requests and spans of one engine (its host tier's story apart from the others')."""
+    return (requests[(requests["engine"] == engine).fillna(False).astype(bool)],
+            spans[(spans["engine"] == engine).fillna(False).astype(bool)])
+
+
 def search_requests(requests: pd.DataFrame, text: str, show: str = "all", engine: int | None = None) -> pd.DataFrame:
     """Requests whose label, id or trace id contains `text` (case-insensitive), and of the kind `show` names
     (`REQUEST_FILTERS`): "hits or loads" (a request resumed after preemption can load what it stored

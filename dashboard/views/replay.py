@@ -9,6 +9,13 @@ st.title("Replay")
 widgets.read_problems(loaded.traces)
 loaded = data.require_requests()
 requests, spans = loaded.requests, loaded.spans
+engines = traces.engines_of(requests)
+if len(engines) > 1:  # data parallelism: each engine's host tier fills and serves apart from the others'
+    engine = st.selectbox("Engine", [None, *engines], key="replay_engine",
+                          format_func=lambda e: "all (their tiers added together)" if e is None else str(e),
+                          help="Each engine has its own host tier: replay one to see its tier's story")
+    if engine is not None:
+        requests, spans = traces.of_engine(requests, spans, engine)
 timeline = traces.replay_timeline(requests, spans)
 last = len(timeline)
 st.caption(traces.REPLAY_DEFINITION)

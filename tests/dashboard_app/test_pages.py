@@ -427,11 +427,21 @@ def test_requests_of_several_engines_show_their_engine_and_filter_by_it(monkeypa
     assert_ok(at)
     assert at.dataframe[0].value["request_id"].tolist() == ["r-b", "r-c"]
 
+    at.switch_page("views/replay.py").run()  # replayed together, or one engine's tier alone
+    assert_ok(at)
+    assert metrics(at)["Request"] == "1 of 3"
+    at.selectbox(key="replay_engine").set_value(1).run()
+    assert_ok(at)
+    assert metrics(at)["Request"] == "1 of 2" and at.subheader[0].value.startswith("Request `r-b`")
+
     single = app(monkeypatch, TWO_ROUNDS)  # one engine (or none recorded): no filter, no table by engine
     assert "engine" not in single.dataframe[0].value.columns
     single.switch_page("views/request_explorer.py").run()
     assert_ok(single)
     assert not any(box.key == "request_engine" for box in single.selectbox)
+    single.switch_page("views/replay.py").run()
+    assert_ok(single)
+    assert not any(box.key == "replay_engine" for box in single.selectbox)
 
 def _failed_load_trace() -> str:
     t = 1_700_000_000_000_000_000
