@@ -233,11 +233,8 @@ def _attributes(attributes, keep: np.ndarray, total: int) -> tuple[dict[str, np.
         raise _Declined("attribute without key")
     keys = _string_typed(keys)
     value = _field(items, "value")
-    if value is not None and pa.types.is_struct(value.type) and value.type.num_fields > 1:
-        held = sum(_as_numpy(pc.is_valid(pc.struct_field(value, [i]))).astype(np.int64)
-                   for i in range(value.type.num_fields))
-        if (held > 1).any():
-            raise _Declined("an attribute holding several values")  # the line decoder names it
+    if _holds_several(value):
+        raise _Declined("an attribute holding several values")  # the line decoder names it
     key_index = _as_numpy(pc.fill_null(pc.index_in(keys, value_set=pa.array(KNOWN_KEYS)), -1))
     number = _numbers(value, len(items))
     text = _field(value, "stringValue")
@@ -296,23 +293,27 @@ def _inherit_resource_attributes(rs_items, rs_of_span: np.ndarray, values: dict,
         if len(np.unique(rs_of_item[rows])) < len(rows):
             raise _Declined(f"resource attribute {key} given twice")  # the line decoder takes the first
         picked = value.take(pa.array(rows)) if value is not None else None
-        if picked is not None and pa.types.is_struct(picked.type) and picked.type.num_fields > 1:
-            held = sum(_as_numpy(pc.is_valid(pc.struct_field(picked, [i]))).astype(np.int64)
-                       for i in range(picked.type.num_fields))
-            if (held > 1).any():
-                raise _Declined(f"resource attribute {key} holding several values")
+        if _holds_several(picked):
+            raise _Declined(f"resource attribute {key} holding several values")
         number = _numbers(picked, len(rows))
         if np.isnan(number).any():
             raise _Declined(f"non-numeric resource attribute {key}")
-        by_resource = np.full(int(rs_of_item.max()) + 1 if len(rs_of_item) else 0, np.nan)
+        by_resource = np.full(len(rs_items), np.nan)
         by_resource[rs_of_item[rows]] = number
-        inherited = np.full(len(rs_of_span), np.nan)
-        known = rs_of_span < len(by_resource)
-        inherited[known] = by_resource[rs_of_span[known]]
+        inherited = by_resource[rs_of_span]
         col = values[key]
         own = ~np.isnan(col)
         values[key] = np.where(own, col, inherited)
         invalid[key] = ~np.isnan(values[key]) & ~reader.integral_mask(values[key])
+
+
+def _holds_several(value) -> bool:
+    """Whether an AnyValue column has an entry with two fields set (a oneof holds one)."""
+    if value is None or not pa.types.is_struct(value.type) or value.type.num_fields < 2:
+        return False
+    held = sum(_as_numpy(pc.is_valid(pc.struct_field(value, [i]))).astype(np.int64)
+               for i in range(value.type.num_fields))
+    return bool((held > 1).any())
 
 
 def _numbers(value, count: int) -> np.ndarray:
