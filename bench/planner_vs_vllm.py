@@ -21,7 +21,9 @@ so exporting the spans is counted, and none is dropped), and with its telemetry 
 (`kvscope_bare`, `UninstrumentedScheduler`: the reference for what telemetry costs). Also: the
 adapter path with spans recorded and queued as for a trace file, each full batch then dropped by
 the engine thread instead of marshalled for the helper (`*_noexport`: recording and queueing, apart
-from the export);
+from the export); a bound, not a tracer (`kvscope_on_floor`): the traced path keeping only its values
+(the lookup's, the load's and each scan's, as plain tuples in a list) with no span ids, record queue or
+export, the least any per-load record made on the planning thread could cost;
 tracing a tenth of the requests (`*_sampled`, `trace_sample_ratio` 0.1, what an operator would
 run under load); and the scans alone (`_scan_groups`; traced: `_scan_groups_traced` and the load's record).
 Also the lookup that comes before (`get_num_new_matched_tokens`, the same stored blocks) on both sides
@@ -57,7 +59,12 @@ from connector.groups import GroupKind, GroupLayout  # noqa: E402
 from connector.planning import NULL_BLOCK_ID, cdiv, scan_group  # noqa: E402
 from connector.scheduler import KVScopeScheduler  # noqa: E402
 from connector.telemetry.span_batcher import SpanBatcher  # noqa: E402
-from connector.telemetry.tracing import _HELPER_BATCH_SIZE, EXPORT_MODE_VARIABLE, KVScopeTracing  # noqa: E402
+from connector.telemetry.tracing import (  # noqa: E402
+    _HELPER_BATCH_SIZE,
+    EXPORT_MODE_VARIABLE,
+    KVScopeTracing,
+    SyncRecordProcessor,
+)
 
 DEVICE_BLOCK_SIZE = 16  # tokens per device block, every group (vLLM's chunking needs one size)
 OFFLOAD_BLOCK_SIZE = 256  # tokens per offloaded block: kvscope `block_size`, vLLM `block_size`
@@ -74,7 +81,8 @@ SIZES_FULL = (128, 1024, 8192, 32768)  # device blocks per group (the prompt len
 SIZES_QUICK = (128, 2048, 32768)
 
 SIDES = ("vllm", "kvscope_bare", "kvscope_off", "kvscope_on", "kvscope_on_thread", "kvscope_on_noexport",
-         "kvscope_on_sampled", "kvscope_scan_off", "kvscope_scan_on", "kvscope_scan_on_noexport", "kvscope_scan_bare")
+         "kvscope_on_floor", "kvscope_on_sampled", "kvscope_scan_off", "kvscope_scan_on", "kvscope_scan_on_noexport",
+         "kvscope_scan_bare")
 LOOKUP_SIDES = ("vllm_lookup", "kvscope_lookup")  # get_num_new_matched_tokens, sampled with SIDES
 # Sides also reported as the engine process's CPU time per request (all its threads, not the
 # export helper process): with the helper, wall time includes waiting for it at the flush.
@@ -86,6 +94,7 @@ SAMPLED_RATIO = 0.1  # `kvscope_on_sampled`: the trace file with trace_sample_ra
 # without the export thread's work, against the same planner with its telemetry taken out.
 TELEMETRY_SIDES = {"telemetry_off": "kvscope_off", "telemetry_on": "kvscope_on",
                    "telemetry_on_thread": "kvscope_on_thread", "telemetry_on_noexport": "kvscope_on_noexport",
+                   "telemetry_on_floor": "kvscope_on_floor",
                    "telemetry_on_sampled": "kvscope_on_sampled"}
 # The group scans alone as the scheduler runs them, against plain `scan_group` calls.
 SCAN_SIDES = ("kvscope_scan_off", "kvscope_scan_on", "kvscope_scan_on_noexport")
@@ -300,6 +309,38 @@ class UninstrumentedScheduler(KVScopeScheduler):
         return [scan_group(layout, ids, local, cached, block) for layout, ids in zip(self.layouts, group_block_ids)]
 
 
+class FloorScheduler(KVScopeScheduler):
+    """A bound, not a tracer: the traced planning path keeping the lookup's values as a plain tuple
+    (no span, no ids); with `FloorTracing` the load's record is that tuple, the load's values and the
+    scans' (`_scan_groups_traced`, as traced) kept in a list. What any per-load record made on the
+    planning thread costs at the least: ids, the record queue and the export come on top."""
+
+    def _lookup_span(self, state, req_id, lookup, queried, hit, miss_reason):
+        return (lookup.start_ns, lookup.end_ns, queried, hit, miss_reason, lookup.local_tokens)
+
+
+class FloorTracing(KVScopeTracing):
+    """Tracing that keeps each load's values in a list, dropped every `_HELPER_BATCH_SIZE` loads as
+    a full batch would leave: no ids, no carrier (`FloorScheduler`)."""
+
+    def __init__(self):
+        super().__init__(processor=SyncRecordProcessor(_DropSpans()))  # never handed a record
+        self._kept: list[tuple] = []
+
+    def end_load(self, parent, start_ns, end_ns, values):
+        kept = self._kept
+        kept.append((start_ns, end_ns, values))
+        if len(kept) >= _HELPER_BATCH_SIZE:
+            kept.clear()
+        return None
+
+    def force_flush(self, timeout_millis: int = 5000) -> bool:
+        return True
+
+    def shutdown(self) -> None:
+        pass
+
+
 class KVScopeSide:
     """KVScopeScheduler with every offload block of the case ready in its host index."""
 
@@ -444,9 +485,10 @@ def measure(case: Case, vllm_config, trace_dir: str, repeats: int, min_sample_s:
     noexport_tracing = KVScopeTracing(SpanBatcher([_DropSpans()], max_batch=_HELPER_BATCH_SIZE),
                                       Resource.create({"service.name": "bench"}))
     noexport = KVScopeSide(case, noexport_tracing)
+    floor = KVScopeSide(case, FloorTracing(), FloorScheduler)
     try:
         # Same plan on every side: the same device blocks, group by group.
-        for side in (vllm, bare, off, on, on_thread, noexport, sampled):
+        for side in (vllm, bare, off, on, on_thread, noexport, floor, sampled):
             side.call(side.prepare(1))
             planned = side.planned()
             side.reset()
@@ -461,6 +503,7 @@ def measure(case: Case, vllm_config, trace_dir: str, repeats: int, min_sample_s:
             "kvscope_on": (on.prepare, on.call, on.reset),
             "kvscope_on_thread": (on_thread.prepare, on_thread.call, on_thread.reset),
             "kvscope_on_noexport": (noexport.prepare, noexport.call, noexport.reset),
+            "kvscope_on_floor": (floor.prepare, floor.call, floor.reset),
             "kvscope_on_sampled": (sampled.prepare, sampled.call, sampled.reset),
             "kvscope_scan_off": (lambda n: [None] * n, off.scan, off.reset),
             "kvscope_scan_on": (lambda n: [None] * n, on.scan, on.reset),
@@ -588,6 +631,7 @@ def run(quick: bool = False) -> list[dict]:
 def format_table(results: list[Result]) -> str:
     rows = [("case", "pending", "vLLM µs", "kvscope off µs", "on µs", "off/vLLM", "on/vLLM",
              "on no export/vLLM", "off/bare", "on/bare", "on CPU/bare", "on thread/bare", "on no export/bare",
+             "floor/bare",
              f"on {SAMPLED_RATIO:.0%}/bare", "helper CPU µs", "scan off/bare", "scan on/bare",
              "lookup vLLM µs", "lookup kvscope/vLLM")]
     for r in results:
@@ -601,6 +645,7 @@ def format_table(results: list[Result]) -> str:
                      f"{r.cpu_seconds['kvscope_on'] / r.cpu_seconds['kvscope_bare']:.2f}",
                      f"{s['kvscope_on_thread'] / s['kvscope_bare']:.2f}",
                      f"{s['kvscope_on_noexport'] / s['kvscope_bare']:.2f}",
+                     f"{s['kvscope_on_floor'] / s['kvscope_bare']:.2f}",
                      f"{s['kvscope_on_sampled'] / s['kvscope_bare']:.2f}",
                      f"{r.export_process_cpu * 1e6:.1f}",
                      f"{s['kvscope_scan_off'] / s['kvscope_scan_bare']:.3f}",

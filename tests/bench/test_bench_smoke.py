@@ -57,6 +57,27 @@ def test_planner_vs_vllm_tiny():
     assert {r.pending_blocks for r in results} == {96, 160}  # 1g: 96 blocks; 2g: + 64 in the window
 
 
+def test_the_floor_side_plans_the_traced_load_and_keeps_its_values():
+    """`kvscope_on_floor` bounds what a per-load record costs: it must take the traced path (each
+    group's scan values kept), plan the same load as the others, and make no span or carrier."""
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import init_none_hash
+
+    hash_fn = get_hash_fn_by_name("sha256")
+    init_none_hash(hash_fn)
+    case = planner_vs_vllm.make_case(2, 128, hash_fn)
+    floor = planner_vs_vllm.KVScopeSide(case, planner_vs_vllm.FloorTracing(), planner_vs_vllm.FloorScheduler)
+    floor.call(floor.prepare(1))
+    assert floor.planned() == case.expected_block_ids
+    assert floor.sched._pending_loads[-1].trace_carrier is None
+    [(start, end, values)] = floor.tracing._kept
+    req_id, local, external, groups, scans, lookup = values
+    assert (local, external, groups) == (case.local, case.external, 2) and start <= end
+    pending = [scan[6] for scan in scans]  # (start_ns, end_ns, *SCAN_SPAN values): blocks.pending
+    assert pending == [len(ids) for ids in case.expected_block_ids]
+    assert lookup[2:4] == (case.local + case.external + planner_vs_vllm.NEW_TOKENS - case.local, case.external)
+
+
 def test_kv_events_bench_tiny():
     results = [kv_events_bench.measure(1024, repeats=2)]
     records = kv_events_bench.to_records(results)
