@@ -68,6 +68,9 @@ def _unnest(table: pa.Table, label: str, line_numbers: np.ndarray) -> reader.Dec
     rs = table.column("resourceSpans").combine_chunks() if "resourceSpans" in table.column_names else None
     no_spans = (np.ones(table.num_rows, dtype=bool) if rs is None or pa.types.is_null(rs.type)
                 else rs.is_null().to_numpy(zero_copy_only=False))
+    if no_spans.any() and {"traceId", "spanId", "name"} & set(table.column_names):
+        # Perhaps a bare span: its reason and skipped-span count depend on keys Arrow cannot tell from null.
+        raise _Declined("a line without resourceSpans that may be a bare span")
     for row in np.flatnonzero(no_spans):
         doc = {k: table.column(k)[int(row)].as_py() for k in ("resourceMetrics", "resourceLogs")
                if k in table.column_names}

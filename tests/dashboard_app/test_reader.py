@@ -133,6 +133,17 @@ def test_empty_file_gives_empty_frames(tmp_path, decoder):
     assert traces.copy_throughput(read.spans).empty
 
 
+def test_an_empty_read_has_the_column_types_of_a_loaded_one(tmp_path):
+    """Pages filter and sum an empty frame as they do a full one (`.cat`, Int64 sums, bool masks)."""
+    def types(read):  # text columns may be str or object alike
+        return {col: str(t) for col, t in read.spans.dtypes.items() if str(t) not in ("str", "object")}
+
+    loaded = traces.read_trace_files([write(tmp_path, line(lookup("r1")), name="one.jsonl")])
+    empty = traces.read_trace_files([traces.TraceSource("empty", b"")])
+    assert len(loaded.spans) == 1 and empty.empty
+    assert types(empty) == types(loaded) and "start_ns" in types(loaded) and "name" in types(loaded)
+
+
 def test_blank_lines_only_and_no_files():
     blank = traces.read_trace_files([traces.TraceSource("blank", b"\n  \n\n")])
     assert blank.empty and [p.reason for p in blank.problems] == ["empty file: it holds no lines"]
@@ -144,6 +155,7 @@ def test_missing_file_is_a_problem_not_an_error(tmp_path):
     assert read.problems[0].file == str(tmp_path / "nope.jsonl") and read.problems[0].line == 0
     assert "cannot read file" in read.problems[0].reason
     assert len(read.spans) == len(raw_spans(TWO_ROUNDS))
+    assert read.files == [str(tmp_path / "nope.jsonl"), str(TWO_ROUNDS)]  # the headline counts it as given
 
 
 @pytest.mark.parametrize(
@@ -238,6 +250,46 @@ def test_counts_whose_sums_would_wrap_around_are_left_out(tmp_path):
     assert (numbers["tokens_queried"], numbers["tokens_hit"], numbers["hit_rate"]) == (100, 50, 0.5)
 
 
+def test_one_large_count_among_many_spans_loads_when_the_total_is_far_from_2_62(tmp_path, decoder):
+    """Spans are left out for their counts only when a column's total would pass 2^62."""
+    huge = 1 << 53  # above 2^62 / 1,100 but alone it sums to far less than 2^62
+    spans = [lookup(f"r{i}", span_id=f"{i + 1:016x}") for i in range(1100)]
+    spans[0] = lookup("big", queried=huge, hit=1, span_id="ff" * 8)
+    read = traces.read_trace_files([write(tmp_path, line(*spans))])
+    assert read.problems == [] and len(read.spans) == 1100
+    assert read.spans.set_index("request_id").loc["big", "tokens_queried"] == huge
+
+
+def test_a_count_equal_to_its_share_of_2_62_stays(tmp_path):
+    """Past 2^62 in all, each value above the column's share per span (here 2^62 / 1,024 = 2^52) goes: the
+    reason says "at most" the share, so a value equal to it stays."""
+    spans = [lookup(f"r{i}", queried=1 << 52, hit=0, span_id=f"{i + 1:016x}") for i in range(1023)]
+    spans.append(lookup("big", queried=1 << 53, hit=0, span_id="ff" * 8))
+    read = traces.read_trace_files([write(tmp_path, line(*spans))])
+    assert [(p.spans, p.reason.split(":")[0]) for p in read.problems] == [(1, f"kvscope.tokens.queried is {1 << 53}")]
+    assert len(read.spans) == 1023 and "expected at most 4503599627370496" in read.problems[0].reason
+
+
+def test_a_span_of_zero_duration_is_on_time(tmp_path, decoder):
+    t = 1_700_000_000_000_000_000
+    read = traces.read_trace_files([write(tmp_path, line(lookup("r1", start=t, end=t)))])
+    assert read.problems == [] and list(read.spans["clock_ok"]) == [True] and list(read.spans["duration_ms"]) == [0]
+
+
+def test_a_negative_count_says_what_was_expected(tmp_path, decoder):
+    read = traces.read_trace_files([write(tmp_path, line(lookup("r1", queried=-3, hit=0)))])
+    assert [(p.spans, p.reason) for p in read.problems] == [(1, "kvscope.tokens.queried is -3, expected a count >= 0")]
+
+
+def test_a_clock_problem_in_one_file_is_listed_for_that_file_only(tmp_path):
+    t = 1_700_000_000_000_000_000
+    backwards = write(tmp_path, line(lookup("r1", start=t, end=t - 5)), name="a.jsonl")
+    fine = write(tmp_path, line(lookup("r2", span_id="22" * 8, start=t)), name="b.jsonl")
+    read = traces.read_trace_files([fine, backwards])
+    assert [(Path(p.file).name, p.line, p.reason) for p in read.problems] == [
+        ("a.jsonl", 1, f"{reader.ENDS_BEFORE_START} (1 span(s), kept)")]
+
+
 def _bad_lookup_line(**edits: str) -> str:
     """A lookup line with fields replaced by raw JSON text (values `json.dumps` cannot write)."""
     text = line(lookup("r9", span_id="22" * 8))
@@ -252,20 +304,27 @@ def _bad_lookup_line(**edits: str) -> str:
         ("[" * 100_000 + "]" * 100_000, "nested too deeply"),
         (_bad_lookup_line(startTimeUnixNano="1e400"), "malformed kvscope.lookup"),
         (_bad_lookup_line(startTimeUnixNano='"99999999999999999999"'), "outside 0..2^63"),
+        (_bad_lookup_line(startTimeUnixNano='"9223372036854775808"'), "outside 0..2^63"),  # 2^63: past int64
         (_bad_lookup_line(startTimeUnixNano='"-5"'), "outside 0..2^63"),
         (_bad_lookup_line(startTimeUnixNano='"0x10"'), "is '0x10', expected an integer"),  # Arrow's cast takes hex
         (_bad_lookup_line(status='{"code": 1e400}'), "malformed kvscope.lookup"),
         (_bad_lookup_line(status='{"code": 7}'), "unknown status code 7"),
         (line(lookup("r9", span_id="22" * 8, queried=99999999999999999999)), "tokens.queried is not an integer"),
     ],
-    ids=["deep", "infinite-time", "time-past-int64", "negative-time", "hex-time", "infinite-status", "unknown-status",
-         "huge-int"],
+    ids=["deep", "infinite-time", "time-past-int64", "time-2^63", "negative-time", "hex-time", "infinite-status",
+         "unknown-status", "huge-int"],
 )
 def test_values_no_frame_can_hold_are_problems_not_crashes(tmp_path, decoder, bad, reason):
     path = write(tmp_path, line(lookup("r1", span_id="11" * 8)), bad)
     read = traces.read_trace_files([path])
     assert list(read.spans["span_id"]) == ["11" * 8]
     assert [p.line for p in read.problems] == [2] and reason in read.problems[0].reason, read.problems
+
+
+def test_span_times_at_the_ends_of_int64_load(tmp_path, decoder):
+    path = write(tmp_path, line(lookup("r1", span_id="11" * 8, start=0, end=(1 << 63) - 1)))
+    read = traces.read_trace_files([path])
+    assert read.problems == [] and (read.spans["start_ns"][0], read.spans["end_ns"][0]) == (0, (1 << 63) - 1)
 
 
 def test_a_corrupted_gzip_file_is_a_problem_not_an_error(tmp_path):
@@ -482,19 +541,77 @@ def test_a_lone_surrogate_skips_only_its_span(tmp_path, decoder):
     read = traces.read_trace_files([path])
     assert sorted(read.spans["request_id"]) == ["r-\U0001f600", "r1"]
     assert [(p.line, p.spans) for p in read.problems] == [(1, 2)]
-    assert "not valid Unicode (a lone surrogate" in read.problems[0].reason
+    assert read.problems[0].reason.startswith("kvscope.lookup span holds a string that is not valid Unicode (a lone")
     pa.Table.from_pandas(traces.requests_table(read.spans))  # what st.dataframe does
+
+
+def test_a_lone_surrogate_in_a_span_name_is_named_printably(tmp_path, decoder):
+    """The problem names the span: its name escaped, since the page cannot show (encode) a lone surrogate."""
+    read = traces.read_trace_files([write(tmp_path, line(span("kvscope.x\ud800", {})))])
+    assert read.empty and [p.reason.split(" span holds")[0] for p in read.problems] == ["kvscope.x\\ud800"]
+    read.problems[0].reason.encode("utf-8")
 
 
 def test_a_non_object_entry_of_spans_skips_only_that_entry(tmp_path, decoder):
     doc = json.loads(line(lookup("r1", span_id="11" * 8), lookup("r2", span_id="22" * 8)))
-    doc["resourceSpans"][0]["scopeSpans"][0]["spans"][1:1] = ["junk", None, 7]
+    doc["resourceSpans"][0]["scopeSpans"][0]["spans"][1:1] = ["junk", None, 7, True, 1.5, False, [1]]
     read = traces.read_trace_files([write(tmp_path, json.dumps(doc))])
     assert sorted(read.spans["request_id"]) == ["r1", "r2"]
-    assert sorted((p.line, p.spans, p.reason) for p in read.problems) == [
-        (1, 1, "an entry of spans is a number, not a span object"),
-        (1, 1, "an entry of spans is a string, not a span object"),
-        (1, 1, "an entry of spans is null, not a span object")]
+    assert {p.line for p in read.problems} == {1} and len(read.problems) == 6
+    assert {p.reason.removeprefix("an entry of spans is ").removesuffix(", not a span object"): p.spans
+            for p in read.problems} == {"a string": 1, "null": 1, "a number": 2, "true": 1, "false": 1, "a list": 1}
+
+
+def test_a_null_entry_of_spans_is_a_problem_in_both_decoders(tmp_path, decoder):
+    """Only nulls among the spans: a list Arrow parses, where a null struct would pass as a span of no name."""
+    doc = json.loads(line(lookup("r1", span_id="11" * 8)))
+    doc["resourceSpans"][0]["scopeSpans"][0]["spans"].append(None)
+    read = traces.read_trace_files([write(tmp_path, json.dumps(doc), line(lookup("r2", span_id="22" * 8)))])
+    assert list(read.spans["request_id"]) == ["r1", "r2"] and read.other_spans == 0
+    assert [(p.line, p.reason, p.spans) for p in read.problems] == [
+        (1, "an entry of spans is null, not a span object", 1)]
+
+
+def test_a_string_attribute_written_as_a_number_reads_as_its_json_text(tmp_path, decoder):
+    s = lookup("r1")
+    s["attributes"][0]["value"] = {"stringValue": 5}  # kvscope.request.id
+    read = traces.read_trace_files([write(tmp_path, line(s))])
+    assert read.problems == [] and list(read.spans["request_id"]) == ["5"]
+
+
+def test_spans_without_attributes_lack_what_their_name_requires_in_both_decoders(tmp_path, decoder):
+    bare = lookup("r1")
+    bare["attributes"] = []
+    read = traces.read_trace_files([write(tmp_path, line(bare))])
+    assert read.empty and [(p.reason, p.spans) for p in read.problems] == [
+        ("kvscope.lookup span lacks kvscope.request.id", 1)]
+
+
+def test_a_span_attribute_holding_two_values_is_a_problem_in_both_decoders(tmp_path, decoder):
+    two = lookup("r9", span_id="22" * 8)
+    two["attributes"].append({"key": "note", "value": {"intValue": "5", "doubleValue": 3.0}})
+    read = traces.read_trace_files([write(tmp_path, line(lookup("r1", span_id="11" * 8), two))])
+    assert list(read.spans["request_id"]) == ["r1"]
+    assert [(p.spans, "attribute 'note' holds 2 values" in p.reason) for p in read.problems] == [(1, True)]
+
+
+def test_a_resource_or_scope_without_spans_holds_none(tmp_path, decoder):
+    """OTLP/JSON leaves an empty repeated field out (or writes null): no spans, not a malformed line."""
+    doc = json.loads(line(lookup("r1", span_id="11" * 8)))
+    doc["resourceSpans"] += [{"resource": {}}, {"scopeSpans": None},
+                             {"scopeSpans": [{"scope": {"name": "kvscope", "version": "0.1.0"}}]}]
+    read = traces.read_trace_files([write(tmp_path, json.dumps(doc))])
+    assert list(read.spans["request_id"]) == ["r1"] and read.problems == []
+
+
+def test_a_status_code_written_as_its_enum_name_reads_as_its_number(tmp_path, decoder):
+    """Protobuf's JSON printer writes an enum by name ("STATUS_CODE_ERROR"), OTLP/JSON by number."""
+    spans = [lookup(f"r{i}", span_id=f"{i}{i}" * 8) for i in range(1, 4)]
+    for s, code in zip(spans, ["STATUS_CODE_UNSET", "STATUS_CODE_OK", "STATUS_CODE_ERROR"]):
+        s["status"] = {"code": code}
+    read = traces.read_trace_files([write(tmp_path, line(*spans))])
+    assert read.problems == []
+    assert dict(zip(read.spans["request_id"], read.spans["status_code"])) == {"r1": 0, "r2": 1, "r3": 2}
 
 
 def test_bytes_that_are_not_utf8_skip_their_line_in_both_decoders(tmp_path, decoder):
@@ -578,6 +695,18 @@ def test_each_span_takes_the_engine_its_resource_names(tmp_path, decoder):
     assert traces.engines_of(requests) == [0, 1, 5]
     assert list(traces.search_requests(requests, "", engine=1)["request_id"]) == ["r2"]
     assert len(traces.search_requests(requests, "")) == 4
+    engine_requests, engine_spans = traces.of_engine(requests, read.spans, 1)  # one host tier's story
+    assert list(engine_requests["request_id"]) == ["r2"] and list(engine_spans["request_id"]) == ["r2"]
+
+
+def test_resource_attributes_that_are_no_attribute_objects_are_not_kvscopes_to_judge(tmp_path, decoder):
+    doc = json.loads(engine_line({"intValue": "1"}, lookup("r1", span_id="11" * 8)))
+    doc["resourceSpans"][0]["resource"]["attributes"][:0] = ["x", None, 7]
+    read = traces.read_trace_files([write(tmp_path, json.dumps(doc))])
+    assert read.problems == [] and list(read.spans["engine"]) == [1]
+    unset = json.loads(engine_line(None, lookup("r2", span_id="22" * 8)))  # OTLP/JSON's null: unset
+    read = traces.read_trace_files([write(tmp_path, json.dumps(unset))])
+    assert read.problems == [] and read.spans["engine"].isna().all()
 
 
 def test_the_arrow_decoder_reads_engines_as_the_line_decoder_does(tmp_path):
@@ -663,6 +792,27 @@ def test_files_of_another_kind_say_what_they_are(tmp_path):
     assert len(read.problems) == 4 and read.empty
 
 
+@pytest.mark.parametrize(("doc", "reason"), [
+    ({"traceId": "ab" * 16, "spanId": "cd" * 8}, "no resourceSpans: a bare span, not a trace export (spans belong"),
+    ({"traceId": "ab" * 16}, "no resourceSpans: not a trace export"),
+    ({"spanId": "cd" * 8}, "no resourceSpans: not a trace export"),
+    ({"resourceLogs": [], "traceId": "ab" * 16, "spanId": "cd" * 8},
+     "no resourceSpans: not a trace export (a resourceLogs export)"),
+], ids=["span", "trace-id-only", "span-id-only", "log-export"])
+def test_a_bare_span_is_told_by_both_of_its_ids_in_a_document_of_no_other_export(doc, reason, decoder):
+    read = traces.read_trace_files([traces.TraceSource("t.json", json.dumps(doc).encode())])
+    assert [p.reason[:len(reason)] for p in read.problems] == [reason]
+
+
+def test_bare_kvscope_spans_one_a_line_are_named_and_counted_by_both_decoders(decoder):
+    """Spans written one a line with no export around them: the Arrow decoder once called each line "not a trace
+    export" with no span skipped, where the line decoder says what the line is and counts its span."""
+    data = (json.dumps(lookup("r1")) + "\n" + json.dumps(lookup("r2", span_id="22" * 8)) + "\n").encode()
+    read = traces.read_trace_files([traces.TraceSource("spans.jsonl", data)])
+    assert read.empty and [(p.line, p.spans) for p in read.problems] == [(1, 1), (2, 1)]
+    assert all(p.reason.startswith("no resourceSpans: a bare span, not a trace export") for p in read.problems)
+
+
 def test_a_gzip_file_still_being_written_keeps_its_complete_lines(tmp_path):
     data = gzip.compress(TWO_ROUNDS.read_bytes())
     cut = tmp_path / "live.jsonl.gz"
@@ -713,6 +863,67 @@ def test_a_file_given_twice_that_cannot_be_read_is_not_said_to_be_read(tmp_path)
     assert read.problems[1].reason == f"the same file as {missing}: it could not be read"
 
 
+def test_the_pre_1_0_otlp_field_names_read_like_the_current_ones(tmp_path, decoder):
+    """Old Collectors write instrumentationLibrarySpans/instrumentationLibrary; a resource holding both
+    fields is read by the current one."""
+    old = {"resourceSpans": [{"instrumentationLibrarySpans": [
+        {"instrumentationLibrary": {"name": "kvscope", "version": "0.1.0"}, "spans": [lookup("old")]}]}]}
+    both = json.loads(line(lookup("new", span_id="22" * 8)))
+    both["resourceSpans"][0]["instrumentationLibrarySpans"] = [{"spans": [lookup("stale", span_id="33" * 8)]}]
+    exact = line(lookup("exact", span_id="44" * 8), version="0.1")  # the version itself, not only 0.1.x
+    read = traces.read_trace_files([write(tmp_path, json.dumps(old), json.dumps(both), exact)])
+    assert read.problems == [] and list(read.spans["request_id"]) == ["old", "new", "exact"]
+    old["resourceSpans"][0]["instrumentationLibrarySpans"][0]["instrumentationLibrary"]["version"] = "9.0.0"
+    read = traces.read_trace_files([write(tmp_path, json.dumps(old))])
+    assert read.empty and [(p.spans, "'9.0.0' is not supported" in p.reason) for p in read.problems] == [(1, True)]
+
+
+def test_a_file_of_clean_exports_without_spans_lists_each_line_that_is_no_trace_export(tmp_path, decoder):
+    """Parses cleanly (the Arrow decoder takes it) yet holds no span: a metrics export, a trace export of none."""
+    path = write(tmp_path, json.dumps({"resourceMetrics": [{"resource": {}}]}), json.dumps({"resourceSpans": []}),
+                 json.dumps({"resourceMetrics": []}))
+    if decoder == "arrow":
+        assert otlp_arrow.decode(path.read_bytes(), str(path), path.read_bytes().split(b"\n")) is not None
+    read = traces.read_trace_files([path])
+    assert read.empty and read.lines == 3 and read.other_spans == 0
+    assert [(p.line, p.reason, p.spans) for p in read.problems] == [
+        (1, "no resourceSpans: not a trace export (a resourceMetrics export)", 0),
+        (3, "no resourceSpans: not a trace export (a resourceMetrics export)", 0)]
+
+
+def test_a_line_that_is_no_export_says_what_json_it_holds(tmp_path, decoder):
+    path = write(tmp_path, "[]", '["x", {}]', "7", line(lookup("r1")))
+    read = traces.read_trace_files([path])
+    assert [(p.line, p.reason) for p in read.problems] == [
+        (1, "expected a JSON object (an ExportTraceServiceRequest), got an empty list"),
+        (2, "expected a JSON object (an ExportTraceServiceRequest), got a list holding a string"),
+        (3, "expected a JSON object (an ExportTraceServiceRequest), got a number")]
+    assert list(read.spans["request_id"]) == ["r1"]
+
+
+def test_a_long_reason_is_cut_to_160_characters(tmp_path, decoder):
+    bad = lookup("r9", span_id="22" * 8)
+    bad["startTimeUnixNano"] = "9" * 400  # beyond int64: its value is quoted in the reason
+    read = traces.read_trace_files([write(tmp_path, line(lookup("r1", span_id="11" * 8), bad))])
+    prefix = "malformed kvscope.lookup span: "
+    (problem,) = read.problems
+    assert problem.reason.startswith(prefix + "startTimeUnixNano '999") and problem.reason.endswith("9…")
+    assert len(problem.reason) == len(prefix) + 160
+    bad["startTimeUnixNano"] = "9" * 118  # a reason of 160 characters exactly: whole
+    read = traces.read_trace_files([write(tmp_path, line(lookup("r1", span_id="11" * 8), bad))])
+    assert read.problems[0].reason == prefix + f"startTimeUnixNano '{'9' * 118}' is outside 0..2^63 ns"
+    assert len(read.problems[0].reason) == len(prefix) + 160
+
+
+def test_a_scope_of_an_unsupported_version_counts_only_its_kvscope_spans(tmp_path, decoder):
+    doc = json.loads(line(lookup("r9"), span("llm_request", {}, span_id="66" * 8), version="9.0.0"))
+    doc["resourceSpans"][0]["scopeSpans"][0]["spans"].append("junk")  # not a span: not kvscope's either
+    read = traces.read_trace_files([write(tmp_path, json.dumps(doc), line(lookup("r1", span_id="11" * 8)))])
+    assert [(p.line, p.spans, p.reason) for p in read.problems] == [
+        (1, 1, "kvscope scope version '9.0.0' is not supported (this dashboard reads 0.1.x)")]
+    assert list(read.spans["request_id"]) == ["r1"] and read.other_spans == 2  # llm_request and the junk entry
+
+
 @pytest.mark.parametrize(
     ("doc", "reason"),
     [
@@ -722,8 +933,15 @@ def test_a_file_given_twice_that_cannot_be_read_is_not_said_to_be_read(tmp_path)
          "not an OTLP trace export: resourceSpans[0].scopeSpans is an object, expected a list"),
         ({"resourceSpans": [{"scopeSpans": [{"scope": "kvscope", "spans": []}]}]},
          "not an OTLP trace export: resourceSpans[0].scopeSpans[0].scope is a string, expected an object"),
+        ({"resourceSpans": [{"scopeSpans": 0}]},  # falsy, yet not a list: not the old format's "no scopeSpans"
+         "not an OTLP trace export: resourceSpans[0].scopeSpans is a number, expected a list"),
+        ({"resourceSpans": [None]}, "not an OTLP trace export: resourceSpans[0] is null, expected an object"),
+        ({"resourceSpans": [{"scopeSpans": [None]}]},
+         "not an OTLP trace export: resourceSpans[0].scopeSpans[0] is null, expected an object"),
     ],
-    ids=["resourceSpans-object", "resource-string", "scopeSpans-object", "scope-string"],
+    ids=["resourceSpans-object", "resource-string", "scopeSpans-object", "scope-string", "scopeSpans-zero",
+         "resource-null",
+         "scopeSpans-entry-null"],
 )
 def test_a_misshapen_export_names_the_field(tmp_path, decoder, doc, reason):
     read = traces.read_trace_files([write(tmp_path, json.dumps(doc), line(lookup()))])
@@ -743,8 +961,16 @@ def test_a_misshapen_export_names_the_field(tmp_path, decoder, doc, reason):
         (lambda s: s.update(status="ok"), "malformed kvscope.lookup span: status is a string, expected an object"),
         (lambda s: s.update(startTimeUnixNano="soon"), "malformed kvscope.lookup span: startTimeUnixNano is 'soon', "
                                                         "expected an integer: nanoseconds since the epoch"),
+        (lambda s: s["attributes"].append(None), "malformed kvscope.lookup span: an entry of attributes is null, "
+                                                 "expected an object"),
+        (lambda s: s["attributes"].append({"value": {"intValue": "1"}}),
+         "malformed kvscope.lookup span: an attribute has no key"),
+        (lambda s: s.update(endTimeUnixNano="later"), "malformed kvscope.lookup span: endTimeUnixNano is 'later', "
+                                                      "expected an integer: nanoseconds since the epoch"),
+        (lambda s: s.pop("traceId"), "kvscope.lookup span without traceId"),
     ],
-    ids=["attributes-object", "attribute-string", "value-number", "status-string", "time-text"],
+    ids=["attributes-object", "attribute-string", "value-number", "status-string", "time-text", "attribute-null",
+         "attribute-no-key", "end-time-text", "no-trace-id"],
 )
 def test_a_misshapen_span_names_the_field(tmp_path, decoder, edit, reason):
     bad = lookup("r9", span_id="22" * 8)

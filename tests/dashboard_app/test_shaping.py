@@ -286,8 +286,52 @@ def test_every_lookup_counts_and_copies_join_their_load(tmp_path):
     assert len(requests) == 1 and row["lookups"] == 2
     assert (row["tokens_queried"], row["tokens_hit"]) == (200, 64)  # both lookups
     assert row["arrival_ns"] == t  # the first lookup
-    assert row["load_ms"] == pytest.approx(3.0) and row["bytes_loaded"] == 512
+    assert row["load_ms"] == 3.0 and row["bytes_loaded"] == 512  # exact: 3,000,000 ns
+    assert row["load_copy_ms"] == 2.0  # its one load's copy, 2,000,000 ns
     assert traces.hit_rate(requests) == pytest.approx(64 / 200) and row["hit_rate"] == pytest.approx(64 / 200)
+
+
+def test_requests_arrive_at_seconds_since_the_first(tmp_path):
+    t = 1_700_000_000_000_000_000
+    path = write(tmp_path, line(lookup("r1", span_id="01" * 8, start=t),
+                                lookup("r2", span_id="02" * 8, start=t + 1_500_000_000)))
+    requests = traces.requests_table(traces.read_trace_files([path]).spans)
+    assert requests["t_s"].tolist() == [0, 1.5]
+    assert traces.find_request(requests, "ab" * 16, "r2")["t_s"] == 1.5
+    with pytest.raises(KeyError):  # the replay page's request gone from the rows
+        traces.find_request(requests, "ab" * 16, "r3")
+
+
+def test_an_empty_requests_table_has_the_column_types_of_a_full_one(tmp_path):
+    def types(requests):  # text columns may be str or object alike
+        return {col: str(t) for col, t in requests.dtypes.items() if str(t) not in ("str", "object")}
+
+    full = traces.requests_table(traces.read_trace_files([write(tmp_path, line(lookup("r1")))]).spans)
+    empty = traces.requests_table(traces.read_trace_files([traces.TraceSource("empty", b"")]).spans)
+    assert len(full) == 1 and empty.empty
+    assert types(empty) == types(full) and {"arrival", "hit_rate", "loads", "load_failed", "engine"} <= set(types(full))
+
+
+def test_a_hit_without_a_load_and_a_load_without_a_hit_are_both_hits_or_loads(tmp_path):
+    """vLLM may take none of a hit (no load), and a request resumed after preemption loads with no hit."""
+    path = write(tmp_path, line(lookup("hit", 100, 64, span_id="01" * 8, trace="a1" * 16),
+                                lookup("resumed", 100, 0, span_id="02" * 8, trace="a2" * 16),
+                                load("resumed", span_id="03" * 8, parent="02" * 8, trace="a2" * 16),
+                                lookup("miss", 100, 0, span_id="04" * 8, trace="a3" * 16),
+                                lookup("one", 1, 1, span_id="05" * 8, trace="a4" * 16)))  # a one-token prompt, hit
+    spans = traces.read_trace_files([path]).spans
+    requests = traces.requests_table(spans)
+    loads = traces.load_rows(spans)  # the load has no copy (its worker's file not read)
+    assert loads[["request_id", "span_id", "start_ns", "copies"]].values.tolist() == [
+        ["resumed", "03" * 8, 1_700_000_000_000_000_000, 0]]
+    assert traces.overview_numbers(requests, spans)["loads_without_copies"] == 1
+    assert sorted(traces.search_requests(requests, "", show="hits or loads")["request_id"]) == ["hit", "one", "resumed"]
+    assert list(traces.search_requests(requests, "", show="misses")["request_id"]) == ["miss"]
+    assert traces.search_requests(requests, ".").empty  # text, not a pattern: no id holds a dot
+    assert traces.search_requests(requests, "", show="failed loads").empty  # no load is no failed load
+    assert not requests["load_failed"].any() and not requests["load_mistimed"].any()
+    assert requests.set_index("request_id")["hit_rate"].to_dict() == pytest.approx(
+        {"hit": 0.64, "resumed": 0, "miss": 0, "one": 1})
 
 
 def test_a_request_without_lookup_arrives_at_its_first_load(tmp_path):
@@ -297,6 +341,7 @@ def test_a_request_without_lookup_arrives_at_its_first_load(tmp_path):
                                 span("kvscope.load", load, span_id="02" * 8, start=t + 9_000_000)))  # resumed
     requests = traces.requests_table(traces.read_trace_files([path]).spans)
     assert requests["arrival_ns"].tolist() == [t] and requests["loads"].tolist() == [2]
+    assert requests["lookups"].tolist() == [0]
 
 
 def test_a_failed_load_and_its_second_lookup_both_count(tmp_path):
