@@ -206,9 +206,10 @@ class ExportProcess(SpanExporter):
                 return
             error = None if locked else TimeoutError("the span export helper stopped reading")
             if locked and self._proc is not None:
-                try:  # what is still waiting for the pipe goes first
-                    self._settle()
-                    self._write_pending(deadline=time.monotonic() + self._stop_timeout_s)
+                try:  # what is still waiting for the pipe goes first, within the same deadline
+                    deadline = time.monotonic() + self._stop_timeout_s
+                    self._settle(deadline)
+                    self._write_pending(deadline=deadline)
                 except Exception as exc:
                     self._fail_over(exc)  # kills the helper; what it had not read is exported here
             self._closed = True
@@ -236,13 +237,13 @@ class ExportProcess(SpanExporter):
             exporter.shutdown()
 
     # ------------------------------------------------------------ under the lock
-    def _settle(self) -> None:
+    def _settle(self, deadline: float | None = None) -> None:
         if self._broken is not None:
             exc, self._broken = self._broken, None
             self._fail_over(exc)
         if self._frames and self._proc is not None:
             try:
-                self._write_pending()
+                self._write_pending(deadline)  # (none: shutdown passes one, or a stopped helper hangs it)
             except Exception as exc:
                 self._fail_over(exc)
         deferred, self._deferred = self._deferred, []

@@ -10,6 +10,7 @@ import signal
 import time
 
 import pytest
+from opentelemetry.sdk.trace.export import SpanExportResult
 
 from connector.telemetry.export_process import ExportProcess
 from connector.telemetry.sinks import Sinks, build_exporters
@@ -306,8 +307,9 @@ def _numbered(first: int, count: int) -> list[tuple]:
 def _request_ids(path) -> list[int]:
     ids = []
     for span in _spans(path):
-        (attr,) = [a for a in span["attributes"] if a["key"] == "kvscope.request.id"]
-        ids.append(int(attr["value"]["stringValue"].split("-")[1]))
+        for attr in span["attributes"]:
+            if attr["key"] == "kvscope.request.id":
+                ids.append(int(attr["value"]["stringValue"].split("-")[1]))
     return ids
 
 
@@ -528,3 +530,229 @@ def test_spans_to_dev_stdout_redirected_to_a_file_keep_the_engines_own_lines(tmp
            for ss in rs["scopeSpans"] for span in ss["spans"] for a in span["attributes"]
            if a["key"] == "kvscope.request.id"]
     assert ids == [f"req-{i}" for i in range(50)]
+
+
+# ------------------------------------------------------------------ pinned by a mutation campaign of export_process.py
+@pytest.mark.parametrize("then", ["catch_up", "export", "force_flush"])
+def test_a_batch_handed_over_before_the_helper_runs_is_left_to_the_export_thread(tmp_path, then):
+    """The engine thread never starts the helper: its batch waits for the export thread's next call,
+    which starts the helper and sends that batch first."""
+    path = tmp_path / "t.jsonl"
+    helper = ExportProcess(_sinks(path))
+    assert not helper.accepts_nowait
+    helper.export_nowait(_numbered(0, 3))
+    assert helper.pid is None and not path.exists()
+    if then == "catch_up":
+        helper.catch_up()
+    elif then == "export":
+        helper.export(_numbered(3, 1))
+    assert helper.force_flush(10_000)
+    assert helper.pid is not None and helper.accepts_nowait
+    assert not helper._acks  # an answered flush leaves nothing behind (else one event per flush, for ever)
+    assert _request_ids(path) == list(range(4 if then == "export" else 3))  # written once the flush returns
+    helper.shutdown()
+
+
+def _unmarshallable() -> list[tuple]:
+    """A general span whose attribute value marshal refuses (a str subclass: an enum member, say)."""
+    import enum
+
+    class Direction(str, enum.Enum):
+        LOAD = "load"
+
+    keep = _Keep()
+    tracing = KVScopeTracing(keep, None)
+    span = tracing.start_span("custom", start_time=1)
+    span.set_attribute("kvscope.direction", Direction.LOAD)
+    span.end(2)
+    return keep.records
+
+
+def test_a_batch_marshal_cannot_carry_is_exported_here_in_its_place(tmp_path):
+    """The export thread writes that batch in this process; the helper goes on with the next ones."""
+    path = tmp_path / "t.jsonl"
+    helper = _started(path)
+    helper.export_nowait(_unmarshallable())
+    helper.catch_up()
+    assert helper.export(_unmarshallable()) is SpanExportResult.SUCCESS
+    helper.export_nowait(_numbered(1, 1))
+    assert helper.force_flush(10_000) and helper.accepts_nowait
+    helper.shutdown()
+    names = [s["name"] for s in _spans(path)]
+    assert names == ["kvscope.lookup", "custom", "custom", "kvscope.lookup"]
+
+
+def test_a_batch_sent_by_the_export_thread_leaves_at_once(tmp_path):
+    path = tmp_path / "t.jsonl"
+    helper = _started(path)
+    helper.export(_numbered(1, 1))  # no flush: the helper writes it as soon as it has read it
+    deadline = time.monotonic() + 10
+    while _request_ids(path) != [0, 1]:
+        assert time.monotonic() < deadline, "the batch did not leave for the helper"
+        time.sleep(0.01)
+    helper.shutdown()
+
+
+def test_a_flush_that_finds_the_helper_dead_fails_over_at_once(tmp_path, caplog):
+    path = tmp_path / "t.jsonl"
+    helper = _started(path)
+    pid = helper.pid
+    os.kill(pid, signal.SIGKILL)
+    _wait_until_dead(pid)
+    with caplog.at_level(logging.WARNING):
+        started = time.monotonic()
+        assert helper.force_flush(10_000)
+        assert time.monotonic() - started < 5
+    (failed,) = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]  # (no batch to write)
+    assert "export process failed" in failed
+    assert not helper._acks and not helper.accepts_nowait
+    helper.export(_numbered(1, 1))
+    helper.shutdown()
+    assert _request_ids(path) == [0, 1]
+
+
+def test_batches_waiting_here_when_the_helper_dies_are_written_here_by_the_next_catch_up(tmp_path):
+    path = tmp_path / "t.jsonl"
+    helper = _started(path)
+    os.kill(helper.pid, signal.SIGSTOP)
+    batches = _fill_the_pipe(helper, extra=3)
+    pid = helper.pid
+    os.kill(pid, signal.SIGKILL)
+    _wait_until_dead(pid)
+    helper.catch_up()
+    assert not helper.accepts_nowait  # failed over
+    ids = _request_ids(path)
+    assert ids[-1] == 200 * batches  # what waited here was written at once, in order
+    assert ids[1:] == list(range(ids[1], 200 * batches + 1)) and helper.dropped_spans == ids[1] - 1
+    helper.shutdown()
+
+
+def test_shutdown_kills_a_helper_that_stopped_reading_and_writes_what_waited_here(tmp_path, caplog):
+    path = tmp_path / "t.jsonl"
+    helper = ExportProcess(_sinks(path), stop_timeout_s=1.0)
+    helper.export(_numbered(0, 1))
+    assert helper.force_flush(10_000)
+    pid = helper.pid
+    os.kill(pid, signal.SIGSTOP)
+    _wait_until_stopped(pid)
+    batches = _fill_the_pipe(helper, extra=3)
+    started = time.monotonic()
+    with caplog.at_level(logging.WARNING):
+        helper.shutdown()  # must not raise: the pipe never drains within stop_timeout_s
+    assert time.monotonic() - started < 10
+    with pytest.raises(ChildProcessError):
+        os.waitpid(pid, os.WNOHANG)
+    ids = _request_ids(path)
+    # what the stopped helper's pipe held is lost, counted; what waited here is written here
+    assert ids[0] == 0 and ids[1:] == list(range(ids[1], 200 * batches + 1))
+    assert helper.dropped_spans == ids[1] - 1 > 0
+
+
+def test_after_shutdown_batches_are_refused_and_no_helper_starts_again(tmp_path, caplog):
+    path = tmp_path / "t.jsonl"
+    helper = _started(path)
+    helper.shutdown()
+    with caplog.at_level(logging.WARNING):
+        assert helper.export(_numbered(1, 1)) is SpanExportResult.FAILURE
+        helper.export_nowait(_numbered(2, 1))
+        helper.catch_up()
+        assert helper.force_flush(1000)
+        helper.shutdown()
+    assert helper.pid is None
+    assert not caplog.records  # nothing tried on the closed pipe (its descriptor may be another file's by now)
+    assert _request_ids(path) == [0]
+
+
+def test_shutdown_alone_sends_what_waits_for_a_full_pipe_and_what_the_export_thread_had_not_taken(tmp_path):
+    path = tmp_path / "t.jsonl"
+    helper = _started(path)
+    os.kill(helper.pid, signal.SIGSTOP)
+    try:
+        batches = _fill_the_pipe(helper, extra=3)
+        assert helper._pending_bytes > 0
+    finally:
+        os.kill(helper.pid, signal.SIGCONT)
+    helper.export_nowait(_unmarshallable())  # left to the export thread
+    helper.shutdown()  # no catch_up, no flush first
+    assert _request_ids(path) == list(range(1 + 200 * batches))
+    assert [s["name"] for s in _spans(path)].count("custom") == 1
+
+
+def test_shutdown_of_a_helper_never_started_is_quiet(tmp_path, caplog):
+    with caplog.at_level(logging.WARNING):
+        ExportProcess(_sinks(tmp_path / "t.jsonl")).shutdown()
+    assert not caplog.records and not (tmp_path / "t.jsonl").exists()
+
+
+def test_the_export_thread_waits_for_a_full_pipe_without_spinning(tmp_path):
+    """Waiting for the helper to read costs no CPU (a busy loop would take the GIL from the engine)."""
+    import threading
+
+    path = tmp_path / "t.jsonl"
+    helper = _started(path)
+    os.kill(helper.pid, signal.SIGSTOP)
+    try:
+        batches = _fill_the_pipe(helper, extra=3)
+        waiter = threading.Thread(target=helper.catch_up, daemon=True)
+        cpu = time.process_time()
+        waiter.start()
+        time.sleep(0.6)
+        cpu = time.process_time() - cpu
+        assert waiter.is_alive()  # still waiting for the stopped helper
+    finally:
+        os.kill(helper.pid, signal.SIGCONT)
+    waiter.join(30)
+    assert cpu < 0.15, f"{cpu:.2f} s of CPU in 0.6 s of waiting"
+    helper.shutdown()
+    assert _request_ids(path) == list(range(1 + 200 * batches))
+
+
+def test_flushes_from_several_threads_each_wait_for_their_own_answer(tmp_path):
+    import threading
+
+    path = tmp_path / "t.jsonl"
+    helper = _started(path)
+    results = []
+
+    def flush_often(first):
+        for i in range(first, first + 20):
+            helper.export(_numbered(i, 1))
+            results.append(helper.force_flush(10_000))
+
+    threads = [threading.Thread(target=flush_often, args=(1 + 20 * k,)) for k in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    helper.shutdown()
+    assert results == [True] * 60
+    assert sorted(_request_ids(path)) == list(range(61))
+
+
+def test_a_helper_failed_over_and_shut_down_leaves_no_descriptor_open(tmp_path):
+    before = set(os.listdir("/proc/self/fd"))
+    path = tmp_path / "t.jsonl"
+    helper = _started(path)
+    pid = helper.pid
+    os.kill(pid, signal.SIGKILL)
+    _wait_until_dead(pid)
+    # finds the pipe broken: from now on the file is written here
+    assert helper.export(_numbered(1, 1)) is SpanExportResult.SUCCESS
+    assert helper.export(_numbered(2, 1)) is SpanExportResult.SUCCESS
+    assert helper.pid is None  # and no new helper is started (it could die the same way)
+    assert len(_descriptors_open_on(path)) == 1  # one file exporter here, built once
+    helper.shutdown()
+    assert not _descriptors_open_on(path)
+    assert set(os.listdir("/proc/self/fd")) == before  # nor the pipes to and from the helper
+    assert _request_ids(path) == [0, 1, 2]
+
+
+def _descriptors_open_on(path) -> list[str]:
+    fds = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}") == str(path):
+                fds.append(fd)
+        except OSError:
+            pass
+    return fds

@@ -9,13 +9,14 @@ import time
 import pytest
 from opentelemetry import trace
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import format_span_id, format_trace_id
 
 from connector import __version__
 from connector.telemetry.span_records import ENGINE_RESOURCE_ATTRIBUTE
 from connector.telemetry.testing import in_memory_tracing
 from connector.telemetry.sinks import LogOnceExporter, build_otlp_exporter, otlp_requested
-from connector.telemetry.tracing import KVScopeTracing, trace_id_bound
+from connector.telemetry.tracing import KVScopeTracing, SpanRef, trace_id_bound
 
 UPSTREAM_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 UPSTREAM_SPAN = "00f067aa0ba902b7"
@@ -466,3 +467,271 @@ def test_an_unreachable_otlp_endpoint_behind_the_export_helper_is_logged_here_on
     problems = [r for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(problems) == 1, [r.getMessage() for r in problems]
     assert "127.0.0.1:9" in problems[0].getMessage()
+
+
+# ------------------------------------------------------------------ pinned by a mutation campaign of tracing.py
+def _sdk_sampled(ratio: float, trace_id: int) -> bool:
+    from opentelemetry.sdk.trace.sampling import TraceIdRatioBased
+
+    return TraceIdRatioBased(ratio).should_sample(None, trace_id, "x").decision.is_sampled()
+
+
+class _FixedIds:
+    """An id generator handing out chosen trace ids (to put a root's id on either side of the bound)."""
+
+    def __init__(self, trace_ids):
+        self._trace_ids = iter(trace_ids)
+
+    def generate_trace_id(self) -> int:
+        return next(self._trace_ids)
+
+    def generate_span_id(self) -> int:
+        return 0x1234
+
+
+@pytest.mark.parametrize("ratio", [1e-10, 0.25, 0.5])  # 1e-10: an odd bound
+def test_scheduler_and_worker_decide_like_trace_id_ratio_based_at_the_bound_and_whatever_the_high_bits(ratio):
+    """The root's decision (scheduler), the carrier's (worker) and the SDK sampler's agree on every id,
+    the ones at the bound and with high bits set among them: a request's trace is never split."""
+    import random
+
+    bound = trace_id_bound(ratio)
+    lows = [0, 1, bound - 1, bound, bound + 1, (1 << 64) - 1]
+    highs = [0, 1, 1 << 63, (1 << 64) - 1]
+    rng = random.Random(7)
+    ids = [high << 64 | low for high in highs for low in lows] + [rng.getrandbits(128) for _ in range(200)]
+    ids = [i for i in ids if i]
+    t, _ = in_memory_tracing(sample_ratio=ratio)
+    t._ids = _FixedIds(ids)
+    for trace_id in ids:
+        expected = _sdk_sampled(ratio, trace_id)
+        root = t.open_span(None)  # draws `trace_id`
+        assert (type(root) is SpanRef) == expected, hex(trace_id)
+        assert t.may_record(t.parent_from_carrier((trace_id, 0xB7, None))) == expected, hex(trace_id)
+
+
+def test_a_local_parent_is_never_remote_an_upstream_one_is(tracing, span_exporter):
+    from connector.telemetry.span_records import LOAD_SPAN, LOOKUP_SPAN, SCAN_SPAN
+
+    for headers in (None, {"traceparent": _traceparent(True)}):
+        span_exporter.clear()
+        upstream = tracing.parent_from_trace_headers(headers)
+        lookup = tracing.record(LOOKUP_SPAN, upstream, 1, 2, ("r", 1, 0, "new", 0))
+        load = tracing.open_span(lookup, 3)
+        tracing.record(SCAN_SPAN, load, 4, 5, (0, "full_attention", 1, 1, 0, 0))
+        tracing.end_span(LOAD_SPAN, load, 6, ("r", 0, 1, 1))
+        general = tracing.start_span("kvscope.custom", context=tracing.context_of(lookup))
+        tracing.start_span("kvscope.custom.child", context=tracing.context_of(general)).end()
+        general.end()
+        spans = {s.name: s for s in span_exporter.get_finished_spans()}
+        assert len(spans) == 5
+        assert (spans["kvscope.load"].start_time, spans["kvscope.load"].end_time) == (3, 6)
+        for name in ("kvscope.load", "kvscope.group.scan", "kvscope.custom", "kvscope.custom.child"):
+            assert not spans[name].parent.is_remote, name
+        if headers is None:
+            assert spans["kvscope.lookup"].parent is None
+        else:
+            assert spans["kvscope.lookup"].parent.is_remote
+            assert format_span_id(spans["kvscope.lookup"].parent.span_id) == UPSTREAM_SPAN
+
+
+def test_a_general_span_under_the_upstream_parent_handle_joins_the_upstream_trace(tracing, span_exporter):
+    upstream = tracing.parent_from_trace_headers({"traceparent": _traceparent(True), "tracestate": "vendor=1"})
+    tracing.start_span("kvscope.custom", context=upstream).end()
+    tracing.record_span("kvscope.recorded", upstream, 1, 2)
+    for span in span_exporter.get_finished_spans():
+        assert format_trace_id(span.context.trace_id) == UPSTREAM_TRACE
+        assert format_span_id(span.parent.span_id) == UPSTREAM_SPAN and span.parent.is_remote
+        assert span.context.trace_state.get("vendor") == "1"
+    assert len(span_exporter.get_finished_spans()) == 2
+
+
+@pytest.mark.parametrize("headers", [None, {}, {"traceparent": "garbage"}, {"other": "x"}])
+def test_a_request_without_a_valid_traceparent_roots_its_own_trace(tracing, headers):
+    assert tracing.parent_from_trace_headers(headers) is None
+
+
+def test_an_otel_context_without_a_span_starts_a_new_trace(tracing, span_exporter):
+    from opentelemetry.context import Context
+
+    from connector.telemetry.span_records import LOOKUP_SPAN
+
+    span = tracing.start_span("kvscope.custom", context=Context())
+    assert span.is_recording() and span.get_span_context().is_valid
+    span.end()
+    lookup = tracing.open_span(Context(), 1)
+    assert type(lookup) is SpanRef and lookup.trace_id and lookup.parent_span_id is None
+    tracing.end_span(LOOKUP_SPAN, lookup, 2, ("r", 1, 0, "new", 0))
+    custom, lookup_span = span_exporter.get_finished_spans()
+    assert custom.parent is None and lookup_span.parent is None
+    assert custom.context.trace_id != lookup_span.context.trace_id
+
+
+@pytest.mark.parametrize("ratio", [0.0, 1.0])
+def test_a_foreign_span_parents_and_carries_like_a_kvscope_span(ratio):
+    """A span of another tracer (an SDK span, a non-recording span from a context): `context_of` and
+    `carrier_of` take it too, and its children follow its own sampling decision (a local parent)."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.trace import NonRecordingSpan
+
+    t, exporter = in_memory_tracing(sample_ratio=ratio)
+    sdk_span = TracerProvider().get_tracer("other").start_span("other.op")  # a private provider, not the global one
+    ctx = sdk_span.get_span_context()
+    assert t.carrier_of(sdk_span) == (ctx.trace_id, ctx.span_id, None)
+    child = t.start_span("kvscope.custom", context=t.context_of(sdk_span))
+    assert child.is_recording()  # sampled local parent: followed whatever the ratio
+    child.end()
+    (span,) = exporter.get_finished_spans()
+    assert span.context.trace_id == ctx.trace_id and span.parent.span_id == ctx.span_id
+    assert not span.parent.is_remote
+    sdk_span.end()
+    assert t.carrier_of(NonRecordingSpan(ctx)) is None  # not recording: no worker spans
+    assert t.context_of(trace.INVALID_SPAN) is None
+
+
+def test_a_span_ended_twice_is_recorded_once(tracing, span_exporter):
+    span = tracing.start_span("kvscope.custom", start_time=10)
+    span.end(20)
+    span.end(30)
+    (recorded,) = span_exporter.get_finished_spans()
+    assert recorded.end_time == 20
+
+
+def test_attributes_and_name_change_while_a_span_records_not_after(tracing, span_exporter):
+    span = tracing.start_span("kvscope.first", start_time=10)
+    span.set_attributes({"kvscope.a": 1, "kvscope.b": "x"})
+    span.set_attribute("kvscope.c", True)
+    span.update_name("kvscope.second")
+    span.end(20)
+    span.set_attributes({"kvscope.late": 1})
+    span.set_attribute("kvscope.late2", 2)
+    span.update_name("kvscope.late")
+    assert span.name == "kvscope.second" and "kvscope.late2" not in span.attributes  # (a record may hold them)
+    tracing.record_span("kvscope.bare", None, 1, 2)  # no attributes: none recorded
+    named, bare = span_exporter.get_finished_spans()
+    assert named.name == "kvscope.second"
+    assert dict(named.attributes) == {"kvscope.a": 1, "kvscope.b": "x", "kvscope.c": True}
+    assert bare.name == "kvscope.bare" and dict(bare.attributes) == {}
+
+
+def test_a_spans_context_property_is_its_span_context_dropped_ones_unsampled(tracing):
+    span = tracing.start_span("kvscope.custom")
+    assert span.context is span.get_span_context() and span.context.trace_flags.sampled
+    assert not span.context.is_remote  # a span of this process
+    dropped = KVScopeTracing.for_exporter(InMemorySpanExporter(), sample_ratio=0.0).start_span("kvscope.custom")
+    assert not dropped.is_recording()
+    assert not dropped.get_span_context().trace_flags.sampled and not dropped.context.trace_flags.sampled
+
+
+def test_a_forked_child_draws_other_ids_than_its_parent():
+    """vLLM forks its workers: a child that kept its parent's generator would repeat its trace and span ids."""
+    import os
+
+    from connector.telemetry.tracing import OsRandomIdGenerator
+
+    ids = OsRandomIdGenerator()
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.write(write, f"{ids.generate_trace_id()} {ids.generate_span_id()}".encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    with os.fdopen(read) as f:
+        child_trace, child_span = map(int, f.read().split())
+    assert (child_trace, child_span) != (ids.generate_trace_id(), ids.generate_span_id())
+
+
+def test_an_id_of_zero_bits_is_never_drawn():
+    """An all-zero id is invalid in W3C: drawn (once in 2**64), it becomes 1."""
+    from connector.telemetry.tracing import OsRandomIdGenerator
+
+    class Zero:
+        def getrandbits(self, bits):
+            return 0
+
+    ids = OsRandomIdGenerator()
+    ids._rng = Zero()
+    assert ids.generate_trace_id() == 1 and ids.generate_span_id() == 1
+
+
+def test_tracing_for_an_exporter_names_the_service_flushes_and_shuts_it_down():
+    from opentelemetry.sdk.resources import Resource
+
+    class Recording(InMemorySpanExporter):
+        shut = False
+
+        def shutdown(self):
+            Recording.shut = True
+            super().shutdown()
+
+    exporter = Recording()
+    t = KVScopeTracing.for_exporter(exporter)
+    t.start_span("kvscope.custom").end()
+    (span,) = exporter.get_finished_spans()
+    assert span.resource.attributes["service.name"] == "kvscope"
+    assert t.force_flush() is True
+    t.shutdown()
+    assert Recording.shut
+    own = Resource.create({"service.name": "mine"})
+    exporter = InMemorySpanExporter()
+    KVScopeTracing.for_exporter(exporter, resource=own).start_span("kvscope.custom").end()
+    assert exporter.get_finished_spans()[0].resource is own
+
+
+def test_a_load_with_no_span_before_it_roots_its_trace_or_drops_it():
+    t, exporter = in_memory_tracing(sample_ratio=1.0)
+    carrier = t.end_load(None, 10, 20, ("r", 16, 32, 0, [], None))
+    (load,) = exporter.get_finished_spans()
+    assert load.name == "kvscope.load" and load.parent is None and (load.start_time, load.end_time) == (10, 20)
+    assert carrier == (load.context.trace_id, load.context.span_id, None)
+    t0, dropped_exporter = in_memory_tracing(sample_ratio=0.0)
+    assert t0.end_load(None, 10, 20, ("r", 16, 32, 0, [], None)) is None
+    assert dropped_exporter.get_finished_spans() == ()
+
+
+def test_end_step_with_tracing_off_does_nothing(disabled_tracing):
+    disabled_tracing.end_step()  # the worker calls it every step, traced or not
+
+
+def test_sdk_disabled_without_a_sink_says_nothing(caplog):
+    with caplog.at_level("WARNING", logger="connector.telemetry.tracing"):
+        assert KVScopeTracing.from_config(None, 1.0, env={"OTEL_SDK_DISABLED": "true"}).enabled is False
+    assert not caplog.records
+
+
+def test_tracing_is_off_when_no_exporter_can_be_built_in_this_process(monkeypatch):
+    """Export in this process, OTLP only, and its exporter cannot be created (a broken install):
+    nothing would take the spans, so none are recorded."""
+    from opentelemetry.exporter.otlp.proto.http import trace_exporter
+
+    def broken(*args, **kwargs):
+        raise ImportError("broken install")
+
+    monkeypatch.setattr(trace_exporter, "OTLPSpanExporter", broken)
+    env = {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://127.0.0.1:9/v1/traces",
+           "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf", "KVSCOPE_TRACE_EXPORT": "thread"}
+    t = KVScopeTracing.from_config(None, 1.0, env=env)
+    assert t.enabled is False and t.start_span("kvscope.custom") is trace.INVALID_SPAN
+
+
+@pytest.mark.parametrize("mode", ["process", "thread"])
+def test_shutdown_alone_writes_every_span_and_later_ones_are_dropped(tmp_path, mode):
+    """vLLM shuts the connector down without a flush first: what was recorded is written all the same;
+    spans after it (and a second shutdown, a flush) neither write nor fail."""
+    from connector.telemetry.span_records import LOOKUP_SPAN
+
+    path = tmp_path / "t.jsonl"
+    t = KVScopeTracing.from_config(str(path), 1.0, env={"KVSCOPE_TRACE_EXPORT": mode})
+    for i in range(3):
+        t.record(LOOKUP_SPAN, None, 1, 2, (f"req-{i}", 1, 0, "new", 0))
+    t.shutdown()
+    written = path.read_text()
+    assert written.count('"name":"kvscope.lookup"') == 3
+    t.record(LOOKUP_SPAN, None, 1, 2, ("late", 1, 0, "new", 0))
+    assert t.force_flush(1000) is True
+    t.shutdown()
+    assert path.read_text() == written
