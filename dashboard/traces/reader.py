@@ -25,6 +25,7 @@ import numpy as np
 import pandas as pd
 
 from dashboard.traces.file_formats import as_json_lines
+from dashboard.traces.json_numbers import json_integer
 from dashboard.traces.owners import CLOCK_TOLERANCE_NS, owner_keys, starts_before_owner
 from dashboard.traces.problems import DUPLICATE_SPAN, Problem
 from dashboard.traces.schema import (
@@ -394,26 +395,36 @@ def _status_code(code: Any) -> int:
         return 0
     if isinstance(code, str):
         if code not in _STATUS_CODES:
-            raise ValueError(f"unknown status code {code!r}")
+            raise ValueError(_unknown_status(code))
         return _STATUS_CODES[code]
     try:
-        value = int(code)
-    except (TypeError, ValueError, OverflowError):
-        raise ValueError(f"unknown status code {code!r}") from None
+        value = json_integer(code)
+    except ValueError:
+        raise ValueError(_unknown_status(code)) from None
     if value not in _STATUS_CODES.values():
-        raise ValueError(f"unknown status code {code!r}")
+        raise ValueError(_unknown_status(code))
     return value
+
+
+def _unknown_status(code: Any) -> str:
+    return (f"unknown status code {_shown(code)}: accepted are 0, 1, 2 and their names "
+            f"{', '.join(_STATUS_CODES)}")
 
 
 _INT64_LIMIT = 1 << 63
 
 
+def _shown(value: Any) -> str:
+    """A value as an error names it: JSON's words for true, false and null, Python's quotes for text."""
+    return json.dumps(value) if value is None or isinstance(value, bool) else repr(value)
+
+
 def _unix_nanos(value: Any, field: str) -> int:
     """A span time: an integer (or its decimal string, as OTLP/JSON writes it) of ns since the epoch."""
     try:
-        nanos = int(value)
-    except (TypeError, ValueError, OverflowError):
-        raise ValueError(f"{field} is {value!r}, expected an integer: nanoseconds since the epoch") from None
+        nanos = json_integer(value)
+    except ValueError:
+        raise ValueError(f"{field} is {_shown(value)}, expected an integer: nanoseconds since the epoch") from None
     if not 0 <= nanos < _INT64_LIMIT:
         raise ValueError(f"{field} {value!r} is outside 0..2^63 ns")
     return nanos

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from dashboard.traces.json_numbers import json_integer
 from dashboard.traces.schema import base64_id
 
 VLLM_REQUEST_SPAN = "llm_request"
@@ -93,8 +94,8 @@ def _list(value: Any) -> list:
 def _row(sp: dict) -> tuple | None:
     trace_id, span_id = _id(sp.get("traceId"), 32), _id(sp.get("spanId"), 16)
     try:
-        start, end = int(sp["startTimeUnixNano"]), int(sp["endTimeUnixNano"])
-    except (KeyError, TypeError, ValueError, OverflowError):
+        start, end = json_integer(sp["startTimeUnixNano"]), json_integer(sp["endTimeUnixNano"])
+    except (KeyError, ValueError):
         return None
     if trace_id is None or span_id is None or not (0 <= start < 1 << 63 and 0 <= end < 1 << 63):
         return None
@@ -107,7 +108,7 @@ def _row(sp: dict) -> tuple | None:
     status = sp.get("status")
     code = status.get("code", 0) if isinstance(status, dict) else 0
     return (trace_id, span_id, _id(sp.get("parentSpanId"), 16) or "", start, end,
-            code if code in (0, 1, 2) else 0, *values, attrs or None)
+            code if type(code) is int and code in (0, 1, 2) else 0, *values, attrs or None)
 
 
 def _text(value: str) -> str:

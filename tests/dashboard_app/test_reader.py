@@ -310,15 +310,37 @@ def _bad_lookup_line(**edits: str) -> str:
         (_bad_lookup_line(status='{"code": 1e400}'), "malformed kvscope.lookup"),
         (_bad_lookup_line(status='{"code": 7}'), "unknown status code 7"),
         (line(lookup("r9", span_id="22" * 8, queried=99999999999999999999)), "tokens.queried is not an integer"),
+        # what Python's int() takes and protobuf's JSON parser does not: the time would be one never written
+        (_bad_lookup_line(startTimeUnixNano="1.5"), "startTimeUnixNano is 1.5, expected an integer"),
+        (_bad_lookup_line(startTimeUnixNano="true"), "startTimeUnixNano is true, expected an integer"),
+        (_bad_lookup_line(endTimeUnixNano='" 1700000000000000000"'), "endTimeUnixNano is ' 1700000000000000000', "
+                                                                    "expected an integer"),
+        (_bad_lookup_line(startTimeUnixNano='"1_000"'), "startTimeUnixNano is '1_000', expected an integer"),
+        (_bad_lookup_line(status='{"code": 1.5}'), "unknown status code 1.5: accepted are 0, 1, 2 and their names "
+                                                   "STATUS_CODE_UNSET, STATUS_CODE_OK, STATUS_CODE_ERROR"),
+        (_bad_lookup_line(status='{"code": true}'), "unknown status code true: accepted are 0, 1, 2"),
     ],
     ids=["deep", "infinite-time", "time-past-int64", "time-2^63", "negative-time", "hex-time", "infinite-status",
-         "unknown-status", "huge-int"],
+         "unknown-status", "huge-int", "fraction-time", "boolean-time", "spaced-time", "underscored-time",
+         "fraction-status", "boolean-status"],
 )
 def test_values_no_frame_can_hold_are_problems_not_crashes(tmp_path, decoder, bad, reason):
     path = write(tmp_path, line(lookup("r1", span_id="11" * 8)), bad)
     read = traces.read_trace_files([path])
     assert list(read.spans["span_id"]) == ["11" * 8]
     assert [p.line for p in read.problems] == [2] and reason in read.problems[0].reason, read.problems
+
+
+def test_times_and_status_codes_as_json_numbers_load_as_protobuf_reads_them(tmp_path, decoder):
+    # OTLP/JSON writes 64-bit integers as strings; a JSON number, even in exponent form, is the same integer
+    # when whole (protobuf's JSON parser takes it), and 1.0 is the status code 1
+    text = _bad_lookup_line(startTimeUnixNano="1.7e18", endTimeUnixNano="1700000000000000123",
+                            status='{"code": 1.0}')
+    read = traces.read_trace_files([write(tmp_path, text)])
+    assert read.problems == []
+    assert (read.spans["start_ns"][0], read.spans["end_ns"][0]) == (1_700_000_000_000_000_000,
+                                                                   1_700_000_000_000_000_123)
+    assert read.spans["status_code"][0] == 1
 
 
 def test_span_times_at_the_ends_of_int64_load(tmp_path, decoder):

@@ -192,3 +192,17 @@ def test_vllm_latency_by_host_tier_outcome():
     assert table.loc["loaded from the host tier", "ttft_p90_ms"] == pytest.approx(38.0)
     assert table.loc["no host-tier load", "ttft_p50_ms"] == 80.0
     assert traces.vllm_latency_by_outcome(requests.assign(vllm_ttft_ms=float("nan"))).empty
+
+
+def test_a_vllm_span_with_a_time_python_would_guess_at_is_left_out(tmp_path):
+    # int() reads true as 1 and 1.5 as 1: such a span has no time of its own, so it joins no request; a status
+    # code of true is no status code
+    odd = [llm_request(f"r-{i}", trace=TRACE_A, span_id=f"e{i}" * 8, start=T, end=T + MS) for i in range(4)]
+    odd[0]["startTimeUnixNano"] = True
+    odd[1]["endTimeUnixNano"] = 1.5
+    odd[2]["status"] = {"code": True}
+    odd[3]["startTimeUnixNano"] = float(T)  # a whole JSON number: the same time
+    read = traces.read_trace_files([write(tmp_path, vllm_line(*odd))])
+    assert read.vllm_requests["vllm_request_id"].tolist() == ["r-2", "r-3"]
+    assert read.vllm_requests["status_code"].tolist() == [0, 0]
+    assert read.vllm_requests["start_ns"].tolist() == [T, T]
