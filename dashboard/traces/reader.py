@@ -454,7 +454,10 @@ def _columns_from_rows(rows: list[tuple], problems: list[Problem], other: int, l
         if is_int:
             out = np.full(n, np.nan)
             if present.any():
-                out[present] = pd.to_numeric(pd.Series(raw[present], dtype=object), errors="coerce")
+                given = raw[present]
+                # pandas reads true as 1: a boolean is no count (NaN here, then invalid)
+                given[[isinstance(v, bool) for v in given]] = None
+                out[present] = pd.to_numeric(pd.Series(given, dtype=object), errors="coerce")
             values[key] = out
             invalid[key] = present & ~integral_mask(out)
         else:

@@ -169,6 +169,8 @@ def test_missing_file_is_a_problem_not_an_error(tmp_path):
                                      "kvscope.copy.bytes": 10}), "copy.direction is not one of load, store"),
         (span("kvscope.store", {"kvscope.request.id": "r9", "kvscope.groups": 2, "kvscope.blocks": 1.5}),
          "kvscope.blocks is not an integer"),
+        (span("kvscope.store", {"kvscope.request.id": "r9", "kvscope.groups": 2, "kvscope.blocks": True}),
+         "kvscope.blocks is not an integer"),  # pandas reads true as 1
         (lookup(trace="xyz"), "invalid trace id"),
     ],
 )
@@ -744,6 +746,8 @@ def test_the_arrow_decoder_reads_engines_as_the_line_decoder_does(tmp_path):
 @pytest.mark.parametrize("value, reason", [
     ({"stringValue": "west"}, "kvscope.engine is not an integer"),
     ({"doubleValue": 1.5}, "kvscope.engine is not an integer"),
+    ({"boolValue": True}, "kvscope.engine is not an integer"),
+    ({"intValue": True}, "kvscope.engine is not an integer"),
     ({"intValue": "-1"}, "kvscope.engine is -1, expected a count >= 0"),
     ({"intValue": "1", "stringValue": "1"}, "'kvscope.engine' holds 2 values"),
 ])
