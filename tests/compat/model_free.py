@@ -99,6 +99,10 @@ class Violation:
     block_index: int
     block_id: int
     reason: str
+    # A Mamba state the request got from vLLM's device prefix cache alone (its lookup found no host-tier
+    # tokens past it) in a block whose state vLLM's own forward or state copy wrote last, not a kvscope
+    # load: a wrong one is vLLM's (`_check_state`)
+    from_vllm_cache: bool = False
 
 
 @dataclass
@@ -251,6 +255,11 @@ class ModelFreeEngine:
                     self.v2_glue.append(ActiveKVConnector(self.vllm_config, caches))
             self.workers.append(connector)
             self.words.append({name: t.view(torch.int64) for name, t in caches.items()})
+        # per rank: Mamba block id -> who wrote its state last: "vllm" (the forward) or "kvscope" (a load's
+        # copy, as it lands); a block copy's state (the runner's state moves, copy-on-write) is its source's
+        self._state_writers: list[dict[int, str]] = [{} for _ in range(workers)]
+        for rank, connector in enumerate(self.workers):
+            self._note_loads_landing(rank, connector._worker.engine)
         self.aggregator = KVOutputAggregator.from_connector(self.workers[0], workers)
         scheduler_class = AsyncScheduler if async_scheduling else Scheduler
         self.scheduler = scheduler_class(vllm_config=self.vllm_config, kv_cache_config=self.kv_cache_config,
@@ -282,6 +291,32 @@ class ModelFreeEngine:
         self._resumed_now: set[str] = set()  # requests this step schedules again after a preemption
         self.stats = LoopStats()
         self._loaded: dict[tuple[str, int], set[int]] = {}  # (req id, group) -> device blocks loads filled
+        # per request, its last lookup: (device prefix-hit tokens, host-tier tokens kvscope offered)
+        self._lookups: dict[str, tuple[int, int]] = {}
+        connector = self.scheduler.connector
+        lookup = connector.get_num_new_matched_tokens
+
+        def noted_lookup(request, num_computed_tokens):
+            found = lookup(request, num_computed_tokens)
+            self._lookups[request.request_id] = (num_computed_tokens, found[0] or 0)
+            return found
+
+        connector.get_num_new_matched_tokens = noted_lookup
+
+    def _note_loads_landing(self, rank: int, copy_engine) -> None:
+        """Mark the Mamba blocks each load copy of `copy_engine` writes as kvscope's, when its bytes land
+        (`LateReadingStores` wraps this copy, so late loads are marked late)."""
+        if MAMBA not in self.group_kinds:
+            return
+        mamba, copy, writers = self.group_kinds.index(MAMBA), copy_engine._copy, self._state_writers[rank]
+
+        def noted_copy(group, slots, subs, block_ids, to_device):
+            done = copy(group, slots, subs, block_ids, to_device=to_device)
+            if to_device and group == mamba:
+                writers.update(dict.fromkeys(block_ids, "kvscope"))
+            return done
+
+        copy_engine._copy = noted_copy
 
     # ------------------------------------------------------------------ driving
     def add(self, req_id: str, prompt: list[int], max_tokens: int = 2, trace_headers: dict | None = None,
@@ -434,9 +469,11 @@ class ModelFreeEngine:
             self.stats.zeroed_blocks += len(zero)
             for name in self._attention_layers:
                 self.words[rank][name][zero] = 0
+        writers = self._state_writers[rank]
         for copy in getattr(out, "kv_cache_block_copies", None) or ():
             for words in self.words[rank].values():
                 words[copy.dst_block_id] = words[copy.src_block_id]
+            writers[copy.dst_block_id] = writers.get(copy.src_block_id)  # the copy's state is its source's
 
     def _forward_all(self, rank: int, forwards) -> None:
         for req_id, (start, _, values) in forwards.items():
@@ -653,13 +690,16 @@ class ModelFreeEngine:
         table = self.tables[req_id][group]
         block_id = table[index] if index < len(table) else 0
         want = self._chain(req_id)[computed - 1]
+        local, offered = self._lookups.get(req_id, (0, 0))
+        from_vllm_cache = bool(block_id) and block_id not in loaded and not offered and computed <= local \
+            and self._state_writers[rank].get(block_id) == "vllm"
         for layer in self.group_layers[group]:
             self.stats.checked_blocks += 1
             self.stats.checked_loaded_blocks += block_id in loaded
             if not block_id or not bool((self.words[rank][layer][block_id] == want ^ self._salts[rank, layer]).all()):
                 self.stats.violations.append(Violation(
                     self.stats.steps, rank, req_id, group, index, block_id,
-                    f"layer {layer}: not the state after {computed} tokens"))
+                    f"layer {layer}: not the state after {computed} tokens", from_vllm_cache))
 
     def _write_states(self, rank: int, req_id: str, group: int, start: int, identities: list[int]) -> None:
         """The states a step leaves, where vLLM's runner puts them: the state after the step in the
@@ -713,6 +753,7 @@ class ModelFreeEngine:
                 continue
             if rank == 0:
                 self._clobbered.discard(table[index])
+            self._state_writers[rank][table[index]] = "vllm"
             for layer in self.group_layers[group]:
                 self.words[rank][layer][table[index]].fill_(identity ^ self._salts[rank, layer])
 
@@ -731,6 +772,8 @@ class ModelFreeEngine:
                 return
         if rank == 0:
             self._clobbered.discard(table[target])
+        writers = self._state_writers[rank]
+        writers[table[target]] = writers.get(table[source])  # the copy's state is its source's
         for layer in self.group_layers[group]:
             words = self.words[rank][layer]
             words[table[target]] = words[table[source]]

@@ -385,10 +385,11 @@ def test_known_vllm_gap_mamba_align_at_a_junction_with_eagle_drafts_beside_a_kvs
     """The same mix-up of vLLM's with EAGLE drafts (0.32, 0.33): k2-7's 142-token prompt puts a shared-prefix
     junction inside Mamba block 2, and k2-10 then resumes at 128 tokens from vLLM's prefix cache in a block
     (1) that does not hold the state after 128. Here kvscope does load (k2-6: one Mamba state, at 896 tokens,
-    and its attention blocks), so the fuzzer cannot tell the mix-up apart and reports a `violation` (fuzz
-    seed 281021 of "mamba-spec" on 0.33). Traced by hand: no kvscope load wrote the block k2-10 read; without
-    k2-6 (no load at all) the same read is classified as vLLM's; without k2-7's junction or without drafts it
-    is gone. This pins it: when it fails, vLLM changed it (or kvscope's loads began to touch the block)."""
+    and its attention blocks): fuzz seed 281021 of "mamba-spec" on 0.33, reported as a `violation` until the
+    fuzzer followed each state block's writer. Traced by hand: no kvscope load wrote the block k2-10 read
+    (vLLM's forward did, and vLLM's copy-on-write copied it); without k2-6 (no load at all) the same read is
+    classified as vLLM's; without k2-7's junction or without drafts it is gone. This pins it: when it fails,
+    vLLM changed it (or kvscope's loads began to touch the block)."""
     from tests.compat.workload_fuzz import _played
 
     def add(req_id, prompt, max_tokens=2):
@@ -414,10 +415,89 @@ def test_known_vllm_gap_mamba_align_at_a_junction_with_eagle_drafts_beside_a_kvs
         loaded_blocks = {block for (_, group), blocks in engine._loaded.items() if group == 0 for block in blocks}
         read = {(v.req_id, v.group, v.block_index, v.block_id, v.reason.split(": ", 1)[1])
                 for v in engine.stats.violations}  # one per layer of the group
-    assert result.external_hit_tokens > 0 and result.verdict == "violation"
+        from_vllm_cache = {v.from_vllm_cache for v in engine.stats.violations}
+    assert result.external_hit_tokens > 0 and result.verdict == "vllm_mamba_align" and result.failure is None
     (req_id, group, block_index, block_id, reason), = read
     assert (req_id, group, block_index, reason) == ("k2-10", 0, 1, "not the state after 128 tokens")
-    assert block_id not in loaded_blocks  # vLLM's prefix cache gave it; no kvscope load wrote it
+    assert block_id not in loaded_blocks and from_vllm_cache == {True}  # vLLM's prefix cache gave it, vLLM wrote it
+
+
+def test_known_vllm_gap_mamba_align_reached_through_a_failed_load():
+    """Fuzz seed 354198 of "mamba-spec" (0.32), shrunk: in the second round every load of rank 0 fails. k2-14's
+    load (384 tokens from the host tier) fails, vLLM frees its blocks and looks it up again: now its device
+    prefix cache has a 64-token hit, block 69, which k2-12's first chunk filled with the state after 48
+    tokens (MTP's dropped block moved k2-11's shared-prefix junction off the block boundary), and k2-14
+    resumes from it. k2-16 resumes at 640 from block 112, which holds preempted k2-15's state after 592 (a
+    chunk that ended inside the block and went on without stopping at 640). Both wrong states came from
+    vLLM's prefix cache alone, in blocks vLLM's forward wrote: the fuzzer tells them apart
+    (`Violation.from_vllm_cache`) though kvscope's failed load is what led the requests there. This pins it:
+    when it fails, vLLM changed it (or kvscope's loads began to touch the blocks)."""
+    from tests.compat.workload_fuzz import _played
+
+    plan = _failed_load_plan()
+    with _played(plan) as replay:
+        engine, result = replay.engine, replay.finish()
+        loaded_blocks = {block for (_, group), blocks in engine._loaded.items() if group == 0 for block in blocks}
+        read = {(v.req_id, v.block_index, v.block_id, v.reason.split(": ", 1)[1], v.from_vllm_cache)
+                for v in engine.stats.violations}  # one per layer of the group
+        failed = engine.stats.failed_recving
+    assert result.external_hit_tokens > 0 and "k2-14" in failed
+    assert read == {("k2-14", 0, 69, "not the state after 64 tokens", True),
+                    ("k2-16", 9, 112, "not the state after 640 tokens", True)}
+    assert not {69, 112} & loaded_blocks
+    assert result.verdict == "vllm_mamba_align" and result.failure is None
+
+
+def _failed_load_plan() -> dict:
+    """The requests of `test_known_vllm_gap_mamba_align_reached_through_a_failed_load`."""
+    def add(req_id, *segments, max_tokens=2, salt=None):
+        return {"id": req_id, "prompt": [list(s) for s in segments], "max_tokens": max_tokens, "salt": salt}
+
+    def phase(*adds):
+        return {"adds": list(adds), "pause_after": None, "abort_on_schedule": [], "abort_after": []}
+
+    p0, p1, s7 = ("354198p0", 700), ("354198p1", 300), ("354198s7", 16)
+    return {"seed": 354198, "config": {
+        "mamba": {"block": 64, "hash_block": 16, "retention": None, "shared_prefix_checkpoint": True},
+        "block_size": 64, "spec_tokens": 2, "spec_method": "mtp", "workers": 1, "async_scheduling": False,
+        "runner": "v1", "num_blocks": 150, "max_num_batched_tokens": 2048, "cpu_bytes": 64 << 20,
+        "fail_loads": {"rank": 0}},  # rank 0 fails every load in the second round
+        "rounds": [
+            {"between": "reset", "phases": [phase(add("k0-7", p1, s7, max_tokens=250))]},
+            {"between": "none", "phases": [
+                phase(add("k2-11", ("354198p1", 79), ("354198s11", 296)), add("k2-12", p1, ("354198s12", 17))),
+                phase(add("k2-13", ("354198p0", 407), ("354198s13", 15), max_tokens=33, salt="a"),
+                      add("k2-14", p1, s7, ("gen", 250), ("354198s14", 52)), add("k2-15", p0, ("354198s15", 120)),
+                      add("k2-16", p0, ("354198s16", 17)))]}]}
+
+
+def test_a_kvscope_copy_into_a_block_vllms_cache_then_serves_is_never_taken_for_vllms_mix_up(monkeypatch):
+    """The negative control of the test above: a kvscope load copy landing in block 69 after k2-12's forward
+    wrote and read it (from a host slot never stored to: zeros) makes k2-14's wrong state kvscope's, and the
+    plan a failure, though k2-14 still reaches the block through vLLM's prefix cache."""
+    from tests.compat import workload_fuzz
+
+    real_engine = workload_fuzz._engine
+
+    def engine_with_a_stray_load(config):
+        engine = real_engine(config)
+        worker, seen = engine.workers[0]._worker, []
+
+        def stray_load():
+            if len(seen) < 2 and engine._state_writers[0].get(69) == "vllm":  # k2-12's forward wrote it
+                seen.append(engine.stats.steps)
+                if len(seen) == 2:  # a step later: k2-12 has read it
+                    worker.engine.load(0, [worker.num_slots - 1], [0], [69])
+
+        engine.after_step.append(stray_load)
+        return engine
+
+    monkeypatch.setattr(workload_fuzz, "_engine", engine_with_a_stray_load)
+    with workload_fuzz._played(_failed_load_plan()) as replay:
+        engine, result = replay.engine, replay.finish()
+        read = {(v.req_id, v.block_id, v.from_vllm_cache) for v in engine.stats.violations}
+    assert read == {("k2-14", 69, False), ("k2-16", 112, True)}
+    assert result.verdict == "violation" and not result.vllm_mamba_align
 
 
 def test_a_request_resuming_from_vllms_mislabelled_mamba_block_stores_none_of_its_states():
@@ -482,8 +562,9 @@ def test_known_vllm_gap_mamba_align_with_partial_hash_hits_caches_a_state_under_
 
 def test_the_fuzzer_tells_vllms_mamba_align_mix_up_apart_where_kvscope_loaded_for_another_request():
     """Random workload seed 211678, shrunk: k3-19 resumes from vLLM's own cached Mamba state of fewer
-    tokens (the mix-up above), while kvscope loads for k3-18. Replayed with kvscope offering no hit, the
-    same violation comes again, so it is vLLM's (it was reported as a kvscope failure before)."""
+    tokens (the mix-up above), while kvscope loads for k3-18 (it was reported as a kvscope failure once).
+    Both rules tell it apart: the state k3-19 read came from vLLM's prefix cache alone, in a block vLLM's
+    forward wrote; and replayed with kvscope offering no hit, the same violation comes again."""
     from tests.compat import workload_fuzz
 
     def add(req_id, *segments):
@@ -504,23 +585,13 @@ def test_the_fuzzer_tells_vllms_mamba_align_mix_up_apart_where_kvscope_loaded_fo
                 {"between": "none", "phases": [
                     phase(add("k3-18", ("211678p0", 268), ("211678s18", 200)),
                           add("k3-19", ("211678p1", 300), ("211678s19", 1)))]}]}
-    seen = []
-    real = workload_fuzz._same_without_kvscope_hits
-
-    def telling(plan, engine):
-        verdict = real(plan, engine)
-        seen.append(verdict)
-        return verdict
-
-    workload_fuzz._same_without_kvscope_hits = telling
-    try:
-        result = workload_fuzz.execute(plan)
-    finally:
-        workload_fuzz._same_without_kvscope_hits = real
-    assert result.external_hit_tokens > 0  # kvscope loaded: the first rule does not apply
+    with workload_fuzz._played(plan) as replay:
+        engine, result = replay.engine, replay.finish()
+        assert workload_fuzz._same_without_kvscope_hits(plan, engine)  # the replay without hits: the same
+    assert result.external_hit_tokens > 0  # kvscope loaded: "nothing loaded" does not apply
     assert result.violations and all("req_id='k3-19'" in v and "not the state after 256 tokens" in v
-                                      for v in result.violations), result.violations
-    assert seen == [True] and result.verdict == "vllm_mamba_align" and result.failure is None
+                                      and "from_vllm_cache=True" in v for v in result.violations), result.violations
+    assert result.verdict == "vllm_mamba_align" and result.failure is None
 
 
 def test_the_fuzzer_tells_the_known_admission_stall_apart_where_vllms_own_estimate_fits():

@@ -409,11 +409,14 @@ def _vllm_mamba_align(config: dict, engine) -> bool:
     The chunk can also start inside the block at a shared-prefix junction (vLLM's
     `enable_mamba_shared_prefix_checkpoint` with EAGLE or MTP, whose dropped block moves the junction
     off a block boundary: seed 261049 of "mamba-spec"), or at a checkpoint EAGLE's drop moved (260158).
-    Told apart only where kvscope loaded nothing at all and every violation is a Mamba state. Where
-    kvscope's hits change the schedule so that the same plan without them reads no wrong state, it is
-    reported as a failure and must be traced by hand (seed 276150 on 0.33: a failed load sent a request
-    back to vLLM's prefix cache, which gave it such a block: vLLM's)."""
-    return not engine.stats.external_hit_tokens and _mamba_state_violations_only(config, engine)
+    Told apart where every violation is a Mamba state and kvscope loaded nothing at all, or where each
+    wrong state came from vLLM's prefix cache alone: the request's lookup found no host-tier tokens past
+    its device hit, and vLLM's own forward or state copy wrote the block last, no kvscope load
+    (`model_free.Violation.from_vllm_cache`). kvscope's hits still change the schedule that leads there:
+    a failed load sends a request back to vLLM's prefix cache (seeds 276150 on 0.33, 354198 on 0.32)."""
+    if not _mamba_state_violations_only(config, engine):
+        return False
+    return not engine.stats.external_hit_tokens or all(v.from_vllm_cache for v in engine.stats.violations)
 
 
 def _mamba_state_violations_only(config: dict, engine) -> bool:
