@@ -205,7 +205,7 @@ class ExportProcess(SpanExporter):
             if self._closed:
                 return
             error = None if locked else TimeoutError("the span export helper stopped reading")
-            if locked and self._proc is not None:
+            if locked:  # no helper running: what `export_nowait` left is still exported (here, or by one)
                 try:  # what is still waiting for the pipe goes first, within the same deadline
                     deadline = time.monotonic() + self._stop_timeout_s
                     self._settle(deadline)
