@@ -125,6 +125,18 @@ def test_a_span_id_repeated_in_one_file_joins_by_request_id_and_is_reported(tmp_
     assert read.problems[0].reason.endswith("(2 span(s), kept)")
 
 
+def test_a_repeated_parent_id_takes_the_load_of_the_childs_request_even_when_that_request_loads_twice(tmp_path):
+    """A's copy names the id that A's first load and B's load share: it is the first load's, not unknown, though
+    A's request id alone would name two loads (A resumed after preemption loads again)."""
+    path = write(tmp_path, line(
+        load("A", span_id="33" * 8, start=T1), load("B", span_id="33" * 8, start=T1 + 100),
+        load("A", span_id="55" * 8, start=T1 + 200),
+        copy("load", 100, "A", span_id="a3" * 8, parent="33" * 8, start=T1 + 1000, end=T1 + 2_000_000)))
+    spans = traces.read_trace_files([path]).spans.set_index("span_id")
+    first_load = spans.loc[(spans["request_id"] == "A") & (spans["start_ns"] == T1), "span_key"].item()
+    assert spans.loc["a3" * 8, "owner_key"] == first_load
+
+
 def test_a_load_whose_copies_are_in_the_next_file_joins_them(tmp_path):
     """A Collector's file exporter rotated between the load and its copies: one run, two files."""
     first = write(tmp_path, line(lookup("A", span_id="11" * 8, start=T1),
@@ -251,3 +263,22 @@ def test_a_copy_without_request_id_of_a_lost_first_load_does_not_join_the_second
     assert [p.line for p in read.problems] == [1]  # the lost load; no copy "starts before its load"
     requests = traces.requests_table(read.spans).set_index("request_id")
     assert requests.loc["A", "bytes_loaded"] == 1000 and requests.loc["A", "load_ms"] == pytest.approx(2.0)
+
+
+def test_a_copy_exactly_a_millisecond_before_its_load_is_on_its_clock_a_nanosecond_more_is_not(tmp_path):
+    """The tolerance (`CLOCK_TOLERANCE_NS`, 1 ms) is inclusive, also for a copy that joins its load by request id."""
+    path = write(tmp_path, line(
+        load("on", span_id="a2" * 8, trace="aa" * 16, start=T1 + 5_000_000),
+        copy("load", 100, "on", span_id="a3" * 8, trace="aa" * 16, parent="a2" * 8, start=T1 + 4_000_000,
+             end=T1 + 6_000_000),
+        load("off", span_id="b2" * 8, trace="bb" * 16, start=T1 + 5_000_000),
+        copy("load", 100, "off", span_id="b3" * 8, trace="bb" * 16, parent="b2" * 8, start=T1 + 3_999_999,
+             end=T1 + 6_000_000),
+        load("orphan", span_id="c2" * 8, trace="cc" * 16, start=T1 + 5_000_000),  # its copy names no parent
+        copy("load", 100, "orphan", span_id="c3" * 8, trace="cc" * 16, start=T1 + 4_000_000, end=T1 + 6_000_000)))
+    read = traces.read_trace_files([path])
+    assert read.spans.set_index("span_id")["clock_ok"].to_dict() == {
+        "a2" * 8: True, "a3" * 8: True, "b2" * 8: True, "b3" * 8: False, "c2" * 8: True, "c3" * 8: True}
+    requests = traces.requests_table(read.spans).set_index("request_id")
+    assert requests.loc["on", "load_ms"] == 1.0 and pd.isna(requests.loc["off", "load_ms"])
+    assert requests.loc["orphan", "load_ms"] == 1.0 and requests.loc["orphan", "bytes_loaded"] == 100

@@ -1061,3 +1061,29 @@ def test_a_group_without_a_trusted_copy_time_has_unknown_throughput(tmp_path):
     throughput = traces.copy_throughput(traces.read_trace_files([path]).spans)
     assert throughput["copies"].tolist() == [1] and throughput["bytes"].tolist() == [100]
     assert throughput[["copy_seconds", "gb_per_s", "p50_gb_per_s"]].isna().all(axis=None)  # unknown, not 0 s
+
+
+@pytest.mark.parametrize("name", [None, 7], ids=["no name", "a number"])
+def test_spans_without_a_string_name_are_no_kvscope_spans_and_no_crash(tmp_path, decoder, name):
+    """A file whose only span has no name (or a number for one): no kvscope span; the Arrow decoder leaves
+    it to the line decoder rather than failing on the missing column."""
+    sp = lookup("r1", span_id="01" * 8)
+    if name is None:
+        del sp["name"]
+    else:
+        sp["name"] = name
+    read = traces.read_trace_files([write(tmp_path, line(sp))])
+    assert read.spans.empty and read.problems == []
+
+
+@pytest.mark.parametrize("field", ["traceId", "spanId", "startTimeUnixNano", "endTimeUnixNano"])
+def test_a_field_no_span_of_the_file_has_is_reported_not_a_crash(tmp_path, decoder, field):
+    """Arrow has no column at all for a key no line holds; the span is still reported and skipped, as where
+    another line's span holds the key."""
+    sp = lookup("r1", span_id="01" * 8)
+    del sp[field]
+    read = traces.read_trace_files([write(tmp_path, line(sp))])
+    assert read.spans.empty and [(p.line, p.spans) for p in read.problems] == [(1, 1)]
+    # held by another line's span: Arrow's column is there, with a null for this span
+    read = traces.read_trace_files([write(tmp_path, line(lookup("r2", span_id="02" * 8)), line(sp))])
+    assert list(read.spans["request_id"]) == ["r2"] and [(p.line, p.spans) for p in read.problems] == [(2, 1)]

@@ -151,7 +151,8 @@ def test_hit_rate_over_time(requests, expected):
     assert auto["run"].nunique() == 1 + (steps > width).sum()
 
 
-@pytest.mark.parametrize(("duration", "width"), [(0, 0.001), (0.05, 0.001), (2.7, 0.05), (3600, 60), (1e9, 86400)])
+@pytest.mark.parametrize(("duration", "width"), [(0, 0.001), (0.05, 0.001), (2.7, 0.05), (60, 1), (61, 2), (3600, 60),
+                                                      (1e9, 86400)])
 def test_bucket_width_is_round_and_bounded(duration, width):
     assert traces.pick_bucket_seconds(duration) == width
 

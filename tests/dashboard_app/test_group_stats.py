@@ -1,0 +1,139 @@
+"""The overview's per-group tables on small files: exact throughput, and rows in group order."""
+
+from __future__ import annotations
+
+import pandas as pd
+
+from dashboard import traces
+
+from .test_group_copies import group_copy
+from .test_joins import load
+from .test_reader import line, lookup, span, write
+
+T = 1_700_000_000_000_000_000
+S = 1_000_000_000  # one second in ns
+TRACE = "ab" * 16
+
+
+def scan(group: int, *, n: int, parent: str, total: int = 4, skipped: int = 0, start: int = T + 20) -> dict:
+    kind = ("sliding_window", "full_attention")[group]
+    return span("kvscope.group.scan", {
+        "kvscope.group.index": group, "kvscope.group.kind": kind, "kvscope.group.blocks.total": total,
+        "kvscope.group.blocks.null_skipped": skipped, "kvscope.group.blocks.pending": total - skipped,
+        "kvscope.group.blocks.start": 0}, trace=TRACE, span_id=f"{0x500 + n:016x}", parent=parent, start=start)
+
+
+def test_throughput_is_bytes_per_second_in_gb_exactly(tmp_path):
+    """4e9 bytes in one second and 3e9 bytes in 1.5 s: 4 and 2 GB/s, exact (1 GB = 1e9 bytes); the group's
+    7e9 bytes in 2.5 s are 2.8 GB/s."""
+    owner = "02" * 8
+    path = write(tmp_path, line(
+        lookup("r", span_id="01" * 8, trace=TRACE, start=T), load("r", span_id=owner, parent="01" * 8, trace=TRACE,
+                                                                  start=T + 10),
+        group_copy("load", 1, 0, 4 * S, T + 100, T + 100 + S, owner=owner, n=1),
+        group_copy("load", 1, 0, 3 * S, T + 100, T + 100 + 3 * S // 2, owner=owner, n=2)))
+    tp = traces.copy_throughput(traces.read_trace_files([path]).spans)
+    (row,) = tp.to_dict("records")
+    assert (row["copies"], row["bytes"], row["copy_seconds"]) == (2, 7 * S, 2.5)
+    assert row["gb_per_s"] == 7 / 2.5 and row["p50_gb_per_s"] == 3.0  # median of 4 and 2
+
+
+def test_group_rows_are_in_group_order_whatever_order_the_spans_came_in(tmp_path):
+    """Group 1's spans written before group 0's: the tables still list g0 first."""
+    owner = "02" * 8
+    path = write(tmp_path, line(
+        lookup("r", span_id="01" * 8, trace=TRACE, start=T), load("r", span_id=owner, parent="01" * 8, trace=TRACE,
+                                                                  start=T + 10),
+        scan(1, n=1, parent=owner), scan(0, n=2, parent=owner, total=8, skipped=6),
+        group_copy("load", 1, 0, 1000, T + 100, T + 1100, owner=owner, n=3),
+        group_copy("load", 0, 0, 1000, T + 100, T + 2100, owner=owner, n=4)))
+    spans = traces.read_trace_files([path]).spans
+    requests = traces.requests_table(spans)
+    skip = traces.null_skip_by_group(spans)
+    assert skip["group_index"].tolist() == [0, 1] and skip["blocks_null_skipped"].tolist() == [6, 0]
+    assert traces.load_latency_quantiles(spans, requests)["scope"].tolist() == [
+        "request load (all groups)", "copy g0 sliding_window", "copy g1 full_attention"]
+    assert traces.copy_throughput(spans)["group_index"].tolist() == [0, 1]
+    summary = traces.group_summary(spans, requests)
+    assert summary["group"].tolist() == ["g0 sliding_window", "g1 full_attention"]
+    assert summary["p50_ms"].tolist() == [0.002, 0.001]
+    assert summary["bytes_loaded"].tolist() == [1000, 1000] and summary["bytes_stored"].isna().all()
+    dist = traces.load_latency_distribution(spans, requests)
+    assert dist.values.tolist() == [["request load", 0.00209], ["copy g1 full_attention", 0.001],
+                                    ["copy g0 sliding_window", 0.002]]
+
+
+def test_copy_latency_quantiles_are_nearest_ranks_of_many_copies(tmp_path):
+    """100 load copies of 1..100 ms: p50, p95, p99 and max are the 50th, 95th, 99th and 100th (with
+    fewer than 21 values p95 and p99 are the same rank)."""
+    owner = "02" * 8
+    copies = [group_copy("load", 0, 0, 1000, T + 100, T + 100 + ms * 1_000_000, owner=owner, n=ms)
+              for ms in range(100, 0, -1)]
+    path = write(tmp_path, line(
+        lookup("r", span_id="01" * 8, trace=TRACE, start=T), load("r", span_id=owner, parent="01" * 8, trace=TRACE,
+                                                                  start=T + 10), *copies))
+    spans = traces.read_trace_files([path]).spans
+    q = traces.load_latency_quantiles(spans, traces.requests_table(spans)).set_index("scope")
+    row = q.loc["copy g0 sliding_window"]
+    assert row[["count", "p50_ms", "p95_ms", "p99_ms", "max_ms"]].tolist() == [100, 50.0, 95.0, 99.0, 100.0]
+
+
+def test_a_copy_that_ends_before_it_starts_has_no_latency(tmp_path):
+    """Its duration is not to be trusted (another clock): it is in no latency quantile nor in the
+    distribution, but its bytes count."""
+    owner = "02" * 8
+    path = write(tmp_path, line(
+        lookup("r", span_id="01" * 8, trace=TRACE, start=T), load("r", span_id=owner, parent="01" * 8, trace=TRACE,
+                                                                  start=T + 10),
+        group_copy("load", 0, 0, 1000, T + 100, T + 100 + 2_000_000, owner=owner, n=1),
+        group_copy("load", 0, 1, 3000, T + 5_000_000, T + 4_000_000, owner=owner, n=2)))  # ends before it starts
+    spans = traces.read_trace_files([path]).spans
+    requests = traces.requests_table(spans)
+    dist = traces.load_latency_distribution(spans, requests)
+    assert dist.loc[dist["series"] != "request load", "ms"].tolist() == [2.0]
+    assert dist.loc[dist["series"] == "request load", "ms"].empty  # nor has its load a time
+    q = traces.load_latency_quantiles(spans, requests).set_index("scope").loc["copy g0 sliding_window"]
+    assert q[["count", "max_ms"]].tolist() == [1, 2.0]
+    (tp,) = traces.copy_throughput(spans).to_dict("records")
+    assert (tp["copies"], tp["bytes"], tp["copy_seconds"]) == (2, 4000, 0.002)
+    assert tp["gb_per_s"] == 1000 / 0.002 / 1e9
+
+
+def test_a_failed_loads_scanned_blocks_reached_no_request(tmp_path):
+    """As kvscope_loaded_blocks_total counts: a load whose copy failed loaded none of its pending blocks."""
+    path = write(tmp_path, line(
+        lookup("ok", span_id="01" * 8, trace=TRACE, start=T),
+        load("ok", span_id="02" * 8, parent="01" * 8, trace=TRACE, start=T + 10),
+        scan(0, n=1, parent="02" * 8, total=8, skipped=3),
+        group_copy("load", 0, 0, 1000, T + 100, T + 1100, owner="02" * 8, rid="ok", n=1),
+        lookup("bad", span_id="03" * 8, trace=TRACE, start=T),
+        load("bad", span_id="04" * 8, parent="03" * 8, trace=TRACE, start=T + 10),
+        scan(0, n=2, parent="04" * 8, total=6, skipped=2),
+        group_copy("load", 0, 0, 1000, T + 100, T + 1100, owner="04" * 8, rid="bad", n=2, failed=True)))
+    (row,) = traces.null_skip_by_group(traces.read_trace_files([path]).spans).to_dict("records")
+    assert (row["scans"], row["blocks_scanned"], row["blocks_null_skipped"], row["blocks_loaded"]) == (2, 14, 5, 5)
+
+
+def test_a_copy_of_no_time_has_no_throughput(tmp_path):
+    """A zero-duration copy (start = end) is on time but its throughput is unknown, not infinite: it is
+    left out of the median, and a group with no other copy has no GB/s."""
+    owner = "02" * 8
+    path = write(tmp_path, line(
+        lookup("r", span_id="01" * 8, trace=TRACE, start=T), load("r", span_id=owner, parent="01" * 8, trace=TRACE,
+                                                                  start=T + 10),
+        scan(0, n=1, parent=owner, total=1, skipped=1), scan(1, n=2, parent=owner, total=1, skipped=0),
+        group_copy("load", 0, 0, 4 * S, T + 100, T + 100 + S, owner=owner, n=1),
+        group_copy("load", 0, 0, S, T + 100, T + 100, owner=owner, n=2),
+        group_copy("load", 1, 0, 1000, T + 100, T + 100, owner=owner, n=3)))
+    spans = traces.read_trace_files([path]).spans
+    tp = traces.copy_throughput(spans).set_index("group_index")
+    assert tp.loc[0, "p50_gb_per_s"] == 4.0 and tp.loc[0, "gb_per_s"] == 5.0
+    assert tp.loc[1, "copy_seconds"] == 0 and pd.isna(tp.loc[1, "gb_per_s"]) and pd.isna(tp.loc[1, "p50_gb_per_s"])
+    # one block scanned: its share is 0 or 1, not unknown
+    assert traces.null_skip_by_group(spans)["null_skip_share"].tolist() == [1.0, 0.0]
+
+
+def test_a_file_without_scans_has_an_empty_group_table(tmp_path):
+    spans = traces.read_trace_files([write(tmp_path, line(lookup("r")))]).spans
+    summary = traces.group_summary(spans, traces.requests_table(spans))
+    assert summary.empty and "group" in summary.columns

@@ -1,0 +1,78 @@
+"""The overview's headline numbers on small files, and load time quantiles of many loads."""
+
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+import pytest
+
+from dashboard import traces
+
+from .conftest import TWO_ROUNDS
+from .test_group_copies import group_copy
+from .test_joins import load
+from .test_reader import line, lookup, write
+
+T = 1_700_000_000_000_000_000
+TRACE = "ab" * 16
+
+
+def test_overview_numbers_of_a_small_file(tmp_path):
+    """Two requests: a load whose one copy ends 2 ms after the load started, and a load without copies; nothing
+    stored. The spans run from T to the second load's end, 1.5 s + 1 us later."""
+    owner = "02" * 8
+    path = write(tmp_path, line(
+        lookup("r", 100, 64, span_id="01" * 8, trace=TRACE, start=T),
+        load("r", span_id=owner, parent="01" * 8, trace=TRACE, start=T + 1_000_000),
+        group_copy("load", 0, 0, 4096, T + 1_000_000, T + 3_000_000, owner=owner, n=1),
+        lookup("s", 50, 0, span_id="03" * 8, trace="cd" * 16, start=T + 500_000_000),
+        load("s", span_id="04" * 8, parent="03" * 8, trace="cd" * 16, start=T + 1_500_000_000)))  # no copy
+    spans = traces.read_trace_files([path]).spans
+    numbers = traces.overview_numbers(traces.requests_table(spans), spans)
+    assert numbers == {
+        "requests": 2, "requests_with_hit": 1, "requests_load_failed": 0, "tokens_queried": 150, "tokens_hit": 64,
+        "hit_rate": 64 / 150, "loads_timed": 1, "load_p50_ms": 2.0, "load_p95_ms": 2.0, "load_p99_ms": 2.0,
+        "loads": 2, "loads_without_copies": 1, "bytes_loaded": 4096, "bytes_stored": 0, "spans": 5,
+        "duration_s": 1.500001}
+
+
+def test_overview_numbers_without_copies_or_spans(tmp_path):
+    spans = traces.read_trace_files([write(tmp_path, line(lookup("r", start=T, end=T + 2_000_000_000)))]).spans
+    numbers = traces.overview_numbers(traces.requests_table(spans), spans)
+    assert (numbers["bytes_loaded"], numbers["bytes_stored"], numbers["duration_s"]) == (0, 0, 2.0)
+    empty = traces.read_trace_files([traces.TraceSource("empty", b"")]).spans
+    numbers = traces.overview_numbers(traces.requests_table(empty), empty)
+    assert (numbers["requests"], numbers["spans"], numbers["duration_s"]) == (0, 0, 0.0)
+    assert math.isnan(numbers["load_p50_ms"]) and math.isnan(numbers["hit_rate"])
+
+
+@pytest.fixture(scope="module")
+def hundred_loads() -> pd.DataFrame:
+    """The two-rounds requests five times over, with load times 1..100 ms (one in five of them on engine 1,
+    the first of them too)."""
+    requests = traces.requests_table(traces.read_trace_files([TWO_ROUNDS]).spans)
+    many = pd.concat([requests] * 5, ignore_index=True)
+    return many.assign(load_ms=[float(ms) for ms in range(100, 0, -1)],
+                       engine=pd.array([int(i % 5 == 0) for i in range(100)], dtype="Int64"))
+
+
+def test_load_time_quantiles_are_nearest_ranks(hundred_loads):
+    """Of 100 load times (1..100 ms), p50, p95 and p99 are the 50th, 95th and 99th smallest."""
+    numbers = traces.request_numbers(hundred_loads)
+    assert [numbers["load_p50_ms"], numbers["load_p95_ms"], numbers["load_p99_ms"]] == [50.0, 95.0, 99.0]
+    assert numbers["loads_timed"] == 100
+
+
+def test_engines_are_listed_in_engine_order(hundred_loads):
+    table = traces.engine_summary(hundred_loads)
+    assert table["engine"].tolist() == [0, 1] and table["requests"].tolist() == [80, 20]
+    assert table["load_p95_ms"].tolist() == [94.0, 95.0]  # the 76th of 80, the 19th of 5, 10, .., 100 ms
+
+
+def test_a_one_token_hit_is_a_hit_and_a_request_without_lookup_none(tmp_path):
+    path = write(tmp_path, line(lookup("one", 1, 1, span_id="01" * 8, trace="a1" * 16, start=T),
+                                lookup("miss", 100, 0, span_id="02" * 8, trace="a2" * 16, start=T + 1),
+                                load("resumed", span_id="03" * 8, trace="a3" * 16, start=T + 2)))  # no lookup
+    requests = traces.requests_table(traces.read_trace_files([path]).spans)
+    assert len(requests) == 3 and traces.request_numbers(requests)["requests_with_hit"] == 1
