@@ -9,16 +9,17 @@ import select
 import signal
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 
 import pytest
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.sdk.trace.export import SpanExportResult
 
 from connector.telemetry.export_process import ExportProcess
 from connector.telemetry.sinks import Sinks, build_exporters
 from connector.telemetry.span_records import LOAD_SPAN, LOOKUP_SPAN, SCAN_SPAN
 from connector.telemetry.tracing import KVScopeTracing
+
+from .test_otlp_export import _Receiver  # an OTLP/HTTP collector that keeps each request
 
 
 class _Keep:
@@ -848,20 +849,6 @@ def test_a_helper_that_cannot_start_leaves_the_spans_to_this_process(tmp_path, c
     assert _request_ids(path) == [0, 1, 2] and helper.dropped_spans == 0
     (failed,) = [r.getMessage() for r in caplog.records if "export process failed" in r.getMessage()]
     assert "0 spans it had read but not written are lost" in failed
-
-
-class _Receiver(BaseHTTPRequestHandler):
-    requests: list[ExportTraceServiceRequest] = []
-
-    def do_POST(self):
-        body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
-        type(self).requests.append(ExportTraceServiceRequest.FromString(body))
-        self.send_response(200)
-        self.send_header("Content-Type", "application/x-protobuf")
-        self.end_headers()
-
-    def log_message(self, *args):
-        pass
 
 
 def _wait_until_reading(pid: int) -> None:
