@@ -661,28 +661,51 @@ def _combine(frames: list[pd.DataFrame]) -> tuple[pd.DataFrame, list[Problem]]:
 
 # Every sum the pages make adds one integer column's values (all >= 0) over some spans, at most two such sums
 # together: with each column's total below 2^62, no int64 sum wraps around.
-_SUM_LIMIT = float(1 << 62)
+_SUM_LIMIT = 1 << 62
+# float64 sums of values >= 0 are off by far less than this share of the total: only a column whose float total
+# comes this close to the limit is summed exactly.
+_FLOAT_SUM_MARGIN = 1 - 2.0 ** -30
 
 
 def _counts_past_sum_limit(frame: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
-    """The spans to leave out so that no column's total passes `_SUM_LIMIT`, and a reason per span.
+    """The spans to leave out so that no column's total reaches `_SUM_LIMIT`, and a reason per span.
 
-    Only when a column's total does (absurd counts: 2^53 tokens in each of a thousand lookups): then each value
-    above the column's share of the limit per span goes, which leaves the total below it.
+    Only when a column's total does (absurd counts: 2^53 tokens in each of a thousand lookups): then the values
+    above the largest bound whose values (those at or below it) still total less than the limit go, so the
+    fewest and largest counts go, and equal counts go or stay together.
     """
     mask = np.zeros(len(frame), dtype=bool)
     reasons = np.full(len(frame), None, dtype=object)
     for key, (col, is_int) in ATTRIBUTE_COLUMNS.items():
-        values = frame[col].to_numpy(dtype=float, na_value=np.nan) if is_int else None
-        if values is None or not np.nansum(values) > _SUM_LIMIT:
+        if not is_int:
             continue
-        having = np.count_nonzero(~np.isnan(values))
-        share = _SUM_LIMIT / having
-        over = (values > share) & ~mask
+        values = frame[col].to_numpy(dtype=float, na_value=np.nan)
+        kept = ~np.isnan(values) & ~mask
+        if not np.sum(values[kept]) >= _SUM_LIMIT * _FLOAT_SUM_MARGIN:
+            continue
+        bound = _largest_bound_below_limit(values[kept])
+        if bound is None:
+            continue
+        over = kept & (values > bound)
         mask |= over
+        having = np.count_nonzero(kept)
         reasons[over] = [f"{key} is {v:.0f}: summed over the {having:,} spans that have it, counts this large would "
-                         f"pass 2^62, expected at most {share:.0f}" for v in values[over]]
+                         f"pass 2^62, expected at most {bound:.0f}" for v in values[over]]
     return mask, reasons
+
+
+def _largest_bound_below_limit(values: np.ndarray) -> float | None:
+    """The largest bound such that ``values`` (whole numbers >= 0, up to 2^53) at or below it total less than
+    `_SUM_LIMIT`, summed exactly: the largest value that can stay, or one below the smallest when the smallest
+    alone reach the limit; None when all of them total less."""
+    distinct, counts = np.unique(values, return_counts=True)
+    total, bound = 0, float(distinct[0]) - 1
+    for value, count in zip(distinct.tolist(), counts.tolist()):
+        total += int(value) * count  # Python ints: exact, where float64 or int64 sums are not
+        if total >= _SUM_LIMIT:
+            return bound
+        bound = value
+    return None
 
 
 ENDS_BEFORE_START = ("span ends before it starts (endTimeUnixNano < startTimeUnixNano); a copy that does is left "

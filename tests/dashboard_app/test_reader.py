@@ -263,13 +263,34 @@ def test_one_large_count_among_many_spans_loads_when_the_total_is_far_from_2_62(
 
 
 def test_a_count_equal_to_its_share_of_2_62_stays(tmp_path):
-    """Past 2^62 in all, each value above the column's share per span (here 2^62 / 1,024 = 2^52) goes: the
-    reason says "at most" the share, so a value equal to it stays."""
+    """Past 2^62 in all, only the largest counts go: those above the largest count whose spans (with the smaller
+    ones) total less than 2^62. The reason says "at most" that count, and a value equal to it stays."""
     spans = [lookup(f"r{i}", queried=1 << 52, hit=0, span_id=f"{i + 1:016x}") for i in range(1023)]
     spans.append(lookup("big", queried=1 << 53, hit=0, span_id="ff" * 8))
     read = traces.read_trace_files([write(tmp_path, line(*spans))])
     assert [(p.spans, p.reason.split(":")[0]) for p in read.problems] == [(1, f"kvscope.tokens.queried is {1 << 53}")]
     assert len(read.spans) == 1023 and "expected at most 4503599627370496" in read.problems[0].reason
+
+
+def test_a_column_totalling_exactly_2_62_is_cut_below_it(tmp_path):
+    """Two sums of 2^62 wrap around int64: a total of exactly 2^62 is too much (the bound is exact, not a
+    float64 sum), and only the largest count goes."""
+    spans = [lookup(f"r{i}", queried=1 << 52, hit=0, span_id=f"{i + 1:016x}") for i in range(1022)]
+    spans.append(lookup("big", queried=1 << 53, hit=0, span_id="ff" * 8))
+    assert 1022 * (1 << 52) + (1 << 53) == 1 << 62
+    read = traces.read_trace_files([write(tmp_path, line(*spans))])
+    assert [(p.spans, p.reason.split(":")[0]) for p in read.problems] == [(1, f"kvscope.tokens.queried is {1 << 53}")]
+    assert "expected at most 4503599627370496" in read.problems[0].reason
+    assert len(read.spans) == 1022 and read.spans["tokens_queried"].sum() == 1022 << 52
+
+
+def test_equal_counts_that_alone_reach_2_62_all_go(tmp_path):
+    """Which of equal counts would go is arbitrary, so all of them go, and the reason names the bound they pass."""
+    spans = [lookup(f"h{i}", queried=1 << 53, hit=0, span_id=f"{i + 1:016x}") for i in range(512)]
+    read = traces.read_trace_files([write(tmp_path, line(*spans))])
+    assert len(read.spans) == 0 and [p.spans for p in read.problems] == [512]
+    assert read.problems[0].reason.endswith(f"spans that have it, counts this large would pass 2^62, expected at "
+                                            f"most {(1 << 53) - 1}")
 
 
 def test_a_span_of_zero_duration_is_on_time(tmp_path, decoder):
