@@ -146,18 +146,20 @@ def _flatten(arr) -> tuple[Any, np.ndarray]:
     if not pa.types.is_list(arr.type):
         raise _Declined(f"expected a list, got {arr.type}")
     items = pc.list_flatten(arr)
-    if pa.types.is_null(items.type) or len(items) == 0:
+    if len(items) == 0:
         return None, np.zeros(0, dtype=np.int64)
+    if items.null_count:  # [null, {...}], or [null] where no line holds an object (Arrow's null type):
+        raise _Declined("null in a list of objects")  # the line decoder reports the entry that is not an object
     if not pa.types.is_struct(items.type):
         raise _Declined(f"expected objects, got {items.type}")
-    if items.null_count:  # [null, {...}]: the line decoder reports the entry that is not an object
-        raise _Declined("null in a list of objects")
     return items, pc.list_parent_indices(arr).to_numpy().astype(np.int64)
 
 
 def _field(arr, name: str, legacy: str | None = None):
-    if arr is None:
+    if arr is None or pa.types.is_null(arr.type):  # absent, or null on every line: no field
         return None
+    if not pa.types.is_struct(arr.type):  # "status": "ok" on every line: the line decoder names the field
+        raise _Declined(f"expected objects, got {arr.type}")
     if legacy is not None and arr.type.get_field_index(legacy) >= 0:
         raise _Declined(f"legacy field {legacy}")
     index = arr.type.get_field_index(name)
@@ -189,7 +191,8 @@ def _nanos(arr, name: str) -> np.ndarray:
         raise _Declined(f"missing {name}")
     if pa.types.is_string(arr.type):
         # Arrow's cast also takes "0x10" (hex) where the line decoder's int() does not: digits only here.
-        if not pc.all(pc.match_substring_regex(arr, r"^[0-9]+$")).as_py():
+        # min_count=0: no kept span at all (a file without kvscope spans) passes; null would decline the file
+        if not pc.all(pc.match_substring_regex(arr, r"^[0-9]+$"), min_count=0).as_py():
             raise _Declined(f"{name} not in decimal digits")  # the line decoder names each line
         arr = pc.cast(arr, pa.int64())  # "1700000000000000000"; raises past int64 -> declined
     elif not pa.types.is_integer(arr.type):

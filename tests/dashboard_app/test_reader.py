@@ -754,6 +754,36 @@ def test_resource_attributes_that_are_no_attribute_objects_are_not_kvscopes_to_j
     assert read.problems == [] and read.spans["engine"].isna().all()
 
 
+def test_a_resource_naming_its_engine_twice_takes_the_first(tmp_path, decoder):
+    doc = json.loads(engine_line({"intValue": "1"}, lookup("r1", span_id="11" * 8)))
+    doc["resourceSpans"][0]["resource"]["attributes"].append({"key": "kvscope.engine", "value": {"intValue": "2"}})
+    read = traces.read_trace_files([write(tmp_path, json.dumps(doc))])
+    assert read.problems == [] and list(read.spans["engine"]) == [1]
+
+
+def test_attributes_without_a_key_in_a_file_where_none_has_one(tmp_path, decoder):
+    """No attribute of the file has a key (Arrow has no key column): a span's is a problem, a resource's is
+    no kvscope attribute, as where other attributes have keys."""
+    doc = json.loads(engine_line({"intValue": "1"}, lookup("r1", span_id="11" * 8)))
+    for attribute in doc["resourceSpans"][0]["resource"]["attributes"]:
+        del attribute["key"]
+    read = traces.read_trace_files([write(tmp_path, json.dumps(doc))])
+    assert read.problems == [] and list(read.spans["request_id"]) == ["r1"] and read.spans["engine"].isna().all()
+    bad = lookup("r2", span_id="22" * 8)
+    bad["attributes"] = [{"value": a["value"]} for a in bad["attributes"]]
+    read = traces.read_trace_files([write(tmp_path, line(bad), name="span.jsonl")])
+    assert read.spans.empty
+    assert [(p.line, p.spans, p.reason) for p in read.problems] == [
+        (1, 1, "malformed kvscope.lookup span: an attribute has no key")]
+
+
+def test_a_boolean_engine_where_no_resource_gives_a_number_is_no_integer(tmp_path, decoder):
+    """Arrow types the resources' intValue column boolean then, not as numbers: still not an integer."""
+    read = traces.read_trace_files([write(tmp_path, engine_line({"intValue": True}, lookup("r1")))])
+    assert read.spans.empty and [(p.line, p.spans) for p in read.problems] == [(1, 1)]
+    assert "kvscope.engine is not an integer" in read.problems[0].reason
+
+
 def test_the_arrow_decoder_reads_engines_as_the_line_decoder_does(tmp_path):
     path = write(tmp_path, engine_line({"intValue": "0"}, lookup("r1", span_id="11" * 8)),
                  engine_line({"intValue": "1"}, lookup("r2", span_id="22" * 8)), line(lookup("r3", span_id="33" * 8)))
@@ -851,6 +881,14 @@ def test_a_bare_span_is_told_by_both_of_its_ids_in_a_document_of_no_other_export
     assert [p.reason[:len(reason)] for p in read.problems] == [reason]
 
 
+def test_a_kvscope_span_without_its_ids_or_export_is_counted_by_both_decoders(decoder):
+    """No ids, so not told a bare span; its kvscope name still counts it as a skipped kvscope span."""
+    doc = lookup("r1")
+    del doc["traceId"], doc["spanId"]
+    read = traces.read_trace_files([traces.TraceSource("t.jsonl", (json.dumps(doc) + "\n").encode())])
+    assert [(p.line, p.reason, p.spans) for p in read.problems] == [(1, "no resourceSpans: not a trace export", 1)]
+
+
 def test_bare_kvscope_spans_one_a_line_are_named_and_counted_by_both_decoders(decoder):
     """Spans written one a line with no export around them: the Arrow decoder once called each line "not a trace
     export" with no span skipped, where the line decoder says what the line is and counts its span."""
@@ -925,17 +963,31 @@ def test_the_pre_1_0_otlp_field_names_read_like_the_current_ones(tmp_path, decod
     assert read.empty and [(p.spans, "'9.0.0' is not supported" in p.reason) for p in read.problems] == [(1, True)]
 
 
+def test_only_the_kvscope_scopes_version_is_checked_under_either_field_name(tmp_path, decoder):
+    """The scope's pre-1.0 field name inside a current scopeSpans entry still names kvscope's scope; another
+    scope's version is not kvscope's to judge, even over a span named kvscope.*."""
+    doc = json.loads(line(lookup("r1"), version="9.0.0"))
+    scope_spans = doc["resourceSpans"][0]["scopeSpans"][0]
+    scope_spans["instrumentationLibrary"] = scope_spans.pop("scope")
+    read = traces.read_trace_files([write(tmp_path, json.dumps(doc))])
+    assert read.spans.empty
+    assert [(p.spans, "'9.0.0' is not supported" in p.reason) for p in read.problems] == [(1, True)]
+    read = traces.read_trace_files([write(tmp_path, line(lookup("r2"), scope="vllm", version="9.0.0"), name="o.jsonl")])
+    assert read.problems == [] and list(read.spans["request_id"]) == ["r2"]
+
+
 def test_a_file_of_clean_exports_without_spans_lists_each_line_that_is_no_trace_export(tmp_path, decoder):
     """Parses cleanly (the Arrow decoder takes it) yet holds no span: a metrics export, a trace export of none."""
     path = write(tmp_path, json.dumps({"resourceMetrics": [{"resource": {}}]}), json.dumps({"resourceSpans": []}),
-                 json.dumps({"resourceMetrics": []}))
+                 json.dumps({"resourceMetrics": []}), json.dumps({"resourceLogs": []}))
     if decoder == "arrow":
         assert otlp_arrow.decode(path.read_bytes(), str(path), path.read_bytes().split(b"\n")) is not None
     read = traces.read_trace_files([path])
-    assert read.empty and read.lines == 3 and read.other_spans == 0
+    assert read.empty and read.lines == 4 and read.other_spans == 0
     assert [(p.line, p.reason, p.spans) for p in read.problems] == [
         (1, "no resourceSpans: not a trace export (a resourceMetrics export)", 0),
-        (3, "no resourceSpans: not a trace export (a resourceMetrics export)", 0)]
+        (3, "no resourceSpans: not a trace export (a resourceMetrics export)", 0),
+        (4, "no resourceSpans: not a trace export (a resourceLogs export)", 0)]
 
 
 def test_a_line_that_is_no_export_says_what_json_it_holds(tmp_path, decoder):
@@ -946,6 +998,14 @@ def test_a_line_that_is_no_export_says_what_json_it_holds(tmp_path, decoder):
         (2, "expected a JSON object (an ExportTraceServiceRequest), got a list holding a string"),
         (3, "expected a JSON object (an ExportTraceServiceRequest), got a number")]
     assert list(read.spans["request_id"]) == ["r1"]
+
+
+def test_a_line_holding_two_json_documents_is_not_json(tmp_path, decoder):
+    """Arrow's parser reads them as two rows: one line fewer than rows, so the line decoder names the line."""
+    empty = json.dumps({"resourceSpans": []})
+    read = traces.read_trace_files([write(tmp_path, line(lookup("r1")), empty + " " + empty)])
+    assert list(read.spans["request_id"]) == ["r1"]
+    assert [(p.line, p.reason.startswith("not JSON: Extra data")) for p in read.problems] == [(2, True)]
 
 
 def test_a_long_reason_is_cut_to_160_characters(tmp_path, decoder):
@@ -960,6 +1020,15 @@ def test_a_long_reason_is_cut_to_160_characters(tmp_path, decoder):
     read = traces.read_trace_files([write(tmp_path, line(lookup("r1", span_id="11" * 8), bad))])
     assert read.problems[0].reason == prefix + f"startTimeUnixNano '{'9' * 118}' is outside 0..2^63 ns"
     assert len(read.problems[0].reason) == len(prefix) + 160
+
+
+def test_a_kvscope_scope_without_a_version_is_not_supported(tmp_path, decoder):
+    doc = json.loads(line(lookup("r1")))
+    del doc["resourceSpans"][0]["scopeSpans"][0]["scope"]["version"]
+    read = traces.read_trace_files([write(tmp_path, json.dumps(doc), line(lookup("r2", span_id="22" * 8)))])
+    assert list(read.spans["request_id"]) == ["r2"]
+    assert [(p.line, p.spans, p.reason) for p in read.problems] == [
+        (1, 1, "kvscope scope version '' is not supported (this dashboard reads 0.1.x)")]
 
 
 def test_a_scope_of_an_unsupported_version_counts_only_its_kvscope_spans(tmp_path, decoder):
@@ -995,6 +1064,76 @@ def test_a_misshapen_export_names_the_field(tmp_path, decoder, doc, reason):
     assert [(p.line, p.reason) for p in read.problems] == [(1, reason)]
     assert len(read.spans) == 1
 
+
+
+def _scope_spans(doc: dict) -> dict:
+    return doc["resourceSpans"][0]["scopeSpans"][0]
+
+
+def _values(doc: dict, value) -> None:
+    for attribute in _scope_spans(doc)["spans"][0]["attributes"]:
+        attribute["value"] = value
+
+
+@pytest.mark.parametrize(
+    ("edit", "reason", "spans"),
+    [
+        (lambda doc: _scope_spans(doc)["spans"][0].update(status=None), None, None),
+        (lambda doc: _scope_spans(doc).update(scope=None), None, None),
+        (lambda doc: doc["resourceSpans"][0]["resource"].update(
+            attributes=[{"key": "kvscope.engine", "value": None}]), None, None),
+        (lambda doc: doc["resourceSpans"][0]["resource"].update(attributes=[{"key": "kvscope.engine"}]), None, None),
+        (lambda doc: _values(doc, None), "kvscope.lookup span lacks kvscope.request.id", 1),
+        (lambda doc: [a.pop("value") for a in _scope_spans(doc)["spans"][0]["attributes"]],
+         "kvscope.lookup span lacks kvscope.request.id", 1),
+        (lambda doc: _scope_spans(doc)["spans"][0].update(status="ok"),
+         "malformed kvscope.lookup span: status is a string, expected an object", 1),
+        (lambda doc: _scope_spans(doc).update(scope="kvscope"),
+         "not an OTLP trace export: resourceSpans[0].scopeSpans[0].scope is a string, expected an object", None),
+        (lambda doc: _values(doc, 5),
+         "malformed kvscope.lookup span: the value of attribute 'kvscope.request.id' is a number, "
+         "expected an object", 1),
+    ],
+    ids=["status-null", "scope-null", "engine-null", "engine-unset", "values-null", "values-unset", "status-string",
+         "scope-string", "values-number"],
+)
+def test_a_field_that_is_no_object_on_any_line_reads_as_in_the_line_decoder(tmp_path, decoder, edit, reason, spans):
+    """Where no line gives a field as an object, Arrow types it null (or text, a number), not as an object:
+    null is unset, anything else is a problem, as where other lines hold objects (the Arrow decoder crashed)."""
+    doc = json.loads(line(lookup("r1")))
+    edit(doc)
+    read = traces.read_trace_files([write(tmp_path, json.dumps(doc))])
+    if reason is None:
+        assert read.problems == [] and list(read.spans["request_id"]) == ["r1"]
+        assert read.spans["engine"].isna().all() and list(read.spans["status_code"]) == [0]
+    else:
+        assert read.spans.empty and [(p.line, p.reason, p.spans) for p in read.problems] == [(1, reason, spans)]
+
+
+def _attributes_null(doc: dict) -> dict:
+    doc["resourceSpans"][0]["scopeSpans"][0]["spans"][0]["attributes"] = [None]
+    return doc
+
+
+@pytest.mark.parametrize(
+    ("edit", "reason", "spans"),
+    [
+        (lambda doc: {"resourceSpans": [None]},
+         "not an OTLP trace export: resourceSpans[0] is null, expected an object", None),
+        (lambda doc: {"resourceSpans": [{"scopeSpans": [None]}]},
+         "not an OTLP trace export: resourceSpans[0].scopeSpans[0] is null, expected an object", None),
+        (lambda doc: {"resourceSpans": [{"scopeSpans": [{"spans": [None]}]}]},
+         "an entry of spans is null, not a span object", 1),
+        (_attributes_null, "malformed kvscope.lookup span: an entry of attributes is null, expected an object", 1),
+    ],
+    ids=["resource", "scopeSpans", "spans", "attributes"],
+)
+def test_a_list_whose_only_entries_in_the_file_are_null_is_reported(tmp_path, decoder, edit, reason, spans):
+    """With no object anywhere in the list, Arrow types its entries null, not as objects: the null entry is
+    still a problem, as where another line's entries are objects (the Arrow decoder took it for an empty list)."""
+    read = traces.read_trace_files([write(tmp_path, json.dumps(edit(json.loads(line(lookup())))))])
+    assert read.spans.empty
+    assert [(p.line, p.reason, p.spans) for p in read.problems] == [(1, reason, spans)]
 
 @pytest.mark.parametrize(
     ("edit", "reason"),
@@ -1095,6 +1234,9 @@ def test_spans_without_a_string_name_are_no_kvscope_spans_and_no_crash(tmp_path,
         sp["name"] = name
     read = traces.read_trace_files([write(tmp_path, line(sp))])
     assert read.spans.empty and read.problems == []
+    # beside a kvscope span (Arrow's name column is there, null or not text for this span): another span
+    read = traces.read_trace_files([write(tmp_path, line(lookup("r2", span_id="02" * 8), sp), name="two.jsonl")])
+    assert list(read.spans["request_id"]) == ["r2"] and read.problems == [] and read.other_spans == 1
 
 
 @pytest.mark.parametrize("field", ["traceId", "spanId", "startTimeUnixNano", "endTimeUnixNano"])
@@ -1108,3 +1250,109 @@ def test_a_field_no_span_of_the_file_has_is_reported_not_a_crash(tmp_path, decod
     # held by another line's span: Arrow's column is there, with a null for this span
     read = traces.read_trace_files([write(tmp_path, line(lookup("r2", span_id="02" * 8)), line(sp))])
     assert list(read.spans["request_id"]) == ["r2"] and [(p.line, p.spans) for p in read.problems] == [(2, 1)]
+
+
+def test_numbers_written_as_json_numbers_read_alike_in_both_decoders(tmp_path):
+    """OTLP/JSON writes int64 as decimal strings; JSON numbers (times, intValue) and a doubleValue are read too,
+    by the Arrow decoder as well."""
+    sp = span("kvscope.lookup", {"kvscope.request.id": "r1", "gen_ai.request.temperature": 0.5},
+              start=1_700_000_000_000_000_000)
+    sp["attributes"] += [{"key": "kvscope.tokens.queried", "value": {"intValue": 100}},
+                         {"key": "kvscope.tokens.hit", "value": {"intValue": 64}}]
+    sp["startTimeUnixNano"], sp["endTimeUnixNano"] = 1_700_000_000_000_000_000, 1_700_000_000_000_001_000
+    path = write(tmp_path, line(sp))
+    data = path.read_bytes()
+    fast = otlp_arrow.decode(data, str(path), data.split(b"\n"))
+    assert fast is not None, "the Arrow decoder declined a clean file"
+    slow = traces.decode_lines(str(path), data.split(b"\n"))
+    pd.testing.assert_frame_equal(reader._validated_frame(fast, "t")[0], reader._validated_frame(slow, "t")[0])
+    assert list(fast.start_ns) == [1_700_000_000_000_000_000] and fast.problems == []
+    assert list(fast.values["kvscope.tokens.hit"]) == [64]
+    assert fast.extra_attributes == [{"gen_ai.request.temperature": 0.5}]
+
+
+@pytest.mark.parametrize("edit", [
+    lambda doc: _scope_spans(doc).pop("scope"),
+    lambda doc: _scope_spans(doc)["scope"].pop("name"),
+    lambda doc: _scope_spans(doc)["spans"][0].update(status={"code": None}),
+    lambda doc: _scope_spans(doc)["spans"][0].update(status=None),
+    lambda doc: _scope_spans(doc)["spans"][0].update(parentSpanId=None),
+    lambda doc: _scope_spans(doc)["spans"].append(span("llm_request", {}, span_id="66" * 8)),
+    lambda doc: _scope_spans(doc)["spans"][0].update(name="llm_request"),
+], ids=["no scope", "a scope without name", "status code null", "status null", "parent id null",
+        "a vLLM span beside", "no kvscope span"])
+def test_the_arrow_decoder_reads_clean_files_of_uncommon_shape(tmp_path, edit):
+    """A field absent (or null) on every line has no Arrow column (or a null one); a file without kvscope spans
+    keeps none: read, not left to the line decoder."""
+    doc = json.loads(line(lookup("r1")))
+    edit(doc)
+    path = write(tmp_path, json.dumps(doc))
+    data = path.read_bytes()
+    fast = otlp_arrow.decode(data, str(path), data.split(b"\n"))
+    assert fast is not None, "the Arrow decoder declined a clean file"
+    slow = traces.decode_lines(str(path), data.split(b"\n"))
+    pd.testing.assert_frame_equal(reader._validated_frame(fast, "t")[0], reader._validated_frame(slow, "t")[0])
+    assert fast.problems == slow.problems == [] and list(fast.status_code) == [0] * len(fast.name)
+    assert (fast.other_spans, fast.lines) == (slow.other_spans, slow.lines)
+
+
+@pytest.mark.parametrize(("start", "reason"), [
+    (-5, "startTimeUnixNano -5 is outside 0..2^63 ns"),
+    (True, "startTimeUnixNano is true, expected an integer: nanoseconds since the epoch"),
+], ids=["negative", "boolean"])
+def test_a_time_that_is_a_negative_or_boolean_json_value_skips_its_span(tmp_path, decoder, start, reason):
+    """Where every span's time is a JSON number (or a boolean), Arrow's column is numbers (booleans), not text."""
+    bad = lookup("r9", span_id="22" * 8)
+    bad["startTimeUnixNano"], bad["endTimeUnixNano"] = start, 1000
+    spans = [bad]
+    if not isinstance(start, bool):  # a good span beside it, with its times as JSON numbers too
+        spans.append(lookup("r1", span_id="11" * 8))
+        spans[1]["startTimeUnixNano"], spans[1]["endTimeUnixNano"] = 500, 1000
+    read = traces.read_trace_files([write(tmp_path, line(*spans))])
+    assert list(read.spans["request_id"]) == (["r1"] if len(spans) == 2 else [])
+    assert [(p.line, p.spans, p.reason) for p in read.problems] == [(1, 1, "malformed kvscope.lookup span: " + reason)]
+
+
+@pytest.mark.parametrize(("value", "text"), [({"intValue": "7"}, "7"), ({"boolValue": True}, "true")])
+def test_a_text_attribute_given_another_type_reads_as_its_json_text(tmp_path, decoder, value, text):
+    bad = lookup("r2", span_id="22" * 8)
+    bad["attributes"][0]["value"] = value  # kvscope.request.id
+    read = traces.read_trace_files([write(tmp_path, line(lookup("r1", span_id="11" * 8), bad))])
+    assert read.problems == [] and list(read.spans["request_id"]) == ["r1", text]
+
+
+def test_the_one_attribute_of_a_file_is_read(tmp_path, decoder):
+    """The file's only attribute counts: the span lacks the lookup's next attribute, not its request id."""
+    read = traces.read_trace_files([write(tmp_path, line(span("kvscope.lookup", {"kvscope.request.id": "r1"})))])
+    assert [(p.line, p.spans, p.reason) for p in read.problems] == [
+        (1, 1, "kvscope.lookup span lacks kvscope.tokens.queried")]
+
+
+def test_status_codes_read_alike_and_an_unknown_one_skips_its_span(tmp_path, decoder):
+    spans = []
+    for i, status in enumerate([{"code": 0}, {"code": 1}, {"code": 2}, {"code": None}, {}, {"code": 3}]):
+        spans.append(lookup(f"r{i}", span_id=f"{i + 1:02d}" * 8))
+        spans[-1]["status"] = status
+    known = write(tmp_path, line(*spans[:5]), name="known.jsonl")
+    if decoder == "arrow":
+        assert otlp_arrow.decode(known.read_bytes(), str(known), known.read_bytes().split(b"\n")) is not None
+    read = traces.read_trace_files([known])
+    assert read.problems == [] and list(read.spans["status_code"]) == [0, 1, 2, 0, 0]  # null and absent: unset
+    read = traces.read_trace_files([write(tmp_path, line(*spans))])
+    assert list(read.spans["request_id"]) == ["r0", "r1", "r2", "r3", "r4"]
+    assert [(p.line, p.spans) for p in read.problems] == [(1, 1)] and "unknown status code 3" in read.problems[0].reason
+
+
+def test_a_kvscope_span_beside_others_in_a_file_without_attributes_is_reported(tmp_path, decoder):
+    """No span of the file has attributes (Arrow has no column for them) and one is not kvscope's."""
+    bare = lookup("r1", span_id="11" * 8)
+    del bare["attributes"]
+    other = span("llm_request", {}, span_id="22" * 8)
+    del other["attributes"]
+    path = write(tmp_path, line(bare, other))
+    if decoder == "arrow":  # well-formed: the Arrow decoder takes it, the shared checks find the problem
+        assert otlp_arrow.decode(path.read_bytes(), str(path), path.read_bytes().split(b"\n")) is not None
+    read = traces.read_trace_files([path])
+    assert read.spans.empty and read.other_spans == 1
+    assert [(p.line, p.spans, p.reason) for p in read.problems] == [
+        (1, 1, "kvscope.lookup span lacks kvscope.request.id")]
