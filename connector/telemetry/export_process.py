@@ -18,8 +18,9 @@ of their own and are logged by the engine process, once, as before; its stdout a
 engine's, so a ``trace_file`` of ``/dev/stdout`` or ``/dev/stderr`` is the engine's. If the helper
 cannot start or dies, the export falls back to the same sinks in the engine process, logged once;
 what a dead helper had read but not yet written (at most the pipe's 1 MiB) is lost, counted in
-`dropped_spans` and said in that log line. It runs at a lower priority (nice 10) and may use every
-core, not only the ones vLLM pinned the engine's threads to.
+`dropped_spans` and said in that log line, and a flush during which spans were lost returns False.
+It runs at a lower priority (nice 10) and may use every core, not only the ones vLLM pinned the
+engine's threads to.
 
 ``KVSCOPE_TRACE_EXPORT=thread`` keeps the export in the engine process (debugging, comparison).
 """
@@ -174,27 +175,38 @@ class ExportProcess(SpanExporter):
             return self._export_locked(records)
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
-        """True once the helper has exported (and flushed) everything sent before this call."""
+        """True once the helper has exported (and flushed) everything sent before this call; False
+        after the timeout, or if spans were lost meanwhile (a helper that died: `dropped_spans`)."""
         with self._lock:
+            dropped = self._dropped
             if not self._closed:
                 self._settle()
+            proc = None if self._closed else self._proc
+            if proc is not None:
+                self._next_ack += 1
+                token, done = self._next_ack, threading.Event()
+                self._acks[token] = done
+                try:
+                    self._queue_frame(marshal.dumps(("flush", token)))
+                    self._write_pending()
+                except Exception as exc:
+                    self._acks.pop(token, None)
+                    self._fail_over(exc)
+                    proc = None
+        if proc is not None:
+            if not done.wait(timeout_millis / 1000):
+                self._acks.pop(token, None)
+                return False
+            if self._acks.pop(token, None) is not None:  # not answered: the helper died (the reader pops answers)
+                with self._lock:
+                    if self._closed:  # shutdown gave up on it: what it lost is not counted
+                        return False
+                    if self._proc is proc:  # (else another thread failed over, and counted the loss)
+                        self._fail_over(RuntimeError("the span export helper died during a flush"))
+        with self._lock:
             if self._local is not None and not all(e.force_flush(timeout_millis) for e in self._local):
                 return False
-            if self._proc is None or self._closed:
-                return True
-            self._next_ack += 1
-            token, done = self._next_ack, threading.Event()
-            self._acks[token] = done
-            try:
-                self._queue_frame(marshal.dumps(("flush", token)))
-                self._write_pending()
-            except Exception as exc:
-                self._acks.pop(token, None)
-                self._fail_over(exc)
-                return True
-        ok = done.wait(timeout_millis / 1000)
-        self._acks.pop(token, None)
-        return ok
+            return self._dropped == dropped
 
     def shutdown(self) -> None:
         # The export thread holds the lock while it waits for a full pipe: a helper that stopped
@@ -364,7 +376,7 @@ class ExportProcess(SpanExporter):
             if message[0] == "exported":
                 self._helper_exported += message[1]
             elif message[0] == "ack":
-                done = self._acks.get(message[1])
+                done = self._acks.pop(message[1], None)  # answered: `force_flush` tells it from a death
                 if done is not None:
                     done.set()
             elif message[0] == "log":

@@ -64,7 +64,7 @@ class SpanBatcher:
     def _init_thread_state(self) -> None:
         self._queue: deque = deque()
         self._wake = threading.Event()
-        self._flush_waiters: deque[threading.Event] = deque()
+        self._flush_waiters: deque[_FlushWaiter] = deque()
         self._dropped = 0
         self._drops_logged = False
         self._export_lock = threading.Lock()  # one exporting thread at a time: the batches stay in order
@@ -114,13 +114,14 @@ class SpanBatcher:
             self._export_lock.release()
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
-        """Export every span ended before this call; False if that took longer than the timeout."""
+        """Export every span ended before this call; False if that took longer than the timeout, or
+        if an exporter lost spans meanwhile (its flush said so, or its `dropped_spans` grew)."""
         if self._shutdown:
             return True
-        done = threading.Event()
-        self._flush_waiters.append(done)
+        waiter = _FlushWaiter()
+        self._flush_waiters.append(waiter)
         self._wake.set()
-        return done.wait(timeout_millis / 1000)
+        return waiter.done.wait(timeout_millis / 1000) and waiter.flushed
 
     def shutdown(self) -> None:
         if self._shutdown:
@@ -144,16 +145,18 @@ class SpanBatcher:
             # Waiters taken before draining: every span they wait for is already queued.
             waiters = [self._flush_waiters.popleft() for _ in range(len(self._flush_waiters))]
             with self._export_lock:
+                dropped = self._exporters_dropped() if waiters else 0
                 self._drain()
-                if waiters:
-                    self._flush_exporters()  # an exporter may hold spans of its own (a helper process)
-            for done in waiters:
-                done.set()
+                # an exporter may hold spans of its own (a helper process), or lose some (one that died)
+                flushed = bool(waiters) and self._flush_exporters() and self._exporters_dropped() == dropped
+            for waiter in waiters:
+                waiter.flushed = flushed
+                waiter.done.set()
             if self._shutdown:
                 with self._export_lock:
                     self._drain()
-                for done in list(self._flush_waiters):
-                    done.set()
+                for waiter in list(self._flush_waiters):
+                    waiter.done.set()
                 return
 
     def _drain(self) -> None:
@@ -181,13 +184,31 @@ class SpanBatcher:
         except Exception:
             logger.exception("kvscope: span exporter %r failed to catch up", exporter)
 
-    def _flush_exporters(self) -> None:
+    def _flush_exporters(self) -> bool:
+        flushed = True
         for exporter in self._exporters:
             try:
-                exporter.force_flush()
+                # (the SDK's base `SpanExporter.force_flush` returns None: only False is a failure)
+                flushed = exporter.force_flush() is not False and flushed
             except Exception:
                 logger.exception("kvscope: span exporter %r failed to flush", exporter)
+                flushed = False
+        return flushed
+
+    def _exporters_dropped(self) -> int:
+        """Spans the exporters lost so far (a helper process that died holding them)."""
+        return sum(getattr(exporter, "dropped_spans", 0) for exporter in self._exporters)
 
     @property
     def dropped_spans(self) -> int:
         return self._dropped
+
+
+class _FlushWaiter:
+    """A `force_flush` call waiting for the export thread: whether everything got through."""
+
+    __slots__ = ("done", "flushed")
+
+    def __init__(self):
+        self.done = threading.Event()
+        self.flushed = True

@@ -1122,3 +1122,75 @@ def test_a_flush_waiting_on_a_helper_that_dies_returns_at_once(tmp_path):
     flusher.join(20)  # (not the 60 s it would wait for an answer)
     assert not flusher.is_alive()
     helper.shutdown()
+
+
+def _wait_until_the_flush_waits(helper: ExportProcess) -> None:
+    """Until a flush is written to the helper's pipe and waits for its answer."""
+    deadline = time.monotonic() + SIGNAL_DEADLINE_S
+    while not helper._acks:
+        assert time.monotonic() < deadline, "the flush was not sent"
+        time.sleep(0.01)
+    with helper._lock:  # its write is done once the lock is free
+        pass
+
+
+def test_a_flush_the_helper_dies_during_is_false_and_counts_what_it_lost(tmp_path, caplog):
+    path = tmp_path / "t.jsonl"
+    helper = _started(path)
+    pid = helper.pid
+    os.kill(pid, signal.SIGSTOP)
+    _wait_until_stopped(pid)
+    helper.export(_numbered(1, 3))  # in the pipe, never read
+    results = []
+    flusher = threading.Thread(target=lambda: results.append(helper.force_flush(60_000)), daemon=True)
+    flusher.start()
+    _wait_until_the_flush_waits(helper)
+    with caplog.at_level(logging.WARNING):
+        os.kill(pid, signal.SIGKILL)
+        flusher.join(20)
+    assert results == [False]
+    assert helper.dropped_spans == 3 and not helper.accepts_nowait and not helper._acks
+    (failed,) = [r.getMessage() for r in caplog.records if "export process failed" in r.getMessage()]
+    assert "died during a flush" in failed and "3 spans it had read but not written are lost" in failed
+    helper.export(_numbered(4, 1))
+    assert helper.force_flush(10_000)  # nothing lost since: true again
+    helper.shutdown()
+    assert _request_ids(path) == [0, 4]
+
+
+def test_a_flush_that_fails_over_losing_spans_is_false(tmp_path):
+    path = tmp_path / "t.jsonl"
+    helper = _started(path)
+    pid = helper.pid
+    os.kill(pid, signal.SIGSTOP)
+    _wait_until_stopped(pid)
+    helper.export(_numbered(1, 2))  # in the pipe, never read
+    os.kill(pid, signal.SIGKILL)
+    _wait_until_dead(pid)
+    assert helper.force_flush(10_000) is False  # its write finds the helper dead: fails over, 2 lost
+    assert helper.dropped_spans == 2
+    helper.shutdown()
+
+
+def test_a_tracing_flush_the_export_helper_dies_during_is_false(tmp_path):
+    """Through `KVScopeTracing` and its `SpanBatcher`: a flush that lost spans says so."""
+    path = tmp_path / "t.jsonl"
+    tracing = KVScopeTracing.from_config(str(path), 1.0, env={})
+    tracing.record(LOOKUP_SPAN, None, 1, 2, ("req-0", 1, 0, "new", 0))
+    assert tracing.force_flush(30_000)
+    (helper,) = tracing._processor._exporters
+    pid = helper.pid
+    os.kill(pid, signal.SIGSTOP)
+    _wait_until_stopped(pid)
+    tracing.record(LOOKUP_SPAN, None, 1, 2, ("req-1", 1, 0, "new", 0))
+    results = []
+    flusher = threading.Thread(target=lambda: results.append(tracing.force_flush(60_000)), daemon=True)
+    flusher.start()
+    _wait_until_the_flush_waits(helper)
+    os.kill(pid, signal.SIGKILL)
+    flusher.join(20)
+    assert results == [False] and helper.dropped_spans == 1
+    tracing.record(LOOKUP_SPAN, None, 1, 2, ("req-2", 1, 0, "new", 0))
+    assert tracing.force_flush(30_000)
+    tracing.shutdown()
+    assert _request_ids(path) == [0, 2]

@@ -387,3 +387,32 @@ def test_exporters_run_with_instrumentation_suppressed():
     assert batcher.force_flush(5000)
     assert sink.suppressed is True
     batcher.shutdown()
+
+
+@pytest.mark.parametrize("loss", ["flush says so", "dropped_spans grew", "flush raised"])
+def test_a_flush_during_which_an_exporter_lost_spans_is_false_and_the_next_one_true(loss):
+    """`force_flush` says whether it flushed: an exporter whose own flush failed, or that lost spans
+    while the flush exported and flushed (a helper process that died), makes it False."""
+    class Lossy(Collect):
+        dropped_spans = 0
+        failing = True
+
+        def export(self, spans):
+            if self.failing and loss == "dropped_spans grew":
+                self.dropped_spans += len(spans)
+            return super().export(spans)
+
+        def force_flush(self, timeout_millis=30000):
+            if self.failing and loss == "flush raised":
+                raise RuntimeError("broken sink")
+            return not (self.failing and loss == "flush says so")
+
+    sink, other = Lossy(), Collect()
+    batcher = SpanBatcher([sink, other], schedule_delay_s=60)
+    batcher.on_end(1)
+    assert batcher.force_flush(5000) is False
+    sink.failing = False
+    batcher.on_end(2)
+    assert batcher.force_flush(5000) is True  # the loss is this flush's, not every later one's
+    batcher.shutdown()
+    assert other.spans == [1, 2]
