@@ -140,6 +140,12 @@ def test_the_helpers_warnings_are_logged_here_once(tmp_path, caplog):
             helper.shutdown()
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(warnings) == 1 and str(bad) in warnings[0], warnings
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):  # word for word what the sink says in this process
+        for exporter in build_exporters(_sinks(bad)):
+            exporter.export(_records(1))
+            exporter.shutdown()
+    assert warnings == [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
 
 
 def test_a_warning_the_helper_logs_while_it_starts_is_logged_here_and_the_helper_still_runs(tmp_path, caplog):
@@ -160,6 +166,12 @@ def test_a_warning_the_helper_logs_while_it_starts_is_logged_here_and_the_helper
     assert not [m for m in messages if "export process failed" in m], messages
     assert any("OTEL_EXPORTER_OTLP_TIMEOUT" in m or "500ms" in m for m in messages), messages
     assert len(_spans(path)) == 4
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):  # word for word what building the sinks says in this process
+        for exporter in build_exporters(Sinks(str(tmp_path / "here.jsonl"), otel, {"service.name": "kvscope-test"})):
+            exporter.shutdown()
+    here = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert here and set(here) <= set(messages), (here, messages)
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT])
@@ -840,6 +852,21 @@ def test_a_helper_that_cannot_start_leaves_the_spans_to_this_process(tmp_path, c
     executable = str(tmp_path / "no-python") if python == "missing" else shutil.which("true")
     monkeypatch.setattr(export_process.sys, "executable", executable)
     path = tmp_path / "t.jsonl"
+    replies, closed = [], set()  # the reply pipe it makes for the helper (the first pipe), what is closed
+    real_pipe, real_close = os.pipe, os.close
+
+    def pipe():
+        fds = real_pipe()
+        if not replies:
+            replies.extend(fds)
+        return fds
+
+    def close(fd):
+        closed.add(fd)
+        real_close(fd)
+
+    monkeypatch.setattr(os, "pipe", pipe)
+    monkeypatch.setattr(os, "close", close)
     helper = ExportProcess(_sinks(path))
     with caplog.at_level(logging.WARNING):
         assert helper.export(_numbered(0, 2)) is SpanExportResult.SUCCESS
@@ -847,8 +874,11 @@ def test_a_helper_that_cannot_start_leaves_the_spans_to_this_process(tmp_path, c
     assert helper.pid is None and not helper.accepts_nowait
     helper.shutdown()
     assert _request_ids(path) == [0, 1, 2] and helper.dropped_spans == 0
+    if python == "missing":  # no helper ever held the reply pipe: both ends are closed here
+        assert len(replies) == 2 and set(replies) <= closed
     (failed,) = [r.getMessage() for r in caplog.records if "export process failed" in r.getMessage()]
     assert "0 spans it had read but not written are lost" in failed
+    assert python != "missing" or "FileNotFoundError" in failed  # says why ("true" races: a broken pipe, or silence)
 
 
 def _wait_until_reading(pid: int) -> None:
@@ -1194,3 +1224,56 @@ def test_a_tracing_flush_the_export_helper_dies_during_is_false(tmp_path):
     assert tracing.force_flush(30_000)
     tracing.shutdown()
     assert _request_ids(path) == [0, 2]
+
+
+def test_a_reply_that_cannot_be_read_ends_the_reader_and_frees_the_flush_waiting_on_it(tmp_path, monkeypatch):
+    """The reply thread must not die with a flush waiting on it: a reply it cannot read ends it as
+    the helper's end would, and the flush fails over (nothing lost: the helper had said it wrote all)."""
+    import connector.telemetry.export_process as export_process
+
+    path = tmp_path / "t.jsonl"
+    helper = _started(path)  # its reply thread now waits for the next reply
+    read_frame = export_process._read_frame
+
+    def garbled_ack(stream, timeout_s=None):
+        message = read_frame(stream, timeout_s)
+        if message is not None and message[0] == "ack":
+            raise ValueError("bad marshal data")
+        return message
+
+    monkeypatch.setattr(export_process, "_read_frame", garbled_ack)  # from its next reply on
+    helper.export(_numbered(1, 1))  # its "exported" reply ends the wait the thread is in now
+    started = time.monotonic()
+    assert helper.force_flush(10_000)
+    assert time.monotonic() - started < 5  # (not the 10 s a dead reply thread would cost)
+    assert not helper.accepts_nowait and helper.dropped_spans == 0  # failed over
+    helper.shutdown()
+    assert _request_ids(path) == [0, 1]
+
+
+def test_a_process_that_exits_without_shutting_its_helper_down_exits(tmp_path):
+    """The reply thread waits for the helper, which waits for the engine process to close its pipe
+    (at exit, after Python joins every non-daemon thread): the thread must not hold the exit up."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "t.jsonl"
+    script = (
+        "from connector.telemetry.export_process import ExportProcess\n"
+        "from connector.telemetry.sinks import Sinks\n"
+        f"helper = ExportProcess(Sinks({str(path)!r}, {{}}, {{'service.name': 'kvscope-test'}}))\n"
+        "from connector.telemetry.span_records import LOOKUP_SPAN\n"
+        "from connector.telemetry.tracing import KVScopeTracing\n"
+        "class Keep:\n"
+        "    records = []\n"
+        "    def on_end(self, record):\n"
+        "        self.records.append(record)\n"
+        "KVScopeTracing(Keep(), None).record(LOOKUP_SPAN, None, 10, 20, ('req-0', 64, 32, 'evicted', 16))\n"
+        "helper.export(Keep.records)\n"
+        "assert helper.force_flush(10_000) and helper.pid is not None\n"  # no shutdown
+    )
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.run([sys.executable, "-c", script], cwd=root, timeout=30,
+                          stdin=subprocess.DEVNULL, start_new_session=True)  # (a hung one is killed with its group)
+    assert proc.returncode == 0
+    assert _request_ids(path) == [0]
