@@ -1,6 +1,7 @@
 """`kvscope bench [--quick]`: every benchmark, one results table.
 
-Runs, in order: kvscope's planner beside vLLM's (`planner_vs_vllm`), the planner beside a plain
+Runs, in order: kvscope's planner beside vLLM's (`planner_vs_vllm`), the bytecodes its telemetry
+adds (`planner_bytecodes`), the planner beside a plain
 reference loop (`planner_bench`), the copy engine (`copy_bench`), the dashboard's trace reading
 (`dashboard_bench`, when it offers `run(quick)`), KV cache events (`kv_events_bench`), the host tier's
 eviction order (`eviction_bench`), the scheduler's work per request beside vLLM's connector
@@ -261,6 +262,9 @@ METHOD_NOTES = [
     "(`_scan_groups`; traced: `_scan_groups_traced` and the load's record) vs plain `scan_group` calls. "
     "Case `Ng/B`: N groups (1: full; 2: full + sliding 1024; 4: full, sliding 4096, full, sliding "
     "128), B device blocks of 16 tokens per group, a quarter local, offload blocks of 256 tokens.",
+    "planner_bytecodes: the Python bytecodes `update_state_after_alloc` executes per request on the planning "
+    "thread (CPython's opcode tracing), for planner_vs_vllm's kvscope sides and cases: a count, not a time, "
+    "so it does not swing with the machine; it leaves out work done in C (marshal, pipe writes, id draws).",
     "planner_bench: `plan_load` vs a plain per-block reference loop (pure planning code only).",
     "copy_bench: `CopyEngine` loads/stores of n scattered blocks vs one contiguous `copy_` of the same "
     "bytes between the same buffers, alternately in one run, one intra-op thread.",
@@ -291,6 +295,9 @@ def _benches(quick: bool) -> list[tuple[str, Callable[[], list[dict]]]]:
     def planner_vs_vllm():
         return importlib.import_module("bench.planner_vs_vllm").run(quick)
 
+    def planner_bytecodes():
+        return importlib.import_module("bench.planner_bytecodes").run(quick)
+
     def planner_bench():
         return importlib.import_module("bench.planner_bench").run(quick)
 
@@ -315,7 +322,8 @@ def _benches(quick: bool) -> list[tuple[str, Callable[[], list[dict]]]]:
     def e2e_bench():
         return importlib.import_module("bench.e2e_bench").run(quick, log=lambda s: print(s, flush=True))
 
-    return [("planner_vs_vllm", planner_vs_vllm), ("planner_bench", planner_bench),
+    return [("planner_vs_vllm", planner_vs_vllm), ("planner_bytecodes", planner_bytecodes),
+            ("planner_bench", planner_bench),
             ("copy_bench", copy_bench), ("dashboard_bench", dashboard_bench), ("kv_events_bench", kv_events_bench),
             ("eviction_bench", eviction_bench), ("step_bench", step_bench), ("e2e_bench", e2e_bench)]
 

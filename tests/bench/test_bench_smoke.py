@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from bench import copy_bench, kv_events_bench, planner_bench, planner_vs_vllm, run_all  # noqa: E402
+from bench import copy_bench, kv_events_bench, planner_bench, planner_bytecodes, planner_vs_vllm, run_all  # noqa: E402
 
 
 def _check(records: list[dict]) -> None:
@@ -76,6 +76,32 @@ def test_the_floor_side_plans_the_traced_load_and_keeps_its_values():
     pending = [scan[6] for scan in scans]  # (start_ns, end_ns, *SCAN_SPAN values): blocks.pending
     assert pending == [len(ids) for ids in case.expected_block_ids]
     assert lookup[2:4] == (case.local + case.external + planner_vs_vllm.NEW_TOKENS - case.local, case.external)
+
+
+def test_planner_bytecodes_counts_each_sides_own_path_and_repeats_exactly():
+    results = planner_bytecodes.measure_all(quick=True, sizes=(128,), groups=(1, 2))
+    records = planner_bytecodes.to_records(results)
+    _check(records)
+    assert {r["unit"] for r in records} == {"bytecodes"}
+    assert len(records) == 2 * len(planner_bytecodes.SIDES)
+    for r in results:
+        n = r.per_request
+        # each side runs the code it stands for: telemetry adds to the planner, tracing to that
+        assert n["kvscope_bare"] < n["kvscope_off"] < n["kvscope_on_floor"] < n["kvscope_on_noexport"]
+        traced_scans = ("scheduler.py", "_scan_groups_traced")
+        assert traced_scans not in r.by_function["kvscope_off"]
+        for side in ("kvscope_on_floor", "kvscope_on_noexport", "kvscope_on"):
+            assert r.by_function[side][traced_scans] > 0
+        assert ("tracing.py", "end_load") in r.by_function["kvscope_on"]
+        assert ("tracing.py", "end_load") not in r.by_function["kvscope_on_floor"]  # the bound's own end_load
+        extra = dict(planner_bytecodes.extra_by_function(r, "kvscope_on", top=50))
+        assert extra[traced_scans] > 0
+    one, two = results
+    assert two.by_function["kvscope_on"][traced_scans] > one.by_function["kvscope_on"][traced_scans]
+    # a count, not a time: the same path counts the same again
+    again = planner_bytecodes.measure_all(quick=True, sizes=(128,), groups=(1,))[0]
+    assert again.per_request["kvscope_bare"] == one.per_request["kvscope_bare"]
+    assert again.by_function["kvscope_off"] == one.by_function["kvscope_off"]
 
 
 def test_kv_events_bench_tiny():
