@@ -1233,16 +1233,20 @@ def test_a_reply_that_cannot_be_read_ends_the_reader_and_frees_the_flush_waiting
 
     path = tmp_path / "t.jsonl"
     helper = _started(path)  # its reply thread now waits for the next reply
-    read_frame = export_process._read_frame
+    marshal = export_process.marshal
 
-    def garbled_ack(stream, timeout_s=None):
-        message = read_frame(stream, timeout_s)
-        if message is not None and message[0] == "ack":
-            raise ValueError("bad marshal data")
-        return message
+    class GarbledAcks:  # the reply thread decodes with the module's `marshal`, once a reply's bytes are in
+        dumps = staticmethod(marshal.dumps)
 
-    monkeypatch.setattr(export_process, "_read_frame", garbled_ack)  # from its next reply on
-    helper.export(_numbered(1, 1))  # its "exported" reply ends the wait the thread is in now
+        @staticmethod
+        def loads(data):
+            message = marshal.loads(data)
+            if message[0] == "ack":
+                raise ValueError("bad marshal data")
+            return message
+
+    monkeypatch.setattr(export_process, "marshal", GarbledAcks)
+    helper.export(_numbered(1, 1))
     started = time.monotonic()
     assert helper.force_flush(10_000)
     assert time.monotonic() - started < 5  # (not the 10 s a dead reply thread would cost)
