@@ -244,14 +244,8 @@ class ExportProcess(SpanExporter):
                 proc.wait(self._stop_timeout_s)
             except Exception as exc:
                 logger.warning("kvscope: stopping the span export helper failed (%r); killed it", exc)
-                proc.kill()
-                try:
-                    proc.wait(5)
-                except Exception:
-                    pass
-            if self._reader is not None:
-                self._reader.join(timeout=5)
-            _close_quietly(self._replies)
+                _kill(proc)
+            self._end_replies()
         if locked:  # (else the thread shutdown gave up on fails over when the kill breaks its write, and reads it)
             self._release_counter()
         for exporter in self._local or ():
@@ -406,14 +400,8 @@ class ExportProcess(SpanExporter):
         self._failed = True
         proc, self._proc = self._proc, None
         if proc is not None:
-            proc.kill()
-            try:
-                proc.wait(5)
-            except Exception:
-                pass
-            if self._reader is not None:
-                self._reader.join(timeout=5)
-            _close_quietly(self._replies)
+            _kill(proc)
+            self._end_replies()
         frames, self._frames, self._offset, self._pending_bytes = self._frames, deque(), 0, 0
         messages = [marshal.loads(memoryview(frame)[_HEADER.size:]) for frame in frames]
         here = sum(len(m[1]) for m in messages if m[0] == "spans")
@@ -430,6 +418,12 @@ class ExportProcess(SpanExporter):
                 result = SpanExportResult.FAILURE
         return result
 
+    def _end_replies(self) -> None:
+        """The helper has exited: its reply thread ends with the stream; close our end."""
+        if self._reader is not None:
+            self._reader.join(timeout=5)
+        _close_quietly(self._replies)
+
     def _release_counter(self) -> None:
         """Unmap the helper's count (the mapping holds a descriptor of its own)."""
         if self._exported is not None:
@@ -442,6 +436,14 @@ class ExportProcess(SpanExporter):
         results = [e.export(records) for e in self._local]
         ok = all(r is SpanExportResult.SUCCESS for r in results)
         return SpanExportResult.SUCCESS if ok else SpanExportResult.FAILURE
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    proc.kill()
+    try:
+        proc.wait(5)
+    except Exception:
+        pass
 
 
 def _close_quietly(stream) -> None:
