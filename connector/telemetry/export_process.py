@@ -67,7 +67,7 @@ _PIPE_BYTES = 1 << 20  # Linux's limit for unprivileged processes (/proc/sys/fs/
 # The records the helper has exported so far, in memory both processes map: what a death of the
 # helper loses is counted from it. A reply per export instead woke the engine process's reply
 # thread, which then took the GIL from the engine thread: 3 to 4% of the uninstrumented planner's
-# time at 1g/128 (engine CPU, tracing on 1.23-1.24 against 1.26-1.27x, measured side by side).
+# time at 1g/128 (engine CPU, tracing on 1.22-1.24 against 1.26-1.28x, measured side by side).
 _EXPORTED = struct.Struct("<Q")
 
 
