@@ -37,7 +37,6 @@ if __package__ in (None, ""):  # run as a script from a checkout
 
 from bench import planner_vs_vllm as pv  # noqa: E402
 from bench.table import render_table  # noqa: E402
-from connector.telemetry.span_batcher import SpanBatcher  # noqa: E402
 from connector.telemetry.tracing import _HELPER_BATCH_SIZE, KVScopeTracing  # noqa: E402
 
 SIDES = ("kvscope_bare", "kvscope_off", "kvscope_on_floor", "kvscope_on_noexport", "kvscope_on")
@@ -74,13 +73,12 @@ def count_bytecodes(run, *args) -> collections.Counter:
 
 
 def _sides(case, trace_dir: str) -> dict[str, pv.KVScopeSide]:
-    noexport = KVScopeTracing(SpanBatcher([pv._DropSpans()], max_batch=_HELPER_BATCH_SIZE), None)
     on = KVScopeTracing.from_config(trace_file=os.path.join(trace_dir, "planner-bytecodes.jsonl"), sample_ratio=1.0)
     return {
         "kvscope_bare": pv.KVScopeSide(case, KVScopeTracing.disabled(), pv.UninstrumentedScheduler),
         "kvscope_off": pv.KVScopeSide(case, KVScopeTracing.disabled()),
         "kvscope_on_floor": pv.KVScopeSide(case, pv.FloorTracing(), pv.FloorScheduler),
-        "kvscope_on_noexport": pv.KVScopeSide(case, noexport),
+        "kvscope_on_noexport": pv.KVScopeSide(case, pv.no_export_tracing()),
         "kvscope_on": pv.KVScopeSide(case, on),
     }
 

@@ -298,6 +298,12 @@ class VllmSide:
         s._req_status.clear()
 
 
+def no_export_tracing() -> KVScopeTracing:
+    """The `*_noexport` sides' tracing: spans recorded and queued as for the helper, full batches dropped."""
+    return KVScopeTracing(SpanBatcher([_DropSpans()], max_batch=_HELPER_BATCH_SIZE),
+                          Resource.create({"service.name": "bench"}))
+
+
 class UninstrumentedScheduler(KVScopeScheduler):
     """kvscope's planner with its telemetry taken out: no scan timers, no tracing.
 
@@ -484,8 +490,7 @@ def measure(case: Case, vllm_config, trace_dir: str, repeats: int, min_sample_s:
     sampled = KVScopeSide(case, sampled_tracing)
     # Recording and queueing: spans recorded and queued exactly as with a trace file, then dropped
     # instead of marshalled.
-    noexport_tracing = KVScopeTracing(SpanBatcher([_DropSpans()], max_batch=_HELPER_BATCH_SIZE),
-                                      Resource.create({"service.name": "bench"}))
+    noexport_tracing = no_export_tracing()
     noexport = KVScopeSide(case, noexport_tracing)
     floor = KVScopeSide(case, FloorTracing(), FloorScheduler)
     try:
