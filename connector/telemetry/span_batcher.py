@@ -67,6 +67,7 @@ class SpanBatcher:
         self._flush_waiters: deque[_FlushWaiter] = deque()
         self._dropped = 0
         self._drops_logged = False
+        self._losses_answered = 0  # spans lost (queue and exporters) when the last flush answered
         self._export_lock = threading.Lock()  # one exporting thread at a time: the batches stay in order
         self._thread = threading.Thread(target=self._run, name="kvscope-span-export", daemon=True)
         self._thread.start()
@@ -114,8 +115,10 @@ class SpanBatcher:
             self._export_lock.release()
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
-        """Export every span ended before this call; False if that took longer than the timeout, or
-        if an exporter lost spans meanwhile (its flush said so, or its `dropped_spans` grew)."""
+        """Export every span ended before this call; False if that took longer than the timeout, if
+        an exporter's flush failed, or if spans were lost since the last flush that answered (the
+        queue was full, or an exporter's `dropped_spans` grew: a helper process that died). Each
+        loss makes one flush False, not every later one."""
         if self._shutdown:
             return True
         waiter = _FlushWaiter()
@@ -145,10 +148,14 @@ class SpanBatcher:
             # Waiters taken before draining: every span they wait for is already queued.
             waiters = [self._flush_waiters.popleft() for _ in range(len(self._flush_waiters))]
             with self._export_lock:
-                dropped = self._exporters_dropped() if waiters else 0
                 self._drain()
-                # an exporter may hold spans of its own (a helper process), or lose some (one that died)
-                flushed = bool(waiters) and self._flush_exporters() and self._exporters_dropped() == dropped
+                flushed = False
+                if waiters:
+                    # an exporter may hold spans of its own (a helper process), or lose some (one that died)
+                    flushed = self._flush_exporters()
+                    losses = self._dropped + self._exporters_dropped()
+                    flushed = flushed and losses == self._losses_answered
+                    self._losses_answered = losses
             for waiter in waiters:
                 waiter.flushed = flushed
                 waiter.done.set()

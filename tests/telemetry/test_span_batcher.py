@@ -85,9 +85,9 @@ def test_a_full_queue_drops_instead_of_blocking_and_logs_once(caplog):
         assert not sink.returned.is_set(), "on_end waited for the blocked exporter instead of dropping"
         assert batcher.dropped_spans == 100 - 16
         gate.set()
-        assert batcher.force_flush(5000)
+        assert batcher.force_flush(5000) is False  # the spans dropped were ended before it: not flushed
         batcher.on_end("later")
-        assert batcher.force_flush(5000)
+        assert batcher.force_flush(5000) is True  # no loss since the last flush
     assert sink.spans == ["first", *range(16), "later"]
     drops = [r for r in caplog.records if "span queue full" in r.getMessage()]
     assert len(drops) == 1
@@ -416,3 +416,25 @@ def test_a_flush_during_which_an_exporter_lost_spans_is_false_and_the_next_one_t
     assert batcher.force_flush(5000) is True  # the loss is this flush's, not every later one's
     batcher.shutdown()
     assert other.spans == [1, 2]
+
+
+def test_spans_an_exporter_lost_before_a_flush_make_that_flush_false_and_only_that_one():
+    """A helper process that died between flushes lost spans ended before the next flush: that
+    flush did not flush them, though nothing was lost while it ran."""
+    class LosesOnExport(Collect):
+        dropped_spans = 0
+
+        def export(self, spans):
+            self.dropped_spans += len(spans)  # (as a helper that took the batch and died)
+            return super().export(spans)
+
+    sink = LosesOnExport()
+    batcher = SpanBatcher([sink], schedule_delay_s=0.01)
+    batcher.on_end(1)
+    deadline = time.monotonic() + ENTER_DEADLINE_S
+    while not sink.dropped_spans and time.monotonic() < deadline:  # exported (and lost) on the schedule
+        time.sleep(0.01)
+    assert sink.dropped_spans == 1
+    assert batcher.force_flush(5000) is False
+    assert batcher.force_flush(5000) is True
+    batcher.shutdown()
