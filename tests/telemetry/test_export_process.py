@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -104,12 +105,9 @@ def test_the_helper_writes_exactly_what_the_engine_process_would(tmp_path):
 def test_batches_that_arrive_together_are_exported_together(tmp_path):
     path = tmp_path / "t.jsonl"
     helper = _started(path)
-    os.kill(helper.pid, signal.SIGSTOP)
-    try:
+    with _stopped(helper):
         for b in range(4):
             helper.export_nowait(_numbered(1 + 10 * b, 10))
-    finally:
-        os.kill(helper.pid, signal.SIGCONT)
     assert helper.force_flush(10_000)
     helper.shutdown()
     assert _request_ids(path) == list(range(41))
@@ -178,12 +176,9 @@ def test_a_warning_the_helper_logs_while_it_starts_is_logged_here_and_the_helper
 def test_a_signal_to_the_process_group_leaves_the_helper_to_drain_at_shutdown(tmp_path, signum):
     path = tmp_path / "t.jsonl"
     helper = _started(path)
-    os.kill(helper.pid, signal.SIGSTOP)  # what it has not read yet is still in the pipe
-    try:
+    with _stopped(helper):  # what it has not read yet is still in the pipe
         helper.export_nowait(_numbered(1, 10))
         os.kill(helper.pid, signum)  # as a service manager's stop or a Ctrl-C reaches every process
-    finally:
-        os.kill(helper.pid, signal.SIGCONT)
     time.sleep(0.2)
     assert helper.pid is not None, "the signal ended the helper"
     helper.shutdown()
@@ -337,6 +332,19 @@ def _request_ids(path) -> list[int]:
     return ids
 
 
+@contextlib.contextmanager
+def _stopped(helper: ExportProcess, settle: bool = False):
+    """The helper stopped (SIGSTOP) for the block, alive and reading nothing; ``settle``: wait until
+    the stop has taken effect (it does asynchronously)."""
+    os.kill(helper.pid, signal.SIGSTOP)
+    try:
+        if settle:
+            _wait_until_stopped(helper.pid)
+        yield
+    finally:
+        os.kill(helper.pid, signal.SIGCONT)
+
+
 def _fill_the_pipe(helper: ExportProcess, extra: int) -> int:
     """Batches of 200 records through `export_nowait` until the (stopped) helper's pipe is full,
     then ``extra`` more; returns how many."""
@@ -360,14 +368,11 @@ def _started(path) -> ExportProcess:
 def test_the_engine_threads_batches_never_wait_for_a_helper_that_stopped_reading_and_none_is_lost(tmp_path):
     path = tmp_path / "t.jsonl"
     helper = _started(path)
-    os.kill(helper.pid, signal.SIGSTOP)  # alive, reads nothing: the pipe fills up
-    try:
+    with _stopped(helper):  # alive, reads nothing: the pipe fills up
         started = time.monotonic()
         batches = _fill_the_pipe(helper, extra=20)
         assert time.monotonic() - started < 5  # marshalling only; a blocking write would hang here
         assert helper._pending_bytes > 0  # what the pipe did not take waits, in order
-    finally:
-        os.kill(helper.pid, signal.SIGCONT)
     helper.catch_up()  # the export thread's part: waits for the helper to read the rest
     assert helper._pending_bytes == 0
     assert helper.force_flush(10_000)
@@ -381,14 +386,11 @@ def test_a_helper_too_far_behind_loses_whole_batches_counted_and_logged_once(tmp
     monkeypatch.setattr(export_process, "_MAX_PENDING_BYTES", 100_000)
     path = tmp_path / "t.jsonl"
     helper = _started(path)
-    os.kill(helper.pid, signal.SIGSTOP)
-    try:
+    with _stopped(helper):
         batches = _fill_the_pipe(helper, extra=20)  # 20 batches are ~240 KB: over the limit
         dropped = helper.dropped_spans
         assert dropped > 0 and dropped % 200 == 0  # whole batches, the memory held stays bounded
         assert helper._pending_bytes < 100_000 + 20_000
-    finally:
-        os.kill(helper.pid, signal.SIGCONT)
     with caplog.at_level(logging.WARNING):
         helper.catch_up()
         helper.export_nowait(_numbered(9_000_000, 1))
@@ -697,12 +699,9 @@ def test_after_shutdown_batches_are_refused_and_no_helper_starts_again(tmp_path,
 def test_shutdown_alone_sends_what_waits_for_a_full_pipe_and_what_the_export_thread_had_not_taken(tmp_path):
     path = tmp_path / "t.jsonl"
     helper = _started(path)
-    os.kill(helper.pid, signal.SIGSTOP)
-    try:
+    with _stopped(helper):
         batches = _fill_the_pipe(helper, extra=3)
         assert helper._pending_bytes > 0
-    finally:
-        os.kill(helper.pid, signal.SIGCONT)
     helper.export_nowait(_unmarshallable())  # left to the export thread
     helper.shutdown()  # no catch_up, no flush first
     assert _request_ids(path) == list(range(1 + 200 * batches))
@@ -719,8 +718,7 @@ def test_the_export_thread_waits_for_a_full_pipe_without_spinning(tmp_path):
     """Waiting for the helper to read costs no CPU (a busy loop would take the GIL from the engine)."""
     path = tmp_path / "t.jsonl"
     helper = _started(path)
-    os.kill(helper.pid, signal.SIGSTOP)
-    try:
+    with _stopped(helper):
         batches = _fill_the_pipe(helper, extra=3)
         waiter = threading.Thread(target=helper.catch_up, daemon=True)
         cpu = time.process_time()
@@ -728,8 +726,6 @@ def test_the_export_thread_waits_for_a_full_pipe_without_spinning(tmp_path):
         time.sleep(0.6)
         cpu = time.process_time() - cpu
         assert waiter.is_alive()  # still waiting for the stopped helper
-    finally:
-        os.kill(helper.pid, signal.SIGCONT)
     waiter.join(30)
     assert cpu < 0.15, f"{cpu:.2f} s of CPU in 0.6 s of waiting"
     helper.shutdown()
@@ -813,16 +809,12 @@ def test_a_helper_whose_engine_closed_the_pipe_before_its_config_exits_quietly()
 def test_a_flush_the_helper_does_not_answer_gives_up_after_its_timeout(tmp_path):
     path = tmp_path / "t.jsonl"
     helper = _started(path)
-    os.kill(helper.pid, signal.SIGSTOP)  # alive, never answers
-    _wait_until_stopped(helper.pid)
-    results = []
-    flusher = threading.Thread(target=lambda: results.append(helper.force_flush(200)), daemon=True)
-    try:
+    with _stopped(helper, settle=True):  # alive, never answers
+        results = []
+        flusher = threading.Thread(target=lambda: results.append(helper.force_flush(200)), daemon=True)
         flusher.start()
         flusher.join(20)  # 0.2 s, not 200
         assert results == [False]
-    finally:
-        os.kill(helper.pid, signal.SIGCONT)
     assert helper.force_flush(10_000)
     helper.shutdown()
 
@@ -922,12 +914,9 @@ def test_the_helper_sends_an_otlp_collector_no_empty_request(tmp_path):
 def test_the_helper_exports_at_most_1024_records_at_once(tmp_path):
     path = tmp_path / "t.jsonl"
     helper = _started(path)
-    os.kill(helper.pid, signal.SIGSTOP)
-    try:
+    with _stopped(helper):
         for b in range(5):
             helper.export_nowait(_numbered(1 + 256 * b, 256))
-    finally:
-        os.kill(helper.pid, signal.SIGCONT)
     assert helper.force_flush(10_000)
     helper.shutdown()
     assert _request_ids(path) == list(range(1 + 5 * 256))
@@ -947,11 +936,9 @@ def _unread_bytes(fd: int) -> int:
 def test_flushes_waiting_together_each_get_their_own_answer(tmp_path):
     path = tmp_path / "t.jsonl"
     helper = _started(path)
-    os.kill(helper.pid, signal.SIGSTOP)
-    _wait_until_stopped(helper.pid)
-    results = {}
-    threads = []
-    try:
+    with _stopped(helper, settle=True):
+        results = {}
+        threads = []
         for k in range(2):
             unread = _unread_bytes(helper._fd)
             threads.append(threading.Thread(target=lambda k=k: results.__setitem__(k, helper.force_flush(2_000))))
@@ -960,8 +947,6 @@ def test_flushes_waiting_together_each_get_their_own_answer(tmp_path):
             while _unread_bytes(helper._fd) == unread:  # until its flush waits in the pipe
                 assert time.monotonic() < deadline, "the flush was not sent"
                 time.sleep(0.01)
-    finally:
-        os.kill(helper.pid, signal.SIGCONT)
     for thread in threads:
         thread.join(30)
     helper.shutdown()
