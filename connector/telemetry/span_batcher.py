@@ -55,6 +55,7 @@ class SpanBatcher:
         self._max_queue = max_queue
         self._max_batch = max_batch
         self._shutdown = False
+        self._refused = 0  # spans ended after shutdown
         self._init_thread_state()
         reinit = weakref.WeakMethod(self._init_thread_state)
         os.register_at_fork(after_in_child=lambda: (m := reinit()) and m())
@@ -119,8 +120,8 @@ class SpanBatcher:
         an exporter's flush failed, or if spans were lost since the last flush that answered (the
         queue was full, or an exporter's `dropped_spans` grew: a helper process that died). Each
         loss makes one flush False, not every later one."""
-        if self._shutdown:
-            return True
+        if self._shutdown:  # everything queued before it was exported then; only later spans are not
+            return self._refused == 0
         waiter = _FlushWaiter()
         self._flush_waiters.append(waiter)
         self._wake.set()
@@ -130,6 +131,9 @@ class SpanBatcher:
         if self._shutdown:
             return
         self._shutdown = True
+        # Nothing exports a span ended from now on: counted and said, not queued for ever. (An
+        # instance attribute over the method: the hot path pays no check for it.)
+        self.on_end = self._refuse
         self._wake.set()
         self._thread.join(timeout=30)
         for exporter in self._exporters:
@@ -137,6 +141,14 @@ class SpanBatcher:
                 exporter.shutdown()
             except Exception:  # a sink that fails to close must not stop the engine's shutdown
                 logger.exception("kvscope: span exporter %r failed to shut down", exporter)
+
+    def _refuse(self, span) -> None:
+        """`on_end` once shut down."""
+        self._dropped += 1
+        self._refused += 1
+        if self._refused == 1:
+            logger.warning("kvscope: a span ended after tracing was shut down is dropped; further ones "
+                           "are not logged")
 
     # ------------------------------------------------------------ export thread
     def _run(self) -> None:

@@ -120,6 +120,19 @@ def test_shutdown_exports_what_is_queued_and_later_calls_are_harmless():
     assert batcher.force_flush(10) is True
 
 
+def test_a_span_ended_after_shutdown_is_counted_and_said_not_queued_for_ever(caplog):
+    sink = Collect()
+    batcher = SpanBatcher([sink], schedule_delay_s=60)
+    batcher.on_end("a")
+    batcher.shutdown()
+    with caplog.at_level(logging.WARNING, logger="connector.telemetry.span_batcher"):
+        batcher.on_end("late")
+        batcher.on_end("later")
+    assert sink.spans == ["a"] and batcher.dropped_spans == 2 and not batcher._queue
+    assert batcher.force_flush(10) is False  # it cannot export them
+    assert len([r for r in caplog.records if "after tracing was shut down" in r.getMessage()]) == 1
+
+
 def test_needs_an_exporter():
     with pytest.raises(ValueError, match="exporter"):
         SpanBatcher([])
