@@ -18,6 +18,9 @@ to reach the exporters on a background thread, in batches, without ever blocking
 - After a fork the child gets a fresh queue and thread (as the SDK's processor does).
 - At interpreter exit whatever is queued is exported (as the SDK's provider does), for processes
   that end without vLLM calling the connector's `shutdown`.
+- A span ended after shutdown has nothing left to export it: dropped, counted, logged once.
+- `force_flush` says False once for each loss since the flush before it (a full queue, an
+  exporter that lost spans), not only for losses while it ran.
 """
 
 from __future__ import annotations
