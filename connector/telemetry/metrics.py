@@ -12,7 +12,7 @@ scheduler and msgpack-encoded by vLLM towards the front end)::
     {
       "lookup_tokens": int, "hit_tokens": int,                # counters
       "missed_tokens":       {"<reason>": int, ...},          # counters per miss reason
-      "evicted_blocks": int, "load_failures": int,
+      "evicted_blocks": int, "load_failures": int, "dropped_spans": int,
       "scan_blocks":         {"<group>|<kind>": int, ...},    # counters per group
       "null_blocks_skipped": {"<group>|<kind>": int, ...},
       "loaded_blocks":       {"<group>|<kind>": int, ...},
@@ -46,6 +46,7 @@ Which call feeds which contract metric (each metric has exactly one source):
 ``record_evictions``               ``kvscope_evicted_blocks_total``
 ``record_load_failures``           ``kvscope_load_failures_total``
 ``set_host_usage``                 ``kvscope_host_used_bytes``, ``kvscope_host_capacity_bytes``
+``record_dropped_spans``           ``kvscope_dropped_spans_total`` (scheduler and workers: each its own spans)
 =================================  =============================================================
 
 Workers' payloads are summed: with tensor parallelism, count blocks where each block is counted
@@ -85,7 +86,7 @@ REQUEST_LOAD_BUCKETS_S = (
 )
 
 # data keys, by how they aggregate
-_COUNTERS = ("lookup_tokens", "hit_tokens", "evicted_blocks", "load_failures")
+_COUNTERS = ("lookup_tokens", "hit_tokens", "evicted_blocks", "load_failures", "dropped_spans")
 _GROUP_COUNTERS = ("scan_blocks", "null_blocks_skipped", "loaded_blocks", "load_bytes", "store_bytes")
 _COPY_COUNTERS = ("copy_blocks", "copy_bytes")
 _GROUP_OBSERVATIONS = ("scan_duration_s",)
@@ -183,6 +184,10 @@ class KVScopeStats(KVConnectorStats):
     def record_load_failures(self, n: int) -> None:
         self._inc("load_failures", n)
 
+    def record_dropped_spans(self, n: int) -> None:
+        """Spans this process recorded that no sink will get (`KVScopeTracing.take_lost_spans`)."""
+        self._inc("dropped_spans", n)
+
     def set_host_usage(self, used_bytes: int, capacity_bytes: int) -> None:
         """Host tier occupancy (gauges). Set it when it changed: a set gauge makes the stats non-empty."""
         self.data["host_used_bytes"] = int(used_bytes)
@@ -265,7 +270,7 @@ class KVScopeStats(KVConnectorStats):
         if loads:
             out["request_loads"] = len(loads)
             out["request_load_ms_mean"] = round(1e3 * sum(loads) / len(loads), 4)
-        for key in ("evicted_blocks", "load_failures"):
+        for key in ("evicted_blocks", "load_failures", "dropped_spans"):
             if key in d:
                 out[key] = d[key]
         if "host_used_bytes" in d:
@@ -347,6 +352,10 @@ METRICS: tuple[MetricSpec, ...] = (
                "of one group."),
     MetricSpec("kvscope_load_failures_total", Counter, "load_failures", (),
                "Device blocks whose load from the host tier failed (recomputed instead)."),
+    MetricSpec("kvscope_dropped_spans_total", Counter, "dropped_spans", (),
+               "Spans the connector recorded that no trace sink got: its span queue was full, its export "
+               "helper fell behind or died holding them, or they ended after tracing shut down (the engine "
+               "log says which, once). Summed over the scheduler and the workers."),
     MetricSpec("kvscope_host_used_bytes", Gauge, "host_used_bytes", (),
                "Bytes of one worker's host tier holding KV blocks (every worker holds the same blocks, "
                "its own share of each)."),

@@ -223,7 +223,13 @@ class SpanBatcher:
 
     @property
     def dropped_spans(self) -> int:
+        """Spans this batcher dropped itself: its queue was full, or they ended after shutdown."""
         return self._dropped
+
+    @property
+    def lost_spans(self) -> int:
+        """Every span ended here that no sink will get: this batcher's drops and its exporters'."""
+        return self._dropped + self._exporters_dropped()
 
 
 class _FlushWaiter:

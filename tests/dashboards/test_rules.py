@@ -52,6 +52,7 @@ def test_every_alert_is_documented():
     assert {a["alert"] for a in alerts} == {
         "KVScopeHitRateCollapsed", "KVScopeLoadLatencyHigh", "KVScopeLoadFailures",
         "KVScopeHostTierThrashing", "KVScopeStoresWithoutLoads", "KVScopeHostTierTooSmall",
+        "KVScopeSpansDropped",
     }
     for alert in alerts:
         annotations = alert.get("annotations") or {}

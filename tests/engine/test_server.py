@@ -174,6 +174,11 @@ def test_hits_are_sane_and_equal_vllm_external_hits(two_rounds):
     assert by_source["host"] == hits and by_source["external_unspecified"] == 0
 
 
+def test_a_healthy_run_drops_no_span(two_rounds):
+    _, text, _ = two_rounds
+    assert _total(_families(text), "kvscope_dropped_spans") == 0  # every span reached the trace file
+
+
 def test_per_group_labels_and_copy_histograms_have_samples(two_rounds):
     _, text, _ = two_rounds
     samples = [s for f in text_string_to_metric_families(text) for s in f.samples]

@@ -1,0 +1,91 @@
+"""Spans that no trace sink gets are counted, through vLLM's stats path, in kvscope_dropped_spans_total."""
+
+from __future__ import annotations
+
+import threading
+
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+
+from connector.telemetry.metrics import KVScopeStats
+from connector.telemetry.span_batcher import SpanBatcher
+from connector.telemetry.testing import engine_labels
+from connector.telemetry.tracing import KVScopeTracing
+from connector.worker import KVScopeWorker
+from tests.telemetry.test_scheduler_spans import make_request, make_scheduler, plan, store_everything
+
+
+class HeldExporter(SpanExporter):
+    """Takes batches only once the test lets it: until then the batcher's queue fills up. Its
+    `dropped_spans` stands for records a helper process lost (it died holding them)."""
+
+    def __init__(self):
+        self.gate = threading.Event()
+        self.exported = 0
+        self.dropped_spans = 0
+
+    def export(self, spans):
+        self.gate.wait(30)
+        self.exported += len(spans)
+        return SpanExportResult.SUCCESS
+
+
+def _tracing(max_queue: int) -> tuple[KVScopeTracing, HeldExporter]:
+    exporter = HeldExporter()
+    batcher = SpanBatcher([exporter], schedule_delay_s=60, max_queue=max_queue, max_batch=max_queue * 2)
+    return KVScopeTracing(batcher, Resource.create({}), 1.0), exporter
+
+
+def test_lost_spans_are_the_batchers_drops_and_its_exporters():
+    tracing, exporter = _tracing(max_queue=2)
+    batcher = tracing._processor
+    for i in range(5):
+        batcher.on_end(i)  # 2 queued, 3 dropped
+    exporter.dropped_spans = 4
+    assert batcher.dropped_spans == 3 and batcher.lost_spans == 7
+    assert tracing.take_lost_spans() == 7
+    assert tracing.take_lost_spans() == 0  # told once
+    exporter.dropped_spans = 5
+    assert tracing.take_lost_spans() == 1
+    exporter.gate.set()
+    tracing.shutdown()
+    assert exporter.exported == 2
+    assert KVScopeTracing.disabled().take_lost_spans() == 0
+
+
+def test_the_schedulers_stats_count_the_spans_its_tracing_dropped_and_agree_with_what_was_exported():
+    tracing, exporter = _tracing(max_queue=2)  # each load is one record: the third load's is dropped
+    sched = make_scheduler(tracing)
+    for rid in ("r1", "s2", "t3"):
+        request = make_request(rid, 200)
+        store_everything(sched, request)
+        plan(sched, request)
+    data = sched.take_stats().data
+    assert data["dropped_spans"] == 1
+    assert "dropped_spans" not in (sched.take_stats() or KVScopeStats()).data  # counted once
+    exporter.gate.set()
+    assert tracing.force_flush() is False  # the flush cannot deliver the dropped one
+    tracing.shutdown()
+    assert exporter.exported == 2  # records: 3 loads, 1 dropped
+
+
+def test_the_workers_stats_count_the_spans_its_tracing_dropped():
+    tracing, exporter = _tracing(max_queue=1)
+    worker = KVScopeWorker(None, None, 0, [], 0, tracing)
+    for i in range(3):
+        tracing._processor.on_end(i)
+    assert worker.take_stats().data == {"dropped_spans": 2}
+    assert worker.take_stats() is None
+    exporter.gate.set()
+    tracing.shutdown()
+
+
+def test_the_metric_sums_the_scheduler_and_workers_drops(registry, prom_metrics):
+    scheduler, worker = KVScopeStats(), KVScopeStats()
+    scheduler.record_dropped_spans(3)
+    worker.record_dropped_spans(2)
+    labels = engine_labels(0)
+    assert registry.get_sample_value("kvscope_dropped_spans_total", labels) == 0  # exists before any drop
+    prom_metrics.observe(KVScopeStats().aggregate(scheduler).aggregate(worker).data, engine_idx=0)
+    assert registry.get_sample_value("kvscope_dropped_spans_total", labels) == 5
+    assert scheduler.aggregate(worker).reduce()["dropped_spans"] == 5
