@@ -89,3 +89,30 @@ def test_the_metric_sums_the_scheduler_and_workers_drops(registry, prom_metrics)
     prom_metrics.observe(KVScopeStats().aggregate(scheduler).aggregate(worker).data, engine_idx=0)
     assert registry.get_sample_value("kvscope_dropped_spans_total", labels) == 5
     assert scheduler.aggregate(worker).reduce()["dropped_spans"] == 5
+
+
+def test_spans_a_dead_export_helper_held_are_counted_from_the_real_helper(tmp_path):
+    """The real path: the export helper process dies with spans in its pipe; what it lost reaches
+    the stats through `SpanBatcher.lost_spans`."""
+    import os
+    import signal
+
+    from connector.telemetry.span_records import LOOKUP_SPAN
+    from tests.telemetry.test_export_process import _wait_until_dead
+
+    tracing = KVScopeTracing.from_config(str(tmp_path / "t.jsonl"), 1.0)
+    helper = tracing._processor._exporters[0]
+    tracing.record(LOOKUP_SPAN, None, 1, 2, ("warm-up", 1, 1, "tail", 0))
+    assert tracing.force_flush() and helper.pid is not None  # the helper runs
+    pid = helper.pid
+    os.kill(pid, signal.SIGSTOP)  # reads nothing: what follows waits in its pipe
+    for i in range(300):
+        tracing.record(LOOKUP_SPAN, None, 1, 2, (f"req-{i}", 64, 32, "evicted", 0))
+    tracing.end_step()  # handed to the helper's pipe
+    os.kill(pid, signal.SIGKILL)
+    _wait_until_dead(pid)
+    assert tracing.force_flush() is False  # fails over: what the dead helper held is lost
+    assert helper.dropped_spans > 0
+    worker = KVScopeWorker(None, None, 0, [], 0, tracing)
+    assert worker.take_stats().data == {"dropped_spans": helper.dropped_spans}
+    tracing.shutdown()
