@@ -241,7 +241,7 @@ class KVScopeWorker:
         return meta
 
     def take_stats(self) -> KVScopeStats | None:
-        self._stats.record_dropped_spans(self.tracing.take_lost_spans())
+        self._stats.record_dropped_trace_records(self.tracing.take_lost_records())
         if self._stats.is_empty():
             return None
         stats, self._stats = self._stats, KVScopeStats()

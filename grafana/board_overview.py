@@ -322,32 +322,32 @@ def load_failures_over_time():
 
 # --- Telemetry ------------------------------------------------------------------------------
 
-def dropped_spans_stat():
+def dropped_trace_records_stat():
     return pc.stat(
-        "Trace spans dropped in range",
-        "Spans the connector recorded that no trace sink got during the selected time range "
-        "(kvscope_dropped_spans_total): its span queue was full (an OTLP endpoint too slow), its span "
-        "export helper fell behind or died holding them, or they ended after tracing shut down. "
-        "Metrics are unaffected; the traces of those requests lack spans. Fires KVScopeSpansDropped; "
-        "the vLLM log says which cause, once.",
-        pc.instant(f"round(sum(increase(kvscope_dropped_spans_total{sel()}[$__range])))", "spans"),
+        "Trace records dropped in range",
+        "Span records the connector made that no trace sink got during the selected time range "
+        "(kvscope_dropped_trace_records_total; a record is one span, or one request's load with its scans "
+        "and lookup): its span queue was full (an OTLP endpoint too slow), its span export helper fell "
+        "behind or died holding them, or they ended after tracing shut down. Metrics are unaffected; the "
+        "traces of those requests lack spans. Fires KVScopeTracesIncomplete; the vLLM log says which cause, once.",
+        pc.instant(f"round(sum(increase(kvscope_dropped_trace_records_total{sel()}[$__range])))", "records"),
         "short",
         [(None, "green"), (1, "orange")],
         sparkline=False,
     )
 
 
-def dropped_spans_over_time():
+def dropped_trace_records_over_time():
     return pc.timeseries(
-        "Trace spans dropped over time",
-        "Spans dropped per minute and engine (scheduler and workers together). Steady drops with OTLP "
+        "Trace records dropped over time",
+        "Span records dropped per minute and engine (scheduler and workers together). Steady drops with OTLP "
         "export: the endpoint does not keep up (lower trace_sample_ratio); a single burst: the export "
         "helper died (the vLLM log has its warning).",
         pc.queries((
-            f"60 * sum by (instance, model_name, engine) (rate(kvscope_dropped_spans_total{sel()}{RATE}))",
+            f"60 * sum by (instance, model_name, engine) (rate(kvscope_dropped_trace_records_total{sel()}{RATE}))",
             "{{model_name}} {{instance}} engine {{engine}}",
         )),
-        pc.SPANS_PER_MINUTE,
+        pc.RECORDS_PER_MINUTE,
         width=18,
     )
 
@@ -372,5 +372,5 @@ def build():
         pc.row("Failures"),
         load_failures_stat(), load_failures_over_time(),
         pc.row("Telemetry"),
-        dropped_spans_stat(), dropped_spans_over_time(),
+        dropped_trace_records_stat(), dropped_trace_records_over_time(),
     ])

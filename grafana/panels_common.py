@@ -36,7 +36,7 @@ TOKENS_PER_SECOND = "suffix: tokens/s"
 BLOCKS_PER_SECOND = "suffix: blocks/s"
 BLOCKS_PER_MINUTE = "suffix: blocks/min"
 ENTRIES_PER_SECOND = "suffix: entries/s"
-SPANS_PER_MINUTE = "suffix: spans/min"
+RECORDS_PER_MINUTE = "suffix: records/min"
 
 
 def sel(*extra: str) -> str:

@@ -12,7 +12,7 @@ scheduler and msgpack-encoded by vLLM towards the front end)::
     {
       "lookup_tokens": int, "hit_tokens": int,                # counters
       "missed_tokens":       {"<reason>": int, ...},          # counters per miss reason
-      "evicted_blocks": int, "load_failures": int, "dropped_spans": int,
+      "evicted_blocks": int, "load_failures": int, "dropped_trace_records": int,
       "scan_blocks":         {"<group>|<kind>": int, ...},    # counters per group
       "null_blocks_skipped": {"<group>|<kind>": int, ...},
       "loaded_blocks":       {"<group>|<kind>": int, ...},
@@ -46,7 +46,7 @@ Which call feeds which contract metric (each metric has exactly one source):
 ``record_evictions``               ``kvscope_evicted_blocks_total``
 ``record_load_failures``           ``kvscope_load_failures_total``
 ``set_host_usage``                 ``kvscope_host_used_bytes``, ``kvscope_host_capacity_bytes``
-``record_dropped_spans``           ``kvscope_dropped_spans_total`` (scheduler and workers: each its own spans)
+``record_dropped_trace_records``    ``kvscope_dropped_trace_records_total`` (scheduler and workers: each its own)
 =================================  =============================================================
 
 Workers' payloads are summed: with tensor parallelism, count blocks where each block is counted
@@ -86,7 +86,7 @@ REQUEST_LOAD_BUCKETS_S = (
 )
 
 # data keys, by how they aggregate
-_COUNTERS = ("lookup_tokens", "hit_tokens", "evicted_blocks", "load_failures", "dropped_spans")
+_COUNTERS = ("lookup_tokens", "hit_tokens", "evicted_blocks", "load_failures", "dropped_trace_records")
 _GROUP_COUNTERS = ("scan_blocks", "null_blocks_skipped", "loaded_blocks", "load_bytes", "store_bytes")
 _COPY_COUNTERS = ("copy_blocks", "copy_bytes")
 _GROUP_OBSERVATIONS = ("scan_duration_s",)
@@ -184,9 +184,9 @@ class KVScopeStats(KVConnectorStats):
     def record_load_failures(self, n: int) -> None:
         self._inc("load_failures", n)
 
-    def record_dropped_spans(self, n: int) -> None:
-        """Spans this process recorded that no sink will get (`KVScopeTracing.take_lost_spans`)."""
-        self._inc("dropped_spans", n)
+    def record_dropped_trace_records(self, n: int) -> None:
+        """Span records this process made that no sink will get (`KVScopeTracing.take_lost_records`)."""
+        self._inc("dropped_trace_records", n)
 
     def set_host_usage(self, used_bytes: int, capacity_bytes: int) -> None:
         """Host tier occupancy (gauges). Set it when it changed: a set gauge makes the stats non-empty."""
@@ -270,7 +270,7 @@ class KVScopeStats(KVConnectorStats):
         if loads:
             out["request_loads"] = len(loads)
             out["request_load_ms_mean"] = round(1e3 * sum(loads) / len(loads), 4)
-        for key in ("evicted_blocks", "load_failures", "dropped_spans"):
+        for key in ("evicted_blocks", "load_failures", "dropped_trace_records"):
             if key in d:
                 out[key] = d[key]
         if "host_used_bytes" in d:
@@ -315,6 +315,9 @@ class MetricSpec:
 
 _GK = ("group", "kind")
 _GKD = ("group", "kind", "direction")
+# What a span record is, in the words of the metric that counts them (`span_records`).
+RECORD_DEF = ("A record is one span (a lookup, a store, a copy), or one request's load with its per-group "
+              "scans and its lookup.")
 
 METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("kvscope_lookup_tokens_total", Counter, "lookup_tokens", (),
@@ -352,10 +355,11 @@ METRICS: tuple[MetricSpec, ...] = (
                "of one group."),
     MetricSpec("kvscope_load_failures_total", Counter, "load_failures", (),
                "Device blocks whose load from the host tier failed (recomputed instead)."),
-    MetricSpec("kvscope_dropped_spans_total", Counter, "dropped_spans", (),
-               "Spans the connector recorded that no trace sink got: its span queue was full, its export "
-               "helper fell behind or died holding them, or they ended after tracing shut down (the engine "
-               "log says which, once). Summed over the scheduler and the workers."),
+    MetricSpec("kvscope_dropped_trace_records_total", Counter, "dropped_trace_records", (),
+               "Span records the connector made that no trace sink got, so traces lack their spans: its span "
+               "queue was full, its export helper fell behind or died holding them, or they ended after tracing "
+               f"shut down (the engine log says which, once). {RECORD_DEF} Summed over the scheduler and the "
+               "workers."),
     MetricSpec("kvscope_host_used_bytes", Gauge, "host_used_bytes", (),
                "Bytes of one worker's host tier holding KV blocks (every worker holds the same blocks, "
                "its own share of each)."),

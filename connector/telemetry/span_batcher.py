@@ -227,8 +227,8 @@ class SpanBatcher:
         return self._dropped
 
     @property
-    def lost_spans(self) -> int:
-        """Every span ended here that no sink will get: this batcher's drops and its exporters'."""
+    def lost_records(self) -> int:
+        """Every record (span) ended here that no sink will get: this batcher's drops and its exporters'."""
         return self._dropped + self._exporters_dropped()
 
 

@@ -90,7 +90,7 @@ class KVScopeTracing:
         self._ids = OsRandomIdGenerator() if processor is not None else None
         self._bound = trace_id_bound(sample_ratio)
         self._shutdown_done = False
-        self._lost_told = 0  # lost spans `take_lost_spans` has told of
+        self._lost_told = 0  # lost span records `take_lost_records` has told of
         # Every span of a request that sampling drops is this one shared, ended, non-recording
         # span (children of it too): an unsampled request costs a trace id and a comparison.
         self._dropped = LightSpan("kvscope.dropped", 0, 0, None, False, 0, processor)
@@ -368,10 +368,11 @@ class KVScopeTracing:
         if self._processor is not None:
             self._processor.hand_over()
 
-    def take_lost_spans(self) -> int:
-        """Spans lost since the last call (`SpanBatcher.lost_spans`: a full queue, an export helper
-        that fell behind or died, spans ended after shutdown), for `kvscope_dropped_spans_total`."""
-        lost = getattr(self._processor, "lost_spans", 0)
+    def take_lost_records(self) -> int:
+        """Span records lost since the last call (`SpanBatcher.lost_records`: a full queue, an export
+        helper that fell behind or died, records ended after shutdown), for
+        `kvscope_dropped_trace_records_total`. A record is a span, or a load with its scans and lookup."""
+        lost = getattr(self._processor, "lost_records", 0)
         if lost == self._lost_told:
             return 0
         # (fewer than told: a forked child's new batcher counts from zero)

@@ -30,7 +30,7 @@ RATES = {
     "hit_tokens": 1200.0,  # token hit rate 0.6
     "evicted_blocks": 5.0,
     "load_failures": 0.2,
-    "dropped_spans": 0.0,  # healthy: KVScopeSpansDropped stays quiet
+    "dropped_trace_records": 0.0,  # healthy: KVScopeTracesIncomplete stays quiet
 }
 HOST_CAPACITY_BYTES = 8 * 2**30
 # Per-second missed tokens by reason: they add up to lookup minus hit tokens, as the connector's do.
@@ -110,7 +110,7 @@ class SyntheticKVScopeExporter:
             c["kvscope_hit_tokens_total"].labels(*e).inc(RATES["hit_tokens"] * dt)
             c["kvscope_evicted_blocks_total"].labels(*e).inc(RATES["evicted_blocks"] * dt)
             c["kvscope_load_failures_total"].labels(*e).inc(RATES["load_failures"] * dt)
-            c["kvscope_dropped_spans_total"].labels(*e).inc(RATES["dropped_spans"] * dt)
+            c["kvscope_dropped_trace_records_total"].labels(*e).inc(RATES["dropped_trace_records"] * dt)
             for reason, rate in MISSED_RATES.items():
                 c["kvscope_missed_tokens_total"].labels(*e, reason).inc(rate * dt)
             for g in GROUPS:

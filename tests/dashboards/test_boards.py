@@ -146,6 +146,6 @@ def test_overview_answers_the_questions_it_promises():
         "kvscope_load_bytes_total", "kvscope_store_bytes_total",
         "kvscope_host_used_bytes", "kvscope_host_capacity_bytes",
         "kvscope_evicted_blocks_total", "kvscope_load_failures_total",
-        "kvscope_dropped_spans_total",  # traces that lost spans
+        "kvscope_dropped_trace_records_total",  # traces that lost spans
     ):
         assert needle in exprs, needle

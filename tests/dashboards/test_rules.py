@@ -52,7 +52,7 @@ def test_every_alert_is_documented():
     assert {a["alert"] for a in alerts} == {
         "KVScopeHitRateCollapsed", "KVScopeLoadLatencyHigh", "KVScopeLoadFailures",
         "KVScopeHostTierThrashing", "KVScopeStoresWithoutLoads", "KVScopeHostTierTooSmall",
-        "KVScopeSpansDropped",
+        "KVScopeTracesIncomplete",
     }
     for alert in alerts:
         annotations = alert.get("annotations") or {}

@@ -176,7 +176,7 @@ def test_hits_are_sane_and_equal_vllm_external_hits(two_rounds):
 
 def test_a_healthy_run_drops_no_span(two_rounds):
     _, text, _ = two_rounds
-    assert _total(_families(text), "kvscope_dropped_spans") == 0  # every span reached the trace file
+    assert _total(_families(text), "kvscope_dropped_trace_records") == 0  # every span reached the trace file
 
 
 def test_per_group_labels_and_copy_histograms_have_samples(two_rounds):

@@ -1,4 +1,5 @@
-"""Spans that no trace sink gets are counted, through vLLM's stats path, in kvscope_dropped_spans_total."""
+"""Span records that no trace sink gets are counted, through vLLM's stats path, in
+kvscope_dropped_trace_records_total (a load record, with its scans and lookup, counts once)."""
 
 from __future__ import annotations
 
@@ -36,21 +37,21 @@ def _tracing(max_queue: int) -> tuple[KVScopeTracing, HeldExporter]:
     return KVScopeTracing(batcher, Resource.create({}), 1.0), exporter
 
 
-def test_lost_spans_are_the_batchers_drops_and_its_exporters():
+def test_lost_records_are_the_batchers_drops_and_its_exporters():
     tracing, exporter = _tracing(max_queue=2)
     batcher = tracing._processor
     for i in range(5):
         batcher.on_end(i)  # 2 queued, 3 dropped
     exporter.dropped_spans = 4
-    assert batcher.dropped_spans == 3 and batcher.lost_spans == 7
-    assert tracing.take_lost_spans() == 7
-    assert tracing.take_lost_spans() == 0  # told once
+    assert batcher.dropped_spans == 3 and batcher.lost_records == 7
+    assert tracing.take_lost_records() == 7
+    assert tracing.take_lost_records() == 0  # told once
     exporter.dropped_spans = 5
-    assert tracing.take_lost_spans() == 1
+    assert tracing.take_lost_records() == 1
     exporter.gate.set()
     tracing.shutdown()
     assert exporter.exported == 2
-    assert KVScopeTracing.disabled().take_lost_spans() == 0
+    assert KVScopeTracing.disabled().take_lost_records() == 0
 
 
 def test_the_schedulers_stats_count_the_spans_its_tracing_dropped_and_agree_with_what_was_exported():
@@ -61,8 +62,8 @@ def test_the_schedulers_stats_count_the_spans_its_tracing_dropped_and_agree_with
         store_everything(sched, request)
         plan(sched, request)
     data = sched.take_stats().data
-    assert data["dropped_spans"] == 1
-    assert "dropped_spans" not in (sched.take_stats() or KVScopeStats()).data  # counted once
+    assert data["dropped_trace_records"] == 1  # the third load's record: its lookup, load and 2 scans
+    assert "dropped_trace_records" not in (sched.take_stats() or KVScopeStats()).data  # counted once
     exporter.gate.set()
     assert tracing.force_flush() is False  # the flush cannot deliver the dropped one
     tracing.shutdown()
@@ -74,7 +75,7 @@ def test_the_workers_stats_count_the_spans_its_tracing_dropped():
     worker = KVScopeWorker(None, None, 0, [], 0, tracing)
     for i in range(3):
         tracing._processor.on_end(i)
-    assert worker.take_stats().data == {"dropped_spans": 2}
+    assert worker.take_stats().data == {"dropped_trace_records": 2}
     assert worker.take_stats() is None
     exporter.gate.set()
     tracing.shutdown()
@@ -82,18 +83,18 @@ def test_the_workers_stats_count_the_spans_its_tracing_dropped():
 
 def test_the_metric_sums_the_scheduler_and_workers_drops(registry, prom_metrics):
     scheduler, worker = KVScopeStats(), KVScopeStats()
-    scheduler.record_dropped_spans(3)
-    worker.record_dropped_spans(2)
+    scheduler.record_dropped_trace_records(3)
+    worker.record_dropped_trace_records(2)
     labels = engine_labels(0)
-    assert registry.get_sample_value("kvscope_dropped_spans_total", labels) == 0  # exists before any drop
+    assert registry.get_sample_value("kvscope_dropped_trace_records_total", labels) == 0  # exists before any drop
     prom_metrics.observe(KVScopeStats().aggregate(scheduler).aggregate(worker).data, engine_idx=0)
-    assert registry.get_sample_value("kvscope_dropped_spans_total", labels) == 5
-    assert scheduler.aggregate(worker).reduce()["dropped_spans"] == 5
+    assert registry.get_sample_value("kvscope_dropped_trace_records_total", labels) == 5
+    assert scheduler.aggregate(worker).reduce()["dropped_trace_records"] == 5
 
 
 def test_spans_a_dead_export_helper_held_are_counted_from_the_real_helper(tmp_path):
     """The real path: the export helper process dies with spans in its pipe; what it lost reaches
-    the stats through `SpanBatcher.lost_spans`."""
+    the stats through `SpanBatcher.lost_records`."""
     import os
     import signal
 
@@ -114,5 +115,5 @@ def test_spans_a_dead_export_helper_held_are_counted_from_the_real_helper(tmp_pa
     assert tracing.force_flush() is False  # fails over: what the dead helper held is lost
     assert helper.dropped_spans > 0
     worker = KVScopeWorker(None, None, 0, [], 0, tracing)
-    assert worker.take_stats().data == {"dropped_spans": helper.dropped_spans}
+    assert worker.take_stats().data == {"dropped_trace_records": helper.dropped_spans}
     tracing.shutdown()
