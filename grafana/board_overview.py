@@ -325,11 +325,12 @@ def load_failures_over_time():
 def dropped_trace_records_stat():
     return pc.stat(
         "Trace records dropped in range",
-        "Span records the connector made that no trace sink got during the selected time range "
+        "Span records the connector made that a trace sink did not get during the selected time range "
         "(kvscope_dropped_trace_records_total; a record is one span, or one request's load with its scans "
-        "and lookup): its span queue was full (an OTLP endpoint too slow), its span export helper fell "
-        "behind or died holding them, or they ended after tracing shut down. Metrics are unaffected; the "
-        "traces of those requests lack spans. Fires KVScopeTracesIncomplete; the vLLM log says which cause, once.",
+        "and lookup): a sink failed them (an OTLP endpoint down, an unwritable trace file), the span queue "
+        "was full (a sink too slow), the span export helper fell behind or died holding them, or they ended "
+        "after tracing shut down. Metrics are unaffected; the traces of those requests lack spans. Fires "
+        "KVScopeTracesIncomplete; the vLLM log says which cause, once.",
         pc.instant(f"round(sum(increase(kvscope_dropped_trace_records_total{sel()}[$__range])))", "records"),
         "short",
         [(None, "green"), (1, "orange")],
@@ -340,9 +341,10 @@ def dropped_trace_records_stat():
 def dropped_trace_records_over_time():
     return pc.timeseries(
         "Trace records dropped over time",
-        "Span records dropped per minute and engine (scheduler and workers together). Steady drops with OTLP "
-        "export: the endpoint does not keep up (lower trace_sample_ratio); a single burst: the export "
-        "helper died (the vLLM log has its warning).",
+        "Span records dropped per minute and engine (scheduler and workers together). Every record: a "
+        "sink is down (the OTLP endpoint, the trace file's disk); steady drops under load: a sink does not "
+        "keep up (lower trace_sample_ratio); a single burst: the export helper died (the vLLM log has its "
+        "warning).",
         pc.queries((
             f"60 * sum by (instance, model_name, engine) (rate(kvscope_dropped_trace_records_total{sel()}{RATE}))",
             "{{model_name}} {{instance}} engine {{engine}}",

@@ -73,7 +73,9 @@ _PIPE_BYTES = 1 << 20  # Linux's limit for unprivileged processes (/proc/sys/fs/
 # helper loses is counted from it. A reply per export instead woke the engine process's reply
 # thread, which then took the GIL from the engine thread: 3 to 4% of the uninstrumented planner's
 # time at 1g/128 (engine CPU, tracing on 1.22-1.24 against 1.26-1.28x, measured side by side).
-_EXPORTED = struct.Struct("<Q")
+# The second count: the records of those that a sink failed to take (an unreachable OTLP endpoint, an
+# unwritable trace file), counted in `dropped_spans` like the ones a death loses.
+_COUNTS = struct.Struct("<QQ")
 
 
 class ExportProcess(SpanExporter):
@@ -99,7 +101,8 @@ class ExportProcess(SpanExporter):
         self._proc: subprocess.Popen | None = None
         self._fd = -1  # the helper's stdin, non-blocking once it runs
         self._replies = None  # the read end of the helper's reply pipe (a raw file)
-        self._exported: mmap.mmap | None = None  # the helper's count of exported records (`_EXPORTED`)
+        self._exported: mmap.mmap | None = None  # the helper's counts of exported and failed records (`_COUNTS`)
+        self._helper_failed = 0  # the helper's count of records a sink failed, as last read
         self._reader: threading.Thread | None = None
         self._acks: dict[int, threading.Event] = {}
         self._next_ack = 0
@@ -140,7 +143,19 @@ class ExportProcess(SpanExporter):
 
     @property
     def dropped_spans(self) -> int:
-        return self._dropped
+        """Records lost (the helper fell behind, or died holding them) or that a sink failed to take,
+        here or in the helper."""
+        return self._dropped + self._sink_failures()
+
+    def _sink_failures(self) -> int:
+        """The helper's count of records a sink failed, read from the memory it shares (any thread)."""
+        counts = self._exported
+        if counts is not None:
+            try:
+                self._helper_failed = max(self._helper_failed, _COUNTS.unpack_from(counts)[1])
+            except ValueError:  # unmapped meanwhile: the release read it last
+                pass
+        return self._helper_failed
 
     # ------------------------------------------------------------ the engine thread
     def export_nowait(self, records: list) -> None:
@@ -190,7 +205,7 @@ class ExportProcess(SpanExporter):
         """True once the helper has exported (and flushed) everything sent before this call; False
         after the timeout, or if spans were lost meanwhile (a helper that died: `dropped_spans`)."""
         with self._lock:
-            dropped = self._dropped
+            dropped = self.dropped_spans
             if not self._closed:
                 self._settle()
             proc = None if self._closed else self._proc
@@ -218,7 +233,7 @@ class ExportProcess(SpanExporter):
         with self._lock:
             if self._local is not None and not all(e.force_flush(timeout_millis) for e in self._local):
                 return False
-            return self._dropped == dropped
+            return self.dropped_spans == dropped
 
     def shutdown(self) -> None:
         # The export thread holds the lock while it waits for a full pipe: a helper that stopped
@@ -340,7 +355,7 @@ class ExportProcess(SpanExporter):
             os.close(reply_write)
             raise
         try:
-            self._exported = mmap.mmap(exported_fd, _EXPORTED.size)
+            self._exported = mmap.mmap(exported_fd, _COUNTS.size)
             proc = subprocess.Popen(
                 [sys.executable, *safe_path, "-m", __name__, str(reply_write), str(exported_fd)],
                 env=env,
@@ -412,7 +427,7 @@ class ExportProcess(SpanExporter):
         here = sum(len(m[1]) for m in messages if m[0] == "spans")
         lost = 0
         if proc is not None:  # dead now: its count is final
-            lost = max(0, self._queued_records - here - _EXPORTED.unpack_from(self._exported)[0])
+            lost = max(0, self._queued_records - here - _COUNTS.unpack_from(self._exported)[0])
         self._release_counter()
         self._dropped += lost
         logger.warning("kvscope: the span export process failed (%r); %d spans it had read but not "
@@ -432,15 +447,21 @@ class ExportProcess(SpanExporter):
     def _release_counter(self) -> None:
         """Unmap the helper's count (the mapping holds a descriptor of its own)."""
         if self._exported is not None:
-            self._exported.close()
-            self._exported = None
+            self._sink_failures()  # the last count: the helper has exited, or is not ours to watch any more
+            counts, self._exported = self._exported, None
+            try:
+                counts.close()
+            except BufferError:  # another thread reads it at this very moment: unmapped when collected
+                pass
 
     def _export_here(self, records) -> SpanExportResult:
         if self._local is None:
             self._local = build_exporters(self._sinks)
         results = [e.export(records) for e in self._local]
-        ok = all(r is SpanExportResult.SUCCESS for r in results)
-        return SpanExportResult.SUCCESS if ok else SpanExportResult.FAILURE
+        if all(r is SpanExportResult.SUCCESS for r in results):
+            return SpanExportResult.SUCCESS
+        self._dropped += len(records)  # a sink failed them (it logs that, once)
+        return SpanExportResult.FAILURE
 
 
 def _kill(proc: subprocess.Popen) -> None:
@@ -472,7 +493,7 @@ def _enlarge_pipe(fd: int) -> None:
 
 
 def _shared_counter() -> int:
-    """A descriptor of `_EXPORTED.size` zero bytes in memory (no file on disk where the system has
+    """A descriptor of `_COUNTS.size` zero bytes in memory (no file on disk where the system has
     memfd), for the engine process and its helper to map."""
     if hasattr(os, "memfd_create"):
         fd = os.memfd_create("kvscope-exported", os.MFD_CLOEXEC)
@@ -480,7 +501,7 @@ def _shared_counter() -> int:
         with tempfile.TemporaryFile() as file:  # unlinked already: gone with the last descriptor
             fd = os.dup(file.fileno())
     try:
-        os.ftruncate(fd, _EXPORTED.size)
+        os.ftruncate(fd, _COUNTS.size)
     except BaseException:
         os.close(fd)
         raise
@@ -564,8 +585,8 @@ def _serve(reply_fd: int, exported_fd: int | None = None) -> int:
 
     logging.getLogger().addHandler(_ForwardToParent(reply))
     # what a death of ours would lose is counted from this (`ExportProcess._fail_over`)
-    exported_count = mmap.mmap(exported_fd, _EXPORTED.size) if exported_fd is not None else None
-    exported_total = 0
+    exported_count = mmap.mmap(exported_fd, _COUNTS.size) if exported_fd is not None else None
+    exported_total = failed_total = 0
     config = _read_frame(requests)
     if config is None:
         return 0
@@ -573,15 +594,19 @@ def _serve(reply_fd: int, exported_fd: int | None = None) -> int:
     reply(("ready",))
 
     def export(records) -> None:
-        nonlocal exported_total
+        nonlocal exported_total, failed_total
+        failed = False
         for exporter in exporters:
             try:
-                exporter.export(records)
+                failed = exporter.export(records) is not SpanExportResult.SUCCESS or failed
             except Exception:
                 logging.getLogger(__name__).exception("kvscope: span exporter %r raised", exporter)
+                failed = True
         exported_total += len(records)
+        if failed:  # (the sink logs why, once)
+            failed_total += len(records)
         if exported_count is not None:
-            _EXPORTED.pack_into(exported_count, 0, exported_total)
+            _COUNTS.pack_into(exported_count, 0, exported_total, failed_total)
 
     records: list = []  # batches that arrived together, exported as one (one write, one OTLP request)
     while True:

@@ -356,10 +356,11 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("kvscope_load_failures_total", Counter, "load_failures", (),
                "Device blocks whose load from the host tier failed (recomputed instead)."),
     MetricSpec("kvscope_dropped_trace_records_total", Counter, "dropped_trace_records", (),
-               "Span records the connector made that no trace sink got, so traces lack their spans: its span "
-               "queue was full, its export helper fell behind or died holding them, or they ended after tracing "
-               f"shut down (the engine log says which, once). {RECORD_DEF} Summed over the scheduler and the "
-               "workers."),
+               "Span records the connector made that a trace sink did not get, so traces lack their spans: a "
+               "sink failed to take them (an OTLP endpoint down, an unwritable trace file; counted once however "
+               "many sinks failed), its span queue was full, its export helper fell behind or died holding them, "
+               f"or they ended after tracing shut down (the engine log says which, once). {RECORD_DEF} Summed "
+               "over the scheduler and the workers."),
     MetricSpec("kvscope_host_used_bytes", Gauge, "host_used_bytes", (),
                "Bytes of one worker's host tier holding KV blocks (every worker holds the same blocks, "
                "its own share of each)."),

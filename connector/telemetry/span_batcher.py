@@ -34,7 +34,7 @@ from collections import deque
 from collections.abc import Sequence
 
 from opentelemetry.context import _SUPPRESS_INSTRUMENTATION_KEY, attach, set_value
-from opentelemetry.sdk.trace.export import SpanExporter
+from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +70,7 @@ class SpanBatcher:
         self._wake = threading.Event()
         self._flush_waiters: deque[_FlushWaiter] = deque()
         self._dropped = 0
+        self._failed_exports = 0  # records a sink failed (export thread only; exporters with counts of their own apart)
         self._drops_logged = False
         self._losses_answered = 0  # spans lost (queue and exporters) when the last flush answered
         self._export_lock = threading.Lock()  # one exporting thread at a time: the batches stay in order
@@ -168,7 +169,7 @@ class SpanBatcher:
                 if waiters:
                     # an exporter may hold spans of its own (a helper process), or lose some (one that died)
                     flushed = self._flush_exporters()
-                    losses = self._dropped + self._exporters_dropped()
+                    losses = self.lost_records
                     flushed = flushed and losses == self._losses_answered
                     self._losses_answered = losses
             for waiter in waiters:
@@ -187,11 +188,17 @@ class SpanBatcher:
         queue, limit = self._queue, self._max_batch
         while queue:
             batch = [queue.popleft() for _ in range(min(limit, len(queue)))]
+            failed = False
             for exporter in self._exporters:
                 try:
-                    exporter.export(batch)
+                    result = exporter.export(batch)
                 except Exception:  # kvscope's exporters log their own failures; this is a bug guard
                     logger.exception("kvscope: span exporter %r raised", exporter)
+                    result = SpanExportResult.FAILURE
+                # a sink that failed them (it logs why); the helper's exporter counts its own
+                failed = failed or (result is not SpanExportResult.SUCCESS and not hasattr(exporter, "dropped_spans"))
+            if failed:
+                self._failed_exports += len(batch)
         if self._dropped and not self._drops_logged:
             self._drops_logged = True
             logger.warning(
@@ -228,8 +235,9 @@ class SpanBatcher:
 
     @property
     def lost_records(self) -> int:
-        """Every record (span) ended here that no sink will get: this batcher's drops and its exporters'."""
-        return self._dropped + self._exporters_dropped()
+        """Every record (span) ended here that a sink will not get: this batcher's drops, the records
+        its sinks failed to take, and what its exporters lost or had failed."""
+        return self._dropped + self._failed_exports + self._exporters_dropped()
 
 
 class _FlushWaiter:

@@ -33,6 +33,7 @@ import logging
 import os
 import random
 import time
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -91,6 +92,9 @@ class KVScopeTracing:
         self._bound = trace_id_bound(sample_ratio)
         self._shutdown_done = False
         self._lost_told = 0  # lost span records `take_lost_records` has told of
+        if processor is not None:  # a forked child's batcher counts its own from zero
+            reset = weakref.WeakMethod(self._reset_lost_told)
+            os.register_at_fork(after_in_child=lambda: (m := reset()) and m())
         # Every span of a request that sampling drops is this one shared, ended, non-recording
         # span (children of it too): an unsampled request costs a trace id and a comparison.
         self._dropped = LightSpan("kvscope.dropped", 0, 0, None, False, 0, processor)
@@ -373,12 +377,11 @@ class KVScopeTracing:
         helper that fell behind or died, records ended after shutdown), for
         `kvscope_dropped_trace_records_total`. A record is a span, or a load with its scans and lookup."""
         lost = getattr(self._processor, "lost_records", 0)
-        if lost == self._lost_told:
-            return 0
-        # (fewer than told: a forked child's new batcher counts from zero)
-        new = lost - self._lost_told if lost > self._lost_told else lost
-        self._lost_told = lost
+        new, self._lost_told = lost - self._lost_told, lost
         return new
+
+    def _reset_lost_told(self) -> None:
+        self._lost_told = 0
 
     def force_flush(self, timeout_millis: int = 5000) -> bool:
         if self._processor is None or self._shutdown_done:

@@ -1,10 +1,12 @@
-"""Span records that no trace sink gets are counted, through vLLM's stats path, in
+"""Span records that a trace sink does not get are counted, through vLLM's stats path, in
 kvscope_dropped_trace_records_total (a load record, with its scans and lookup, counts once)."""
 
 from __future__ import annotations
 
+import os
 import threading
 
+import pytest
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
@@ -116,4 +118,20 @@ def test_spans_a_dead_export_helper_held_are_counted_from_the_real_helper(tmp_pa
     assert helper.dropped_spans > 0
     worker = KVScopeWorker(None, None, 0, [], 0, tracing)
     assert worker.take_stats().data == {"dropped_trace_records": helper.dropped_spans}
+    tracing.shutdown()
+
+
+@pytest.mark.parametrize("export_mode", ["process", "thread"])
+def test_records_an_unwritable_trace_file_failed_reach_the_schedulers_stats(tmp_path, export_mode):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    env = {**os.environ, "KVSCOPE_TRACE_EXPORT": export_mode}
+    tracing = KVScopeTracing.from_config(str(blocker / "traces.jsonl"), 1.0, env=env)  # cannot be created
+    sched = make_scheduler(tracing)
+    for rid in ("r1", "s2", "t3"):
+        request = make_request(rid, 200)
+        store_everything(sched, request)
+        plan(sched, request)
+    assert tracing.force_flush() is False
+    assert sched.take_stats().data["dropped_trace_records"] == 3  # one load record a request
     tracing.shutdown()

@@ -103,10 +103,26 @@ def test_a_raising_exporter_neither_stops_the_thread_nor_the_other_exporters(cap
     batcher = SpanBatcher([Broken(), good], schedule_delay_s=60)
     with caplog.at_level(logging.ERROR, logger="connector.telemetry.span_batcher"):
         batcher.on_end(1)
-        assert batcher.force_flush(5000)
+        assert batcher.force_flush(5000) is False  # a sink did not get it
         batcher.on_end(2)
-        assert batcher.force_flush(5000)
+        assert batcher.force_flush(5000) is False
     assert good.spans == [1, 2]
+    assert batcher.lost_records == 2  # each failed by one sink: counted once
+    batcher.shutdown()
+
+
+def test_records_a_sink_fails_are_counted_once_however_many_sinks_fail_them():
+    class Failing(Collect):
+        def export(self, spans):
+            super().export(spans)
+            return SpanExportResult.FAILURE  # (an unwritable trace file, an unreachable endpoint)
+
+    a, b, good = Failing(), Failing(), Collect()
+    batcher = SpanBatcher([a, b, good], schedule_delay_s=60, max_batch=2)
+    for i in range(5):
+        batcher.on_end(i)
+    assert batcher.force_flush(5000) is False
+    assert batcher.lost_records == 5 and batcher.dropped_spans == 0 and good.spans == list(range(5))
     batcher.shutdown()
 
 

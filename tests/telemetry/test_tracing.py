@@ -441,11 +441,11 @@ def test_unreachable_otlp_endpoint_neither_blocks_nor_floods(caplog, monkeypatch
         # Every span call came back while the only export is still stuck: none waited on the endpoint.
         assert not returned.is_set(), "span work waited for the OTLP export"
         gate.set()
-        assert t.force_flush(30_000)
-        assert t.force_flush(30_000)
+        assert t.force_flush(30_000) is False  # returns (not waiting on the endpoint), but delivered nothing
         t.shutdown()
     # After the first failure, batches are dropped for the cool-down: the endpoint is not waited on again.
     assert len(attempts) == 1, attempts
+    assert t.take_lost_records() == 3 * 201  # every record (3 a request), for kvscope_dropped_trace_records_total
     problems = [r for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(problems) == 1, [r.getMessage() for r in problems]
     assert "127.0.0.1:9" in problems[0].getMessage()
@@ -459,10 +459,11 @@ def test_an_unreachable_otlp_endpoint_behind_the_export_helper_is_logged_here_on
         assert t.enabled
         for _ in range(20):
             _one_request(t)
-        assert t.force_flush(30_000)
+        assert t.force_flush(30_000) is False  # returns, but the endpoint got nothing
         for _ in range(20):
             _one_request(t)
-        assert t.force_flush(30_000)
+        assert t.force_flush(30_000) is False
+        assert t.take_lost_records() == 3 * 40  # the helper's sink failed every record: counted here
         t.shutdown()
     problems = [r for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(problems) == 1, [r.getMessage() for r in problems]
