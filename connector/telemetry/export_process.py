@@ -102,7 +102,7 @@ class ExportProcess(SpanExporter):
         self._fd = -1  # the helper's stdin, non-blocking once it runs
         self._replies = None  # the read end of the helper's reply pipe (a raw file)
         self._exported: mmap.mmap | None = None  # the helper's counts of exported and failed records (`_COUNTS`)
-        self._helper_failed = 0  # the helper's count of records a sink failed, as last read
+        self._helper_failed = 0  # the helper's final count of records a sink failed, once it is unmapped
         self._reader: threading.Thread | None = None
         self._acks: dict[int, threading.Event] = {}
         self._next_ack = 0
@@ -148,12 +148,13 @@ class ExportProcess(SpanExporter):
         return self._dropped + self._sink_failures()
 
     def _sink_failures(self) -> int:
-        """The helper's count of records a sink failed, read from the memory it shares (any thread)."""
+        """The helper's count of records a sink failed (any thread): read from the memory it shares
+        while that is mapped, then the final count `_release_counter` kept. Never both, never less."""
         counts = self._exported
         if counts is not None:
             try:
-                self._helper_failed = max(self._helper_failed, _COUNTS.unpack_from(counts)[1])
-            except ValueError:  # unmapped meanwhile: the release read it last
+                return _COUNTS.unpack_from(counts)[1]
+            except ValueError:  # unmapped meanwhile: the final count is kept by then
                 pass
         return self._helper_failed
 
@@ -447,7 +448,8 @@ class ExportProcess(SpanExporter):
     def _release_counter(self) -> None:
         """Unmap the helper's count (the mapping holds a descriptor of its own)."""
         if self._exported is not None:
-            self._sink_failures()  # the last count: the helper has exited, or is not ours to watch any more
+            # the final count (the helper has exited), kept before the mapping goes: readers see one or the other
+            self._helper_failed = _COUNTS.unpack_from(self._exported)[1]
             counts, self._exported = self._exported, None
             try:
                 counts.close()

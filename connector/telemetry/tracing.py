@@ -377,6 +377,8 @@ class KVScopeTracing:
         helper that fell behind or died, records ended after shutdown), for
         `kvscope_dropped_trace_records_total`. A record is a span, or a load with its scans and lookup."""
         lost = getattr(self._processor, "lost_records", 0)
+        if lost <= self._lost_told:
+            return 0
         new, self._lost_told = lost - self._lost_told, lost
         return new
 
