@@ -386,7 +386,9 @@ class KVScopeTracing:
         self._lost_told = 0
 
     def force_flush(self, timeout_millis: int = 5000) -> bool:
-        if self._processor is None or self._shutdown_done:
+        """Export every span ended so far; False on a timeout or a loss (`SpanBatcher.force_flush`),
+        also after shutdown, once spans ended after it were dropped."""
+        if self._processor is None:
             return True
         return self._processor.force_flush(timeout_millis)
 

@@ -135,3 +135,15 @@ def test_records_an_unwritable_trace_file_failed_reach_the_schedulers_stats(tmp_
     assert tracing.force_flush() is False
     assert sched.take_stats().data["dropped_trace_records"] == 3  # one load record a request
     tracing.shutdown()
+
+
+def test_a_span_ended_after_tracing_shut_down_is_counted_and_makes_a_flush_false(tmp_path):
+    from connector.telemetry.span_records import LOOKUP_SPAN
+
+    tracing = KVScopeTracing.from_config(str(tmp_path / "t.jsonl"), 1.0)
+    tracing.record(LOOKUP_SPAN, None, 1, 2, ("before", 1, 1, "tail", 0))
+    tracing.shutdown()
+    assert tracing.force_flush() is True
+    tracing.record(LOOKUP_SPAN, None, 3, 4, ("after", 1, 1, "tail", 0))  # (a worker's late copy, say)
+    assert tracing.force_flush() is False
+    assert tracing.take_lost_records() == 1
