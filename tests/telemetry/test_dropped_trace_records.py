@@ -15,7 +15,7 @@ from connector.telemetry.span_batcher import SpanBatcher
 from connector.telemetry.testing import engine_labels
 from connector.telemetry.tracing import KVScopeTracing
 from connector.worker import KVScopeWorker
-from tests.telemetry.test_scheduler_spans import make_request, make_scheduler, plan, store_everything
+from tests.telemetry.test_scheduler_spans import make_scheduler, plan_loads
 
 
 class HeldExporter(SpanExporter):
@@ -59,10 +59,7 @@ def test_lost_records_are_the_batchers_drops_and_its_exporters():
 def test_the_schedulers_stats_count_the_spans_its_tracing_dropped_and_agree_with_what_was_exported():
     tracing, exporter = _tracing(max_queue=2)  # each load is one record: the third load's is dropped
     sched = make_scheduler(tracing)
-    for rid in ("r1", "s2", "t3"):
-        request = make_request(rid, 200)
-        store_everything(sched, request)
-        plan(sched, request)
+    plan_loads(sched, "r1", "s2", "t3")
     data = sched.take_stats().data
     assert data["dropped_trace_records"] == 1  # the third load's record: its lookup, load and 2 scans
     assert "dropped_trace_records" not in (sched.take_stats() or KVScopeStats()).data  # counted once
@@ -128,10 +125,7 @@ def test_records_an_unwritable_trace_file_failed_reach_the_schedulers_stats(tmp_
     env = {**os.environ, "KVSCOPE_TRACE_EXPORT": export_mode}
     tracing = KVScopeTracing.from_config(str(blocker / "traces.jsonl"), 1.0, env=env)  # cannot be created
     sched = make_scheduler(tracing)
-    for rid in ("r1", "s2", "t3"):
-        request = make_request(rid, 200)
-        store_everything(sched, request)
-        plan(sched, request)
+    plan_loads(sched, "r1", "s2", "t3")
     assert tracing.force_flush() is False
     assert sched.take_stats().data["dropped_trace_records"] == 3  # one load record a request
     tracing.shutdown()

@@ -57,6 +57,14 @@ def plan(sched, request):
     return external, is_async, ids
 
 
+def plan_loads(sched, *request_ids: str, num_tokens: int = 200) -> None:
+    """A stored prompt per request id, then each request's lookup and load, as in one busy step."""
+    for rid in request_ids:
+        request = make_request(rid, num_tokens)
+        store_everything(sched, request)
+        plan(sched, request)
+
+
 def _attrs(span):
     return dict(span.attributes)
 
@@ -101,10 +109,7 @@ def test_stats_agree_with_the_spans():
     """Several loads in one stats interval, as in a busy step: each is counted once."""
     tracing, exporter = in_memory_tracing()
     sched = make_scheduler(tracing)
-    for rid in ("r1", "s2", "t3"):
-        request = make_request(rid, 200)
-        store_everything(sched, request)
-        plan(sched, request)
+    plan_loads(sched, "r1", "s2", "t3")
     data = sched.take_stats().data
     tracing.force_flush()
     scans = [_attrs(s) for s in exporter.get_finished_spans() if s.name == "kvscope.group.scan"]
