@@ -727,7 +727,8 @@ class KVScopeScheduler:
             self._stats.record_scans(layout.index, layout.kind.value, sum(entry[1] for entry in log),
                                      sum(entry[2] for entry in log), [entry[0] / 1e9 for entry in log])
             log.clear()
-        self._stats.record_dropped_trace_records(self.tracing.take_lost_records())
+        for reason, records in self.tracing.take_lost_records().items():
+            self._stats.record_dropped_trace_records(reason, records)
         if self._stats.is_empty():
             return None
         stats, self._stats = self._stats, KVScopeStats()

@@ -241,7 +241,8 @@ class KVScopeWorker:
         return meta
 
     def take_stats(self) -> KVScopeStats | None:
-        self._stats.record_dropped_trace_records(self.tracing.take_lost_records())
+        for reason, records in self.tracing.take_lost_records().items():
+            self._stats.record_dropped_trace_records(reason, records)
         if self._stats.is_empty():
             return None
         stats, self._stats = self._stats, KVScopeStats()

@@ -341,13 +341,13 @@ def dropped_trace_records_stat():
 def dropped_trace_records_over_time():
     return pc.timeseries(
         "Trace records dropped over time",
-        "Span records dropped per minute and engine (scheduler and workers together). Every record: a "
-        "sink is down (the OTLP endpoint, the trace file's disk); steady drops under load: a sink does not "
-        "keep up (lower trace_sample_ratio); a single burst: the export helper died (the vLLM log has its "
-        "warning).",
+        "Span records dropped per minute, by why (scheduler and workers together). sink_failed: a sink "
+        "is down (the OTLP endpoint, the trace file's disk), fix it; queue_full: the sinks do not keep up "
+        "(lower trace_sample_ratio); helper_lost: the span export helper fell behind or died (the vLLM log "
+        "has its warning); after_shutdown: spans at engine shutdown, harmless.",
         pc.queries((
-            f"60 * sum by (instance, model_name, engine) (rate(kvscope_dropped_trace_records_total{sel()}{RATE}))",
-            "{{model_name}} {{instance}} engine {{engine}}",
+            f"60 * sum by (reason) (rate(kvscope_dropped_trace_records_total{sel()}{RATE}))",
+            "{{reason}}",
         )),
         pc.RECORDS_PER_MINUTE,
         width=18,

@@ -114,6 +114,7 @@ class ExportProcess(SpanExporter):
         self._deferred: list = []  # batches `export_nowait` left to the export thread
         self._broken: Exception | None = None  # a non-blocking write failed: fail over on the export thread
         self._dropped = 0  # records lost: the helper fell too far behind, or died holding them
+        self._sink_failed_here = 0  # records a sink failed in this process (after a fail-over)
         self._fell_behind = False  # some were dropped because the helper fell behind (said once)
         self._drops_logged = False
         self._queued_records = 0  # records of every frame queued for the helper
@@ -145,7 +146,11 @@ class ExportProcess(SpanExporter):
     def dropped_spans(self) -> int:
         """Records lost (the helper fell behind, or died holding them) or that a sink failed to take,
         here or in the helper."""
-        return self._dropped + self._sink_failures()
+        return self._dropped + self._sink_failed_here + self._sink_failures()
+
+    def lost_by_reason(self) -> dict[str, int]:
+        """`dropped_spans` by why (`span_batcher.LOSS_REASONS`)."""
+        return {"helper_lost": self._dropped, "sink_failed": self._sink_failed_here + self._sink_failures()}
 
     def _sink_failures(self) -> int:
         """The helper's count of records a sink failed (any thread): read from the memory it shares
@@ -462,7 +467,7 @@ class ExportProcess(SpanExporter):
         results = [e.export(records) for e in self._local]
         if all(r is SpanExportResult.SUCCESS for r in results):
             return SpanExportResult.SUCCESS
-        self._dropped += len(records)  # a sink failed them (it logs that, once)
+        self._sink_failed_here += len(records)  # a sink failed them (it logs that, once)
         return SpanExportResult.FAILURE
 
 

@@ -12,7 +12,8 @@ scheduler and msgpack-encoded by vLLM towards the front end)::
     {
       "lookup_tokens": int, "hit_tokens": int,                # counters
       "missed_tokens":       {"<reason>": int, ...},          # counters per miss reason
-      "evicted_blocks": int, "load_failures": int, "dropped_trace_records": int,
+      "evicted_blocks": int, "load_failures": int,
+      "dropped_trace_records": {"<reason>": int, ...},  # counters per loss reason
       "scan_blocks":         {"<group>|<kind>": int, ...},    # counters per group
       "null_blocks_skipped": {"<group>|<kind>": int, ...},
       "loaded_blocks":       {"<group>|<kind>": int, ...},
@@ -64,6 +65,7 @@ from typing import Any
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
 from connector.miss_reasons import MISS_REASONS, miss_reasons_explained
+from connector.telemetry.span_batcher import LOSS_REASONS
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
     KVConnectorStats,
@@ -86,14 +88,14 @@ REQUEST_LOAD_BUCKETS_S = (
 )
 
 # data keys, by how they aggregate
-_COUNTERS = ("lookup_tokens", "hit_tokens", "evicted_blocks", "load_failures", "dropped_trace_records")
+_COUNTERS = ("lookup_tokens", "hit_tokens", "evicted_blocks", "load_failures")
 _GROUP_COUNTERS = ("scan_blocks", "null_blocks_skipped", "loaded_blocks", "load_bytes", "store_bytes")
 _COPY_COUNTERS = ("copy_blocks", "copy_bytes")
 _GROUP_OBSERVATIONS = ("scan_duration_s",)
 _COPY_OBSERVATIONS = ("copy_duration_s",)
 _OBSERVATIONS = ("request_load_duration_s",)
 _GAUGES = ("host_used_bytes", "host_capacity_bytes")
-_KEYED_COUNTERS = _GROUP_COUNTERS + _COPY_COUNTERS + ("missed_tokens",)
+_KEYED_COUNTERS = _GROUP_COUNTERS + _COPY_COUNTERS + ("missed_tokens", "dropped_trace_records")
 _KEYED_OBSERVATIONS = _GROUP_OBSERVATIONS + _COPY_OBSERVATIONS
 
 
@@ -184,9 +186,10 @@ class KVScopeStats(KVConnectorStats):
     def record_load_failures(self, n: int) -> None:
         self._inc("load_failures", n)
 
-    def record_dropped_trace_records(self, n: int) -> None:
-        """Span records this process made that no sink will get (`KVScopeTracing.take_lost_records`)."""
-        self._inc("dropped_trace_records", n)
+    def record_dropped_trace_records(self, reason: str, n: int) -> None:
+        """Span records this process made that a sink will not get, for one reason
+        (`KVScopeTracing.take_lost_records`, `span_batcher.LOSS_REASONS`)."""
+        self._inc_keyed("dropped_trace_records", reason, n)
 
     def set_host_usage(self, used_bytes: int, capacity_bytes: int) -> None:
         """Host tier occupancy (gauges). Set it when it changed: a set gauge makes the stats non-empty."""
@@ -270,7 +273,9 @@ class KVScopeStats(KVConnectorStats):
         if loads:
             out["request_loads"] = len(loads)
             out["request_load_ms_mean"] = round(1e3 * sum(loads) / len(loads), 4)
-        for key in ("evicted_blocks", "load_failures", "dropped_trace_records"):
+        for reason, records in sorted(d.get("dropped_trace_records", {}).items()):
+            out[f"dropped_trace_records_{reason}"] = records
+        for key in ("evicted_blocks", "load_failures"):
             if key in d:
                 out[key] = d[key]
         if "host_used_bytes" in d:
@@ -311,6 +316,7 @@ class MetricSpec:
     labels: tuple[str, ...]
     documentation: str
     buckets: tuple[float, ...] | None = None
+    reasons: tuple[str, ...] = ()  # the values of its `reason` label: every series exists from the start
 
 
 _GK = ("group", "kind")
@@ -328,7 +334,7 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("kvscope_missed_tokens_total", Counter, "missed_tokens", ("reason",),
                "Looked-up tokens the kvscope host tier did not serve, by why their offloaded block was missing: "
                f"{miss_reasons_explained()}. Each offloaded block past the hit counts under its own reason. Adds "
-               "up to lookup minus hit tokens."),
+               "up to lookup minus hit tokens.", reasons=MISS_REASONS),
     MetricSpec("kvscope_scan_blocks_total", Counter, "scan_blocks", _GK,
                "Blocks scanned while planning loads, per KV cache group."),
     MetricSpec("kvscope_null_blocks_skipped_total", Counter, "null_blocks_skipped", _GK,
@@ -355,12 +361,13 @@ METRICS: tuple[MetricSpec, ...] = (
                "of one group."),
     MetricSpec("kvscope_load_failures_total", Counter, "load_failures", (),
                "Device blocks whose load from the host tier failed (recomputed instead)."),
-    MetricSpec("kvscope_dropped_trace_records_total", Counter, "dropped_trace_records", (),
-               "Span records the connector made that a trace sink did not get, so traces lack their spans: a "
-               "sink failed to take them (an OTLP endpoint down, an unwritable trace file; counted once however "
-               "many sinks failed), its span queue was full, its export helper fell behind or died holding them, "
-               f"or they ended after tracing shut down (the engine log says which, once). {RECORD_DEF} Summed "
-               "over the scheduler and the workers."),
+    MetricSpec("kvscope_dropped_trace_records_total", Counter, "dropped_trace_records", ("reason",),
+               "Span records the connector made that a trace sink did not get, so traces lack their spans, by "
+               "why: sink_failed (a sink failed to take them: an OTLP endpoint down, an unwritable trace file; "
+               "once however many sinks failed), queue_full (its span queue was full), helper_lost (its span "
+               "export helper fell behind or died holding them), after_shutdown (they ended after tracing shut "
+               f"down). The engine log says more, once. {RECORD_DEF} Summed over the scheduler and the workers.",
+               reasons=LOSS_REASONS),
     MetricSpec("kvscope_host_used_bytes", Gauge, "host_used_bytes", (),
                "Bytes of one worker's host tier holding KV blocks (every worker holds the same blocks, "
                "its own share of each)."),
@@ -412,9 +419,8 @@ class KVScopePromMetrics(KVConnectorPromMetrics):
             for spec in METRICS:
                 if not spec.labels and spec.kind is not Gauge:
                     self._child(engine_idx, spec.data_key, ())
-                elif spec.labels == ("reason",):
-                    for reason in MISS_REASONS:
-                        self._child(engine_idx, spec.data_key, (reason,))
+                for reason in spec.reasons:
+                    self._child(engine_idx, spec.data_key, (reason,))
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         """Apply one ``KVScopeStats.data`` payload to the metrics of engine ``engine_idx``."""

@@ -39,6 +39,15 @@ from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 logger = logging.getLogger(__name__)
 
 
+# Why records were lost (`lost_by_reason`; the `reason` label of kvscope_dropped_trace_records_total).
+LOSS_REASONS = (
+    "sink_failed",  # a sink failed to take them: an OTLP endpoint down (or in its cool-down), an unwritable file
+    "queue_full",  # the span queue was full: the sinks did not keep up
+    "helper_lost",  # the export helper fell too far behind, or died holding them
+    "after_shutdown",  # ended after tracing shut down
+)
+
+
 class SpanBatcher:
     """Queues ended spans; a daemon thread hands them to every exporter in batches."""
 
@@ -148,7 +157,6 @@ class SpanBatcher:
 
     def _refuse(self, span) -> None:
         """`on_end` once shut down."""
-        self._dropped += 1
         self._refused += 1
         if self._refused == 1:
             logger.warning("kvscope: a span ended after tracing was shut down is dropped; further ones "
@@ -224,6 +232,20 @@ class SpanBatcher:
                 flushed = False
         return flushed
 
+    def lost_by_reason(self) -> dict[str, int]:
+        """`lost_records` by why (`LOSS_REASONS`): an exporter that keeps its own count says why
+        (`lost_by_reason`), or its losses count as the export helper's."""
+        lost = {"sink_failed": self._failed_exports, "queue_full": self._dropped, "helper_lost": 0,
+                "after_shutdown": self._refused}
+        for exporter in self._exporters:
+            by_reason = getattr(exporter, "lost_by_reason", None)
+            if by_reason is not None:
+                for reason, n in by_reason().items():
+                    lost[reason] += n
+            else:
+                lost["helper_lost"] += getattr(exporter, "dropped_spans", 0)
+        return lost
+
     def _exporters_dropped(self) -> int:
         """Spans the exporters lost so far (a helper process that died holding them)."""
         return sum(getattr(exporter, "dropped_spans", 0) for exporter in self._exporters)
@@ -231,13 +253,13 @@ class SpanBatcher:
     @property
     def dropped_spans(self) -> int:
         """Spans this batcher dropped itself: its queue was full, or they ended after shutdown."""
-        return self._dropped
+        return self._dropped + self._refused
 
     @property
     def lost_records(self) -> int:
         """Every record (span) ended here that a sink will not get: this batcher's drops, the records
         its sinks failed to take, and what its exporters lost or had failed."""
-        return self._dropped + self._failed_exports + self._exporters_dropped()
+        return self._dropped + self._refused + self._failed_exports + self._exporters_dropped()
 
 
 class _FlushWaiter:

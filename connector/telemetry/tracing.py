@@ -91,7 +91,7 @@ class KVScopeTracing:
         self._ids = OsRandomIdGenerator() if processor is not None else None
         self._bound = trace_id_bound(sample_ratio)
         self._shutdown_done = False
-        self._lost_told = 0  # lost span records `take_lost_records` has told of
+        self._lost_told: dict[str, int] = {}  # lost span records `take_lost_records` has told of, by reason
         if processor is not None:  # a forked child's batcher counts its own from zero
             reset = weakref.WeakMethod(self._reset_lost_told)
             os.register_at_fork(after_in_child=lambda: (m := reset()) and m())
@@ -372,18 +372,24 @@ class KVScopeTracing:
         if self._processor is not None:
             self._processor.hand_over()
 
-    def take_lost_records(self) -> int:
-        """Span records lost since the last call (`SpanBatcher.lost_records`: a full queue, an export
-        helper that fell behind or died, records ended after shutdown), for
-        `kvscope_dropped_trace_records_total`. A record is a span, or a load with its scans and lookup."""
-        lost = getattr(self._processor, "lost_records", 0)
-        if lost <= self._lost_told:
-            return 0
-        new, self._lost_told = lost - self._lost_told, lost
+    def take_lost_records(self) -> dict[str, int]:
+        """Span records lost since the last call, by why (`SpanBatcher.lost_by_reason`: a sink that
+        failed them, a full queue, an export helper that fell behind or died, records ended after
+        shutdown; reasons with none left out), for `kvscope_dropped_trace_records_total`. A record is
+        a span, or a load with its scans and lookup."""
+        by_reason = getattr(self._processor, "lost_by_reason", None)
+        if by_reason is None:
+            return {}
+        new = {}
+        for reason, lost in by_reason().items():
+            told = self._lost_told.get(reason, 0)
+            if lost > told:  # (never less: a count read mid-update is told later, not twice)
+                new[reason] = lost - told
+                self._lost_told[reason] = lost
         return new
 
     def _reset_lost_told(self) -> None:
-        self._lost_told = 0
+        self._lost_told = {}
 
     def force_flush(self, timeout_millis: int = 5000) -> bool:
         """Export every span ended so far; False on a timeout or a loss (`SpanBatcher.force_flush`),

@@ -12,7 +12,7 @@ COUNTERS: dict[str, tuple[str, ...]] = {
     "kvscope_missed_tokens_total": ("reason",),
     "kvscope_evicted_blocks_total": (),
     "kvscope_load_failures_total": (),
-    "kvscope_dropped_trace_records_total": (),  # beyond DESIGN §3 (asked of it): span records a sink did not get
+    "kvscope_dropped_trace_records_total": ("reason",),  # beyond DESIGN §3 (asked of it): records a sink did not get
     "kvscope_scan_blocks_total": ("group", "kind"),
     "kvscope_null_blocks_skipped_total": ("group", "kind"),
     "kvscope_loaded_blocks_total": ("group", "kind"),

@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import start_http_server
 
 from connector.telemetry.metrics import COPY_BUCKETS_S, REQUEST_LOAD_BUCKETS_S, SCAN_BUCKETS_S
+from connector.telemetry.span_batcher import LOSS_REASONS
 
 from . import contract
 
@@ -110,7 +111,8 @@ class SyntheticKVScopeExporter:
             c["kvscope_hit_tokens_total"].labels(*e).inc(RATES["hit_tokens"] * dt)
             c["kvscope_evicted_blocks_total"].labels(*e).inc(RATES["evicted_blocks"] * dt)
             c["kvscope_load_failures_total"].labels(*e).inc(RATES["load_failures"] * dt)
-            c["kvscope_dropped_trace_records_total"].labels(*e).inc(RATES["dropped_trace_records"] * dt)
+            for reason in LOSS_REASONS:
+                c["kvscope_dropped_trace_records_total"].labels(*e, reason).inc(RATES["dropped_trace_records"] * dt)
             for reason, rate in MISSED_RATES.items():
                 c["kvscope_missed_tokens_total"].labels(*e, reason).inc(rate * dt)
             for g in GROUPS:

@@ -11,7 +11,7 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
 from connector.telemetry.metrics import KVScopeStats
-from connector.telemetry.span_batcher import SpanBatcher
+from connector.telemetry.span_batcher import LOSS_REASONS, SpanBatcher
 from connector.telemetry.testing import engine_labels
 from connector.telemetry.tracing import KVScopeTracing
 from connector.worker import KVScopeWorker
@@ -46,14 +46,14 @@ def test_lost_records_are_the_batchers_drops_and_its_exporters():
         batcher.on_end(i)  # 2 queued, 3 dropped
     exporter.dropped_spans = 4
     assert batcher.dropped_spans == 3 and batcher.lost_records == 7
-    assert tracing.take_lost_records() == 7
-    assert tracing.take_lost_records() == 0  # told once
+    assert tracing.take_lost_records() == {"queue_full": 3, "helper_lost": 4}  # (no count of its own: the helper's)
+    assert tracing.take_lost_records() == {}  # told once
     exporter.dropped_spans = 5
-    assert tracing.take_lost_records() == 1
+    assert tracing.take_lost_records() == {"helper_lost": 1}
     exporter.gate.set()
     tracing.shutdown()
     assert exporter.exported == 2
-    assert KVScopeTracing.disabled().take_lost_records() == 0
+    assert KVScopeTracing.disabled().take_lost_records() == {}
 
 
 def test_the_schedulers_stats_count_the_spans_its_tracing_dropped_and_agree_with_what_was_exported():
@@ -61,7 +61,7 @@ def test_the_schedulers_stats_count_the_spans_its_tracing_dropped_and_agree_with
     sched = make_scheduler(tracing)
     plan_loads(sched, "r1", "s2", "t3")
     data = sched.take_stats().data
-    assert data["dropped_trace_records"] == 1  # the third load's record: its lookup, load and 2 scans
+    assert data["dropped_trace_records"] == {"queue_full": 1}  # the third load's record: its lookup, load, 2 scans
     assert "dropped_trace_records" not in (sched.take_stats() or KVScopeStats()).data  # counted once
     exporter.gate.set()
     assert tracing.force_flush() is False  # the flush cannot deliver the dropped one
@@ -74,7 +74,7 @@ def test_the_workers_stats_count_the_spans_its_tracing_dropped():
     worker = KVScopeWorker(None, None, 0, [], 0, tracing)
     for i in range(3):
         tracing._processor.on_end(i)
-    assert worker.take_stats().data == {"dropped_trace_records": 2}
+    assert worker.take_stats().data == {"dropped_trace_records": {"queue_full": 2}}
     assert worker.take_stats() is None
     exporter.gate.set()
     tracing.shutdown()
@@ -82,13 +82,17 @@ def test_the_workers_stats_count_the_spans_its_tracing_dropped():
 
 def test_the_metric_sums_the_scheduler_and_workers_drops(registry, prom_metrics):
     scheduler, worker = KVScopeStats(), KVScopeStats()
-    scheduler.record_dropped_trace_records(3)
-    worker.record_dropped_trace_records(2)
-    labels = engine_labels(0)
-    assert registry.get_sample_value("kvscope_dropped_trace_records_total", labels) == 0  # exists before any drop
+    scheduler.record_dropped_trace_records("queue_full", 3)
+    worker.record_dropped_trace_records("queue_full", 2)
+    worker.record_dropped_trace_records("sink_failed", 1)
+    for reason in LOSS_REASONS:  # every series exists before any drop
+        assert registry.get_sample_value("kvscope_dropped_trace_records_total", engine_labels(0, reason=reason)) == 0
     prom_metrics.observe(KVScopeStats().aggregate(scheduler).aggregate(worker).data, engine_idx=0)
-    assert registry.get_sample_value("kvscope_dropped_trace_records_total", labels) == 5
-    assert scheduler.aggregate(worker).reduce()["dropped_trace_records"] == 5
+    get = registry.get_sample_value
+    assert get("kvscope_dropped_trace_records_total", engine_labels(0, reason="queue_full")) == 5
+    assert get("kvscope_dropped_trace_records_total", engine_labels(0, reason="sink_failed")) == 1
+    summary = scheduler.aggregate(worker).reduce()
+    assert summary["dropped_trace_records_queue_full"] == 5 and summary["dropped_trace_records_sink_failed"] == 1
 
 
 def test_spans_a_dead_export_helper_held_are_counted_from_the_real_helper(tmp_path):
@@ -114,7 +118,7 @@ def test_spans_a_dead_export_helper_held_are_counted_from_the_real_helper(tmp_pa
     assert tracing.force_flush() is False  # fails over: what the dead helper held is lost
     assert helper.dropped_spans > 0
     worker = KVScopeWorker(None, None, 0, [], 0, tracing)
-    assert worker.take_stats().data == {"dropped_trace_records": helper.dropped_spans}
+    assert worker.take_stats().data == {"dropped_trace_records": {"helper_lost": helper.dropped_spans}}
     tracing.shutdown()
 
 
@@ -127,7 +131,7 @@ def test_records_an_unwritable_trace_file_failed_reach_the_schedulers_stats(tmp_
     sched = make_scheduler(tracing)
     plan_loads(sched, "r1", "s2", "t3")
     assert tracing.force_flush() is False
-    assert sched.take_stats().data["dropped_trace_records"] == 3  # one load record a request
+    assert sched.take_stats().data["dropped_trace_records"] == {"sink_failed": 3}  # one load record a request
     tracing.shutdown()
 
 
@@ -140,4 +144,4 @@ def test_a_span_ended_after_tracing_shut_down_is_counted_and_makes_a_flush_false
     assert tracing.force_flush() is True
     tracing.record(LOOKUP_SPAN, None, 3, 4, ("after", 1, 1, "tail", 0))  # (a worker's late copy, say)
     assert tracing.force_flush() is False
-    assert tracing.take_lost_records() == 1
+    assert tracing.take_lost_records() == {"after_shutdown": 1}

@@ -35,7 +35,7 @@ CONTRACT = {
     "kvscope_request_load_duration_seconds": ("histogram", []),
     "kvscope_evicted_blocks_total": ("counter", []),
     "kvscope_load_failures_total": ("counter", []),
-    "kvscope_dropped_trace_records_total": ("counter", []),  # beyond §3 (asked of DESIGN)
+    "kvscope_dropped_trace_records_total": ("counter", ["reason"]),  # beyond §3 (asked of DESIGN)
     "kvscope_host_used_bytes": ("gauge", []),
     "kvscope_host_capacity_bytes": ("gauge", []),
 }

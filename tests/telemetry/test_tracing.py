@@ -445,7 +445,7 @@ def test_unreachable_otlp_endpoint_neither_blocks_nor_floods(caplog, monkeypatch
         t.shutdown()
     # After the first failure, batches are dropped for the cool-down: the endpoint is not waited on again.
     assert len(attempts) == 1, attempts
-    assert t.take_lost_records() == 3 * 201  # every record (3 a request), for kvscope_dropped_trace_records_total
+    assert t.take_lost_records() == {"sink_failed": 3 * 201}  # every record (3 a request), counted
     problems = [r for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(problems) == 1, [r.getMessage() for r in problems]
     assert "127.0.0.1:9" in problems[0].getMessage()
@@ -463,7 +463,7 @@ def test_an_unreachable_otlp_endpoint_behind_the_export_helper_is_logged_here_on
         for _ in range(20):
             _one_request(t)
         assert t.force_flush(30_000) is False
-        assert t.take_lost_records() == 3 * 40  # the helper's sink failed every record: counted here
+        assert t.take_lost_records() == {"sink_failed": 3 * 40}  # the helper's sink failed every record
         t.shutdown()
     problems = [r for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(problems) == 1, [r.getMessage() for r in problems]
@@ -733,6 +733,6 @@ def test_shutdown_alone_writes_every_span_and_later_ones_are_dropped(tmp_path, m
     written = path.read_text()
     assert written.count('"name":"kvscope.lookup"') == 3
     t.record(LOOKUP_SPAN, None, 1, 2, ("late", 1, 0, "new", 0))
-    assert t.force_flush(1000) is False and t.take_lost_records() == 1
+    assert t.force_flush(1000) is False and t.take_lost_records() == {"after_shutdown": 1}
     t.shutdown()
     assert path.read_text() == written
