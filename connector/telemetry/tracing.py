@@ -399,7 +399,8 @@ class KVScopeTracing:
         return self._processor.force_flush(timeout_millis)
 
     def shutdown(self) -> None:
-        """Flush and stop the sinks; idempotent. Spans started afterwards are dropped."""
+        """Flush and stop the sinks; idempotent. Spans ended afterwards are dropped and counted
+        (`take_lost_records`: after_shutdown)."""
         if self._processor is None or self._shutdown_done:
             return
         self._shutdown_done = True
