@@ -169,3 +169,21 @@ def test_replay_app_shows_this_runs_hit_rate(traced_run, monkeypatch):
     for page in PAGES[1:3]:
         at.switch_page(page).run()
         assert not at.exception
+
+
+def test_records_a_trace_sink_fails_are_counted_on_the_engines_metrics_and_loads_go_on(scenarios, tmp_path_factory):
+    """A trace file that passes the start-up check but takes no write (a named pipe nothing reads):
+    every record the helper's sink fails reaches kvscope_dropped_trace_records_total through vLLM's
+    stats path, under `sink_failed` alone; loads and the hit metrics go on as ever."""
+    fifo = tmp_path_factory.mktemp("sink-down") / "traces.jsonl"
+    os.mkfifo(fifo)
+    spec = dict(model="gemma3", window=WINDOW, prompts=PROMPTS,
+                extra={"cpu_bytes": 64 << 20, "trace_file": str(fifo)})
+    result = scenarios.get("gemma3-trace-sink-down", spec)
+    dropped = result["kvscope_by_reason"]["kvscope_dropped_trace_records_total"]
+    assert dropped["sink_failed"] > 0, dropped
+    assert all(n == 0 for reason, n in dropped.items() if reason != "sink_failed"), dropped
+    loads = result["counters"][1]
+    assert loads["vllm:external_prefix_cache_hits"] > 0  # round 1 loaded from the host tier all the same
+    assert result["kvscope"]["kvscope_hit_tokens_total"] == sum(c["vllm:external_prefix_cache_hits"]
+                                                                for c in result["counters"])
