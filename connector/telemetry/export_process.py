@@ -146,7 +146,7 @@ class ExportProcess(SpanExporter):
     def dropped_spans(self) -> int:
         """Records lost (the helper fell behind, or died holding them) or that a sink failed to take,
         here or in the helper."""
-        return self._dropped + self._sink_failed_here + self._sink_failures()
+        return sum(self.lost_by_reason().values())
 
     def lost_by_reason(self) -> dict[str, int]:
         """`dropped_spans` by why (`span_batcher.LOSS_REASONS`)."""

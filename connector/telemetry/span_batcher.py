@@ -246,10 +246,6 @@ class SpanBatcher:
                 lost["helper_lost"] += getattr(exporter, "dropped_spans", 0)
         return lost
 
-    def _exporters_dropped(self) -> int:
-        """Spans the exporters lost so far (a helper process that died holding them)."""
-        return sum(getattr(exporter, "dropped_spans", 0) for exporter in self._exporters)
-
     @property
     def dropped_spans(self) -> int:
         """Spans this batcher dropped itself: its queue was full, or they ended after shutdown."""
@@ -259,7 +255,7 @@ class SpanBatcher:
     def lost_records(self) -> int:
         """Every record (span) ended here that a sink will not get: this batcher's drops, the records
         its sinks failed to take, and what its exporters lost or had failed."""
-        return self._dropped + self._refused + self._failed_exports + self._exporters_dropped()
+        return sum(self.lost_by_reason().values())
 
 
 class _FlushWaiter:
