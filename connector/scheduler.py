@@ -729,7 +729,4 @@ class KVScopeScheduler:
             log.clear()
         for reason, records in self.tracing.take_lost_records().items():
             self._stats.record_dropped_trace_records(reason, records)
-        if self._stats.is_empty():
-            return None
-        stats, self._stats = self._stats, KVScopeStats()
-        return stats
+        return self._stats.take()
