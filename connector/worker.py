@@ -123,9 +123,17 @@ class KVScopeWorker:
             except Exception:  # a copy must never take the engine down: fail the job instead
                 logger.exception("kvscope: %s job %d for request %s failed", job.direction, job.job_id, job.req_id)
                 flight.failed = True
-                self.engine.drain()  # part of it may be enqueued: its slots and blocks are in use until done
+                self._drain()  # part of it may be enqueued: its slots and blocks are in use until done
         self._in_flight.append(flight)
         self._collect()
+
+    def _drain(self) -> None:
+        """Wait for every enqueued copy (`CopyEngine.drain`) after a job failed; an error doing so
+        (a device that failed) is logged, not raised into the engine."""
+        try:
+            self.engine.drain()
+        except Exception:
+            logger.exception("kvscope: waiting for the copies in flight after a failed copy failed")
 
     def _well_formed(self, job: TransferJob) -> bool:
         """Whether every slot of the job lies in this worker's host buffer, every piece in its slot
@@ -153,7 +161,12 @@ class KVScopeWorker:
     def _targets_distinct(job: TransferJob) -> bool:
         """Whether no copy of the job writes where another of it does: a load's device blocks (one
         block pool serves every group, and groups may share a layer's tensor), a store's host slot
-        pieces (per group). Two copies to one place leave whichever landed last: wrong KV."""
+        pieces (per group). Two copies to one place leave whichever landed last: wrong KV. Nor may
+        two groups of one job name the same host slot: a slot holds one group's block (every group's
+        pieces start at its byte 0), so the other group would store over it or load its KV."""
+        slot_sets = [set(p.slots) for p in job.groups]
+        if len(set().union(*slot_sets)) != sum(map(len, slot_sets)):
+            return False
         if job.direction == LOAD:
             targets = [b for p in job.groups for b in p.block_ids]
             return len(set(targets)) == len(targets)
@@ -168,7 +181,14 @@ class KVScopeWorker:
         """Move finished copies into results, stats and spans (CPU: at once; CUDA: when done)."""
         still = []
         for flight in self._in_flight:
-            if not all(self.engine.poll(c) for _, c in flight.copies):
+            try:
+                done = all(self.engine.poll(c) for _, c in flight.copies)
+            except Exception:  # asking the device failed: the job fails (a load is recomputed), reported
+                logger.exception("kvscope: checking the copies of %s job %d for request %s failed",
+                                 flight.job.direction, flight.job.job_id, flight.job.req_id)
+                flight.failed, done = True, True
+                self._drain()
+            if not done:
                 still.append(flight)
                 continue
             self._finish(flight)

@@ -466,19 +466,26 @@ def test_a_job_addressing_slots_past_the_host_buffer_fails_without_copying(caplo
         worker.start_load_kv(KVScopeMetadata(loads=[TransferJob(11, "k", LOAD, [GroupTransfer(0, [5], [3], [0]),
                                                                                  GroupTransfer(1, [5], [3], [0])])]))
         worker.wait_for_save(KVScopeMetadata(stores=[TransferJob(12, "l", STORE, [GroupTransfer(0, [5, 6], [3, 3], [0, 0])])]))
-        # the same slot piece in two groups, distinct blocks: well formed
+        # one host slot in two groups (a slot holds one group's block): a load gives one group the
+        # other's KV, a store writes both into it
         worker.start_load_kv(KVScopeMetadata(loads=[TransferJob(13, "m", LOAD, [GroupTransfer(0, [5], [3], [0]),
                                                                                  GroupTransfer(1, [6], [3], [0])])]))
+        worker.wait_for_save(KVScopeMetadata(stores=[TransferJob(16, "p", STORE, [GroupTransfer(0, [5], [2], [0]),
+                                                                                   GroupTransfer(1, [6], [2], [0])])]))
+        # distinct slots in the two groups: well formed
+        worker.start_load_kv(KVScopeMetadata(loads=[TransferJob(17, "q", LOAD, [GroupTransfer(0, [5], [3], [0]),
+                                                                                 GroupTransfer(1, [6], [1], [0])])]))
         # a load the scheduler failed at planning, well formed or not: never copied
         worker.start_load_kv(KVScopeMetadata(loads=[TransferJob(14, "n", LOAD, [GroupTransfer(0, [7], [3], [0])],
                                                                 failed_at_plan=True)]))
         worker.start_load_kv(KVScopeMetadata(loads=[TransferJob(15, "o", LOAD, [], failed_at_plan=True)]))
     meta = worker.build_worker_meta()
-    assert meta.failed_jobs == {1: 1, 2: 1, 4: 1, 5: 1, 6: 1, 7: 1, 8: 1, 9: 1, 10: 1, 11: 1, 12: 1, 14: 1, 15: 1}
-    assert meta.completed_jobs == {3: 1, 13: 1}
-    failed_loads = {"b", "f", "g", "h", "i", "j", "k", "n", "o"}
-    assert worker.transfer_results() == (failed_loads | {"m"}, failed_loads)
-    assert copied == [(0, [3]), (0, [5]), (1, [6])]  # jobs 3 and 13 only
+    assert meta.failed_jobs == {1: 1, 2: 1, 4: 1, 5: 1, 6: 1, 7: 1, 8: 1, 9: 1, 10: 1, 11: 1, 12: 1, 13: 1, 14: 1,
+                                15: 1, 16: 1}
+    assert meta.completed_jobs == {3: 1, 17: 1}
+    failed_loads = {"b", "f", "g", "h", "i", "j", "k", "m", "n", "o"}
+    assert worker.transfer_results() == (failed_loads | {"q"}, failed_loads)
+    assert copied == [(0, [3]), (0, [5]), (1, [6])]  # jobs 3 and 17 only
     assert torch.equal(_block_bytes(t0, 2), before)
     assert sum("outside this worker's (4 slots" in r.getMessage() for r in caplog.records) == 1  # said once
 
@@ -547,6 +554,37 @@ def test_a_telemetry_error_neither_loses_a_job_nor_reaches_the_engine(caplog, mo
     assert worker.build_worker_meta().completed_jobs == {1: 1, 2: 1}
     assert worker.transfer_results() == ({"a", "b"}, set())
     assert sum("recording the stats or spans" in r.getMessage() for r in caplog.records) == 2
+
+
+@pytest.mark.parametrize("failing", ["poll", "poll and drain", "copy and drain"])
+def test_a_device_error_asking_after_copies_fails_the_job_without_reaching_the_engine(caplog, monkeypatch, failing):
+    """On CUDA, asking whether a copy is done (an event query, its timing) or waiting for copies
+    can raise: the job fails and is reported (a load is recomputed, not left waiting for ever), the
+    engine never sees the exception, and the next job goes on."""
+    from connector.metadata import LOAD, STORE, GroupTransfer, KVScopeMetadata, TransferJob
+
+    engine, _, _ = _shared_attention_engine(num_slots=4)
+    worker = _plain_worker(engine)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(engine, "poll" if "poll" in failing else "load", broken)
+    if "drain" in failing:
+        monkeypatch.setattr(engine, "drain", broken)
+    with caplog.at_level("ERROR", logger="connector.worker"):
+        worker.start_load_kv(KVScopeMetadata(loads=[TransferJob(1, "a", LOAD, [GroupTransfer(0, [2], [1], [0])])]))
+        worker.wait_for_save(KVScopeMetadata(stores=[TransferJob(2, "s", STORE, [GroupTransfer(0, [3], [2], [0])])]))
+        assert worker.transfer_results() == ({"a"}, {"a"})
+        monkeypatch.undo()  # the device works again
+        worker.start_load_kv(KVScopeMetadata(loads=[TransferJob(3, "b", LOAD, [GroupTransfer(0, [4], [3], [0])])]))
+    meta = worker.build_worker_meta()
+    assert meta.failed_jobs == ({1: 1, 2: 1} if "poll" in failing else {1: 1})
+    assert meta.completed_jobs == ({3: 1} if "poll" in failing else {2: 1, 3: 1})
+    assert worker.transfer_results() == ({"b"}, set())
+    assert worker._in_flight == []
+    assert any("CUDA error" in (r.exc_text or "") or (r.exc_info and "CUDA error" in str(r.exc_info[1]))
+               for r in caplog.records)
 
 
 # --- found by the mutation campaign of worker.py --------------------------------------------------
