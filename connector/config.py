@@ -27,11 +27,16 @@ class KVScopeConfig:
     metrics_port: int | None = None  # offline runs: serve /metrics on this port
 
     def offload_block_size(self, device_block_sizes: Sequence[int], hash_block_size: int | None = None,
-                           max_model_len: int | None = None) -> tuple[int, str | None]:
+                           max_model_len: int | None = None,
+                           checkpointed_state_block_sizes: Sequence[int] = ()) -> tuple[int, str | None]:
         """Tokens per offloaded block, from `block_size` or else the groups' device block sizes, and a
         warning (or None). It must be a multiple of every group's device block size and of vLLM's
-        prefix-cache hash block size (an offloaded block's key is the hash of its last hash block), and
-        shorter than ``max_model_len`` (the last token's KV is never computed: no longer block fills)."""
+        prefix-cache hash block size (an offloaded block's key is the hash of its last hash block),
+        shorter than ``max_model_len`` (the last token's KV is never computed: no longer block fills),
+        and no longer than the state block of a Mamba group whose states vLLM keeps only at its
+        checkpoints (``checkpointed_state_block_sizes``: `prefix_cache_retention_interval` not None).
+        An offloaded block is stored only when every device block in it holds its state, which a
+        checkpointed group never has past one block, and a hit needs the Mamba state."""
         lcm = math.lcm(*device_block_sizes)
         block_size = lcm if self.block_size is None else self.block_size
         if block_size % lcm:
@@ -45,6 +50,20 @@ class KVScopeConfig:
                 f"kv_connector_extra_config.block_size={block_size} is not accepted: it must be a "
                 f"multiple of vLLM's prefix-cache hash block size {hash_block_size}"
             )
+        finer = sorted({size for size in checkpointed_state_block_sizes if size < block_size})
+        if finer:
+            useless = (f"an offloaded block of {block_size} tokens spans several Mamba state blocks of {finer[0]} "
+                       "tokens, and vLLM keeps a Mamba state only at its checkpoints (its "
+                       "prefix_cache_retention_interval is set), so no offloaded block would ever hold all its "
+                       "states and no request would ever be served")
+            if self.block_size is not None:
+                accepted = (f"block_size {finer[0]} (the Mamba state block)" if finer[0] % lcm == 0 else
+                            "no block_size with these KV groups")
+                raise ConfigError(f"kv_connector_extra_config.block_size={block_size} is not accepted: {useless}; "
+                                  f"expected {accepted}, or vLLM keeping every state "
+                                  "(prefix_cache_retention_interval None)")
+            return block_size, (f"kvscope: {useless} (the block size follows the KV groups' device block sizes; "
+                                "vLLM keeping every state, prefix_cache_retention_interval None, would serve)")
         if max_model_len and block_size >= max_model_len:
             useless = (f"no request of this engine (max_model_len {max_model_len}) fills an offloaded block of "
                        f"{block_size} tokens, so nothing would ever be stored")

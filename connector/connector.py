@@ -30,6 +30,7 @@ from .telemetry.tracing import KVScopeTracing
 from .vllm_layout import (
     check_parallelism,
     check_sleep_mode,
+    checkpointed_state_block_sizes,
     eagle_proof_groups,
     group_layouts,
     slot_layout,
@@ -64,7 +65,8 @@ class KVScopeConnector(KVConnectorBase_V1, SupportsHMA):
         hash_block_size = (kv_cache_config.hash_block_size or getattr(cache_config, "hash_block_size", None)
                            or cache_config.block_size)
         block_size, warning = self.config.offload_block_size(
-            [g.block_size for g in layouts], hash_block_size, getattr(vllm_config.model_config, "max_model_len", None))
+            [g.block_size for g in layouts], hash_block_size, getattr(vllm_config.model_config, "max_model_len", None),
+            checkpointed_state_block_sizes(layouts, kv_cache_config))
         if warning:
             logger.warning(warning)
         layout = slot_layout(kv_cache_config, block_size)

@@ -186,6 +186,15 @@ def eagle_proof_groups(vllm_config, kv_cache_config: KVCacheConfig, layouts: lis
     return frozenset((flagged & attention) or attention)
 
 
+def checkpointed_state_block_sizes(layouts: list[GroupLayout], kv_cache_config: KVCacheConfig) -> list[int]:
+    """The state block sizes of the Mamba groups whose states vLLM keeps only at its checkpoints:
+    every Mamba group, unless `prefix_cache_retention_interval` is None (dense: a state at every
+    block end). vLLM's KV cache manager reads the KV cache config's copy (from the cache config's)."""
+    if getattr(kv_cache_config, "prefix_cache_retention_interval", None) is None:
+        return []
+    return [layout.block_size for layout in layouts if layout.kind is GroupKind.MAMBA]
+
+
 def _check_one_page_size(index: int, spec: KVCacheSpec) -> None:
     """Refuse a group whose layers' pages differ in size (vLLM's `UniformTypeKVCacheSpecs`: other
     head counts or sizes). vLLM's scheduler sees only its first layer's spec, so the scheduler would

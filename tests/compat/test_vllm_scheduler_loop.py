@@ -1442,6 +1442,41 @@ def test_mamba_states_are_stored_only_at_their_own_boundary(model_path, mamba_bl
         assert stats.external_hit_tokens - round0_hits == expected
 
 
+@pytest.mark.parametrize("retention, hits", [(0, None), (64, None), (None, True)],
+                         ids=["vllm-default", "periodic", "dense"])
+def test_an_offloaded_block_of_several_mamba_state_blocks_is_refused_unless_vllm_keeps_every_state(
+        model_path, retention, hits):
+    """vLLM keeps a Mamba state at its checkpoints only (unless `prefix_cache_retention_interval` is
+    None): an offloaded block of two state blocks would never hold both, so nothing would be stored
+    or served. Start-up says so, naming the key and what is accepted; with every state kept, it serves."""
+    from connector.config import ConfigError
+    from tests.compat.model_free import MambaAlign
+
+    def engine():
+        return ModelFreeEngine(model_path, {"cpu_bytes": 64 << 20, "block_size": 32}, window=WINDOW,
+                               mamba=MambaAlign(16, 16, retention=retention))
+
+    if not hits:
+        with pytest.raises(ConfigError, match=r"block_size=32 is not accepted: .* Mamba state blocks of 16 tokens"):
+            engine()
+        return
+    engine = engine()
+    try:
+        prompts = _prompts()
+        for j, prompt in enumerate(prompts):
+            engine.add(f"r0-{j}", prompt)
+        engine.run()
+        engine.reset_device_prefix_cache()
+        before = engine.stats.external_hit_tokens
+        for j, prompt in enumerate(prompts):
+            engine.add(f"r1-{j}", prompt)
+        engine.run()
+    finally:
+        engine.shutdown()
+    _assert_no_violations(engine.stats)
+    assert engine.stats.external_hit_tokens > before
+
+
 @pytest.mark.parametrize("mamba_block, hash_block", [(64, 16), (16, 16)], ids=["partial-hits", "default"])
 @pytest.mark.parametrize("async_scheduling, runner, num_blocks, workers",
                          [(False, "v1", 1200, 1), (True, "v1", 1200, 1), (True, "v2", 1200, 1), (True, "v1", 140, 1),

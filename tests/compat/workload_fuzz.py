@@ -80,7 +80,7 @@ def _config(r: random.Random, odds: dict) -> dict:
     elif r.random() < odds["mamba"]:
         state_block = r.choice([16, 64])
         config["mamba"] = {"block": state_block, "hash_block": 16, "retention": r.choice([0, 0, None, 128])}
-        config["block_size"] = state_block * r.choice([1, 2, 4])
+        config["block_size"] = state_block * _state_blocks_per_offload_block(r, config["mamba"])
     else:
         config["block_size"] = r.choice([16, 32, 64, 64, 128, 256])
         if r.random() < odds["spec"]:
@@ -102,6 +102,14 @@ def _config(r: random.Random, odds: dict) -> dict:
     return config
 
 
+def _state_blocks_per_offload_block(r: random.Random, mamba: dict) -> int:
+    """1, 2 or 4; 1 unless vLLM keeps every state (retention None): kvscope refuses an offloaded block
+    of several checkpointed state blocks (none would ever be stored). Drawn either way, so a seed's
+    other draws stay what they were."""
+    factor = r.choice([1, 2, 4])
+    return factor if mamba["retention"] is None else 1
+
+
 def _mamba_with_drafts(r: random.Random, config: dict) -> None:
     """A Mamba group (as `_config` draws it) and drafts. vLLM takes both together: the Mamba group gets a
     state block per draft (`MambaSpec.num_speculative_blocks`), its runners move states by the accepted
@@ -112,7 +120,7 @@ def _mamba_with_drafts(r: random.Random, config: dict) -> None:
     config["mamba"] = {"block": state_block, "hash_block": 16, "retention": r.choice([0, 0, None, 128])}
     if r.random() < 0.5:  # in effect with EAGLE or MTP and 64-token Mamba blocks (finer hashes)
         config["mamba"]["shared_prefix_checkpoint"] = True
-    config["block_size"] = state_block * r.choice([1, 2, 4])
+    config["block_size"] = state_block * _state_blocks_per_offload_block(r, config["mamba"])
     config["spec_tokens"] = r.choice([1, 2, 3])
     config["spec_method"] = r.choice(["ngram", "ngram", "eagle", "mtp"])
 

@@ -167,6 +167,25 @@ def test_an_offloaded_block_no_request_can_fill_is_refused_when_asked_for_and_sa
     assert parse_config({"cpu_bytes": 1}).offload_block_size([16], 16, max_model_len=2048) == (16, None)
 
 
+def test_an_offloaded_block_spanning_checkpointed_mamba_states_is_refused_when_asked_for_and_said_when_derived():
+    """vLLM keeps a checkpointed Mamba group's states only at some block ends: an offloaded block
+    of several state blocks never holds all of them, so nothing would be stored or served."""
+    with pytest.raises(ConfigError, match=r"block_size=32 is not accepted: .* Mamba state blocks of 16 tokens.*"
+                                          r"expected block_size 16 \(the Mamba state block\), or vLLM keeping every"):
+        parse_config({"cpu_bytes": 1, "block_size": 32}).offload_block_size([16, 16], 16,
+                                                                            checkpointed_state_block_sizes=[16])
+    with pytest.raises(ConfigError, match=r"expected no block_size with these KV groups, or vLLM keeping every"):
+        parse_config({"cpu_bytes": 1, "block_size": 64}).offload_block_size([32, 16], 16,
+                                                                            checkpointed_state_block_sizes=[16])
+    block_size, warning = parse_config({"cpu_bytes": 1}).offload_block_size([32, 16], 16,
+                                                                           checkpointed_state_block_sizes=[16])
+    assert block_size == 32 and "no request would ever be served" in warning
+    # one state block per offloaded block, or states at every block end (not checkpointed): accepted
+    assert parse_config({"cpu_bytes": 1, "block_size": 64}).offload_block_size(
+        [16, 64], 16, checkpointed_state_block_sizes=[64]) == (64, None)
+    assert parse_config({"cpu_bytes": 1, "block_size": 64}).offload_block_size([16, 16], 16) == (64, None)
+
+
 def test_the_host_tier_holds_at_least_one_offloaded_block_and_no_more_than_an_index_can_keep():
     from connector.config import MAX_HOST_SLOTS
 
