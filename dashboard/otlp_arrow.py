@@ -198,8 +198,8 @@ def _nanos(arr, name: str) -> np.ndarray:
     elif not pa.types.is_integer(arr.type):
         raise _Declined(f"{name} of type {arr.type}")
     nanos = _as_numpy(arr).astype(np.int64)
-    if (nanos < 0).any():
-        raise _Declined(f"negative {name}")  # the line decoder names each line
+    if (nanos <= 0).any():
+        raise _Declined(f"negative or unset (0) {name}")  # the line decoder names each line
     return nanos
 
 

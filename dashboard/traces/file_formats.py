@@ -54,13 +54,13 @@ def as_json_lines(label: str, data: bytes) -> tuple[bytes | None, list[Problem]]
     first = _FIRST_LINE.match(data).group(1).strip()
     if _PROMETHEUS_LINE.match(first):
         return None, problems + [Problem(label, 0, PROMETHEUS_TEXT, spans=None)]
-    # A JSON line ends in "}"; a pretty-printed document's first line in "{", "[" or ",". Only then is
-    # the whole file parsed as one document: a long first line parsed twice would cost seconds.
-    if first[:1] in (b"{", b"[") and not first.endswith(b"}"):
+    # A JSON line ends in "}" (or "]": a list of exports); a pretty-printed document's first line in "{", "[" or
+    # ",". Only then is the whole file parsed as one document: a long first line parsed twice would cost seconds.
+    if first[:1] in (b"{", b"[") and not first.endswith((b"}", b"]")):
         try:
             document = json.loads(data)
         except (ValueError, RecursionError):
-            if not any(map(_is_json_object, data.split(b"\n"))):  # not one line of JSON lines either
+            if not any(map(_is_json_line, data.split(b"\n"))):  # not one line of JSON lines either
                 if stopped_early:  # a document cut short does not parse: the decompression problem says why
                     return None, problems
                 return None, problems + [Problem(label, 0, f"{EXPECTED_JSON_LINES}; as one JSON document it does "
@@ -71,10 +71,12 @@ def as_json_lines(label: str, data: bytes) -> tuple[bytes | None, list[Problem]]
     return data, problems
 
 
-def _is_json_object(line: bytes) -> bool:
-    if line.lstrip()[:1] != b"{":  # cheap first: most lines of a pretty-printed document are not objects
+def _is_json_line(line: bytes) -> bool:
+    """Whether a line is an export or a list of exports (`jq -c '[.]'`), as the reader takes them."""
+    if line.lstrip()[:1] not in (b"{", b"["):  # cheap first: most lines of a pretty-printed document are neither
         return False
     try:
-        return isinstance(json.loads(line), dict)
+        doc = json.loads(line)
     except (ValueError, RecursionError):
         return False
+    return isinstance(doc, dict) or (isinstance(doc, list) and bool(doc) and all(isinstance(d, dict) for d in doc))

@@ -170,8 +170,9 @@ def _split_lines(data: bytes) -> list[bytes]:
     return data.split(b"\n")
 
 
-# JSON's escape of a UTF-16 surrogate: `json.loads` turns a lone one into a str no UTF-8 (nor Arrow) takes.
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+# A UTF-16 surrogate, as JSON's escape or as the bytes a CESU-8/WTF-8 writer gives it (ED A0..BF):
+# decoding turns a lone one into a str no UTF-8 (nor Arrow) takes.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
 
 INCOMPLETE_LAST_LINE = ("incomplete last line: it does not parse and no newline ends it (is the file "
                         "still being written, or did its writer stop mid-line?)")
@@ -191,7 +192,9 @@ def decode_lines(label: str, lines: Sequence[bytes]) -> DecodedSpans:
             continue
         count += 1
         try:
-            doc = json.loads(raw)
+            # UTF-8 said, not guessed: `json.loads(bytes)` reads a line starting with NULs as UTF-32. A leading
+            # BOM goes, as Arrow drops the file's; surrogates pass, for `_SURROGATE_ESCAPE` to skip their spans.
+            doc = json.loads(raw.decode("utf-8-sig", "surrogatepass"))
         except ValueError as exc:
             if lineno == last:  # a writer appends whole lines: this one is not finished (or was cut)
                 problems.append(Problem(label, lineno, INCOMPLETE_LAST_LINE, spans=None))
@@ -425,6 +428,8 @@ def _unix_nanos(value: Any, field: str) -> int:
         nanos = json_integer(value)
     except ValueError:
         raise ValueError(f"{field} is {_shown(value)}, expected an integer: nanoseconds since the epoch") from None
+    if nanos == 0:  # OTLP's unset: taken as 1970, one such span would stretch every time axis over 50 years
+        raise ValueError(f"{field} is 0 (unset); expected ns since the epoch")
     if not 0 <= nanos < _INT64_LIMIT:
         raise ValueError(f"{field} {value!r} is outside 0..2^63 ns")
     return nanos

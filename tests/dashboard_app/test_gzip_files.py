@@ -77,3 +77,14 @@ def test_a_gzip_file_cut_before_its_first_newline_is_one_problem():
         read = _read(data[: len(data) // 2])
         assert [(p.line, p.reason, p.spans) for p in read.problems] == [(0, gzip_files.CUT_SHORT, None)]
         assert read.empty
+
+
+def test_a_gzip_bomb_stops_at_the_cap_keeping_the_complete_lines_before_it(monkeypatch):
+    """As for zstd (`collector_files.MAX_INFLATED_BYTES`): an upload inflating past the cap stops there."""
+    monkeypatch.setattr(gzip_files, "MAX_INFLATED_BYTES", 10_000)
+    bomb = gzip.compress(b"\n" * 50_000_000, 1)  # 50 MB of newlines in some 200 kB
+    assert len(gzip_files.gunzip(bomb).data) == 10_000
+    half = TEXT.index(b"\n", 5_000) + 1  # the cap falls in the second member
+    read = _read(gzip.compress(TEXT[:half]) + gzip.compress(TEXT[half:]))
+    assert read.spans["request_id"].tolist() == [f"r{i}" for i in range(TEXT[:10_000].count(b"\n"))]
+    assert [(p.line, p.reason, p.spans) for p in read.problems] == [(0, gzip_files.TOO_LARGE, None)]

@@ -367,9 +367,27 @@ def test_times_and_status_codes_as_json_numbers_load_as_protobuf_reads_them(tmp_
 
 
 def test_span_times_at_the_ends_of_int64_load(tmp_path, decoder):
-    path = write(tmp_path, line(lookup("r1", span_id="11" * 8, start=0, end=(1 << 63) - 1)))
+    path = write(tmp_path, line(lookup("r1", span_id="11" * 8, start=1, end=(1 << 63) - 1)))
     read = traces.read_trace_files([path])
-    assert read.problems == [] and (read.spans["start_ns"][0], read.spans["end_ns"][0]) == (0, (1 << 63) - 1)
+    assert read.problems == [] and (read.spans["start_ns"][0], read.spans["end_ns"][0]) == (1, (1 << 63) - 1)
+
+
+@pytest.mark.parametrize("field", ["startTimeUnixNano", "endTimeUnixNano"])
+@pytest.mark.parametrize("as_number", [False, True], ids=["string", "number"])
+def test_a_time_of_0_is_unset_and_skips_its_span_in_both_decoders(tmp_path, decoder, field, as_number):
+    """OTLP reads 0 as unset: taken as 1970, one such span stretched the overview over 53 years."""
+    spans = [lookup("r1", span_id="11" * 8), lookup("r9", span_id="22" * 8)]
+    spans[1][field] = "0"
+    if as_number:  # every time of the file a JSON number: Arrow reads the column as numbers, not text
+        for s in spans:
+            s["startTimeUnixNano"], s["endTimeUnixNano"] = int(s["startTimeUnixNano"]), int(s["endTimeUnixNano"])
+    path = write(tmp_path, line(*spans))
+    data = path.read_bytes()
+    assert otlp_arrow.decode(data, str(path), data.split(b"\n")) is None  # declined: the line decoder names it
+    read = traces.read_trace_files([path])
+    assert list(read.spans["request_id"]) == ["r1"]
+    assert [(p.line, p.spans, p.reason) for p in read.problems] == [
+        (1, 1, f"malformed kvscope.lookup span: {field} is 0 (unset); expected ns since the epoch")]
 
 
 def test_a_corrupted_gzip_file_is_a_problem_not_an_error(tmp_path):
@@ -597,6 +615,23 @@ def test_a_lone_surrogate_in_a_span_name_is_named_printably(tmp_path, decoder):
     read.problems[0].reason.encode("utf-8")
 
 
+@pytest.mark.parametrize("where", ["request id", "extra attribute"])
+def test_raw_surrogate_bytes_skip_only_their_span(tmp_path, decoder, where):
+    """A surrogate UTF-8-encoded (ED A0 80, from a CESU-8/WTF-8 writer): not UTF-8, so Arrow declines the file,
+    and the line decoder reads it as the escaped one ("\\ud800"): its span goes, not the whole read."""
+    bad = lookup("r2" + "SURROGATE" * (where == "request id"), span_id="22" * 8)
+    if where == "extra attribute":
+        bad["attributes"].append({"key": "note", "value": {"stringValue": "SURROGATE"}})
+    path = tmp_path / "t.jsonl"
+    path.write_bytes((line(lookup("r1", span_id="11" * 8), bad) + "\n" + line(lookup("r3", span_id="33" * 8))
+                      + "\n").encode().replace(b"SURROGATE", b"\xed\xa0\x80"))
+    read = traces.read_trace_files([path])
+    assert list(read.spans["request_id"]) == ["r1", "r3"]
+    assert [(p.line, p.spans) for p in read.problems] == [(1, 1)]
+    assert read.problems[0].reason.startswith("kvscope.lookup span holds a string that is not valid Unicode (a lone")
+    pa.Table.from_pandas(traces.requests_table(read.spans))  # what st.dataframe does
+
+
 def test_a_non_object_entry_of_spans_skips_only_that_entry(tmp_path, decoder):
     doc = json.loads(line(lookup("r1", span_id="11" * 8), lookup("r2", span_id="22" * 8)))
     doc["resourceSpans"][0]["scopeSpans"][0]["spans"][1:1] = ["junk", None, 7, True, 1.5, False, [1]]
@@ -668,6 +703,16 @@ def test_bytes_that_are_not_utf8_skip_their_line_in_both_decoders(tmp_path, deco
     read = traces.read_trace_files([path])
     assert list(read.spans["request_id"]) == ["r2"]
     assert [p.line for p in read.problems] == [1] and read.problems[0].reason.startswith("not UTF-8 text")
+
+
+def test_a_line_starting_with_nul_bytes_is_not_json_in_both_decoders(tmp_path, decoder):
+    """NULs (a hole a copytruncate rotation leaves) made `json.loads` guess UTF-32 and say the line was not UTF-8."""
+    path = tmp_path / "t.jsonl"
+    path.write_bytes(b"\0" * 100 + (line(lookup("r1", span_id="11" * 8)) + "\n"
+                                    + line(lookup("r2", span_id="22" * 8)) + "\n").encode())
+    read = traces.read_trace_files([path])
+    assert list(read.spans["request_id"]) == ["r2"]
+    assert [(p.line, p.reason) for p in read.problems] == [(1, "not JSON: Expecting value (column 1)")]
 
 
 def test_decoders_agree_on_unset_and_nested_attribute_values(tmp_path):
@@ -821,6 +866,18 @@ def test_a_pretty_printed_export_is_read_as_one_document(tmp_path, decoder):
     assert read.problems == [] and sorted(read.spans["request_id"]) == ["r1", "r2", "r3"]
     one_line = write(tmp_path, json.dumps([one, three]), name="one_line.json")  # a list of exports on one line
     assert sorted(traces.read_trace_files([one_line]).spans["request_id"]) == ["r1", "r3"]
+
+
+def test_a_file_whose_every_line_is_a_list_of_exports_is_read(tmp_path, decoder):
+    """`jq -c '[.]'` writes each export in a list: JSON lines all the same, as a list is on one line."""
+    lists = [f"[{line(lookup(f'r{i}', span_id=f'{i}{i}' * 8))}]" for i in range(1, 4)]
+    read = traces.read_trace_files([write(tmp_path, *lists, "[]")])
+    assert list(read.spans["request_id"]) == ["r1", "r2", "r3"]
+    assert [(p.line, p.reason) for p in read.problems] == [
+        (4, "expected a JSON object (an ExportTraceServiceRequest), got an empty list")]
+    # after a stray first line the file is parsed whole, then told JSON lines by its lines that are lists
+    read = traces.read_trace_files([write(tmp_path, "[", *lists, name="stray.jsonl")])
+    assert list(read.spans["request_id"]) == ["r1", "r2", "r3"] and [p.line for p in read.problems] == [1]
 
 
 def test_a_broken_pretty_printed_export_is_one_problem(tmp_path):
