@@ -11,9 +11,9 @@ the helper (a non-blocking pipe; what it cannot take now waits in memory for the
 the export thread starts the helper, sends the tail and waits out a full pipe.
 
 Robustness: the helper reads until its stdin closes, so it drains and exits when the engine
-process shuts down or dies, and it ignores SIGINT, SIGTERM and SIGHUP (a Ctrl-C to ``vllm serve``
-or a service manager's stop reaches the whole process group; the engine's shutdown still flushes
-through it). Its warnings (an unwritable trace file, a dead OTLP endpoint) come back over a pipe
+process shuts down or dies, and it ignores SIGINT, SIGHUP and, while the engine process lives,
+SIGTERM (a Ctrl-C to ``vllm serve`` or a service manager's stop reaches the whole process group;
+the engine's shutdown still flushes through it). Its warnings (an unwritable trace file, a dead OTLP endpoint) come back over a pipe
 of their own and are logged by the engine process, once, as before; its stdout and stderr are the
 engine's, so a ``trace_file`` of ``/dev/stdout`` or ``/dev/stderr`` is the engine's. If the helper
 cannot start or dies, the export falls back to the same sinks in the engine process, logged once;
@@ -48,7 +48,7 @@ from dataclasses import asdict
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
 from connector.telemetry.sinks import Sinks, build_exporters
-from connector.telemetry.trace_file import write_all
+from connector.telemetry.trace_file import _own_stream, write_all
 
 logger = logging.getLogger(__name__)
 
@@ -202,7 +202,8 @@ class ExportProcess(SpanExporter):
         if not records:
             return SpanExportResult.SUCCESS
         with self._lock:
-            if self._closed:
+            if self._closed:  # shut down (maybe giving up on a helper that stopped reading): lost, counted
+                self._dropped += len(records)
                 return SpanExportResult.FAILURE
             self._settle()
             return self._export_locked(records)
@@ -368,7 +369,7 @@ class ExportProcess(SpanExporter):
                 stdin=subprocess.PIPE,
                 bufsize=0,  # raw pipes: no buffer lock that a fork could leave held (see `_after_fork`)
                 close_fds=True,
-                pass_fds=(reply_write, exported_fd),
+                pass_fds=(reply_write, exported_fd, *self._trace_file_descriptor()),
             )
         except BaseException:
             os.close(reply_read)
@@ -388,6 +389,19 @@ class ExportProcess(SpanExporter):
         self._reader = threading.Thread(target=self._read_replies, args=(self._replies,),
                                         name="kvscope-export-replies", daemon=True)
         self._reader.start()
+
+    def _trace_file_descriptor(self) -> tuple[int, ...]:
+        """The engine's descriptor a ``trace_file`` of /dev/fd/N names (N > 2), for the helper to
+        keep under its number: without it the helper's N is another file (its shared count, say),
+        and the spans would go there. Stdin, stdout and stderr it has already."""
+        fd = _own_stream(self._sinks.trace_file) if self._sinks.trace_file else None
+        if fd is None or fd <= 2:
+            return ()
+        try:
+            os.fstat(fd)
+        except OSError:  # not open here: the helper's sink fails on it, as this process's would
+            return ()
+        return (fd,)
 
     @staticmethod
     def _await_ready(replies) -> None:
@@ -571,8 +585,12 @@ def _serve(reply_fd: int, exported_fd: int | None = None) -> int:
     # A signal to the whole process group (Ctrl-C, systemd's stop, `timeout`) must not end the
     # helper before the engine's shutdown has drained through it: it ends when its stdin closes
     # (the engine process exits or dies), and a helper that hangs is killed by the engine process.
-    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+    for signum in (signal.SIGINT, signal.SIGHUP):
         signal.signal(signum, signal.SIG_IGN)
+    # SIGTERM too, while the engine process lives; once it is gone (an orphan blocked on a sink that
+    # takes nothing, say), SIGTERM ends the helper: nothing is left to drain for
+    engine_pid = os.getppid()
+    signal.signal(signal.SIGTERM, lambda signum, frame: os.getppid() != engine_pid and os._exit(1))
     _yield_to_the_engine()
     # Unbuffered: a buffer could hold frames that `select` (`_readable`) does not see.
     requests = sys.stdin.buffer.raw

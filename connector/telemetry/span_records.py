@@ -111,13 +111,15 @@ def expand_records(records) -> list[tuple]:
             continue
         _, trace_id, span_id, parent_id, parent_remote, state, start, end, values = r
         req_id, local, external, groups, scans, lookup = values
+        # Times are the wall clock's, read on the hot path unclamped: a clock stepped back would end a
+        # span before its start, which OTLP consumers reject; `end_span` and `end_load` clamp theirs.
         if lookup is not None:
             lookup_id, lookup_parent, lookup_remote, lookup_start, lookup_end, *lookup_values = lookup
             out.append((LOOKUP_SPAN.code, trace_id, lookup_id, lookup_parent, lookup_remote, state,
-                        lookup_start, lookup_end, (req_id, *lookup_values)))  # queried, hit, reason, local
+                        lookup_start, max(lookup_start, lookup_end), (req_id, *lookup_values)))
         for i, scan in enumerate(scans):
             out.append((SCAN_SPAN.code, trace_id, child_span_id(span_id, i), span_id, False, state,
-                        scan[0], scan[1], scan[2:]))
+                        scan[0], max(scan[0], scan[1]), scan[2:]))
         out.append((LOAD_SPAN.code, trace_id, span_id, parent_id, parent_remote, state, start, end,
                     (req_id, local, external, groups)))
     return out
@@ -144,6 +146,16 @@ def _status(record: tuple) -> Status:
     return Status(StatusCode.ERROR, error) if error else _UNSET
 
 
+def _unicode(text: str) -> str:
+    """``text`` as UTF-8 can carry it: a lone surrogate (an id decoded with surrogateescape) made the
+    OTLP encoder drop the attribute and log an error per span; it becomes "?", as in the trace file."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "replace").decode("utf-8")
+    return text
+
+
 def to_readable_span(record: tuple, resource: Resource, scope: InstrumentationScope) -> ReadableSpan:
     """The SDK span a record stands for (for SDK exporters: OTLP, in-memory)."""
     header = record[TRACE_STATE]
@@ -159,7 +171,8 @@ def to_readable_span(record: tuple, resource: Resource, scope: InstrumentationSc
                             trace_state=trace_state),
         parent=parent,
         resource=resource,
-        attributes=record_attributes(record),
+        attributes={key: _unicode(value) if type(value) is str else value
+                    for key, value in record_attributes(record).items()},
         kind=SpanKind.INTERNAL,
         status=_status(record),
         start_time=record[START],

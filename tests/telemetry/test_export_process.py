@@ -1270,3 +1270,29 @@ def test_a_process_that_exits_without_shutting_its_helper_down_exits(tmp_path):
                           stdin=subprocess.DEVNULL, start_new_session=True)  # (a hung one is killed with its group)
     assert proc.returncode == 0
     assert _request_ids(path) == [0]
+
+
+def test_a_trace_file_naming_an_engine_descriptor_is_written_by_the_helper_through_that_descriptor(tmp_path):
+    """/dev/fd/N (N > 2) names the engine's descriptor: the helper keeps it under the same number. It
+    had none of its own there, or another file (its shared count): spans went there, unseen, the flush
+    saying True."""
+    path = tmp_path / "t.jsonl"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    fd = os.dup2(fd, 9) if fd < 9 else fd  # a number the helper's own descriptors would not take by chance
+    try:
+        helper = ExportProcess(Sinks(f"/dev/fd/{fd}", {}, {"service.name": "kvscope-test"}))
+        assert helper.export(_numbered(0, 3)) is SpanExportResult.SUCCESS
+        assert helper.force_flush(10_000) and helper.pid is not None
+        helper.shutdown()
+    finally:
+        os.close(fd)
+    assert _request_ids(path) == [0, 1, 2] and helper.dropped_spans == 0
+
+
+def test_records_handed_over_after_shutdown_are_counted_as_lost():
+    """A shutdown that gave up on a helper that stopped reading closes the exporter; the export
+    thread then drains the batcher's queue into it: each record is counted, not dropped unseen."""
+    helper = ExportProcess(_sinks("/dev/null"))
+    helper.shutdown()
+    assert helper.export(_numbered(0, 5)) is SpanExportResult.FAILURE
+    assert helper.dropped_spans == 5 and helper.lost_by_reason()["helper_lost"] == 5

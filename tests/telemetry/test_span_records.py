@@ -67,3 +67,28 @@ def test_a_load_plan_expands_to_lookup_scans_and_load_in_the_order_they_ended():
     assert out[4] == (LOAD_SPAN.code, 0xABC, 99, 77, False, "v=1", 10, 14, ("r1", 0, 192, 2))
     without_lookup = expand_records([record[:8] + (("r1", 0, 192, 2, scans, None),)])
     assert [r[0] for r in without_lookup] == [SCAN_SPAN.code, SCAN_SPAN.code, LOAD_SPAN.code]
+
+
+def test_a_clock_stepped_back_never_ends_a_lookup_or_scan_before_its_start():
+    """The hot path reads the wall clock unclamped; a step back (NTP) between two reads would give an
+    end before its start, which OTLP consumers reject: the expansion ends such spans at their start."""
+    scans = [(5000, 4000, 0, "full_attention", 8, 0, 2, 6)]
+    lookup = (77, None, False, 1000, 900, 200, 192, "evicted", 64)
+    out = expand_records([(LOAD_PLAN, 0xABC, 99, None, False, None, 800, 4000, ("r1", 0, 192, 1, scans, lookup))])
+    assert [(r[0], r[6], r[7]) for r in out] == [(LOOKUP_SPAN.code, 1000, 1000), (SCAN_SPAN.code, 5000, 5000),
+                                                 (LOAD_SPAN.code, 800, 4000)]
+
+
+def test_a_request_id_no_utf8_carries_reaches_sdk_exporters_as_valid_text():
+    """A lone surrogate (an id decoded with surrogateescape) made the OTLP encoder drop the attribute
+    and log an error with a traceback for every such span; it is "?" there, as in the trace file."""
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+
+    from connector.telemetry.span_records import to_readable_span
+
+    odd = b"req-\xff".decode("utf-8", "surrogateescape")
+    span = to_readable_span((LOOKUP_SPAN.code, 1, 2, None, False, None, 10, 20, (odd, 64, 32, "evicted", 16)),
+                            Resource.create({}), InstrumentationScope("kvscope"))
+    assert span.attributes["kvscope.request.id"] == "req-?" and span.attributes["kvscope.tokens.queried"] == 64
+    span.attributes["kvscope.request.id"].encode("utf-8")
