@@ -48,7 +48,7 @@ from dataclasses import asdict
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
 from connector.telemetry.sinks import Sinks, build_exporters
-from connector.telemetry.trace_file import _own_stream, write_all
+from connector.telemetry.trace_file import own_descriptor, write_all
 
 logger = logging.getLogger(__name__)
 
@@ -394,7 +394,7 @@ class ExportProcess(SpanExporter):
         """The engine's descriptor a ``trace_file`` of /dev/fd/N names (N > 2), for the helper to
         keep under its number: without it the helper's N is another file (its shared count, say),
         and the spans would go there. Stdin, stdout and stderr it has already."""
-        fd = _own_stream(self._sinks.trace_file) if self._sinks.trace_file else None
+        fd = own_descriptor(self._sinks.trace_file) if self._sinks.trace_file else None
         if fd is None or fd <= 2:
             return ()
         try:

@@ -6,18 +6,24 @@ strings, and ``traceId``/``spanId``/``parentSpanId`` as lowercase hex rather tha
 base64. The dashboard therefore reads the connector's own files and a Collector's alike.
 
 Several processes (the scheduler and every worker) may append to the same file: each batch is
-written with a single ``write(2)`` on an ``O_APPEND`` descriptor, so lines never interleave.
+written with a single ``write(2)`` on an ``O_APPEND`` descriptor, so lines never interleave. A pipe,
+FIFO, socket or terminal (``/dev/stdout`` under a container runtime, ``| tee``, a collector's FIFO)
+keeps a write whole only up to ``PIPE_BUF`` bytes: there a batch goes as several lines of at most
+that size each (a span larger than that alone on its line), one ``write(2)`` a line, and a reader
+that stops reading fails the export after ``WRITE_TIMEOUT_S`` rather than holding the engine.
 """
 
 from __future__ import annotations
 
 import base64
 import errno
+import fcntl
 import json
 import logging
 import math
 import os
 import re
+import select
 import stat
 import threading
 import weakref
@@ -37,6 +43,11 @@ logger = logging.getLogger(__name__)
 
 # OTLP/JSON encodes these bytes fields as hex; every other bytes field stays base64.
 _SPAN_ID_FIELDS = ("traceId", "spanId", "parentSpanId")
+
+# Longest write a pipe takes whole while other processes write to it (4096 on Linux; 512 is POSIX's least).
+PIPE_BUF = getattr(select, "PIPE_BUF", 512)
+# How long one export waits for a pipe, socket or terminal to take its lines before failing (a stalled reader).
+WRITE_TIMEOUT_S = 5.0
 
 
 def request_to_json_line(request: ExportTraceServiceRequest) -> str:
@@ -224,8 +235,57 @@ def _convert_fields(obj: dict[str, Any], convert) -> None:
             obj[key] = convert(value)
 
 
+def split_json_line(line: bytes, limit: int = PIPE_BUF) -> list[bytes]:
+    """One OTLP/JSON line as several, each at most ``limit`` bytes (newline included) where it can be.
+
+    Spans of one resource and scope are grouped greedily under the limit, each group with that
+    resource and scope; a span too large for it goes alone. A line that fits, or that has no spans
+    to split (or is not OTLP/JSON), comes back as it is.
+    """
+    if len(line) <= limit:
+        return [line]
+    try:
+        message = json.loads(line)
+        lines = []
+        for resource_spans in message["resourceSpans"]:
+            resource = {k: v for k, v in resource_spans.items() if k != "scopeSpans"}
+            for scope_spans in resource_spans.get("scopeSpans", ()):
+                scope = {k: v for k, v in scope_spans.items() if k != "spans"}
+                head = ('{"resourceSpans":[' + _open_object(resource) + '"scopeSpans":['
+                        + _open_object(scope) + '"spans":[').encode("utf-8", "replace")
+                spans = [_dumps(span).encode("utf-8", "replace") for span in scope_spans.get("spans", ())]
+                lines.extend(_group_spans(head, spans, b"]}]}]}\n", limit))
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return [line]
+    return lines or [line]
+
+
+def _group_spans(head: bytes, spans: list[bytes], tail: bytes, limit: int) -> list[bytes]:
+    lines, group, size = [], [], len(head) + len(tail)
+    for span in spans:
+        if group and size + 1 + len(span) > limit:
+            lines.append(head + b",".join(group) + tail)
+            group, size = [], len(head) + len(tail)
+        size += len(span) + (1 if group else 0)  # the comma before every span but the first
+        group.append(span)
+    if group:
+        lines.append(head + b",".join(group) + tail)
+    return lines
+
+
+def _open_object(fields: dict[str, Any]) -> str:
+    # the object's text up to where one more field goes: '{' or '{"a":1,'
+    text = _dumps(fields)[:-1]
+    return text + "," if fields else text
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+
+
 class OtlpJsonLinesExporter(SpanExporter):
-    """Appends each exported batch to ``path`` as one OTLP/JSON line.
+    """Appends each exported batch to ``path`` as one OTLP/JSON line (to a pipe, socket or terminal:
+    as lines of at most ``PIPE_BUF`` bytes).
 
     Never raises into the caller: when the file cannot be opened or written, the first failure
     logs one warning naming the path and the OS error, and every failing export after that
@@ -235,11 +295,14 @@ class OtlpJsonLinesExporter(SpanExporter):
 
     def __init__(self, path: str | os.PathLike[str], encode=spans_to_json_line):
         self.path = os.fspath(path)
-        self._own_fd = _own_stream(self.path)  # the path names this process's stdout, stderr or a descriptor
+        self._own_fd = own_descriptor(self.path)  # the path names this process's stdout, stderr or a descriptor
         self._encode = encode  # spans -> one line; kvscope's tracing passes a light-span encoder
         self._lock = threading.Lock()
         self._fd: int | None = None
+        self._regular = True  # the open file is a regular file (else a pipe, socket or terminal)
+        self._tail_fd: int | None = None  # reads the regular file's last byte (often _fd itself; None: cannot)
         self._torn = False  # a write failed part way: the file may end in a partial line
+        self._stalled = False  # the stream's reader took nothing for WRITE_TIMEOUT_S, and has not since
         self._warned = False
         self._shutdown = False
         if hasattr(os, "register_at_fork"):
@@ -262,67 +325,158 @@ class OtlpJsonLinesExporter(SpanExporter):
             if self._shutdown:
                 return SpanExportResult.FAILURE
             try:
-                fd = self._open()
-                # after a failed write (a full disk) end its partial line first, or this line would be
-                # glued to it and both lost to readers (a blank line is skipped)
-                write_all(fd, b"\n" + data if self._torn else data)
+                fd, size = self._open()
+                if self._regular:
+                    write_all(fd, self._line_start(size) + data)
+                else:
+                    self._write_stream(fd, data)
                 self._torn = False
             except OSError as exc:
-                self._torn = True
+                if self._regular:
+                    self._torn = True  # (a stream knows whether it wrote part of a line)
                 self._close()
                 return self._fail(f"cannot write trace file {self.path!r}: {exc}")
+            finally:
+                if self._shutdown:  # shut down while this export was stuck (it gave up waiting for the lock)
+                    self._close()
         return SpanExportResult.SUCCESS
+
+    def _line_start(self, size: int) -> bytes:
+        """A newline when the file ends in a partial line: another process's (or this one's) write
+        cut short by a full disk, which this line would otherwise be glued to, both lost to readers."""
+        if self._tail_fd is None:
+            return b"\n" if self._torn else b""  # cannot read the file: only this process's torn writes
+        return b"\n" if size and os.pread(self._tail_fd, 1, size - 1) != b"\n" else b""
+
+    def _write_stream(self, fd: int, data: bytes) -> None:
+        """A pipe, socket or terminal: each line whole in one write() (atomic up to PIPE_BUF among
+        writers), failing once the reader has taken nothing for WRITE_TIMEOUT_S."""
+        # A reader that stalled costs one wait; until it reads again, batches fail without waiting
+        # (each would wait out its own timeout: the engine's shutdown drains them one by one).
+        timeout = 0.0 if self._stalled else WRITE_TIMEOUT_S
+        try:
+            if self._torn:
+                self._write_line(fd, b"\n", timeout)  # end this process's partial line (a write that timed out)
+            for line in split_json_line(data, PIPE_BUF):
+                self._write_line(fd, line, timeout)
+        except TimeoutError:
+            self._stalled = True
+            raise
+        self._stalled = False
+
+    def _write_line(self, fd: int, line: bytes, timeout: float) -> None:
+        """Write all of ``line`` (in one write() when the stream takes it), waiting for room up to
+        ``timeout`` each time; TimeoutError when it stays full that long."""
+        view = memoryview(line)
+        blocking = os.get_blocking(fd)  # a socket the process was given: cannot be made non-blocking alone
+        while view:
+            if blocking:
+                _wait_writable(fd, timeout)  # a blocking write could wait for ever: wait here, bounded
+            try:
+                view = view[os.write(fd, view):]
+            except BlockingIOError:
+                _wait_writable(fd, timeout)
+            # only a line longer than PIPE_BUF can be cut: the stream then ends in a partial line
+            self._torn = 0 < len(view) < len(line)
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
         # Every line goes to the kernel in export(); nothing is buffered here.
         return True
 
     def shutdown(self) -> None:
-        with self._lock:
-            self._shutdown = True
+        self._shutdown = True  # exports from now on fail, even one waiting for the lock
+        # An export holds the lock for at most WRITE_TIMEOUT_S on a stalled pipe; a file system that
+        # hangs (a dead NFS server) could hold it for ever, and the engine's exit must not wait on it.
+        if not self._lock.acquire(timeout=WRITE_TIMEOUT_S + 1.0):
+            logger.warning("kvscope: trace file %r: a write is still stuck at shutdown; not waiting for it",
+                           self.path)
+            return
+        try:
             self._close()
+        finally:
+            self._lock.release()
 
-    def _open(self) -> int:
-        if self._fd is not None and not self._still_at_path(self._fd):
-            self._close()  # rotated or deleted (logrotate, an operator): write to the path again
-        if self._fd is None:
-            if self._own_fd is not None:
-                # The process's own stdout or stderr: the same open file, not a new one at the path, whose
-                # write offset would lag the process's own writes (`> log`: lines written over each other)
-                self._fd = os.dup(self._own_fd)
-                return self._fd
-            directory = os.path.dirname(os.path.abspath(self.path))
-            os.makedirs(directory, exist_ok=True)
-            # Non-blocking to open: a named pipe nobody reads fails now (ENXIO) instead of holding
-            # the exporter, and the engine's shutdown behind it, until a reader comes
+    def _open(self) -> tuple[int, int]:
+        """The open descriptor (opened now if need be) and the file's size now."""
+        if self._fd is not None:
             try:
-                fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NONBLOCK, 0o644)
-            except OSError as exc:
-                if exc.errno == errno.ENXIO and _is_fifo(self.path):
-                    raise OSError(exc.errno, f"{exc.strerror} (a named pipe that nothing reads)") from exc
-                raise
-            os.set_blocking(fd, True)
-            self._fd = fd
-        return self._fd
+                open_file = os.fstat(self._fd)
+            except OSError:
+                open_file = None
+            if open_file is not None and self._still_at_path(open_file):
+                return self._fd, open_file.st_size
+            self._close()  # rotated or deleted (logrotate, an operator): write to the path again
+        fd = self._open_own() if self._own_fd is not None else self._open_path()
+        try:
+            open_file = os.fstat(fd)
+            self._regular = stat.S_ISREG(open_file.st_mode)
+            if self._regular:
+                os.set_blocking(fd, True)
+                fd, self._tail_fd = self._readable(fd)
+        except OSError:
+            os.close(fd)
+            raise
+        self._fd = fd
+        return fd, open_file.st_size
 
-    def _still_at_path(self, fd: int) -> bool:
+    def _readable(self, fd: int) -> tuple[int, int | None]:
+        """The regular file to write to and a descriptor to read its last byte with (None: none to be had)."""
+        if (fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE) == os.O_RDWR:
+            return fd, fd
+        if self._own_fd is not None:
+            return fd, _reopen(fd, os.O_RDONLY)  # the process's stream: written through its own open file
+        both = _reopen(fd, os.O_RDWR | os.O_APPEND)  # a file at a path: one descriptor does both
+        if both is None:
+            return fd, None
+        os.close(fd)
+        return both, both
+
+    def _open_own(self) -> int:
+        # The process's own stdout or stderr: the same open file, not a new one at the path, whose
+        # write offset would lag the process's own writes (`> log`: lines written over each other)
+        fd = os.dup(self._own_fd)
+        if stat.S_ISREG(os.fstat(fd).st_mode):
+            return fd
+        # A pipe has no offset: a new open file of it can be non-blocking without making the
+        # process's own stream so. A socket cannot be reopened; writes then wait for room first.
+        nonblocking = _reopen(fd, os.O_WRONLY | os.O_NONBLOCK)
+        if nonblocking is None:
+            return fd
+        os.close(fd)
+        return nonblocking
+
+    def _open_path(self) -> int:
+        directory = os.path.dirname(os.path.abspath(self.path))
+        os.makedirs(directory, exist_ok=True)
+        # Non-blocking: a named pipe nobody reads fails now (ENXIO) instead of holding the exporter,
+        # and the engine's shutdown behind it, until a reader comes; and writes to a pipe then wait
+        # for room only up to their deadline. A regular file is made blocking again (after the fstat).
+        try:
+            return os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NONBLOCK, 0o644)
+        except OSError as exc:
+            if exc.errno == errno.ENXIO and _is_fifo(self.path):
+                raise OSError(exc.errno, f"{exc.strerror} (a named pipe that nothing reads)") from exc
+            raise
+
+    def _still_at_path(self, open_file: os.stat_result) -> bool:
         """Whether the open file is still the one at the path (one stat a batch, as logging's
         `WatchedFileHandler` does); the process's own stream always is."""
         if self._own_fd is not None:
             return True
         try:
-            at_path, open_file = os.stat(self.path), os.fstat(fd)
+            at_path = os.stat(self.path)
         except OSError:
             return False
         return (at_path.st_dev, at_path.st_ino) == (open_file.st_dev, open_file.st_ino)
 
     def _close(self) -> None:
-        if self._fd is not None:
-            try:
-                os.close(self._fd)
-            except OSError:
-                pass
-            self._fd = None
+        for fd in {self._fd, self._tail_fd}:
+            if fd is not None:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+        self._fd = self._tail_fd = None
 
     def _fail(self, message: str) -> SpanExportResult:
         if not self._warned:
@@ -331,11 +485,27 @@ class OtlpJsonLinesExporter(SpanExporter):
         return SpanExportResult.FAILURE
 
 
+def _reopen(fd: int, flags: int) -> int | None:
+    """A new open file of what ``fd`` names (Linux's /proc/self/fd), or None where it cannot be had
+    (a socket, a file this process may not read, no /proc)."""
+    try:
+        return os.open(f"/proc/self/fd/{fd}", flags | os.O_CLOEXEC)
+    except OSError:
+        return None
+
+
+def _wait_writable(fd: int, timeout: float) -> None:
+    poller = select.poll()
+    poller.register(fd, select.POLLOUT)
+    if not poller.poll(math.ceil(timeout * 1000)):
+        raise TimeoutError(errno.ETIMEDOUT, f"its reader took nothing for {WRITE_TIMEOUT_S:g} s (stalled?)")
+
+
 _OWN_STREAMS = {"/dev/stdout": 1, "/dev/stderr": 2}
 _OWN_FD = re.compile(r"/(?:dev/fd|proc/self/fd)/(\d+)")
 
 
-def _own_stream(path: str) -> int | None:
+def own_descriptor(path: str) -> int | None:
     """The descriptor a path names in this process (/dev/stdout, /dev/stderr, /dev/fd/N, /proc/self/fd/N)."""
     path = os.path.normpath(str(path))
     if path in _OWN_STREAMS:
