@@ -1403,6 +1403,21 @@ def test_a_cuda_worker_places_its_store_fence_when_its_caches_are_registered(mod
         connector.shutdown()
 
 
+def _prompts_twice(engine: ModelFreeEngine) -> int:
+    """Round 0 (requests r0-j), a reset of vLLM's device prefix cache, round 1 (r1-j) of `_prompts`;
+    returns round 0's external hit tokens."""
+    prompts = _prompts()
+    for j, prompt in enumerate(prompts):
+        engine.add(f"r0-{j}", prompt)
+    engine.run()
+    engine.reset_device_prefix_cache()
+    round0_hits = engine.stats.external_hit_tokens
+    for j, prompt in enumerate(prompts):
+        engine.add(f"r1-{j}", prompt)
+    engine.run()
+    return round0_hits
+
+
 @pytest.mark.parametrize("mamba_block, hash_block, max_num_batched_tokens",
                          [(64, 16, 2048), (64, 16, 100), (16, 16, 2048), (16, 16, 100)],
                          ids=["partial-hits-one-step", "partial-hits-chunked", "one-step", "chunked"])
@@ -1419,15 +1434,7 @@ def test_mamba_states_are_stored_only_at_their_own_boundary(model_path, mamba_bl
     engine = ModelFreeEngine(model_path, {"cpu_bytes": 64 << 20, "block_size": mamba_block}, window=WINDOW,
                              max_num_batched_tokens=max_num_batched_tokens, mamba=MambaAlign(mamba_block, hash_block))
     try:
-        prompts = _prompts()
-        for j, prompt in enumerate(prompts):  # vLLM keeps few states: round 0 may hit the host tier already
-            engine.add(f"r0-{j}", prompt)
-        engine.run()
-        engine.reset_device_prefix_cache()
-        round0_hits = engine.stats.external_hit_tokens
-        for j, prompt in enumerate(prompts):
-            engine.add(f"r1-{j}", prompt)
-        engine.run()
+        round0_hits = _prompts_twice(engine)  # vLLM keeps few states: round 0 may hit the host tier already
         assert engine.host_tier_leaks() == []
     finally:
         engine.shutdown()
@@ -1438,7 +1445,7 @@ def test_mamba_states_are_stored_only_at_their_own_boundary(model_path, mamba_bl
     skipped = [r for r in caplog.records if "holds vLLM's state at token" in r.getMessage()]
     assert len(skipped) == (mamba_block != hash_block), skipped  # said once, where it happens
     if mamba_block == hash_block:  # checkpoints land on block ends: every prompt's last one is a hit
-        expected = sum((len(p) - 1) // mamba_block * mamba_block for p in prompts)
+        expected = sum((len(p) - 1) // mamba_block * mamba_block for p in _prompts())
         assert stats.external_hit_tokens - round0_hits == expected
 
 
@@ -1462,15 +1469,7 @@ def test_an_offloaded_block_of_several_mamba_state_blocks_is_refused_unless_vllm
         return
     engine = engine()
     try:
-        prompts = _prompts()
-        for j, prompt in enumerate(prompts):
-            engine.add(f"r0-{j}", prompt)
-        engine.run()
-        engine.reset_device_prefix_cache()
-        before = engine.stats.external_hit_tokens
-        for j, prompt in enumerate(prompts):
-            engine.add(f"r1-{j}", prompt)
-        engine.run()
+        before = _prompts_twice(engine)
     finally:
         engine.shutdown()
     _assert_no_violations(engine.stats)
