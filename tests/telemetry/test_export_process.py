@@ -20,6 +20,7 @@ from connector.telemetry.sinks import Sinks, build_exporters
 from connector.telemetry.span_records import LOAD_SPAN, LOOKUP_SPAN, SCAN_SPAN
 from connector.telemetry.tracing import KVScopeTracing
 
+from .descriptors import descriptors_open_on
 from .test_otlp_export import _Receiver  # an OTLP/HTTP collector that keeps each request
 
 
@@ -764,22 +765,11 @@ def test_a_helper_failed_over_and_shut_down_leaves_no_descriptor_open(tmp_path):
     assert helper.export(_numbered(1, 1)) is SpanExportResult.SUCCESS
     assert helper.export(_numbered(2, 1)) is SpanExportResult.SUCCESS
     assert helper.pid is None  # and no new helper is started (it could die the same way)
-    assert len(_descriptors_open_on(path)) == 1  # one file exporter here, built once
+    assert len(descriptors_open_on(path)) == 1  # one file exporter here, built once
     helper.shutdown()
-    assert not _descriptors_open_on(path)
+    assert not descriptors_open_on(path)
     assert set(os.listdir("/proc/self/fd")) == before  # nor the pipes to and from the helper
     assert _request_ids(path) == [0, 1, 2]
-
-
-def _descriptors_open_on(path) -> list[str]:
-    fds = []
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            if os.readlink(f"/proc/self/fd/{fd}") == str(path):
-                fds.append(fd)
-        except OSError:
-            pass
-    return fds
 
 
 def test_an_empty_batch_starts_no_helper(tmp_path):

@@ -20,6 +20,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from connector.telemetry.trace_file import OtlpJsonLinesExporter, parse_json_line
 
+from .descriptors import descriptors_open_on
+
 
 def _make_spans(tracing, n_children=2):
     root = tracing.start_span("kvscope.load")
@@ -417,17 +419,6 @@ def test_a_batch_that_cannot_be_encoded_fails_and_is_logged_once(tmp_path, caplo
     assert "could not encode 1 spans: TypeError: not a span" in warning.getMessage()
 
 
-def _descriptors_of(path) -> list[str]:
-    fds = []
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            if os.readlink(f"/proc/self/fd/{fd}") == str(path):
-                fds.append(fd)
-        except OSError:
-            pass  # the listing's own descriptor, closed by now
-    return fds
-
-
 def test_after_shutdown_exports_fail_and_the_file_is_closed(tmp_path, tracing, span_exporter):
     """Spans that end after the engine's shutdown are not written to a file it considers closed."""
     _make_spans(tracing)
@@ -437,7 +428,7 @@ def test_after_shutdown_exports_fail_and_the_file_is_closed(tmp_path, tracing, s
     exporter.export(spans)
     assert exporter.force_flush() is True  # every line is already with the kernel
     exporter.shutdown()
-    assert not _descriptors_of(path)
+    assert not descriptors_open_on(path)
     assert exporter.export(spans) is SpanExportResult.FAILURE
     assert len(path.read_text().splitlines()) == 1
 
