@@ -6,11 +6,13 @@ strings, and ``traceId``/``spanId``/``parentSpanId`` as lowercase hex rather tha
 base64. The dashboard therefore reads the connector's own files and a Collector's alike.
 
 Several processes (the scheduler and every worker) may append to the same file: each batch is
-written with a single ``write(2)`` on an ``O_APPEND`` descriptor, so lines never interleave. A pipe,
-FIFO, socket or terminal (``/dev/stdout`` under a container runtime, ``| tee``, a collector's FIFO)
-keeps a write whole only up to ``PIPE_BUF`` bytes: there a batch goes as several lines of at most
-that size each (a span larger than that alone on its line), one ``write(2)`` a line, and a reader
-that stops reading fails the export after ``WRITE_TIMEOUT_S`` rather than holding the engine.
+written with a single ``write(2)`` on an ``O_APPEND`` descriptor, so lines never interleave, under
+an ``flock`` kvscope's writers share, so the check for a partial last line sees no write in
+progress. A pipe, FIFO, socket or terminal (``/dev/stdout`` under a container runtime, ``| tee``,
+a collector's FIFO) keeps a write whole only up to ``PIPE_BUF`` bytes: there a batch goes as
+several lines of at most that size each (a span larger than that alone on its line), one
+``write(2)`` a line, and a reader that stops reading fails the export after ``WRITE_TIMEOUT_S``
+rather than holding the engine.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import re
 import select
 import stat
 import threading
+import time
 import weakref
 from collections.abc import Mapping, Sequence
 from json.encoder import encode_basestring
@@ -48,6 +51,8 @@ _SPAN_ID_FIELDS = ("traceId", "spanId", "parentSpanId")
 PIPE_BUF = getattr(select, "PIPE_BUF", 512)
 # How long one export waits for a pipe, socket or terminal to take its lines before failing (a stalled reader).
 WRITE_TIMEOUT_S = 5.0
+# How long an export waits for another writer's append lock before writing without its line-end check.
+APPEND_LOCK_WAIT_S = 1.0
 
 
 def request_to_json_line(request: ExportTraceServiceRequest) -> str:
@@ -325,9 +330,9 @@ class OtlpJsonLinesExporter(SpanExporter):
             if self._shutdown:
                 return SpanExportResult.FAILURE
             try:
-                fd, size = self._open()
+                fd = self._open()
                 if self._regular:
-                    write_all(fd, self._line_start(size) + data)
+                    self._append(fd, data)
                 else:
                     self._write_stream(fd, data)
                 self._torn = False
@@ -341,11 +346,42 @@ class OtlpJsonLinesExporter(SpanExporter):
                     self._close()
         return SpanExportResult.SUCCESS
 
-    def _line_start(self, size: int) -> bytes:
+    def _append(self, fd: int, data: bytes) -> None:
+        """Append one line to the regular file, ended first if the file ends in a partial line.
+
+        The check and the write hold an exclusive ``flock`` that every kvscope writer of the file
+        takes: a check without it could read the end of another process's write still in progress
+        (the kernel grows the file page by page) and add a newline that made a blank line."""
+        locked = self._lock_for_append()
+        try:
+            write_all(fd, self._line_start(locked) + data)
+        finally:
+            if locked:
+                fcntl.flock(self._tail_fd, fcntl.LOCK_UN)
+
+    def _lock_for_append(self) -> bool:
+        """Whether the append lock is held now: not where the file cannot be read, has no locks, or
+        another writer held it for APPEND_LOCK_WAIT_S (a stopped process: write, unchecked, anyway)."""
+        if self._tail_fd is None:
+            return False
+        deadline = time.monotonic() + APPEND_LOCK_WAIT_S
+        while True:
+            try:
+                fcntl.flock(self._tail_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return True
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    return False
+                time.sleep(0.001)
+            except OSError:  # a file system without flock
+                return False
+
+    def _line_start(self, locked: bool) -> bytes:
         """A newline when the file ends in a partial line: another process's (or this one's) write
         cut short by a full disk, which this line would otherwise be glued to, both lost to readers."""
-        if self._tail_fd is None:
-            return b"\n" if self._torn else b""  # cannot read the file: only this process's torn writes
+        if not locked:
+            return b"\n" if self._torn else b""  # cannot check the file: only this process's torn writes
+        size = os.fstat(self._tail_fd).st_size
         return b"\n" if size and os.pread(self._tail_fd, 1, size - 1) != b"\n" else b""
 
     def _write_stream(self, fd: int, data: bytes) -> None:
@@ -396,15 +432,15 @@ class OtlpJsonLinesExporter(SpanExporter):
         finally:
             self._lock.release()
 
-    def _open(self) -> tuple[int, int]:
-        """The open descriptor (opened now if need be) and the file's size now."""
+    def _open(self) -> int:
+        """The open descriptor (opened now if need be)."""
         if self._fd is not None:
             try:
                 open_file = os.fstat(self._fd)
             except OSError:
                 open_file = None
             if open_file is not None and self._still_at_path(open_file):
-                return self._fd, open_file.st_size
+                return self._fd
             self._close()  # rotated or deleted (logrotate, an operator): write to the path again
         fd = self._open_own() if self._own_fd is not None else self._open_path()
         try:
@@ -417,7 +453,7 @@ class OtlpJsonLinesExporter(SpanExporter):
             os.close(fd)
             raise
         self._fd = fd
-        return fd, open_file.st_size
+        return fd
 
     def _readable(self, fd: int) -> tuple[int, int | None]:
         """The regular file to write to and a descriptor to read its last byte with (None: none to be had)."""

@@ -535,3 +535,60 @@ def test_paths_naming_the_processs_own_streams_are_recognised(path, fd):
     from connector.telemetry.trace_file import own_descriptor
 
     assert own_descriptor(path) == fd
+
+
+def _append_big_lines(path, tag, count):
+    line = '{"resourceSpans":[],"pad":"' + tag * (1 << 20) + '"}\n'  # a write of 256 pages
+    exporter = OtlpJsonLinesExporter(path, encode=lambda spans: line)
+    results = {exporter.export([object()]) for _ in range(count)}
+    exporter.shutdown()
+    os._exit(0 if results == {SpanExportResult.SUCCESS} else 1)
+
+
+def test_processes_appending_at_once_leave_no_blank_line(tmp_path):
+    """The scheduler's and the workers' export helpers append to one file at once. The check for a
+    partial last line must not see another process's write in progress (the file grows page by
+    page) and add a newline to it: that made a blank line, which the Ctrl-C server test read."""
+    import multiprocessing
+
+    path = tmp_path / "t.jsonl"
+    writers = [multiprocessing.get_context("fork").Process(target=_append_big_lines, args=(path, tag, 30))
+               for tag in "abc"]
+    for writer in writers:
+        writer.start()
+    for writer in writers:
+        writer.join(timeout=60)
+    assert [w.exitcode for w in writers] == [0, 0, 0]
+    lines = path.read_text().split("\n")
+    assert lines[-1] == "" and len(lines) == 91
+    assert sorted(json.loads(line)["pad"][0] for line in lines[:-1]) == ["a"] * 30 + ["b"] * 30 + ["c"] * 30
+
+
+def test_a_writer_holding_the_append_lock_delays_an_export_only_briefly(tmp_path, tracing, span_exporter,
+                                                                         monkeypatch):
+    """Another process stopped while it held the lock: after APPEND_LOCK_WAIT_S the line is written
+    anyway, without the partial-line check."""
+    import fcntl
+
+    from connector.telemetry import trace_file
+
+    monkeypatch.setattr(trace_file, "APPEND_LOCK_WAIT_S", 0.05)
+    _make_spans(tracing)
+    spans = span_exporter.get_finished_spans()
+    path = tmp_path / "t.jsonl"
+    path.write_text('{"torn')  # a partial line the check would end, had it the lock
+    holder = os.open(path, os.O_RDONLY)
+    fcntl.flock(holder, fcntl.LOCK_EX)
+    exporter = OtlpJsonLinesExporter(path)
+    try:
+        started = time.monotonic()
+        assert exporter.export(spans) is SpanExportResult.SUCCESS
+        assert time.monotonic() - started < 2.0
+        fcntl.flock(holder, fcntl.LOCK_UN)
+        assert exporter.export(spans) is SpanExportResult.SUCCESS
+    finally:
+        exporter.shutdown()
+        os.close(holder)
+    first, second, end = path.read_text().split("\n")
+    assert first.startswith('{"torn{') and end == ""  # unchecked: glued to the partial line
+    assert len(parse_json_line(second).resource_spans[0].scope_spans[0].spans) == len(spans)
