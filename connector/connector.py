@@ -34,6 +34,7 @@ from .vllm_layout import (
     eagle_proof_groups,
     group_layouts,
     slot_layout,
+    speculative_draft_tokens,
     workers_on_this_host,
     workers_per_scheduler,
 )
@@ -99,7 +100,7 @@ class KVScopeConnector(KVConnectorBase_V1, SupportsHMA):
                 tracing=self.tracing,
                 kv_cache_manager_getter=lambda: self._kv_cache_manager,
                 reprefillable_tokens=max(0, getattr(vllm_config, "num_prefill_lookahead_tokens", 0) - 1),
-                speculative=getattr(vllm_config, "speculative_config", None) is not None,
+                draft_tokens=speculative_draft_tokens(vllm_config),
                 eagle_groups=eagle_proof_groups(vllm_config, kv_cache_config, layouts),
                 host_events=_host_tier_events(vllm_config, kv_cache_config, layouts, block_size, hash_block_size),
             )

@@ -42,15 +42,16 @@ class PiecewiseStores:
     """The offloaded blocks being filled, by host key, and the rules of their life."""
 
     def __init__(self, index: HostIndex, layouts: list[GroupLayout], offload_block_size: int,
-                 keys: OffloadKeys):
+                 keys: OffloadKeys, draft_tokens: int = 0):
         self.index = index
         self.block_size = offload_block_size
         self.keys = keys
         # Groups whose sliding window drops an offloaded block's first pieces before its last is
-        # computed (window <= offloaded block - device block, as vLLM frees window blocks): they
-        # store pieces of blocks whose key does not exist yet, under a placeholder.
+        # computed (window <= offloaded block - device block, as vLLM frees window blocks; a step
+        # that accepts `draft_tokens` speculative drafts moves that many tokens further at once):
+        # they store pieces of blocks whose key does not exist yet, under a placeholder.
         self.stores_ahead = [layout.kind is GroupKind.SLIDING_WINDOW
-                             and layout.sliding_window <= offload_block_size - layout.block_size
+                             and layout.sliding_window <= offload_block_size - layout.block_size + draft_tokens
                              for layout in layouts]
         self.ahead_groups = [layout.index for layout, ahead in zip(layouts, self.stores_ahead) if ahead]
         self.by_key: dict[tuple, Filling] = {}  # unsettled fillings

@@ -89,7 +89,7 @@ class KVScopeScheduler:
         tracing: KVScopeTracing,
         kv_cache_manager_getter,
         reprefillable_tokens: int = 0,
-        speculative: bool = False,
+        draft_tokens: int = 0,
         eagle_groups: frozenset[int] = frozenset(),
         host_events=None,
     ):
@@ -102,7 +102,7 @@ class KVScopeScheduler:
         self.hash_block_size = hash_block_size
         self.keys = OffloadKeys(offload_block_size // hash_block_size)
         self.index = HostIndex(num_slots)
-        self.stores = PiecewiseStores(self.index, layouts, offload_block_size, self.keys)
+        self.stores = PiecewiseStores(self.index, layouts, offload_block_size, self.keys, draft_tokens)
         # KV cache events of the host tier (`host_tier_events.HostTierEvents`), or None when vLLM's are off
         self.host_events = host_events
         if host_events is not None:
@@ -113,7 +113,7 @@ class KVScopeScheduler:
         self.world_size = world_size
         self.tracing = tracing
         self._kv_cache_manager = kv_cache_manager_getter
-        self.states = StateBlocks(layouts, speculative)
+        self.states = StateBlocks(layouts, speculative=draft_tokens > 0)
         self._foreign_state_logged = False
         # The last tokens whose KV a drafter may write again (vLLM's multi-module MTP re-prefills
         # them): not final, so not stored, as vLLM does not cache them (`get_num_cacheable_tokens`)

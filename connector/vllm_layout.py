@@ -168,6 +168,12 @@ def group_layouts(kv_cache_config: KVCacheConfig) -> list[GroupLayout]:
     return layouts
 
 
+def speculative_draft_tokens(vllm_config) -> int:
+    """Drafts vLLM schedules per decode step (0 without speculative decoding)."""
+    spec = getattr(vllm_config, "speculative_config", None)
+    return 0 if spec is None else max(1, int(getattr(spec, "num_speculative_tokens", None) or 1))
+
+
 def eagle_proof_groups(vllm_config, kv_cache_config: KVCacheConfig, layouts: list[GroupLayout]) -> frozenset[int]:
     """The attention groups whose hits must prove the token after them (`lookup.find_hit_tokens`):
     those vLLM drops a hit's last block in for EAGLE-style drafters, which keep KV of their own

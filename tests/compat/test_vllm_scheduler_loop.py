@@ -896,6 +896,28 @@ def test_speculative_decoding_stores_only_the_kv_of_accepted_tokens(model_path, 
     assert turn2_hits == expected
 
 
+@pytest.mark.parametrize("window", [50, 51])
+def test_drafts_accepted_past_a_blocks_first_piece_do_not_cost_its_window_copy(window):
+    """A window just over the offloaded block less a device block (64 - 16): a step accepting its
+    three drafts made a block's key and let vLLM free its first device block at once, so the
+    window group's copy of some decoded blocks was never stored and a later request hit fewer
+    tokens. With the drafts counted, the window group stores ahead, and every block is loaded."""
+    engine = ModelFreeEngine(build_model("gemma3", window=window), {"cpu_bytes": 64 << 20, "block_size": 64},
+                             window=window, spec_tokens=3)
+    try:
+        engine.add("a", list(range(1000, 1100)), max_tokens=300)
+        engine.run()
+        engine.reset_device_prefix_cache()
+        # A request ending at each block in turn: the window group needs that block's copy for the hit
+        for k in range(1, 7):
+            engine.add(f"b{k}", engine.tokens["a"][:64 * k] + [7, 8, 9], max_tokens=1)
+        engine.run()
+        _assert_no_violations(engine.stats)
+        assert engine.stats.external_hit_tokens == 64 * sum(range(1, 7))
+    finally:
+        engine.shutdown()
+
+
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_with_an_eagle_drafter_a_hit_leaves_the_last_stored_block_to_compute(model_path, async_scheduling):
     """vLLM drops an EAGLE hit's last block (the drafter's KV at its end came from a next token no key

@@ -20,8 +20,9 @@ BS, B = 16, 64
 FULL = GroupLayout(0, GroupKind.FULL_ATTENTION, BS)
 
 
-def _stores(*layouts: GroupLayout, num_slots: int = 4) -> PiecewiseStores:
-    return PiecewiseStores(HostIndex(num_slots), list(layouts), offload_block_size=B, keys=OffloadKeys(B // BS))
+def _stores(*layouts: GroupLayout, num_slots: int = 4, draft_tokens: int = 0) -> PiecewiseStores:
+    return PiecewiseStores(HostIndex(num_slots), list(layouts), offload_block_size=B, keys=OffloadKeys(B // BS),
+                           draft_tokens=draft_tokens)
 
 
 def _request(rid: str, num_tokens: int, prompt: int = 0, max_tokens: int | None = None):
@@ -40,6 +41,16 @@ def test_a_window_group_stores_ahead_only_when_its_window_drops_a_blocks_first_p
     stores = _stores(FULL, GroupLayout(1, GroupKind.SLIDING_WINDOW, BS, sliding_window=window))
     assert stores.stores_ahead == [False, ahead]
     assert stores.ahead_groups == ([1] if ahead else [])
+
+
+@pytest.mark.parametrize("window, drafts, ahead", [(48, 3, True), (51, 3, True), (52, 3, False), (49, 1, True),
+                                                   (50, 1, False)])
+def test_speculative_drafts_widen_the_windows_that_store_ahead_by_the_drafts_a_step_may_accept(window, drafts,
+                                                                                                ahead):
+    """A step that accepts its drafts moves that many tokens further: vLLM may free a block's first
+    piece in the step that makes its key."""
+    stores = _stores(FULL, GroupLayout(1, GroupKind.SLIDING_WINDOW, BS, sliding_window=window), draft_tokens=drafts)
+    assert stores.stores_ahead == [False, ahead]
 
 
 def test_a_block_is_ready_only_with_every_piece_written_and_reported():
