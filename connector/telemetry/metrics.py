@@ -29,7 +29,10 @@ scheduler and msgpack-encoded by vLLM towards the front end)::
 
 Keys appear when first recorded, except the per-group series: the scheduler's first payload names
 every group, kind and direction with zeros (`declare_groups`), so each series exists from the start
-and ``rate()`` sees its first increase after a restart. Aggregation sums counters, concatenates
+and ``rate()`` sees its first increase after a restart. Not quite on the CPU backend: its copies end
+within the step, and vLLM merges the workers' first payload with the scheduler's, so the store bytes
+and store copy of the engine's first step arrive with the zeros and are lost to ``rate()`` (on CUDA
+the copies end after the step and arrive later). Aggregation sums counters, concatenates
 observations and keeps the *latest* gauge value (the payload aggregated in, ``other``, is the newer one in vLLM's order;
 only the host tier's owner reports the gauges, so there is nothing to combine).
 
