@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -61,4 +62,29 @@ def running_api_server(model: str, transfer: dict, log_path: str, extra_args: Se
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             proc.kill()
+        # The engines and export helpers outlive the API process a little, draining their spans into
+        # the trace file: a test reading it before they are gone could read a line still being written.
+        deadline = time.time() + 60
+        while processes_in_group(proc.pid) and time.time() < deadline:
+            time.sleep(0.2)
+        if processes_in_group(proc.pid):
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         log.close()
+
+
+def processes_in_group(pgid: int) -> list[int]:
+    """The live (not zombie) processes of a process group, from /proc."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    state, _ppid, pgrp = f.read().rsplit(")", 1)[1].split()[:3]
+            except (OSError, ValueError):
+                continue
+            if state != "Z" and int(pgrp) == pgid:
+                found.append(int(entry))
+    return found

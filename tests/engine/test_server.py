@@ -133,8 +133,17 @@ def two_rounds(server):
         if round_ == 0:
             assert requests.post(base + "/reset_prefix_cache", timeout=30).status_code == 200
     time.sleep(6)  # batch span processor and the stats interval
-    metrics = requests.get(base + "/metrics", timeout=30).text
-    return sent, metrics, trace_file
+    metrics, deadline = None, time.time() + 60
+    while True:  # until the last steps' stats are in: two scrapes agree on every kvscope sample
+        latest = requests.get(base + "/metrics", timeout=30).text
+        if metrics is not None and _kvscope_samples(latest) == _kvscope_samples(metrics) or time.time() > deadline:
+            return sent, latest, trace_file
+        metrics = latest
+        time.sleep(2)
+
+
+def _kvscope_samples(text):
+    return [line for line in text.splitlines() if line.startswith("kvscope_") and "_created{" not in line]
 
 
 def _families(text):

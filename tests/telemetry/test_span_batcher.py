@@ -391,7 +391,10 @@ def test_flush_flushes_the_exporters_too():
     sink = CountFlushes()
     batcher = SpanBatcher([sink], schedule_delay_s=0.01)
     batcher.on_end(1)
-    time.sleep(0.2)  # several scheduled exports
+    deadline = time.monotonic() + 30
+    while sink.spans != [1] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.1)  # several more scheduled exports
     assert sink.spans == [1] and sink.flushes == 0
     assert batcher.force_flush(5000)
     assert sink.flushes == 1

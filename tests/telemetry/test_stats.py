@@ -6,7 +6,7 @@ import pickle
 
 import msgspec
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from connector.telemetry.metrics import KVScopeStats
@@ -214,6 +214,7 @@ def test_bad_copy_direction_is_rejected():
         KVScopeStats().record_copy(0, "mamba", "sideways", 1, 1, 0.1)
 
 
+@settings(deadline=None)  # a busy 2-core machine can stall one example past 200 ms
 @given(st.lists(st.tuples(st.integers(-10, 10_000), st.integers(-10, 20_000)), max_size=30))
 def test_hit_tokens_never_exceed_lookup_tokens(lookups):
     total = KVScopeStats()

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from connector import host_memory
@@ -17,6 +17,7 @@ from connector.host_memory import PAGE_BYTES, HostBuffer, register_chunks
 PAGE = 4096
 
 
+@settings(deadline=None)  # a busy 2-core machine can stall one example past 200 ms
 @given(total=st.integers(0, 1 << 24), row=st.integers(1, 1 << 16), max_chunk=st.integers(PAGE, 1 << 22))
 def test_chunks_cover_the_buffer_within_the_limit_ending_on_pages(total, row, max_chunk):
     max_chunk = max_chunk // PAGE * PAGE
