@@ -30,22 +30,30 @@ def running_api_server(model: str, transfer: dict, log_path: str, extra_args: Se
                        env: dict | None = None, start_timeout_s: float = 300) -> Iterator[tuple[str, subprocess.Popen]]:
     """(base URL, process) of a server on a free port; its output goes to `log_path`. Its own process
     group (`start_new_session`), so a test may signal the group as Ctrl-C does."""
-    port = free_port()
     env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1", PYTHONPATH=str(ROOT),
                **(env or {}))
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
     log = open(log_path, "w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
-         "--host", "127.0.0.1", "--port", str(port), "--skip-tokenizer-init", "--dtype", "bfloat16",
-         "--max-model-len", "4096", "--enforce-eager", "--max-num-seqs", "8",
-         "--kv-transfer-config", json.dumps(transfer), *extra_args],
-        cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
+
+    def start() -> tuple[str, subprocess.Popen]:
+        port = free_port()
+        return f"http://127.0.0.1:{port}", subprocess.Popen(
+            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+             "--host", "127.0.0.1", "--port", str(port), "--skip-tokenizer-init", "--dtype", "bfloat16",
+             "--max-model-len", "4096", "--enforce-eager", "--max-num-seqs", "8",
+             "--kv-transfer-config", json.dumps(transfer), *extra_args],
+            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    base, proc = start()
+    restarts = 2  # the port was free when picked, but another bind(0) may take it before vLLM binds it
     try:
         deadline = time.time() + start_timeout_s
         while True:
             if proc.poll() is not None:
+                if restarts and "Address already in use" in open(log_path).read():
+                    restarts -= 1
+                    base, proc = start()
+                    continue
                 raise AssertionError("server exited:\n" + open(log_path).read()[-5000:])
             try:
                 if requests.get(base + "/health", timeout=2).status_code == 200:
