@@ -40,6 +40,10 @@ PROFILES = {
     "fast": {"mamba": 0.08, "two_workers": 0.1, "spec": 0.15, "fail_loads": 0.0, "late": 0.0},
     "full": {"mamba": 0.15, "two_workers": 0.25, "spec": 0.3, "fail_loads": 0.12, "late": 0.15},
     "mamba-spec": {"mamba_with_drafts": True, "two_workers": 0.25, "fail_loads": 0.12, "late": 0.15},
+    # "full" with the window drawn too (drawn last: "full"'s seeds keep their plans), around where a
+    # window starts to drop an offloaded block's first pieces before its key exists, with and without drafts
+    "windows": {"mamba": 0.15, "two_workers": 0.25, "spec": 0.5, "fail_loads": 0.12, "late": 0.15,
+                "windows": (16, 17, 33, 47, 48, 49, 50, 51, 52, 64, 111, 113, 200)},
 }
 
 
@@ -99,6 +103,8 @@ def _config(r: random.Random, odds: dict) -> dict:
         config["fail_loads"] = {"rank": r.randrange(config["workers"])}  # in odd rounds: 1 and 3
     if r.random() < odds["late"]:
         config["late"] = {"store_steps": r.choice([1, 3]), "load_steps": r.choice([0, 0, 2])}
+    if "windows" in odds:
+        config["window"] = r.choice(odds["windows"])
     return config
 
 
@@ -382,8 +388,9 @@ def _engine(config: dict):
                                       shared_prefix_checkpoint=mamba.get("shared_prefix_checkpoint", False))
     if "spec_tokens" in config:
         options.update(spec_tokens=config["spec_tokens"], spec_method=config["spec_method"])
-    engine = ModelFreeEngine(build_model("gemma3", window=WINDOW),
-                             {"cpu_bytes": config["cpu_bytes"], "block_size": config["block_size"]}, window=WINDOW,
+    window = config.get("window", WINDOW)
+    engine = ModelFreeEngine(build_model("gemma3", window=window),
+                             {"cpu_bytes": config["cpu_bytes"], "block_size": config["block_size"]}, window=window,
                              num_blocks=config["num_blocks"], max_num_batched_tokens=config["max_num_batched_tokens"],
                              workers=config["workers"], async_scheduling=config["async_scheduling"],
                              runner=config["runner"], kv_events=True, **options)
