@@ -145,3 +145,20 @@ def test_the_mamba_spec_profile_draws_every_drafter_and_the_shared_prefix_checkp
     assert {c["spec_method"] for c in configs} == {"ngram", "eagle", "mtp"}
     assert any(c["mamba"].get("shared_prefix_checkpoint") and c["spec_method"] != "ngram"
                and c["mamba"]["block"] > c["mamba"]["hash_block"] for c in configs)
+
+
+# Windows of 50 and 51 tokens beside 64-token blocks with drafts (the window group stores ahead only
+# because the drafts are counted), V1 runner, sync and async, ngram and EAGLE; each loads from the host tier
+WINDOWS_SEEDS = [1079, 1290, 1339, 1813]
+
+
+@pytest.mark.parametrize("seed", [pytest.param(seed, id=f"seed{seed}") for seed in WINDOWS_SEEDS])
+def test_the_windows_profile_replays_windows_where_drafts_decide_what_stores_ahead(seed):
+    plan = make_plan(seed, "windows")
+    config = plan["config"]
+    assert config["block_size"] == 64 and config["window"] in (50, 51) and config["spec_tokens"] >= 2, config
+    if reason := missing_feature(plan):
+        pytest.skip(reason)
+    result = execute(plan)
+    assert result.verdict == "ok", (result.violations[:6], result.unfinished[:6], result.leaks[:6])
+    assert result.checked_loaded_blocks > 0 and result.drafts_rejected > 0
