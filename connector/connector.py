@@ -148,6 +148,15 @@ class KVScopeConnector(KVConnectorBase_V1, SupportsHMA):
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
         self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 
+    def bind_kv_cache_manager(self, kv_cache_manager) -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        # Where vLLM's stats are off it builds no metrics, and `metrics_port` would serve nothing.
+        if self.config.metrics_port is not None and getattr(kv_cache_manager, "log_stats", True) is False:
+            raise ConfigError(
+                f"kv_connector_extra_config.metrics_port={self.config.metrics_port} is not accepted: vLLM's "
+                "stats are off (disable_log_stats, vllm.LLM's default), so there are no metrics to serve; "
+                "start with disable_log_stats=False, or leave metrics_port out")
+
     def build_connector_meta(self, scheduler_output) -> KVScopeMetadata:
         return self._scheduler.build_connector_meta(scheduler_output)
 

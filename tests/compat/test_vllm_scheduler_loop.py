@@ -1164,6 +1164,38 @@ def test_sleep_mode_is_refused_at_start_up(model_path, role):
         KVScopeConnector(config, getattr(KVConnectorRole, role), _kv_cache_config(64, WINDOW))
 
 
+@pytest.mark.parametrize("log_stats", [False, True])
+def test_a_metrics_port_without_vllms_stats_is_refused_when_vllms_scheduler_binds_the_connector(model_path,
+                                                                                                log_stats):
+    """vllm.LLM's default (disable_log_stats=True) builds no metrics: the port would serve nothing, silently."""
+    from vllm.config import KVTransferConfig
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    from connector.config import ConfigError
+    from tests.compat.model_free import _kv_cache_config
+
+    transfer = KVTransferConfig(kv_connector="KVScopeConnector", kv_connector_module_path="connector",
+                                kv_role="kv_both",
+                                kv_connector_extra_config={"cpu_bytes": 64 << 20, "metrics_port": 9464})
+    config = create_engine_config(EngineArgs(model=model_path, skip_tokenizer_init=True, block_size=16,
+                                             kv_transfer_config=transfer))
+    config.cache_config.num_gpu_blocks = 64
+
+    def scheduler():
+        return Scheduler(vllm_config=config, kv_cache_config=_kv_cache_config(64, WINDOW),
+                         structured_output_manager=StructuredOutputManager(config), block_size=16,
+                         hash_block_size=16, log_stats=log_stats)
+
+    if log_stats:
+        assert scheduler().connector.config.metrics_port == 9464
+    else:
+        with pytest.raises(ConfigError, match="metrics_port=9464 is not accepted: vLLM's stats are off "
+                                              r"\(disable_log_stats"):
+            scheduler()
+
+
 def test_a_bad_config_stops_vllm_while_it_builds_its_config_on_gpus(model_path):
     """On a GPU (full CUDA graphs) vLLM asks the connector class whether it needs piecewise graphs
     while it builds its config, before it loads the model: a bad key or value stops start-up there,
