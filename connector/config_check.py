@@ -26,6 +26,7 @@ class CheckResult:
     config: KVScopeConfig
     warnings: list[str] = field(default_factory=list)
     otlp: str | None = None  # the OTLP export the OTEL_* variables ask for, as the engine would set it up
+    sample_ratio: float = 1.0  # trace_sample_ratio, else OTEL_TRACES_SAMPLER's
 
 
 @dataclass(frozen=True)
@@ -87,7 +88,7 @@ def check_transfer_config(text: str, engine: EngineShape = EngineShape(),
     config = parse_config(transfer.kv_connector_extra_config)
     parallel = engine.parallel_config()
     _check_engine(parallel, engine.enable_sleep_mode)
-    result = CheckResult(config)
+    result = CheckResult(config, sample_ratio=1.0 if config.trace_sample_ratio is None else config.trace_sample_ratio)
     from .vllm_layout import workers_on_this_host
 
     crowded = check_host_memory(config.cpu_bytes, workers_on_this_host(parallel), physical_memory_bytes())
@@ -100,14 +101,19 @@ def check_transfer_config(text: str, engine: EngineShape = EngineShape(),
                                "with it unless started with --enable-cumem-allocator")
     result.otlp = _otlp_export(environment, result.warnings)
     if config.trace_file or result.otlp:
+        from .telemetry.otel_env import exporter_warnings, sample_ratio_from_env
         from .telemetry.sinks import truthy
         from .telemetry.tracing import export_mode
 
         if not truthy(environment.get("OTEL_SDK_DISABLED")):  # start-up reads it only when something is traced
             try:
                 export_mode(environment)
+                from_env = sample_ratio_from_env(environment) if config.trace_sample_ratio is None else None
             except ValueError as exc:
                 raise ConfigError(str(exc)) from None
+            result.warnings.extend(exporter_warnings(environment))
+            if from_env is not None:
+                result.sample_ratio = from_env
     return result
 
 
@@ -116,10 +122,15 @@ def _otlp_export(env: Mapping[str, str], warnings: list[str]) -> str | None:
     (e.g. a timeout it ignores) go to ``warnings``."""
     import logging
 
+    from .telemetry.otel_env import check_otlp_env
     from .telemetry.sinks import build_otlp_exporter, otlp_requested
 
     if not otlp_requested(env):
         return None
+    try:
+        check_otlp_env(env)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
     class Keep(logging.Handler):
         def emit(self, record: logging.LogRecord) -> None:
@@ -182,7 +193,7 @@ def _check_engine(parallel, enable_sleep_mode: bool) -> None:
 def describe(result: CheckResult) -> str:
     """What the engine will run with, in an operator's words."""
     c = result.config
-    ratio = 1.0 if c.trace_sample_ratio is None else c.trace_sample_ratio
+    ratio = result.sample_ratio
     lines = [f"host tier: {c.cpu_bytes:,} bytes ({c.cpu_bytes / 2**30:.2f} GiB) per worker",
              f"offloaded block: {c.block_size} tokens" if c.block_size else
              "offloaded block: the device block size (checked against the model at start-up)",

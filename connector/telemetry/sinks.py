@@ -34,6 +34,7 @@ from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
 from connector import __version__
+from connector.telemetry.otel_env import otlp_protocol
 from connector.telemetry.span_records import expand_records, to_readable_span
 from connector.telemetry.trace_file import OtlpJsonLinesExporter, RecordJsonEncoder
 
@@ -109,9 +110,7 @@ def otlp_requested(env: Mapping[str, str]) -> bool:
 
 def build_otlp_exporter(env: Mapping[str, str]) -> SpanExporter | None:
     """OTLP span exporter configured from ``env``, wrapped to fail fast and log once."""
-    protocol = (
-        env.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or env.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "grpc"
-    ).strip().lower()
+    protocol = otlp_protocol(env)  # checked at start-up (`otel_env.check_otlp_env`)
     timeout = _timeout_s(env)
     headers = _headers(env)
     traces_endpoint = env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")

@@ -46,6 +46,7 @@ from opentelemetry.trace import NonRecordingSpan, Span, SpanContext, TraceFlags,
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from connector.telemetry.export_process import ExportProcess
+from connector.telemetry.otel_env import check_otlp_env, exporter_warnings, sample_ratio_from_env
 from connector.telemetry.sinks import (
     DEFAULT_SERVICE_NAME,
     SdkSpanExporter,
@@ -116,7 +117,9 @@ class KVScopeTracing:
     ) -> KVScopeTracing:
         """Build tracing from the connector config (``trace_file``, ``trace_sample_ratio``) and ``OTEL_*``.
 
-        ``sample_ratio`` None means 1.0. Raises ``ValueError`` for a ratio outside 0..1.
+        ``sample_ratio`` None means ``OTEL_TRACES_SAMPLER``'s ratio (`otel_env.sample_ratio_from_env`),
+        else 1.0. Raises ``ValueError`` for a ratio outside 0..1 and for ``OTEL_*`` values that are
+        wrong (`otel_env`).
         ``resource_attributes`` join every span's resource (`resource_from_env`).
         """
         ratio = _check_ratio(sample_ratio)
@@ -127,6 +130,13 @@ class KVScopeTracing:
             return cls.disabled()
         if not (trace_file or otlp_requested(env)):
             return cls.disabled()
+        if otlp_requested(env):
+            check_otlp_env(env)
+        for warning in exporter_warnings(env):
+            logger.warning(warning)
+        if sample_ratio is None:
+            from_env = sample_ratio_from_env(env)
+            ratio = 1.0 if from_env is None else from_env
         resource = resource_from_env(env, resource_attributes)
         sinks = Sinks(trace_file or None, {k: v for k, v in env.items() if k.startswith("OTEL_")},
                       dict(resource.attributes))

@@ -87,6 +87,17 @@ def test_own_provider_never_the_global_one(tmp_path):
         t.shutdown()
 
 
+@pytest.mark.parametrize("ratio, sampler, recorded", [(None, "always_off", 0), (None, "traceidratio", 1000),
+                                                      (1.0, "always_off", 1000), (None, None, 1000)])
+def test_otel_traces_sampler_samples_only_without_trace_sample_ratio(tmp_path, ratio, sampler, recorded):
+    env = {"KVSCOPE_TRACE_EXPORT": "thread"} | ({"OTEL_TRACES_SAMPLER": sampler} if sampler else {})
+    t = KVScopeTracing.from_config(str(tmp_path / "t.jsonl"), ratio, env=env)
+    try:
+        assert sum(t.start_span("kvscope.lookup").is_recording() for _ in range(1000)) == recorded
+    finally:
+        t.shutdown()
+
+
 # ------------------------------------------------------------------ file sink end to end
 def test_trace_file_sink_through_the_batch_processor(tmp_path):
     path = tmp_path / "traces.jsonl"

@@ -164,11 +164,15 @@ def test_check_says_which_otlp_export_the_otel_variables_set_up_and_what_they_ge
     assert "OTLP export: none (no OTEL_* variable asks for it)" in capsys.readouterr().out
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://collector:4318")
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "http/json")
+    assert cli.main(["check", _transfer(cpu_bytes=1 << 20)]) == 2
+    assert ("OTEL_EXPORTER_OTLP_PROTOCOL='http/json' is not accepted: the Python OTLP exporters speak 'grpc' or "
+            "'http/protobuf'") in capsys.readouterr().err
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_TIMEOUT", "500ms")
     assert cli.main(["check", _transfer(cpu_bytes=1 << 20)]) == 0
     captured = capsys.readouterr()
     assert "OTLP export: OTLP http/protobuf http://collector:4318/v1/traces" in captured.out
-    assert "ignoring OTLP timeout '500ms'" in captured.err and "'http/json' is not supported" in captured.err
+    assert "ignoring OTLP timeout '500ms'" in captured.err
     for spec_milliseconds in ("10000", "inf"):  # read as seconds, as the Python exporters do: capped, said
         monkeypatch.setenv("OTEL_EXPORTER_OTLP_TIMEOUT", spec_milliseconds)
         assert cli.main(["check", _transfer(cpu_bytes=1 << 20)]) == 0
@@ -354,3 +358,78 @@ def test_check_of_the_json_alone_is_for_an_engine_of_one_worker(monkeypatch):
     monkeypatch.setattr(config_check, "physical_memory_bytes", lambda: 3 << 30)
     result = config_check.check_transfer_config(_transfer(cpu_bytes=2 << 30), env={})
     assert result.warnings == [] and result.config.cpu_bytes == 2 << 30
+
+
+@pytest.mark.parametrize("env, said", [
+    ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4317", "OTEL_EXPORTER_OTLP_PROTOCOL": "grcp"},
+     "OTEL_EXPORTER_OTLP_PROTOCOL='grcp' is not accepted"),
+    ({"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/json",
+      "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"},
+     "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL='http/json' is not accepted"),
+    ({"OTEL_EXPORTER_OTLP_ENDPOINT": "not a url"}, "'not a url' is not accepted for OTLP grpc: it holds a space"),
+    ({"OTEL_EXPORTER_OTLP_ENDPOINT": "ftp://x:21"}, "its scheme is 'ftp'; expected http://host:port"),
+    ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://localhost:99999"}, "Port out of range"),
+    ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://[::1"}, "Invalid IPv6 URL"),
+    ({"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://:4317"}, "it names no host"),
+    ({"OTEL_EXPORTER_OTLP_ENDPOINT": "collector:4318", "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf"},
+     "it has no http:// or https:// scheme"),
+    ({"OTEL_EXPORTER_OTLP_ENDPOINT": "collector:0"}, "its port is not 1..65535"),
+    ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4317", "OTEL_EXPORTER_OTLP_HEADERS": "a=1,secret-token"},
+     "OTEL_EXPORTER_OTLP_HEADERS: its entry 2 is not key=value (the value is not shown"),
+    ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4317", "OTEL_TRACES_SAMPLER": "xray"},
+     "OTEL_TRACES_SAMPLER='xray' is not accepted by kvscope"),
+    ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4317", "OTEL_TRACES_SAMPLER": "traceidratio",
+      "OTEL_TRACES_SAMPLER_ARG": "abc"}, "OTEL_TRACES_SAMPLER_ARG='abc' is not accepted for traceidratio"),
+])
+def test_otel_variables_kvscope_would_act_on_wrongly_are_refused_naming_them(monkeypatch, capsys, env, said):
+    """A mistyped protocol sent HTTP to a gRPC port, an endpoint that is no URL lost every span at the
+    first export, a header entry without '=' (a credential) vanished: all with the check saying ok."""
+    from connector.telemetry.tracing import KVScopeTracing
+
+    for name in [n for n in os.environ if n.startswith("OTEL_")]:
+        monkeypatch.delenv(name)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert cli.main(["check", _transfer(cpu_bytes=1 << 20)]) == 2
+    err = capsys.readouterr().err
+    assert said in err and "secret-token" not in err, err
+    with pytest.raises(ValueError) as refused:  # the engine's start-up refuses it alike
+        KVScopeTracing.from_config(None, None, env=env)
+    assert said in str(refused.value)
+
+
+@pytest.mark.parametrize("endpoint, protocol", [
+    ("http://collector:4317", "grpc"), ("https://collector.example.com", "grpc"), ("collector:4317", "grpc"),
+    ("[::1]:4317", "grpc"), ("http://[::1]:4318", "http/protobuf"),
+    ("https://otlp.example.com/v1/traces", "http/protobuf"),
+])
+def test_endpoints_the_otlp_exporters_take_are_accepted(endpoint, protocol):
+    from connector.telemetry.otel_env import check_otlp_env
+
+    check_otlp_env({"OTEL_EXPORTER_OTLP_ENDPOINT": endpoint, "OTEL_EXPORTER_OTLP_PROTOCOL": protocol})
+
+
+@pytest.mark.parametrize("sampler, arg, ratio", [
+    ("always_on", None, 1.0), ("parentbased_always_off", None, 0.0), ("traceidratio", "0.25", 0.25),
+    ("parentbased_traceidratio", None, 1.0), ("ParentBased_TraceIdRatio", "0.5", 0.5),
+])
+def test_otel_traces_sampler_sets_the_ratio_without_trace_sample_ratio(monkeypatch, capsys, tmp_path, sampler, arg,
+                                                                       ratio):
+    for name in [n for n in os.environ if n.startswith("OTEL_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER", sampler)
+    if arg is not None:
+        monkeypatch.setenv("OTEL_TRACES_SAMPLER_ARG", arg)
+    trace_file = str(tmp_path / "t.jsonl")
+    assert cli.main(["check", _transfer(cpu_bytes=1 << 20, trace_file=trace_file)]) == 0
+    assert f"(sample ratio {ratio})" in capsys.readouterr().out
+    assert cli.main(["check", _transfer(cpu_bytes=1 << 20, trace_file=trace_file, trace_sample_ratio=0.75)]) == 0
+    assert "(sample ratio 0.75)" in capsys.readouterr().out  # the connector's own key wins
+
+
+def test_an_otel_traces_exporter_kvscope_does_not_export_to_is_said_not_refused(monkeypatch, capsys, tmp_path):
+    for name in [n for n in os.environ if n.startswith("OTEL_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "otlp,jaeger")
+    assert cli.main(["check", _transfer(cpu_bytes=1 << 20, trace_file=str(tmp_path / "t.jsonl"))]) == 0
+    assert "OTEL_TRACES_EXPORTER names 'jaeger', which kvscope does not export to" in capsys.readouterr().err

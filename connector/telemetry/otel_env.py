@@ -1,0 +1,123 @@
+"""The standard ``OTEL_*`` variables kvscope follows, checked at start-up.
+
+A value kvscope would act on wrongly (a mistyped protocol, an endpoint that is no URL, a header list
+that loses its entries, a sampler it cannot follow) stops start-up with a `ValueError` naming the
+variable and what is accepted, instead of a warning at the first export while every span is lost.
+Header values are never quoted back: they often hold credentials.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from urllib.parse import urlsplit
+
+OTLP_PROTOCOLS = ("grpc", "http/protobuf")
+# kvscope's sampling is always parent-based (an upstream `traceparent` not sampled is not traced) and by
+# trace id ratio: the standard samplers as that ratio; None: the ratio is OTEL_TRACES_SAMPLER_ARG
+SAMPLER_RATIOS: dict[str, float | None] = {
+    "always_on": 1.0, "parentbased_always_on": 1.0,
+    "always_off": 0.0, "parentbased_always_off": 0.0,
+    "traceidratio": None, "parentbased_traceidratio": None,
+}
+EXPORTERS = ("otlp", "none")
+_HOST_PORT = re.compile(r"(?:[A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z0-9])?|\[[0-9A-Fa-f:.]+\]):(\d{1,5})")
+
+
+def first_set(env: Mapping[str, str], *names: str) -> tuple[str, str | None]:
+    """The first of ``names`` set to a non-empty value, and its value (the last name and None: none is)."""
+    for name in names:
+        if env.get(name):
+            return name, env[name]
+    return names[-1], None
+
+
+def otlp_protocol(env: Mapping[str, str]) -> str:
+    _, raw = first_set(env, "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL")
+    return (raw or "grpc").strip().lower()
+
+
+def check_otlp_env(env: Mapping[str, str]) -> None:
+    """Refuse the protocol, endpoint or headers OTLP export would be built from, where they are wrong."""
+    name, raw = first_set(env, "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL")
+    protocol = otlp_protocol(env)
+    if protocol not in OTLP_PROTOCOLS:
+        raise ValueError(f"{name}={raw!r} is not accepted: the Python OTLP exporters speak "
+                         f"{' or '.join(map(repr, OTLP_PROTOCOLS))}")
+    name, endpoint = first_set(env, "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
+    if endpoint is not None:
+        _check_endpoint(name, endpoint, protocol)
+    for name in ("OTEL_EXPORTER_OTLP_HEADERS", "OTEL_EXPORTER_OTLP_TRACES_HEADERS"):
+        _check_headers(name, env.get(name))
+
+
+def _check_endpoint(name: str, endpoint: str, protocol: str) -> None:
+    accepted = "http://host:port or https://host:port" + (" (or host:port)" if protocol == "grpc" else "")
+    problem = None
+    if any(c.isspace() for c in endpoint):
+        problem = "it holds a space"
+    elif "://" not in endpoint:
+        match = _HOST_PORT.fullmatch(endpoint)
+        if protocol != "grpc" or match is None:
+            problem = "it has no http:// or https:// scheme"
+        elif not 0 < int(match.group(1)) < 65536:
+            problem = "its port is not 1..65535"
+    else:
+        try:
+            parts = urlsplit(endpoint)
+            port = parts.port  # raises for a port out of range or not a number
+        except ValueError as exc:
+            problem = str(exc)
+        else:
+            if parts.scheme.lower() not in ("http", "https"):
+                problem = f"its scheme is {parts.scheme!r}"
+            elif not parts.hostname:
+                problem = "it names no host"
+            elif port == 0:
+                problem = "its port is 0"
+    if problem:
+        raise ValueError(f"{name}={endpoint!r} is not accepted for OTLP {protocol}: {problem}; expected {accepted}")
+
+
+def _check_headers(name: str, raw: str | None) -> None:
+    for position, item in enumerate((raw or "").split(","), 1):
+        key, sep, _ = item.partition("=")
+        if item.strip() and not (sep and key.strip()):
+            raise ValueError(f"{name}: its entry {position} is not key=value (the value is not shown: it may "
+                             "be a credential); expected key=value pairs separated by commas, percent-encoded")
+
+
+def exporter_warnings(env: Mapping[str, str]) -> list[str]:
+    """OTEL_TRACES_EXPORTER names kvscope does not export to (it is not refused: other components of
+    the process may read the same variable)."""
+    names = [n.strip().lower() for n in (env.get("OTEL_TRACES_EXPORTER") or "").split(",") if n.strip()]
+    ignored = [n for n in names if n not in EXPORTERS]
+    if not ignored:
+        return []
+    return [f"kvscope: OTEL_TRACES_EXPORTER names {', '.join(map(repr, ignored))}, which kvscope does not "
+            f"export to (accepted: {', '.join(map(repr, EXPORTERS))}); its spans go over OTLP or to trace_file only"]
+
+
+def sample_ratio_from_env(env: Mapping[str, str]) -> float | None:
+    """The ratio OTEL_TRACES_SAMPLER (and its _ARG) asks for, or None where it is not set. kvscope's
+    `trace_sample_ratio`, when given, wins; this is read only without it."""
+    raw = env.get("OTEL_TRACES_SAMPLER")
+    if not raw or not raw.strip():
+        return None
+    name = raw.strip().lower()
+    if name not in SAMPLER_RATIOS:
+        raise ValueError(f"OTEL_TRACES_SAMPLER={raw!r} is not accepted by kvscope: accepted are "
+                         f"{', '.join(SAMPLER_RATIOS)} (or leave it out and set trace_sample_ratio)")
+    ratio = SAMPLER_RATIOS[name]
+    if ratio is not None:
+        return ratio
+    arg = env.get("OTEL_TRACES_SAMPLER_ARG")
+    if arg is None or not arg.strip():
+        return 1.0  # the specification's default
+    try:
+        ratio = float(arg)
+    except ValueError:
+        ratio = float("nan")
+    if not 0.0 <= ratio <= 1.0:
+        raise ValueError(f"OTEL_TRACES_SAMPLER_ARG={arg!r} is not accepted for {name}: expected a number from 0 to 1")
+    return ratio
