@@ -25,13 +25,17 @@ def demo(args) -> int:
     from .engine_runner import engine_env, generate, get_scheduler_connector, make_llm, metric_values
     from .tiny_models import build_model
 
+    extra = {"cpu_bytes": args.cpu_mib << 20}
+    if args.trace_file:
+        extra["trace_file"] = args.trace_file
+    problem = _demo_problem(args, extra)
+    if problem:  # before the model is built and loaded, in one line
+        print(f"kvscope demo: {problem}", file=sys.stderr)
+        return 2
     engine_env()
     layers = "full attention" if args.model == "llama" else f"sliding window {args.window} + full attention"
     print(f"kvscope demo: building a small random-weight {args.model} model ({layers}) ...", flush=True)
     model = build_model(args.model, window=args.window)
-    extra = {"cpu_bytes": args.cpu_mib << 20}
-    if args.trace_file:
-        extra["trace_file"] = args.trace_file
     llm = make_llm(model, extra)
     sched = get_scheduler_connector(llm)._scheduler
     prompts = _workload(args.prefixes, args.per_prefix, args.prefix_len, args.suffix_len, args.seed)
@@ -105,6 +109,24 @@ def dashboard(args) -> int:
     # "--") means `--theme.base=dark`, as `--streamlit-option=--theme.base=dark` does
     options = [o if o.startswith("-") else "--" + o for o in args.streamlit_option]
     return launch(args.paths, streamlit_args + options)
+
+
+def _demo_problem(args, extra: dict) -> str | None:
+    """What of the demo's arguments its engine would refuse, or None."""
+    from .config import ConfigError, check_host_memory, parse_config, physical_memory_bytes
+    from .engine_runner import MAX_MODEL_LEN
+
+    longest = args.prefix_len + args.suffix_len - 1 + args.max_tokens
+    if longest > MAX_MODEL_LEN:
+        return (f"--prefix-len {args.prefix_len} + --suffix-len {args.suffix_len} - 1 + --max-tokens "
+                f"{args.max_tokens} = {longest} tokens, more than the demo engine's {MAX_MODEL_LEN}-token context")
+    try:
+        config = parse_config(extra)
+        check_host_memory(config.cpu_bytes, 1, physical_memory_bytes())
+    except ConfigError as exc:
+        return str(exc).replace("kv_connector_extra_config.cpu_bytes", "--cpu-mib (cpu_bytes)").replace(
+            "kv_connector_extra_config.trace_file", "--trace-file (trace_file)")
+    return None
 
 
 def check(args) -> int:

@@ -26,11 +26,14 @@ def kv_transfer_config(extra: dict | None, module_path: bool = True) -> dict:
     return config
 
 
+MAX_MODEL_LEN = 4096  # tokens: the context of the engines make_llm starts
+
+
 def make_llm(model: str, extra: dict | None = None, connector: bool = True, **kwargs):
     engine_env()
     from vllm import LLM
 
-    args = dict(model=model, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=4096,
+    args = dict(model=model, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=MAX_MODEL_LEN,
                 enforce_eager=True, max_num_seqs=8, disable_log_stats=False,
                 enable_prefix_caching=True, seed=0)
     if connector:

@@ -433,3 +433,18 @@ def test_an_otel_traces_exporter_kvscope_does_not_export_to_is_said_not_refused(
     monkeypatch.setenv("OTEL_TRACES_EXPORTER", "otlp,jaeger")
     assert cli.main(["check", _transfer(cpu_bytes=1 << 20, trace_file=str(tmp_path / "t.jsonl"))]) == 0
     assert "OTEL_TRACES_EXPORTER names 'jaeger', which kvscope does not export to" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["--trace-file", "/tmp"], "--trace-file (trace_file)='/tmp' is not accepted: it is a folder"),
+    (["--cpu-mib", "100000000"], "--cpu-mib (cpu_bytes) gives a host tier of 104857600000000 bytes"),
+    (["--prefix-len", "4000", "--suffix-len", "90"], "= 4097 tokens, more than the demo engine's 4096-token context"),
+])
+def test_demo_arguments_its_engine_would_refuse_stop_it_at_once_in_one_line(monkeypatch, capsys, argv, said):
+    """Before the model is built and loaded (each used to end in a traceback of 80 to 100 lines)."""
+    from connector import tiny_models
+
+    monkeypatch.setattr(tiny_models, "build_model", lambda *a, **k: pytest.fail("the model was built"))
+    assert cli.main(["demo", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvscope demo: ") and said in err and err.count("\n") == 1, err
