@@ -117,11 +117,18 @@ def _positive_int(key: str, value: Any, upper: int | None = None) -> int:
     return number
 
 
+# A "file name" that is one of these was meant to turn something off (or on), not to name a file
+_SWITCH_WORDS = frozenset({"false", "true", "none", "null", "off", "on", "no", "yes", "0", "1", "disabled"})
+
+
 def _writable_file(key: str, value: Any) -> str:
     """A file path the engine can append to (``~`` expanded): checked at start-up, because a sink
     that cannot write is otherwise only noticed, by a warning, when the first spans are lost."""
     if not isinstance(value, str) or not value.strip() or "\0" in value:
         raise _bad(key, value)
+    if value.strip().lower() in _SWITCH_WORDS:
+        raise ConfigError(f"kv_connector_extra_config.{key}={value!r} is not accepted: it reads as a switch, not a "
+                          f"file name (for no file, leave {key} out); expected {_ACCEPTED[key]}")
     if value.endswith(("/", os.sep)):
         raise ConfigError(f"kv_connector_extra_config.{key}={value!r} is not accepted: it names a folder; "
                           f"expected {_ACCEPTED[key]}")
@@ -157,7 +164,8 @@ def _name_too_long(folder: str, below: str) -> str | None:
     return None
 
 
-def check_host_memory(tier_bytes: int, local_workers: int, physical_bytes: int | None) -> str | None:
+def check_host_memory(tier_bytes: int, local_workers: int, physical_bytes: int | None,
+                      available_bytes: int | None = None) -> str | None:
     """Refuse a host tier larger than this host's memory (it could never be allocated: the engine
     would fail after loading the model, or be killed once the tier fills). Return a warning when
     the tiers of every worker on this host together exceed it (an estimate: a multi-node engine
@@ -174,6 +182,23 @@ def check_host_memory(tier_bytes: int, local_workers: int, physical_bytes: int |
         return (f"kvscope: {local_workers} workers on this host with a host tier of {tier_bytes} bytes each "
                 f"need {tier_bytes * local_workers} bytes, more than this host's {physical_bytes}: lower "
                 "kv_connector_extra_config.cpu_bytes (it is per worker)")
+    if available_bytes is not None and tier_bytes * local_workers > available_bytes:
+        # The tier's pages are taken as it fills, not at start-up: the shortage shows hours later
+        return (f"kvscope: the host tiers of this host's {local_workers} worker(s) need "
+                f"{tier_bytes * local_workers} bytes, more than the {available_bytes} available now: as they "
+                "fill, the host may run out of memory; lower kv_connector_extra_config.cpu_bytes (it is per worker)")
+    return None
+
+
+def available_memory_bytes() -> int | None:
+    """MemAvailable of /proc/meminfo (Linux), or None where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
     return None
 
 

@@ -16,7 +16,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from . import CONNECTOR_NAME
-from .config import ConfigError, KVScopeConfig, check_host_memory, parse_config, physical_memory_bytes
+from .config import (
+    ConfigError,
+    KVScopeConfig,
+    available_memory_bytes,
+    check_host_memory,
+    parse_config,
+    physical_memory_bytes,
+)
 
 _MODULE_PATHS = (None, "connector", "connector.connector")
 
@@ -91,9 +98,13 @@ def check_transfer_config(text: str, engine: EngineShape = EngineShape(),
     result = CheckResult(config, sample_ratio=1.0 if config.trace_sample_ratio is None else config.trace_sample_ratio)
     from .vllm_layout import workers_on_this_host
 
-    crowded = check_host_memory(config.cpu_bytes, workers_on_this_host(parallel), physical_memory_bytes())
+    crowded = check_host_memory(config.cpu_bytes, workers_on_this_host(parallel), physical_memory_bytes(),
+                                available_memory_bytes())
     if crowded:
         result.warnings.append(crowded)
+    if config.metrics_port is not None and not _port_free(config.metrics_port):
+        result.warnings.append(f"metrics_port {config.metrics_port} is in use on this host now: an engine started "
+                               "here would be refused")
     environment = env if env is not None else os.environ
     # vLLM's own test, to the letter (0.32 to 0.34): it refuses any KV connector then
     if "expandable_segments:True" in environment.get("PYTORCH_CUDA_ALLOC_CONF", ""):
@@ -115,6 +126,18 @@ def check_transfer_config(text: str, engine: EngineShape = EngineShape(),
             if from_env is not None:
                 result.sample_ratio = from_env
     return result
+
+
+def _port_free(port: int) -> bool:
+    import socket
+
+    with socket.socket() as probe:  # as serve_metrics_port's server binds it (http.server reuses addresses)
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def _otlp_export(env: Mapping[str, str], warnings: list[str]) -> str | None:

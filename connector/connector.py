@@ -21,7 +21,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from .config import ConfigError, check_host_memory, parse_config, physical_memory_bytes
+from .config import (
+    ConfigError,
+    available_memory_bytes,
+    check_host_memory,
+    parse_config,
+    physical_memory_bytes,
+)
 from .metadata import KVScopeMetadata
 from .scheduler import KVScopeScheduler
 from .telemetry.metrics import KVScopePromMetrics, KVScopeStats, serve_metrics_port
@@ -74,7 +80,8 @@ class KVScopeConnector(KVConnectorBase_V1, SupportsHMA):
         num_slots = self.config.host_slots(layout.slot_bytes)
         if role != KVConnectorRole.SCHEDULER:  # the workers allocate the tiers, each on its own host
             local_workers = workers_on_this_host(vllm_config.parallel_config)
-            crowded = check_host_memory(num_slots * layout.slot_bytes, local_workers, physical_memory_bytes())
+            crowded = check_host_memory(num_slots * layout.slot_bytes, local_workers, physical_memory_bytes(),
+                                        available_memory_bytes())
             if crowded and _worker_rank() == 0:
                 logger.warning(crowded)
         # Spans name their engine as vLLM's metrics do (`engine` label: its data-parallel index), so a

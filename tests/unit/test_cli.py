@@ -448,3 +448,32 @@ def test_demo_arguments_its_engine_would_refuse_stop_it_at_once_in_one_line(monk
     assert cli.main(["demo", *argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith("kvscope demo: ") and said in err and err.count("\n") == 1, err
+
+
+def test_check_warns_of_a_metrics_port_in_use_here(capsys):
+    import socket
+
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        assert cli.main(["check", _transfer(cpu_bytes=1 << 20, metrics_port=port)]) == 0
+        assert f"metrics_port {port} is in use on this host now" in capsys.readouterr().err
+    assert cli.main(["check", _transfer(cpu_bytes=1 << 20, metrics_port=port)]) == 0
+    assert "is in use" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value", ["false", "0", "None", " off "])
+def test_a_trace_file_that_reads_as_a_switch_is_refused(value):
+    from connector.config import ConfigError, parse_config
+
+    with pytest.raises(ConfigError, match=r"reads as a switch, not a file name \(for no file, leave trace_file out\)"):
+        parse_config({"cpu_bytes": 1 << 20, "trace_file": value})
+
+
+def test_a_host_tier_larger_than_the_memory_available_now_is_warned_of():
+    from connector.config import check_host_memory
+
+    assert check_host_memory(6 << 30, 1, 16 << 30, available_bytes=8 << 30) is None
+    warning = check_host_memory(6 << 30, 2, 16 << 30, available_bytes=8 << 30)
+    assert "need 12884901888 bytes, more than the 8589934592 available now" in warning
