@@ -143,12 +143,29 @@ def _writable_file(key: str, value: Any) -> str:
         problem = f"{existing} is a file, not a folder"
     elif too_long:
         problem = too_long
-    elif not os.access(path if os.path.exists(path) else existing, os.W_OK):
+    elif not (os.access(path, os.W_OK) if os.path.exists(path) else _can_create_in(existing)):
         problem = "it cannot be written by this process"
     else:
         return path
     raise ConfigError(f"kv_connector_extra_config.{key}={value!r} is not accepted: {problem}; "
                       f"expected {_ACCEPTED[key]}")
+
+
+def _can_create_in(folder: str) -> bool:
+    """Whether this process can create a file in ``folder``: tried (and removed at once), since
+    ``os.access`` says yes to root everywhere, /proc and read-only mounts included."""
+    import tempfile
+
+    try:
+        fd, name = tempfile.mkstemp(prefix=".kvscope-probe-", dir=folder)
+    except OSError:
+        return False
+    os.close(fd)
+    try:
+        os.unlink(name)
+    except OSError:
+        pass
+    return True
 
 
 def _name_too_long(folder: str, below: str) -> str | None:
