@@ -68,11 +68,14 @@ class KVScopeWorker:
         assert self.engine is not None
         for job in meta.loads:
             self._run(job)
+        if meta.loads:
+            self._collect()  # once a call: after each job it polled every copy in flight, O(jobs²) a step
 
     def wait_for_save(self, meta: KVScopeMetadata) -> None:
         for job in meta.stores:
             self._run(job)
         if meta.stores:
+            self._collect()
             # CUDA: later work on the compute stream (zeroing, the next forward) may write blocks
             # these stores still read once vLLM frees them; order it after the stores.
             if self.store_fence == FENCE_AT_ONCE:
@@ -125,7 +128,6 @@ class KVScopeWorker:
                 flight.failed = True
                 self._drain()  # part of it may be enqueued: its slots and blocks are in use until done
         self._in_flight.append(flight)
-        self._collect()
 
     def _drain(self) -> None:
         """Wait for every enqueued copy (`CopyEngine.drain`) after a job failed; an error doing so
