@@ -49,6 +49,10 @@ class HostIndex:
         # forgotten here once it is ready again.
         self._gone: OrderedDict[Key, str] = OrderedDict()
         self._gone_limit = min(num_slots, 1 << 20)
+        # Entries made ready or unpinned so far; `_evict_one` skips its walk while none was since one found
+        # nothing to evict (a tier all held: every reservation walked all of it)
+        self._releases = 0
+        self._none_evictable_at: int | None = None
 
     # -- queries (no side effects) --
     def is_ready(self, key: Key) -> bool:
@@ -93,6 +97,7 @@ class HostIndex:
         entry = self._entries.get(key)
         if entry is not None and entry.pins > 0:
             entry.pins -= 1
+            self._releases += 1
             if entry.stale and entry.pins == 0:
                 del self._entries[key]
                 self._free.append(entry.slot)
@@ -126,6 +131,7 @@ class HostIndex:
         if entry is not None and not entry.ready and not entry.stale:  # the store's own pin, released once
             entry.ready = True
             entry.pins = max(0, entry.pins - 1)
+            self._releases += 1
             self._gone.pop(key, None)  # back: a store given up before this would have kept how it left
             if self.journal is not None:
                 self.journal.append((JOURNAL_STORED, key, announcement))
@@ -160,13 +166,25 @@ class HostIndex:
                 self._removed(key, None)  # still here, stale (`why_absent`); remembered once freed
 
     def _evict_one(self) -> int | None:
+        if self._none_evictable_at == self._releases:
+            return None  # nothing became ready or unpinned since a walk found no entry to evict
+        skipped = []
         for key, entry in self._entries.items():
             if entry.ready and entry.pins == 0:
-                del self._entries[key]
-                self.evicted_total += 1
-                self._removed(key, EVICTED)
-                return entry.slot
-        return None
+                break
+            skipped.append(key)
+        else:
+            self._none_evictable_at = self._releases
+            return None
+        # What a store fills or a load reads goes behind the rest, so that the next eviction does not
+        # walk past it again (it was O(entries held) a reservation); a load's keys are used now anyway.
+        move = self._entries.move_to_end
+        for held in skipped:
+            move(held)
+        del self._entries[key]
+        self.evicted_total += 1
+        self._removed(key, EVICTED)
+        return entry.slot
 
     def _removed(self, key: Key, reason: str | None) -> None:
         """A ready entry left the tier (``reason``: why, None while it is still kept stale)."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -616,3 +618,48 @@ HostIndexMachine.TestCase.settings = settings(
     max_examples=150, stateful_step_count=40, deadline=None
 )
 test_host_index_stateful = HostIndexMachine.TestCase
+
+
+class _CountingEntries(OrderedDict):
+    """The index's entries, counting how many an eviction's walk visits."""
+
+    visited = 0
+
+    def items(self):
+        for item in super().items():
+            self.visited += 1
+            yield item
+
+
+def _counting(index: HostIndex) -> _CountingEntries:
+    index._entries = _CountingEntries(index._entries)
+    return index._entries
+
+
+def test_evictions_do_not_walk_again_past_the_entries_stores_and_loads_hold():
+    """1,000 long-running fillings at the head of a full tier: every reservation walked past all of
+    them (O(held) each); they now go behind the rest once walked past."""
+    index = HostIndex(2000)
+    for i in range(1000):
+        index.reserve_for_store(("filling", i))
+    for i in range(1000):
+        index.reserve_for_store(("old", i))
+        index.complete_store(("old", i))
+    entries = _counting(index)
+    for i in range(100):
+        assert index.reserve_for_store(("new", i)) is not None
+    assert entries.visited < 1000 + 2 * 100
+    assert [k for k in entries if k[0] == "old"][:3] == [("old", 100), ("old", 101), ("old", 102)]  # LRU kept
+    assert all(("filling", i) in entries for i in range(1000))
+
+
+def test_a_tier_all_held_is_not_walked_again_until_something_is_released():
+    index = HostIndex(500)
+    for i in range(500):
+        index.reserve_for_store(("filling", i))
+    entries = _counting(index)
+    assert index.reserve_for_store("a") is None
+    assert index.reserve_for_store("b") is None
+    assert entries.visited == 500  # one walk
+    index.complete_store(("filling", 7))
+    assert index.reserve_for_store("c") is not None and not index.contains(("filling", 7))
