@@ -48,6 +48,7 @@ from connector.miss_reasons import EVICTED  # noqa: E402
 from connector.planning import NULL_BLOCK_ID  # noqa: E402
 from connector.scheduler import KVScopeScheduler  # noqa: E402
 from connector.telemetry.tracing import KVScopeTracing  # noqa: E402
+from vllm.v1.core.kv_cache_utils import KVCacheBlock  # noqa: E402
 
 BLOCK = 16  # device and hash block (tokens)
 OFFLOAD_BLOCK = 256  # tokens
@@ -136,8 +137,8 @@ class _Manager:
     def __init__(self):
         self.ids: dict[str, tuple[list[int], ...]] = {}
 
-    def get_block_ids(self, req_id):
-        return self.ids[req_id]
+    def get_blocks(self, req_id):  # as vLLM's KVCacheManager gives them
+        return SimpleNamespace(blocks=tuple([KVCacheBlock(i) for i in ids] for ids in self.ids[req_id]))
 
 
 def new_scheduler(ordering: str, layouts: list[GroupLayout], num_slots: int) -> KVScopeScheduler:

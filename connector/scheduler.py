@@ -510,29 +510,27 @@ class KVScopeScheduler:
             # (`build_connector_meta` checks this before calling here again)
             state.idle_known, state.idle_until = known, self._next_store_tokens(state.stored_blocks, known)
             return None
-        state_blocks = None
-        if self.states.groups:  # Mamba blocks count only where they hold their own end's state
-            state_blocks = self._kv_cache_manager().get_blocks(request.request_id).blocks
-            group_block_ids = [[block.block_id for block in blocks] for blocks in state_blocks]
-        else:
-            group_block_ids = self._kv_cache_manager().get_block_ids(request.request_id)
+        # vLLM's own lists of the request's blocks, not copies: only the blocks new since the last store
+        # are read (`get_block_ids` built every group's whole id list, O(context) a store)
+        group_blocks = self._kv_cache_manager().get_blocks(request.request_id).blocks
         parts: list[GroupTransfer] = []
         fillings: list[Filling] = []
-        for layout, ids, limit in zip(layouts, group_block_ids, limits):
+        for layout, blocks, limit in zip(layouts, group_blocks, limits):
             g = layout.index
             factor = layout.blocks_per_offload_block(self.block_size)
             part = GroupTransfer(g, [], [], [])
-            end = min(limit, len(ids))
-            states = state_blocks[g] if state_blocks is not None and layout.kind is GroupKind.MAMBA else None
+            end = min(limit, len(blocks))
+            # Mamba blocks count only where they hold their own end's state
+            states = layout.kind is GroupKind.MAMBA
             filling = state.filling[g]
             if filling is not None and filling.keyed and not self._key_still_holds(request, filling):
                 stores.give_up(filling)  # its pieces so far belong to tokens the request no longer has
                 state.filling[g] = None
             for i in range(state.stored_blocks[g], end):
-                block_id = ids[i]
-                if states is not None and block_id != NULL_BLOCK_ID and not self.states.holds_own_state(
-                        states[i], g, i, layout.block_size, state.witnessed_states):
-                    self._log_foreign_state(states[i], (i + 1) * layout.block_size)
+                block_id = blocks[i].block_id
+                if states and block_id != NULL_BLOCK_ID and not self.states.holds_own_state(
+                        blocks[i], g, i, layout.block_size, state.witnessed_states):
+                    self._log_foreign_state(blocks[i], (i + 1) * layout.block_size)
                     block_id = NULL_BLOCK_ID  # another state, or none: never stored under this block's key
                 k, sub = divmod(i, factor)
                 if sub == 0:

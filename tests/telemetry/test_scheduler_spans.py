@@ -12,6 +12,8 @@ from connector.telemetry.testing import in_memory_tracing
 from connector.telemetry.tracing import KVScopeTracing, OsRandomIdGenerator
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from tests.unit.test_store_planning import vllm_blocks
+
 BS, B = 16, 32  # device block 16 tokens, offload block 32 tokens (factor 2)
 LAYOUTS = [
     GroupLayout(0, GroupKind.SLIDING_WINDOW, BS, sliding_window=40),
@@ -227,7 +229,7 @@ def test_a_store_under_an_upstream_trace_hangs_under_the_upstream_span():
     _, ids = blocks_for(request.num_tokens)
     sched = KVScopeScheduler(LAYOUTS, offload_block_size=B, hash_block_size=BS, num_slots=64, slot_bytes=1024,
                              world_size=1, tracing=tracing,
-                             kv_cache_manager_getter=lambda: SimpleNamespace(get_block_ids=lambda rid: ids))
+                             kv_cache_manager_getter=lambda: SimpleNamespace(get_blocks=lambda rid: vllm_blocks(ids)))
     plan(sched, request)  # a miss: the lookup alone
     job = sched._plan_store(sched._requests["r1"], 192)
     assert job is not None and job.groups

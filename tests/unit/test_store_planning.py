@@ -24,13 +24,20 @@ BS, B, WINDOW = 16, 64, 24
 LAYOUTS = [GroupLayout(0, GroupKind.SLIDING_WINDOW, BS, sliding_window=WINDOW), GroupLayout(1, GroupKind.FULL_ATTENTION, BS)]
 
 
+def vllm_blocks(group_ids) -> SimpleNamespace:
+    """What vLLM's `KVCacheManager.get_blocks` gives for these block ids per group."""
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
+    return SimpleNamespace(blocks=tuple([KVCacheBlock(i) for i in ids] for ids in group_ids))
+
+
 class _Manager:
     """vLLM's block ids per group for the request being stored, as the test sets them."""
 
     ids: tuple[list[int], list[int]] = ([], [])
 
-    def get_block_ids(self, req_id):
-        return self.ids
+    def get_blocks(self, req_id):
+        return vllm_blocks(self.ids)
 
 
 def _scheduler(num_slots: int = 16) -> tuple[KVScopeScheduler, _Manager]:
@@ -738,8 +745,8 @@ class _Managers:
 
     ids: dict[str, tuple[list[int], ...]] = {}
 
-    def get_block_ids(self, req_id):
-        return self.ids[req_id]
+    def get_blocks(self, req_id):
+        return vllm_blocks(self.ids[req_id])
 
 
 def _random_history(seed: int) -> None:
