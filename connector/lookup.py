@@ -70,15 +70,33 @@ def find_hit_tokens(
             max_blocks = min(max_blocks, k - proof)  # never past the cap: a later group's limit builds on it
     proving_windows = [layout.index for layout in layouts
                        if layout.index in proving and layout.kind is GroupKind.SLIDING_WINDOW] if proving else ()
-    for n in range(max_blocks, 0, -1):
+    windowed = [layout for layout in layouts if layout.kind is not GroupKind.FULL_ATTENTION]
+    n = max_blocks
+    while n > 0:
         hit = n * offload_block_size
         if hit <= num_local_tokens:
             return 0
-        if all(
-            is_stored(layout.index, k)
-            for layout in layouts
-            if layout.kind is not GroupKind.FULL_ATTENTION
-            for k in needed_offload_blocks(layout, num_local_tokens, hit, offload_block_size)
-        ) and (not proving_windows or all(is_stored(group, n) for group in proving_windows)):
+        missing = _last_missing(windowed, num_local_tokens, hit, offload_block_size, is_stored)
+        if missing is not None:
+            # Every shorter hit past the missing block needs it too (a group's first needed block only
+            # moves forward with the hit): the next that can do without it ends there
+            n = missing
+        elif not proving_windows or all(is_stored(group, n) for group in proving_windows):
             return hit
+        else:
+            n -= 1
     return 0
+
+
+def _last_missing(layouts: Sequence[GroupLayout], num_local_tokens: int, hit: int, offload_block_size: int,
+                  is_stored: IsStored) -> int | None:
+    """The last offload block that a hit of ``hit`` tokens needs in one of ``layouts`` and that is not
+    stored; None when all are."""
+    last = None
+    for layout in layouts:
+        needed = needed_offload_blocks(layout, num_local_tokens, hit, offload_block_size)
+        for k in range(needed.stop - 1, max(needed.start, -1 if last is None else last + 1) - 1, -1):
+            if not is_stored(layout.index, k):
+                last = k
+                break
+    return last

@@ -329,3 +329,19 @@ def test_load_for_the_hit_reads_only_stored_keys(case):
         assert {k for gi, k in plan.keys() if gi == g.index} == set(
             needed_offload_blocks(g, local, hit, b)
         )
+
+
+def test_a_window_with_gaps_is_not_checked_again_for_every_shorter_hit():
+    """A 1024-token window over 2,000 blocks of 16 with one block in 64 missing from it: each shorter
+    hit was checked whole (65,415 keys asked); every hit past a missing block needs it, so the search
+    goes straight to it (one look at each key, about)."""
+    layouts = [GroupLayout(0, GroupKind.SLIDING_WINDOW, 16, sliding_window=1024),
+               GroupLayout(1, GroupKind.FULL_ATTENTION, 16)]
+    asked = []
+
+    def is_stored(group, k):
+        asked.append((group, k))
+        return group == 1 or k % 64 != 63
+
+    assert find_hit_tokens(layouts, 2000 * 16 + 1, 0, 2000, 16, is_stored) == 63 * 16
+    assert len(asked) <= 2 * 2000
