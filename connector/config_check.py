@@ -119,12 +119,11 @@ def check_transfer_config(text: str, engine: EngineShape = EngineShape(),
         if not truthy(environment.get("OTEL_SDK_DISABLED")):  # start-up reads it only when something is traced
             try:
                 export_mode(environment)
-                from_env = sample_ratio_from_env(environment) if config.trace_sample_ratio is None else None
+                if config.trace_sample_ratio is None:
+                    result.sample_ratio = sample_ratio_from_env(environment)
             except ValueError as exc:
                 raise ConfigError(str(exc)) from None
             result.warnings.extend(exporter_warnings(environment))
-            if from_env is not None:
-                result.sample_ratio = from_env
     return result
 
 

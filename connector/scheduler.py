@@ -520,15 +520,14 @@ class KVScopeScheduler:
             factor = layout.blocks_per_offload_block(self.block_size)
             part = GroupTransfer(g, [], [], [])
             end = min(limit, len(blocks))
-            # Mamba blocks count only where they hold their own end's state
-            states = layout.kind is GroupKind.MAMBA
+            mamba = layout.kind is GroupKind.MAMBA  # its blocks count only where they hold their own end's state
             filling = state.filling[g]
             if filling is not None and filling.keyed and not self._key_still_holds(request, filling):
                 stores.give_up(filling)  # its pieces so far belong to tokens the request no longer has
                 state.filling[g] = None
             for i in range(state.stored_blocks[g], end):
                 block_id = blocks[i].block_id
-                if states and block_id != NULL_BLOCK_ID and not self.states.holds_own_state(
+                if mamba and block_id != NULL_BLOCK_ID and not self.states.holds_own_state(
                         blocks[i], g, i, layout.block_size, state.witnessed_states):
                     self._log_foreign_state(blocks[i], (i + 1) * layout.block_size)
                     block_id = NULL_BLOCK_ID  # another state, or none: never stored under this block's key

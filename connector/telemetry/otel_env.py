@@ -21,10 +21,11 @@ SAMPLER_RATIOS: dict[str, float | None] = {
     "traceidratio": None, "parentbased_traceidratio": None,
 }
 EXPORTERS = ("otlp", "none")
+_PROTOCOL_VARIABLES = ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL")
 _HOST_PORT = re.compile(r"(?:[A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z0-9])?|\[[0-9A-Fa-f:.]+\]):(\d{1,5})")
 
 
-def first_set(env: Mapping[str, str], *names: str) -> tuple[str, str | None]:
+def _first_set(env: Mapping[str, str], *names: str) -> tuple[str, str | None]:
     """The first of ``names`` set to a non-empty value, and its value (the last name and None: none is)."""
     for name in names:
         if env.get(name):
@@ -33,18 +34,18 @@ def first_set(env: Mapping[str, str], *names: str) -> tuple[str, str | None]:
 
 
 def otlp_protocol(env: Mapping[str, str]) -> str:
-    _, raw = first_set(env, "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL")
+    _, raw = _first_set(env, *_PROTOCOL_VARIABLES)
     return (raw or "grpc").strip().lower()
 
 
 def check_otlp_env(env: Mapping[str, str]) -> None:
     """Refuse the protocol, endpoint or headers OTLP export would be built from, where they are wrong."""
-    name, raw = first_set(env, "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL")
+    name, raw = _first_set(env, *_PROTOCOL_VARIABLES)
     protocol = otlp_protocol(env)
     if protocol not in OTLP_PROTOCOLS:
         raise ValueError(f"{name}={raw!r} is not accepted: the Python OTLP exporters speak "
                          f"{' or '.join(map(repr, OTLP_PROTOCOLS))}")
-    name, endpoint = first_set(env, "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
+    name, endpoint = _first_set(env, "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
     if endpoint is not None:
         _check_endpoint(name, endpoint, protocol)
     for name in ("OTEL_EXPORTER_OTLP_HEADERS", "OTEL_EXPORTER_OTLP_TRACES_HEADERS"):
@@ -98,12 +99,12 @@ def exporter_warnings(env: Mapping[str, str]) -> list[str]:
             f"export to (accepted: {', '.join(map(repr, EXPORTERS))}); its spans go over OTLP or to trace_file only"]
 
 
-def sample_ratio_from_env(env: Mapping[str, str]) -> float | None:
-    """The ratio OTEL_TRACES_SAMPLER (and its _ARG) asks for, or None where it is not set. kvscope's
+def sample_ratio_from_env(env: Mapping[str, str], default: float = 1.0) -> float:
+    """The ratio OTEL_TRACES_SAMPLER (and its _ARG) asks for, ``default`` where it is not set. kvscope's
     `trace_sample_ratio`, when given, wins; this is read only without it."""
     raw = env.get("OTEL_TRACES_SAMPLER")
     if not raw or not raw.strip():
-        return None
+        return default
     name = raw.strip().lower()
     if name not in SAMPLER_RATIOS:
         raise ValueError(f"OTEL_TRACES_SAMPLER={raw!r} is not accepted by kvscope: accepted are "

@@ -135,8 +135,7 @@ class KVScopeTracing:
         for warning in exporter_warnings(env):
             logger.warning(warning)
         if sample_ratio is None:
-            from_env = sample_ratio_from_env(env)
-            ratio = 1.0 if from_env is None else from_env
+            ratio = sample_ratio_from_env(env)
         resource = resource_from_env(env, resource_attributes)
         sinks = Sinks(trace_file or None, {k: v for k, v in env.items() if k.startswith("OTEL_")},
                       dict(resource.attributes))

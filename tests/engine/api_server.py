@@ -83,16 +83,22 @@ def running_api_server(model: str, transfer: dict, log_path: str, extra_args: Se
         log.close()
 
 
+def proc_stat(pid: int) -> tuple[str, int, int] | None:
+    """(state, parent pid, process group) of a process, from /proc; None once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state, ppid, pgrp = f.read().rsplit(")", 1)[1].split()[:3]
+        return state, int(ppid), int(pgrp)
+    except (OSError, ValueError):
+        return None
+
+
+def live_processes() -> dict[int, tuple[str, int, int]]:
+    """`proc_stat` of every process."""
+    stats = {int(entry): proc_stat(int(entry)) for entry in os.listdir("/proc") if entry.isdigit()}
+    return {pid: stat for pid, stat in stats.items() if stat is not None}
+
+
 def processes_in_group(pgid: int) -> list[int]:
-    """The live (not zombie) processes of a process group, from /proc."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    state, _ppid, pgrp = f.read().rsplit(")", 1)[1].split()[:3]
-            except (OSError, ValueError):
-                continue
-            if state != "Z" and int(pgrp) == pgid:
-                found.append(int(entry))
-    return found
+    """The live (not zombie) processes of a process group."""
+    return [pid for pid, (state, _, pgrp) in live_processes().items() if state != "Z" and pgrp == pgid]

@@ -29,7 +29,7 @@ from connector.telemetry.trace_file import parse_json_line
 from connector.tiny_models import build_model
 from tests.compat.kv_event_views import host_blocks_unlike_device, router_view
 
-from .api_server import free_port, running_api_server
+from .api_server import free_port, live_processes, proc_stat, running_api_server
 from .conftest import prompts_sharing_prefixes
 
 pytestmark = pytest.mark.engine
@@ -371,14 +371,8 @@ def test_a_kv_aware_router_sees_the_host_tier_beside_the_device_blocks(server, t
 
 def _children_by_parent() -> dict[int, list[int]]:
     children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
+    for pid, (_, ppid, _) in live_processes().items():
+        children.setdefault(ppid, []).append(pid)
     return children
 
 
@@ -400,11 +394,8 @@ def _cmdline(pid: int) -> str:
 
 
 def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+    stat = proc_stat(pid)
+    return stat is not None and stat[0] != "Z"
 
 
 def test_ctrl_c_stops_the_server_and_its_export_helper_and_loses_no_span(server, two_rounds):
