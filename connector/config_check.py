@@ -24,6 +24,7 @@ from .config import (
     parse_config,
     physical_memory_bytes,
 )
+from .telemetry.otel_env import REMOTE_PARENT_AND_RATIO, REMOTE_PARENT_FOLLOWED, REMOTE_PARENT_IGNORED
 
 _MODULE_PATHS = (None, "connector", "connector.connector")
 
@@ -34,6 +35,7 @@ class CheckResult:
     warnings: list[str] = field(default_factory=list)
     otlp: str | None = None  # the OTLP export the OTEL_* variables ask for, as the engine would set it up
     sample_ratio: float = 1.0  # trace_sample_ratio, else OTEL_TRACES_SAMPLER's
+    remote_parent: str = REMOTE_PARENT_AND_RATIO  # how a traceparent samples (`otel_env.REMOTE_PARENT_*`)
 
 
 @dataclass(frozen=True)
@@ -112,7 +114,7 @@ def check_transfer_config(text: str, engine: EngineShape = EngineShape(),
                                "with it unless started with --enable-cumem-allocator")
     result.otlp = _otlp_export(environment, result.warnings)
     if config.trace_file or result.otlp:
-        from .telemetry.otel_env import exporter_warnings, sample_ratio_from_env
+        from .telemetry.otel_env import exporter_warnings, sampler_from_env
         from .telemetry.sinks import truthy
         from .telemetry.tracing import export_mode
 
@@ -120,7 +122,7 @@ def check_transfer_config(text: str, engine: EngineShape = EngineShape(),
             try:
                 export_mode(environment)
                 if config.trace_sample_ratio is None:
-                    result.sample_ratio = sample_ratio_from_env(environment)
+                    result.sample_ratio, result.remote_parent = sampler_from_env(environment)
             except ValueError as exc:
                 raise ConfigError(str(exc)) from None
             result.warnings.extend(exporter_warnings(environment))
@@ -212,6 +214,14 @@ def _check_engine(parallel, enable_sleep_mode: bool) -> None:
         raise ConfigError(str(exc)) from None
 
 
+# How `describe` says a sampler treats an upstream traceparent (`otel_env.REMOTE_PARENT_*`)
+_REMOTE_PARENT_WORDS = {
+    REMOTE_PARENT_AND_RATIO: "",
+    REMOTE_PARENT_FOLLOWED: " of new traces; a sampled traceparent is always followed",
+    REMOTE_PARENT_IGNORED: ", whatever a traceparent says",
+}
+
+
 def describe(result: CheckResult) -> str:
     """What the engine will run with, in an operator's words."""
     c = result.config
@@ -219,7 +229,8 @@ def describe(result: CheckResult) -> str:
     lines = [f"host tier: {c.cpu_bytes:,} bytes ({c.cpu_bytes / 2**30:.2f} GiB) per worker",
              f"offloaded block: {c.block_size} tokens" if c.block_size else
              "offloaded block: the device block size (checked against the model at start-up)",
-             f"trace file: {c.trace_file} (sample ratio {ratio})" if c.trace_file else
+             f"trace file: {c.trace_file} (sample ratio {ratio}{_REMOTE_PARENT_WORDS[result.remote_parent]})"
+             if c.trace_file else
              "trace file: none"]
     lines.append(f"OTLP export: {result.otlp}" if result.otlp else "OTLP export: none (no OTEL_* variable asks for it)")
     if c.metrics_port is not None:

@@ -13,16 +13,26 @@ from collections.abc import Mapping
 from urllib.parse import urlsplit
 
 OTLP_PROTOCOLS = ("grpc", "http/protobuf")
-# kvscope's sampling is always parent-based (an upstream `traceparent` not sampled is not traced) and by
-# trace id ratio: the standard samplers as that ratio; None: the ratio is OTEL_TRACES_SAMPLER_ARG
-SAMPLER_RATIOS: dict[str, float | None] = {
-    "always_on": 1.0, "parentbased_always_on": 1.0,
-    "always_off": 0.0, "parentbased_always_off": 0.0,
-    "traceidratio": None, "parentbased_traceidratio": None,
+# How a span under a sampled remote parent (an upstream `traceparent`, or the scheduler's carrier on a
+# worker) is sampled; an unsampled remote parent drops it, except under REMOTE_PARENT_IGNORED.
+REMOTE_PARENT_AND_RATIO = "parent_and_ratio"  # `trace_sample_ratio`: the ratio of requests traced, traceparent or not
+REMOTE_PARENT_FOLLOWED = "parent"  # the `parentbased_*` samplers: kept; the ratio only decides new traces
+REMOTE_PARENT_IGNORED = "ratio"  # `always_on`, `always_off`, `traceidratio`: the ratio alone, flags ignored
+# The standard samplers kvscope follows: (ratio, or None for OTEL_TRACES_SAMPLER_ARG's; remote-parent rule)
+SAMPLERS: dict[str, tuple[float | None, str]] = {
+    "always_on": (1.0, REMOTE_PARENT_IGNORED), "parentbased_always_on": (1.0, REMOTE_PARENT_FOLLOWED),
+    "always_off": (0.0, REMOTE_PARENT_IGNORED), "parentbased_always_off": (0.0, REMOTE_PARENT_FOLLOWED),
+    "traceidratio": (None, REMOTE_PARENT_IGNORED), "parentbased_traceidratio": (None, REMOTE_PARENT_FOLLOWED),
 }
 EXPORTERS = ("otlp", "none")
 _PROTOCOL_VARIABLES = ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL")
-_HOST_PORT = re.compile(r"(?:[A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z0-9])?|\[[0-9A-Fa-f:.]+\]):(\d{1,5})")
+# host:port; `_` is allowed in host names (container and compose service names use it)
+_HOST_PORT = re.compile(r"(?:[A-Za-z0-9_](?:[A-Za-z0-9_.-]*[A-Za-z0-9_])?|\[[0-9A-Fa-f:.]+\]):(\d{1,5})")
+# Schemes of a URL endpoint with a host: gRPC's exporter keeps only its host:port (vLLM's own OpenTelemetry
+# example gives grpc://host:4317), and the HTTP exporter posts to it
+_URL_SCHEMES = {"grpc": ("http", "https", "grpc"), "http/protobuf": ("http", "https")}
+# gRPC name-resolution targets the gRPC exporter hands to gRPC as they are (unix:///path, dns:///host:port)
+_GRPC_TARGET_SCHEMES = ("unix", "unix-abstract", "dns", "ipv4", "ipv6")
 
 
 def _first_set(env: Mapping[str, str], *names: str) -> tuple[str, str | None]:
@@ -53,14 +63,21 @@ def check_otlp_env(env: Mapping[str, str]) -> None:
 
 
 def _check_endpoint(name: str, endpoint: str, protocol: str) -> None:
-    accepted = "http://host:port or https://host:port" + (" (or host:port)" if protocol == "grpc" else "")
+    schemes = _URL_SCHEMES[protocol]
+    accepted = " or ".join(f"{scheme}://host:port" for scheme in schemes)
+    if protocol == "grpc":
+        accepted += ", host:port, or a gRPC target (unix:///path, dns:///host:port)"
     problem = None
+    scheme = endpoint.partition(":")[0].lower()
     if any(c.isspace() for c in endpoint):
         problem = "it holds a space"
+    elif protocol == "grpc" and scheme in _GRPC_TARGET_SCHEMES:
+        if not endpoint.partition(":")[2].lstrip("/"):
+            problem = "it names no target"
     elif "://" not in endpoint:
         match = _HOST_PORT.fullmatch(endpoint)
         if protocol != "grpc" or match is None:
-            problem = "it has no http:// or https:// scheme"
+            problem = f"it has no {' or '.join(s + '://' for s in schemes)} scheme"
         elif not 0 < int(match.group(1)) < 65536:
             problem = "its port is not 1..65535"
     else:
@@ -70,7 +87,7 @@ def _check_endpoint(name: str, endpoint: str, protocol: str) -> None:
         except ValueError as exc:
             problem = str(exc)
         else:
-            if parts.scheme.lower() not in ("http", "https"):
+            if parts.scheme.lower() not in schemes:
                 problem = f"its scheme is {parts.scheme!r}"
             elif not parts.hostname:
                 problem = "it names no host"
@@ -99,26 +116,27 @@ def exporter_warnings(env: Mapping[str, str]) -> list[str]:
             f"export to (accepted: {', '.join(map(repr, EXPORTERS))}); its spans go over OTLP or to trace_file only"]
 
 
-def sample_ratio_from_env(env: Mapping[str, str], default: float = 1.0) -> float:
-    """The ratio OTEL_TRACES_SAMPLER (and its _ARG) asks for, ``default`` where it is not set. kvscope's
-    `trace_sample_ratio`, when given, wins; this is read only without it."""
+def sampler_from_env(env: Mapping[str, str], default: float = 1.0) -> tuple[float, str]:
+    """The ratio OTEL_TRACES_SAMPLER (and its _ARG) asks for, ``default`` where it is not set, and how it
+    treats a sampled remote parent (``REMOTE_PARENT_*``). kvscope's `trace_sample_ratio`, when given,
+    wins; this is read only without it."""
     raw = env.get("OTEL_TRACES_SAMPLER")
     if not raw or not raw.strip():
-        return default
+        return default, REMOTE_PARENT_AND_RATIO
     name = raw.strip().lower()
-    if name not in SAMPLER_RATIOS:
+    if name not in SAMPLERS:
         raise ValueError(f"OTEL_TRACES_SAMPLER={raw!r} is not accepted by kvscope: accepted are "
-                         f"{', '.join(SAMPLER_RATIOS)} (or leave it out and set trace_sample_ratio)")
-    ratio = SAMPLER_RATIOS[name]
+                         f"{', '.join(SAMPLERS)} (or leave it out and set trace_sample_ratio)")
+    ratio, remote_parent = SAMPLERS[name]
     if ratio is not None:
-        return ratio
+        return ratio, remote_parent
     arg = env.get("OTEL_TRACES_SAMPLER_ARG")
     if arg is None or not arg.strip():
-        return 1.0  # the specification's default
+        return 1.0, remote_parent  # the specification's default
     try:
         ratio = float(arg)
     except ValueError:
         ratio = float("nan")
     if not 0.0 <= ratio <= 1.0:
         raise ValueError(f"OTEL_TRACES_SAMPLER_ARG={arg!r} is not accepted for {name}: expected a number from 0 to 1")
-    return ratio
+    return ratio, remote_parent

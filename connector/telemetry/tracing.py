@@ -19,12 +19,16 @@ Sinks (`sinks`): the trace file and OTLP export as the standard ``OTEL_*`` varia
 A request that sampling drops builds no span objects either: its spans are all one shared,
 ended, non-recording span, so an unsampled request costs a trace id and a comparison.
 
-Sampling (the rule of ``ParentBased(root=TraceIdRatioBased(r), remote_parent_sampled=TraceIdRatioBased(r))``).
-Children of a local span follow it; a remote parent that is not sampled drops the span. The ratio
-is also applied under a sampled remote parent (an upstream ``traceparent`` or our own carrier on
-the worker): the decision is a function of the trace id alone, so the scheduler and every worker
-agree and a request's trace is kept or dropped whole, and ``trace_sample_ratio`` means the
-fraction of requests traced whether or not the client sent a ``traceparent``.
+Sampling, with ``trace_sample_ratio`` r (the rule of ``ParentBased(root=TraceIdRatioBased(r),
+remote_parent_sampled=TraceIdRatioBased(r))``): children of a local span follow it; a remote parent
+that is not sampled drops the span. The ratio is also applied under a sampled remote parent (an
+upstream ``traceparent`` or our own carrier on the worker): the decision is a function of the trace
+id alone, so the scheduler and every worker agree and a request's trace is kept or dropped whole,
+and ``trace_sample_ratio`` means the fraction of requests traced whether or not the client sent a
+``traceparent``. Without it, ``OTEL_TRACES_SAMPLER`` keeps its standard meaning, as vLLM's own tracer
+reads it: a ``parentbased_*`` sampler follows a remote parent's sampled flag (the ratio decides new
+traces only), a plain one applies its ratio whatever the parent says. A worker follows the
+scheduler's carrier either way, because the scheduler sends one only for a sampled request.
 """
 
 from __future__ import annotations
@@ -46,7 +50,14 @@ from opentelemetry.trace import NonRecordingSpan, Span, SpanContext, TraceFlags,
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from connector.telemetry.export_process import ExportProcess
-from connector.telemetry.otel_env import check_otlp_env, exporter_warnings, sample_ratio_from_env
+from connector.telemetry.otel_env import (
+    REMOTE_PARENT_AND_RATIO,
+    REMOTE_PARENT_FOLLOWED,
+    REMOTE_PARENT_IGNORED,
+    check_otlp_env,
+    exporter_warnings,
+    sampler_from_env,
+)
 from connector.telemetry.sinks import (
     DEFAULT_SERVICE_NAME,
     SdkSpanExporter,
@@ -83,7 +94,8 @@ EXPORT_MODE_VARIABLE = "KVSCOPE_TRACE_EXPORT"
 class KVScopeTracing:
     """The connector's tracer, sinks and propagation helpers (one per process)."""
 
-    def __init__(self, processor=None, resource: Resource | None = None, sample_ratio: float = 1.0):
+    def __init__(self, processor=None, resource: Resource | None = None, sample_ratio: float = 1.0,
+                 remote_parent: str = REMOTE_PARENT_AND_RATIO):
         # `processor` gets the record of every ended, sampled span (`on_end`); None means tracing
         # is off. No SDK TracerProvider/Tracer: records become SDK spans, if ever, on the export thread.
         self._processor = processor
@@ -91,6 +103,7 @@ class KVScopeTracing:
         self.resource = resource if processor is not None else None
         self._ids = OsRandomIdGenerator() if processor is not None else None
         self._bound = trace_id_bound(sample_ratio)
+        self._remote_parent = remote_parent  # how a remote parent samples (`otel_env.REMOTE_PARENT_*`)
         self._shutdown_done = False
         self._lost_told: dict[str, int] = {}  # lost span records `take_lost_records` has told of, by reason
         if processor is not None:  # a forked child's batcher counts its own from zero
@@ -117,9 +130,9 @@ class KVScopeTracing:
     ) -> KVScopeTracing:
         """Build tracing from the connector config (``trace_file``, ``trace_sample_ratio``) and ``OTEL_*``.
 
-        ``sample_ratio`` None means ``OTEL_TRACES_SAMPLER``'s ratio (`otel_env.sample_ratio_from_env`),
-        else 1.0. Raises ``ValueError`` for a ratio outside 0..1 and for ``OTEL_*`` values that are
-        wrong (`otel_env`).
+        ``sample_ratio`` None means ``OTEL_TRACES_SAMPLER``'s ratio and remote-parent rule
+        (`otel_env.sampler_from_env`), else 1.0. Raises ``ValueError`` for a ratio outside 0..1 and
+        for ``OTEL_*`` values that are wrong (`otel_env`).
         ``resource_attributes`` join every span's resource (`resource_from_env`).
         """
         ratio = _check_ratio(sample_ratio)
@@ -134,8 +147,9 @@ class KVScopeTracing:
             check_otlp_env(env)
         for warning in exporter_warnings(env):
             logger.warning(warning)
+        remote_parent = REMOTE_PARENT_AND_RATIO
         if sample_ratio is None:
-            ratio = sample_ratio_from_env(env)
+            ratio, remote_parent = sampler_from_env(env)
         resource = resource_from_env(env, resource_attributes)
         sinks = Sinks(trace_file or None, {k: v for k, v in env.items() if k.startswith("OTEL_")},
                       dict(resource.attributes))
@@ -145,7 +159,7 @@ class KVScopeTracing:
             return cls.disabled()
         batcher = SpanBatcher(exporters, schedule_delay_s=_BATCH_SCHEDULE_DELAY_S, max_queue=_BATCH_MAX_QUEUE,
                               max_batch=_HELPER_BATCH_SIZE if mode == "process" else _BATCH_SIZE)
-        return cls(batcher, resource, ratio)
+        return cls(batcher, resource, ratio, remote_parent)
 
     @classmethod
     def for_exporter(
@@ -192,9 +206,12 @@ class KVScopeTracing:
         parent = trace.get_current_span(context).get_span_context() if context is not None else None
         if parent is not None and parent.is_valid:
             trace_id = parent.trace_id
-            # a remote parent (upstream traceparent, our carrier on a worker) must be sampled and
-            # pass the ratio on the same trace id
-            sampled = parent.trace_flags.sampled and (not parent.is_remote or self._keeps(trace_id))
+            if not parent.is_remote or self._remote_parent == REMOTE_PARENT_FOLLOWED:
+                sampled = parent.trace_flags.sampled
+            elif self._remote_parent == REMOTE_PARENT_IGNORED:  # a plain OTEL_TRACES_SAMPLER: the ratio alone
+                sampled = self._keeps(trace_id)
+            else:  # trace_sample_ratio: sampled upstream, and the ratio on the same trace id
+                sampled = parent.trace_flags.sampled and self._keeps(trace_id)
             return (trace_id, parent) if sampled else None
         trace_id = self._ids.generate_trace_id()
         return (trace_id, None) if self._keeps(trace_id) else None
@@ -359,7 +376,9 @@ class KVScopeTracing:
         if self._processor is None or not carrier:
             return None
         trace_id, span_id, state = carrier
-        if not self._keeps(trace_id):
+        # a carrier's span is sampled: a parent-based sampler follows it, the others ask the ratio (as
+        # the scheduler did on the same trace id)
+        if self._remote_parent != REMOTE_PARENT_FOLLOWED and not self._keeps(trace_id):
             return self._dropped
         return SpanRef(trace_id, span_id, None, False, TraceState.from_header([state]) if state else None, 0,
                        is_remote=True)

@@ -98,6 +98,51 @@ def test_otel_traces_sampler_samples_only_without_trace_sample_ratio(tmp_path, r
         t.shutdown()
 
 
+def _random_traceparent(rng, sampled: bool) -> dict:
+    return {"traceparent": f"00-{rng.getrandbits(128):032x}-{rng.getrandbits(64) | 1:016x}-{'01' if sampled else '00'}"}
+
+
+@pytest.mark.parametrize("sampler, arg, upstream_sampled, expected", [
+    # parentbased: a sampled traceparent is followed whatever the ratio (vLLM's own tracer traces it too)
+    ("parentbased_always_off", None, True, (1000, 1000)),
+    ("parentbased_traceidratio", "0.1", True, (1000, 1000)),
+    ("parentbased_always_on", None, False, (0, 0)),
+    # plain samplers: the ratio alone, the traceparent's flag ignored
+    ("always_off", None, True, (0, 0)),
+    ("always_on", None, False, (1000, 1000)),
+    ("traceidratio", "0.5", False, (430, 570)),
+    # trace_sample_ratio (no OTEL_TRACES_SAMPLER): sampled upstream and the ratio
+    (None, None, True, (430, 570)),
+    (None, None, False, (0, 0)),
+])
+def test_otel_traces_sampler_treats_a_traceparent_as_its_standard_meaning_says(tmp_path, sampler, arg,
+                                                                              upstream_sampled, expected):
+    """`parentbased_always_off` recorded nothing under a sampled traceparent, so kvscope's spans were
+    missing from the request traces vLLM's own tracer kept under the same variable."""
+    import random
+
+    env = {"KVSCOPE_TRACE_EXPORT": "thread"}
+    env |= {"OTEL_TRACES_SAMPLER": sampler} if sampler else {}
+    env |= {"OTEL_TRACES_SAMPLER_ARG": arg} if arg else {}
+    scheduler = KVScopeTracing.from_config(str(tmp_path / "s.jsonl"), None if sampler else 0.5, env=env)
+    worker = KVScopeTracing.from_config(str(tmp_path / "w.jsonl"), None if sampler else 0.5, env=env)
+    rng = random.Random(3)
+    try:
+        kept = 0
+        for _ in range(1000):
+            load = scheduler.start_span("kvscope.load", context=scheduler.context_from_trace_headers(
+                _random_traceparent(rng, upstream_sampled)))
+            carrier = scheduler.carrier_of(load)
+            assert (carrier is not None) == load.is_recording()
+            if carrier is not None:  # the worker keeps every request the scheduler kept: whole traces
+                assert worker.may_record(worker.parent_from_carrier(carrier))
+                kept += 1
+        assert expected[0] <= kept <= expected[1]
+    finally:
+        scheduler.shutdown()
+        worker.shutdown()
+
+
 # ------------------------------------------------------------------ file sink end to end
 def test_trace_file_sink_through_the_batch_processor(tmp_path):
     path = tmp_path / "traces.jsonl"

@@ -374,6 +374,9 @@ def test_check_of_the_json_alone_is_for_an_engine_of_one_worker(monkeypatch):
     ({"OTEL_EXPORTER_OTLP_ENDPOINT": "collector:4318", "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf"},
      "it has no http:// or https:// scheme"),
     ({"OTEL_EXPORTER_OTLP_ENDPOINT": "collector:0"}, "its port is not 1..65535"),
+    ({"OTEL_EXPORTER_OTLP_ENDPOINT": "grpc://collector:4317", "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf"},
+     "its scheme is 'grpc'; expected http://host:port or https://host:port"),
+    ({"OTEL_EXPORTER_OTLP_ENDPOINT": "unix:"}, "it names no target"),
     ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4317", "OTEL_EXPORTER_OTLP_HEADERS": "a=1,secret-token"},
      "OTEL_EXPORTER_OTLP_HEADERS: its entry 2 is not key=value (the value is not shown"),
     ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4317", "OTEL_TRACES_SAMPLER": "xray"},
@@ -402,6 +405,9 @@ def test_otel_variables_kvscope_would_act_on_wrongly_are_refused_naming_them(mon
     ("http://collector:4317", "grpc"), ("https://collector.example.com", "grpc"), ("collector:4317", "grpc"),
     ("[::1]:4317", "grpc"), ("http://[::1]:4318", "http/protobuf"),
     ("https://otlp.example.com/v1/traces", "http/protobuf"),
+    # vLLM's OpenTelemetry example's form, which vLLM passes on to its engine processes
+    ("grpc://10.0.0.5:4317", "grpc"), ("otel_collector:4317", "grpc"), ("http://otel_collector:4318", "http/protobuf"),
+    ("unix:///run/otel/otlp.sock", "grpc"), ("dns:///collector:4317", "grpc"),  # gRPC targets
 ])
 def test_endpoints_the_otlp_exporters_take_are_accepted(endpoint, protocol):
     from connector.telemetry.otel_env import check_otlp_env
@@ -410,8 +416,11 @@ def test_endpoints_the_otlp_exporters_take_are_accepted(endpoint, protocol):
 
 
 @pytest.mark.parametrize("sampler, arg, ratio", [
-    ("always_on", None, 1.0), ("parentbased_always_off", None, 0.0), ("traceidratio", "0.25", 0.25),
-    ("parentbased_traceidratio", None, 1.0), ("ParentBased_TraceIdRatio", "0.5", 0.5),
+    ("always_on", None, "1.0, whatever a traceparent says"),
+    ("parentbased_always_off", None, "0.0 of new traces; a sampled traceparent is always followed"),
+    ("traceidratio", "0.25", "0.25, whatever a traceparent says"),
+    ("parentbased_traceidratio", None, "1.0 of new traces; a sampled traceparent is always followed"),
+    ("ParentBased_TraceIdRatio", "0.5", "0.5 of new traces; a sampled traceparent is always followed"),
 ])
 def test_otel_traces_sampler_sets_the_ratio_without_trace_sample_ratio(monkeypatch, capsys, tmp_path, sampler, arg,
                                                                        ratio):
