@@ -123,3 +123,40 @@ def test_an_exporter_that_raises_while_shutting_down_never_stops_the_engines_shu
 
     LogOnceExporter(Raising(), "OTLP test").shutdown()
     assert Raising.calls == 1
+
+
+@pytest.mark.parametrize("form", ["grpc://127.0.0.1:{port}", "127.0.0.1:{port}", "unix://{socket}"])
+def test_a_load_reaches_a_grpc_collector_at_each_endpoint_form_the_exporter_takes(tmp_path, form):
+    """`grpc://host:4317` is vLLM's OpenTelemetry example's form (vLLM passes it to its engine
+    processes); a check once refused it, and gRPC targets, at start-up."""
+    from concurrent import futures
+
+    import grpc
+    from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+
+    received: list[str] = []
+
+    class Collector(trace_service_pb2_grpc.TraceServiceServicer):
+        def Export(self, request, context):
+            received.extend(span.name for rs in request.resource_spans for ss in rs.scope_spans for span in ss.spans)
+            return trace_service_pb2.ExportTraceServiceResponse()
+
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Collector(), server)
+    socket = tmp_path / "otlp.sock"
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.add_insecure_port(f"unix://{socket}")
+    server.start()
+    env = {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": form.format(port=port, socket=socket),
+           "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "grpc", EXPORT_MODE_VARIABLE: "thread"}
+    tracing = KVScopeTracing.from_config(None, 1.0, env=env)
+    try:
+        sched = make_scheduler(tracing)
+        request = make_request("r1", 200)
+        store_everything(sched, request)
+        plan(sched, request)
+        assert tracing.force_flush(10_000)
+    finally:
+        tracing.shutdown()
+        server.stop(0)
+    assert sorted(set(received)) == ["kvscope.group.scan", "kvscope.load", "kvscope.lookup"]
