@@ -317,6 +317,9 @@ class OtlpJsonLinesExporter(SpanExporter):
 
     def _after_fork(self) -> None:
         self._lock = threading.Lock()
+        # The append lock (`flock`) belongs to the open file: a child writing through the parent's would
+        # take it while the parent holds it. Its next export opens the file anew.
+        self._close()
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
         if not spans:

@@ -592,3 +592,35 @@ def test_a_writer_holding_the_append_lock_delays_an_export_only_briefly(tmp_path
     first, second, end = path.read_text().split("\n")
     assert first.startswith('{"torn{') and end == ""  # unchecked: glued to the partial line
     assert len(parse_json_line(second).resource_spans[0].scope_spans[0].spans) == len(spans)
+
+
+def test_a_forked_child_does_not_share_its_parents_append_lock(tmp_path, tracing, span_exporter, monkeypatch):
+    """flock belongs to the open file: a child writing through the descriptors it inherited took the
+    lock while its parent held it (thread export, in a process that forks after its first export)."""
+    import fcntl
+
+    from connector.telemetry import trace_file
+
+    monkeypatch.setattr(trace_file, "APPEND_LOCK_WAIT_S", 0.05)
+    _make_spans(tracing)
+    spans = span_exporter.get_finished_spans()
+    path = tmp_path / "t.jsonl"
+    exporter = OtlpJsonLinesExporter(path)
+    try:
+        assert exporter.export(spans) is SpanExportResult.SUCCESS
+        fcntl.flock(exporter._tail_fd, fcntl.LOCK_EX)  # the parent, in the middle of an append
+        pid = os.fork()
+        if pid == 0:  # the child: the lock must be out of its reach while the parent holds it
+            code = 1
+            try:
+                exporter._open()
+                code = 0 if not exporter._lock_for_append() else 3
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        fcntl.flock(exporter._tail_fd, fcntl.LOCK_UN)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert exporter.export(spans) is SpanExportResult.SUCCESS  # the parent's descriptors are its own still
+    finally:
+        exporter.shutdown()
+    assert len(path.read_text().splitlines()) == 2
