@@ -68,8 +68,9 @@ SEED = 20261202
 
 # ----------------------------------------------------------------------------- the old ordering
 class HeadFirstIndex(HostIndex):
-    """The host index as it was: a load's pin moves its key to the most-recent end (in the order the
-    load pins them: prompt order, group by group), and `touch` did not exist (a no-op here)."""
+    """The host index's load order as it was (its eviction walk is today's): a load's pin moves its
+    key to the most-recent end (in the order the load pins them: prompt order, group by group), and
+    `touch` did not exist (a no-op here)."""
 
     def pin_for_load(self, key):
         slot = super().pin_for_load(key)

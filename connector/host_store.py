@@ -38,7 +38,8 @@ class HostIndex:
         if num_slots <= 0:
             raise ValueError(f"host tier needs at least one slot, got {num_slots}")
         self.num_slots = num_slots
-        self._entries: OrderedDict[Key, _Entry] = OrderedDict()  # LRU order: oldest first
+        # Least recently used first; held entries an eviction walked past go last (`_evict_one`)
+        self._entries: OrderedDict[Key, _Entry] = OrderedDict()
         self._free = list(range(num_slots - 1, -1, -1))
         self.evicted_total = 0
         # With KV cache events on, a list: each entry made ready, and each ready entry that leaves

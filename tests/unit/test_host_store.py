@@ -485,7 +485,7 @@ class HostIndexMachine(RuleBasedStateMachine):
         assert 0 <= slot < self.n
         self.model[key] = [slot, False, 1, False]
         self.order.append(key)
-        for k, s in pinned_before.items():  # pinned entries survive, in place
+        for k, s in pinned_before.items():  # pinned entries survive, in their slots
             assert self.index.contains(k) and k in self.model and self.model[k][0] == s
 
     @precondition(lambda self: self.index is not None)
