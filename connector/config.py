@@ -226,41 +226,60 @@ def physical_memory_bytes() -> int | None:
         return None
 
 
+def _sample_ratio(ratio: Any) -> float:
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)):
+        raise _bad("trace_sample_ratio", ratio)
+    try:
+        in_range = 0.0 <= float(ratio) <= 1.0  # False for NaN
+    except OverflowError:  # an int too large for a float
+        in_range = False
+    if not in_range:
+        raise _bad("trace_sample_ratio", ratio)
+    return float(ratio)
+
+
 def parse_config(extra: Mapping[str, Any] | None) -> KVScopeConfig:
+    """The connector's config from ``kv_connector_extra_config``; a `ConfigError` names every problem
+    at once (an operator whose engine takes a minute to load the model fixes them in one go)."""
     extra = dict(extra or {})
+    problems: list[str] = []
+
+    def checked(check, *args):
+        try:
+            return check(*args)
+        except ConfigError as exc:
+            problems.append(str(exc))
+            return None
+
     unknown = sorted(set(extra) - set(_ACCEPTED))
     if unknown:
-        raise ConfigError(
+        problems.append(
             "kv_connector_extra_config has unknown key(s) "
             + ", ".join(f"{k}={extra[k]!r}" for k in unknown)
             + "; accepted keys: "
             + ", ".join(f"{k} ({v})" for k, v in _ACCEPTED.items())
         )
+    cpu_bytes = None
     if "cpu_bytes" not in extra:
-        raise ConfigError(
-            "kv_connector_extra_config.cpu_bytes is missing: expected " + _ACCEPTED["cpu_bytes"]
-        )
-    cpu_bytes = _positive_int("cpu_bytes", extra["cpu_bytes"])
+        problems.append("kv_connector_extra_config.cpu_bytes is missing: expected " + _ACCEPTED["cpu_bytes"])
+    else:
+        cpu_bytes = checked(_positive_int, "cpu_bytes", extra["cpu_bytes"])
     block_size = extra.get("block_size")
     if block_size is not None:
-        block_size = _positive_int("block_size", block_size)
+        block_size = checked(_positive_int, "block_size", block_size)
     trace_file = extra.get("trace_file")
     if trace_file is not None:
-        trace_file = _writable_file("trace_file", trace_file)
+        trace_file = checked(_writable_file, "trace_file", trace_file)
     ratio = extra.get("trace_sample_ratio")
     if ratio is not None:
-        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)):
-            raise _bad("trace_sample_ratio", ratio)
-        try:
-            in_range = 0.0 <= float(ratio) <= 1.0  # False for NaN
-        except OverflowError:  # an int too large for a float
-            in_range = False
-        if not in_range:
-            raise _bad("trace_sample_ratio", ratio)
-        ratio = float(ratio)
+        ratio = checked(_sample_ratio, ratio)
     port = extra.get("metrics_port")
     if port is not None:
-        port = _positive_int("metrics_port", port, upper=65535)
+        port = checked(_positive_int, "metrics_port", port, 65535)
+    if len(problems) == 1:
+        raise ConfigError(problems[0])
+    if problems:
+        raise ConfigError(f"kv_connector_extra_config has {len(problems)} problems:\n- " + "\n- ".join(problems))
     return KVScopeConfig(
         cpu_bytes=cpu_bytes,
         block_size=block_size,

@@ -118,7 +118,17 @@ def test_unknown_key_lists_accepted_keys():
 def test_unknown_keys_all_named_and_reported_before_other_errors():
     message = _error({"zeta": 1, "alpha": 2})  # cpu_bytes missing too: unknown keys come first
     assert "alpha=2, zeta=1" in message
-    assert "cpu_bytes" in message  # among the accepted keys
+    assert message.index("unknown key(s)") < message.index("cpu_bytes is missing")
+
+
+def test_every_problem_is_named_at_once():
+    """One at a time, each fix cost an operator another engine start (the model loads first)."""
+    message = _error({"cpu_bytes": "8G", "trace_sampel_ratio": 0.5, "block_size": 0, "metrics_port": 70000,
+                      "trace_sample_ratio": 2})
+    assert message.startswith("kv_connector_extra_config has 5 problems:\n- ")
+    assert "trace_sampel_ratio=0.5" in message
+    for key, value in (("cpu_bytes", "8G"), ("block_size", 0), ("metrics_port", 70000), ("trace_sample_ratio", 2)):
+        _assert_names(message, key, value)
 
 
 # --- block_size ---------------------------------------------------------------------------------
