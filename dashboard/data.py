@@ -67,7 +67,10 @@ def require_requests() -> Loaded:
     loaded = current()
     if loaded.requests.empty:
         if loaded.traces.files:
-            st.info("The trace files hold no kvscope lookup or load spans. " + HOW_TO_ADD_TRACES)
+            skipped = any(p.reason != traces.DUPLICATE_SPAN for p in loaded.traces.problems)
+            st.info("The trace files hold no kvscope lookup or load spans"
+                    + (" that could be read (the warning above says what was skipped). " if skipped else ". ")
+                    + HOW_TO_ADD_TRACES)
         elif empty_folders():  # paths were given: say why nothing came of them, not "no trace files yet"
             for note in empty_folders():
                 st.warning(note, icon=":material/folder_off:")

@@ -24,8 +24,9 @@ def read_problems(read: traces.Traces) -> None:
     two files) only a note, as they count once."""
     duplicates = [p for p in read.problems if p.reason == traces.DUPLICATE_SPAN]
     if duplicates:
-        st.caption(f"{sum(p.spans or 0 for p in duplicates)} span(s) were in two of the files read (a Collector's "
-                   "copy beside the connector's trace file, or a file given twice): each counts once.")
+        st.caption(f"{sum(p.spans or 0 for p in duplicates)} span(s) were read twice, in one file or in two of "
+                   "the files read (a Collector's copy beside the connector's trace file, a file given twice, or "
+                   "a file holding a copy of itself): each counts once.")
     problems = [p for p in read.problems if p.reason != traces.DUPLICATE_SPAN]
     if not problems:
         return
@@ -38,12 +39,17 @@ def read_problems(read: traces.Traces) -> None:
         skipped += f", and an unknown number in {unknown} line(s) or file(s) that could not be read"
     st.warning(
         f"{len(problems)} problem(s) while reading the trace files ({lines} line(s), {skipped}): "
-        f"{traces.problem_lines(problems)}. Everything else is shown.",
+        f"{traces.problem_lines(problems)}." + (" Everything else is shown." if not read.empty else ""),
         icon=":material/warning:",
     )
     with st.expander("Skipped lines and spans"):
-        st.dataframe(traces.problems_frame(problems), hide_index=True, width="stretch", placeholder="unknown",
-                     column_config={"reason": st.column_config.TextColumn("reason", width="large")})
+        st.dataframe(traces.problems_frame(problems), hide_index=True, width="stretch", placeholder="–",
+                     column_config={
+                         "line": st.column_config.NumberColumn("line", help="–: the whole file"),
+                         "reason": st.column_config.TextColumn("reason", width="large"),
+                         "spans skipped": st.column_config.NumberColumn(
+                             "spans skipped", help="–: unknown (a line or file that could not be read)"),
+                     })
 
 
 def request_waterfall(spans: pd.DataFrame, requests: pd.DataFrame, request: pd.Series, *, key: str,

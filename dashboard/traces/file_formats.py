@@ -56,7 +56,8 @@ def as_json_lines(label: str, data: bytes) -> tuple[bytes | None, list[Problem]]
         return None, problems + [Problem(label, 0, PROMETHEUS_TEXT, spans=None)]
     # A JSON line ends in "}" (or "]": a list of exports); a pretty-printed document's first line in "{", "[" or
     # ",". Only then is the whole file parsed as one document: a long first line parsed twice would cost seconds.
-    if first[:1] in (b"{", b"[") and not first.endswith((b"}", b"]")):
+    # One line alone is no pretty-printed document: a line cut short, which the line decoder names as such.
+    if first[:1] in (b"{", b"[") and not first.endswith((b"}", b"]")) and b"\n" in data.strip():
         try:
             document = json.loads(data)
         except (ValueError, RecursionError):

@@ -40,6 +40,7 @@ def request_group_copies(spans: pd.DataFrame, trace_id: str, request_id: str) ->
     failed = (copies["status_code"] == STATUS_ERROR).to_numpy()
     copies = copies.assign(
         failed=failed,
+        moved_bytes=copies["copy_bytes"].where(~failed, 0),  # a failed copy moved nothing (`copies_of`)
         timed_ms=copies["duration_ms"].where(duration_ok(copies) & ~failed),
         group_kind=copies["group_kind"].astype(str),
     )
@@ -47,7 +48,7 @@ def request_group_copies(spans: pd.DataFrame, trace_id: str, request_id: str) ->
     out = pd.DataFrame({
         "workers": g.size(),
         "blocks": g["copy_blocks"].max(),
-        "bytes": g["copy_bytes"].sum(),
+        "bytes": g["moved_bytes"].sum(),
         # the slowest worker's time; unknown when any worker's time is (it may have been the slowest)
         "copy_ms": g["timed_ms"].max().where(g["timed_ms"].count() == g.size()),
         "failed": g["failed"].any(),

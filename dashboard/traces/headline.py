@@ -50,6 +50,10 @@ def overview_numbers(requests: pd.DataFrame, spans: pd.DataFrame) -> dict[str, f
         **request_numbers(requests),
         "loads": int(len(loads)),
         "loads_without_copies": int((loads["copies"] == 0).sum()),
+        # copies whose parent is no load or store of the files (another trace id: a worker that lost the trace
+        # context, or the scheduler's file missing): in the byte totals, in no request's. A copy without
+        # parent (a store traced in its own trace) is not one of them.
+        "copies_without_owner": int((copies["owner_key"].isna() & (copies["parent_span_id"] != "")).sum()),
         "bytes_loaded": int(by_dir.get("load", 0)),
         "bytes_stored": int(by_dir.get("store", 0)),
         "spans": int(len(spans)),

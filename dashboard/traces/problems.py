@@ -27,29 +27,37 @@ class Problem:
 
 
 def problems_frame(problems: Sequence[Problem]) -> pd.DataFrame:
-    """Problems as a table sorted by file and line."""
+    """Problems as a table sorted by file and line: a problem with a whole file first, its line NA (not 0,
+    which no file has); spans skipped NA where unknown."""
     frame = pd.DataFrame(
         [(p.file, p.line, p.reason, p.spans) for p in problems],
         columns=["file", "line", "reason", "spans skipped"],
     )
-    return frame.sort_values(["file", "line"], kind="stable").reset_index(drop=True)
+    frame = frame.sort_values(["file", "line"], kind="stable").reset_index(drop=True)
+    frame["line"] = frame["line"].astype("Int64").mask(frame["line"] == 0)
+    frame["spans skipped"] = frame["spans skipped"].astype("Int64")
+    return frame
 
 
 def problem_lines(problems: Sequence[Problem], limit: int = 8) -> str:
     """Where the problems are, briefly: "a.jsonl lines 3, 4, 10; b.jsonl (cannot read file: No such file or
-    directory)": a problem with a whole file says what it is, as the file may hold nothing else."""
-    by_file: dict[str, tuple[set[int], dict[str, None]]] = {}  # a set: a file can have 100k bad lines
+    directory)": a problem with a whole file says what it is, as the file may hold nothing else, and so
+    does a file's only bad line ("c.json line 1 (no resourceSpans: ...)")."""
+    by_file: dict[str, tuple[dict[int, str], dict[str, None]]] = {}  # a dict: a file can have 100k bad lines
     for p in problems:
-        lines, reasons = by_file.setdefault(p.file, (set(), {}))
+        lines, reasons = by_file.setdefault(p.file, ({}, {}))
         if p.line:
-            lines.add(p.line)
+            lines.setdefault(p.line, p.reason)
         else:
             reasons[p.reason] = None  # a dict keeps them in order, once each
     parts = []
     for file, (lines, reasons) in by_file.items():
         name = Path(file).name if not file.startswith("upload: ") else file
         where = [f"({reason})" for reason in reasons]
-        if lines:
-            where.append(f"line{'s' if len(lines) > 1 else ''} {names(sorted(lines), limit)}")
+        if len(lines) == 1:
+            (line, reason), = lines.items()
+            where.append(f"line {line} ({reason})")
+        elif lines:
+            where.append(f"lines {names(sorted(lines), limit)}")
         parts.append(f"{name} {' '.join(where)}")
     return "; ".join(parts)

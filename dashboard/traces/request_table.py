@@ -5,7 +5,7 @@ from __future__ import annotations
 import pandas as pd
 
 from connector.miss_reasons import miss_reasons_explained
-from dashboard.traces.schema import COPY, LOAD, LOOKUP, REQUEST_KEY, STATUS_ERROR, STORE
+from dashboard.traces.schema import COPY, LOAD, LOOKUP, REQUEST_KEY, STATUS_ERROR, STORE, copies_of
 from dashboard.traces.vllm_join import VLLM_REQUEST_COLUMNS, with_vllm_columns
 
 LOAD_TIME_DEFINITION = (
@@ -145,7 +145,7 @@ def request_labels(requests: pd.DataFrame) -> pd.Series:
 def _bytes_stored(spans: pd.DataFrame) -> pd.Series:
     """Bytes of the store copies of each request's stores, by `REQUEST_KEY`."""
     stores = spans.loc[spans["name"] == STORE, ["span_key", *REQUEST_KEY]]
-    copies = spans.loc[(spans["name"] == COPY) & (spans["copy_direction"] == "store"), ["owner_key", "copy_bytes"]]
+    copies = copies_of(spans, "store")[["owner_key", "copy_bytes"]]
     joined = copies.dropna(subset=["owner_key"]).merge(stores, left_on="owner_key", right_on="span_key")
     return joined.groupby(REQUEST_KEY)["copy_bytes"].sum()
 
@@ -157,7 +157,10 @@ def load_rows(spans: pd.DataFrame) -> pd.DataFrame:
     load_ms spent copying; NA where load_ms is), its load copies and the bytes they moved, and whether
     it failed (`LOAD_FAILED_DEFINITION`)."""
     loads = spans.loc[spans["name"] == LOAD, ["span_key", *REQUEST_KEY, "span_id", "start_ns"]].set_index("span_key")
-    copies = spans[(spans["name"] == COPY) & (spans["copy_direction"] == "load")].groupby("owner_key", sort=False)
+    copies = spans[(spans["name"] == COPY) & (spans["copy_direction"] == "load")]
+    # a failed copy moved nothing, whatever bytes its span says (the connector's say 0), as `copies_of` counts
+    copies = copies.assign(moved_bytes=copies["copy_bytes"].where(copies["status_code"] != STATUS_ERROR, 0))
+    copies = copies.groupby("owner_key", sort=False)
     failed = copies["status_code"].max().reindex(loads.index).fillna(0) == STATUS_ERROR
     mistimed = ~copies["clock_ok"].all().reindex(loads.index).fillna(True).astype(bool)
     end = copies["end_ns"].max().astype("Int64").reindex(loads.index)
@@ -172,7 +175,7 @@ def load_rows(spans: pd.DataFrame) -> pd.DataFrame:
         "load_ms": load_ms,
         "copy_ms": copy_ms,
         "copies": copies.size().reindex(loads.index).fillna(0).astype("int64"),
-        "bytes": copies["copy_bytes"].sum().reindex(loads.index).astype("Int64"),
+        "bytes": copies["moved_bytes"].sum().reindex(loads.index).astype("Int64"),
         "failed": failed.astype(bool),
         "mistimed": mistimed,
     }).rename_axis("span_key").reset_index()

@@ -22,8 +22,13 @@ if numbers["requests_load_failed"]:
                icon=":material/error:")
 if numbers["loads_without_copies"]:
     st.warning(f"{formatting.count(numbers['loads_without_copies'])} of {formatting.count(numbers['loads'])} loads "
-               "have no copy spans: worker trace file missing or cut short? Their load times and bytes are not "
-               "counted.", icon=":material/warning:")
+               "have no copy spans: worker trace file missing or cut short, or their copies in another trace (see "
+               "below)? Their load times are unknown, and their bytes in no request's row.", icon=":material/warning:")
+if numbers["copies_without_owner"]:
+    st.warning(f"{formatting.count(numbers['copies_without_owner'])} copy span(s) belong to no load or store in "
+               "these files: their parent is none of them (a worker that lost the request's trace id, or the "
+               "scheduler's trace file missing). Their bytes count in the totals below, in no "
+               "request.", icon=":material/warning:")
 row = st.columns(5)
 row[0].metric("Requests", formatting.count(numbers["requests"]))
 row[1].metric("Token hit rate", formatting.percent(numbers["hit_rate"]), help=traces.HIT_RATE_DEFINITION)

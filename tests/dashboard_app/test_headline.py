@@ -33,8 +33,30 @@ def test_overview_numbers_of_a_small_file(tmp_path):
     assert numbers == {
         "requests": 2, "requests_with_hit": 1, "requests_load_failed": 0, "tokens_queried": 150, "tokens_hit": 64,
         "hit_rate": 64 / 150, "loads_timed": 1, "load_p50_ms": 2.0, "load_p95_ms": 2.0, "load_p99_ms": 2.0,
-        "loads": 2, "loads_without_copies": 1, "bytes_loaded": 4096, "bytes_stored": 0, "spans": 5,
-        "duration_s": 1.500001}
+        "loads": 2, "loads_without_copies": 1, "copies_without_owner": 0, "bytes_loaded": 4096, "bytes_stored": 0,
+        "spans": 5, "duration_s": 1.500001}
+
+
+def test_a_failed_copy_moves_nothing_on_every_page_and_a_copy_of_no_load_is_counted(tmp_path):
+    """A failed copy whose span still says bytes counted in the request's row and group table but not in the
+    overview's total; copies in another trace (a worker without the trace context) were said missing and
+    summed in the totals all the same."""
+    owner = "02" * 8
+    path = write(tmp_path, line(
+        lookup("r", 100, 64, span_id="01" * 8, trace=TRACE, start=T),
+        load("r", span_id=owner, parent="01" * 8, trace=TRACE, start=T + 1_000_000),
+        group_copy("load", 0, 0, 4096, T + 1_000_000, T + 3_000_000, owner=owner, n=1),
+        group_copy("load", 1, 0, 65536, T + 1_000_000, T + 3_000_000, owner=owner, n=2, failed=True),
+        {**group_copy("load", 0, 0, 1000, T + 4_000_000, T + 5_000_000, owner="09" * 8, n=3), "traceId": "ee" * 16}))
+    spans = traces.read_trace_files([path]).spans
+    requests = traces.requests_table(spans)
+    numbers = traces.overview_numbers(requests, spans)
+    assert numbers["copies_without_owner"] == 1
+    assert numbers["bytes_loaded"] == 4096 + 1000  # the copy of no load moved its bytes: in the total
+    (row,) = requests.itertuples()
+    assert row.load_failed and row.bytes_loaded == 4096
+    groups = traces.request_group_copies(spans, TRACE, "r")
+    assert groups["bytes"].tolist() == [4096, 0] and groups["failed"].tolist() == [False, True]
 
 
 def test_overview_numbers_without_copies_or_spans(tmp_path):

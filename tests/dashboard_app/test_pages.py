@@ -474,7 +474,7 @@ def test_warnings_for_unparsed_lines_and_loads_without_copies(monkeypatch, tmp_p
     assert_ok(at)
     problems, no_copies = at.warning[0].value, at.warning[1].value
     assert "0 kvscope span(s) skipped, and an unknown number in 1 line(s)" in problems
-    assert no_copies.startswith("1 of 1 loads have no copy spans: worker trace file missing or cut short?")
+    assert no_copies.startswith("1 of 1 loads have no copy spans: worker trace file missing or cut short")
     at.switch_page("views/request_explorer.py").run()
     at.text_input(key="request_search").input("r1").run()
     assert any("No copy span of its load was recorded" in w.value for w in at.warning)
@@ -489,7 +489,8 @@ def test_spans_in_two_files_are_a_note_not_a_problem(monkeypatch, tmp_path):
     assert_ok(at)
     assert not at.warning
     spans = len(raw_spans(TWO_ROUNDS))
-    assert f"{spans} span(s) were in two of the files read" in " ".join(c.value for c in at.caption)
+    captions = " ".join(c.value for c in at.caption)
+    assert f"{spans} span(s) were read twice, in one file or in two of the files read" in captions
     assert number(metrics(at)["Requests"]) == 20
 
 
@@ -532,3 +533,26 @@ def test_a_single_matching_row_is_shown_without_asking_for_a_selection(monkeypat
     assert_ok(at)
     assert at.subheader[0].value == "Request `cmpl-r2-03`"
     assert not any("first row is shown" in c.value for c in at.caption)
+
+
+def test_copies_in_another_trace_are_reported_not_only_their_loads(monkeypatch, tmp_path):
+    """A worker that lost the trace context: its copies joined nothing, and the page blamed a missing
+    worker file while its totals summed them."""
+    moved = tmp_path / "moved.jsonl"
+    lines = []
+    for raw in TWO_ROUNDS.read_text().splitlines():
+        doc = json.loads(raw)
+        for rs in doc["resourceSpans"]:
+            for ss in rs["scopeSpans"]:
+                for sp in ss["spans"]:
+                    if sp["name"] == "kvscope.group.copy":
+                        sp["traceId"] = "ee" * 16
+        lines.append(json.dumps(doc))
+    moved.write_text("\n".join(lines) + "\n")
+    copies = sum(s["name"] == "kvscope.group.copy" and bool(s["parent"]) for s in raw_spans(TWO_ROUNDS))
+    assert copies > 0
+    at = app(monkeypatch, moved)
+    assert_ok(at)
+    warnings = " ".join(w.value for w in at.warning)
+    assert f"{copies} copy span(s) belong to no load or store in these files" in warnings
+    assert "or their copies in another trace" in warnings

@@ -471,7 +471,7 @@ def test_gzip_files_and_uploaded_bytes(tmp_path):
 def test_problem_lines_summary():
     problems = [traces.Problem("/x/a.jsonl", n, "bad") for n in range(1, 12)] + [traces.Problem("b.jsonl", 0, "gone")]
     assert traces.problem_lines(problems) == "a.jsonl lines 1, 2, 3, 4, 5, 6, 7, 8 and 3 more; b.jsonl (gone)"
-    assert traces.problem_lines([traces.Problem("upload: c.jsonl", 4, "x")]) == "upload: c.jsonl line 4"
+    assert traces.problem_lines([traces.Problem("upload: c.jsonl", 4, "x")]) == "upload: c.jsonl line 4 (x)"
 
 
 def test_problem_lines_of_a_file_with_many_bad_lines():
@@ -483,8 +483,21 @@ def test_problem_lines_of_a_file_with_many_bad_lines():
 
 def test_problems_frame_is_sorted_by_file_and_line():
     problems = [traces.Problem("b", 2, "x"), traces.Problem("a", 9, "y"), traces.Problem("a", 1, "z")]
-    frame = traces.problems_frame(problems)
-    assert list(zip(frame["file"], frame["line"])) == [("a", 1), ("a", 9), ("b", 2)]
+    frame = traces.problems_frame(problems + [traces.Problem("b", 0, "w")])
+    assert list(zip(frame["file"], frame["line"].astype(object))) == [("a", 1), ("a", 9), ("b", pd.NA), ("b", 2)]
+
+
+@pytest.mark.parametrize("cut", [b'{"resourceSpans":[xxxx', b'{"resourceSpans":[{"resource":{"attributes":['])
+def test_a_file_of_one_line_cut_short_is_told_as_such_not_as_an_unparsable_document(tmp_path, cut):
+    """A short run's file can be one line: cut mid-line, it was reported at line 0 as a JSON document
+    that does not parse."""
+    path = tmp_path / "t.jsonl"
+    path.write_bytes(cut)
+    read = traces.read_trace_files([path])
+    assert [(p.line, p.reason) for p in read.problems] == [(1, reader.INCOMPLETE_LAST_LINE)]
+    path.write_bytes(cut + b"\n")  # ended, so not being written: not JSON, at its column
+    (problem,) = traces.read_trace_files([path]).problems
+    assert problem.line == 1 and problem.reason.startswith("not JSON: ")
 
 
 def test_connector_trace_file_sink_is_readable(tmp_path):
