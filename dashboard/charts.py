@@ -13,6 +13,8 @@ KIND_COLORS = {  # waterfall rows, by span kind
     "copy load": "#f58518",
     "store": "#b279a2",
     "copy store": "#e45756",
+    "copy load failed": "#1f1f1f",  # a worker's copy that failed: vLLM recomputed (a load) or dropped it (a store)
+    "copy store failed": "#1f1f1f",
 }
 DIRECTION_COLORS = alt.Scale(domain=["load", "store"], range=["#f58518", "#e45756"])
 
@@ -124,22 +126,33 @@ def replay_hit_rate(timeline: pd.DataFrame, step: int) -> alt.Chart:
     return line.properties(height=220)
 
 
+def byte_unit(n_bytes: float) -> tuple[str, float]:
+    """The decimal unit (as `formatting.data_size` writes it) in which ``n_bytes`` reads from 1 to 999, and its size."""
+    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n_bytes >= size:
+            return unit, size
+    return "B", 1.0
+
+
 def replay_traffic(timeline: pd.DataFrame, step: int) -> alt.Chart:
-    """Cumulative bytes copied to and from the host tier, in GB."""
+    """Cumulative bytes copied to and from the host tier, in the unit of the whole replay's total (the axis
+    keeps its unit while the replay runs)."""
     seen = timeline[timeline["step"] <= step]
     long = seen.melt(id_vars=["step"], value_vars=["cum_bytes_loaded", "cum_bytes_stored"],
                      var_name="direction", value_name="bytes")
     long["direction"] = long["direction"].map({"cum_bytes_loaded": "load", "cum_bytes_stored": "store"})
-    long["gb"] = long["bytes"] / 1e9
+    total = timeline[["cum_bytes_loaded", "cum_bytes_stored"]].max().max() if len(timeline) else 0
+    unit, size = byte_unit(float(total) if pd.notna(total) else 0.0)
+    long["amount"] = long["bytes"] / size
     return (
         alt.Chart(long)
         .mark_line(interpolate="step-after", point=alt.OverlayMarkDef(size=24))
         .encode(
             x=alt.X("step:Q", title="requests arrived", scale=alt.Scale(domain=[1, max(len(timeline), 2)])),
-            y=alt.Y("gb:Q", title="host traffic (GB)", scale=alt.Scale(domainMin=0)),
+            y=alt.Y("amount:Q", title=f"host traffic ({unit})", scale=alt.Scale(domainMin=0)),
             color=alt.Color("direction:N", scale=DIRECTION_COLORS,
                             legend=alt.Legend(orient="right", title=None)),
-            tooltip=["step:Q", "direction:N", alt.Tooltip("gb:Q", title="GB", format=".3f")],
+            tooltip=["step:Q", "direction:N", alt.Tooltip("amount:Q", title=unit, format=".3f")],
         )
         .properties(height=220)
     )

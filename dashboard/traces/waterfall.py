@@ -7,7 +7,7 @@ from typing import Any
 
 import pandas as pd
 
-from dashboard.traces.schema import ATTRIBUTE_COLUMNS, COPY, LOAD, LOOKUP, SCAN, STORE, group_label
+from dashboard.traces.schema import ATTRIBUTE_COLUMNS, COPY, LOAD, LOOKUP, SCAN, STATUS_ERROR, STORE, group_label
 from dashboard.traces.vllm_spans import VLLM_REQUEST_SPAN
 
 VLLM_KIND = "vLLM request"  # the waterfall's kind (and colour) of vLLM's own request span
@@ -48,8 +48,9 @@ def waterfall_rows(spans: pd.DataFrame, requests: pd.DataFrame, request_id: str,
     kind = rows["name"].astype(str)
     is_copy = kind == COPY
     kind = kind.where(~is_copy, "copy " + rows["copy_direction"].astype(str))
-    rows["kind"] = kind.str.replace("kvscope.", "", regex=False).replace(VLLM_REQUEST_SPAN, VLLM_KIND)
     rows["_order"] = kind.map(_ROW_ORDER).fillna(9)
+    kind = kind.where(~(is_copy & (rows["status_code"] == STATUS_ERROR)), kind + " failed")  # a colour of its own
+    rows["kind"] = kind.str.replace("kvscope.", "", regex=False).replace(VLLM_REQUEST_SPAN, VLLM_KIND)
     t0 = rows["start_ns"].min()
     rows["start_ms"] = (rows["start_ns"] - t0) / 1e6
     rows["end_ms"] = (rows["end_ns"] - t0) / 1e6

@@ -254,6 +254,23 @@ def test_replay(read, requests, expected):
         traces.replay_state(timeline.iloc[:0], 1)
 
 
+@pytest.mark.parametrize("total, unit", [(0, "B"), (999, "B"), (1000, "kB"), (13_500_000, "MB"), (2e9, "GB")])
+def test_byte_units_read_from_1_to_999(total, unit):
+    from dashboard import charts
+
+    assert charts.byte_unit(total)[0] == unit
+
+
+def test_the_replay_traffic_axis_is_in_the_unit_of_the_whole_replays_total(read, requests):
+    """A 13.5 MB replay read 0.000 to 0.010 GB on its axis."""
+    from dashboard import charts
+
+    timeline = traces.replay_timeline(requests, read.spans)
+    total = max(timeline["cum_bytes_loaded"].max(), timeline["cum_bytes_stored"].max())
+    chart = charts.replay_traffic(timeline, 1).to_dict()
+    assert chart["encoding"]["y"]["title"] == f"host traffic ({charts.byte_unit(total)[0]})"
+
+
 def test_search(requests):
     assert traces.search_requests(requests, "R2-0").shape[0] == 10
     shown = traces.search_requests(requests, "", show="hits or loads")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dashboard import traces
+from dashboard import charts, traces
 
 from .conftest import TWO_ROUNDS
 from .test_group_copies import group_copy
@@ -87,3 +87,18 @@ def test_rows_go_lookups_load_scans_copies_store_copies_whatever_the_file_order(
         "copy load g0 sliding_window rank 0", "copy load g1 full_attention rank 0", "store",
         "copy store g0 sliding_window rank 0", "copy store g1 full_attention rank 0"]
     assert rows["start_ms"].tolist() == [0.0, 6.0, 1.0, 2.0, 2.0, 3.0, 3.0, 8.0, 9.0, 9.0]
+
+
+def test_a_failed_copy_is_a_kind_of_its_own_in_its_place(tmp_path):
+    """A failed copy looked like any other in the chart: its status showed only in the table."""
+    load_id = "02" * 8
+    path = write(tmp_path, line(
+        lookup("r", span_id="01" * 8, start=T),
+        load("r", span_id=load_id, parent="01" * 8, start=T + 1 * MS),
+        group_copy("load", 1, 0, 0, T + 3 * MS, T + 4 * MS, owner=load_id, n=3, failed=True),
+        group_copy("load", 0, 0, 10, T + 3 * MS, T + 4 * MS, owner=load_id, n=4)))
+    spans = traces.read_trace_files([path]).spans
+    rows = traces.waterfall_rows(spans, traces.requests_table(spans), "r")
+    assert rows["row"].tolist() == ["lookup", "load", "copy load g0 sliding_window rank 0",
+                                    "copy load failed g1 full_attention rank 0"]
+    assert "copy load failed" in charts.KIND_COLORS
