@@ -111,6 +111,13 @@ def request_numbers(request: pd.Series) -> None:
 
 GROUP_COPY_TABLE_COLUMNS = {
     "group": st.column_config.TextColumn("group"),
+    "scanned": st.column_config.NumberColumn("scanned", help="Blocks the load's null-skip scan of the group looked at"),
+    "null_skipped": st.column_config.NumberColumn(
+        "null skipped", help="Null placeholder blocks the scan skipped: out-of-window sliding-window blocks, Mamba "
+        "padding"),
+    "pending": st.column_config.NumberColumn("pending", help="Blocks the scan planned to load: what the copies copy"),
+    "start_index": st.column_config.NumberColumn("start", help="Index of the first pending block in the group's "
+                                                 "block list"),
     "workers": st.column_config.NumberColumn("workers", help="Copy spans of the group: one per worker"),
     "blocks": st.column_config.NumberColumn("blocks", help="The most blocks a worker copied"),
     "bytes": st.column_config.NumberColumn("bytes", format="bytes", help="Summed over the workers"),
@@ -119,6 +126,9 @@ GROUP_COPY_TABLE_COLUMNS = {
     "slowest_rank": st.column_config.NumberColumn("slowest rank", help="The worker whose copy took longest"),
     "failed": st.column_config.CheckboxColumn("failed"),
 }
+
+
+SCAN_TABLE_COLUMNS = ("scanned", "null_skipped", "pending", "start_index")  # a load's only: a store scans nothing
 
 
 def group_copy_tables(spans: pd.DataFrame, request: pd.Series, *, key: str) -> None:
@@ -130,5 +140,7 @@ def group_copy_tables(spans: pd.DataFrame, request: pd.Series, *, key: str) -> N
         return
     for transfer, rows in copies.groupby("transfer", sort=False):
         st.caption(transfer)
-        st.dataframe(rows[list(GROUP_COPY_TABLE_COLUMNS)], column_config=GROUP_COPY_TABLE_COLUMNS, hide_index=True,
+        is_load = rows["direction"].iloc[0] == "load"
+        columns = [c for c in GROUP_COPY_TABLE_COLUMNS if is_load or c not in SCAN_TABLE_COLUMNS]
+        st.dataframe(rows[columns], column_config=GROUP_COPY_TABLE_COLUMNS, hide_index=True,
                      width="stretch", placeholder="unknown", key=f"{key}_{transfer}")

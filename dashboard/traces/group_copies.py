@@ -12,17 +12,23 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from dashboard.traces.schema import COPY, LOAD, STATUS_ERROR, STORE, duration_ok, group_label
+from dashboard.traces.schema import COPY, LOAD, SCAN, STATUS_ERROR, STORE, duration_ok, group_label
 
 GROUP_COPY_DEFINITION = (
     "One row per KV group of the load or store: workers is the number of copy spans (one per worker under "
     "tensor parallelism), blocks the most any worker copied, bytes the sum over workers; copy time is the "
     "slowest worker's (the transfer waits for it) and throughput the summed bytes over that time. A copy "
-    "that failed or ends before it starts (timed on another clock) leaves copy time and throughput unknown."
+    "that failed or ends before it starts (timed on another clock) leaves copy time and throughput unknown. "
+    "A load's rows also show the group's null-skip scan: the blocks it scanned, the null placeholders it "
+    "skipped (out-of-window sliding-window blocks, Mamba padding), the pending blocks it planned to load "
+    "(what its copies should copy) and the index of the first of them."
 )
+_SCAN_COLUMNS = {"blocks_total": "scanned", "blocks_null_skipped": "null_skipped", "blocks_pending": "pending",
+                 "blocks_start": "start_index"}  # a load's scan of the group, beside its copies
 
-GROUP_COPY_COLUMNS = ("transfer", "direction", "group", "group_index", "group_kind", "workers", "blocks",
-                      "bytes", "copy_ms", "gb_per_s", "slowest_rank", "failed", "start_ns")
+GROUP_COPY_COLUMNS = ("transfer", "direction", "group", "group_index", "group_kind", "scanned", "null_skipped",
+                      "pending", "start_index", "workers", "blocks", "bytes", "copy_ms", "gb_per_s", "slowest_rank",
+                      "failed", "start_ns")
 
 
 def request_group_copies(spans: pd.DataFrame, trace_id: str, request_id: str) -> pd.DataFrame:
@@ -59,6 +65,11 @@ def request_group_copies(spans: pd.DataFrame, trace_id: str, request_id: str) ->
     seconds = out["copy_ms"] / 1e3
     out["gb_per_s"] = out["bytes"].astype(float) / seconds.where(seconds > 0) / 1e9
     out = out.reset_index().join(transfers, on="owner_key")
+    scans = spans[(spans["name"] == SCAN) & spans["owner_key"].isin(own["span_key"])]
+    scans = scans.drop_duplicates(["owner_key", "group_index"])[["owner_key", "group_index", *_SCAN_COLUMNS]]
+    out = out.merge(scans.rename(columns=_SCAN_COLUMNS), on=["owner_key", "group_index"], how="left")
+    for col in _SCAN_COLUMNS.values():  # NA for a store, which scans nothing
+        out[col] = out[col].astype("Int64")
     out["group"] = [group_label(i, k) for i, k in zip(out["group_index"], out["group_kind"])]
     out = out.sort_values(["start_ns", "owner_key", "group_index"], kind="stable").reset_index(drop=True)
     out["workers"] = out["workers"].astype(np.int64)

@@ -64,7 +64,9 @@ st.dataframe(
         "miss_reason": st.column_config.TextColumn("served no more because", help=traces.MISS_REASON_DEFINITION),
         "tokens_local": st.column_config.NumberColumn("device hit", help="Tokens vLLM's own device prefix cache "
                                                       "had: the host tier was asked for the rest only"),
-        "tokens_external": st.column_config.NumberColumn("external"),
+        "tokens_external": st.column_config.NumberColumn(
+            "external", help="Tokens loaded: what its first load brought from the host tier (the load span's "
+            "kvscope.tokens.external; the Overview's tokens loaded)"),
         "groups": st.column_config.NumberColumn("groups"),
         "load_ms": st.column_config.NumberColumn("load time (ms)", format="%.3f",
                                                  help=traces.LOAD_TIME_DEFINITION),

@@ -100,9 +100,11 @@ def test_every_page_renders_without_errors(fake_prometheus, screenshot_dir, caps
         assert cells[headers.index("TTFT (ms)")] == ""  # its span (an older vLLM's) has no latencies: empty, not 0
         assert table(driver, 1)[1][0] == "vLLM request"
         headers, cells = table(driver, 2)
-        assert headers == ["group", "workers", "blocks", "bytes", "copy time (ms)", "GB/s", "slowest rank", "failed"]
+        assert headers == ["group", "scanned", "null skipped", "pending", "start", "workers", "blocks", "bytes",
+                           "copy time (ms)", "GB/s", "slowest rank", "failed"]
         rows = [dict(zip(headers, cells[i:i + len(headers)])) for i in range(0, len(cells), len(headers))]
         assert [(r["group"], r["workers"]) for r in rows] == [("g0 sliding_window", "1"), ("g1 full_attention", "1")]
+        assert all(r["pending"] == r["blocks"] for r in rows) and rows[0]["null skipped"] != "0"  # the window's nulls
         assert [float(r["GB/s"]) for r in rows] == pytest.approx([1.5, 1.5], rel=1e-3)  # the fixture's slow load
         search = driver.find_element(By.CSS_SELECTOR, 'input[aria-label="Search request or trace id"]')
         search.send_keys(Keys.CONTROL, "a")  # clear() leaves the app's value as it was

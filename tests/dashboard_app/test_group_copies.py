@@ -103,3 +103,28 @@ def test_the_fixtures_slow_load_per_group(expected):
     assert copies["bytes"].tolist() == [c["copy.bytes"] for c in raw]
     assert copies["gb_per_s"].tolist() == pytest.approx([1.5, 1.5], rel=1e-3)
     assert traces.request_group_copies(read.spans, "00" * 16, "cmpl-r2-06").empty
+
+
+def test_a_loads_rows_show_each_groups_scan_beside_its_copies(tmp_path):
+    """Checking a scan's pending blocks against what the copies copied took reading two tables."""
+    from .test_group_stats import scan
+
+    copies = copies_of(
+        tmp_path,
+        load("r", trace=TRACE, span_id="02" * 8, start=T),
+        scan(0, n=1, parent="02" * 8, total=6, skipped=5, start=T + 10),
+        scan(1, n=2, parent="02" * 8, total=6, skipped=0, start=T + 20),
+        group_copy("load", 0, 0, 100, T + 2 * MS, T + 3 * MS, owner="02" * 8, n=3, blocks=1),
+        group_copy("load", 1, 0, 600, T + 2 * MS, T + 3 * MS, owner="02" * 8, n=4, blocks=6),
+        store("r", trace=TRACE, span_id="03" * 8, start=T + 20 * MS),
+        group_copy("store", 1, 0, 100, T + 21 * MS, T + 23 * MS, owner="03" * 8, n=5, blocks=1),
+    )
+    rows = copies[["transfer", "group", "scanned", "null_skipped", "pending", "start_index", "blocks"]]
+    assert rows.astype(object).to_dict("records") == [
+        {"transfer": "load 1", "group": "g0 sliding_window", "scanned": 6, "null_skipped": 5, "pending": 1,
+         "start_index": 0, "blocks": 1},
+        {"transfer": "load 1", "group": "g1 full_attention", "scanned": 6, "null_skipped": 0, "pending": 6,
+         "start_index": 0, "blocks": 6},
+        {"transfer": "store 1", "group": "g1 full_attention", "scanned": None, "null_skipped": None,
+         "pending": None, "start_index": None, "blocks": 1},  # a store scans nothing
+    ]
