@@ -30,6 +30,7 @@ from .config import (
 )
 from .metadata import KVScopeMetadata
 from .scheduler import KVScopeScheduler
+from .telemetry.failures import telemetry_failed
 from .telemetry.metrics import KVScopePromMetrics, KVScopeStats, serve_metrics_port
 from .telemetry.span_records import ENGINE_RESOURCE_ATTRIBUTE
 from .telemetry.tracing import KVScopeTracing
@@ -237,14 +238,21 @@ class KVScopeConnector(KVConnectorBase_V1, SupportsHMA):
         return self._worker.build_worker_meta() if self._worker else None
 
     def shutdown(self) -> None:
-        if self._worker is not None:
-            self._worker.shutdown()
+        try:
+            if self._worker is not None:
+                self._worker.shutdown()
+        except Exception:  # the engine is going away: say so, and still export the spans queued
+            logger.exception("kvscope: the worker's shutdown failed")
         self.tracing.shutdown()
 
     # ---- stats (both sides; vLLM aggregates workers' and the scheduler's) ----
     def get_kv_connector_stats(self) -> KVScopeStats | None:
         side = self._scheduler or self._worker
-        return side.take_stats() if side is not None else None
+        try:
+            return side.take_stats() if side is not None else None
+        except Exception:  # metrics are lost for a step, not the engine (`telemetry_failed`)
+            telemetry_failed("get_kv_connector_stats")
+            return None
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVScopeStats:

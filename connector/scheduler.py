@@ -22,6 +22,7 @@ from .offload_keys import OffloadKeys
 from .piecewise_stores import Filling, PiecewiseStores
 from .planning import NULL_BLOCK_ID, GroupScan, scan_group
 from .state_blocks import StateBlocks
+from .telemetry.failures import telemetry_failed
 from .telemetry.metrics import KVScopeStats
 from .telemetry.span_records import LOOKUP_SPAN, STORE_SPAN
 from .telemetry.tracing import KVScopeTracing, SpanRef
@@ -322,8 +323,11 @@ class KVScopeScheduler:
         carrier = None
         if traced:
             # One record for the lookup, the load and its scans; the carrier puts the copy spans under the load.
-            carrier = tracing.end_load(parent, load_start, time.time_ns(),
-                                       (req_id, local, external, len(scans), scan_records, lookup_record))
+            try:
+                carrier = tracing.end_load(parent, load_start, time.time_ns(),
+                                           (req_id, local, external, len(scans), scan_records, lookup_record))
+            except Exception:  # the load's slots are pinned: it must reach the workers (`telemetry_failed`)
+                telemetry_failed("the load span")
         if failed:
             job.failed_at_plan = True
             logger.warning("kvscope: host blocks for request %s vanished before the load; "
@@ -434,8 +438,11 @@ class KVScopeScheduler:
             job = self._plan_store(state, done_after_step)
             if job is not None:
                 meta.stores.append(job)
-        self._update_capacity_stats()
-        self.tracing.end_step()  # this step's lookup, load and store spans are all recorded
+        try:
+            self._update_capacity_stats()
+            self.tracing.end_step()  # this step's lookup, load and store spans are all recorded
+        except Exception:  # the step's loads and stores are in `meta` (`telemetry_failed`)
+            telemetry_failed("the scheduler's end of step")
         return meta
 
     @staticmethod
@@ -563,10 +570,14 @@ class KVScopeScheduler:
         carrier = None
         tracing = self.tracing
         if tracing.may_record(state.trace_context):
-            span = tracing.open_span(state.trace_context)
-            carrier = tracing.carrier_of(span)  # None when sampling dropped it
-            tracing.end_span(STORE_SPAN, span, time.time_ns(),
-                             (request.request_id, len(parts), sum(len(p.block_ids) for p in parts)))
+            try:
+                span = tracing.open_span(state.trace_context)
+                carrier = tracing.carrier_of(span)  # None when sampling dropped it
+                tracing.end_span(STORE_SPAN, span, time.time_ns(),
+                                 (request.request_id, len(parts), sum(len(p.block_ids) for p in parts)))
+            except Exception:  # the job holds slots and is in `_jobs`: it must reach the workers
+                carrier = None
+                telemetry_failed("the store span")
         return TransferJob(job_id, request.request_id, STORE, parts, trace_carrier=carrier)
 
     def _next_store_tokens(self, stored_blocks: list[int], known: int) -> float:
@@ -601,10 +612,12 @@ class KVScopeScheduler:
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
         if not isinstance(meta, KVScopeWorkerMetadata):
             return
-        for job_id, n in meta.completed_jobs.items():
-            self._report(job_id, n, failed=False)
-        for job_id, n in meta.failed_jobs.items():
-            self._report(job_id, n, failed=True)
+        for failed, jobs in ((False, meta.completed_jobs), (True, meta.failed_jobs)):
+            for job_id, n in jobs.items():
+                try:
+                    self._report(job_id, n, failed=failed)
+                except Exception:  # its bookkeeping ran before its stats; the other reports still count
+                    telemetry_failed("a job report's stats")
 
     def has_unreported_jobs(self) -> bool:
         """Whether a load or store job still waits for a worker's report."""
@@ -724,6 +737,9 @@ class KVScopeScheduler:
             self._stats.record_scans(layout.index, layout.kind.value, sum(entry[1] for entry in log),
                                      sum(entry[2] for entry in log), [entry[0] / 1e9 for entry in log])
             log.clear()
-        for reason, records in self.tracing.take_lost_records().items():
-            self._stats.record_dropped_trace_records(reason, records)
+        try:
+            for reason, records in self.tracing.take_lost_records().items():
+                self._stats.record_dropped_trace_records(reason, records)
+        except Exception:
+            telemetry_failed("the scheduler's lost span count")
         return self._stats.take()

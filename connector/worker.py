@@ -11,6 +11,7 @@ import torch
 
 from .copy_engine import CopyEngine, CopyResult
 from .metadata import LOAD, STORE, KVScopeMetadata, KVScopeWorkerMetadata, TransferJob
+from .telemetry.failures import telemetry_failed
 from .telemetry.metrics import KVScopeStats
 from .telemetry.span_records import COPY_SPAN, FAILED_COPY_SPAN
 from .telemetry.tracing import KVScopeTracing
@@ -212,7 +213,7 @@ class KVScopeWorker:
             else:
                 self._record(job, flight.copies)
         except Exception:
-            logger.exception("kvscope: recording the stats or spans of %s job %d failed", job.direction, job.job_id)
+            telemetry_failed("a copy's stats or spans")
 
     def _copy_parent(self, job: TransferJob):
         """The parent of the job's copy spans (its load or store span), or None: untraced."""
@@ -256,15 +257,21 @@ class KVScopeWorker:
         # The step's copy spans are recorded: vLLM asks this last, except with speculative decoding
         # (the V1 runner, and the V2 runner from 0.33), where the stores run after it (after the drafter):
         # those are reported a step later.
-        self.tracing.end_step()
+        try:
+            self.tracing.end_step()
+        except Exception:  # the job reports below must reach the scheduler (`telemetry_failed`)
+            telemetry_failed("the worker's end of step")
         if not (self._meta.completed_jobs or self._meta.failed_jobs):
             return None
         meta, self._meta = self._meta, KVScopeWorkerMetadata()
         return meta
 
     def take_stats(self) -> KVScopeStats | None:
-        for reason, records in self.tracing.take_lost_records().items():
-            self._stats.record_dropped_trace_records(reason, records)
+        try:
+            for reason, records in self.tracing.take_lost_records().items():
+                self._stats.record_dropped_trace_records(reason, records)
+        except Exception:
+            telemetry_failed("the worker's lost span count")
         return self._stats.take()
 
     def shutdown(self) -> None:
