@@ -126,6 +126,11 @@ def _writable_file(key: str, value: Any) -> str:
     that cannot write is otherwise only noticed, by a warning, when the first spans are lost."""
     if not isinstance(value, str) or not value.strip() or "\0" in value:
         raise _bad(key, value)
+    try:
+        os.fsencode(value)
+    except UnicodeEncodeError as exc:  # a lone surrogate (valid JSON): no file system name holds it
+        raise ConfigError(f"kv_connector_extra_config.{key}={value!r} is not accepted: {exc.reason} at character "
+                          f"{exc.start}; expected {_ACCEPTED[key]}") from None
     if value.strip().lower() in _SWITCH_WORDS:
         raise ConfigError(f"kv_connector_extra_config.{key}={value!r} is not accepted: it reads as a switch, not a "
                           f"file name (for no file, leave {key} out); expected {_ACCEPTED[key]}")

@@ -612,12 +612,10 @@ class KVScopeScheduler:
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
         if not isinstance(meta, KVScopeWorkerMetadata):
             return
-        for failed, jobs in ((False, meta.completed_jobs), (True, meta.failed_jobs)):
-            for job_id, n in jobs.items():
-                try:
-                    self._report(job_id, n, failed=failed)
-                except Exception:  # its bookkeeping ran before its stats; the other reports still count
-                    telemetry_failed("a job report's stats")
+        for job_id, n in meta.completed_jobs.items():
+            self._report(job_id, n, failed=False)
+        for job_id, n in meta.failed_jobs.items():
+            self._report(job_id, n, failed=True)
 
     def has_unreported_jobs(self) -> bool:
         """Whether a load or store job still waits for a worker's report."""
@@ -654,13 +652,17 @@ class KVScopeScheduler:
                 # retry that vLLM schedules misses and recomputes instead of failing the same way again.
                 # (A load failed at planning copied nothing: its blocks stay for later hits.)
                 self.index.drop(job.keys)
-            self._stats.record_load_failures(sum(blocks for _, blocks in job.loaded))
-        elif not job.aborted:
-            # Blocks a request received (its load bytes are counted where they move: each
-            # worker's copy). An aborted request's blocks are freed unused: neither counted.
-            self._stats.record_request_load((time.perf_counter_ns() - job.plan_ns) / 1e9)
-            for group, blocks in job.loaded:
-                self._stats.record_loaded_blocks(group, self.layouts[group].kind.value, blocks)
+        try:  # the report's bookkeeping is done: a fault here costs its stats (`telemetry_failed`)
+            if job.failed:
+                self._stats.record_load_failures(sum(blocks for _, blocks in job.loaded))
+            elif not job.aborted:
+                # Blocks a request received (its load bytes are counted where they move: each
+                # worker's copy). An aborted request's blocks are freed unused: neither counted.
+                self._stats.record_request_load((time.perf_counter_ns() - job.plan_ns) / 1e9)
+                for group, blocks in job.loaded:
+                    self._stats.record_loaded_blocks(group, self.layouts[group].kind.value, blocks)
+        except Exception:
+            telemetry_failed("a job report's stats")
 
     def _update_capacity_stats(self) -> None:
         evicted = self.index.evicted_total - self._evicted_reported
@@ -714,8 +716,14 @@ class KVScopeScheduler:
         return self.host_events.take(journal)
 
     def take_stats(self) -> KVScopeStats | None:
+        # Taken out first: a recording that raises (`telemetry_failed`) loses this step's entries, never
+        # counts them twice, nor keeps them to fail again at every step
+        lookups, scan_logs = list(self._lookup_log), [list(log) for log in self._scan_log]
+        self._lookup_log.clear()
+        for log in self._scan_log:
+            log.clear()
         record_missed = self._stats.record_missed
-        for queried, hit, lookup in self._lookup_log:
+        for queried, hit, lookup in lookups:
             self._stats.record_lookup(queried, hit)
             # What was not served, by reason: what vLLM did not take of the hit found, then the blocks
             # past the hit; the tail takes the rest (not `miss.tail_tokens`: queried is counted now, when
@@ -730,13 +738,10 @@ class KVScopeScheduler:
                 record_missed(reason, tokens)
                 left -= tokens
             record_missed(TAIL, left)
-        self._lookup_log.clear()
-        for layout, log in zip(self.layouts, self._scan_log):
-            if not log:
-                continue
-            self._stats.record_scans(layout.index, layout.kind.value, sum(entry[1] for entry in log),
-                                     sum(entry[2] for entry in log), [entry[0] / 1e9 for entry in log])
-            log.clear()
+        for layout, log in zip(self.layouts, scan_logs):
+            if log:
+                self._stats.record_scans(layout.index, layout.kind.value, sum(entry[1] for entry in log),
+                                         sum(entry[2] for entry in log), [entry[0] / 1e9 for entry in log])
         try:
             for reason, records in self.tracing.take_lost_records().items():
                 self._stats.record_dropped_trace_records(reason, records)

@@ -122,9 +122,14 @@ def build_otlp_exporter(env: Mapping[str, str]) -> SpanExporter | None:
             )
 
             endpoint = traces_endpoint or base_endpoint or "http://localhost:4317"
+            # Plaintext unless https:// or OTEL_EXPORTER_OTLP_[TRACES_]INSECURE=false asks for TLS (vLLM's own
+            # gRPC exporter is always plaintext: a collector beside vLLM gets both)
+            insecure_flag = (env.get("OTEL_EXPORTER_OTLP_TRACES_INSECURE") or env.get("OTEL_EXPORTER_OTLP_INSECURE")
+                             or "").strip().lower()
+            secure = endpoint.lower().startswith("https://") or insecure_flag == "false"
             inner: SpanExporter = GrpcExporter(
                 endpoint=endpoint,
-                insecure=not endpoint.lower().startswith("https://"),
+                insecure=not secure,
                 headers=headers or None,
                 timeout=timeout,
             )

@@ -22,12 +22,13 @@ class InjectedFault(RuntimeError):
     pass
 
 
-def _raising_once(original):
+def _raising_once(original, at: int = 1):
+    """``original``, raising at its ``at``-th call only."""
     calls = []
 
     def wrapped(*args, **kwargs):
         calls.append(args)
-        if len(calls) == 1:
+        if len(calls) == at:
             raise InjectedFault("injected telemetry fault")
         return original(*args, **kwargs)
 
@@ -55,6 +56,8 @@ FAULTS = {
     "store span": ("scheduler", "tracing", "end_span", _raising_on_store_span),
     "scheduler end of step": ("scheduler", "tracing", "end_step", _raising_once),
     "job report stats": ("scheduler", "_stats", "record_request_load", _raising_once),
+    # part way through a step's lookups: the ones recorded before must not be counted again
+    "lookup stats": ("scheduler", "_stats", "record_lookup", lambda original: _raising_once(original, at=2)),
     "scheduler lost span count": ("scheduler", "tracing", "take_lost_records", _raising_once),
     "worker end of step": ("worker", "tracing", "end_step", _raising_once),
     "worker lost span count": ("worker", "tracing", "take_lost_records", _raising_once),
@@ -101,6 +104,8 @@ def test_a_telemetry_fault_in_a_hook_costs_telemetry_only(model_path, tmp_path, 
         assert engine.stats.external_hit_tokens > 0 and engine.stats.checked_loaded_blocks > 0
         assert not engine.stats.violations
         assert "kvscope: telemetry failed in" in caplog.text and "injected telemetry fault" in caplog.text
+        counted = engine.stats.connector.data if engine.stats.connector is not None else {}
+        assert counted.get("hit_tokens", 0) <= engine.stats.external_hit_tokens  # a step's stats lost, none twice
     finally:
         engine.shutdown()
 
@@ -117,3 +122,24 @@ def test_a_worker_shutdown_that_fails_still_exports_the_queued_spans(model_path,
     assert shut == [True] and "the worker's shutdown failed" in caplog.text
     monkeypatch.undo()
     engine.shutdown()
+
+
+def test_a_fault_in_the_host_tiers_bookkeeping_is_not_taken_for_telemetry(model_path, monkeypatch):
+    """Only recording is guarded: a bug that leaves the tier's pins inconsistent must surface, not be
+    logged once as lost telemetry while slots stay pinned for good."""
+    engine = ModelFreeEngine(model_path, {"cpu_bytes": 64 << 20, "block_size": 32}, window=WINDOW)
+    try:
+        prompts = _prompts()
+        for j, prompt in enumerate(prompts):
+            engine.add(f"r0-{j}", prompt, 2)
+        engine.run()
+        engine.reset_device_prefix_cache()
+        index = engine.scheduler.get_kv_connector()._scheduler.index
+        monkeypatch.setattr(index, "unpin", _raising_once(index.unpin))
+        for j, prompt in enumerate(prompts):
+            engine.add(f"r1-{j}", prompt, 2)
+        with pytest.raises(InjectedFault):
+            engine.run()
+    finally:
+        monkeypatch.undo()
+        engine.shutdown()

@@ -425,6 +425,22 @@ def test_otlp_defaults_to_grpc_like_vllm():
         exporter.shutdown()
 
 
+@pytest.mark.parametrize("endpoint, flags, insecure", [
+    ("grpc://collector:4317", {}, True),  # plaintext, as vLLM's own gRPC exporter always is
+    ("collector:4317", {}, True),
+    ("https://collector:4317", {}, False),
+    ("https://collector:4317", {"OTEL_EXPORTER_OTLP_INSECURE": "true"}, False),  # https:// is TLS, as in the SDK
+    ("grpc://collector:4317", {"OTEL_EXPORTER_OTLP_TRACES_INSECURE": "false"}, False),  # TLS asked for
+    ("collector:4317", {"OTEL_EXPORTER_OTLP_INSECURE": "False"}, False),
+])
+def test_grpc_export_is_plaintext_unless_https_or_the_insecure_flag_asks_for_tls(endpoint, flags, insecure):
+    exporter = build_otlp_exporter({"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": endpoint, **flags})
+    try:
+        assert exporter.inner._insecure is insecure
+    finally:
+        exporter.shutdown()
+
+
 class _FailingExporter(SpanExporter):
     def __init__(self):
         self.calls = 0

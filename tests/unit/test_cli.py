@@ -377,6 +377,8 @@ def test_check_of_the_json_alone_is_for_an_engine_of_one_worker(monkeypatch):
     ({"OTEL_EXPORTER_OTLP_ENDPOINT": "grpc://collector:4317", "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf"},
      "its scheme is 'grpc'; expected http://host:port or https://host:port"),
     ({"OTEL_EXPORTER_OTLP_ENDPOINT": "unix:"}, "it names no target"),
+    ({"OTEL_EXPORTER_OTLP_ENDPOINT": "dns://8.8.8.8/collector:4317"}, "would send to '8.8.8.8' alone"),
+    ({"OTEL_EXPORTER_OTLP_ENDPOINT": "unix://tmp/otel.sock"}, "would send to 'tmp' alone (write unix:///"),
     ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4317", "OTEL_EXPORTER_OTLP_HEADERS": "a=1,secret-token"},
      "OTEL_EXPORTER_OTLP_HEADERS: its entry 2 is not key=value (the value is not shown"),
     ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4317", "OTEL_TRACES_SAMPLER": "xray"},

@@ -331,3 +331,10 @@ def test_a_trace_file_on_a_file_system_that_does_not_tell_its_name_limit_is_acce
     monkeypatch.setattr(os, "pathconf", no_limit)
     path = str(tmp_path / ("z" * 300))  # only the file system could refuse it: not checked here
     assert parse_config({"cpu_bytes": 1, "trace_file": path}).trace_file == path
+
+
+def test_a_trace_file_no_file_system_can_name_is_one_of_the_problems_named():
+    """A lone surrogate (valid JSON) raised UnicodeEncodeError out of the check, hiding the other problems."""
+    message = _error({"cpu_bytes": 0, "trace_file": "/tmp/x\ud800.jsonl"})
+    assert "2 problems" in message and "surrogates not allowed at character 6" in message
+    _assert_names(message, "cpu_bytes", 0)
