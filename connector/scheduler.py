@@ -718,10 +718,8 @@ class KVScopeScheduler:
     def take_stats(self) -> KVScopeStats | None:
         # Taken out first: a recording that raises (`telemetry_failed`) loses this step's entries, never
         # counts them twice, nor keeps them to fail again at every step
-        lookups, scan_logs = list(self._lookup_log), [list(log) for log in self._scan_log]
-        self._lookup_log.clear()
-        for log in self._scan_log:
-            log.clear()
+        lookups, self._lookup_log = self._lookup_log, []
+        scan_logs, self._scan_log = self._scan_log, [[] for _ in self.layouts]
         record_missed = self._stats.record_missed
         for queried, hit, lookup in lookups:
             self._stats.record_lookup(queried, hit)

@@ -128,9 +128,6 @@ GROUP_COPY_TABLE_COLUMNS = {
 }
 
 
-SCAN_TABLE_COLUMNS = ("scanned", "null_skipped", "pending", "start_index")  # a load's only: a store scans nothing
-
-
 def group_copy_tables(spans: pd.DataFrame, request: pd.Series, *, key: str) -> None:
     """Per load and store of the request, a small table of its copies per KV group."""
     copies = traces.request_group_copies(spans, request["trace_id"], request["request_id"])
@@ -141,6 +138,6 @@ def group_copy_tables(spans: pd.DataFrame, request: pd.Series, *, key: str) -> N
     for transfer, rows in copies.groupby("transfer", sort=False):
         st.caption(transfer)
         is_load = rows["direction"].iloc[0] == "load"
-        columns = [c for c in GROUP_COPY_TABLE_COLUMNS if is_load or c not in SCAN_TABLE_COLUMNS]
+        columns = [c for c in GROUP_COPY_TABLE_COLUMNS if is_load or c not in traces.GROUP_SCAN_COLUMNS]
         st.dataframe(rows[columns], column_config=GROUP_COPY_TABLE_COLUMNS, hide_index=True,
                      width="stretch", placeholder="unknown", key=f"{key}_{transfer}")

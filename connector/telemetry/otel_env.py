@@ -74,9 +74,8 @@ def _check_endpoint(name: str, endpoint: str, protocol: str) -> None:
     elif protocol == "grpc" and scheme in _GRPC_TARGET_SCHEMES:
         if not endpoint.partition(":")[2].lstrip("/"):
             problem = "it names no target"
-        elif urlsplit(endpoint).netloc:  # the exporter would keep only this part (dns://8.8.8.8/x, unix://tmp/s)
-            problem = (f"the gRPC exporter would send to {urlsplit(endpoint).netloc!r} alone (write "
-                       f"{scheme}:///... with three slashes)")
+        elif host := urlsplit(endpoint).netloc:  # the exporter would keep only this part (dns://8.8.8.8/x)
+            problem = f"the gRPC exporter would send to {host!r} alone (write {scheme}:///... with three slashes)"
     elif "://" not in endpoint:
         match = _HOST_PORT.fullmatch(endpoint)
         if protocol != "grpc" or match is None:

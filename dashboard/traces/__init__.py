@@ -21,7 +21,12 @@ from dashboard.traces.group_stats import (
     load_latency_quantiles,
     null_skip_by_group,
 )
-from dashboard.traces.group_copies import GROUP_COPY_COLUMNS, GROUP_COPY_DEFINITION, request_group_copies
+from dashboard.traces.group_copies import (
+    GROUP_COPY_COLUMNS,
+    GROUP_COPY_DEFINITION,
+    GROUP_SCAN_COLUMNS,
+    request_group_copies,
+)
 from dashboard.traces.headline import (
     ENGINE_COLUMNS,
     ENGINE_DEFINITION,
@@ -87,6 +92,7 @@ from dashboard.traces.waterfall import VLLM_KIND, waterfall_rows
 
 __all__ = [
     "ATTRIBUTE_COLUMNS", "COPY", "DUPLICATE_SPAN", "ENGINE_COLUMNS", "ENGINE_DEFINITION", "GROUP_COPY_COLUMNS",
+    "GROUP_SCAN_COLUMNS",
     "GROUP_COPY_DEFINITION", "GROUP_KINDS",
     "HIT_RATE_DEFINITION",
     "LOAD", "LOAD_FAILED_DEFINITION", "MISS_REASON_DEFINITION", "MISS_REASON_TEXT", "MISSES_COLUMNS",

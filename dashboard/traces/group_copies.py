@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from dashboard.traces.schema import COPY, LOAD, SCAN, STATUS_ERROR, STORE, duration_ok, group_label
+from dashboard.traces.schema import COPY, LOAD, SCAN, STATUS_ERROR, STORE, duration_ok, group_label, moved_bytes
 
 GROUP_COPY_DEFINITION = (
     "One row per KV group of the load or store: workers is the number of copy spans (one per worker under "
@@ -25,6 +25,7 @@ GROUP_COPY_DEFINITION = (
 )
 _SCAN_COLUMNS = {"blocks_total": "scanned", "blocks_null_skipped": "null_skipped", "blocks_pending": "pending",
                  "blocks_start": "start_index"}  # a load's scan of the group, beside its copies
+GROUP_SCAN_COLUMNS = tuple(_SCAN_COLUMNS.values())  # a load's rows only: a store scans nothing
 
 GROUP_COPY_COLUMNS = ("transfer", "direction", "group", "group_index", "group_kind", "scanned", "null_skipped",
                       "pending", "start_index", "workers", "blocks", "bytes", "copy_ms", "gb_per_s", "slowest_rank",
@@ -46,7 +47,7 @@ def request_group_copies(spans: pd.DataFrame, trace_id: str, request_id: str) ->
     failed = (copies["status_code"] == STATUS_ERROR).to_numpy()
     copies = copies.assign(
         failed=failed,
-        moved_bytes=copies["copy_bytes"].where(~failed, 0),  # a failed copy moved nothing (`copies_of`)
+        moved_bytes=moved_bytes(copies),
         timed_ms=copies["duration_ms"].where(duration_ok(copies) & ~failed),
         group_kind=copies["group_kind"].astype(str),
     )
@@ -68,7 +69,7 @@ def request_group_copies(spans: pd.DataFrame, trace_id: str, request_id: str) ->
     scans = spans[(spans["name"] == SCAN) & spans["owner_key"].isin(own["span_key"])]
     scans = scans.drop_duplicates(["owner_key", "group_index"])[["owner_key", "group_index", *_SCAN_COLUMNS]]
     out = out.merge(scans.rename(columns=_SCAN_COLUMNS), on=["owner_key", "group_index"], how="left")
-    for col in _SCAN_COLUMNS.values():  # NA for a store, which scans nothing
+    for col in GROUP_SCAN_COLUMNS:  # NA for a store, which scans nothing
         out[col] = out[col].astype("Int64")
     out["group"] = [group_label(i, k) for i, k in zip(out["group_index"], out["group_kind"])]
     out = out.sort_values(["start_ns", "owner_key", "group_index"], kind="stable").reset_index(drop=True)

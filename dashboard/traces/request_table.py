@@ -5,7 +5,7 @@ from __future__ import annotations
 import pandas as pd
 
 from connector.miss_reasons import miss_reasons_explained
-from dashboard.traces.schema import COPY, LOAD, LOOKUP, REQUEST_KEY, STATUS_ERROR, STORE, copies_of
+from dashboard.traces.schema import COPY, LOAD, LOOKUP, REQUEST_KEY, STATUS_ERROR, STORE, copies_of, moved_bytes
 from dashboard.traces.vllm_join import VLLM_REQUEST_COLUMNS, with_vllm_columns
 
 LOAD_TIME_DEFINITION = (
@@ -158,8 +158,7 @@ def load_rows(spans: pd.DataFrame) -> pd.DataFrame:
     it failed (`LOAD_FAILED_DEFINITION`)."""
     loads = spans.loc[spans["name"] == LOAD, ["span_key", *REQUEST_KEY, "span_id", "start_ns"]].set_index("span_key")
     copies = spans[(spans["name"] == COPY) & (spans["copy_direction"] == "load")]
-    # a failed copy moved nothing, whatever bytes its span says (the connector's say 0), as `copies_of` counts
-    copies = copies.assign(moved_bytes=copies["copy_bytes"].where(copies["status_code"] != STATUS_ERROR, 0))
+    copies = copies.assign(moved_bytes=moved_bytes(copies))
     copies = copies.groupby("owner_key", sort=False)
     failed = copies["status_code"].max().reindex(loads.index).fillna(0) == STATUS_ERROR
     mistimed = ~copies["clock_ok"].all().reindex(loads.index).fillna(True).astype(bool)

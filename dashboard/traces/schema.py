@@ -126,6 +126,12 @@ def duration_ok(spans: pd.DataFrame) -> pd.Series:
     return spans["end_ns"] >= spans["start_ns"]
 
 
+def moved_bytes(copies: pd.DataFrame) -> pd.Series:
+    """The bytes each copy span moved: 0 for a failed one (status ERROR) whatever its span says, as
+    `copies_of` leaves it out (the connector's own say 0)."""
+    return copies["copy_bytes"].where(copies["status_code"] != STATUS_ERROR, 0)
+
+
 def copies_of(spans: pd.DataFrame, direction: str | None = None, timed: bool = False) -> pd.DataFrame:
     """Copy spans of copies that ran (a failed copy's span, status ERROR, moved nothing and took no time);
     `timed`: only those whose duration can be trusted (`duration_ok`), for durations and throughput."""

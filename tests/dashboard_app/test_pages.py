@@ -320,21 +320,28 @@ def test_every_fixture_file_renders_every_page(monkeypatch, path):
         assert not at.exception, (page, [e.value for e in at.exception])
 
 
-def _rerun_of(path: Path, tmp_path: Path) -> Path:
-    """The same benchmark run again a day later: same (client-set) request ids, new trace ids."""
-    out = tmp_path / "rerun.jsonl"
+def _with_spans_edited(path: Path, out: Path, edit) -> Path:
+    """`path`'s trace lines written to `out`, each span (a dict) passed to `edit` first."""
     lines = []
     for text in path.read_text().splitlines():
         doc = json.loads(text)
         for rs in doc["resourceSpans"]:
             for ss in rs["scopeSpans"]:
                 for sp in ss["spans"]:
-                    sp["traceId"] = sp["traceId"][::-1]
-                    for field in ("startTimeUnixNano", "endTimeUnixNano"):
-                        sp[field] = str(int(sp[field]) + 86_400 * 10**9)
+                    edit(sp)
         lines.append(json.dumps(doc))
     out.write_text("\n".join(lines) + "\n")
     return out
+
+
+def _rerun_of(path: Path, tmp_path: Path) -> Path:
+    """The same benchmark run again a day later: same (client-set) request ids, new trace ids."""
+    def a_day_later_in_a_new_trace(sp: dict) -> None:
+        sp["traceId"] = sp["traceId"][::-1]
+        for field in ("startTimeUnixNano", "endTimeUnixNano"):
+            sp[field] = str(int(sp[field]) + 86_400 * 10**9)
+
+    return _with_spans_edited(path, tmp_path / "rerun.jsonl", a_day_later_in_a_new_trace)
 
 
 def test_a_rerun_with_the_same_request_ids_counts_apart(monkeypatch, tmp_path, expected):
@@ -538,17 +545,11 @@ def test_a_single_matching_row_is_shown_without_asking_for_a_selection(monkeypat
 def test_copies_in_another_trace_are_reported_not_only_their_loads(monkeypatch, tmp_path):
     """A worker that lost the trace context: its copies joined nothing, and the page blamed a missing
     worker file while its totals summed them."""
-    moved = tmp_path / "moved.jsonl"
-    lines = []
-    for raw in TWO_ROUNDS.read_text().splitlines():
-        doc = json.loads(raw)
-        for rs in doc["resourceSpans"]:
-            for ss in rs["scopeSpans"]:
-                for sp in ss["spans"]:
-                    if sp["name"] == "kvscope.group.copy":
-                        sp["traceId"] = "ee" * 16
-        lines.append(json.dumps(doc))
-    moved.write_text("\n".join(lines) + "\n")
+    def copy_to_another_trace(sp: dict) -> None:
+        if sp["name"] == "kvscope.group.copy":
+            sp["traceId"] = "ee" * 16
+
+    moved = _with_spans_edited(TWO_ROUNDS, tmp_path / "moved.jsonl", copy_to_another_trace)
     copies = sum(s["name"] == "kvscope.group.copy" and bool(s["parent"]) for s in raw_spans(TWO_ROUNDS))
     assert copies > 0
     at = app(monkeypatch, moved)
