@@ -4,8 +4,9 @@ Runs, in order: kvscope's planner beside vLLM's (`planner_vs_vllm`), the bytecod
 adds (`planner_bytecodes`), the planner beside a plain
 reference loop (`planner_bench`), the copy engine (`copy_bench`), the dashboard's trace reading
 (`dashboard_bench`, when it offers `run(quick)`), KV cache events (`kv_events_bench`), the host tier's
-eviction order (`eviction_bench`), the scheduler's work per request beside vLLM's connector
-(`step_bench`), and the end-to-end engine runs (`e2e_bench`).
+eviction order (`eviction_bench`), marking a finished request's prefix used (`finish_bench`), the
+scheduler's work per request beside vLLM's connector (`step_bench`), and the end-to-end engine runs
+(`e2e_bench`).
 Writes `bench/results.json` (a list of {name, median, unit, ratio, ratio_of} records) and
 `bench/results.md` (machine, versions, the goals and whether they are met, every record), or
 `bench/results-quick.*` for `--quick` (git-ignored: the committed full results stay), and
@@ -268,6 +269,10 @@ METHOD_NOTES = [
     "planner_bench: `plan_load` vs a plain per-block reference loop (pure planning code only).",
     "copy_bench: `CopyEngine` loads/stores of n scattered blocks vs one contiguous `copy_` of the same "
     "bytes between the same buffers, alternately in one run, one intra-op thread.",
+    "finish_bench: a finished request's prefix marked used (`KVScopeScheduler._touch_prefix`) vs the same "
+    "keys built by a plain loop over every offloaded block and group (how it was done before; same keys, "
+    "same order, asserted), alternately in one run, garbage collector off; case `mix/Tk/BN`: T k tokens "
+    "of offloaded blocks of N tokens, the whole prefix held in every group.",
     "step_bench: vLLM's scheduler CPU time per request (the engine core thread's, in `schedule()` and "
     "`update_from_output()` over a round) with no connector, vLLM's `OffloadingConnector`, kvscope with "
     "telemetry off and tracing on: four real vLLM `Scheduler`s stepping in lockstep through the same "
@@ -316,6 +321,9 @@ def _benches(quick: bool) -> list[tuple[str, Callable[[], list[dict]]]]:
     def eviction_bench():
         return importlib.import_module("bench.eviction_bench").run(quick)
 
+    def finish_bench():
+        return importlib.import_module("bench.finish_bench").run(quick)
+
     def step_bench():
         return importlib.import_module("bench.step_bench").run(quick)
 
@@ -325,7 +333,8 @@ def _benches(quick: bool) -> list[tuple[str, Callable[[], list[dict]]]]:
     return [("planner_vs_vllm", planner_vs_vllm), ("planner_bytecodes", planner_bytecodes),
             ("planner_bench", planner_bench),
             ("copy_bench", copy_bench), ("dashboard_bench", dashboard_bench), ("kv_events_bench", kv_events_bench),
-            ("eviction_bench", eviction_bench), ("step_bench", step_bench), ("e2e_bench", e2e_bench)]
+            ("eviction_bench", eviction_bench), ("finish_bench", finish_bench), ("step_bench", step_bench),
+            ("e2e_bench", e2e_bench)]
 
 
 class _Skipped(Exception):

@@ -60,6 +60,19 @@ class HostIndex:
         entry = self._entries.get(key)
         return entry is not None and entry.ready
 
+    def ready_run(self, groups: Iterable[int], hashes: Iterable) -> int:
+        """How many of ``hashes``, from the first, are ready in every one of ``groups``."""
+        get = self._entries.get
+        groups = tuple(groups)
+        run = 0
+        for key_hash in hashes:
+            for group in groups:
+                entry = get((group, key_hash))
+                if entry is None or not entry.ready:
+                    return run
+            run += 1
+        return run
+
     def why_absent(self, key: Key) -> str | None:
         """None when `key` is ready; else why not (`miss_reasons`): being stored, or how it left."""
         entry = self._entries.get(key)

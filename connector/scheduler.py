@@ -15,12 +15,13 @@ from dataclasses import dataclass, field
 
 from .groups import GroupKind, GroupLayout
 from .host_store import HostIndex
-from .lookup import find_hit_tokens, needed_offload_blocks
+from .lookup import find_hit_tokens
 from .metadata import LOAD, STORE, GroupTransfer, KVScopeMetadata, KVScopeWorkerMetadata, TransferJob
 from .miss_reasons import NOT_TAKEN, TAIL, Miss, barred_from_hit, lookup_miss, miss_order
 from .offload_keys import OffloadKeys
 from .piecewise_stores import Filling, PiecewiseStores
 from .planning import NULL_BLOCK_ID, GroupScan, scan_group
+from .prefix_recency import finished_prefix_keys
 from .state_blocks import StateBlocks
 from .telemetry.failures import telemetry_failed
 from .telemetry.metrics import KVScopeStats
@@ -352,22 +353,8 @@ class KVScopeScheduler:
         hit at that run's end needs and the ones the request loaded (``loaded``: the keys of its last load).
         A sliding window's or Mamba group's other blocks serve only hits ending elsewhere: marking them all
         cost 1-3% of the hit tokens on a prefix-sharing workload (`bench/eviction_bench.py`)."""
-        is_ready = self.index.is_ready
-        reachable = 0
-        for key_hash in hashes:
-            if not all(is_ready((group, key_hash)) for group in self._full_attention_groups):
-                break
-            reachable += 1
-        end = reachable * self.block_size
-        needed = [(layout.index, needed_offload_blocks(layout, 0, end, self.block_size)) for layout in self.layouts]
-        loaded = set(loaded)
-        keys = []
-        for k in range(reachable - 1, -1, -1):
-            for group, blocks in needed:
-                key = (group, hashes[k])
-                if k in blocks or key in loaded:
-                    keys.append(key)
-        self.index.touch(keys)
+        reachable = self.index.ready_run(self._full_attention_groups, hashes)
+        self.index.touch(finished_prefix_keys(self.layouts, hashes, reachable, self.block_size, loaded))
 
     def _scan_groups(self, group_block_ids, local, cached, t0: int) -> list[GroupScan]:
         """Each group's scan, timed from ``t0`` (``perf_counter_ns``) for the scan histogram."""

@@ -110,6 +110,15 @@ def test_touch_makes_the_last_key_the_most_recently_used_and_ignores_absent_ones
     assert evicted == ["b", "d", "c"] and index.contains("a") and not index.contains("x")
 
 
+def test_ready_run_counts_the_hashes_every_group_holds_ready_up_to_the_first_gap():
+    index = _filled(8, [(0, "a"), (1, "a"), (0, "b"), (1, "b"), (0, "c"), (0, "d"), (1, "d")])
+    index.reserve_for_store((1, "c"))  # being stored: not ready
+    assert index.ready_run([0, 1], ["a", "b", "c", "d"]) == 2
+    assert index.ready_run([0], ["a", "b", "c", "d", "e"]) == 4
+    assert index.ready_run([1], ["b", "a"]) == 2 and index.ready_run([1], ["x", "a"]) == 0
+    assert index.ready_run([], ["x", "y"]) == 2  # no group to hold them: nothing stops the run
+
+
 def test_is_ready_and_contains_do_not_touch_recency():
     index = _filled(2, ["a", "b"])
     assert index.is_ready("a") and index.contains("a")
