@@ -72,6 +72,9 @@ def make_engine(page: int, num_blocks: int, device: str) -> CopyEngine:
     layout = SlotLayout(slot_bytes=page, group_layers=[[("layer0", 0, page)]], group_factors=[1])
     config = SimpleNamespace(num_blocks=num_blocks)  # all the engine reads of a KVCacheConfig
     engine = CopyEngine({"layer0": cache}, config, layout, num_slots=num_blocks)
+    if engine.is_cuda and not engine._host_buffer.pinned:  # pageable copies are not what kvscope runs
+        engine.close()
+        raise RuntimeError("the host tier could not be pinned (cudaHostRegister failed): see the log")
     engine.host.fill_(1)  # touch every host page before timing
     return engine
 
@@ -182,8 +185,14 @@ def measure_all(quick: bool, device: str = "cpu", pages=None, counts=None, max_b
         for page in sorted({c.page for c in todo}):
             of_page = [c for c in todo if c.page == page]
             engine = make_engine(page, max(c.blocks for c in of_page), device)
-            for case in of_page:
-                results.append(measure(engine, case, repeats, min_sample_s))
+            try:
+                for case in of_page:
+                    results.append(measure(engine, case, repeats, min_sample_s))
+            finally:
+                # Unpinned before the next page size's host tier: a freed buffer left registered could make
+                # the next one's registration fail, and its cases measure pageable copies.
+                _sync(engine)
+                engine.close()
             del engine
             if device == "cuda":
                 torch.cuda.empty_cache()

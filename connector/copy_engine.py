@@ -25,6 +25,7 @@ from vllm.v1.kv_cache_interface import KVCacheConfig, group_kernel_blocks
 
 from .event_clock import EventClock
 from .host_memory import HostBuffer
+from .telemetry.failures import telemetry_failed
 from .vllm_layout import SlotLayout
 
 logger = logging.getLogger(__name__)
@@ -71,8 +72,8 @@ def _span_bytes(t: torch.Tensor) -> int:
 class CopyResult:
     nbytes: int
     blocks: int
-    start_ns: int  # wall clock (time.time_ns) of the measured copy interval
-    end_ns: int
+    start_ns: int | None  # wall clock (time.time_ns) of the measured copy interval; None: not measured
+    end_ns: int | None
     done_event: object | None = None  # CUDA event; None when already complete
     keep_alive: object | None = None  # what the device reads until the copy is done (pointer arrays)
 
@@ -118,19 +119,16 @@ class CopyEngine:
         self.layout = layout
         self.num_slots = num_slots
         self.num_blocks = kv_cache_config.num_blocks
-        self._host_buffer = HostBuffer(num_slots, layout.slot_bytes, pin=self.is_cuda)
-        self.host = self._host_buffer.tensor
-        self.groups: list[list[_Region]] = []
-        for layers, factor in zip(layout.group_layers, layout.group_factors):
-            regions = []
+        # Every layer's page view and the copy streams first: a refused layout must not leave the host
+        # tier pinned (registering tens of GB takes seconds, and nothing would unregister it).
+        group_views = []
+        for layers in layout.group_layers:
+            views = []
             for name, offset, page in layers:
                 if name not in kv_caches:
                     raise CopyError(f"layer {name} has no registered KV cache")
-                view = page_view(kv_caches[name], kv_cache_config.num_blocks, page)
-                host = self.host[:, offset : offset + factor * page].view(num_slots, factor, page)
-                regions.append(_Region(view=view, host=host, page=page))
-            self.groups.append(regions)
-        self._group_block_bytes = [sum(r.page for r in regions) for regions in self.groups]
+                views.append((offset, page, page_view(kv_caches[name], kv_cache_config.num_blocks, page)))
+            group_views.append(views)
         # Loads and stores on streams of their own: later compute must wait for stores (the blocks
         # they read may be reused), never for loads, and a store need not queue behind a large load.
         self.load_stream = self.store_stream = None
@@ -138,6 +136,13 @@ class CopyEngine:
             compute = torch.cuda.current_stream(self.device)
             self.load_stream = own_stream(self.device, [compute])
             self.store_stream = own_stream(self.device, [compute, self.load_stream])
+        self._host_buffer = HostBuffer(num_slots, layout.slot_bytes, pin=self.is_cuda)
+        self.host = self._host_buffer.tensor
+        self.groups: list[list[_Region]] = [
+            [_Region(view=view, host=self.host[:, offset:offset + factor * page].view(num_slots, factor, page),
+                     page=page) for offset, page, view in views]
+            for views, factor in zip(group_views, layout.group_factors)]
+        self._group_block_bytes = [sum(r.page for r in regions) for regions in self.groups]
         self._swap_blocks_batch = _batched_copy_op() if self.is_cuda else None
         self._clock: EventClock | None = None  # made on the first completed CUDA copy
 
@@ -216,10 +221,14 @@ class CopyEngine:
         start, end = result.done_event
         if not end.query():
             return False
-        if self._clock is None:  # calibration events go on a stream of their own, never behind copies
-            self._clock = EventClock(lambda: torch.cuda.Event(enable_timing=True), own_stream(
-                self.device, [torch.cuda.current_stream(self.device), self.load_stream, self.store_stream]))
-        result.start_ns, result.end_ns = self._clock.interval(start, end)
+        try:
+            if self._clock is None:  # calibration events go on a stream of their own, never behind copies
+                self._clock = EventClock(lambda: torch.cuda.Event(enable_timing=True), own_stream(
+                    self.device, [torch.cuda.current_stream(self.device), self.load_stream, self.store_stream]))
+            result.start_ns, result.end_ns = self._clock.interval(start, end)
+        except Exception:  # the copy is done: a clock that fails costs its interval, never the transfer
+            telemetry_failed("a copy's device-event interval")
+            result.start_ns = result.end_ns = None
         result.done_event = result.keep_alive = None
         return True
 

@@ -69,8 +69,8 @@ class HostBuffer:
                 self._registered.append(base + offset)
                 continue
             logger.warning("kvscope: pinning the host tier failed at %.2f of %.2f GB; it stays pageable: "
-                           "copies still work, but each copy to pageable memory returns only once done, "
-                           "so every step that stores waits for its forward and its stores (lower "
+                           "copies still work, but each copy to or from pageable memory returns only once done, "
+                           "so every step that loads or stores waits for its forward and those copies (lower "
                            "cpu_bytes if this host cannot pin that much)", offset / 1e9, nbytes / 1e9)
             self.release()
             return

@@ -223,9 +223,10 @@ class KVScopeWorker:
         parent = self._copy_parent(job)
         for group, copy in copies:
             kind = self.group_kinds[group]
-            seconds = (copy.end_ns - copy.start_ns) / 1e9
+            measured = copy.start_ns is not None  # (not when the device-event clock failed: `CopyEngine.poll`)
+            seconds = (copy.end_ns - copy.start_ns) / 1e9 if measured else None
             self._stats.record_copy(group, kind, job.direction, copy.blocks, copy.nbytes, seconds)
-            if parent is not None:
+            if parent is not None and measured:
                 self.tracing.record(COPY_SPAN, parent, copy.start_ns, copy.end_ns,
                                     (group, kind, job.direction, copy.blocks, copy.nbytes, self.rank, job.req_id))
 

@@ -164,15 +164,17 @@ class KVScopeStats(KVConnectorStats):
         self._inc_keyed("loaded_blocks", group_key(group, kind), blocks)
 
     def record_copy(
-        self, group: int, kind: str, direction: str, blocks: int, nbytes: int, duration_s: float
+        self, group: int, kind: str, direction: str, blocks: int, nbytes: int, duration_s: float | None
     ) -> None:
-        """One measured copy of one group: ``direction`` is ``load`` (host->device) or ``store``."""
+        """One copy of one group: ``direction`` is ``load`` (host->device) or ``store``; ``duration_s``
+        None when its interval could not be measured (counted, not timed)."""
         if direction not in DIRECTIONS:
             raise ValueError(f"copy direction {direction!r} is invalid: accepted are {DIRECTIONS}")
         key = copy_key(group, kind, direction)
         self._inc_keyed("copy_blocks", key, blocks)
         self._inc_keyed("copy_bytes", key, nbytes)
-        self._observe_keyed("copy_duration_s", key, duration_s)
+        if duration_s is not None:
+            self._observe_keyed("copy_duration_s", key, duration_s)
         # Bytes where they move: a copy that ran counts, even when another worker's part of the
         # same load failed (so these totals equal the copy spans' bytes).
         self._inc_keyed(f"{direction}_bytes", group_key(group, kind), nbytes)

@@ -668,3 +668,20 @@ def test_a_job_with_one_slot_piece_out_of_range_among_good_ones_fails_without_co
         GroupTransfer(0, block_ids=[3, 4], slots=[1, 2], subs=subs)])]))
     assert worker.build_worker_meta().failed_jobs == {1: 1}
     assert torch.equal(engine.host, host_before)
+
+
+@pytest.mark.parametrize("refusal", ["missing layer", "page too large"])
+def test_a_refused_layout_is_refused_before_the_host_tier_is_allocated_or_pinned(monkeypatch, refusal):
+    """Pinning registers the whole host tier (seconds for tens of GB); a layout refused after it left
+    the registration behind, for the freed buffer's addresses."""
+    from connector import copy_engine as copy_engine_module
+
+    made = []
+    monkeypatch.setattr(copy_engine_module, "HostBuffer", lambda *args, **kwargs: made.append(args))
+    t0 = _bf16_cache(NB, HEADS, BS, TWO_HD)
+    page = PAGE if refusal == "missing layer" else 2 * PAGE
+    layout = SlotLayout(slot_bytes=2 * page, group_layers=[[("l0", 0, page), ("l1", page, page)]],
+                        group_factors=[1])
+    with pytest.raises(CopyError):
+        CopyEngine({"l0": t0, "l1": t0} if refusal != "missing layer" else {"l0": t0}, _config(NB), layout, 4)
+    assert made == []

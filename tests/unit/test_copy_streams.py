@@ -330,3 +330,36 @@ def test_a_step_polls_each_copy_in_flight_once_not_once_per_later_job():
     worker.wait_for_save(KVScopeMetadata(stores=jobs))
     assert worker.engine.polls == 64  # one look at each job (its first copy not done)
     assert len(worker._in_flight) == 64
+
+
+class _FailingClock:
+    def interval(self, start, end):
+        raise RuntimeError("the device-event clock failed")
+
+
+def test_a_completed_copy_whose_clock_fails_completes_unmeasured_and_is_logged(cuda_engine, monkeypatch, caplog):
+    """The interval is telemetry: a clock that raises costs the copy's duration (and span), never the
+    transfer; its blocks and bytes still count, only the duration histogram leaves it out."""
+    from connector.telemetry import failures
+
+    monkeypatch.setattr(failures, "_logged", set())
+    engine, _, _ = cuda_engine
+    engine._clock = _FailingClock()
+    worker = _worker_on(engine)
+    with caplog.at_level("ERROR", logger="connector.telemetry.failures"):
+        worker.wait_for_save(_a_store(1))
+        meta = worker.build_worker_meta()
+    assert meta is not None and meta.completed_jobs == {1: 1} and not meta.failed_jobs
+    assert "device-event interval" in caplog.text and "the device-event clock failed" in caplog.text
+    stats = worker.take_stats().data
+    assert stats["copy_bytes"] == {"0|full_attention|store": engine._group_block_bytes[0]}
+    assert stats["store_bytes"] == {"0|full_attention": engine._group_block_bytes[0]}
+    assert "copy_duration_s" not in stats
+
+
+def test_a_copy_whose_clock_is_made_and_works_is_timed(cuda_engine):
+    engine, _, _ = cuda_engine
+    worker = _worker_on(engine)
+    worker.wait_for_save(_a_store(1))
+    assert worker.build_worker_meta().completed_jobs == {1: 1}
+    assert list(worker.take_stats().data["copy_duration_s"]) == ["0|full_attention|store"]
