@@ -128,6 +128,10 @@ class KVScopeScheduler:
         # device block -> unreported store jobs reading it: a step that allocates such a block
         # again must not write it before they have read it (`_sources_reallocated`)
         self._store_sources: dict[int, set[int]] = {}
+        # This step's allocations kvscope loads nothing into, while stores are unreported: (request id,
+        # its blocks, its device prefix hit). One that is not scheduled this step is loaded by another
+        # connector (vLLM's MultiConnector), whose copies write its blocks now (`_sources_reallocated`).
+        self._allocated_unplanned: list[tuple[str, object, int]] = []
         self._stats = KVScopeStats()
         self._stats.declare_groups([(layout.index, layout.kind.value) for layout in layouts])  # series at 0
         # Per group, one (nanoseconds, blocks scanned, null blocks skipped) per scan: a single list
@@ -226,6 +230,8 @@ class KVScopeScheduler:
                 reason = lookup.miss.reason if num_external_tokens >= lookup.external_tokens else NOT_TAKEN
                 lookup_record = self._lookup_span(state, req_id, lookup, queried, num_external_tokens, reason)
         if num_external_tokens == 0:
+            if self._store_sources:
+                self._allocated_unplanned.append((req_id, blocks, lookup.local_tokens if lookup is not None else 0))
             return
         if lookup is None:
             # vLLM looks up every request it gives external tokens: without that lookup the local hit,
@@ -394,6 +400,7 @@ class KVScopeScheduler:
         self._pending_loads = []
         if self._store_sources:
             meta.fence_stores = self._sources_reallocated(scheduler_output)
+        self._allocated_unplanned.clear()
         computed = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -454,10 +461,22 @@ class KVScopeScheduler:
 
         This step's writes to such a block must wait for those stores (`KVScopeMetadata.fence_stores`).
         A block copy vLLM applies before the workers hear of the step (V2 runner) cannot wait: the
-        stores reading its destination are failed instead, so their host blocks never become ready.
+        stores reading its destination are failed instead, so their host blocks never become ready;
+        so are the stores reading a block given to a request another connector loads (inside vLLM's
+        MultiConnector), which writes it this step, maybe outside CUDA streams.
         Blocks a request finds in vLLM's prefix cache are not written, so they do not count."""
         sources = self._store_sources
         reallocated = any(block_id in sources for block_id in self._allocated_anew(scheduler_output))
+        if self._allocated_unplanned:
+            # Another connector's load writes its request's blocks past the device prefix hit this step,
+            # before the request is ever scheduled, and maybe outside CUDA streams (RDMA): no fence orders
+            # it, so the stores reading them fail, as with a block copy.
+            scheduled = {new.req_id for new in scheduler_output.scheduled_new_reqs}
+            for req_id, blocks, local in self._allocated_unplanned:
+                if req_id not in scheduled:
+                    for block_id in self._past_hits(blocks.get_block_ids(), local):
+                        for job_id in sources.get(block_id, ()):
+                            self._jobs[job_id].failed = True
         for copy in getattr(scheduler_output, "kv_cache_block_copies", None) or ():
             for job_id in self._store_sources.get(copy.dst_block_id, ()):
                 self._jobs[job_id].failed = True

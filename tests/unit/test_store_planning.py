@@ -292,6 +292,39 @@ def test_a_step_allocating_a_block_a_pending_store_reads_is_flagged():
     assert not flagged(_output(new=[(([100], [200, 201]), 0)])).fence_stores  # reported: read already
 
 
+@pytest.mark.parametrize("case", ["written by another connector's load", "not written", "its device prefix hit",
+                                  "scheduled this step", "an earlier step's"])
+def test_a_block_another_connector_loads_into_fails_the_pending_store_that_reads_it(case):
+    """Inside vLLM's MultiConnector kvscope hears of a request another connector loads (0 external
+    tokens for kvscope) and never sees it scheduled this step, while that connector writes its blocks
+    now, maybe outside CUDA streams (RDMA): no fence orders that, so a store reading one is failed, and
+    its offloaded block never becomes ready. Blocks of the request's device prefix hit are not written;
+    a request scheduled this step is fenced as before."""
+    sched, manager = _scheduler()
+    job = _pending_store(sched, manager)  # reads full-attention blocks 200..203
+    group_ids, local = ([300, 301], [500, 201]), 0
+    if case == "not written":
+        group_ids = ([300, 301], [500, 501])
+    elif case in ("its device prefix hit", "scheduled this step"):
+        group_ids, local = ([300, 301], [201, 500]), 16
+    request = _state("x", 64).request
+    if local:
+        assert sched.get_num_new_matched_tokens(request, local) == (0, False)
+    sched.update_state_after_alloc(request, SimpleNamespace(get_block_ids=lambda: group_ids), 0)
+
+    def scheduling_x() -> SimpleNamespace:
+        output = _output()
+        output.scheduled_new_reqs = [SimpleNamespace(req_id="x", block_ids=group_ids, num_computed_tokens=local)]
+        return output
+
+    if case == "an earlier step's":  # scheduled in the step it was allocated: fenced then
+        assert sched.build_connector_meta(scheduling_x()).fence_stores
+    output = scheduling_x() if case == "scheduled this step" else _output()
+    assert not sched.build_connector_meta(output).fence_stores
+    _report(sched, job)
+    assert sched.index.is_ready((1, "h3")) is (case != "written by another connector's load")
+
+
 def test_a_block_copy_into_a_block_a_pending_store_reads_fails_the_store():
     """vLLM's V2 runner applies block copies before the workers hear of the step, so no fence can
     come first: the store is failed, and its offloaded block never becomes ready."""
