@@ -472,6 +472,7 @@ class KVScopeScheduler:
             # before the request is ever scheduled, and maybe outside CUDA streams (RDMA): no fence orders
             # it, so the stores reading them fail, as with a block copy.
             scheduled = {new.req_id for new in scheduler_output.scheduled_new_reqs}
+            scheduled.update(scheduler_output.scheduled_cached_reqs.req_ids)  # resumed after preemption
             for req_id, blocks, local in self._allocated_unplanned:
                 if req_id not in scheduled:
                     for block_id in self._past_hits(blocks.get_block_ids(), local):

@@ -293,13 +293,13 @@ def test_a_step_allocating_a_block_a_pending_store_reads_is_flagged():
 
 
 @pytest.mark.parametrize("case", ["written by another connector's load", "not written", "its device prefix hit",
-                                  "scheduled this step", "an earlier step's"])
+                                  "scheduled this step", "resumed this step", "an earlier step's"])
 def test_a_block_another_connector_loads_into_fails_the_pending_store_that_reads_it(case):
     """Inside vLLM's MultiConnector kvscope hears of a request another connector loads (0 external
     tokens for kvscope) and never sees it scheduled this step, while that connector writes its blocks
     now, maybe outside CUDA streams (RDMA): no fence orders that, so a store reading one is failed, and
     its offloaded block never becomes ready. Blocks of the request's device prefix hit are not written;
-    a request scheduled this step is fenced as before."""
+    a request scheduled (or resumed) this step is fenced as before."""
     sched, manager = _scheduler()
     job = _pending_store(sched, manager)  # reads full-attention blocks 200..203
     group_ids, local = ([300, 301], [500, 201]), 0
@@ -320,7 +320,9 @@ def test_a_block_another_connector_loads_into_fails_the_pending_store_that_reads
     if case == "an earlier step's":  # scheduled in the step it was allocated: fenced then
         assert sched.build_connector_meta(scheduling_x()).fence_stores
     output = scheduling_x() if case == "scheduled this step" else _output()
-    assert not sched.build_connector_meta(output).fence_stores
+    if case == "resumed this step":  # preempted before, listed with the running requests: it writes 201 itself
+        output = _output(cached=[("x", group_ids, local)], resumed=["x"])
+    assert sched.build_connector_meta(output).fence_stores is (case == "resumed this step")
     _report(sched, job)
     assert sched.index.is_ready((1, "h3")) is (case != "written by another connector's load")
 
