@@ -230,7 +230,7 @@ class KVScopeScheduler:
                 reason = lookup.miss.reason if num_external_tokens >= lookup.external_tokens else NOT_TAKEN
                 lookup_record = self._lookup_span(state, req_id, lookup, queried, num_external_tokens, reason)
         if num_external_tokens == 0:
-            if self._store_sources:
+            if self._store_sources and request.num_computed_tokens == 0:  # admitted afresh: new blocks
                 self._allocated_unplanned.append((req_id, blocks, lookup.local_tokens if lookup is not None else 0))
             return
         if lookup is None:
@@ -468,20 +468,33 @@ class KVScopeScheduler:
         sources = self._store_sources
         reallocated = any(block_id in sources for block_id in self._allocated_anew(scheduler_output))
         if self._allocated_unplanned:
-            # Another connector's load writes its request's blocks past the device prefix hit this step,
-            # before the request is ever scheduled, and maybe outside CUDA streams (RDMA): no fence orders
-            # it, so the stores reading them fail, as with a block copy.
-            scheduled = {new.req_id for new in scheduler_output.scheduled_new_reqs}
-            scheduled.update(scheduler_output.scheduled_cached_reqs.req_ids)  # resumed after preemption
-            for req_id, blocks, local in self._allocated_unplanned:
-                if req_id not in scheduled:
-                    for block_id in self._past_hits(blocks.get_block_ids(), local):
-                        for job_id in sources.get(block_id, ()):
-                            self._jobs[job_id].failed = True
+            self._fail_stores_under_foreign_loads(scheduler_output)
         for copy in getattr(scheduler_output, "kv_cache_block_copies", None) or ():
             for job_id in self._store_sources.get(copy.dst_block_id, ()):
                 self._jobs[job_id].failed = True
         return reallocated
+
+    def _fail_stores_under_foreign_loads(self, scheduler_output) -> None:
+        """Fail the unreported stores reading a block that another connector loads into this step (inside
+        vLLM's MultiConnector kvscope gets such a request with 0 external tokens): past the request's
+        device prefix hit, all of its blocks when it waits for that load (not scheduled), else up to
+        where this step's forward starts (which `_allocated_anew` fences). That connector may write
+        outside CUDA streams (RDMA), which no fence orders; so, as with a block copy, the stores fail."""
+        computed = {new.req_id: new.num_computed_tokens for new in scheduler_output.scheduled_new_reqs}
+        cached = scheduler_output.scheduled_cached_reqs
+        resumed = getattr(cached, "resumed_req_ids", None) or ()  # (0.34 lists them with the new ones)
+        if resumed:
+            computed.update((rid, n) for rid, n in zip(cached.req_ids, cached.num_computed_tokens) if rid in resumed)
+        sources, jobs = self._store_sources, self._jobs
+        for req_id, blocks, local in self._allocated_unplanned:
+            end = computed.get(req_id)
+            if end is not None and end <= local:
+                continue  # scheduled with nothing loaded: only its forward writes (kvscope alone: always)
+            for layout, ids in zip(self.layouts, blocks.get_block_ids()):
+                stop = None if end is None else -(-end // layout.block_size)  # with a partly loaded block
+                for block_id in ids[local // layout.block_size:stop]:
+                    for job_id in sources.get(block_id, ()):
+                        jobs[job_id].failed = True
 
     def _allocated_anew(self, scheduler_output) -> Iterator[int]:
         """The device blocks this step gives out afresh: each scheduled request's blocks past those it found

@@ -176,7 +176,8 @@ class KVScopeStats(KVConnectorStats):
         if duration_s is not None:
             self._observe_keyed("copy_duration_s", key, duration_s)
         # Bytes where they move: a copy that ran counts, even when another worker's part of the
-        # same load failed (so these totals equal the copy spans' bytes).
+        # same load failed (so these totals equal the copy spans' bytes, but for copies whose interval
+        # could not be measured: counted here, with no span and no duration; logged).
         self._inc_keyed(f"{direction}_bytes", group_key(group, kind), nbytes)
 
     def record_request_load(self, duration_s: float) -> None:

@@ -292,39 +292,62 @@ def test_a_step_allocating_a_block_a_pending_store_reads_is_flagged():
     assert not flagged(_output(new=[(([100], [200, 201]), 0)])).fence_stores  # reported: read already
 
 
-@pytest.mark.parametrize("case", ["written by another connector's load", "not written", "its device prefix hit",
-                                  "scheduled this step", "resumed this step", "an earlier step's"])
+# case: (its blocks per group, its device prefix hit, how this step lists it: None (not scheduled), "new" or
+# "resumed" with its computed tokens, whether the pending store reading block 201 fails, whether the step is fenced)
+_FOREIGN_LOADS = {
+    "loaded asynchronously by another connector": (([300, 301], [500, 201]), 0, None, True, False),
+    "loaded at once by another connector": (([300, 301], [201, 500]), 0, ("new", 32), True, False),
+    "partly loaded at once: the block its forward goes on": (([300, 301], [500, 201]), 0, ("new", 24), True, True),
+    "not written": (([300, 301], [500, 501]), 0, None, False, False),
+    "its device prefix hit": (([300, 301], [201, 500]), 16, None, False, False),
+    "scheduled with nothing loaded": (([300, 301], [201, 500]), 16, ("new", 16), False, False),
+    "resumed with nothing loaded": (([300, 301], [500, 201]), 0, ("resumed", 0), False, True),
+    "resumed after another connector's load": (([300, 301], [201, 500]), 0, ("resumed", 32), True, False),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_FOREIGN_LOADS))
 def test_a_block_another_connector_loads_into_fails_the_pending_store_that_reads_it(case):
-    """Inside vLLM's MultiConnector kvscope hears of a request another connector loads (0 external
-    tokens for kvscope) and never sees it scheduled this step, while that connector writes its blocks
-    now, maybe outside CUDA streams (RDMA): no fence orders that, so a store reading one is failed, and
-    its offloaded block never becomes ready. Blocks of the request's device prefix hit are not written;
-    a request scheduled (or resumed) this step is fenced as before."""
+    """Inside vLLM's MultiConnector kvscope hears of a request another connector loads with 0 external
+    tokens; that connector writes the blocks past its device prefix hit this step (all of them while the
+    request waits for an asynchronous load; up to where its forward starts when the load is at once),
+    maybe outside CUDA streams (RDMA): no fence orders that, so a store reading one fails, and its
+    offloaded block never becomes ready. Blocks of the device prefix hit are not written; what the
+    step's forward writes is fenced, as before."""
+    group_ids, local, listed, store_fails, fenced = _FOREIGN_LOADS[case]
     sched, manager = _scheduler()
     job = _pending_store(sched, manager)  # reads full-attention blocks 200..203
-    group_ids, local = ([300, 301], [500, 201]), 0
-    if case == "not written":
-        group_ids = ([300, 301], [500, 501])
-    elif case in ("its device prefix hit", "scheduled this step"):
-        group_ids, local = ([300, 301], [201, 500]), 16
     request = _state("x", 64).request
     if local:
         assert sched.get_num_new_matched_tokens(request, local) == (0, False)
     sched.update_state_after_alloc(request, SimpleNamespace(get_block_ids=lambda: group_ids), 0)
-
-    def scheduling_x() -> SimpleNamespace:
-        output = _output()
-        output.scheduled_new_reqs = [SimpleNamespace(req_id="x", block_ids=group_ids, num_computed_tokens=local)]
-        return output
-
-    if case == "an earlier step's":  # scheduled in the step it was allocated: fenced then
-        assert sched.build_connector_meta(scheduling_x()).fence_stores
-    output = scheduling_x() if case == "scheduled this step" else _output()
-    if case == "resumed this step":  # preempted before, listed with the running requests: it writes 201 itself
-        output = _output(cached=[("x", group_ids, local)], resumed=["x"])
-    assert sched.build_connector_meta(output).fence_stores is (case == "resumed this step")
+    output = _output()
+    if listed is not None:
+        how, computed = listed
+        if how == "new":
+            output.scheduled_new_reqs = [SimpleNamespace(req_id="x", block_ids=group_ids, num_computed_tokens=computed)]
+        else:  # preempted before, vLLM 0.32 lists it with the running requests
+            output = _output(cached=[("x", group_ids, computed)], resumed=["x"])
+    assert sched.build_connector_meta(output).fence_stores is fenced
     _report(sched, job)
-    assert sched.index.is_ready((1, "h3")) is (case != "written by another connector's load")
+    assert sched.index.is_ready((1, "h3")) is not store_fails
+
+
+def test_allocations_are_remembered_for_one_step_and_only_for_requests_admitted_afresh():
+    sched, manager = _scheduler()
+    job = _pending_store(sched, manager)
+    request = _state("x", 64).request
+    blocks = SimpleNamespace(get_block_ids=lambda: ([300, 301], [500, 201]))
+    sched.update_state_after_alloc(request, blocks, 0)
+    sched.build_connector_meta(_output(new=[(([300, 301], [500, 201]), 0)]))  # scheduled as "n0": not x
+    assert sched._jobs[job.job_id].failed
+    sched._jobs[job.job_id].failed = False
+    sched.build_connector_meta(_output())  # the next step: x's allocation is not looked at again
+    request.num_computed_tokens = 32  # rescheduled once an asynchronous load is done: its blocks are old
+    sched.update_state_after_alloc(request, blocks, 0)
+    sched.build_connector_meta(_output())
+    _report(sched, job)
+    assert sched.index.is_ready((1, "h3"))
 
 
 def test_a_block_copy_into_a_block_a_pending_store_reads_fails_the_store():
