@@ -121,7 +121,8 @@ def copy_bandwidth_while_copying():
         "rate), per direction: the speed a copy reaches while it runs, independent of how busy the "
         "connector is. Compare with the link's bandwidth (PCIe 4.0 x16 ~25 GB/s, 5.0 ~50 GB/s). Far "
         "below it: small copies dominated by launch overhead (larger block_size helps), or host "
-        "memory that is not pinned.",
+        "memory that is not pinned. A copy whose device-event interval could not be measured (logged "
+        "once) counts its bytes and no time: then this reads high.",
         pc.queries(
             (
                 f"sum by (model_name) (rate(kvscope_load_bytes_total{sel(GROUP)}{RATE})) / "
@@ -145,7 +146,8 @@ def copies_per_second():
         "Copies per second by direction (kvscope_copy_duration_seconds_count: one per worker, group "
         "and transfer job) and the mean bytes per copy (right axis: one worker's shard). Many small "
         "copies cost launch overhead each; if copies are small, a larger offload block_size batches "
-        "more tokens per copy.",
+        "more tokens per copy. A copy whose device-event interval could not be measured (logged once) "
+        "is not counted here, its bytes are.",
         pc.queries(
             (f"sum by (model_name, direction) (rate(kvscope_copy_duration_seconds_count{sel(GROUP)}{RATE}))",
              "{{direction}} copies/s ({{model_name}})"),

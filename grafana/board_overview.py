@@ -248,8 +248,8 @@ def host_usage_stat():
         "Host tier usage (fullest)",
         "kvscope_host_used_bytes / kvscope_host_capacity_bytes of the fullest selected host tier "
         "(recording rule kvscope:host_usage:ratio). A full tier is normal once traffic has run a "
-        "while: the tier is an LRU cache. It is a problem only together with heavy eviction and a "
-        "falling hit rate (alert KVScopeHostTierThrashing); then raise cpu_bytes.",
+        "while: the tier is an LRU cache, and evicts one entry per new one from then on. It is a problem "
+        "only when prompts asked for again were evicted (alert KVScopeHostTierTooSmall); then raise cpu_bytes.",
         pc.queries((f"max(kvscope:host_usage:ratio{sel()})", "usage")),
         "percentunit",
         [(None, "green"), (0.85, "orange"), (0.95, "red")],

@@ -29,6 +29,8 @@ GAUGES: dict[str, tuple[str, ...]] = {
     "kvscope_host_capacity_bytes": (),
 }
 HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
+# vLLM's own series a rule may read: that an engine runs (alert KVScopeMetricsMissing)
+VLLM_SERIES = ("vllm:num_requests_running",)
 
 GROUP_KINDS = ("full_attention", "sliding_window", "mamba")
 DIRECTIONS = ("load", "store")

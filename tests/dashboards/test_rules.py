@@ -51,7 +51,7 @@ def test_every_alert_is_documented():
     alerts = _alerts()
     assert {a["alert"] for a in alerts} == {
         "KVScopeHitRateCollapsed", "KVScopeLoadLatencyHigh", "KVScopeLoadFailures",
-        "KVScopeHostTierThrashing", "KVScopeStoresWithoutLoads", "KVScopeHostTierTooSmall",
+        "KVScopeMetricsMissing", "KVScopeStoresWithoutLoads", "KVScopeHostTierTooSmall",
         "KVScopeTracesIncomplete",
     }
     for alert in alerts:
