@@ -15,6 +15,7 @@ from connector.engine_runner import (
     generate,
     get_scheduler_connector,
     get_worker_connector,
+    kv_transfer_config,
     make_llm,
     metric_values,
 )
@@ -50,9 +51,9 @@ def kvscope_samples(by: str | None = None) -> dict:
 
 def _zero_host_blocks_of(llm, kind: str) -> None:
     """Overwrite the host copies of one group kind with zeros (to show its loads are read)."""
-    sched = get_scheduler_connector(llm)._scheduler
+    sched = _kvscope(get_scheduler_connector(llm))._scheduler
     kinds = {layout.index: layout.kind.value for layout in sched.layouts}
-    engine = get_worker_connector()._worker.engine
+    engine = _kvscope(get_worker_connector())._worker.engine
     for (group, _), entry in sched.index._entries.items():
         if kinds[group] == kind:
             engine.host[entry.slot].zero_()
@@ -80,6 +81,20 @@ def _fence_stores_at_next_step(worker) -> dict:
     return fence
 
 
+def _kvscope(connector):
+    """kvscope's connector itself, also inside vLLM's MultiConnector (the spec's `multi_connector`)."""
+    for child in getattr(connector, "_connectors", None) or (connector,):
+        if type(child).__name__ == "KVScopeConnector":
+            return child
+    raise AssertionError(f"no KVScopeConnector in {connector!r}")
+
+
+def _inside_multi_connector(extra: dict) -> dict:
+    """vLLM's MultiConnector with kvscope as its one child: the kv-transfer-config users write to combine it."""
+    return {"kv_connector": "MultiConnector", "kv_role": "kv_both",
+            "kv_connector_extra_config": {"connectors": [kv_transfer_config(extra)]}}
+
+
 def run(spec: dict) -> dict:
     engine_env()
     model = build_model(spec["model"], window=spec.get("window", 64), layer_types=spec.get("layer_types"))
@@ -102,9 +117,12 @@ def run(spec: dict) -> dict:
         if conversation:  # the second turn over vLLM's device prefix cache: no reset
             rounds.append(generate(llm, _next_turn(prompts, outs, conversation["new_tokens"]), max_tokens))
         return {"rounds": [[o.__dict__ for o in r] for r in rounds]}
-    llm = make_llm(model, spec.get("extra", {"cpu_bytes": 64 << 20}), **llm_kwargs)
+    extra = spec.get("extra", {"cpu_bytes": 64 << 20})
+    if spec.get("multi_connector"):
+        llm_kwargs = {**llm_kwargs, "kv_transfer_config": _inside_multi_connector(extra)}
+    llm = make_llm(model, extra, **llm_kwargs)
     single_worker = llm_kwargs.get("tensor_parallel_size", 1) == 1  # else the workers live in other processes
-    fence = _fence_stores_at_next_step(get_worker_connector()._worker) if single_worker else {}
+    fence = _fence_stores_at_next_step(_kvscope(get_worker_connector())._worker) if single_worker else {}
     rounds, counters = [], []
     before = metric_values(llm)
     rounds.append(first_turn(llm))  # round 0: cold, stores to the host tier
@@ -116,7 +134,7 @@ def run(spec: dict) -> dict:
     counters.append(_delta(after0, before))
     assert llm.reset_prefix_cache(), "device prefix cache reset failed"
     if spec.get("drop_host_blocks"):
-        worker = get_worker_connector()._worker
+        worker = _kvscope(get_worker_connector())._worker
         worker.lost_slots.update(range(worker.num_slots))  # host data lost after the lookup
     # round 1: loads from the host tier (optionally with ids and W3C trace headers per request)
     rounds.append(generate(llm, prompts, max_tokens, trace_headers=spec.get("trace_headers"),
@@ -125,11 +143,12 @@ def run(spec: dict) -> dict:
     counters.append(_delta(after1, after0))
     rounds.append(generate(llm, prompts, max_tokens, n=samples))  # round 2: device prefix cache, no reset
     counters.append(_delta(metric_values(llm), after1))
-    connector = get_scheduler_connector(llm)
+    connector = _kvscope(get_scheduler_connector(llm))
     connector.tracing.force_flush()
     if single_worker:
-        get_worker_connector().tracing.force_flush()
-        fence["kept"] = get_worker_connector()._worker.store_fence == FENCE_AT_NEXT_STEP
+        worker = _kvscope(get_worker_connector())
+        worker.tracing.force_flush()
+        fence["kept"] = worker._worker.store_fence == FENCE_AT_NEXT_STEP
     sched = connector._scheduler
     return {
         "rounds": [[o.__dict__ for o in r] for r in rounds],

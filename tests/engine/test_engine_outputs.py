@@ -97,6 +97,22 @@ def test_offload_blocks_of_two_device_blocks(scenarios):
     assert result["counters"][1]["vllm:external_prefix_cache_hits"] == expected
 
 
+def test_inside_vllms_multi_connector_loads_give_the_same_outputs(scenarios):
+    """kvscope as a child of vLLM's MultiConnector (how it is combined with other connectors): its
+    lookups, loads, stores, stats and store fence all reach it through MultiConnector's forwarding."""
+    result = scenarios.get("gemma3-w64-multi", spec_for("gemma3-w64", multi_connector=True))
+    baseline = scenarios.get("gemma3-w64:baseline", spec_for("gemma3-w64", connector=False))
+    cold, loaded, _ = result["rounds"]
+    assert tokens(cold) == tokens(baseline["rounds"][0])
+    assert_same_outputs(cold, loaded)
+    external = sum(c["vllm:external_prefix_cache_hits"] for c in result["counters"])
+    assert result["counters"][1]["vllm:external_prefix_cache_hits"] > 0
+    assert result["kvscope"]["kvscope_hit_tokens_total"] == external
+    assert result["kvscope"]["kvscope_store_bytes_total"] > 0 and set(result["groups"]) == {"full_attention",
+                                                                                         "sliding_window"}
+    assert result["fence"]["fenced_at_step_start"] > 0 and result["fence"]["kept"]
+
+
 ENGINE_SETTINGS = {
     # vLLM's default on GPUs: the scheduler plans the next step before this one's outputs are back
     "async-scheduling": {"async_scheduling": True},
