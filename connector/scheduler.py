@@ -398,13 +398,13 @@ class KVScopeScheduler:
     def build_connector_meta(self, scheduler_output) -> KVScopeMetadata:
         meta = KVScopeMetadata(loads=self._pending_loads)
         self._pending_loads = []
-        if self._store_sources:
-            meta.fence_stores = self._sources_reallocated(scheduler_output)
-        self._allocated_unplanned.clear()
         computed = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             computed[req_id] = cached.num_computed_tokens[i]
+        if self._store_sources:
+            meta.fence_stores = self._sources_reallocated(scheduler_output, computed)
+        self._allocated_unplanned.clear()
         spec = scheduler_output.scheduled_spec_decode_tokens or {}
         restarted = None
         if self.states.groups:
@@ -455,7 +455,7 @@ class KVScopeScheduler:
         self.states.note_forward(state.witnessed_states, computed, computed + scheduled,
                                  lambda: self._kv_cache_manager().get_blocks(req_id).blocks)
 
-    def _sources_reallocated(self, scheduler_output) -> bool:
+    def _sources_reallocated(self, scheduler_output, computed: dict[str, int]) -> bool:
         """Whether this step allocates a device block that an unreported store reads (vLLM freed it,
         its request finished, was preempted or left it behind its window, and gives it out again).
 
@@ -468,23 +468,19 @@ class KVScopeScheduler:
         sources = self._store_sources
         reallocated = any(block_id in sources for block_id in self._allocated_anew(scheduler_output))
         if self._allocated_unplanned:
-            self._fail_stores_under_foreign_loads(scheduler_output)
+            self._fail_stores_under_foreign_loads(computed)
         for copy in getattr(scheduler_output, "kv_cache_block_copies", None) or ():
             for job_id in self._store_sources.get(copy.dst_block_id, ()):
                 self._jobs[job_id].failed = True
         return reallocated
 
-    def _fail_stores_under_foreign_loads(self, scheduler_output) -> None:
+    def _fail_stores_under_foreign_loads(self, computed: dict[str, int]) -> None:
         """Fail the unreported stores reading a block that another connector loads into this step (inside
         vLLM's MultiConnector kvscope gets such a request with 0 external tokens): past the request's
         device prefix hit, all of its blocks when it waits for that load (not scheduled), else up to
         where this step's forward starts (which `_allocated_anew` fences). That connector may write
-        outside CUDA streams (RDMA), which no fence orders; so, as with a block copy, the stores fail."""
-        computed = {new.req_id: new.num_computed_tokens for new in scheduler_output.scheduled_new_reqs}
-        cached = scheduler_output.scheduled_cached_reqs
-        resumed = getattr(cached, "resumed_req_ids", None) or ()  # (0.34 lists them with the new ones)
-        if resumed:
-            computed.update((rid, n) for rid, n in zip(cached.req_ids, cached.num_computed_tokens) if rid in resumed)
+        outside CUDA streams (RDMA), which no fence orders; so, as with a block copy, the stores fail.
+        ``computed``: the tokens each request this step schedules has computed before it."""
         sources, jobs = self._store_sources, self._jobs
         for req_id, blocks, local in self._allocated_unplanned:
             end = computed.get(req_id)

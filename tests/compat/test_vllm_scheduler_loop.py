@@ -1037,7 +1037,7 @@ def _late_reading_rounds(model_path, async_scheduling: bool, runner: str, fence:
                              num_blocks=150, max_num_batched_tokens=100, async_scheduling=async_scheduling,
                              runner=runner, spec_tokens=spec_tokens)
     if not flag_reuse:
-        engine.scheduler.get_kv_connector()._scheduler._sources_reallocated = lambda out: False
+        engine.scheduler.get_kv_connector()._scheduler._sources_reallocated = lambda out, computed: False
     fences = _read_stores_late(engine, fence)
     try:
         prompts = _prompts()
