@@ -398,6 +398,7 @@ class KVScopeScheduler:
     def build_connector_meta(self, scheduler_output) -> KVScopeMetadata:
         meta = KVScopeMetadata(loads=self._pending_loads)
         self._pending_loads = []
+        self._order_loads_after_stores(meta.loads)
         computed = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -438,6 +439,16 @@ class KVScopeScheduler:
         except Exception:  # the step's loads and stores are in `meta` (`telemetry_failed`)
             telemetry_failed("the scheduler's end of step")
         return meta
+
+    def _order_loads_after_stores(self, loads: list[TransferJob]) -> None:
+        """A load waits for the stores in flight only when one of them reads a block it writes (vLLM
+        freed the block, its request finished or was preempted, and gave it to this load's request).
+        The stores of this step are planned after its loads and read blocks its forward computes,
+        never a block a load writes."""
+        sources = self._store_sources
+        for job in loads:
+            job.waits_for_stores = bool(sources) and any(
+                not sources.keys().isdisjoint(part.block_ids) for part in job.groups)
 
     @staticmethod
     def _restarted(scheduler_output) -> set[str]:

@@ -116,11 +116,14 @@ class KVScopeWorker:
             flight.failed = True
         else:
             try:
+                engine = self.engine
                 for part in job.groups:
-                    copy = self.engine.load if job.direction == LOAD else self.engine.store
-                    flight.copies.append(
-                        (part.group_index, copy(part.group_index, part.slots, part.subs, part.block_ids))
-                    )
+                    if job.direction == LOAD:
+                        copy = engine.load(part.group_index, part.slots, part.subs, part.block_ids,
+                                           waits_for_stores=job.waits_for_stores)
+                    else:
+                        copy = engine.store(part.group_index, part.slots, part.subs, part.block_ids)
+                    flight.copies.append((part.group_index, copy))
                 if job.direction == STORE:
                     for part in job.groups:
                         self.lost_slots.difference_update(part.slots)

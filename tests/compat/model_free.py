@@ -310,8 +310,8 @@ class ModelFreeEngine:
             return
         mamba, copy, writers = self.group_kinds.index(MAMBA), copy_engine._copy, self._state_writers[rank]
 
-        def noted_copy(group, slots, subs, block_ids, to_device):
-            done = copy(group, slots, subs, block_ids, to_device=to_device)
+        def noted_copy(group, slots, subs, block_ids, to_device, **options):
+            done = copy(group, slots, subs, block_ids, to_device=to_device, **options)
             if to_device and group == mamba:
                 writers.update(dict.fromkeys(block_ids, "kvscope"))
             return done
@@ -888,9 +888,10 @@ class LateReadingStores:
     On the CPU a store copies at once, inside `wait_for_save`, so no later write can reach its
     source blocks first. Here a store's bytes are read only when it completes: `steps` engine steps
     later (`tick`, after each step), when a fence orders later compute after it
-    (`fence_compute_stream`), or when a load comes (a load waits for the stores before it, as
-    on CUDA). A fence placed too late, or missing, lets a later forward overwrite a block a store
-    has yet to read, and the host tier then holds what a later load gives the checks as wrong KV."""
+    (`fence_compute_stream`), or when a load that must wait for them comes (one writing a block a
+    store may still read: `TransferJob.waits_for_stores`), as on CUDA. A fence placed too late, or
+    missing, or a load that should wait and does not, lets a later write reach a block a store has
+    yet to read, and the host tier then holds what a later load gives the checks as wrong KV."""
 
     def __init__(self, engine, steps: int = 3, load_steps: int = 0, report_loads_early: bool = False):
         self.engine, self.steps = engine, steps
@@ -899,6 +900,7 @@ class LateReadingStores:
         # reported done before it lands).
         self.load_steps, self.report_loads_early = load_steps, report_loads_early
         self._pending: dict[int, list] = {}  # id(result) -> [result, store args, steps left]
+        self.loads_after_stores = self.loads_alone = 0  # loads that waited for the stores, and the others
         self._loads: dict[int, list] = {}  # id(result) -> [result, load args, steps left]
         self._copy, self._poll = engine._copy, engine.poll
         engine.store, engine.poll = self._store, self._poll_late
@@ -942,8 +944,12 @@ class LateReadingStores:
         for entry in list(self._pending.values()):
             self._read(entry)
 
-    def _load(self, group, slots, subs, block_ids):
-        self._read_all()  # the load stream waits for the store stream
+    def _load(self, group, slots, subs, block_ids, waits_for_stores: bool = True):
+        if waits_for_stores:  # the load stream waits for the store stream
+            self.loads_after_stores += 1
+            self._read_all()
+        else:
+            self.loads_alone += 1
         if not self.load_steps:
             return self._copy(group, slots, subs, block_ids, to_device=True)
         from connector.copy_engine import CopyResult

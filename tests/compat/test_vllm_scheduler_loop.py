@@ -972,7 +972,7 @@ def test_stores_that_read_the_device_late_store_what_the_forward_wrote(model_pat
     reads: at once, when the next step begins (V1: `handle_preemptions`), or only in a step that
     allocates a block a store still reads (the scheduler's `fence_stores`). The loads of round 1
     then bring back exactly what the forward wrote."""
-    stats, fences = _late_reading_rounds(model_path, async_scheduling, runner, fence)
+    stats, fences, _ = _late_reading_rounds(model_path, async_scheduling, runner, fence)
     _assert_no_violations(stats)
     assert stats.resumed and any(r.startswith("r1-") for r in stats.loads)
     if fence == FENCE_WHEN_REUSED:  # it did fence, but in few of the steps
@@ -985,7 +985,31 @@ def test_without_the_fence_late_reads_store_overwritten_blocks(model_path, runne
     """The check above can fail: with no fence, or with the fence only on reuse but the scheduler
     never flagging a reused block, later steps overwrite blocks before their stores read them,
     and round 1 loads wrong KV."""
-    stats, _ = _late_reading_rounds(model_path, False, runner, fence, flag_reuse=False)
+    stats, _, _ = _late_reading_rounds(model_path, False, runner, fence, flag_reuse=False)
+    assert stats.violations
+
+
+@pytest.mark.parametrize("runner", ["v1", "v2"])
+def test_only_a_load_writing_a_block_a_store_still_reads_waits_for_the_stores(model_path, runner):
+    """On CUDA a load waits for the stores in flight only when the scheduler says one reads a block it
+    writes (`TransferJob.waits_for_stores`): a large store need not hold up every hit's first token.
+    With stores reading 30 steps late, a block the window freed goes to a load while the store that
+    reads it is pending; then every block stored is loaded again (`_probe_stored_prefixes`): the
+    few loads that waited were enough, as none gives wrong KV."""
+    stats, _, lates = _late_reading_rounds(model_path, False, runner, FENCE_WHEN_REUSED, probe=True, store_lag=30)
+    _assert_no_violations(stats)
+    waited = sum(late.loads_after_stores for late in lates)
+    alone = sum(late.loads_alone for late in lates)
+    assert 0 < waited < alone, (waited, alone)
+
+
+@pytest.mark.parametrize("runner", ["v1", "v2"])
+def test_a_load_that_should_wait_for_the_stores_and_does_not_gives_wrong_kv(model_path, runner):
+    """The check above can fail: with no load waiting, a load overwrites a block before a late store
+    reads it, the host tier keeps the load's bytes under the store's key, and a later load gives
+    them as wrong KV."""
+    stats, _, _ = _late_reading_rounds(model_path, False, runner, FENCE_WHEN_REUSED, loads_wait=False, probe=True,
+                                       store_lag=30)
     assert stats.violations
 
 
@@ -995,7 +1019,7 @@ def test_late_reading_stores_with_speculative_decoding(model_path, async_schedul
     """With drafts, the forward rewrites the KV of rejected ones in place, in blocks their request
     still holds, so the fence's premise (only a block given out again is rewritten) must hold there
     too: stores take only blocks whose every position is final, and the fence on reuse is enough."""
-    stats, fences = _late_reading_rounds(model_path, async_scheduling, runner, FENCE_WHEN_REUSED, spec_tokens=3)
+    stats, fences, _ = _late_reading_rounds(model_path, async_scheduling, runner, FENCE_WHEN_REUSED, spec_tokens=3)
     _assert_no_violations(stats)
     assert stats.drafts_rejected > 100 and stats.resumed and any(r.startswith("r1-") for r in stats.loads)
     assert 0 < fences < stats.steps / 4, (fences, stats.steps)
@@ -1030,7 +1054,12 @@ def test_late_reading_stores_beside_a_mamba_group_whose_new_blocks_vllm_zeroes(m
 
 
 def _late_reading_rounds(model_path, async_scheduling: bool, runner: str, fence: str | None,
-                         flag_reuse: bool = True, spec_tokens: int = 0):
+                         flag_reuse: bool = True, spec_tokens: int = 0, loads_wait: bool | None = None,
+                         rounds: int = 2, probe: bool = False, store_lag: int = 10):
+    """``loads_wait``: None, each load waits for the stores when the scheduler says
+    (`TransferJob.waits_for_stores`); True or False, every load or none. ``probe``: then load every
+    block the first round stored (`_probe_stored_prefixes`). Returns the engine's stats, the fence
+    count and the workers' `LateReadingStores`."""
     # 150 device blocks, 100-token steps, 200 tokens decoded: vLLM preempts, and the window frees
     # blocks, while stores read 10 steps late (a stress: a DMA's lag is within a step or two)
     engine = ModelFreeEngine(model_path, {"cpu_bytes": 64 << 20, "block_size": 64}, window=WINDOW,
@@ -1038,30 +1067,55 @@ def _late_reading_rounds(model_path, async_scheduling: bool, runner: str, fence:
                              runner=runner, spec_tokens=spec_tokens)
     if not flag_reuse:
         engine.scheduler.get_kv_connector()._scheduler._sources_reallocated = lambda out, computed: False
-    fences = _read_stores_late(engine, fence)
+    if loads_wait is not None:
+        def order_loads(loads):
+            for job in loads:
+                job.waits_for_stores = loads_wait
+
+        engine.scheduler.get_kv_connector()._scheduler._order_loads_after_stores = order_loads
+    fences, lates = _read_stores_late(engine, fence, store_lag)
     try:
         prompts = _prompts()
         for j, prompt in enumerate(prompts):
             engine.add(f"r0-{j}", prompt, max_tokens=200)
         engine.run()
         engine.reset_device_prefix_cache()
-        for j, prompt in enumerate(prompts):
-            engine.add(f"r1-{j}", prompt, max_tokens=200)
-        engine.run()
+        for round_ in range(1, rounds):
+            for j, prompt in enumerate(prompts):
+                engine.add(f"r{round_}-{j}", prompt, max_tokens=200)
+            engine.run()
+            engine.reset_device_prefix_cache()
+        if probe:
+            _probe_stored_prefixes(engine, [f"r0-{j}" for j in range(len(prompts))])
     finally:
         engine.shutdown()
-    return engine.stats, fences[0]
+    return engine.stats, fences[0], lates
 
 
-def _read_stores_late(engine: ModelFreeEngine, fence: str | None) -> list[int]:
-    """Every worker's stores read the device 10 steps late (`LateReadingStores`), fenced at ``fence``
-    (None: never, and loads do not wait for stores either). Returns the fence count, a 1-list."""
+def _probe_stored_prefixes(engine: ModelFreeEngine, req_ids: list[str], block: int = 64) -> None:
+    """Load every block the requests stored, in every group: one request per block boundary of each
+    one's tokens, ending one token past it, so its hit ends there and its window's blocks are the
+    ones before it. One at a time, after a reset of vLLM's device prefix cache: none hits another's
+    blocks there. A host block holding other KV than its key's then reaches the loop's checks."""
+    for req_id in req_ids:
+        tokens = engine.tokens[req_id]
+        for end in range(block, len(tokens), block):
+            engine.reset_device_prefix_cache()
+            engine.add(f"probe-{req_id}-{end}", tokens[:end + 1], max_tokens=1)
+            engine.run()
+
+
+def _read_stores_late(engine: ModelFreeEngine, fence: str | None, steps: int = 10):
+    """Every worker's stores read the device ``steps`` steps late (`LateReadingStores`), fenced at ``fence``
+    (None: never, and loads do not wait for stores either). Returns the fence count, a 1-list,
+    and the workers' `LateReadingStores`."""
     from tests.compat.model_free import LateReadingStores
 
-    fences = [0]
+    fences, lates = [0], []
     for connector in engine.workers:
         worker = connector._worker
-        late = LateReadingStores(worker.engine, steps=10)
+        late = LateReadingStores(worker.engine, steps=steps)
+        lates.append(late)
         engine.after_step.append(late.tick)
         worker.store_fence = fence or FENCE_WHEN_REUSED  # as CUDA would (`connector._store_fence`)
 
@@ -1072,9 +1126,9 @@ def _read_stores_late(engine: ModelFreeEngine, fence: str | None) -> list[int]:
 
         worker.engine.fence_compute_stream = fence_compute_stream
         if fence is None:  # nor do loads wait for the stores
-            worker.engine.load = lambda group, slots, subs, block_ids, late=late: late._copy(
+            worker.engine.load = lambda group, slots, subs, block_ids, waits_for_stores=True, late=late: late._copy(
                 group, slots, subs, block_ids, to_device=True)
-    return fences
+    return fences, lates
 
 
 @pytest.mark.parametrize("runner", ["v1", *V2_RUNNERS])

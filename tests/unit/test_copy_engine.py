@@ -444,8 +444,8 @@ def test_a_job_addressing_slots_past_the_host_buffer_fails_without_copying(caplo
     copied = []  # every copy the worker asked for: none of a refused job (on CUDA each is a raw address)
     for direction in ("load", "store"):
         copy = getattr(engine, direction)
-        setattr(engine, direction, lambda group, slots, subs, blocks, copy=copy: (
-            copied.append((group, list(blocks))), copy(group, slots, subs, blocks))[1])
+        setattr(engine, direction, lambda group, slots, subs, blocks, copy=copy, **options: (
+            copied.append((group, list(blocks))), copy(group, slots, subs, blocks, **options))[1])
     before = _block_bytes(t0, 2).clone()
     with caplog.at_level("ERROR", logger="connector.worker"):
         worker.wait_for_save(KVScopeMetadata(stores=[TransferJob(1, "a", STORE, [GroupTransfer(0, [3], [4], [0])])]))

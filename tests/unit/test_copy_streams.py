@@ -4,8 +4,9 @@ No GPU is lent to this project's CI; these tests run the real `_copy_cuda`, `pol
 `fence_compute_stream` code with the copies done on CPU tensors (so the bytes are checked) and
 every stream dependency recorded, to pin the ordering the CUDA path relies on:
 - a store waits for the compute stream (it reads what the step's forward wrote);
-- a load waits for the compute stream (vLLM may still be zeroing its destination blocks) and for
-  the stores before it (a destination block may be one an in-flight store still reads);
+- a load waits for the compute stream (vLLM may still be zeroing its destination blocks) and, when
+  the scheduler says a destination block is one an in-flight store still reads, for the stores
+  before it;
 - later compute waits for stores only: a load in flight never holds up the next forward (vLLM keeps
   a loading request's blocks until the load is reported done, even when the request is aborted);
 - that wait goes in at once after the stores, or, under vLLM's V1 model runner (which saves before
@@ -24,7 +25,7 @@ import torch
 
 from connector import copy_engine as copy_engine_module
 from connector.connector import _store_fence, _uses_v2_model_runner
-from connector.metadata import STORE, GroupTransfer, KVScopeMetadata, TransferJob
+from connector.metadata import LOAD, STORE, GroupTransfer, KVScopeMetadata, TransferJob
 from connector.telemetry.tracing import KVScopeTracing
 from connector.worker import FENCE_AT_NEXT_STEP, FENCE_AT_ONCE, FENCE_WHEN_REUSED, KVScopeWorker
 from tests.unit.test_copy_engine import _block_bytes, _shared_attention_engine, memmove_batch
@@ -103,8 +104,23 @@ def test_each_copy_waits_for_what_it_must(cuda_engine):
     engine.store(0, [1], [0], [3])
     assert log == [("store", "waits for", "compute")]
     log.clear()
-    engine.load(0, [1], [0], [5])
+    engine.load(0, [1], [0], [5])  # by default as if a destination block were one a store still reads
     assert sorted(log) == [("load", "waits for", "compute"), ("load", "waits for", "store")]
+    log.clear()
+    engine.load(0, [1], [0], [6], waits_for_stores=False)  # no store in flight reads block 6
+    assert log == [("load", "waits for", "compute")]
+
+
+def test_a_worker_load_waits_for_the_stores_only_when_its_job_says(cuda_engine):
+    """The scheduler tells which loads write a block an unreported store reads
+    (`TransferJob.waits_for_stores`); the others start without waiting for the stores in flight."""
+    engine, _, log = cuda_engine
+    worker = _worker_on(engine)
+    for waits in (True, False):
+        log.clear()
+        job = TransferJob(1 + waits, f"r{waits}", LOAD, [GroupTransfer(0, [5], [1], [0])], waits_for_stores=waits)
+        worker.start_load_kv(KVScopeMetadata(loads=[job]))
+        assert (("load", "waits for", "store") in log) == waits, log
 
 
 def test_a_job_is_one_batched_call(cuda_engine):

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 
 from connector.groups import GroupKind, GroupLayout
-from connector.metadata import KVScopeWorkerMetadata
+from connector.metadata import LOAD, GroupTransfer, KVScopeWorkerMetadata, TransferJob
 from connector.planning import NULL_BLOCK_ID
 from connector.scheduler import KVScopeScheduler, _RequestState
 from connector.telemetry.tracing import KVScopeTracing
@@ -290,6 +290,30 @@ def test_a_step_allocating_a_block_a_pending_store_reads_is_flagged():
     _report(sched, job)
     assert sched._store_sources == {}
     assert not flagged(_output(new=[(([100], [200, 201]), 0)])).fence_stores  # reported: read already
+
+
+def test_a_load_waits_for_the_stores_only_when_it_writes_a_block_a_pending_store_reads():
+    """A load whose destination (in any group) is a block an unreported store reads waits for the
+    stores in flight (`TransferJob.waits_for_stores`); one writing only other blocks does not, nor
+    any load once the store is reported."""
+    sched, manager = _scheduler()
+    job = _pending_store(sched, manager)
+
+    def load(*group_blocks):
+        return TransferJob(sched._new_job_id(), "l", LOAD,
+                           [GroupTransfer(g, ids, [0] * len(ids), [0] * len(ids)) for g, ids in group_blocks])
+
+    overlapping_window, overlapping_full = load((0, [700]), (1, [701, 103])), load((0, [702, 201]))
+    apart, failed_at_plan = load((0, [703]), (1, [704])), load()
+    sched._pending_loads = [overlapping_window, apart, overlapping_full, failed_at_plan]
+    sched.build_connector_meta(_output())
+    assert [j.waits_for_stores for j in (overlapping_window, apart, overlapping_full, failed_at_plan)] == [
+        True, False, True, False]
+    _report(sched, job)
+    later = load((0, [201]), (1, [103]))
+    sched._pending_loads = [later]
+    sched.build_connector_meta(_output())
+    assert not later.waits_for_stores
 
 
 # case: (its blocks per group, its device prefix hit, how this step lists it: None (not scheduled), "new" or
