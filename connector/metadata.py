@@ -35,8 +35,8 @@ class TransferJob:
     # Load only: the scheduler could not map every block; the worker fails the load.
     failed_at_plan: bool = False
     # Load only: a destination block is one an unreported store still reads (vLLM freed it and gave
-    # it out again), so on CUDA the load waits for the stores in flight. Others need not: a large
-    # store in flight would otherwise hold up every hit's first token.
+    # it out again), so on CUDA the load waits for the stores in flight. Others need not: a store
+    # running past the step's forward would otherwise hold up the hit's first token.
     waits_for_stores: bool = True
 
 

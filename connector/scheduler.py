@@ -443,8 +443,8 @@ class KVScopeScheduler:
     def _order_loads_after_stores(self, loads: list[TransferJob]) -> None:
         """A load waits for the stores in flight only when one of them reads a block it writes (vLLM
         freed the block, its request finished or was preempted, and gave it to this load's request).
-        The stores of this step are planned after its loads and read blocks its forward computes,
-        never a block a load writes."""
+        This step's stores read only blocks of requests it schedules, never one a load writes (a
+        request kvscope loads for waits, unscheduled, until its load is done)."""
         sources = self._store_sources
         for job in loads:
             job.waits_for_stores = bool(sources) and any(
