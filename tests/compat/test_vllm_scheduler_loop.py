@@ -989,27 +989,30 @@ def test_without_the_fence_late_reads_store_overwritten_blocks(model_path, runne
     assert stats.violations
 
 
-@pytest.mark.parametrize("runner", ["v1", "v2"])
-def test_only_a_load_writing_a_block_a_store_still_reads_waits_for_the_stores(model_path, runner):
+@pytest.mark.parametrize("runner, async_scheduling, workers", [
+    ("v1", False, 1), ("v2", False, 1), ("v1", True, 1), ("v2", True, 2)])
+def test_only_a_load_writing_a_block_a_store_still_reads_waits_for_the_stores(model_path, runner, async_scheduling,
+                                                                              workers):
     """On CUDA a load waits for the stores in flight only when the scheduler says one reads a block it
-    writes (`TransferJob.waits_for_stores`): a large store need not hold up every hit's first token.
-    With stores reading 30 steps late, a block the window freed goes to a load while the store that
-    reads it is pending; then every block stored is loaded again (`_probe_stored_prefixes`): the
-    few loads that waited were enough, as none gives wrong KV."""
-    stats, _, lates = _late_reading_rounds(model_path, False, runner, FENCE_WHEN_REUSED, probe=True, store_lag=30)
+    writes (`TransferJob.waits_for_stores`): a store running past the step's forward need not hold
+    up a hit's first token. With stores reading 30 steps late, a block the window freed goes to a
+    load while the store that reads it is pending; then every block stored is loaded again
+    (`_probe_stored_prefixes`): the few loads that waited were enough, as none gives wrong KV."""
+    stats, _, lates = _late_reading_rounds(model_path, async_scheduling, runner, FENCE_WHEN_REUSED, probe=True,
+                                           store_lag=30, workers=workers)
     _assert_no_violations(stats)
     waited = sum(late.loads_after_stores for late in lates)
     alone = sum(late.loads_alone for late in lates)
     assert 0 < waited < alone, (waited, alone)
 
 
-@pytest.mark.parametrize("runner", ["v1", "v2"])
-def test_a_load_that_should_wait_for_the_stores_and_does_not_gives_wrong_kv(model_path, runner):
+@pytest.mark.parametrize("runner, workers", [("v1", 1), ("v2", 2)])
+def test_a_load_that_should_wait_for_the_stores_and_does_not_gives_wrong_kv(model_path, runner, workers):
     """The check above can fail: with no load waiting, a load overwrites a block before a late store
     reads it, the host tier keeps the load's bytes under the store's key, and a later load gives
     them as wrong KV."""
     stats, _, _ = _late_reading_rounds(model_path, False, runner, FENCE_WHEN_REUSED, loads_wait=False, probe=True,
-                                       store_lag=30)
+                                       store_lag=30, workers=workers)
     assert stats.violations
 
 
@@ -1055,7 +1058,7 @@ def test_late_reading_stores_beside_a_mamba_group_whose_new_blocks_vllm_zeroes(m
 
 def _late_reading_rounds(model_path, async_scheduling: bool, runner: str, fence: str | None,
                          flag_reuse: bool = True, spec_tokens: int = 0, loads_wait: bool | None = None,
-                         rounds: int = 2, probe: bool = False, store_lag: int = 10):
+                         rounds: int = 2, probe: bool = False, store_lag: int = 10, workers: int = 1):
     """``loads_wait``: None, each load waits for the stores when the scheduler says
     (`TransferJob.waits_for_stores`); True or False, every load or none. ``probe``: then load every
     block the first round stored (`_probe_stored_prefixes`). Returns the engine's stats, the fence
@@ -1064,7 +1067,7 @@ def _late_reading_rounds(model_path, async_scheduling: bool, runner: str, fence:
     # blocks, while stores read 10 steps late (a stress: a DMA's lag is within a step or two)
     engine = ModelFreeEngine(model_path, {"cpu_bytes": 64 << 20, "block_size": 64}, window=WINDOW,
                              num_blocks=150, max_num_batched_tokens=100, async_scheduling=async_scheduling,
-                             runner=runner, spec_tokens=spec_tokens)
+                             runner=runner, spec_tokens=spec_tokens, workers=workers)
     if not flag_reuse:
         engine.scheduler.get_kv_connector()._scheduler._sources_reallocated = lambda out, computed: False
     if loads_wait is not None:
