@@ -31,6 +31,11 @@ from .telemetry.tracing import KVScopeTracing, SpanRef
 logger = logging.getLogger(__name__)
 
 
+def _pin_nothing(key) -> None:
+    """A load planned to fail pins no host block."""
+    return None
+
+
 @dataclass(slots=True)
 class _Lookup:
     local_tokens: int
@@ -75,7 +80,7 @@ class _Job:
     loaded: list[tuple[int, int]] = field(default_factory=list)  # load: (group, blocks)
     reports: int = 0
     failed: bool = False
-    aborted: bool = False  # load: its request ended (aborted) before the load was reported: unused
+    aborted: bool = False  # load: its request ended (aborted) before the load was reported
     failed_at_plan: bool = False  # load: failed before any copy (its pinned host blocks are intact)
 
 
@@ -244,16 +249,18 @@ class KVScopeScheduler:
             # and a Mamba group would then get the state of another token count.
             logger.error("kvscope: request %s asks for %d external tokens, its lookup found %d; its load "
                          "fails and vLLM recomputes", req_id, num_external_tokens, lookup.external_tokens)
-            if lookup_record is not None:  # no load record carries it: the lookup span stands alone
-                self._end_lookup_span(state, req_id, lookup_record)
-            self._fail_load_at_plan(state, req_id, num_external_tokens)
+            # Planned, scans and spans alike, over the blocks vLLM gave it, but copying nothing: its
+            # failure counts the blocks a load would have brought, and its workers' copy spans say ERROR.
+            self._plan_load(state, request, blocks.get_block_ids(), lookup.local_tokens, num_external_tokens,
+                            lookup_record, fail=True)
             return
         self._plan_load(state, request, blocks.get_block_ids(), lookup.local_tokens, num_external_tokens,
                         lookup_record)
 
     def _fail_load_at_plan(self, state, req_id: str, external: int) -> None:
-        """A load job that fails on every worker without copying anything: vLLM recomputes the request.
-        Counted as failed: the blocks the external tokens span in each group (no scan tells more)."""
+        """A load job, of a request without a lookup, that fails on every worker without copying anything:
+        vLLM recomputes the request. Counted as failed: the blocks the external tokens span in each group
+        (without the lookup's device hit no scan can tell more)."""
         job_id = self._new_job_id()
         # Reported like any other load (`_report`): the request waits for its workers' failures.
         state.load_job = self._jobs[job_id] = _Job(
@@ -289,7 +296,8 @@ class KVScopeScheduler:
                               (req_id, queried, hit, miss_reason, local))
 
     def _plan_load(self, state, request, group_block_ids, local: int, external: int,
-                   lookup_record: tuple | None = None) -> None:
+                   lookup_record: tuple | None = None, fail: bool = False) -> None:
+        """``fail``: plan it, but pin and copy nothing (the workers fail it): vLLM recomputes."""
         req_id = request.request_id
         cached = local + external
         tracing = self.tracing
@@ -306,9 +314,9 @@ class KVScopeScheduler:
         hashes = self._offload_hashes(request)
         job_id = self._new_job_id()
         job = state.load_job = _Job(direction=LOAD, req_id=req_id, keys=[], plan_ns=plan_ns)
-        parts, failed = [], False
+        parts, failed = [], fail
         num_hashes = len(hashes)
-        pin = self.index.pin_for_load
+        pin = self.index.pin_for_load if not fail else _pin_nothing
         for scan in scans:
             if not scan.pending:
                 continue
@@ -337,8 +345,9 @@ class KVScopeScheduler:
                 telemetry_failed("the load span")
         if failed:
             job.failed_at_plan = True
-            logger.warning("kvscope: host blocks for request %s vanished before the load; "
-                           "vLLM will recompute", req_id)
+            if not fail:
+                logger.warning("kvscope: host blocks for request %s vanished before the load; "
+                               "vLLM will recompute", req_id)
         self._jobs[job_id] = job
         self._pending_loads.append(
             TransferJob(
@@ -682,10 +691,12 @@ class KVScopeScheduler:
         try:  # the report's bookkeeping is done: a fault here costs its stats (`telemetry_failed`)
             if job.failed:
                 self._stats.record_load_failures(sum(blocks for _, blocks in job.loaded))
-            elif not job.aborted:
-                # Blocks a request received (its load bytes are counted where they move: each
-                # worker's copy). An aborted request's blocks are freed unused: neither counted.
-                self._stats.record_request_load((time.perf_counter_ns() - job.plan_ns) / 1e9)
+            else:
+                # Blocks loaded into device KV (its load bytes are counted where they move: each worker's
+                # copy), an aborted request's too: loaded plus failed blocks are its scans' pending blocks.
+                # Its load time is not a request's: vLLM frees its blocks, unused, once the load is done.
+                if not job.aborted:
+                    self._stats.record_request_load((time.perf_counter_ns() - job.plan_ns) / 1e9)
                 for group, blocks in job.loaded:
                     self._stats.record_loaded_blocks(group, self.layouts[group].kind.value, blocks)
         except Exception:

@@ -43,7 +43,7 @@ Which call feeds which contract metric (each metric has exactly one source):
 ``record_missed``                  ``kvscope_missed_tokens_total`` (per reason: they add up to lookup - hit)
 ``record_scans``                   ``kvscope_scan_blocks_total``, ``kvscope_null_blocks_skipped_total``,
                                    ``kvscope_scan_duration_seconds``
-``record_loaded_blocks``           ``kvscope_loaded_blocks_total`` (scheduler: blocks a request used)
+``record_loaded_blocks``           ``kvscope_loaded_blocks_total`` (scheduler: blocks a load brought)
 ``record_copy``                    ``kvscope_copy_duration_seconds``, ``kvscope_load_bytes_total`` /
                                    ``kvscope_store_bytes_total`` by direction (workers: bytes moved)
 ``record_request_load``            ``kvscope_request_load_duration_seconds``
@@ -350,7 +350,7 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("kvscope_load_bytes_total", Counter, "load_bytes", _GK,
                "Bytes copied from the host tier into device KV cache, per group, summed over the engine's "
                "workers (each copies its own share); also a worker's copies of a load that failed on another "
-               "worker or whose request was aborted (kvscope_loaded_blocks_total counts neither)."),
+               "worker (kvscope_loaded_blocks_total counts its blocks under kvscope_load_failures_total)."),
     MetricSpec("kvscope_store_bytes_total", Counter, "store_bytes", _GK,
                "Bytes copied from device KV cache into the host tier, per group, summed over the engine's "
                "workers (each copies its own share); also stores dropped afterwards (a failed copy, a reset)."),

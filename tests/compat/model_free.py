@@ -548,11 +548,16 @@ class ModelFreeEngine:
     def telemetry_mismatches(self) -> list[str]:
         """Where kvscope's stats, as vLLM hands them to its stat loggers, disagree with vLLM's own count
         or with themselves: hit tokens against vLLM's external prefix-cache hits; the missed tokens by
-        reason against lookup minus hit tokens. Empty when they agree."""
+        reason against lookup minus hit tokens; the blocks loaded and failed against those the load jobs
+        carried (their scans' pending blocks). Once every job is reported. Empty when they agree."""
         data = self.stats.connector.data if self.stats.connector is not None else {}
         hit, looked_up = data.get("hit_tokens", 0), data.get("lookup_tokens", 0)
         missed = sum(data.get("missed_tokens", {}).values())
         problems = []
+        pending = sum(len(part.block_ids) for jobs in self.stats.loads.values() for job in jobs for part in job.groups)
+        loaded, failed = sum(data.get("loaded_blocks", {}).values()), data.get("load_failures", 0)
+        if loaded + failed != pending:
+            problems.append(f"telemetry: {loaded} loaded and {failed} failed blocks, the load jobs carried {pending}")
         if hit != self.stats.external_hit_tokens:
             problems.append(f"telemetry: kvscope counted {hit} hit tokens, vLLM {self.stats.external_hit_tokens}")
         if missed != looked_up - hit:

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 from connector.groups import GroupKind, GroupLayout
 from connector.planning import scan_group
-from connector.metadata import KVScopeWorkerMetadata
+from connector.metadata import KVScopeMetadata, KVScopeWorkerMetadata
 from connector.scheduler import KVScopeScheduler
 from connector.telemetry.testing import in_memory_tracing
 from connector.telemetry.tracing import KVScopeTracing, OsRandomIdGenerator
@@ -160,15 +160,17 @@ def test_a_load_failing_on_one_of_two_workers_counts_failures_not_loaded_blocks(
     assert "loaded_blocks" not in data and "request_load_duration_s" not in data
 
 
-def test_a_request_aborted_while_loading_counts_no_loaded_blocks():
-    """vLLM frees an aborted request's blocks, uncached, once its load is done: nothing was used."""
+def test_a_request_aborted_while_loading_counts_its_loaded_blocks_but_no_load_time():
+    """Its blocks were loaded into device KV (their bytes and copy spans are counted), so loaded plus
+    failed blocks stay its scans' pending blocks; but vLLM frees them, uncached, once the load is
+    done: no request waited for that load."""
     sched = make_scheduler(KVScopeTracing.disabled())
     request, job = _planned_load(sched, "r1")
     other, other_job = _planned_load(sched, "s2")
     sched.request_finished(request)
     _report(sched, completed=[job.job_id, other_job.job_id])
     data = sched.take_stats().data
-    assert sum(data["loaded_blocks"].values()) == sum(len(g.block_ids) for g in other_job.groups)
+    assert sum(data["loaded_blocks"].values()) == sum(len(g.block_ids) for j in (job, other_job) for g in j.groups)
     assert len(data["request_load_duration_s"]) == 1  # the other request's only
     assert not sched.has_unreported_jobs()
     assert sched.index.is_ready((0, sched._offload_hashes(request)[-1]))  # unpinned, still stored
@@ -359,8 +361,8 @@ def test_ids_do_not_repeat_when_python_random_is_seeded():
 
 
 def test_a_load_failed_at_planning_still_records_its_lookup_span_with_the_metrics_counts():
-    """A load of part of a hit fails whole before any load record exists: the lookup it came from
-    is still a span (in the request's upstream trace, or rooting its own), counted as the metrics count it."""
+    """A load of part of a hit fails whole at planning: the lookup it came from is a span (in the
+    request's upstream trace, or rooting its own), counted as the metrics count it, and its load's."""
     upstream = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
     for headers in (None, {"traceparent": upstream}):
         tracing, exporter = in_memory_tracing()
@@ -369,9 +371,11 @@ def test_a_load_failed_at_planning_still_records_its_lookup_span_with_the_metric
         store_everything(sched, request)
         external, _ = sched.get_num_new_matched_tokens(request, 0)
         sched.update_state_after_alloc(request, blocks_for(200)[0], external - B)  # part of the hit
+        sched.build_connector_meta(_no_step())  # the step's records go out
         tracing.force_flush()
-        (lookup,) = exporter.get_finished_spans()
-        assert lookup.name == "kvscope.lookup"
+        spans = exporter.get_finished_spans()
+        assert sorted(s.name for s in spans) == ["kvscope.group.scan"] * 2 + ["kvscope.load", "kvscope.lookup"]
+        (lookup,) = [s for s in spans if s.name == "kvscope.lookup"]
         assert _attrs(lookup) == {"kvscope.request.id": "r1", "kvscope.tokens.queried": 200,
                                   "kvscope.tokens.hit": external - B, "kvscope.miss.reason": "not_taken",
                                   "kvscope.tokens.local": 0}
@@ -459,3 +463,46 @@ def test_an_untraced_loads_scan_durations_are_in_seconds():
     durations = sched.take_stats().data["scan_duration_s"]
     assert sorted(durations) == ["0|sliding_window", "1|full_attention"]
     assert all(len(d) == 1 and 0 < d[0] <= elapsed for d in durations.values())
+
+
+def test_a_load_failed_at_planning_is_traced_and_counted_like_one_failed_in_its_copy():
+    """vLLM asking part of a hit (no vLLM path does today) fails the load at planning: its lookup and
+    load spans carry the scans of the blocks vLLM gave, the worker's copy spans say ERROR, and the
+    failure counts those scans' pending blocks, as a failed copy does."""
+    from opentelemetry.trace import StatusCode
+
+    from tests.unit.test_copy_engine import _shared_attention_engine
+    from connector.worker import KVScopeWorker
+
+    tracing, exporter = in_memory_tracing()
+    sched = make_scheduler(tracing)
+    request = make_request("r1", 200)
+    store_everything(sched, request)
+    external, _ = sched.get_num_new_matched_tokens(request, 0)
+    blocks, _ = blocks_for(request.num_tokens)
+    sched.update_state_after_alloc(request, blocks, external - B)  # one offloaded block short
+    (job,) = sched.build_connector_meta(_no_step()).loads
+    assert job.failed_at_plan and job.trace_carrier is not None
+    engine, _, _ = _shared_attention_engine(num_slots=4)
+    worker = KVScopeWorker(None, engine.layout, engine.num_slots, ["sliding_window", "full_attention"], 0, tracing)
+    worker.engine = engine
+    worker.start_load_kv(KVScopeMetadata(loads=[job]))
+    _report(sched, failed=list(worker.build_worker_meta().failed_jobs))
+    data = sched.take_stats().data
+    tracing.force_flush()
+    spans = exporter.get_finished_spans()
+    (load,) = [s for s in spans if s.name == "kvscope.load"]
+    scans = [_attrs(s) for s in spans if s.name == "kvscope.group.scan"]
+    copies = [s for s in spans if s.name == "kvscope.group.copy"]
+    assert [s.name for s in spans].count("kvscope.lookup") == 1
+    assert _attrs(load)["kvscope.tokens.external"] == external - B and len(scans) == len(LAYOUTS)
+    assert data["load_failures"] == sum(a["kvscope.group.blocks.pending"] for a in scans) > 0
+    assert sum(data["loaded_blocks"].values()) == 0
+    assert len(copies) == len(LAYOUTS) and all(s.status.status_code is StatusCode.ERROR for s in copies)
+    assert {s.parent.span_id for s in copies} == {load.context.span_id}
+
+
+def _no_step():
+    """A scheduler output that schedules nothing."""
+    return SimpleNamespace(scheduled_new_reqs=[], num_scheduled_tokens={}, scheduled_spec_decode_tokens={},
+                           scheduled_cached_reqs=SimpleNamespace(req_ids=[], new_block_ids=[], num_computed_tokens=[]))

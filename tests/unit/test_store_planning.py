@@ -585,14 +585,22 @@ def test_a_block_whose_key_changes_under_it_is_given_up():
 
 def test_a_load_of_part_of_a_hit_fails_whole():
     """vLLM takes a hit whole or not at all; a part of one (which no vLLM path asks for today) could
-    end off an offloaded block: the load fails and vLLM recomputes."""
+    end off an offloaded block: the load fails and vLLM recomputes. It is planned over the blocks
+    vLLM gave (so its failure counts the blocks a load would have brought, and its workers' copy
+    spans say ERROR) but pins no host block: all stay for later hits."""
     sched, manager = _scheduler()
     _stored(sched, (0, "h3"), (1, "h3"), (0, "h7"), (1, "h7"))
     request = _state("r", 256).request
     assert sched.get_num_new_matched_tokens(request, 0) == (128, True)
     sched.update_state_after_alloc(request, SimpleNamespace(get_block_ids=lambda: _ids(0, 16)), 96)
     (job,) = sched.build_connector_meta(_output()).loads
-    assert job.failed_at_plan and job.groups == []
+    assert job.failed_at_plan and [p.group_index for p in job.groups] == [0, 1]
+    assert all(slot == -1 for p in job.groups for slot in p.slots)
+    assert not any(e.pins for e in sched.index._entries.values())
+    pending = sum(len(p.block_ids) for p in job.groups)
+    _report(sched, job, failed=True)
+    assert sched.take_stats().data["load_failures"] == pending > 0
+    assert all(sched.index.is_ready(key) for key in ((0, "h3"), (1, "h3"), (0, "h7"), (1, "h7")))
 
 
 # The tier evicts a prefix from its tail: a hit needs every block from the first, so a prefix that
