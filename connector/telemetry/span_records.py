@@ -54,7 +54,7 @@ GENERIC_SPAN = RecordKind(0, "", ())
 LOOKUP_SPAN = RecordKind(1, "kvscope.lookup", (
     ("kvscope.request.id", str), ("kvscope.tokens.queried", int), ("kvscope.tokens.hit", int),
     ("kvscope.miss.reason", str),  # why it served no more (`connector.miss_reasons`)
-    ("kvscope.tokens.local", int)))  # vLLM's device prefix-cache hit before it (not queried)
+    ("kvscope.tokens.local", int)))  # vLLM's device prefix-cache hit before it (not queried), block-aligned
 LOAD_SPAN = RecordKind(2, "kvscope.load", (
     ("kvscope.request.id", str), ("kvscope.tokens.local", int), ("kvscope.tokens.external", int),
     ("kvscope.groups", int)))
