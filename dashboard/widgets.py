@@ -98,12 +98,18 @@ def request_numbers(request: pd.Series) -> None:
                        help="Time in the model from scheduling to the first token, as vLLM measured it")
         cols[3].metric("End-to-end (vLLM)", formatting.millis(request["vllm_e2e_ms"]),
                        help=traces.VLLM_TIMES_DEFINITION)
-    if request["loads"] and pd.isna(request["bytes_loaded"]):
+    uncopied, loads = int(request["loads_without_copies"]), int(request["loads"])
+    if uncopied and uncopied == loads:
         st.warning("No copy span of its load was recorded (worker trace file missing or cut short?): its load "
                    "time and bytes are unknown.", icon=":material/warning:")
-    elif request["load_mistimed"]:
-        st.warning("A copy span of its load ends before it starts or starts more than 1 ms before the load "
-                   "(placed on another clock?): its load time is left out.", icon=":material/warning:")
+    elif uncopied:  # a resumed request: the other loads' bytes show, but not the whole load time
+        st.warning(f"{uncopied} of its {loads} loads {'has' if uncopied == 1 else 'have'} no copy span (worker trace "
+                   "file missing or cut short?): "
+                   "its load time is unknown, and the bytes shown are its other loads' only.",
+                   icon=":material/warning:")
+    if request["load_mistimed"]:  # as well as a missing copy: each leaves the load time unknown
+        st.warning("A copy span of one of its loads ends before it starts or starts more than 1 ms before the "
+                   "load (placed on another clock?): its load time is unknown.", icon=":material/warning:")
     if request["load_failed"]:
         st.error("A load of this request failed on a worker (copy span with status ERROR): vLLM recomputed "
                  "its tokens instead. " + traces.LOAD_FAILED_DEFINITION, icon=":material/error:")

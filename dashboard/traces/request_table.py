@@ -16,7 +16,8 @@ LOAD_TIME_DEFINITION = (
     "in the same trace and file). Copy spans carry the measured copy interval. A request's load "
     "time is the sum over its loads (a request resumed after preemption loads again) that did not fail. "
     "A load with no copy span (worker file missing or cut short?) or with one timed on another clock "
-    "(it ends before it starts, or starts more than 1 ms before the load: listed with the problems) has none."
+    "(it ends before it starts, or starts more than 1 ms before the load: listed with the problems) has none, "
+    "and its request's load time is then unknown (–): left out of the load time quantiles and slowest loads."
 )
 MISS_REASON_DEFINITION = (
     "Why the host tier served no more of the prompt (`kvscope.miss.reason` of the request's last lookup: a "
@@ -68,6 +69,7 @@ REQUEST_COLUMNS = (
     "load_ms",
     "load_copy_ms",
     "loads",
+    "loads_without_copies",
     "load_failed",
     "load_mistimed",
     "bytes_loaded",
@@ -85,9 +87,9 @@ def requests_table(spans: pd.DataFrame, vllm: pd.DataFrame | None = None) -> pd.
     Tokens queried/hit are summed over the request's lookups (a request whose load failed may be
     looked up again: every recorded lookup counts, as in kvscope's counters); local (vLLM's device
     prefix-cache hit) from its first lookup, else its first load; external/groups from its first load
-    (the one its hit planned); the load time (see `LOAD_TIME_DEFINITION`),
-    the number of loads and whether one failed (`LOAD_FAILED_DEFINITION`) over all its loads; bytes
-    from the copies of its loads and stores. Missing parts (no load for a miss, no copy spans
+    (the one its hit planned); the load time (see `LOAD_TIME_DEFINITION`: NA when a load that did not fail has
+    none), the number of loads, how many have no copy span, and whether one failed (`LOAD_FAILED_DEFINITION`)
+    over all its loads; bytes from the copies of its loads and stores. Missing parts (no load for a miss, no copy spans
     recorded) are NA. `request` labels the row: the request id, with its trace id's first 8 digits
     where the id is another request's too (two runs read together). With `vllm` (the reader's
     `vllm_requests`), each request's vLLM latencies where vLLM's request span joins it (`vllm_join`).
@@ -117,12 +119,15 @@ def requests_table(spans: pd.DataFrame, vllm: pd.DataFrame | None = None) -> pd.
     out["lookups"] = by_lookup.size().reindex(ids).fillna(0).astype("int64")
     out["miss_reason"] = by_lookup["miss_reason"].last().reindex(ids)  # its last lookup's (`MISS_REASON_DEFINITION`)
 
-    by_request = load_rows(spans).groupby(REQUEST_KEY, sort=False)
+    loads = load_rows(spans)
+    by_request = loads.groupby(REQUEST_KEY, sort=False)
     out["loads"] = by_request.size().reindex(ids).fillna(0).astype("int64")
     out["load_failed"] = by_request["failed"].any().reindex(ids).fillna(False).astype(bool)
     out["load_mistimed"] = by_request["mistimed"].any().reindex(ids).fillna(False).astype(bool)
-    out["load_ms"] = by_request["load_ms"].sum(min_count=1).reindex(ids).astype(float)
-    out["load_copy_ms"] = by_request["copy_ms"].sum(min_count=1).reindex(ids).astype(float)  # NA where load_ms is
+    uncopied = loads.assign(uncopied=loads["copies"] == 0).groupby(REQUEST_KEY, sort=False)["uncopied"].sum()
+    out["loads_without_copies"] = uncopied.reindex(ids).fillna(0).astype("int64")  # each one warned of
+    out["load_ms"] = _sum_unless_unknown(loads, "load_ms").reindex(ids).astype(float)
+    out["load_copy_ms"] = _sum_unless_unknown(loads, "copy_ms").reindex(ids).astype(float)  # NA where load_ms is
     out["bytes_loaded"] = by_request["bytes"].sum(min_count=1).reindex(ids).astype("Int64")
     out["bytes_stored"] = _bytes_stored(spans).reindex(ids).astype("Int64")
 
@@ -133,6 +138,15 @@ def requests_table(spans: pd.DataFrame, vllm: pd.DataFrame | None = None) -> pd.
     out = out.reset_index().sort_values(["arrival_ns", *REQUEST_KEY], kind="stable").reset_index(drop=True)
     out["request"] = request_labels(out)
     return with_vllm_columns(out, vllm)[list(REQUEST_COLUMNS)]
+
+
+def _sum_unless_unknown(loads: pd.DataFrame, column: str) -> pd.Series:
+    """Per request (`REQUEST_KEY`), `column` of `load_rows` summed over its loads that did not fail; NA when none
+    did, or when one of them has no time (no copy span, a copy on another clock): a sum leaving it out would
+    read as the whole load time."""
+    counted = loads[~loads["failed"]]
+    by_request = counted.assign(unknown=counted[column].isna()).groupby(REQUEST_KEY, sort=False)
+    return by_request[column].sum().where(~by_request["unknown"].any())
 
 
 def request_labels(requests: pd.DataFrame) -> pd.Series:
@@ -189,6 +203,7 @@ def _empty_requests() -> pd.DataFrame:
     for col in ("hit_rate", "load_ms", "load_copy_ms", "t_s"):
         frame[col] = frame[col].astype(float)
     frame["lookups"] = frame["lookups"].astype("int64")
+    frame["loads_without_copies"] = frame["loads_without_copies"].astype("int64")
     frame["loads"] = frame["loads"].astype("int64")
     frame["load_failed"] = frame["load_failed"].astype(bool)
     frame["load_mistimed"] = frame["load_mistimed"].astype(bool)

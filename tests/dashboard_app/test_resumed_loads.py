@@ -1,0 +1,77 @@
+"""A request resumed after preemption loads again: its load time is the sum over its loads that did not fail,
+and unknown when one of those has no time (no copy span, or a copy timed on another clock)."""
+
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+import pytest
+
+from dashboard import traces
+
+from .test_group_copies import group_copy
+from .test_joins import load
+from .test_pages import app, assert_ok, metrics
+from .test_reader import line, lookup, write
+
+T = 1_700_000_000_000_000_000
+MS = 1_000_000
+TRACE = "ab" * 16  # what `group_copy` writes
+
+
+def _two_loads(rid: str, second_copy: tuple[int, int] | None, *, failed: bool = False, base: int = 0) -> list[dict]:
+    """`rid` looks up at T + base, loads at +1 ms (one copy, 1..4 ms: 3.00 ms) and again at +20 ms; the second
+    load's copy runs `second_copy` (ms after the second load's start), none when None."""
+    n = base // MS
+    first, second = f"{0xA00 + n:016x}", f"{0xB00 + n:016x}"
+    spans = [lookup(rid, 100, 64, span_id=f"{0x900 + n:016x}", trace=TRACE, start=T + base),
+             load(rid, span_id=first, trace=TRACE, start=T + base + MS),
+             group_copy("load", 0, 0, 4096, T + base + MS, T + base + 4 * MS, owner=first, rid=rid, n=n),
+             load(rid, span_id=second, trace=TRACE, start=T + base + 20 * MS)]
+    if second_copy is not None:
+        start, end = (T + base + 20 * MS + ms * MS for ms in second_copy)
+        spans.append(group_copy("load", 0, 0, 4096, start, end, owner=second, rid=rid, n=n + 1, failed=failed))
+    return spans
+
+
+@pytest.fixture()
+def resumed(tmp_path) -> traces.Traces:
+    """mistimed: its second load's copy starts 5 ms before that load; uncopied: its second load has no copy span;
+    summed: both loads timed (3 ms, then 2 ms); failed: its second load failed (left out)."""
+    return traces.read_trace_files([write(tmp_path, line(
+        *_two_loads("mistimed", (-5, 1)),
+        *_two_loads("uncopied", None, base=100 * MS),
+        *_two_loads("summed", (0, 2), base=200 * MS),
+        *_two_loads("failed", (0, 9), failed=True, base=300 * MS)))])
+
+
+def test_a_load_with_no_time_makes_its_requests_load_time_unknown(resumed):
+    requests = traces.requests_table(resumed.spans).set_index("request_id")
+    assert math.isnan(requests.loc["mistimed", "load_ms"]) and math.isnan(requests.loc["uncopied", "load_ms"])
+    assert math.isnan(requests.loc["mistimed", "load_copy_ms"]) and math.isnan(requests.loc["uncopied", "load_copy_ms"])
+    assert requests.loc["summed", "load_ms"] == pytest.approx(3.0 + 2.0)
+    assert requests.loc["failed", "load_ms"] == pytest.approx(3.0)  # a failed load is left out, not unknown
+    assert requests["loads_without_copies"].to_dict() == {"mistimed": 0, "uncopied": 1, "summed": 0, "failed": 0}
+
+
+def test_the_overview_leaves_requests_of_unknown_load_time_out(resumed):
+    requests = traces.requests_table(resumed.spans)
+    assert traces.top_slow_loads(requests)["request_id"].tolist() == ["summed", "failed"]
+    numbers = traces.request_numbers(requests)
+    assert (numbers["loads_timed"], numbers["load_p99_ms"]) == (2, pytest.approx(5.0))
+
+
+@pytest.mark.parametrize(("rid", "warning"), [
+    ("uncopied", "1 of its 2 loads has no copy span"),
+    ("mistimed", "A copy span of one of its loads ends before it starts or starts more than 1 ms before"),
+])
+def test_the_request_view_says_why_its_load_time_is_unknown(monkeypatch, tmp_path, rid, warning):
+    path = write(tmp_path, line(*_two_loads(rid, (-5, 1) if rid == "mistimed" else None)))
+    at = app(monkeypatch, path)
+    at.switch_page("views/request_explorer.py").run()
+    assert_ok(at)
+    assert metrics(at)["Load time"] == "–"
+    shown = [w.value for w in at.warning]
+    assert any(warning in w for w in shown), shown
+    assert pd.notna(traces.requests_table(traces.read_trace_files([path]).spans)["bytes_loaded"].iloc[0])
