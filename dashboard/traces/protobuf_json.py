@@ -4,9 +4,10 @@ The line holds what ``json.dumps(json_format.MessageToDict(message, use_integers
 for byte, once trace, span and parent ids are turned into hex as OTLP/JSON writes them: 64-bit integers as
 decimal strings, enums as numbers, bytes values in base64, non-finite doubles as "NaN", "Infinity",
 "-Infinity", fields at their default value left out, non-ASCII escaped. Only the fields some reader looks at
-(`reader`, `otlp_arrow`, `vllm_spans`) are written (`WRITTEN_FIELDS`): resources, schema URLs, a scope's
-attributes, span kinds, flags, trace states, events, links and status messages are left out. Attribute
-values are written whole, nested arrays and key-value lists too: the reader keeps them.
+(`reader`, `otlp_arrow`, `vllm_spans`) are written (`WRITTEN_FIELDS`): schema URLs, a scope's attributes,
+span kinds, flags, trace states, events, links and status messages are left out. A resource's attributes are
+written (its spans inherit `schema.RESOURCE_ATTRIBUTES` from them: the engine of each data-parallel engine).
+Attribute values are written whole, nested arrays and key-value lists too: the reader keeps them.
 
 Why not `MessageToDict`: it looks up every field's descriptor and builds a dict per message, a million
 dicts for 100k spans that wake the garbage collector again and again; strings are built here instead,
@@ -29,7 +30,8 @@ _KEY_STRINDEX = "key_strindex" in KeyValue.DESCRIPTOR.fields_by_name  # newer op
 # strindex fields (profiles' string tables) exist in newer opentelemetry-proto releases only.
 WRITTEN_FIELDS = {
     "opentelemetry.proto.collector.trace.v1.ExportTraceServiceRequest": ("resource_spans",),
-    "opentelemetry.proto.trace.v1.ResourceSpans": ("scope_spans",),
+    "opentelemetry.proto.trace.v1.ResourceSpans": ("resource", "scope_spans"),
+    "opentelemetry.proto.resource.v1.Resource": ("attributes",),  # `kvscope.engine`, for the resource's spans
     "opentelemetry.proto.trace.v1.ScopeSpans": ("scope", "spans"),
     "opentelemetry.proto.common.v1.InstrumentationScope": ("name", "version"),
     "opentelemetry.proto.trace.v1.Span": ("trace_id", "span_id", "parent_span_id", "name", "start_time_unix_nano",
@@ -53,10 +55,15 @@ def export_as_json_line(message) -> bytes:
 
 
 def _resource_spans(rs) -> str:
+    fields = []
+    if rs.HasField("resource"):
+        attributes = rs.resource.attributes
+        written = '"attributes":[' + ",".join([_key_value(kv) for kv in attributes]) + "]" if attributes else ""
+        fields.append('"resource":{' + written + "}")
     scope_spans = rs.scope_spans
-    if not scope_spans:
-        return "{}"
-    return '{"scopeSpans":[' + ",".join([_scope_spans(ss) for ss in scope_spans]) + "]}"
+    if scope_spans:
+        fields.append('"scopeSpans":[' + ",".join([_scope_spans(ss) for ss in scope_spans]) + "]")
+    return "{" + ",".join(fields) + "}"
 
 
 def _scope_spans(ss) -> str:

@@ -215,7 +215,20 @@ def _empty_parts() -> list[ExportTraceServiceRequest]:
     return [message, ExportTraceServiceRequest.FromString(b"\x12\x00")]
 
 
+def _engines_on_their_resources() -> list[ExportTraceServiceRequest]:
+    """Two data-parallel engines: the connector names each on its resource (`kvscope.engine`), not on its spans."""
+    engine_0 = Resource(attributes=attributes({"service.name": "vllm", "kvscope.engine": 0}))
+    message = export(lookup(80), resource=engine_0)
+    message.resource_spans.append(ResourceSpans(
+        resource=Resource(attributes=attributes({"kvscope.engine": 1}), dropped_attributes_count=1),
+        scope_spans=[ScopeSpans(scope=InstrumentationScope(name="kvscope", version="0.1.0"), spans=[lookup(81)])]))
+    message.resource_spans.append(ResourceSpans(resource=Resource(), scope_spans=[ScopeSpans(
+        scope=InstrumentationScope(name="kvscope", version="0.1.0"), spans=[lookup(82)])]))  # no engine named
+    return [message]
+
+
 CASES = {
+    "engines on their resources": _engines_on_their_resources,
     "every kind of attribute value": _value_kinds,
     "kvscope columns given other types": _kvscope_columns_of_other_types,
     "spans missing fields or rejected": _spans_missing_fields,
@@ -282,6 +295,16 @@ def test_the_cases_reach_what_they_are_for():
         assert part in reasons
     assert set(read.spans["status_code"]) == {0, 1, 2}
     assert len(read.vllm_requests) == 1 and read.vllm_requests["ttft_ms"].iloc[0] == 250
+
+
+@pytest.mark.parametrize("decoder", ["arrow if it takes the file", "line by line"])
+def test_each_span_of_a_protobuf_file_has_its_resources_engine(decoder, monkeypatch):
+    if decoder == "line by line":
+        monkeypatch.setattr(otlp_arrow, "decode", lambda *args: None)
+    body = _engines_on_their_resources()[0].SerializeToString()
+    read = _read(struct.pack(">I", len(body)) + body)
+    engines = read.spans.set_index("request_id")["engine"]
+    assert engines.fillna(-1).to_dict() == {"req-80": 0, "req-81": 1, "req-82": -1}  # -1: none named
 
 
 def test_the_attribute_value_messages_are_written_whole_and_the_written_fields_exist():
