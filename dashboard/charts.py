@@ -56,13 +56,13 @@ def latency_distribution(frame: pd.DataFrame) -> alt.Chart:
 
 
 def copy_throughput(frame: pd.DataFrame) -> alt.Chart:
-    """Σ bytes / Σ copy time per group and direction."""
+    """Σ bytes / Σ transfer time (the slowest worker's) per group and direction."""
     data = frame.assign(group="g" + frame["group_index"].astype(str) + " " + frame["group_kind"].astype(str))
     return (
         alt.Chart(data)
         .mark_bar()
         .encode(
-            x=alt.X("gb_per_s:Q", title="GB/s (Σ bytes / Σ copy time)"),
+            x=alt.X("gb_per_s:Q", title="GB/s (Σ bytes / Σ slowest worker's time)"),
             y=alt.Y("group:N", title=None),
             yOffset=alt.YOffset("direction:N"),
             color=alt.Color("direction:N", scale=DIRECTION_COLORS, legend=alt.Legend(orient="top", title=None)),
@@ -70,7 +70,7 @@ def copy_throughput(frame: pd.DataFrame) -> alt.Chart:
                 "group:N",
                 "direction:N",
                 alt.Tooltip("gb_per_s:Q", title="GB/s", format=".2f"),
-                alt.Tooltip("p50_gb_per_s:Q", title="median per copy, GB/s", format=".2f"),
+                alt.Tooltip("p50_gb_per_s:Q", title="median per transfer, GB/s", format=".2f"),
                 alt.Tooltip("copies:Q"),
                 alt.Tooltip("bytes:Q", format=","),
             ],

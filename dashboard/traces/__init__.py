@@ -15,6 +15,7 @@ The names pages use are re-exported here (``traces.requests_table(...)``).
 """
 
 from dashboard.traces.group_stats import (
+    COPY_THROUGHPUT_DEFINITION,
     copy_throughput,
     group_summary,
     load_latency_distribution,
@@ -92,7 +93,7 @@ from dashboard.traces.waterfall import VLLM_KIND, waterfall_rows
 
 __all__ = [
     "ATTRIBUTE_COLUMNS", "COPY", "DUPLICATE_SPAN", "ENGINE_COLUMNS", "ENGINE_DEFINITION", "GROUP_COPY_COLUMNS",
-    "GROUP_SCAN_COLUMNS",
+    "COPY_THROUGHPUT_DEFINITION", "GROUP_SCAN_COLUMNS",
     "GROUP_COPY_DEFINITION", "GROUP_KINDS",
     "HIT_RATE_DEFINITION",
     "LOAD", "LOAD_FAILED_DEFINITION", "MISS_REASON_DEFINITION", "MISS_REASON_TEXT", "MISSES_COLUMNS",

@@ -74,33 +74,51 @@ def load_latency_distribution(spans: pd.DataFrame, requests: pd.DataFrame) -> pd
     return pd.concat(parts, ignore_index=True)
 
 
-def copy_throughput(spans: pd.DataFrame) -> pd.DataFrame:
-    """Per group and direction: copies, bytes, summed copy time and throughput.
+COPY_THROUGHPUT_DEFINITION = (
+    "Copy throughput of a group and direction: Σ bytes / Σ transfer time (1 GB = 1e9 bytes), a transfer being "
+    "one load's or store's copies of the group on every worker (tensor parallelism: one copy span per worker) "
+    "and its time the slowest worker's, as the request view's copies per KV group count it; a transfer with a "
+    "copy that ends before it starts has no time and is left out; – where no transfer has one."
+)
 
-    `gb_per_s` is Σ bytes / Σ copy seconds (1 GB = 1e9 bytes) and `p50_gb_per_s` the median of the
-    per-copy throughputs, both over the copies whose duration can be trusted (`duration_ok`); copies and
-    bytes count them all. A group with no such copy has unknown (NaN) copy time and throughput.
+
+def copy_throughput(spans: pd.DataFrame) -> pd.DataFrame:
+    """Per group and direction: copy spans, blocks, bytes, summed transfer time and throughput
+    (`COPY_THROUGHPUT_DEFINITION`).
+
+    The workers' copies are first taken together per transfer (load or store, group), as `group_copies` does:
+    bytes summed, time the slowest worker's, unknown when any worker's duration cannot be trusted
+    (`duration_ok`). `gb_per_s` is Σ bytes / Σ seconds over the timed transfers and `p50_gb_per_s` the median
+    of their throughputs; copies and bytes count every copy that ran. A copy of no load or store is a
+    transfer of its own. A group with no timed transfer has unknown (NaN) copy time and throughput.
     """
     cols = [*GROUP_KEYS, "direction", "copies", "blocks", "bytes", "copy_seconds", "gb_per_s", "p50_gb_per_s"]
     copies = copies_of(spans)
     if copies.empty:
         return pd.DataFrame(columns=cols)
-    timed = duration_ok(copies)
     copies = copies.assign(
         direction=copies["copy_direction"].astype(str),
-        seconds=(copies["duration_ms"] / 1e3).where(timed),
-        timed_bytes=copies["copy_bytes"].astype(float).where(timed),
+        transfer=copies["owner_key"].fillna(copies["span_key"]),
+        seconds=(copies["duration_ms"] / 1e3).where(duration_ok(copies)),
     )
-    per_copy = copies["timed_bytes"] / copies["seconds"].where(copies["seconds"] > 0) / 1e9
-    copies = copies.assign(per_copy=per_copy)
-    g = _observed_groupby(copies, [*GROUP_KEYS, "direction"])
+    per_transfer = _observed_groupby(copies, [*GROUP_KEYS, "direction", "transfer"])
+    transfers = pd.DataFrame({
+        "copies": per_transfer.size(),
+        "blocks": per_transfer["copy_blocks"].sum(),
+        "bytes": per_transfer["copy_bytes"].sum(),
+        # the slowest worker's; unknown when any worker's time is (it may have been the slowest)
+        "seconds": per_transfer["seconds"].max().where(per_transfer["seconds"].count() == per_transfer.size()),
+    })
+    transfers["timed_bytes"] = transfers["bytes"].astype(float).where(transfers["seconds"].notna())
+    transfers["gb_per_s"] = transfers["timed_bytes"] / transfers["seconds"].where(transfers["seconds"] > 0) / 1e9
+    g = transfers.groupby(level=[*GROUP_KEYS, "direction"], sort=True)
     out = pd.DataFrame({
-        "copies": g.size(),
-        "blocks": g["copy_blocks"].sum(),
-        "bytes": g["copy_bytes"].sum(),
+        "copies": g["copies"].sum(),
+        "blocks": g["blocks"].sum(),
+        "bytes": g["bytes"].sum(),
         "copy_seconds": g["seconds"].sum(min_count=1),  # NaN, not 0 s, when none is timed
         "timed_bytes": g["timed_bytes"].sum(min_count=1),
-        "p50_gb_per_s": g["per_copy"].median(),
+        "p50_gb_per_s": g["gb_per_s"].median(),
     })
     out["gb_per_s"] = out["timed_bytes"] / out["copy_seconds"].where(out["copy_seconds"] > 0) / 1e9
     return out.reset_index()[cols]

@@ -122,9 +122,11 @@ st.dataframe(
         "null_skip_share": st.column_config.NumberColumn("null-skip share", format="percent"),
         "blocks_loaded": st.column_config.NumberColumn("blocks loaded"),
         "bytes_loaded": st.column_config.NumberColumn("loaded", format="bytes"),
-        "load_gb_per_s": st.column_config.NumberColumn("load GB/s", format="%.2f"),
+        "load_gb_per_s": st.column_config.NumberColumn("load GB/s", format="%.2f",
+                                                       help=traces.COPY_THROUGHPUT_DEFINITION),
         "bytes_stored": st.column_config.NumberColumn("stored", format="bytes"),
-        "store_gb_per_s": st.column_config.NumberColumn("store GB/s", format="%.2f"),
+        "store_gb_per_s": st.column_config.NumberColumn("store GB/s", format="%.2f",
+                                                        help=traces.COPY_THROUGHPUT_DEFINITION),
     },
 )
 
@@ -142,7 +144,7 @@ with left:
                        for col in ("p50_ms", "p95_ms", "p99_ms", "max_ms")},
     )
 with right:
-    st.subheader("Copy throughput")
+    st.subheader("Copy throughput", help=traces.COPY_THROUGHPUT_DEFINITION)
     throughput = traces.copy_throughput(spans)
     if throughput.empty:
         st.info("No kvscope.group.copy spans in these traces.")
@@ -178,7 +180,6 @@ with st.expander("Definitions"):
     for text in (traces.HIT_RATE_DEFINITION, traces.LOAD_TIME_DEFINITION, traces.LOAD_FAILED_DEFINITION,
                  "All numbers cover the traced requests only: with `trace_sample_ratio` below 1 the totals "
                  "are that fraction of the engine's (Prometheus has every request).",
-                 "Copy throughput: Σ copy.bytes / Σ copy span duration per group and direction (1 GB = 1e9 bytes), "
-                 "over the copies that do not end before they start; – where there are none.",
+                 traces.COPY_THROUGHPUT_DEFINITION,
                  "Null-skip share: Σ group.blocks.null_skipped / Σ group.blocks.total over a group's scans."):
         st.markdown(f"- {text}")

@@ -24,18 +24,42 @@ def scan(group: int, *, n: int, parent: str, total: int = 4, skipped: int = 0, s
 
 
 def test_throughput_is_bytes_per_second_in_gb_exactly(tmp_path):
-    """4e9 bytes in one second and 3e9 bytes in 1.5 s: 4 and 2 GB/s, exact (1 GB = 1e9 bytes); the group's
-    7e9 bytes in 2.5 s are 2.8 GB/s."""
-    owner = "02" * 8
+    """Two loads (a request resumed after preemption): 4e9 bytes in one second and 3e9 bytes in 1.5 s: 4 and
+    2 GB/s, exact (1 GB = 1e9 bytes); the group's 7e9 bytes in 2.5 s are 2.8 GB/s."""
+    owner, again = "02" * 8, "03" * 8
     path = write(tmp_path, line(
         lookup("r", span_id="01" * 8, trace=TRACE, start=T), load("r", span_id=owner, parent="01" * 8, trace=TRACE,
                                                                   start=T + 10),
+        load("r", span_id=again, parent="01" * 8, trace=TRACE, start=T + 50),
         group_copy("load", 1, 0, 4 * S, T + 100, T + 100 + S, owner=owner, n=1),
-        group_copy("load", 1, 0, 3 * S, T + 100, T + 100 + 3 * S // 2, owner=owner, n=2)))
+        group_copy("load", 1, 0, 3 * S, T + 100, T + 100 + 3 * S // 2, owner=again, n=2)))
     tp = traces.copy_throughput(traces.read_trace_files([path]).spans)
     (row,) = tp.to_dict("records")
     assert (row["copies"], row["bytes"], row["copy_seconds"]) == (2, 7 * S, 2.5)
     assert row["gb_per_s"] == 7 / 2.5 and row["p50_gb_per_s"] == 3.0  # median of 4 and 2
+
+
+def test_tensor_parallel_workers_copy_at_the_throughput_the_request_view_shows(tmp_path):
+    """Two workers each copy 1e9 bytes of a load's group in the same second, then of a store's in 0.5 s and
+    1 s: each transfer moved 2e9 bytes in its slowest worker's time (2 GB/s, then 2e9 bytes in 1 s), as the
+    request view's copies per KV group say, not over the workers' summed time (half that)."""
+    path = write(tmp_path, line(
+        lookup("r", span_id="01" * 8, trace=TRACE, start=T),
+        load("r", span_id="02" * 8, parent="01" * 8, trace=TRACE, start=T + 10),
+        scan(0, n=1, parent="02" * 8),
+        group_copy("load", 0, 0, S, T + 100, T + 100 + S, owner="02" * 8, n=1),
+        group_copy("load", 0, 1, S, T + 100, T + 100 + S, owner="02" * 8, n=2),
+        span("kvscope.store", {"kvscope.request.id": "r", "kvscope.groups": 1, "kvscope.blocks": 4}, trace=TRACE,
+             span_id="03" * 8, start=T + 2 * S),
+        group_copy("store", 0, 0, S, T + 2 * S, T + 2 * S + S // 2, owner="03" * 8, n=3),
+        group_copy("store", 0, 1, S, T + 2 * S, T + 3 * S, owner="03" * 8, n=4)))
+    spans = traces.read_trace_files([path]).spans
+    (row,) = traces.group_summary(spans, traces.requests_table(spans)).to_dict("records")
+    assert (row["load_gb_per_s"], row["store_gb_per_s"]) == (2.0, 2.0)
+    by_transfer = traces.request_group_copies(spans, TRACE, "r").set_index("direction")["gb_per_s"]
+    assert by_transfer.to_dict() == {"load": 2.0, "store": 2.0}
+    tp = traces.copy_throughput(spans).set_index("direction")
+    assert tp["copies"].tolist() == [2, 2] and tp["copy_seconds"].tolist() == [1.0, 1.0]
 
 
 def test_group_rows_are_in_group_order_whatever_order_the_spans_came_in(tmp_path):
@@ -80,7 +104,8 @@ def test_copy_latency_quantiles_are_nearest_ranks_of_many_copies(tmp_path):
 
 def test_a_copy_that_ends_before_it_starts_has_no_latency(tmp_path):
     """Its duration is not to be trusted (another clock): it is in no latency quantile nor in the
-    distribution, but its bytes count."""
+    distribution, but its bytes count; its load's copy time (the slowest worker's: it may have been) and
+    throughput are unknown, as in the request view."""
     owner = "02" * 8
     path = write(tmp_path, line(
         lookup("r", span_id="01" * 8, trace=TRACE, start=T), load("r", span_id=owner, parent="01" * 8, trace=TRACE,
@@ -95,8 +120,8 @@ def test_a_copy_that_ends_before_it_starts_has_no_latency(tmp_path):
     q = traces.load_latency_quantiles(spans, requests).set_index("scope").loc["copy g0 sliding_window"]
     assert q[["count", "max_ms"]].tolist() == [1, 2.0]
     (tp,) = traces.copy_throughput(spans).to_dict("records")
-    assert (tp["copies"], tp["bytes"], tp["copy_seconds"]) == (2, 4000, 0.002)
-    assert tp["gb_per_s"] == 1000 / 0.002 / 1e9
+    assert (tp["copies"], tp["bytes"]) == (2, 4000)
+    assert pd.isna(tp["copy_seconds"]) and pd.isna(tp["gb_per_s"])
 
 
 def test_a_failed_loads_scanned_blocks_reached_no_request(tmp_path):
@@ -117,13 +142,14 @@ def test_a_failed_loads_scanned_blocks_reached_no_request(tmp_path):
 def test_a_copy_of_no_time_has_no_throughput(tmp_path):
     """A zero-duration copy (start = end) is on time but its throughput is unknown, not infinite: it is
     left out of the median, and a group with no other copy has no GB/s."""
-    owner = "02" * 8
+    owner, again = "02" * 8, "03" * 8
     path = write(tmp_path, line(
         lookup("r", span_id="01" * 8, trace=TRACE, start=T), load("r", span_id=owner, parent="01" * 8, trace=TRACE,
                                                                   start=T + 10),
+        load("r", span_id=again, parent="01" * 8, trace=TRACE, start=T + 50),  # resumed: a second transfer
         scan(0, n=1, parent=owner, total=1, skipped=1), scan(1, n=2, parent=owner, total=1, skipped=0),
         group_copy("load", 0, 0, 4 * S, T + 100, T + 100 + S, owner=owner, n=1),
-        group_copy("load", 0, 0, S, T + 100, T + 100, owner=owner, n=2),
+        group_copy("load", 0, 0, S, T + 100, T + 100, owner=again, n=2),
         group_copy("load", 1, 0, 1000, T + 100, T + 100, owner=owner, n=3)))
     spans = traces.read_trace_files([path]).spans
     tp = traces.copy_throughput(spans).set_index("group_index")
