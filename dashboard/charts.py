@@ -5,6 +5,8 @@ from __future__ import annotations
 import altair as alt
 import pandas as pd
 
+from dashboard.traces.replay import replay_points
+
 KIND_COLORS = {  # waterfall rows, by span kind
     "vLLM request": "#d4d4d4",
     "lookup": "#8c8c8c",
@@ -110,8 +112,9 @@ def waterfall(rows: pd.DataFrame) -> alt.Chart:
 
 
 def replay_hit_rate(timeline: pd.DataFrame, step: int) -> alt.Chart:
-    """Cumulative token hit rate over the requests arrived so far (x axis spans the whole replay)."""
-    seen = timeline[timeline["step"] <= step]
+    """Cumulative token hit rate over the requests arrived so far (x axis spans the whole replay), drawn through
+    at most `replay_points`' limit of them (its shape and the current step kept)."""
+    seen = replay_points(timeline, step, ["cum_hit_rate"])[["step", "request", "cum_hit_rate"]]
     x = alt.X("step:Q", title="requests arrived", scale=alt.Scale(domain=[1, max(len(timeline), 2)]))
     line = (
         alt.Chart(seen)
@@ -136,8 +139,8 @@ def byte_unit(n_bytes: float) -> tuple[str, float]:
 
 def replay_traffic(timeline: pd.DataFrame, step: int) -> alt.Chart:
     """Cumulative bytes copied to and from the host tier, in the unit of the whole replay's total (the axis
-    keeps its unit while the replay runs)."""
-    seen = timeline[timeline["step"] <= step]
+    keeps its unit while the replay runs), drawn through at most `replay_points`' limit of the steps so far."""
+    seen = replay_points(timeline, step, ["cum_bytes_loaded", "cum_bytes_stored"])
     long = seen.melt(id_vars=["step"], value_vars=["cum_bytes_loaded", "cum_bytes_stored"],
                      var_name="direction", value_name="bytes")
     long["direction"] = long["direction"].map({"cum_bytes_loaded": "load", "cum_bytes_stored": "store"})

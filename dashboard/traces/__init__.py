@@ -56,7 +56,14 @@ from dashboard.traces.reader import (
     supported_version,
     unsupported_version_reason,
 )
-from dashboard.traces.replay import REPLAY_COLUMNS, REPLAY_DEFINITION, replay_state, replay_timeline
+from dashboard.traces.replay import (
+    REPLAY_COLUMNS,
+    REPLAY_DEFINITION,
+    REPLAY_POINTS,
+    replay_points,
+    replay_state,
+    replay_timeline,
+)
 from dashboard.traces.request_table import (
     LOAD_FAILED_DEFINITION,
     LOAD_TIME_DEFINITION,
@@ -109,7 +116,8 @@ __all__ = [
     "load_rows", "load_latency_quantiles", "null_skip_by_group",
     "of_engine", "overview_numbers", "pick_bucket_seconds", "request_numbers", "problem_lines", "problems_frame",
     "read_trace_files",
-    "replay_state", "replay_timeline", "request_group_copies", "request_labels", "requests_table", "search_requests",
+    "REPLAY_POINTS", "replay_points", "replay_state", "replay_timeline",
+    "request_group_copies", "request_labels", "requests_table", "search_requests",
     "supported_version",
     "top_slow_loads",
     "unsupported_version_reason", "vllm_keys", "vllm_latency_by_outcome", "waterfall_rows",

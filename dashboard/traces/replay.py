@@ -51,3 +51,29 @@ def replay_state(timeline: pd.DataFrame, step: int) -> dict[str, Any]:
         raise ValueError("no requests to replay")
     step = min(max(int(step), 1), len(timeline))
     return timeline.iloc[step - 1].to_dict()
+
+
+# Points a replay chart draws per line: Play redraws both charts every step, and drawing every step of a
+# long trace (12k requests) made each step slower than the player's timer (Pause took seconds to land).
+REPLAY_POINTS = 2000
+
+
+def replay_points(timeline: pd.DataFrame, step: int, columns: list[str], limit: int = REPLAY_POINTS) -> pd.DataFrame:
+    """The rows of steps 1..`step` a chart of `columns` draws: every one up to `limit`; past that, the steps cut
+    into runs, and of each run its first and last step and the steps where each column is lowest and highest
+    (at most `limit` rows, in step order). The line keeps its shape and always ends at the current step."""
+    seen = timeline[timeline["step"] <= step]
+    if len(seen) <= limit:
+        return seen
+    runs = max(1, limit // (2 + 2 * len(columns)))
+    run = np.arange(len(seen)) * runs // len(seen)  # positions 0..n-1 -> run 0..runs-1, in order
+    keep = np.zeros(len(seen), dtype=bool)
+    firsts = np.searchsorted(run, np.arange(runs))
+    keep[firsts] = True
+    keep[np.append(firsts[1:] - 1, len(seen) - 1)] = True  # each run's last: the current step is the last one's
+    for col in columns:
+        values = seen[col].astype(float).to_numpy()
+        missing = np.isnan(values)  # a hit rate before anything was queried: never a low or a high
+        for extreme, idx in ((np.inf, "idxmin"), (-np.inf, "idxmax")):
+            keep[getattr(pd.Series(np.where(missing, extreme, values)).groupby(run), idx)().to_numpy()] = True
+    return seen[keep]
