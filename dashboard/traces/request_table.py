@@ -65,6 +65,7 @@ REQUEST_COLUMNS = (
     "miss_reason",
     "tokens_local",
     "tokens_external",
+    "tokens_loaded",
     "groups",
     "load_ms",
     "load_copy_ms",
@@ -87,10 +88,11 @@ def requests_table(spans: pd.DataFrame, vllm: pd.DataFrame | None = None) -> pd.
     Tokens queried/hit are summed over the request's lookups (a request whose load failed may be
     looked up again: every recorded lookup counts, as in kvscope's counters); local (vLLM's device
     prefix-cache hit) from its first lookup, else its first load; external/groups from its first load
-    (the one its hit planned); the load time (see `LOAD_TIME_DEFINITION`: NA when a load that did not fail has
-    none), the number of loads, how many have no copy span, and whether one failed (`LOAD_FAILED_DEFINITION`)
-    over all its loads; bytes from the copies of its loads and stores. Missing parts (no load for a miss, no copy spans
-    recorded) are NA. `request` labels the row: the request id, with its trace id's first 8 digits
+    (the one its hit planned); tokens_loaded summed over its loads that did not fail; the load time (see
+    `LOAD_TIME_DEFINITION`: NA when a load that did not fail has none), the number of loads, how many have no
+    copy span, and whether one failed (`LOAD_FAILED_DEFINITION`) over all its loads; bytes from the copies of
+    its loads and stores. Missing parts (no load for a miss, no copy spans recorded) are NA. `request` labels
+    the row: the request id, with the end of its trace id (`request_labels`)
     where the id is another request's too (two runs read together). With `vllm` (the reader's
     `vllm_requests`), each request's vLLM latencies where vLLM's request span joins it (`vllm_join`).
     """
@@ -128,6 +130,9 @@ def requests_table(spans: pd.DataFrame, vllm: pd.DataFrame | None = None) -> pd.
     out["loads_without_copies"] = uncopied.reindex(ids).fillna(0).astype("int64")  # each one warned of
     out["load_ms"] = _sum_unless_unknown(loads, "load_ms").reindex(ids).astype(float)
     out["load_copy_ms"] = _sum_unless_unknown(loads, "copy_ms").reindex(ids).astype(float)  # NA where load_ms is
+    # the tokens of the loads its load time sums (a resumed request loads again), beside that time
+    tokens_loaded = loads[~loads["failed"]].groupby(REQUEST_KEY, sort=False)["tokens_external"].sum()
+    out["tokens_loaded"] = tokens_loaded.reindex(ids).astype("Int64")
     out["bytes_loaded"] = by_request["bytes"].sum(min_count=1).reindex(ids).astype("Int64")
     out["bytes_stored"] = _bytes_stored(spans).reindex(ids).astype("Int64")
 
@@ -150,10 +155,16 @@ def _sum_unless_unknown(loads: pd.DataFrame, column: str) -> pd.Series:
 
 
 def request_labels(requests: pd.DataFrame) -> pd.Series:
-    """The request id, with " · trace " and the trace id's first 8 digits where another request has the same id."""
+    """The request id, with " · trace " and the trace id's last 8 digits where another request has the same id
+    (the first 8 are all zeros in 64-bit ids padded to 128 bits), or its whole trace id where another request
+    with that id has the same last 8."""
     ids = requests["request_id"].astype(str)
-    repeated = ids.duplicated(keep=False)
-    return ids.where(~repeated, ids + " · trace " + requests["trace_id"].astype(str).str[:8])
+    trace_ids = requests["trace_id"].astype(str)
+    short = ids + " · trace " + trace_ids.str[-8:]
+    # one request per (trace id, request id): a short label on two rows names two traces
+    ambiguous = short.duplicated(keep=False)
+    labels = short.where(~ambiguous, ids + " · trace " + trace_ids)
+    return ids.where(~ids.duplicated(keep=False), labels)
 
 
 def _bytes_stored(spans: pd.DataFrame) -> pd.Series:
@@ -165,12 +176,14 @@ def _bytes_stored(spans: pd.DataFrame) -> pd.Series:
 
 
 def load_rows(spans: pd.DataFrame) -> pd.DataFrame:
-    """One row per `kvscope.load` span: span_key, trace_id, request_id, span_id, start_ns, load_ms (NA when
+    """One row per `kvscope.load` span: span_key, trace_id, request_id, span_id, start_ns, tokens_external,
+    load_ms (NA when
     no copy of it was recorded, it failed, or one of its copies is timed on another clock: `mistimed`),
     copy_ms (from its first copy's start to its last copy's end, on every worker and group: the part of
     load_ms spent copying; NA where load_ms is), its load copies and the bytes they moved, and whether
     it failed (`LOAD_FAILED_DEFINITION`)."""
-    loads = spans.loc[spans["name"] == LOAD, ["span_key", *REQUEST_KEY, "span_id", "start_ns"]].set_index("span_key")
+    loads = spans.loc[spans["name"] == LOAD, ["span_key", *REQUEST_KEY, "span_id", "start_ns", "tokens_external"]]
+    loads = loads.set_index("span_key")
     copies = spans[(spans["name"] == COPY) & (spans["copy_direction"] == "load")]
     copies = copies.assign(moved_bytes=moved_bytes(copies))
     copies = copies.groupby("owner_key", sort=False)
@@ -185,6 +198,7 @@ def load_rows(spans: pd.DataFrame) -> pd.DataFrame:
         "request_id": loads["request_id"],
         "span_id": loads["span_id"],
         "start_ns": loads["start_ns"],
+        "tokens_external": loads["tokens_external"],
         "load_ms": load_ms,
         "copy_ms": copy_ms,
         "copies": copies.size().reindex(loads.index).fillna(0).astype("int64"),
@@ -197,8 +211,8 @@ def load_rows(spans: pd.DataFrame) -> pd.DataFrame:
 def _empty_requests() -> pd.DataFrame:
     added_later = {*VLLM_REQUEST_COLUMNS, "vllm_key"}  # by `with_vllm_columns`
     frame = pd.DataFrame({col: pd.Series(dtype=object) for col in REQUEST_COLUMNS if col not in added_later})
-    for col in ("engine", "tokens_queried", "tokens_hit", "tokens_local", "tokens_external", "groups",
-                "bytes_loaded", "bytes_stored"):
+    for col in ("engine", "tokens_queried", "tokens_hit", "tokens_local", "tokens_external", "tokens_loaded",
+                "groups", "bytes_loaded", "bytes_stored"):
         frame[col] = frame[col].astype("Int64")
     for col in ("hit_rate", "load_ms", "load_copy_ms", "t_s"):
         frame[col] = frame[col].astype(float)

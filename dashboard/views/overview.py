@@ -162,11 +162,13 @@ picked = st.dataframe(
     hide_index=True,
     placeholder="–",
     width="stretch",
-    column_order=["request", "t_s", "load_ms", "tokens_external", "bytes_loaded", "trace_id"],
+    column_order=["request", "t_s", "load_ms", "tokens_loaded", "bytes_loaded", "trace_id"],
     column_config={
         "t_s": st.column_config.NumberColumn("arrival (s)", format="%.3f"),
         "load_ms": st.column_config.NumberColumn("load time (ms)", format="%.3f"),
-        "tokens_external": st.column_config.NumberColumn("tokens loaded"),
+        "tokens_loaded": st.column_config.NumberColumn(
+            "tokens loaded", help="Σ kvscope.tokens.external over the request's loads that did not fail: the "
+            "loads its load time sums (a request resumed after preemption loads again)"),
         "bytes_loaded": st.column_config.NumberColumn("bytes loaded", format="bytes"),
         "trace_id": "trace",
     },

@@ -53,7 +53,7 @@ st.dataframe(
                   "hit_rate", "miss_reason", "tokens_local", "tokens_external", "groups", "load_ms", *vllm_columns,
                   "loads", "load_failed", "bytes_loaded", "bytes_stored", "trace_id"],
     column_config={
-        "request": st.column_config.TextColumn("request", help="Request id; with its trace's first digits where "
+        "request": st.column_config.TextColumn("request", help="Request id; with its trace id's last digits where "
                                                "another request has the same id (runs read together)"),
         "engine": st.column_config.NumberColumn("engine", help="vLLM's data-parallel engine that looked the "
                                                 "request up (each has its own host tier)"),
@@ -65,8 +65,8 @@ st.dataframe(
         "tokens_local": st.column_config.NumberColumn("device hit", help="Tokens vLLM's own device prefix cache "
                                                       "had: the host tier was asked for the rest only"),
         "tokens_external": st.column_config.NumberColumn(
-            "external", help="Tokens loaded: what its first load brought from the host tier (the load span's "
-            "kvscope.tokens.external; the Overview's tokens loaded)"),
+            "external", help="What its first load (the one its hit planned) brought from the host tier (the "
+            "load span's kvscope.tokens.external); the Overview's tokens loaded sums its loads that did not fail"),
         "groups": st.column_config.NumberColumn("groups"),
         "load_ms": st.column_config.NumberColumn("load time (ms)", format="%.3f",
                                                  help=traces.LOAD_TIME_DEFINITION),

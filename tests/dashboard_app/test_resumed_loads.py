@@ -75,3 +75,19 @@ def test_the_request_view_says_why_its_load_time_is_unknown(monkeypatch, tmp_pat
     shown = [w.value for w in at.warning]
     assert any(warning in w for w in shown), shown
     assert pd.notna(traces.requests_table(traces.read_trace_files([path]).spans)["bytes_loaded"].iloc[0])
+
+
+def test_the_slowest_loads_count_the_tokens_of_the_loads_they_time(resumed):
+    """Each load brings 16 tokens (`kvscope.tokens.external`): two timed loads 32; a failed one none, as its time."""
+    slowest = traces.top_slow_loads(traces.requests_table(resumed.spans)).set_index("request_id")
+    assert slowest["tokens_loaded"].to_dict() == {"summed": 32, "failed": 16}
+
+
+def test_a_repeated_request_id_is_told_apart_by_the_end_of_its_trace_id():
+    """64-bit trace ids padded to 128 bits all begin with 16 zeros: the last digits tell the traces apart, and
+    where even the last 8 are the same, the whole id does."""
+    padded = ["0" * 16 + "aaaaaaaa11111111", "0" * 16 + "bbbbbbbb22222222", "0" * 16 + "cccccccc11111111",
+              "0" * 16 + "dddddddd33333333"]
+    requests = pd.DataFrame({"request_id": ["r2", "r2", "r2", "r3"], "trace_id": padded})
+    assert traces.request_labels(requests).tolist() == [
+        f"r2 · trace {padded[0]}", "r2 · trace 22222222", f"r2 · trace {padded[2]}", "r3"]
