@@ -44,6 +44,10 @@ PROFILES = {
     # window starts to drop an offloaded block's first pieces before its key exists, with and without drafts
     "windows": {"mamba": 0.15, "two_workers": 0.25, "spec": 0.5, "fail_loads": 0.12, "late": 0.15,
                 "windows": (16, 17, 33, 47, 48, 49, 50, 51, 52, 64, 111, 113, 200)},
+    # "full" with every seed's copies landing late, stores up to 30 steps late: blocks vLLM freed reach
+    # loads while the stores that read them are pending (`TransferJob.waits_for_stores`)
+    "late": {"mamba": 0.15, "two_workers": 0.25, "spec": 0.3, "fail_loads": 0.12, "late": 1.0,
+             "store_lags": (1, 3, 10, 30)},
 }
 
 
@@ -102,7 +106,7 @@ def _config(r: random.Random, odds: dict) -> dict:
     if r.random() < odds["fail_loads"]:
         config["fail_loads"] = {"rank": r.randrange(config["workers"])}  # in odd rounds: 1 and 3
     if r.random() < odds["late"]:
-        config["late"] = {"store_steps": r.choice([1, 3]), "load_steps": r.choice([0, 0, 2])}
+        config["late"] = {"store_steps": r.choice(odds.get("store_lags", (1, 3))), "load_steps": r.choice([0, 0, 2])}
     if "windows" in odds:
         config["window"] = r.choice(odds["windows"])
     return config
@@ -225,6 +229,7 @@ class WorkloadResult:
     failed_loads: int = 0
     checkpoint_clobbers: int = 0  # vLLM's Mamba checkpoint exported over the running state (`model_free`)
     clobbered_stored: int = 0  # kvscope store jobs reading such a block (`model_free.LoopStats`)
+    loads_after_stores: int = 0  # late copies: loads that waited for the stores in flight (`waits_for_stores`)
 
     @property
     def failure(self) -> str | None:
@@ -373,6 +378,7 @@ class _Replay:
                      "checkpoint_clobbers", "clobbered_stored"):
             setattr(result, name, getattr(stats, name))
         result.evictions = self.engine.scheduler.get_kv_connector()._scheduler.index.evicted_total
+        result.loads_after_stores = sum(late.loads_after_stores for late in self.engine.late_copies)
         result.preemptions, result.failed_loads = len(stats.resumed), len(stats.failed_recving)
         return result
 
@@ -394,11 +400,13 @@ def _engine(config: dict):
                              num_blocks=config["num_blocks"], max_num_batched_tokens=config["max_num_batched_tokens"],
                              workers=config["workers"], async_scheduling=config["async_scheduling"],
                              runner=config["runner"], kv_events=True, **options)
+    engine.late_copies = []
     if "late" in config:
         fence = _cuda_store_fence(engine, engine.runner)  # "v1" is the CPU runner on vLLM 0.34
         for connector in engine.workers:
             late = LateReadingStores(connector._worker.engine, steps=config["late"]["store_steps"],
                                      load_steps=config["late"]["load_steps"])
+            engine.late_copies.append(late)
             engine.after_step.append(late.tick)
             connector._worker.store_fence = fence  # copies that land late are CUDA's: so is their fence
     return engine
