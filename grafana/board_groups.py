@@ -43,8 +43,8 @@ def blocks_per_second():
         "Device blocks per second in this group's load plans: scanned (the hit range), null-skipped "
         "(vLLM's placeholder for positions the group does not keep, e.g. outside a sliding window) "
         "and loaded from the host tier. Loaded + skipped should equal scanned; a gap means planned "
-        "blocks did not reach a request: failed loads (see load failures on the overview), and loads "
-        "whose request was aborted meanwhile, count none.",
+        "blocks were not loaded: failed loads count theirs under load failures (see the overview), "
+        "not here.",
         pc.queries(
             (f"sum by (model_name, group, kind) (rate(kvscope_scan_blocks_total{sel(GROUP)}{RATE}))",
              "scanned ({{kind}}, {{model_name}})"),

@@ -126,9 +126,9 @@ def group_loaded_share():
         "per model. Full-attention groups should sit near 100%: every block of the hit range is "
         "needed. Sliding-window and Mamba groups sit lower by design, because blocks outside the "
         "window are null and skipped (next panel); loaded + skipped should add up to scanned. A "
-        "group well below that means planned blocks were not loaded: failed loads, and loads whose "
-        "request was aborted meanwhile (a client disconnect), count no loaded blocks; loads still "
-        "running count when they finish. Look at load failures and at the connector log.",
+        "group well below that means planned blocks were not loaded: failed loads count no loaded "
+        "blocks (their blocks count under load failures); loads still running count when they finish. "
+        "Look at load failures and at the connector log.",
         pc.queries((
             f"sum by (model_name, group, kind) (rate(kvscope_loaded_blocks_total{sel()}{RATE})) / "
             f"(sum by (model_name, group, kind) (rate(kvscope_scan_blocks_total{sel()}{RATE})) > 0)",

@@ -8,7 +8,17 @@ import numpy as np
 import pandas as pd
 
 from dashboard.traces.request_table import load_rows
-from dashboard.traces.schema import DIRECTIONS, GROUP_KEYS, PAST_TENSE, copies_of, duration_ok, group_label, scans_of
+from dashboard.traces.schema import (
+    COPY,
+    DIRECTIONS,
+    GROUP_KEYS,
+    PAST_TENSE,
+    STATUS_ERROR,
+    copies_of,
+    duration_ok,
+    group_label,
+    scans_of,
+)
 
 
 def _observed_groupby(frame: pd.DataFrame, keys: list[str]):
@@ -78,7 +88,8 @@ COPY_THROUGHPUT_DEFINITION = (
     "Copy throughput of a group and direction: Σ bytes / Σ transfer time (1 GB = 1e9 bytes), a transfer being "
     "one load's or store's copies of the group on every worker (tensor parallelism: one copy span per worker) "
     "and its time the slowest worker's, as the request view's copies per KV group count it; a transfer with a "
-    "copy that ends before it starts has no time and is left out; – where no transfer has one."
+    "copy that failed on a worker, or ends before it starts, has no time and is left out; – where no transfer "
+    "has one."
 )
 
 
@@ -88,27 +99,35 @@ def copy_throughput(spans: pd.DataFrame) -> pd.DataFrame:
 
     The workers' copies are first taken together per transfer (load or store, group), as `group_copies` does:
     bytes summed, time the slowest worker's, unknown when any worker's duration cannot be trusted
-    (`duration_ok`). `gb_per_s` is Σ bytes / Σ seconds over the timed transfers and `p50_gb_per_s` the median
-    of their throughputs; copies and bytes count every copy that ran. A copy of no load or store is a
+    (`duration_ok`) or any worker's copy failed (the transfer did not complete; the others' share would be
+    timed as the whole). `gb_per_s` is Σ bytes / Σ seconds over the timed transfers and `p50_gb_per_s` the
+    median of their throughputs; copies and bytes count every copy that ran. A copy of no load or store is a
     transfer of its own. A group with no timed transfer has unknown (NaN) copy time and throughput.
     """
     cols = [*GROUP_KEYS, "direction", "copies", "blocks", "bytes", "copy_seconds", "gb_per_s", "p50_gb_per_s"]
-    copies = copies_of(spans)
+    copies = spans[spans["name"] == COPY]  # failed ones too: a transfer with one has no time
     if copies.empty:
         return pd.DataFrame(columns=cols)
+    ran = copies["status_code"] != STATUS_ERROR
     copies = copies.assign(
         direction=copies["copy_direction"].astype(str),
         transfer=copies["owner_key"].fillna(copies["span_key"]),
-        seconds=(copies["duration_ms"] / 1e3).where(duration_ok(copies)),
+        ran=ran.astype(int),
+        ran_blocks=copies["copy_blocks"].where(ran, 0),
+        ran_bytes=copies["copy_bytes"].where(ran, 0),
+        seconds=(copies["duration_ms"] / 1e3).where(duration_ok(copies) & ran),
     )
     per_transfer = _observed_groupby(copies, [*GROUP_KEYS, "direction", "transfer"])
     transfers = pd.DataFrame({
-        "copies": per_transfer.size(),
-        "blocks": per_transfer["copy_blocks"].sum(),
-        "bytes": per_transfer["copy_bytes"].sum(),
+        "copies": per_transfer["ran"].sum(),
+        "blocks": per_transfer["ran_blocks"].sum(),
+        "bytes": per_transfer["ran_bytes"].sum(),
         # the slowest worker's; unknown when any worker's time is (it may have been the slowest)
         "seconds": per_transfer["seconds"].max().where(per_transfer["seconds"].count() == per_transfer.size()),
     })
+    transfers = transfers[transfers["copies"] > 0]  # every worker's copy failed: nothing ran
+    if transfers.empty:
+        return pd.DataFrame(columns=cols)
     transfers["timed_bytes"] = transfers["bytes"].astype(float).where(transfers["seconds"].notna())
     transfers["gb_per_s"] = transfers["timed_bytes"] / transfers["seconds"].where(transfers["seconds"] > 0) / 1e9
     g = transfers.groupby(level=[*GROUP_KEYS, "direction"], sort=True)

@@ -13,7 +13,8 @@ from dashboard.traces.schema import copies_of
 
 
 def top_slow_loads(requests: pd.DataFrame, n: int = 10) -> pd.DataFrame:
-    """The `n` requests with the longest load time, with the tokens and bytes of the loads it sums."""
+    """The `n` requests with the longest load time, with the tokens of the loads it sums and the bytes every
+    load copied (a load that failed on one worker: what the others copied)."""
     timed = requests[requests["load_ms"].notna()]
     return timed.nlargest(n, "load_ms")[
         ["request", "t_s", "load_ms", "tokens_loaded", "bytes_loaded", "request_id", "trace_id"]

@@ -169,7 +169,9 @@ picked = st.dataframe(
         "tokens_loaded": st.column_config.NumberColumn(
             "tokens loaded", help="Σ kvscope.tokens.external over the request's loads that did not fail: the "
             "loads its load time sums (a request resumed after preemption loads again)"),
-        "bytes_loaded": st.column_config.NumberColumn("bytes loaded", format="bytes"),
+        "bytes_loaded": st.column_config.NumberColumn(
+            "bytes loaded", format="bytes", help="Σ kvscope.copy.bytes of the copies into the device of all the "
+            "request's loads: a load that failed on one worker counts what the others copied"),
         "trace_id": "trace",
     },
 )

@@ -62,6 +62,27 @@ def test_tensor_parallel_workers_copy_at_the_throughput_the_request_view_shows(t
     assert tp["copies"].tolist() == [2, 2] and tp["copy_seconds"].tolist() == [1.0, 1.0]
 
 
+def test_a_transfer_that_failed_on_one_worker_has_no_throughput_as_in_the_request_view(tmp_path):
+    """Worker 0's copy of a load's group failed, worker 1 copied 1e9 bytes in a second: the transfer did not
+    complete, so its time is unknown (timing the survivor's share as the whole would halve it), as the
+    request view shows; its bytes still count. A second load, whole, is timed."""
+    path = write(tmp_path, line(
+        lookup("r", span_id="01" * 8, trace=TRACE, start=T),
+        load("r", span_id="02" * 8, parent="01" * 8, trace=TRACE, start=T + 10),
+        group_copy("load", 0, 0, 0, T + 100, T + 100, owner="02" * 8, n=1, blocks=0, failed=True),
+        group_copy("load", 0, 1, S, T + 100, T + 100 + S, owner="02" * 8, n=2),
+        load("r", span_id="03" * 8, parent="01" * 8, trace=TRACE, start=T + 3 * S),
+        group_copy("load", 0, 0, S, T + 3 * S, T + 4 * S, owner="03" * 8, n=3),
+        group_copy("load", 0, 1, S, T + 3 * S, T + 4 * S, owner="03" * 8, n=4)))
+    spans = traces.read_trace_files([path]).spans
+    by_transfer = traces.request_group_copies(spans, TRACE, "r")
+    assert by_transfer["failed"].tolist() == [True, False] and pd.isna(by_transfer["gb_per_s"].iloc[0])
+    assert by_transfer["gb_per_s"].iloc[1] == 2.0
+    (row,) = traces.copy_throughput(spans).to_dict("records")
+    assert (row["copies"], row["bytes"], row["copy_seconds"]) == (3, 3 * S, 1.0)
+    assert row["gb_per_s"] == 2.0 and row["p50_gb_per_s"] == 2.0
+
+
 def test_group_rows_are_in_group_order_whatever_order_the_spans_came_in(tmp_path):
     """Group 1's spans written before group 0's: the tables still list g0 first."""
     owner = "02" * 8
