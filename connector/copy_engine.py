@@ -154,16 +154,16 @@ class CopyEngine:
              waits_for_stores: bool = True) -> CopyResult:
         """``waits_for_stores``: a destination block may be one a store in flight still reads
         (`TransferJob.waits_for_stores`); the load then starts after the stores enqueued so far."""
-        return self._copy(group, slots, subs, block_ids, to_device=True, after_stores=waits_for_stores)
+        return self._copy(group, slots, subs, block_ids, to_device=True, waits_for_stores=waits_for_stores)
 
     def store(self, group: int, slots: list[int], subs: list[int], block_ids: list[int]) -> CopyResult:
         return self._copy(group, slots, subs, block_ids, to_device=False)
 
-    def _copy(self, group, slots, subs, block_ids, to_device: bool, after_stores: bool = False) -> CopyResult:
+    def _copy(self, group, slots, subs, block_ids, to_device: bool, waits_for_stores: bool = False) -> CopyResult:
         regions = self.groups[group]
         nbytes = len(block_ids) * self.group_block_bytes(group)
         if self.is_cuda:
-            return self._copy_cuda(regions, slots, subs, block_ids, to_device, nbytes, after_stores)
+            return self._copy_cuda(regions, slots, subs, block_ids, to_device, nbytes, waits_for_stores)
         start = time.time_ns()
         for region in regions:
             view, host_by_sub = region.view, region.host_by_sub
@@ -175,12 +175,12 @@ class CopyEngine:
                     host_by_sub[sub][slot].copy_(view[block])
         return CopyResult(nbytes, len(block_ids), start, time.time_ns())
 
-    def _copy_cuda(self, regions, slots, subs, block_ids, to_device, nbytes, after_stores) -> CopyResult:
+    def _copy_cuda(self, regions, slots, subs, block_ids, to_device, nbytes, waits_for_stores) -> CopyResult:
         stream = self.load_stream if to_device else self.store_stream
         # Stores read what this step's forward wrote; a load's destination blocks may still be
         # zeroed by compute vLLM queued earlier: both come after the compute stream's work so far.
         stream.wait_stream(torch.cuda.current_stream(self.device))
-        if after_stores:
+        if waits_for_stores:
             # A destination block is one an in-flight store still reads (freed when its request
             # finished, allocated again for this load).
             stream.wait_stream(self.store_stream)

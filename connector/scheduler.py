@@ -287,14 +287,6 @@ class KVScopeScheduler:
         return (span.span_id, span.parent_span_id, span.parent_is_remote, span.start_time, lookup.end_ns,
                 queried, hit, miss_reason, lookup.local_tokens)
 
-    def _end_lookup_span(self, state, req_id: str, lookup_record: tuple) -> None:
-        """Record the lookup part of a load's record (`_lookup_span`) as a span of its own."""
-        span_id, parent_id, parent_remote, start, end, queried, hit, miss_reason, local = lookup_record
-        trace = state.trace_context  # the lookup span itself, or its upstream parent: one trace, one state
-        self.tracing.end_span(LOOKUP_SPAN, SpanRef(trace.trace_id, span_id, parent_id, parent_remote,
-                                                   trace.trace_state, start), end,
-                              (req_id, queried, hit, miss_reason, local))
-
     def _plan_load(self, state, request, group_block_ids, local: int, external: int,
                    lookup_record: tuple | None = None, fail: bool = False) -> None:
         """``fail``: plan it, but pin and copy nothing (the workers fail it): vLLM recomputes."""
