@@ -105,6 +105,8 @@ SPAN_COLUMNS = (
 GROUP_KEYS = ["group_index", "group_kind"]
 # A request: its id alone repeats across runs (a benchmark rerun with client-set ids), and every
 # kvscope span of one request is in one trace (rooted by its lookup, or the upstream traceparent).
+# No engine in the key: data-parallel engines sharing a trace cannot repeat an id, as vLLM (0.32+)
+# suffixes every client id with 8 random characters (unless VLLM_DISABLE_REQUEST_ID_RANDOMIZATION).
 REQUEST_KEY = ["trace_id", "request_id"]
 
 
