@@ -335,6 +335,7 @@ class KVScopeScheduler:
                                            (req_id, local, external, len(scans), scan_records, lookup_record))
             except Exception:  # the load's slots are pinned: it must reach the workers (`telemetry_failed`)
                 telemetry_failed("the load span")
+                tracing.record_failed()
         if failed:
             job.failed_at_plan = True
             if not fail:
@@ -606,6 +607,7 @@ class KVScopeScheduler:
             except Exception:  # the job holds slots and is in `_jobs`: it must reach the workers
                 carrier = None
                 telemetry_failed("the store span")
+                tracing.record_failed()
         return TransferJob(job_id, request.request_id, STORE, parts, trace_carrier=carrier)
 
     def _next_store_tokens(self, stored_blocks: list[int], known: int) -> float:

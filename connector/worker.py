@@ -218,35 +218,52 @@ class KVScopeWorker:
         except Exception:
             telemetry_failed("a copy's stats or spans")
 
-    def _copy_parent(self, job: TransferJob):
-        """The parent of the job's copy spans (its load or store span), or None: untraced."""
-        return self.tracing.parent_from_carrier(job.trace_carrier) if job.trace_carrier else None
-
     def _record(self, job: TransferJob, copies: list[tuple[int, CopyResult]]) -> None:
-        parent = self._copy_parent(job)
+        traced = job.trace_carrier is not None
+        spans = []
         for group, copy in copies:
             kind = self.group_kinds[group]
             measured = copy.start_ns is not None  # (not when the device-event clock failed: `CopyEngine.poll`)
             seconds = (copy.end_ns - copy.start_ns) / 1e9 if measured else None
             self._stats.record_copy(group, kind, job.direction, copy.blocks, copy.nbytes, seconds)
-            if parent is not None and measured:
-                self.tracing.record(COPY_SPAN, parent, copy.start_ns, copy.end_ns,
-                                    (group, kind, job.direction, copy.blocks, copy.nbytes, self.rank, job.req_id))
+            if traced and measured:
+                spans.append((COPY_SPAN, copy.start_ns, copy.end_ns,
+                              (group, kind, job.direction, copy.blocks, copy.nbytes, self.rank, job.req_id)))
+        self._record_copy_spans(job, spans)
 
     def _record_failure(self, job: TransferJob) -> None:
         """A copy span with status ERROR per group of a failed job (no blocks, no bytes), so a trace
         replay tells a hit whose load failed, and was recomputed, from one that loaded."""
-        parent = self._copy_parent(job)
-        if parent is None:
+        if job.trace_carrier is None:
             return
         now = time.time_ns()
         kinds = self.group_kinds
-        for part in job.groups:
-            if not 0 <= part.group_index < len(kinds):
-                continue  # a job naming a group this worker lacks (it failed for that): no such group's span
-            self.tracing.record(FAILED_COPY_SPAN, parent, now, now,
-                                (part.group_index, kinds[part.group_index], job.direction, 0, 0,
-                                 self.rank, job.req_id))
+        self._record_copy_spans(job, [
+            (FAILED_COPY_SPAN, now, now, (part.group_index, kinds[part.group_index], job.direction, 0, 0,
+                                          self.rank, job.req_id))
+            for part in job.groups
+            # a job naming a group this worker lacks (it failed for that): no such group's span
+            if 0 <= part.group_index < len(kinds)])
+
+    def _record_copy_spans(self, job: TransferJob, spans: list[tuple]) -> None:
+        """The job's copy spans, ``(kind, start_ns, end_ns, values)``, under its load or store span;
+        one a fault loses is counted (`KVScopeTracing.record_failed`), the others still recorded."""
+        if not spans:
+            return
+        try:
+            parent = self.tracing.parent_from_carrier(job.trace_carrier)
+        except Exception:
+            telemetry_failed("a copy span")
+            self.tracing.record_failed(len(spans))
+            return
+        if parent is None:  # a carrier naming no span: nothing to record under
+            return
+        for kind, start_ns, end_ns, values in spans:
+            try:
+                self.tracing.record(kind, parent, start_ns, end_ns, values)
+            except Exception:
+                telemetry_failed("a copy span")
+                self.tracing.record_failed()
 
     # -- results back to vLLM --
     def transfer_results(self) -> tuple[set[str], set[str]]:

@@ -344,7 +344,8 @@ def dropped_trace_records_over_time():
         "Span records dropped per minute, by why (scheduler and workers together). sink_failed: a sink "
         "is down (the OTLP endpoint, the trace file's disk), fix it; queue_full: the sinks do not keep up "
         "(lower trace_sample_ratio); helper_lost: the span export helper fell behind or died (the vLLM log "
-        "has its warning); after_shutdown: spans at engine shutdown, harmless.",
+        "has its warning); after_shutdown: spans at engine shutdown, harmless; record_failed: a kvscope "
+        "bug while recording (the vLLM log has its traceback): report it.",
         pc.queries((
             f"60 * sum by (reason) (rate(kvscope_dropped_trace_records_total{sel()}{RATE}))",
             "{{reason}}",

@@ -372,7 +372,8 @@ METRICS: tuple[MetricSpec, ...] = (
                "why: sink_failed (a sink failed to take them: an OTLP endpoint down, an unwritable trace file; "
                "once however many sinks failed), queue_full (its span queue was full), helper_lost (its span "
                "export helper fell behind or died holding them), after_shutdown (they ended after tracing shut "
-               f"down). The engine log says more, once. {RECORD_DEF} Summed over the scheduler and the workers.",
+               "down), record_failed (a fault while recording them: a bug). The engine log says more, once. "
+               f"{RECORD_DEF} Summed over the scheduler and the workers.",
                reasons=LOSS_REASONS),
     MetricSpec("kvscope_host_used_bytes", Gauge, "host_used_bytes", (),
                "Bytes of one worker's host tier holding KV blocks (every worker holds the same blocks, "

@@ -45,7 +45,9 @@ LOSS_REASONS = (
     "queue_full",  # the span queue was full: the sinks did not keep up
     "helper_lost",  # the export helper fell too far behind, or died holding them
     "after_shutdown",  # ended after tracing shut down
+    "record_failed",  # a fault while recording them (a bug, logged): `KVScopeTracing.record_failed` counts these
 )
+RECORD_FAILED = LOSS_REASONS[-1]
 
 
 class SpanBatcher:

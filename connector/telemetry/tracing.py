@@ -67,7 +67,7 @@ from connector.telemetry.sinks import (
     resource_from_env,
     truthy,
 )
-from connector.telemetry.span_batcher import SpanBatcher
+from connector.telemetry.span_batcher import RECORD_FAILED, SpanBatcher
 from connector.telemetry.span_records import GENERIC_SPAN, LOAD_PLAN, RecordKind
 
 logger = logging.getLogger(__name__)
@@ -106,6 +106,7 @@ class KVScopeTracing:
         self._remote_parent = remote_parent  # how a remote parent samples (`otel_env.REMOTE_PARENT_*`)
         self._shutdown_done = False
         self._lost_told: dict[str, int] = {}  # lost span records `take_lost_records` has told of, by reason
+        self._failed_records = 0  # records a recording fault lost (`record_failed`), not yet told of
         if processor is not None:  # a forked child's batcher counts its own from zero
             reset = weakref.WeakMethod(self._reset_lost_told)
             os.register_at_fork(after_in_child=lambda: (m := reset()) and m())
@@ -400,15 +401,22 @@ class KVScopeTracing:
         if self._processor is not None:
             self._processor.hand_over()
 
+    def record_failed(self, records: int = 1) -> None:
+        """A fault while recording (a bug: `failures.telemetry_failed` logs it) lost these records."""
+        if self._processor is not None:
+            self._failed_records += records
+
     def take_lost_records(self) -> dict[str, int]:
         """Span records lost since the last call, by why (`SpanBatcher.lost_by_reason`: a sink that
         failed them, a full queue, an export helper that fell behind or died, records ended after
-        shutdown; reasons with none left out), for `kvscope_dropped_trace_records_total`. A record is
-        a span, or a load with its scans and lookup."""
+        shutdown; and `record_failed`; reasons with none left out), for
+        `kvscope_dropped_trace_records_total`. A record is a span, or a load with its scans and lookup."""
+        new = {}
+        if self._failed_records:
+            new[RECORD_FAILED], self._failed_records = self._failed_records, 0
         by_reason = getattr(self._processor, "lost_by_reason", None)
         if by_reason is None:
-            return {}
-        new = {}
+            return new
         for reason, lost in by_reason().items():
             told = self._lost_told.get(reason, 0)
             if lost > told:  # (never less: a count read mid-update is told later, not twice)
@@ -418,6 +426,7 @@ class KVScopeTracing:
 
     def _reset_lost_told(self) -> None:
         self._lost_told = {}
+        self._failed_records = 0  # the parent's to tell
 
     def force_flush(self, timeout_millis: int = 5000) -> bool:
         """Export every span ended so far; False on a timeout or a loss (`SpanBatcher.force_flush`),

@@ -62,7 +62,11 @@ FAULTS = {
     "worker end of step": ("worker", "tracing", "end_step", _raising_once),
     "worker lost span count": ("worker", "tracing", "take_lost_records", _raising_once),
     "copy span": ("worker", "tracing", "record", _raising_once),
+    "copy spans' parent": ("worker", "tracing", "parent_from_carrier", _raising_once),
 }
+# Span records each fault loses, counted in kvscope_dropped_trace_records_total{reason="record_failed"}
+# (a job's copy spans without their parent: one per group it copied, 1 or 2 here)
+RECORDS_LOST = {"load span": {1}, "store span": {1}, "copy span": {1}, "copy spans' parent": {1, 2}}
 
 
 @pytest.fixture(scope="module")
@@ -106,6 +110,8 @@ def test_a_telemetry_fault_in_a_hook_costs_telemetry_only(model_path, tmp_path, 
         assert "kvscope: telemetry failed in" in caplog.text and "injected telemetry fault" in caplog.text
         counted = engine.stats.connector.data if engine.stats.connector is not None else {}
         assert counted.get("hit_tokens", 0) <= engine.stats.external_hit_tokens  # a step's stats lost, none twice
+        lost = counted.get("dropped_trace_records", {})
+        assert lost.get("record_failed", 0) in RECORDS_LOST.get(fault, {0}), lost
     finally:
         engine.shutdown()
 

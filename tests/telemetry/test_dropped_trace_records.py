@@ -56,6 +56,21 @@ def test_lost_records_are_the_batchers_drops_and_its_exporters():
     assert KVScopeTracing.disabled().take_lost_records() == {}
 
 
+def test_records_a_recording_fault_lost_are_told_once_beside_the_batchers():
+    tracing, exporter = _tracing(max_queue=1)
+    tracing._processor.on_end(0)
+    tracing._processor.on_end(1)  # dropped: the queue holds one
+    tracing.record_failed()
+    tracing.record_failed(2)
+    assert tracing.take_lost_records() == {"record_failed": 3, "queue_full": 1}
+    assert tracing.take_lost_records() == {}
+    exporter.gate.set()
+    tracing.shutdown()
+    disabled = KVScopeTracing.disabled()
+    disabled.record_failed()  # tracing off: nothing was to be recorded, nothing lost
+    assert disabled.take_lost_records() == {}
+
+
 def test_the_schedulers_stats_count_the_spans_its_tracing_dropped_and_agree_with_what_was_exported():
     tracing, exporter = _tracing(max_queue=2)  # each load is one record: the third load's is dropped
     sched = make_scheduler(tracing)
