@@ -42,7 +42,7 @@ MISS_REASON_MEANINGS = {
               "some block ends only)",
     OTHER_BLOCKS: "every group held it, but the hit needed another block (a sliding window's earlier one)",
     LOAD_FAILED: "held, but an earlier load of the request failed: it recomputes, not offered a hit until vLLM "
-                 "preempts it",
+                 "preempts it or its streaming session takes its next turn",
     NOT_TAKEN: "found, but vLLM took less of the hit (a request asking for prompt logprobs skips prefix caches)",
     TAIL: "past the last offloaded block a hit can cover (the prompt's partial last block, the last token): "
           "never served",

@@ -346,11 +346,12 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("kvscope_null_blocks_skipped_total", Counter, "null_blocks_skipped", _GK,
                "Null blocks (outside a sliding window, or mamba state) skipped by the load plan, per group."),
     MetricSpec("kvscope_loaded_blocks_total", Counter, "loaded_blocks", _GK,
-               "Blocks loaded from the host tier into device KV cache, per group."),
+               "Device blocks loaded from the host tier into device KV cache, per group; a load that failed on "
+               "any worker counts its blocks in kvscope_load_failures_total instead."),
     MetricSpec("kvscope_load_bytes_total", Counter, "load_bytes", _GK,
                "Bytes copied from the host tier into device KV cache, per group, summed over the engine's "
                "workers (each copies its own share); also a worker's copies of a load that failed on another "
-               "worker (kvscope_loaded_blocks_total counts its blocks under kvscope_load_failures_total)."),
+               "worker (its blocks count in kvscope_load_failures_total, not kvscope_loaded_blocks_total)."),
     MetricSpec("kvscope_store_bytes_total", Counter, "store_bytes", _GK,
                "Bytes copied from device KV cache into the host tier, per group, summed over the engine's "
                "workers (each copies its own share); also stores dropped afterwards (a failed copy, a reset)."),

@@ -40,7 +40,8 @@ MISS_REASON_TEXT = {
     "other_blocks": "every group held the block after its hit, but the hit needed another one (a sliding "
                     "window's earlier block)",
     "load_failed": "the tier held the block after its hit, but an earlier load of this request failed: it "
-                   "recomputes, and is not offered a hit again until vLLM preempts it",
+                   "recomputes, and is not offered a hit again until vLLM preempts it or its streaming session takes "
+                   "its next turn",
     "not_taken": "the tier had more, but vLLM took less of the hit (a request asking for prompt logprobs "
                  "skips prefix caches)",
     "tail": "it served every offloaded block a hit could cover; the rest (the prompt's partial last block, "
