@@ -362,7 +362,8 @@ METRICS: tuple[MetricSpec, ...] = (
                "worker.", COPY_BUCKETS_S),
     MetricSpec("kvscope_request_load_duration_seconds", Histogram, "request_load_duration_s", (),
                "Time from planning a request's load to the scheduler hearing that every worker's copies are done "
-               "(reported at the end of an engine step, so it includes that step's time).", REQUEST_LOAD_BUCKETS_S),
+               "(reported at the end of an engine step, so it includes that step's time); failed loads and loads of "
+               "aborted requests are not timed.", REQUEST_LOAD_BUCKETS_S),
     MetricSpec("kvscope_evicted_blocks_total", Counter, "evicted_blocks", (),
                "Host-tier entries evicted (LRU) to make room; an entry is one offloaded block (block_size tokens) "
                "of one group."),
