@@ -40,10 +40,10 @@ class _Manager:
         return vllm_blocks(self.ids)
 
 
-def _scheduler(num_slots: int = 16) -> tuple[KVScopeScheduler, _Manager]:
+def _scheduler(num_slots: int = 16, world_size: int = 1) -> tuple[KVScopeScheduler, _Manager]:
     manager = _Manager()
     sched = KVScopeScheduler(LAYOUTS, offload_block_size=B, hash_block_size=BS, num_slots=num_slots,
-                             slot_bytes=1024, world_size=1,
+                             slot_bytes=1024, world_size=world_size,
                              tracing=KVScopeTracing.disabled(), kv_cache_manager_getter=lambda: manager)
     return sched, manager
 
@@ -314,6 +314,24 @@ def test_a_load_waits_for_the_stores_only_when_it_writes_a_block_a_pending_store
     sched._pending_loads = [later]
     sched.build_connector_meta(_output())
     assert not later.waits_for_stores
+
+
+def test_a_load_waits_for_a_store_until_every_worker_has_reported_it():
+    """Under tensor parallelism each worker's store reads its own shard of the blocks: one worker's
+    report leaves the other's copy in flight, so a load writing a block it reads still waits for the
+    stores; once both have reported, it need not."""
+    sched, manager = _scheduler(world_size=2)
+    job = _pending_store(sched, manager)
+
+    def waits_after_a_report() -> bool:
+        _report(sched, job)  # one worker's
+        load = TransferJob(sched._new_job_id(), "l", LOAD, [GroupTransfer(1, [201], [0], [0])])
+        sched._pending_loads = [load]
+        sched.build_connector_meta(_output())
+        return load.waits_for_stores
+
+    assert waits_after_a_report()  # the second worker's store may still read block 201
+    assert not waits_after_a_report()
 
 
 # case: (its blocks per group, its device prefix hit, how this step lists it: None (not scheduled), "new" or
