@@ -83,6 +83,21 @@ def test_a_transfer_that_failed_on_one_worker_has_no_throughput_as_in_the_reques
     assert row["gb_per_s"] == 2.0 and row["p50_gb_per_s"] == 2.0
 
 
+def test_a_transfer_that_failed_on_every_worker_has_no_row(tmp_path):
+    """Both workers' copies of a load's group failed: no copy ran, so that group and direction has no copy
+    throughput row (not one of 0 copies), beside the store that ran."""
+    path = write(tmp_path, line(
+        lookup("r", span_id="01" * 8, trace=TRACE, start=T),
+        load("r", span_id="02" * 8, parent="01" * 8, trace=TRACE, start=T + 10),
+        group_copy("load", 0, 0, 0, T + 100, T + 100, owner="02" * 8, n=1, blocks=0, failed=True),
+        group_copy("load", 0, 1, 0, T + 100, T + 100, owner="02" * 8, n=2, blocks=0, failed=True),
+        span("kvscope.store", {"kvscope.request.id": "r", "kvscope.groups": 1, "kvscope.blocks": 4}, trace=TRACE,
+             span_id="03" * 8, start=T + 2 * S),
+        group_copy("store", 0, 0, S, T + 2 * S, T + 3 * S, owner="03" * 8, n=3)))
+    (row,) = traces.copy_throughput(traces.read_trace_files([path]).spans).to_dict("records")
+    assert (row["direction"], row["copies"], row["bytes"], row["gb_per_s"]) == ("store", 1, S, 1.0)
+
+
 def test_group_rows_are_in_group_order_whatever_order_the_spans_came_in(tmp_path):
     """Group 1's spans written before group 0's: the tables still list g0 first."""
     owner = "02" * 8

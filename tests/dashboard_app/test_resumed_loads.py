@@ -77,6 +77,20 @@ def test_the_request_view_says_why_its_load_time_is_unknown(monkeypatch, tmp_pat
     assert pd.notna(traces.requests_table(traces.read_trace_files([path]).spans)["bytes_loaded"].iloc[0])
 
 
+def test_the_request_view_gives_both_reasons_when_one_load_has_no_copy_and_another_a_mistimed_one(
+        monkeypatch, tmp_path):
+    """Its second load's copy is mistimed and a third load has no copy span: each alone leaves the load time
+    unknown, and the view says both."""
+    path = write(tmp_path, line(*_two_loads("both", (-5, 1)), load("both", span_id=f"{0xD00:016x}", trace=TRACE,
+                                                                     start=T + 40 * MS)))
+    at = app(monkeypatch, path)
+    at.switch_page("views/request_explorer.py").run()
+    assert_ok(at)
+    shown = [w.value for w in at.warning]
+    assert any("1 of its 3 loads has no copy span" in w for w in shown), shown
+    assert any("A copy span of one of its loads ends before it starts" in w for w in shown), shown
+
+
 def test_the_slowest_loads_count_the_tokens_of_the_loads_they_time(resumed):
     """Each load brings 16 tokens (`kvscope.tokens.external`): two timed loads 32; a failed one none, as its time."""
     slowest = traces.top_slow_loads(traces.requests_table(resumed.spans)).set_index("request_id")
