@@ -470,3 +470,69 @@ def test_spans_an_exporter_lost_before_a_flush_make_that_flush_false_and_only_th
     assert batcher.force_flush(5000) is False
     assert batcher.force_flush(5000) is True
     batcher.shutdown()
+
+
+# --- found by the mutation campaign of the telemetry export path ----------------------------------
+
+
+def test_records_an_exporter_counts_as_lost_itself_are_not_counted_again_when_it_fails_them():
+    """The export helper's exporter counts what it fails (a sink failing after a fail-over) in its own
+    `lost_by_reason`: the batcher must not add those records to its sink_failed count a second time."""
+    class CountsItsOwn(Collect):
+        def __init__(self):
+            super().__init__()
+            self.failed = 0
+
+        def export(self, spans):
+            super().export(spans)
+            self.failed += len(spans)
+            return SpanExportResult.FAILURE
+
+        @property
+        def dropped_spans(self):
+            return self.failed
+
+        def lost_by_reason(self):
+            return {"helper_lost": 0, "sink_failed": self.failed}
+
+    sink = CountsItsOwn()
+    batcher = SpanBatcher([sink], schedule_delay_s=60, max_batch=2)
+    for i in range(3):
+        batcher.on_end(i)
+    assert batcher.force_flush(5000) is False
+    assert sink.spans == [0, 1, 2]
+    assert batcher.lost_by_reason()["sink_failed"] == 3 and batcher.lost_records == 3
+    batcher.shutdown()
+
+
+def test_spans_ended_while_a_flush_is_under_way_when_shutdown_comes_are_still_exported():
+    """The export thread is inside an exporter's flush when the engine ends more spans and shuts
+    down: they were queued before the shutdown, and its last drain exports them."""
+    class HeldFlush(Collect):
+        def __init__(self):
+            super().__init__()
+            self.flush_gate = threading.Event()
+            self.flushing = threading.Event()
+
+        def force_flush(self, timeout_millis=30000):
+            self.flushing.set()
+            self.flush_gate.wait(HOLD_S)
+            return True
+
+    sink = HeldFlush()
+    batcher = SpanBatcher([sink], schedule_delay_s=60)
+    batcher.on_end("a")
+    flusher = threading.Thread(target=batcher.force_flush, daemon=True)
+    flusher.start()
+    assert sink.flushing.wait(ENTER_DEADLINE_S), "the export thread never flushed the exporter"
+    batcher.on_end("b")  # queued after the export thread's drain, before the shutdown
+    stopper = threading.Thread(target=batcher.shutdown, daemon=True)
+    stopper.start()
+    deadline = time.monotonic() + ENTER_DEADLINE_S
+    while not batcher._shutdown and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert batcher._shutdown
+    sink.flush_gate.set()
+    stopper.join(ENTER_DEADLINE_S)
+    flusher.join(ENTER_DEADLINE_S)
+    assert sink.spans == ["a", "b"] and batcher.dropped_spans == 0
