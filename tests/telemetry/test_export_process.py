@@ -1046,7 +1046,10 @@ def test_a_batch_the_failed_over_export_cannot_write_is_a_failure(tmp_path):
     _wait_until_dead(pid)
     assert helper.export(_numbered(1, 1)) is SpanExportResult.FAILURE  # failed over, then not written
     assert helper.export(_numbered(2, 1)) is SpanExportResult.FAILURE
+    # counted: the helper's sink failed the first, this process's sink the two after it
+    assert helper.lost_by_reason() == {"helper_lost": 0, "sink_failed": 3} and helper.dropped_spans == 3
     helper.shutdown()
+    assert helper.lost_by_reason() == {"helper_lost": 0, "sink_failed": 3}  # (the helper's count kept once unmapped)
 
 
 @pytest.mark.parametrize("helper_state", ["not started", "failed over"])
