@@ -94,6 +94,9 @@ def test_an_otlp_timeout_past_the_most_accepted_is_capped_and_one_in_seconds_kep
     assert _timeout_s({"OTEL_EXPORTER_OTLP_TRACES_TIMEOUT": "inf"}) == MAX_OTLP_TIMEOUT_S
     assert _timeout_s({"OTEL_EXPORTER_OTLP_TIMEOUT": "5"}) == 5.0
     assert _timeout_s({"OTEL_EXPORTER_OTLP_TIMEOUT": "nan"}) == DEFAULT_OTLP_TIMEOUT_S
+    # no time at all would fail every export: ignored, as a negative one is
+    assert _timeout_s({"OTEL_EXPORTER_OTLP_TIMEOUT": "0"}) == DEFAULT_OTLP_TIMEOUT_S
+    assert _timeout_s({"OTEL_EXPORTER_OTLP_TRACES_TIMEOUT": "-1"}) == DEFAULT_OTLP_TIMEOUT_S
 
 
 # --- found by the mutation campaign of sinks.py ---------------------------------------------------
