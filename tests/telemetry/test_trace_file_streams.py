@@ -163,6 +163,16 @@ def test_a_line_is_split_greedily_by_resource_and_scope_and_a_large_span_goes_al
     assert split_json_line(line, len(line)) == [line]
 
 
+def test_no_split_line_of_several_spans_is_longer_than_the_limit_whatever_the_limit():
+    """A line one byte over PIPE_BUF may be torn among writers: the comma before each further span
+    counts, at every limit (one of them leaves no room for it)."""
+    line = _request([("a", "s1", [50, 61, 47, 70, 52, 66, 58, 49, 73, 55] * 3)])
+    for limit in range(300, 1200):
+        for piece in split_json_line(line, limit):
+            spans = json.loads(piece)["resourceSpans"][0]["scopeSpans"][0]["spans"]
+            assert len(piece) <= limit or len(spans) == 1, (limit, len(piece))
+
+
 # ------------------------------------------------------------------ a reader that stalls
 
 @pytest.fixture
@@ -203,6 +213,37 @@ def test_a_fifo_whose_reader_stalled_fails_exports_within_the_timeout_and_shutdo
             data += chunk
         assert data and all(parse_json_line(x.decode()) for x in data.split(b"\n")[:-1])
     finally:
+        os.close(reader)
+
+
+def test_a_long_line_a_stalled_reader_took_in_part_is_ended_before_the_next_line(tmp_path, short_timeout):
+    """A span larger than PIPE_BUF goes in several writes; a reader that stops part way leaves a partial
+    line in the pipe. The next export ends it first: the next line is not glued to it and lost with it."""
+    path = tmp_path / "spans.fifo"
+    os.mkfifo(path)
+    reader = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    exporter = OtlpJsonLinesExporter(path, encode=RecordJsonEncoder(Resource({}), "s", "1"))
+    try:
+        huge = [(COPY_SPAN.code, 1, 1, 7, True, None, 10, 20,
+                 (0, "full_attention", "load", 4, 4096, 0, "req-" + "x" * (1 << 20)))]  # more than the pipe holds
+        assert exporter.export(huge) is SpanExportResult.FAILURE  # the pipe took part of it, then nothing
+        data = b""
+        while True:
+            try:
+                chunk = os.read(reader, 1 << 20)
+            except BlockingIOError:
+                break
+            if not chunk:
+                break
+            data += chunk
+        assert data and not data.endswith(b"\n")  # a partial line
+        assert exporter.export(_records(0, 1, 2)) is SpanExportResult.SUCCESS  # the reader reads again
+        data += os.read(reader, 1 << 20)
+        *_, last, end = data.split(b"\n")
+        assert end == b""
+        assert len(parse_json_line(last.decode()).resource_spans[0].scope_spans[0].spans) == 2
+    finally:
+        exporter.shutdown()
         os.close(reader)
 
 
