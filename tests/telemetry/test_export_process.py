@@ -1035,6 +1035,30 @@ def test_a_forked_child_still_running_does_not_hold_up_the_parents_helper(tmp_pa
     assert _request_ids(path) == [0, 1]
 
 
+def test_a_forked_child_keeps_no_end_of_the_parents_helper_pipes(tmp_path):
+    """Found by mutation testing: the child closes both its copies, not only the one its garbage
+    collection happens to close. A child holding the reply pipe's read end would keep a helper whose
+    engine died blocked on replies nobody reads, once that pipe fills, instead of writing its spans."""
+    helper = ExportProcess(_sinks(tmp_path / "t.jsonl"))
+    helper.export(_numbered(0, 1))
+    assert helper.force_flush(10_000)
+    pipes = [f"pipe:[{os.fstat(stream.fileno()).st_ino}]" for stream in (helper._proc.stdin, helper._replies)]
+    report_read, report_write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(report_read)
+            os.write(report_write, repr([bool(descriptors_open_on(pipe)) for pipe in pipes]).encode())
+        finally:
+            os._exit(0)
+    os.close(report_write)
+    os.waitpid(pid, 0)
+    with os.fdopen(report_read, "rb") as report:
+        held = report.read()
+    helper.shutdown()
+    assert held == b"[False, False]"  # (helper's stdin, its replies)
+
+
 def test_a_batch_the_failed_over_export_cannot_write_is_a_failure(tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("")
