@@ -464,3 +464,18 @@ def test_a_scan_longer_than_the_cached_position_table_gets_every_sub_index(monke
     scan = scan_group(g, ids, 0, 2049 * 16, 64)
     assert scan.block_ids == ids
     assert scan.sub_indices == [i % 4 for i in range(2049)]
+
+
+def test_a_scan_one_past_the_cached_position_table_gets_every_sub_index(monkeypatch):
+    # The exact boundary: a table cached at 1024 entries and a scan ending at block 1025 (one past
+    # it). A table kept at 1024 would slice one sub-index short, and the last pending block would
+    # have no destination position in its offload block.
+    monkeypatch.setattr(planning, "_POSITION_TABLES", {})
+    g = GroupLayout(0, FULL, 16)
+    scan_group(g, list(range(1, 9)), 0, 128, 64)  # caches the 1024-entry table
+    assert len(planning._POSITION_TABLES[4]) == 1024
+    ids = list(range(1, 1026))
+    scan = scan_group(g, ids, 0, 1025 * 16, 64)
+    assert scan.block_ids == ids
+    assert scan.sub_indices == [i % 4 for i in range(1025)]
+    assert scan.runs[-1] == (256, 1)
