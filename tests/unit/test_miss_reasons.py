@@ -128,6 +128,22 @@ def test_a_model_of_mamba_groups_only_misses_new_prompts_as_new_and_asks_one_blo
     assert asked == [0]
 
 
+def test_a_block_no_attention_group_held_ends_the_walk_whatever_the_mamba_state_says():
+    # Only the attention groups decide that the rest chains through a never-held block: a Mamba state
+    # stored at its end (another request's, say), or one that left, does not make later blocks asked.
+    asked = []
+
+    def why_absent(group, k):
+        asked.append((group, k))
+        if group == MAMBA.index:
+            return None if k == 0 else EVICTED
+        return NEW if k == 0 else EVICTED
+
+    layouts = miss_order([MAMBA, FULL])
+    assert lookup_miss(layouts, 5000, 0, 0, 78, B, why_absent) == (NEW, ((NEW, 78 * B),), 5000 - 78 * B)
+    assert {k for _, k in asked} == {0}
+
+
 def test_every_group_holding_the_block_means_the_hit_needed_another():
     assert lookup_miss([FULL, SWA], 300, 0, 64, 4, B, absent({})) == (OTHER_BLOCKS, ((OTHER_BLOCKS, 192),), 44)
 
