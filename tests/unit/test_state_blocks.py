@@ -39,6 +39,15 @@ def test_a_block_keyed_for_another_boundary_never_does_even_if_a_forward_ended_t
     assert not STATES.holds_own_state(_block(7, 176), 0, 2, 64, {(0, 2): 7})
 
 
+def test_a_block_keyed_for_a_later_boundary_does_not_hold_its_own_ends_state():
+    # A 250-token prompt's checkpoint: the state at its last hash boundary (240) goes into the block
+    # before its last (block 2, ending at 192) and vLLM keys it for 240 tokens. Storing it under the
+    # key of block 2's end would give a later load the state 48 tokens past where it resumes.
+    assert not STATES.holds_own_state(_block(7, 240), 0, 2, 64, {})
+    assert not STATES.holds_own_state(_block(7, 240), 0, 2, 64, {(0, 2): 7})
+    assert not STATES.holds_own_state(_block(7, 193), 0, 2, 64, {})
+
+
 def test_an_unkeyed_block_holds_its_state_only_if_a_forward_ended_in_it():
     assert STATES.holds_own_state(_block(7), 0, 2, 64, {(0, 2): 7})
     assert not STATES.holds_own_state(_block(7), 0, 2, 64, {})
