@@ -345,6 +345,7 @@ _FOREIGN_LOADS = {
     "scheduled with nothing loaded": (([300, 301], [201, 500]), 16, ("new", 16), False, False),
     "resumed with nothing loaded": (([300, 301], [500, 201]), 0, ("resumed", 0), False, True),
     "resumed after another connector's load": (([300, 301], [201, 500]), 0, ("resumed", 32), True, False),
+    "loaded at once past its device prefix hit: one token": (([300, 301], [500, 201]), 16, ("new", 17), True, True),
 }
 
 
@@ -1163,3 +1164,26 @@ def test_a_load_failed_at_planning_counts_one_failed_block_per_mamba_group():
     assert job.failed_at_plan
     _report(sched, job, failed=True)
     assert sched.take_stats().data["load_failures"] == 1 + 128 // BS
+
+
+def test_a_step_planning_fewer_computed_tokens_than_an_earlier_one_never_plans_a_piece_twice():
+    """A resumed request's first chunk after preemption can compute fewer tokens than were already
+    stored, while another group, held back by a key that did not exist then, now has blocks to store.
+    The group that went further keeps its mark: planning its third piece again would count four
+    pieces for an offloaded block whose fourth (tokens 48..63) was never written, and make it ready."""
+    sched, manager = _scheduler()
+    state = _state("r", 128)
+    hashes = state.request.block_hashes
+    state.request.block_hashes = hashes[:2]  # no key yet: the window stores ahead, full attention waits
+    manager.ids = _ids(0)
+    first = sched._plan_store(state, 48)
+    assert _pieces(first, 0) == [([100, 101, 102], [0, 1, 2])] and _pieces(first, 1) == []
+    _report(sched, first)
+    state.request.block_hashes = hashes  # keys now exist; the next step plans fewer computed tokens
+    second = sched._plan_store(state, 32)
+    assert _pieces(second, 0) == [] and _pieces(second, 1) == [([200, 201], [0, 1])]
+    _report(sched, second)
+    third = sched._plan_store(state, 48)
+    assert _pieces(third, 0) == [] and _pieces(third, 1) == [([202], [2])]
+    _report(sched, third)
+    assert not sched.index.is_ready((0, "h3")) and not sched.index.is_ready((1, "h3"))  # piece 3 is not written
