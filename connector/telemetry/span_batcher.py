@@ -39,15 +39,16 @@ from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 logger = logging.getLogger(__name__)
 
 
+# A fault while recording them (a bug, logged): counted by `KVScopeTracing.record_failed`, not here.
+RECORD_FAILED = "record_failed"
 # Why records were lost (`lost_by_reason`; the `reason` label of kvscope_dropped_trace_records_total).
 LOSS_REASONS = (
     "sink_failed",  # a sink failed to take them: an OTLP endpoint down (or in its cool-down), an unwritable file
     "queue_full",  # the span queue was full: the sinks did not keep up
     "helper_lost",  # the export helper fell too far behind, or died holding them
     "after_shutdown",  # ended after tracing shut down
-    "record_failed",  # a fault while recording them (a bug, logged): `KVScopeTracing.record_failed` counts these
+    RECORD_FAILED,
 )
-RECORD_FAILED = LOSS_REASONS[-1]
 
 
 class SpanBatcher:
