@@ -122,6 +122,23 @@ def barred_from_hit(miss: Miss, barred_tokens: int) -> Miss:
     return Miss(LOAD_FAILED, ((LOAD_FAILED, barred_tokens),) + miss.by_reason, miss.tail_tokens)
 
 
+def past_kept_tokens(miss: Miss, kept_tokens: int) -> Miss:
+    """``miss`` without its first ``kept_tokens`` tokens, which vLLM kept on the device after all: its
+    device hit can end inside a block (hash blocks smaller than device blocks), is rounded down to a
+    block for the lookup, and is kept whole when the tier's hit does not reach past it. Those tokens
+    were never looked up in vLLM's count; the lookup's reason becomes that of the first block left."""
+    if kept_tokens <= 0:
+        return miss
+    by_reason = []
+    for reason, tokens in miss.by_reason:
+        if kept_tokens >= tokens:
+            kept_tokens -= tokens
+            continue
+        by_reason.append((reason, tokens - kept_tokens))
+        kept_tokens = 0
+    return Miss(by_reason[0][0] if by_reason else TAIL, tuple(by_reason), max(0, miss.tail_tokens - kept_tokens))
+
+
 def _block_reason(ordered_layouts, absences, num_attention: int, proving, k: int, why_absent: WhyAbsent) -> str:
     """Why offloaded block ``k`` was not served: the reason of the first group lacking it (``absences``,
     one per group; a Mamba state never stored where attention groups held the block: `NO_STATE`), but

@@ -17,7 +17,7 @@ from .groups import GroupKind, GroupLayout
 from .host_store import HostIndex
 from .lookup import find_hit_tokens
 from .metadata import LOAD, STORE, GroupTransfer, KVScopeMetadata, KVScopeWorkerMetadata, TransferJob
-from .miss_reasons import NOT_TAKEN, TAIL, Miss, barred_from_hit, lookup_miss, miss_order
+from .miss_reasons import NOT_TAKEN, TAIL, Miss, barred_from_hit, lookup_miss, miss_order, past_kept_tokens
 from .offload_keys import OffloadKeys
 from .piecewise_stores import Filling, PiecewiseStores
 from .planning import NULL_BLOCK_ID, GroupScan, scan_group
@@ -126,6 +126,12 @@ class KVScopeScheduler:
         # them): not final, so not stored, as vLLM does not cache them (`get_num_cacheable_tokens`)
         self.reprefillable_tokens = reprefillable_tokens
         self._lookups: dict[str, _Lookup] = {}
+        # vLLM rounds its device hit down to a device block for the lookup, and keeps the hit whole when
+        # the tier's does not reach past it: possible only with hash blocks smaller than a device block
+        # (Mamba's align mode, groups of several block sizes). Requests first scheduled with no load are
+        # then counted and traced at `build_connector_meta`, from the hit vLLM kept (`_settle_lookups`).
+        self._device_hits_may_end_mid_block = hash_block_size < max((g.block_size for g in layouts), default=0)
+        self._unsettled_lookups: list[tuple[_RequestState, _Lookup]] = []
         self._requests: dict[str, _RequestState] = {}
         self._jobs: dict[int, _Job] = {}
         self._next_job_id = 0
@@ -228,12 +234,10 @@ class KVScopeScheduler:
             # A request resumed after preemption is looked up again, but vLLM counts that apart
             # (`preempted_hits`, not exported): so neither the lookup metrics nor a lookup span
             # count it here either; its load is traced under the request's first lookup (or upstream span).
-            queried = request.num_tokens - lookup.local_tokens
-            self._lookup_log.append((queried, num_external_tokens, lookup))
-            if self.tracing.enabled:
-                # why the hit stopped where it did; vLLM taking less than was found is its own reason
-                reason = lookup.miss.reason if num_external_tokens >= lookup.external_tokens else NOT_TAKEN
-                lookup_record = self._lookup_span(state, req_id, lookup, queried, num_external_tokens, reason)
+            if num_external_tokens == 0 and self._device_hits_may_end_mid_block:
+                self._unsettled_lookups.append((state, lookup))  # vLLM's device hit is known once scheduled
+            else:
+                lookup_record = self._log_lookup(state, lookup, num_external_tokens)
         if num_external_tokens == 0:
             if self._store_sources and request.num_computed_tokens == 0:  # admitted afresh: new blocks
                 self._allocated_unplanned.append((req_id, blocks, lookup.local_tokens if lookup is not None else 0))
@@ -256,6 +260,37 @@ class KVScopeScheduler:
             return
         self._plan_load(state, request, blocks.get_block_ids(), lookup.local_tokens, num_external_tokens,
                         lookup_record)
+
+    def _log_lookup(self, state: _RequestState, lookup: _Lookup, hit: int) -> tuple | None:
+        """Count a first-scheduled request's lookup (``hit``: the tokens vLLM takes of it) and trace it
+        (`_lookup_span`: the lookup part of its load's record, when one follows)."""
+        request = state.request
+        queried = request.num_tokens - lookup.local_tokens
+        self._lookup_log.append((queried, hit, lookup))
+        if not self.tracing.enabled:
+            return None
+        # why the hit stopped where it did; vLLM taking less than was found is its own reason
+        reason = lookup.miss.reason if hit >= lookup.external_tokens else NOT_TAKEN
+        try:
+            return self._lookup_span(state, request.request_id, lookup, queried, hit, reason)
+        except Exception:  # a load may follow, and the step's stores: they must go on (`telemetry_failed`)
+            telemetry_failed("the lookup span")
+            self.tracing.record_failed()
+            return None
+
+    def _settle_lookups(self, computed: dict[str, int]) -> None:
+        """Count and trace the lookups of requests first scheduled this step with no load, from the device
+        hit vLLM kept (``computed``: their computed tokens as scheduled), as vLLM counts its queries.
+        vLLM asked with that hit rounded down to a device block: the tokens it kept past that were not
+        looked up after all, and the tier's hit, if any, lay within them (vLLM took none of it)."""
+        for state, lookup in self._unsettled_lookups:
+            kept = computed.get(state.request.request_id, lookup.local_tokens) - lookup.local_tokens
+            if kept > 0:
+                within = min(kept, lookup.external_tokens)
+                lookup = _Lookup(lookup.local_tokens + kept, lookup.external_tokens - within, lookup.start_ns,
+                                 lookup.end_ns, past_kept_tokens(lookup.miss, kept - within))
+            self._log_lookup(state, lookup, 0)
+        self._unsettled_lookups.clear()
 
     def _fail_load_at_plan(self, state, req_id: str, external: int) -> None:
         """A load job, of a request without a lookup, that fails on every worker without copying anything:
@@ -405,6 +440,8 @@ class KVScopeScheduler:
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             computed[req_id] = cached.num_computed_tokens[i]
+        if self._unsettled_lookups:  # before the stores: a lookup span may root its request's trace
+            self._settle_lookups(computed)
         if self._store_sources:
             meta.fence_stores = self._sources_reallocated(scheduler_output, computed)
         self._allocated_unplanned.clear()

@@ -333,8 +333,8 @@ RECORD_DEF = ("A record is one span (a lookup, a store, a copy), or one request'
 
 METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("kvscope_lookup_tokens_total", Counter, "lookup_tokens", (),
-               "Prompt tokens looked up in the kvscope host tier: past vLLM's device prefix-cache hit rounded "
-               "down to a block, as vLLM asks (vLLM's external queries start after its whole hit)."),
+               "Prompt tokens looked up in the kvscope host tier: past vLLM's device prefix-cache hit, as vLLM "
+               "counts its external prefix-cache queries."),
     MetricSpec("kvscope_hit_tokens_total", Counter, "hit_tokens", (),
                "Looked-up tokens found in the kvscope host tier (never more than the looked-up tokens)."),
     MetricSpec("kvscope_missed_tokens_total", Counter, "missed_tokens", ("reason",),

@@ -565,6 +565,9 @@ class ModelFreeEngine:
             problems.append(f"telemetry: {loaded} loaded and {failed} failed blocks, the load jobs carried {pending}")
         if hit != self.stats.external_hit_tokens:
             problems.append(f"telemetry: kvscope counted {hit} hit tokens, vLLM {self.stats.external_hit_tokens}")
+        if looked_up != self.stats.external_queried_tokens:
+            problems.append(f"telemetry: kvscope looked up {looked_up} tokens, vLLM queried "
+                            f"{self.stats.external_queried_tokens}")
         if missed != looked_up - hit:
             problems.append(f"telemetry: {missed} missed tokens by reason, lookup - hit is {looked_up - hit}")
         return problems

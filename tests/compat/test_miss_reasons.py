@@ -71,3 +71,38 @@ def test_lookups_tell_evicted_from_new_and_reset_and_the_metrics_add_up(model_pa
     # each 300-token prompt: 4 whole 64-token blocks a hit could cover (256 tokens), 44 past them
     assert missed == {"new": 6 * 256, "evicted": 2 * 256, "reset": 2 * 256, "tail": 10 * 44}, missed
     assert Counter(reasons.values()) == {"new": 6, "evicted": 2, "reset": 2}
+
+
+@pytest.mark.parametrize("with_drafts", [False, True], ids=["plain", "ngram-drafts"])
+def test_looked_up_tokens_equal_vllms_queries_when_its_device_hit_ends_inside_a_block(model_path, with_drafts):
+    """Hash blocks (16) finer than Mamba blocks (64), vLLM's align mode: `b` extends `a` (366 tokens) and
+    hits vLLM's prefix cache up to 352 tokens, inside a block; vLLM asks the connector from 320 (its hit
+    rounded down to a block) and, the tier finding nothing past it, keeps its 352. kvscope counts the
+    lookup from 352 too, as vLLM counts its queries (fuzz seed 12 of `mamba-spec`: 32 tokens more), and
+    the lookup span says so; the missed tokens by reason still add up to the looked-up ones."""
+    from connector.telemetry.testing import in_memory_tracing
+    from tests.compat.model_free import MambaAlign
+
+    engine = ModelFreeEngine(model_path, {"cpu_bytes": 64 << 20, "block_size": 256}, window=WINDOW,
+                             mamba=MambaAlign(64, 16, retention=None), spec_tokens=2 if with_drafts else 0)
+    sched = engine.scheduler.get_kv_connector()._scheduler
+    assert sched._device_hits_may_end_mid_block
+    sched.tracing, exporter = in_memory_tracing()
+    first = [(31 * i + 3) % 509 + 1 for i in range(366)]
+    try:
+        engine.add("a", first, max_tokens=2)
+        engine.run()
+        engine.add("b", first + [(17 * i + 5) % 509 + 1 for i in range(15)], max_tokens=2)
+        engine.run()
+        assert engine.host_tier_leaks() == [] and not sched._unsettled_lookups
+    finally:
+        engine.shutdown()
+    data = engine.stats.connector.data
+    assert data["lookup_tokens"] == engine.stats.external_queried_tokens == 366 + 381 - 352
+    assert sum(data["missed_tokens"].values()) == data["lookup_tokens"] - data.get("hit_tokens", 0)
+    lookups = {s.attributes["kvscope.request.id"]: s.attributes for s in exporter.get_finished_spans()
+               if s.name == "kvscope.lookup"}
+    assert lookups.keys() == {"a", "b"}
+    assert (lookups["b"]["kvscope.tokens.local"], lookups["b"]["kvscope.tokens.queried"],
+            lookups["b"]["kvscope.tokens.hit"]) == (352, 29, 0)
+    assert engine.telemetry_mismatches() == []

@@ -50,8 +50,9 @@ def _raising_on_store_span(original):
     return end_span
 
 
-# (side, object the fault goes on, its attribute, wrapper)
+# (side, object the fault goes on ("": the side's own object), its attribute, wrapper)
 FAULTS = {
+    "lookup span": ("scheduler", "", "_lookup_span", _raising_once),
     "load span": ("scheduler", "tracing", "end_load", _raising_once),
     "store span": ("scheduler", "tracing", "end_span", _raising_on_store_span),
     "scheduler end of step": ("scheduler", "tracing", "end_step", _raising_once),
@@ -66,7 +67,7 @@ FAULTS = {
 }
 # Span records each fault loses, counted in kvscope_dropped_trace_records_total{reason="record_failed"}
 # (a job's copy spans without their parent: one per group it copied, 1 or 2 here)
-RECORDS_LOST = {"load span": {1}, "store span": {1}, "copy span": {1}, "copy spans' parent": {1, 2}}
+RECORDS_LOST = {"lookup span": {1}, "load span": {1}, "store span": {1}, "copy span": {1}, "copy spans' parent": {1, 2}}
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +91,8 @@ def test_a_telemetry_fault_in_a_hook_costs_telemetry_only(model_path, tmp_path, 
     side, owner, attribute, wrap = FAULTS[fault]
     try:
         if side == "scheduler":
-            target = getattr(engine.scheduler.get_kv_connector()._scheduler, owner)
+            scheduler = engine.scheduler.get_kv_connector()._scheduler
+            target = getattr(scheduler, owner) if owner else scheduler
         else:
             target = getattr(engine.workers[0]._worker, owner)
         prompts = _prompts()

@@ -267,6 +267,42 @@ def test_a_lookup_after_a_device_prefix_hit_says_how_many_tokens_the_device_had(
                               "kvscope.miss.reason": "new", "kvscope.tokens.local": 64}
 
 
+def _scheduled_new(rid: str, computed: int):
+    """A scheduler output in which vLLM schedules request ``rid`` afresh with ``computed`` tokens."""
+    return SimpleNamespace(
+        scheduled_new_reqs=[SimpleNamespace(req_id=rid, block_ids=([], []), num_computed_tokens=computed)],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[], new_block_ids=[], num_computed_tokens=[]),
+        kv_cache_block_copies=[], num_scheduled_tokens={}, scheduled_spec_decode_tokens={})
+
+
+def test_a_lookup_is_counted_from_the_device_hit_vllm_kept_inside_a_block():
+    """Hash blocks (16) finer than a group's blocks (32): vLLM asks from its device hit rounded down to a
+    block (64 of 80) and keeps its 80 when it takes nothing of the tier's hit, which then lies partly
+    within them. The lookup counts and traces from 80, once vLLM schedules the request (as vLLM counts
+    its queries), and the tier's hit past 80 is found but not taken."""
+    tracing, exporter = in_memory_tracing()
+    layouts = [GroupLayout(0, GroupKind.FULL_ATTENTION, BS), GroupLayout(1, GroupKind.SLIDING_WINDOW, 32, 40)]
+    sched = KVScopeScheduler(layouts, offload_block_size=B, hash_block_size=BS, num_slots=64, slot_bytes=1024,
+                             world_size=1, tracing=tracing, kv_cache_manager_getter=lambda: None)
+    request = make_request("r1", 200)
+    hashes = sched._offload_hashes(request)
+    for layout in layouts:  # the tier holds tokens 64..128
+        for h in hashes[2:4]:
+            sched.index.reserve_for_store((layout.index, h))
+            sched.index.complete_store((layout.index, h))
+    external, _ = sched.get_num_new_matched_tokens(request, 64)
+    assert external == 64
+    sched.update_state_after_alloc(request, blocks_for(200)[0], 0)  # vLLM kept its own 80 tokens instead
+    assert exporter.get_finished_spans() == ()  # vLLM's hit is known once the request is scheduled
+    sched.build_connector_meta(_scheduled_new("r1", 80))
+    (lookup,) = exporter.get_finished_spans()
+    assert _attrs(lookup) == {"kvscope.request.id": "r1", "kvscope.tokens.queried": 120, "kvscope.tokens.hit": 0,
+                              "kvscope.miss.reason": "not_taken", "kvscope.tokens.local": 80}
+    data = sched.take_stats().data
+    assert data["lookup_tokens"] == 120 and data.get("hit_tokens", 0) == 0
+    assert data["missed_tokens"] == {"not_taken": 48, "new": 64, "tail": 8}
+
+
 def test_a_load_without_a_lookup_span_roots_its_own_trace():
     tracing, exporter = in_memory_tracing()
     sched = make_scheduler(tracing)

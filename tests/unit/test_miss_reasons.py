@@ -21,6 +21,7 @@ from connector.miss_reasons import (
     barred_from_hit,
     lookup_miss,
     miss_order,
+    past_kept_tokens,
 )
 
 B = 64  # offload block size
@@ -100,6 +101,23 @@ def test_a_device_hit_moves_where_the_miss_starts():
     assert miss == (EVICTED, ((EVICTED, 156),), 44)
     # a device hit past the last whole block: nothing left the tier could serve
     assert lookup_miss([FULL], 300, 280, 0, 4, B, lambda group, k: NEW) == (TAIL, (), 20)
+
+
+def test_tokens_vllm_kept_on_the_device_leave_the_miss_from_its_front():
+    """vLLM rounds its device hit down to a block for the lookup and keeps the rest when the tier does not
+    reach past it: those tokens leave the miss from the front (its reason becomes the next block's),
+    and the reasons still add up to what vLLM queried minus the hit."""
+    miss = lookup_miss([FULL], 300, 64, 0, 4, B, absent({(0, 1): EVICTED}, default=NEW))
+    assert miss == (EVICTED, ((EVICTED, 64), (NEW, 128)), 44)
+    assert past_kept_tokens(miss, 0) is miss
+    assert past_kept_tokens(miss, 32) == (EVICTED, ((EVICTED, 32), (NEW, 128)), 44)
+    assert past_kept_tokens(miss, 64) == (NEW, ((NEW, 128),), 44)  # a segment used up: the next one's reason
+    assert past_kept_tokens(miss, 100) == (NEW, ((NEW, 92),), 44)
+    assert past_kept_tokens(miss, 200) == (TAIL, (), 36)  # into the tail
+    assert past_kept_tokens(miss, 500) == (TAIL, (), 0)
+    for kept in range(0, 237, 4):  # the looked-up tokens past the kept ones, by reason
+        left = past_kept_tokens(miss, kept)
+        assert sum(t for _, t in left.by_reason) + left.tail_tokens == 236 - kept
 
 
 def test_unhashed_blocks_are_tail():
