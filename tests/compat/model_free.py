@@ -551,10 +551,11 @@ class ModelFreeEngine:
         return leaks + [f"state of finished request {r}" for r in gone]
 
     def telemetry_mismatches(self) -> list[str]:
-        """Where kvscope's stats, as vLLM hands them to its stat loggers, disagree with vLLM's own count
-        or with themselves: hit tokens against vLLM's external prefix-cache hits; the missed tokens by
-        reason against lookup minus hit tokens; the blocks loaded and failed against those the load jobs
-        carried (their scans' pending blocks). Once every job is reported. Empty when they agree."""
+        """Where kvscope's stats, as vLLM hands them to its stat loggers, disagree with vLLM's own counts
+        or with themselves: hit and looked-up tokens against vLLM's external prefix-cache hits and
+        queries; the missed tokens by reason against lookup minus hit tokens; the blocks loaded and
+        failed against those the load jobs carried (their scans' pending blocks). Once every job is
+        reported. Empty when they agree."""
         data = self.stats.connector.data if self.stats.connector is not None else {}
         hit, looked_up = data.get("hit_tokens", 0), data.get("lookup_tokens", 0)
         missed = sum(data.get("missed_tokens", {}).values())
