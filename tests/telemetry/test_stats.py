@@ -251,3 +251,22 @@ def test_everything_a_recording_method_writes_survives_aggregation():
         assert recorded.data, name
         aggregated = KVScopeStats().aggregate(KVScopeStats(data=pickle.loads(pickle.dumps(recorded.data))))
         assert aggregated.data == recorded.data, name
+
+
+def test_aggregate_does_not_alias_the_other_payloads_request_loads():
+    """The request load times aggregated in are copied, not shared: recording into the aggregate must not
+    change the payload it came from (a payload vLLM aggregates again would count those loads twice)."""
+    a, b = KVScopeStats(), _scheduler_stats()
+    a.aggregate(b)
+    a.record_request_load(0.5)
+    assert b.data["request_load_duration_s"] == [0.004]
+    assert a.data["request_load_duration_s"] == [0.004, 0.5]
+
+
+def test_a_copy_that_could_not_be_timed_counts_its_blocks_and_bytes_with_no_duration():
+    """A copy whose interval could not be measured (duration None) still moved its bytes: they count in
+    the byte totals, and no duration is made up for it (nor does the copy fail the worker's stats)."""
+    s = KVScopeStats()
+    s.record_copy(0, "full_attention", "load", blocks=2, nbytes=2048, duration_s=None)
+    assert s.data == {"copy_blocks": {"0|full_attention|load": 2}, "copy_bytes": {"0|full_attention|load": 2048},
+                      "load_bytes": {"0|full_attention": 2048}}
