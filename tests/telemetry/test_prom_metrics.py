@@ -307,3 +307,20 @@ def test_only_the_first_api_server_serves_the_metrics_port(monkeypatch):
     monkeypatch.setattr(connector_module, "serve_metrics_port", lambda p: served.append(p))
     build(port, rank=-1)
     assert served == [port]
+
+
+def test_every_observation_of_a_payload_is_observed(registry, prom_metrics):
+    """A payload aggregated over an interval's workers and steps holds many durations per series: each is
+    one observation (a histogram's count is the number of copies, scans and loads, its sum their time)."""
+    s = KVScopeStats()
+    for duration_s in (0.0002, 0.002, 0.2):
+        s.record_copy(0, "full_attention", "load", 1, 1024, duration_s)
+        s.record_request_load(duration_s)
+    s.record_scans(0, "full_attention", 3, 0, [1e-6, 2e-6, 3e-6])
+    prom_metrics.observe(s.data)
+    get = registry.get_sample_value
+    fa = engine_labels(0, group="0", kind="full_attention")
+    assert get("kvscope_copy_duration_seconds_count", {**fa, "direction": "load"}) == 3
+    assert get("kvscope_copy_duration_seconds_sum", {**fa, "direction": "load"}) == pytest.approx(0.2022)
+    assert get("kvscope_scan_duration_seconds_count", fa) == 3
+    assert get("kvscope_request_load_duration_seconds_count", engine_labels(0)) == 3
