@@ -458,6 +458,41 @@ def test_lines_after_a_torn_one_follow_each_other_without_blank_lines(tmp_path, 
     assert all(lines[:3]) and lines[3:] == [""]
 
 
+def test_without_the_append_lock_a_torn_line_is_ended_once_by_the_next_export(tmp_path, tracing, span_exporter,
+                                                                               monkeypatch):
+    """A file system without flock: the exporter cannot check the file's last byte under the lock, so it
+    ends its own torn line from memory. The next line must start on a line of its own (not glued to the
+    torn one, both lost to readers), and the lines after it must not each start with a blank line."""
+    import errno
+
+    from connector.telemetry import trace_file
+
+    def no_flock(fd, operation):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(trace_file.fcntl, "flock", no_flock)
+    _make_spans(tracing)
+    spans = span_exporter.get_finished_spans()
+    path = tmp_path / "t.jsonl"
+    exporter = OtlpJsonLinesExporter(path)
+    real_write = os.write
+
+    def disk_full(fd, data):
+        real_write(fd, bytes(data[:40]))
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(trace_file.os, "write", disk_full)
+    assert exporter.export(spans) is SpanExportResult.FAILURE
+    monkeypatch.setattr(trace_file.os, "write", real_write)
+    for _ in range(2):
+        assert exporter.export(spans) is SpanExportResult.SUCCESS
+    exporter.shutdown()
+    torn, first, second, end = path.read_text().split("\n")
+    assert len(torn) == 40 and end == ""
+    for line in (first, second):
+        assert len(parse_json_line(line).resource_spans[0].scope_spans[0].spans) == len(spans)
+
+
 def test_the_trace_file_and_its_directories_are_created_readable_by_all(tmp_path, tracing, span_exporter):
     """A dashboard run by another user reads the file: 0644 (less the umask), like a log file."""
     _make_spans(tracing)
