@@ -130,6 +130,25 @@ def test_a_regular_file_still_gets_one_line_per_batch(tmp_path):
     assert len(path.read_bytes().splitlines()) == 1
 
 
+def test_the_processs_own_stream_redirected_to_a_file_is_written_at_its_own_offset(tmp_path):
+    """`vllm serve > log` with trace_file=/dev/stdout: the lines go through the process's own open file,
+    after what it printed, and what it prints next follows them. A new open file of the log would
+    write from offset 0, over the process's own output (and the process's next output over the lines)."""
+    path = tmp_path / "log"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)  # as the shell's `>` opens it: no O_APPEND
+    try:
+        os.write(fd, b"engine starting\n")
+        exporter = OtlpJsonLinesExporter(f"/dev/fd/{fd}", encode=RecordJsonEncoder(Resource({}), "s", "1"))
+        assert exporter.export(_records(0, 0, 3)) is SpanExportResult.SUCCESS
+        exporter.shutdown()
+        os.write(fd, b"engine stopped\n")
+    finally:
+        os.close(fd)
+    before, line, after, end = path.read_text().split("\n")
+    assert (before, after, end) == ("engine starting", "engine stopped", "")
+    assert len(parse_json_line(line).resource_spans[0].scope_spans[0].spans) == 3
+
+
 def _request(groups: list[tuple[str, str, list[int]]]) -> bytes:
     """An OTLP/JSON line with one resource/scope per group: (service, scope, span sizes in bytes)."""
     resource_spans = []
