@@ -3,11 +3,13 @@ a line another process left cut short."""
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
 import resource
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -264,6 +266,35 @@ def test_a_long_line_a_stalled_reader_took_in_part_is_ended_before_the_next_line
     finally:
         exporter.shutdown()
         os.close(reader)
+
+
+def test_once_a_stalled_reader_takes_a_batch_again_exports_wait_the_full_timeout_again(monkeypatch):
+    """After a stall, batches fail without waiting until one gets through; from then on a stream that is
+    momentarily full is waited for (WRITE_TIMEOUT_S) again, not failed at once as if its reader were still
+    stalled (a socket: every write waits for room first, with the timeout in force)."""
+    ours, theirs = socket.socketpair()
+    timeouts = []
+    real_wait = trace_file._wait_writable
+
+    def wait_writable(fd, timeout):
+        timeouts.append(timeout)
+        if len(timeouts) == 1:
+            raise TimeoutError(errno.ETIMEDOUT, "its reader took nothing")  # the reader stalled
+        real_wait(fd, timeout)
+
+    monkeypatch.setattr(trace_file, "_wait_writable", wait_writable)
+    exporter = OtlpJsonLinesExporter(f"/dev/fd/{ours.fileno()}",
+                                     encode=RecordJsonEncoder(Resource({"service.name": "w0"}), "s", "1"))
+    try:
+        results = [exporter.export(_records(0, batch, 1)) for batch in range(3)]
+    finally:
+        exporter.shutdown()
+        ours.close()
+    assert results == [SpanExportResult.FAILURE, SpanExportResult.SUCCESS, SpanExportResult.SUCCESS]
+    assert timeouts == [trace_file.WRITE_TIMEOUT_S, 0.0, trace_file.WRITE_TIMEOUT_S]
+    with theirs:
+        data = theirs.recv(1 << 20)
+    assert [len(line) for line in _spans_by_line(data)] == [1, 1]
 
 
 def test_shutdown_gives_up_on_an_export_that_never_returns(tmp_path, short_timeout, caplog):
