@@ -26,6 +26,8 @@ from connector.telemetry.span_records import COPY_SPAN
 from connector.telemetry.trace_file import (OtlpJsonLinesExporter, RecordJsonEncoder, parse_json_line,
                                             split_json_line)
 
+from .descriptors import descriptors_open_on
+
 REPO = Path(__file__).resolve().parents[2]
 
 # A writer process: the exporter kvscope builds, writing numbered spans to its own stdout.
@@ -310,6 +312,24 @@ def test_shutdown_gives_up_on_an_export_that_never_returns(tmp_path, short_timeo
     finally:
         exporter._lock.release()
     assert exporter.export(_records(0, 0, 1)) is SpanExportResult.FAILURE
+
+
+def test_an_export_that_outlived_shutdown_closes_the_file_when_it_returns(tmp_path, short_timeout, monkeypatch):
+    """Shutdown gave up waiting for a stuck write (a hung file system): when that write returns at last,
+    its export closes the file, or the descriptor stays open for the rest of the process."""
+    path = tmp_path / "t.jsonl"
+    exporter = OtlpJsonLinesExporter(path, encode=RecordJsonEncoder(Resource({}), "s", "1"))
+    real_write_all = trace_file.write_all
+
+    def stuck_write(fd, data):
+        exporter.shutdown()  # the engine exits while this write hangs: shutdown gives up on it
+        real_write_all(fd, data)
+
+    monkeypatch.setattr(trace_file, "write_all", stuck_write)
+    assert exporter.export(_records(0, 0, 1)) is SpanExportResult.SUCCESS
+    assert not descriptors_open_on(path)
+    assert exporter.export(_records(0, 1, 1)) is SpanExportResult.FAILURE
+    assert len(path.read_text().splitlines()) == 1
 
 
 # ------------------------------------------------------------------ a line another process cut short
