@@ -196,6 +196,16 @@ def test_no_split_line_of_several_spans_is_longer_than_the_limit_whatever_the_li
             assert len(piece) <= limit or len(spans) == 1, (limit, len(piece))
 
 
+def test_a_line_without_resource_or_scope_splits_into_lines_that_parse():
+    """OTLP/JSON leaves an unset resource or scope out (another encoder's line): each piece then opens its
+    resource with `{"scopeSpans":[` and its scope with `{"spans":[`, never with `{,`, which no reader parses."""
+    spans = [{"traceId": "ab" * 16, "spanId": f"{i + 1:016x}", "name": "x" * 300, "kind": 1} for i in range(20)]
+    line = (json.dumps({"resourceSpans": [{"scopeSpans": [{"spans": spans}]}]}, separators=(",", ":")) + "\n").encode()
+    lines = split_json_line(line, 4096)
+    assert len(lines) > 1
+    assert sum(len(parse_json_line(x.decode()).resource_spans[0].scope_spans[0].spans) for x in lines) == 20
+
+
 # ------------------------------------------------------------------ a reader that stalls
 
 @pytest.fixture
