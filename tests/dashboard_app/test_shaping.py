@@ -106,6 +106,24 @@ def test_a_requests_device_hit_comes_from_its_lookup_even_without_a_load(tmp_pat
     assert table.loc["older", "tokens_local"] == 32
 
 
+def test_a_request_looked_up_again_keeps_the_device_hit_of_its_first_lookup(tmp_path):
+    """A request looked up again (its load failed, or it resumed after preemption) may find more on the device
+    the second time: its row keeps the first lookup's device hit, the one beside its first load's external
+    tokens (the load its hit planned), so local + external is the prompt prefix that hit first."""
+    t = 1_700_000_000_000_000_000
+    first = span("kvscope.lookup", {"kvscope.request.id": "again", "kvscope.tokens.queried": 100,
+                                    "kvscope.tokens.hit": 64, "kvscope.tokens.local": 32}, span_id="01" * 8, start=t)
+    first_load = span("kvscope.load", {"kvscope.request.id": "again", "kvscope.tokens.local": 32,
+                                       "kvscope.tokens.external": 64, "kvscope.groups": 1},
+                      span_id="02" * 8, parent="01" * 8, start=t + 1000)
+    second = span("kvscope.lookup", {"kvscope.request.id": "again", "kvscope.tokens.queried": 36,
+                                     "kvscope.tokens.hit": 0, "kvscope.tokens.local": 96}, span_id="03" * 8,
+                  start=t + 10**9)
+    read = traces.read_trace_files([write(tmp_path, line(second, first, first_load))])  # not in time order
+    (row,) = traces.requests_table(read.spans).itertuples()
+    assert (row.tokens_local, row.tokens_external, row.lookups) == (32, 64, 2)
+
+
 def test_overall_hit_rate_and_numbers(read, requests, expected):
     assert traces.hit_rate(requests) == pytest.approx(expected.hit_rate)
     numbers = traces.overview_numbers(requests, read.spans)
