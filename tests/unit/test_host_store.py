@@ -334,6 +334,17 @@ def test_a_block_two_loads_read_when_the_tier_is_cleared_keeps_its_slot_until_bo
     assert not index.contains("a") and index.used_slots == 0
 
 
+def test_a_cleared_block_a_load_still_reads_keeps_its_key_until_that_load_unpins_it():
+    """A block a reset forgot while a load reads it is no store's placeholder: moved to another key, the
+    load's unpin (under the block's own key) would find nothing, and its slot would never be free again."""
+    index = _filled(2, ["a"])
+    slot_a = index.pin_for_load("a")
+    index.clear()
+    assert not index.rekey("a", "b") and not index.contains("b")
+    index.unpin("a")
+    assert not index.contains("a") and slot_a in index._free
+
+
 def test_evicted_total_counts_only_evictions():
     index = _filled(2, ["a", "b"])
     for i, key in enumerate("cdef", start=1):
