@@ -119,6 +119,13 @@ def test_ready_run_counts_the_hashes_every_group_holds_ready_up_to_the_first_gap
     assert index.ready_run([], ["x", "y"]) == 2  # no group to hold them: nothing stops the run
 
 
+def test_ready_run_asks_every_hash_of_all_its_groups_however_they_are_given():
+    """The groups are asked again for every hash: read once (a generator), only the first hash would be
+    checked and every later one counted held, marking blocks used past a gap no hit reaches."""
+    index = _filled(4, [(0, "a"), (1, "a"), (0, "b")])
+    assert index.ready_run((group for group in (0, 1)), ["a", "b"]) == 1
+
+
 def test_is_ready_and_contains_do_not_touch_recency():
     index = _filled(2, ["a", "b"])
     assert index.is_ready("a") and index.contains("a")
