@@ -206,6 +206,19 @@ def test_eagle_sliding_window_needs_the_block_after_the_hit():
     assert find_hit_tokens(layouts, 10_000, 0, 20, 64, Store(stored), proof_groups=frozenset({0})) == 5 * 64
 
 
+def test_eagle_needs_the_proof_block_in_every_drafter_window():
+    """Each drafter window's KV at the hit's last position was computed from the token after it: every
+    one of them must hold the block whose key proves that token, one holding it proves nothing of the
+    other (whose KV may come from another continuation: loaded, the drafter reads wrong KV)."""
+    layouts = [GroupLayout(0, FULL, 16), GroupLayout(1, SWA, 16, 64), GroupLayout(2, SWA, 16, 64)]
+    stored = every_key(layouts[:1], 6) | {(1, 2), (1, 3), (1, 4), (2, 2), (2, 3)}
+    eagle = frozenset({1, 2})
+    assert find_hit_tokens(layouts, 10_000, 0, 20, 64, Store(stored)) == 4 * 64
+    # a hit of 4 blocks has block 4 as its proof: window 2 lacks it, so the hit stops at 3
+    assert find_hit_tokens(layouts, 10_000, 0, 20, 64, Store(stored), proof_groups=eagle) == 3 * 64
+    assert reference_hit_tokens(layouts, 10_000, 0, 20, 64, stored, eagle) == 3 * 64
+
+
 # --- properties ------------------------------------------------------------------------------
 
 
