@@ -38,6 +38,8 @@ def test_a_buffer_within_the_limit_is_one_registration():
     assert register_chunks(0, 7) == []
     # 13 rows fit the limit, though a chunk ending on rows and pages would hold 12: still one
     assert register_chunks(13 * 6144, 6144, page=PAGE, max_chunk=20 * PAGE) == [(0, 13 * 6144)]
+    # at the limit itself too, though chunks ending on rows and pages (12 KiB) would cut it in two
+    assert register_chunks(20 * PAGE, 6144, page=PAGE, max_chunk=20 * PAGE) == [(0, 20 * PAGE)]
 
 
 def test_the_buffer_is_page_aligned_and_not_registered_unless_pinned():
