@@ -108,6 +108,20 @@ def test_without_a_register_function_the_buffer_is_pinned_through_vllms_host_reg
     assert released == [buffer.tensor.data_ptr()] and not buffer.pinned
 
 
+def test_a_buffer_given_one_of_register_and_unregister_pins_through_vllms_pair(monkeypatch):
+    """Registration and release go through one pair of functions: with only a register given, `release`
+    would have nothing to undo it with (a failure where the engine frees the tier); with only an
+    unregister, nothing to register with."""
+    registered, released, own = [], [], []
+    monkeypatch.setattr(host_memory, "_vllm_host_register",
+                        lambda: (lambda a, n: registered.append(a) or True, released.append))
+    for given in ({"register": lambda a, n: own.append(a) or True}, {"unregister": own.append}):
+        buffer = HostBuffer(4, PAGE_BYTES, pin=True, **given)
+        buffer.release()
+        assert registered[-1] == released[-1] == buffer.tensor.data_ptr() and not buffer.pinned
+    assert own == [] and len(registered) == len(released) == 2
+
+
 @pytest.mark.parametrize("row", [PAGE, 3 * PAGE, 1000])
 def test_chunks_end_on_rows_where_a_chunk_of_whole_rows_fits(row):
     chunks = register_chunks(5000 * row, row, page=PAGE, max_chunk=512 * PAGE)
