@@ -183,3 +183,13 @@ def test_a_block_stored_undescribed_leaves_the_later_entries_announced():
     """A block whose description failed is skipped, not the end of the journal: the rest still goes out."""
     events, _ = _events_of([(JOURNAL_STORED, (0, "u"), None), (JOURNAL_STORED, (0, "a"), _announcement(0, "a"))])
     assert _summary(events) == [("BlockStored", 0, ("a0", "a1"))]
+
+
+def test_a_removed_block_is_forgotten_once_its_removal_is_out():
+    """A block's hashes are kept only until its removal event: kept after it, they would grow with every
+    block the tier ever held, and a later removal of the same key would be announced again."""
+    journal = [(JOURNAL_STORED, (0, "a"), _announcement(0, "a")), (JOURNAL_REMOVED, (0, "a"), None)]
+    events, tracker = _events_of(journal)
+    assert _summary(events) == [("BlockStored", 0, ("a0", "a1")), ("BlockRemoved", 0, ("a0", "a1"))]
+    assert tracker.take([(JOURNAL_REMOVED, (0, "a"), None)]) == []
+
