@@ -193,3 +193,14 @@ def test_a_removed_block_is_forgotten_once_its_removal_is_out():
     assert _summary(events) == [("BlockStored", 0, ("a0", "a1")), ("BlockRemoved", 0, ("a0", "a1"))]
     assert tracker.take([(JOURNAL_REMOVED, (0, "a"), None)]) == []
 
+
+def test_a_lora_requests_block_is_announced_with_its_adapter_and_session_as_vllm_announces_device_blocks():
+    """vLLM puts the request's adapter (id and name) and streaming session on each device block's event: a
+    router that keys blocks by them must find the host copy of the same tokens under the same ones."""
+    lora = SimpleNamespace(adapter_id=3, name="sql", lora_name="sql", lora_path="sql-adapter")
+    request = SimpleNamespace(block_hashes=[b"h%d" % i for i in range(4)], all_token_ids=list(range(64)),
+                              mm_features=[], lora_request=lora, cache_salt=None, prompt_embeds=None,
+                              session_id="chat-1")
+    _, tracker = _events_of([])
+    (event,) = tracker.take([(JOURNAL_STORED, (1, b"h1"), tracker.describe(request, 1, 0))])
+    assert (event.lora_id, event.lora_name, event.session_id) == (3, "sql", "chat-1")
