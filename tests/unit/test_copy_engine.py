@@ -685,3 +685,53 @@ def test_a_refused_layout_is_refused_before_the_host_tier_is_allocated_or_pinned
     with pytest.raises(CopyError):
         CopyEngine({"l0": t0, "l1": t0} if refusal != "missing layer" else {"l0": t0}, _config(NB), layout, 4)
     assert made == []
+
+
+# --- found by the mutation campaign of the worker side (worker, copy engine) ----------------------
+
+
+def test_a_job_naming_the_group_just_past_the_last_fails_without_raising():
+    """The number of groups is itself past the last group: a job naming it, with pieces to check, must
+    fail (a load is recomputed), not raise an IndexError into vLLM's engine looking up its factor."""
+    from connector.metadata import LOAD, STORE, GroupTransfer, KVScopeMetadata, TransferJob
+
+    engine, _, _ = _shared_attention_engine(num_slots=4)  # groups 0 and 1
+    worker = _plain_worker(engine)
+    worker.start_load_kv(KVScopeMetadata(loads=[TransferJob(1, "a", LOAD, [
+        GroupTransfer(2, block_ids=[0], slots=[2], subs=[0])])]))
+    worker.wait_for_save(KVScopeMetadata(stores=[TransferJob(2, "s", STORE, [
+        GroupTransfer(2, block_ids=[1], slots=[3], subs=[0])])]))
+    assert worker.build_worker_meta().failed_jobs == {1: 1, 2: 1}
+    assert worker.transfer_results() == ({"a"}, {"a"})
+
+
+def test_a_load_writing_one_device_block_twice_from_distinct_slots_fails_without_copying():
+    """One block pool serves every group: a load whose two groups, or two pieces of one group, write
+    the same device block leaves whichever copy landed last there (wrong KV), even from distinct slots."""
+    from connector.metadata import LOAD, GroupTransfer, KVScopeMetadata, TransferJob
+
+    engine, t0, _ = _shared_attention_engine(num_slots=4)
+    worker = _plain_worker(engine)
+    before = [_block_bytes(t0, b) for b in (4, 5)]
+    worker.start_load_kv(KVScopeMetadata(loads=[
+        TransferJob(1, "two groups", LOAD, [GroupTransfer(0, block_ids=[4], slots=[1], subs=[0]),
+                                            GroupTransfer(1, block_ids=[4], slots=[2], subs=[0])]),
+        TransferJob(2, "one group", LOAD, [GroupTransfer(0, block_ids=[5, 5], slots=[1, 2], subs=[0, 0])])]))
+    assert worker.build_worker_meta().failed_jobs == {1: 1, 2: 1}
+    assert worker.transfer_results() == ({"two groups", "one group"}, {"two groups", "one group"})
+    assert all(torch.equal(_block_bytes(t0, b), was) for b, was in zip((4, 5), before))
+
+
+def test_a_load_reading_one_lost_host_slot_among_kept_ones_fails():
+    """One block of a load whose host data is gone makes the whole load wrong KV: it fails (and is
+    recomputed) though its other slots are intact."""
+    from connector.metadata import LOAD, GroupTransfer, KVScopeMetadata, TransferJob
+
+    engine, t0, _ = _shared_attention_engine(num_slots=4)
+    worker = _plain_worker(engine)
+    worker.lost_slots = {2}
+    before = [_block_bytes(t0, b) for b in (4, 5)]
+    worker.start_load_kv(KVScopeMetadata(loads=[TransferJob(1, "a", LOAD, [
+        GroupTransfer(0, block_ids=[4, 5], slots=[1, 2], subs=[0, 0])])]))
+    assert worker.transfer_results() == ({"a"}, {"a"})
+    assert all(torch.equal(_block_bytes(t0, b), was) for b, was in zip((4, 5), before))
