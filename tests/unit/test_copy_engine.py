@@ -735,3 +735,79 @@ def test_a_load_reading_one_lost_host_slot_among_kept_ones_fails():
         GroupTransfer(0, block_ids=[4, 5], slots=[1, 2], subs=[0, 0])])]))
     assert worker.transfer_results() == ({"a"}, {"a"})
     assert all(torch.equal(_block_bytes(t0, b), was) for b, was in zip((4, 5), before))
+
+
+def test_a_failed_job_naming_a_negative_group_records_no_copy_span_for_it():
+    """A negative group index is no group of this worker (it fails the job), though to a Python index
+    it is the last group: its ERROR copy span would name that group's kind and index -1."""
+    from connector.metadata import LOAD, GroupTransfer, KVScopeMetadata, TransferJob
+    from connector.telemetry.testing import in_memory_tracing
+
+    tracing, exporter = in_memory_tracing()
+    engine, _, _ = _shared_attention_engine(num_slots=4)
+    worker = _plain_worker(engine, tracing=tracing)
+    worker.start_load_kv(KVScopeMetadata(loads=[TransferJob(1, "a", LOAD, [
+        GroupTransfer(-1, block_ids=[0], slots=[2], subs=[0])], trace_carrier=(0xABC, 0xDEF, None))]))
+    assert worker.build_worker_meta().failed_jobs == {1: 1}
+    assert exporter.get_finished_spans() == ()
+
+
+def test_a_parent_that_cannot_be_made_counts_every_copy_span_of_the_job_lost(monkeypatch):
+    """Without their parent none of a job's copy spans is recorded: each is a record lost (one per
+    group it copied) in kvscope_dropped_trace_records_total, not one for the whole job."""
+    from connector.metadata import STORE, GroupTransfer, KVScopeMetadata, TransferJob
+    from connector.telemetry import failures
+    from connector.telemetry.testing import in_memory_tracing
+
+    monkeypatch.setattr(failures, "_logged", set())
+    tracing, exporter = in_memory_tracing()
+    engine, _, _ = _shared_attention_engine(num_slots=4)
+    worker = _plain_worker(engine, tracing=tracing)
+
+    def broken(carrier):
+        raise RuntimeError("a carrier bug")
+
+    monkeypatch.setattr(tracing, "parent_from_carrier", broken)
+    worker.wait_for_save(KVScopeMetadata(stores=[TransferJob(1, "s", STORE, [
+        GroupTransfer(0, block_ids=[4], slots=[1], subs=[0]), GroupTransfer(1, block_ids=[5], slots=[2], subs=[0])],
+        trace_carrier=(0xABC, 0xDEF, None))]))
+    assert worker.build_worker_meta().completed_jobs == {1: 1}
+    assert exporter.get_finished_spans() == ()
+    assert worker.take_stats().data["dropped_trace_records"] == {"record_failed": 2}
+
+
+def test_a_copy_span_that_fails_to_record_is_counted_lost_and_the_others_recorded(monkeypatch):
+    """A fault recording one copy span of a job costs that span (counted lost), never its sibling's."""
+    from connector.metadata import STORE, GroupTransfer, KVScopeMetadata, TransferJob
+    from connector.telemetry import failures
+    from connector.telemetry.testing import in_memory_tracing
+
+    monkeypatch.setattr(failures, "_logged", set())
+    tracing, exporter = in_memory_tracing()
+    engine, _, _ = _shared_attention_engine(num_slots=4)
+    worker = _plain_worker(engine, tracing=tracing)
+    record, calls = tracing.record, []
+
+    def failing_first(*args):
+        calls.append(args)
+        if len(calls) == 1:
+            raise RuntimeError("a span bug")
+        return record(*args)
+
+    monkeypatch.setattr(tracing, "record", failing_first)
+    worker.wait_for_save(KVScopeMetadata(stores=[TransferJob(1, "s", STORE, [
+        GroupTransfer(0, block_ids=[4], slots=[1], subs=[0]), GroupTransfer(1, block_ids=[5], slots=[2], subs=[0])],
+        trace_carrier=(0xABC, 0xDEF, None))]))
+    assert worker.build_worker_meta().completed_jobs == {1: 1}
+    (span,) = exporter.get_finished_spans()
+    assert span.attributes["kvscope.group.index"] == 1
+    assert worker.take_stats().data["dropped_trace_records"] == {"record_failed": 1}
+
+
+def test_a_cpu_copy_is_timed_from_before_its_first_block_to_after_its_last(monkeypatch):
+    """Copy durations (kvscope_copy_duration_seconds, copy spans) are the wall clock around the copies."""
+    engine, _, _ = _shared_attention_engine(num_slots=4)
+    ticks = iter(range(1_000, 1_000_000, 4_000))
+    monkeypatch.setattr(copy_module.time, "time_ns", lambda: next(ticks))
+    result = engine.store(0, [1, 2], [0, 0], [3, 4])
+    assert (result.start_ns, result.end_ns) == (1_000, 5_000)
