@@ -379,3 +379,118 @@ def test_a_copy_whose_clock_is_made_and_works_is_timed(cuda_engine):
     worker.wait_for_save(_a_store(1))
     assert worker.build_worker_meta().completed_jobs == {1: 1}
     assert list(worker.take_stats().data["copy_duration_s"]) == ["0|full_attention|store"]
+
+
+# --- found by the mutation campaign of the worker side --------------------------------------------
+
+
+def test_a_device_error_polling_a_copy_waits_for_the_copy_streams_before_the_job_fails(cuda_engine, monkeypatch):
+    """A failed job releases its host slots and device blocks: when asking after its copy raised, the
+    copy may still be running, so the worker waits for the copy streams before reporting it."""
+    engine, _, log = cuda_engine
+    worker = _worker_on(engine)
+
+    def broken(copy):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(engine, "poll", broken)
+    log.clear()
+    worker.wait_for_save(_a_store(1))
+    assert ("store", "synchronized") in log and ("load", "synchronized") in log
+    assert worker.build_worker_meta().failed_jobs == {1: 1}
+
+
+def test_a_traced_copy_whose_clock_fails_records_no_span_and_loses_none(cuda_engine, monkeypatch):
+    """An unmeasured copy (its device-event clock failed) has no interval to put a span on: it records
+    none, rather than a span that fails to record and is counted as a lost record."""
+    from connector.telemetry import failures
+    from connector.telemetry.testing import in_memory_tracing
+
+    monkeypatch.setattr(failures, "_logged", set())
+    engine, _, _ = cuda_engine
+    engine._clock = _FailingClock()
+    tracing, exporter = in_memory_tracing()
+    worker = _worker_on(engine)
+    worker.tracing = tracing
+    worker.wait_for_save(KVScopeMetadata(stores=[TransferJob(1, "r", STORE, [GroupTransfer(0, [3], [1], [0])],
+                                                             trace_carrier=(0xABC, 0xDEF, None))]))
+    assert worker.build_worker_meta().completed_jobs == {1: 1}
+    assert exporter.get_finished_spans() == ()
+    assert "dropped_trace_records" not in worker.take_stats().data
+
+
+class _SlowCopies:
+    """A CUDA engine stand-in whose copies finish only once `done` is set."""
+
+    is_cuda, num_blocks, done = True, 16, False
+
+    def load(self, group, slots, subs, block_ids, waits_for_stores=True):
+        from connector.copy_engine import CopyResult
+
+        return CopyResult(0, len(block_ids), 0, 0, done_event=object())
+
+    def poll(self, copy):
+        return self.done
+
+
+def test_a_load_still_copying_at_its_step_is_reported_once_vllm_asks_after_it_is_done():
+    """On CUDA a load is often still copying when `start_load_kv` returns; vLLM asks for finished loads
+    (`get_finished`) later: the worker looks at the copies in flight again then, or the request's load
+    is never reported and it waits for ever."""
+    from types import SimpleNamespace
+
+    worker = KVScopeWorker(None, SimpleNamespace(group_factors=[1]), 4, ["full_attention"], 0,
+                           KVScopeTracing.disabled())
+    worker.engine = _SlowCopies()
+    worker.start_load_kv(KVScopeMetadata(loads=[TransferJob(1, "a", LOAD, [GroupTransfer(0, [5], [1], [0])])]))
+    assert worker.transfer_results() == (set(), set())
+    worker.engine.done = True
+    assert worker.transfer_results() == ({"a"}, set())
+    assert worker.build_worker_meta().completed_jobs == {1: 1}
+
+
+def test_the_engines_store_stream_is_neither_the_compute_stream_nor_its_load_stream(monkeypatch):
+    """torch's pool hands a stream out again (round robin): a store stream that is the load stream
+    queues stores behind large loads, and fencing the stores makes the next forward wait for loads."""
+    from types import SimpleNamespace
+
+    log: list = []
+    compute, first, second = _Stream("compute", log), _Stream("first", log), _Stream("second", log)
+    pool = iter([compute, first, first, second])  # the compute stream, then the load stream, come again
+    fake_cuda = type("FakeCuda", (), {"Stream": staticmethod(lambda device=None: next(pool)),
+                                      "current_stream": staticmethod(lambda device=None: compute)})
+    monkeypatch.setattr(copy_engine_module.torch, "cuda", fake_cuda)
+    monkeypatch.setattr(copy_engine_module, "HostBuffer", lambda num_slots, slot_bytes, pin: SimpleNamespace(
+        tensor=torch.zeros((num_slots, slot_bytes), dtype=torch.int8)))
+    monkeypatch.setattr(copy_engine_module, "_batched_copy_op", lambda: None)
+    cache = torch.zeros((4, 64), dtype=torch.int8)
+    layout = copy_engine_module.SlotLayout(slot_bytes=64, group_layers=[[("l0", 0, 64)]], group_factors=[1])
+    # the first registered cache tells the device: one on CUDA takes the CUDA path
+    kv_caches = {"on cuda": SimpleNamespace(device=torch.device("cuda", 0)), "l0": cache}
+    engine = copy_engine_module.CopyEngine(kv_caches, SimpleNamespace(num_blocks=4), layout, 2)
+    assert engine.is_cuda and (engine.load_stream, engine.store_stream) == (first, second)
+
+
+def test_the_calibration_stream_is_none_of_the_copy_streams(cuda_engine, monkeypatch):
+    """Calibration events wait on their stream: one recorded behind stores would place copy starts
+    by the stores' end, and make the worker wait for them."""
+    engine, _, log = cuda_engine
+    fresh = _Stream("calibration", log)
+    pool = iter([engine.store_stream, engine.load_stream, fresh])
+    monkeypatch.setattr(copy_engine_module.torch.cuda, "Stream", lambda device=None: next(pool))
+    assert engine.poll(engine.store(0, [1], [0], [3]))
+    assert engine._clock._stream is fresh
+
+
+def test_a_copy_is_done_when_its_end_event_is_not_when_its_start_is(cuda_engine):
+    """The start event completes as the copy begins: a copy taken for done then releases a load's
+    blocks to the next forward, or a store's host slot to a load, before its bytes are there."""
+    engine, _, _ = cuda_engine
+
+    class _Pending(_Event):
+        def query(self) -> bool:
+            return False
+
+    stored = engine.store(0, [1], [0], [3])
+    stored.done_event = (_Event(), _Pending())
+    assert not engine.poll(stored) and stored.done_event is not None
