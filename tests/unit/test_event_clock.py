@@ -175,3 +175,62 @@ def test_a_calibration_a_minute_old_is_made_again_waiting_if_the_queue_stays_bus
     # waits only once the accepted calibration is past a minute old: at 63 s, 126 s, 189 s
     assert [7 * (i + 1) for i, w in enumerate(waited) if w] == [63, 126, 189]
     assert clock.late_calibrations == len(waited) - 3
+
+
+# --- found by the mutation campaign of the worker side --------------------------------------------
+
+
+def test_a_recalibration_taken_in_time_holds_for_its_whole_interval():
+    """Only a calibration that waited too long is retried a second later; one taken in time lasts
+    `recalibrate_s`, or every second's copies would wait for a calibration event."""
+    device = _Device()
+    clock = _clock(device, recalibrate_s=5.0)
+    clock.interval(device.event(0.0), device.event(0.01))
+    device.ms = 6_000.0
+    clock.interval(device.event(6_000.0), device.event(6_000.01))  # recalibrated, in time
+    events = device.events
+    assert events == 2 + 1 + 2 + 1 and clock.late_calibrations == 0
+    device.ms = 8_000.0  # two seconds on: not due
+    clock.interval(device.event(8_000.0), device.event(8_000.01))
+    assert device.events == events + 2
+    device.ms = 11_100.0
+    clock.interval(device.event(11_100.0), device.event(11_100.01))
+    assert device.events == events + 5
+
+
+def test_a_first_calibration_across_a_wall_clock_stepped_back_is_made_again_a_second_later():
+    """A wall clock stepped back while the first calibration waited leaves its stamp known only within
+    an unknown wait: it is treated as one that waited long, made again a second later, not five."""
+    device = _Device()
+    reads = []
+
+    def stepping_back() -> int:  # NTP steps the clock back 1 s between the calibration's two reads
+        reads.append(None)
+        return device.now_ns() - (1_000_000_000 if len(reads) > 1 else 0)
+
+    clock = EventClock(device.event, stream=None, now_ns=stepping_back)
+    clock.interval(device.event(0.0), device.event(0.01))
+    events = device.events
+    device.ms = 1_100.0
+    clock.interval(device.event(1_100.0), device.event(1_100.01))
+    assert device.events == events + 3  # a new calibration event
+
+
+def test_a_recalibration_seen_done_exactly_at_the_end_of_its_wait_is_taken():
+    """`CALIBRATION_WAIT_NS` is the longest wait accepted, itself included."""
+    device = _Device()
+    clock = _clock(device, recalibrate_s=5.0)
+    clock.interval(device.event(0.0), device.event(0.01))
+    device.ms = 6_000.0
+    device.tick_ms = CALIBRATION_WAIT_NS / 1e6  # each wall-clock read comes exactly one wait after the last
+    clock.interval(device.event(6_000.0), device.event(6_000.02))
+    assert clock.late_calibrations == 0
+
+
+def test_a_copy_never_ends_before_it_starts():
+    """A negative elapsed time between a copy's events (not in order on the device) gives a span of no
+    length, never one ending before its start."""
+    device = _Device()
+    clock = _clock(device)
+    start_ns, end_ns = clock.interval(device.event(1.0), device.event(0.5))
+    assert end_ns == start_ns
