@@ -176,3 +176,41 @@ def test_a_placeholder_whose_key_exists_when_its_request_ends_is_stored_under_it
     stores.request_finished(request, [filling])
     assert stores.index.is_ready((0, "h3")) and stores.index.used_slots == 1 and stores.by_key == {}
     assert stores.index.journal == [(JOURNAL_STORED, (0, "h3"), ("r", 0, 0))]
+
+
+def test_a_block_given_up_after_it_was_aborted_leaves_another_requests_filling_of_its_key_alone():
+    """A request keeps the filling of a block aborted under it (a failed piece) and gives it up again
+    when it finishes; meanwhile another request may store the same block under the same key: that
+    filling must stay, or its slot is freed while its store still writes into it."""
+    stores = _stores(FULL)
+    aborted = stores.start_block(_request("r", 64), 0, 0, 4, first_block_id=7, known=1)
+    _plan(aborted, 2)
+    stores.job_reported([aborted], failed=True)
+    assert not stores.index.contains((0, "h3"))
+    theirs = stores.start_block(_request("s", 64), 0, 0, 4, first_block_id=9, known=1)
+    assert theirs is not None
+    stores.request_finished(_request("r", 64), [aborted])
+    _plan(theirs, 4)
+    stores.job_reported([theirs], failed=False)
+    assert stores.index.is_ready((0, "h3")) and stores.index.used_slots == 1 and stores.by_key == {}
+
+
+def test_a_placeholder_given_up_never_takes_its_key_from_a_request_that_can_store_the_block():
+    """A placeholder-keyed block that failed (its slot is freed once its jobs report) must not move to
+    the real key when that appears: the key would stay reserved by a block that is never stored, and
+    another request computing the same block could not store it."""
+    window = GroupLayout(0, GroupKind.SLIDING_WINDOW, BS, sliding_window=24)
+    stores = _stores(window)
+    request = _request("r", 48, prompt=40, max_tokens=100)
+    filling = stores.start_block(request, 0, 0, 4, first_block_id=7, known=0)
+    _plan(filling, 1)
+    stores.give_up(filling)  # a piece cannot be stored; its job is still out
+    request.block_hashes.append("h3")
+    stores.key_blocks(request, [filling], known=1)
+    assert not filling.keyed and not stores.index.contains((0, "h3"))
+    theirs = stores.start_block(_request("s", 64), 0, 0, 4, first_block_id=9, known=1)
+    assert theirs is not None and theirs.key == (0, "h3")
+    stores.job_reported([filling], failed=False)
+    _plan(theirs, 4)
+    stores.job_reported([theirs], failed=False)
+    assert stores.index.is_ready((0, "h3")) and stores.index.used_slots == 1 and stores.by_key == {}
