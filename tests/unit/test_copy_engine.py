@@ -811,3 +811,32 @@ def test_a_cpu_copy_is_timed_from_before_its_first_block_to_after_its_last(monke
     monkeypatch.setattr(copy_module.time, "time_ns", lambda: next(ticks))
     result = engine.store(0, [1, 2], [0, 0], [3, 4])
     assert (result.start_ns, result.end_ns) == (1_000, 5_000)
+
+
+def test_a_jobs_report_leaves_with_one_steps_worker_metadata_only():
+    """The scheduler counts a job's reports until every worker has sent one: a worker reporting a job
+    again at later steps would stand for another worker, and with tensor parallelism a job would be
+    taken for done (its host slots and blocks released) while another worker still copies it."""
+    from connector.metadata import LOAD, STORE, GroupTransfer, KVScopeMetadata, TransferJob
+
+    engine, _, _ = _shared_attention_engine(num_slots=4)
+    worker = _plain_worker(engine)
+    worker.start_load_kv(KVScopeMetadata(loads=[TransferJob(1, "a", LOAD, [GroupTransfer(0, [2], [1], [0])])]))
+    worker.wait_for_save(KVScopeMetadata(stores=[TransferJob(2, "s", STORE, [GroupTransfer(0, [3], [1], [0])])]))
+    meta = worker.build_worker_meta()
+    assert (meta.completed_jobs, meta.failed_jobs) == ({1: 1, 2: 1}, {})
+    assert worker.build_worker_meta() is None
+    worker.wait_for_save(KVScopeMetadata(stores=[TransferJob(3, "t", STORE, [GroupTransfer(0, [4], [2], [0])])]))
+    assert worker.build_worker_meta().completed_jobs == {3: 1}
+
+
+def test_the_reports_of_one_job_from_several_workers_add_up():
+    """vLLM aggregates the workers' metadata of a step: a job is reported by each worker that finished
+    it, and the scheduler waits for all of them before it releases the job's slots and blocks."""
+    from connector.metadata import KVScopeWorkerMetadata
+
+    first = KVScopeWorkerMetadata(completed_jobs={1: 1, 2: 1}, failed_jobs={3: 1})
+    second = KVScopeWorkerMetadata(completed_jobs={1: 1}, failed_jobs={3: 1, 4: 1})
+    total = first.aggregate(second).aggregate(KVScopeWorkerMetadata(completed_jobs={1: 1}, failed_jobs={3: 1}))
+    assert (total.completed_jobs, total.failed_jobs) == ({1: 3, 2: 1}, {3: 3, 4: 1})
+    assert (first.completed_jobs, first.failed_jobs) == ({1: 1, 2: 1}, {3: 1})  # left as it was

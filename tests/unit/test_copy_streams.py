@@ -494,3 +494,45 @@ def test_a_copy_is_done_when_its_end_event_is_not_when_its_start_is(cuda_engine)
     stored = engine.store(0, [1], [0], [3])
     stored.done_event = (_Event(), _Pending())
     assert not engine.poll(stored) and stored.done_event is not None
+
+
+def test_copies_still_in_flight_at_shutdown_are_reported_once_the_device_is_synchronized(monkeypatch):
+    """The connector shuts its tracing down right after the worker: the last step's copies, done once
+    shutdown synchronizes the device, are collected then, or their copy spans never reach the trace."""
+    from types import SimpleNamespace
+
+    from connector import worker as worker_module
+    from connector.copy_engine import CopyResult
+    from connector.telemetry.testing import in_memory_tracing
+
+    class _Engine:
+        is_cuda, num_blocks, device, done, closed = True, 16, "cuda:0", False, False
+
+        def store(self, group, slots, subs, block_ids):
+            return CopyResult(64, len(block_ids), None, None, done_event=object())
+
+        def poll(self, copy):
+            if self.done:
+                copy.start_ns, copy.end_ns, copy.done_event = 1_000, 2_000, None
+            return self.done
+
+        def fence_compute_stream(self):
+            pass
+
+        def close(self):
+            self.closed = True
+
+    synchronized = []
+    monkeypatch.setattr(worker_module.torch.cuda, "synchronize", synchronized.append)
+    tracing, exporter = in_memory_tracing()
+    worker = KVScopeWorker(None, SimpleNamespace(group_factors=[1]), 4, ["full_attention"], 0, tracing)
+    worker.engine = _Engine()
+    worker.wait_for_save(KVScopeMetadata(stores=[TransferJob(1, "r", STORE, [GroupTransfer(0, [5], [1], [0])],
+                                                             trace_carrier=(0xABC, 0xDEF, None))]))
+    assert worker.build_worker_meta() is None  # still copying
+    worker.engine.done = True  # what synchronizing the device makes of every copy
+    worker.shutdown()
+    tracing.shutdown()  # as the connector does next
+    assert synchronized == ["cuda:0"] and worker.engine.closed and worker._in_flight == []
+    (span,) = exporter.get_finished_spans()
+    assert span.name == "kvscope.group.copy" and span.attributes["kvscope.request.id"] == "r"
