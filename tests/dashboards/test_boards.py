@@ -63,6 +63,14 @@ def test_check_detects_a_stale_board(build_module, tmp_path):
     assert edited.name in problems[0] and "hand-made.json" in problems[1]
 
 
+def test_build_check_cli_fails_on_a_stale_board(build_module, monkeypatch, capsys):
+    """CI runs `build.py --check`: on a stale board it must exit non-zero, or a board edited by hand
+    (or code changed without regenerating) passes and Grafana shows JSON the code no longer renders."""
+    monkeypatch.setattr(build_module, "stale_files", lambda: ["kvscope-overview.json: differs"])
+    assert build_module.main(["--check"]) == 1
+    assert "grafana/dashboards is stale" in capsys.readouterr().err
+
+
 def test_json_is_sorted_and_indented():
     for path in BOARD_FILES:
         text = path.read_text()
