@@ -148,6 +148,15 @@ def test_a_model_without_kv_cache_groups_is_refused_by_name():
         group_layouts(KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[]))
 
 
+def test_a_host_resident_group_is_refused():
+    """HiSparse keeps such a group's KV in host memory, outside the device blocks kvscope copies:
+    taken as a device group, its loads and stores would copy blocks that hold none of its KV."""
+    config = _config(FullAttentionSpec(**COMMON))
+    config.kv_cache_groups.append(KVCacheGroupSpec(["layers.1"], FullAttentionSpec(**COMMON), host_resident=True))
+    with pytest.raises(UnsupportedKVCache, match="KV group 1 is host-resident"):
+        group_layouts(config)
+
+
 def test_a_group_of_layers_with_different_page_sizes_is_refused():
     """vLLM's scheduler sees such a group (`UniformTypeKVCacheSpecs`) as its first layer's spec: its
     host slots would be smaller than the workers', and it would address slots past their buffers."""
