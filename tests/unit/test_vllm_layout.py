@@ -25,8 +25,10 @@ from connector.vllm_layout import (
     UnsupportedKVCache,
     check_parallelism,
     check_sleep_mode,
+    checkpointed_state_block_sizes,
     eagle_proof_groups,
     group_layouts,
+    speculative_draft_tokens,
     workers_on_this_host,
     workers_per_scheduler,
 )
@@ -219,6 +221,14 @@ def test_only_the_groups_vllm_flags_for_the_drop_when_it_flags_any():
     assert eagle_proof_groups(vllm_config, config, group_layouts(config)) == {1}
 
 
+def test_a_drafter_flagging_only_a_mamba_group_makes_every_attention_group_prove_its_next_token():
+    """vLLM flags the group of the model's last layer for MTP drafters, which may be a Mamba group:
+    no attention group is flagged then, so the drop (and the proof) is in every attention group."""
+    config = _hybrid(eagle_flags=(False, False, True))
+    vllm_config = SimpleNamespace(speculative_config=_speculative("mtp"), num_hash_lookahead_tokens=0)
+    assert eagle_proof_groups(vllm_config, config, group_layouts(config)) == {0, 1}
+
+
 @pytest.mark.parametrize("vllm_config", [
     SimpleNamespace(speculative_config=None),
     SimpleNamespace(speculative_config=_speculative("ngram"), num_hash_lookahead_tokens=0),
@@ -248,3 +258,21 @@ def test_workers_on_this_host_spread_over_nodes_times_local_engines():
     assert workers_on_this_host(SimpleNamespace(world_size=8)) == 8
     assert workers_on_this_host(SimpleNamespace(world_size=8, nnodes=2)) == 4
     assert workers_on_this_host(SimpleNamespace(world_size=3, nnodes=2, data_parallel_size_local=2)) == 4
+
+
+def test_draft_tokens_per_step_are_vllms_speculative_tokens_and_none_without_a_drafter():
+    """The scheduler side counts drafted tokens as not final: without speculative decoding there are none."""
+    assert speculative_draft_tokens(SimpleNamespace(speculative_config=None)) == 0
+    assert speculative_draft_tokens(SimpleNamespace()) == 0
+    for drafts, per_step in ((3, 3), (1, 1), (None, 1)):
+        spec = SimpleNamespace(num_speculative_tokens=drafts)
+        assert speculative_draft_tokens(SimpleNamespace(speculative_config=spec)) == per_step
+
+
+@pytest.mark.parametrize("interval, checkpointed", [(None, []), (0, [16]), (64, [16])])
+def test_mamba_states_are_checkpointed_unless_vllm_keeps_one_at_every_block_end(interval, checkpointed):
+    """vLLM keeps Mamba states densely only with `prefix_cache_retention_interval=None`; its default 0
+    keeps only its semantic checkpoints, so a hit must end at one of them, not at any block end."""
+    config = _hybrid()
+    config.prefix_cache_retention_interval = interval
+    assert checkpointed_state_block_sizes(group_layouts(config), config) == checkpointed
