@@ -28,6 +28,7 @@ from connector.vllm_layout import (
     checkpointed_state_block_sizes,
     eagle_proof_groups,
     group_layouts,
+    slot_layout,
     speculative_draft_tokens,
     workers_on_this_host,
     workers_per_scheduler,
@@ -276,3 +277,21 @@ def test_mamba_states_are_checkpointed_unless_vllm_keeps_one_at_every_block_end(
     config = _hybrid()
     config.prefix_cache_retention_interval = interval
     assert checkpointed_state_block_sizes(group_layouts(config), config) == checkpointed
+
+
+def test_a_host_slot_holds_every_layers_device_blocks_of_one_offload_block_per_group():
+    """Per group, each layer's `factor` device blocks lie back to back in a slot, which is as large as
+    its largest group. Laid out or sized otherwise, a group's copies overlap another layer's bytes or
+    run past the slot: a load would give a layer another layer's (or another slot's) KV."""
+    page = FullAttentionSpec(**COMMON).page_size_bytes
+    specs = {"layers.0": FullAttentionSpec(**COMMON), "layers.1": FullAttentionSpec(**COMMON)}
+    uniform = KVCacheGroupSpec(list(specs), UniformTypeKVCacheSpecs(block_size=16, kv_cache_specs=specs))
+    window = KVCacheGroupSpec(["layers.2"], SlidingWindowSpec(**{**COMMON, "block_size": 32}, sliding_window=64))
+    config = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[window, uniform])
+
+    layout = slot_layout(config, offload_block_size=64)
+
+    assert layout.group_factors == [2, 4]
+    assert layout.group_layers == [[("layers.2", 0, 2 * page)],  # a 32-token block: twice the page
+                                   [("layers.0", 0, page), ("layers.1", 4 * page, page)]]
+    assert layout.slot_bytes == 8 * page  # the uniform group's: 2 layers x 4 blocks
