@@ -65,3 +65,35 @@ def test_vllm_counts_kvscopes_hits_as_host_memory_hits():
 
     connector = object.__new__(KVScopeConnector)  # the base class's method needs no state of the connector
     assert connector.get_external_cache_hit_sources(None, 48) == {CacheHitSource.HOST: 48}
+
+
+def test_shutdown_still_ends_the_tracing_when_the_workers_shutdown_fails():
+    """The engine is going away: a worker whose shutdown raises must not keep the spans still queued
+    from being exported (and the trace file from being closed)."""
+    class Worker:
+        def shutdown(self):
+            raise RuntimeError("device gone")
+
+    class Tracing:
+        ended = False
+
+        def shutdown(self):
+            self.ended = True
+
+    connector = object.__new__(KVScopeConnector)
+    connector._worker, connector.tracing = Worker(), Tracing()
+    connector.shutdown()
+    assert connector.tracing.ended
+
+
+def test_stats_that_fail_to_build_cost_that_steps_metrics_not_the_step():
+    """vLLM asks for stats every step: a telemetry bug must lose that step's metrics, never raise into
+    vLLM's step, which would fail the requests of the batch."""
+    class Scheduler:
+        def take_stats(self):
+            raise ValueError("a payload that cannot be built")
+
+    connector = object.__new__(KVScopeConnector)
+    connector._scheduler, connector._worker = Scheduler(), None
+    assert connector.get_kv_connector_stats() is None
+
