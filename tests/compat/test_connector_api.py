@@ -97,3 +97,15 @@ def test_stats_that_fail_to_build_cost_that_steps_metrics_not_the_step():
     connector._scheduler, connector._worker = Scheduler(), None
     assert connector.get_kv_connector_stats() is None
 
+
+def test_no_host_tier_events_unless_vllm_publishes_its_own():
+    """With vLLM's KV cache events off (no config, or one with `enable_kv_cache_events=False`) nothing
+    takes the host tier's events: recorded anyway, they would pile up for the life of the engine."""
+    from types import SimpleNamespace
+
+    from connector.connector import _host_tier_events
+
+    for events_config in (None, SimpleNamespace(enable_kv_cache_events=False)):
+        vllm_config = SimpleNamespace(kv_events_config=events_config)
+        assert _host_tier_events(vllm_config, SimpleNamespace(kv_cache_groups=[]), [], 16, 16) is None
+
