@@ -109,3 +109,8 @@ def test_no_host_tier_events_unless_vllm_publishes_its_own():
         vllm_config = SimpleNamespace(kv_events_config=events_config)
         assert _host_tier_events(vllm_config, SimpleNamespace(kv_cache_groups=[]), [], 16, 16) is None
 
+
+def test_kvscope_does_not_ask_vllm_to_deliver_every_transfer():
+    """A best-effort cache: vLLM must not drop a preempted request's step output to wait for a KV
+    delivery (`requires_kv_delivery`), since a store kvscope drops is only a later miss."""
+    assert object.__new__(KVScopeConnector).requires_kv_delivery is False
