@@ -1398,6 +1398,22 @@ def test_the_tokens_a_drafter_may_prefill_again_are_not_final(model_path):
         connector.shutdown()
 
 
+def test_a_job_waits_for_every_worker_of_its_engine_not_only_this_hosts(model_path):
+    """A job is done when all of its engine's workers reported it, wherever they run: counting only this
+    host's (tensor parallelism over two nodes), a load would be done when half its workers had copied,
+    and the forward would read blocks the other node had not loaded yet."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from connector import KVScopeConnector
+    from tests.compat.model_free import _kv_cache_config
+
+    config = _connector_config(model_path, {"cpu_bytes": 64 << 20})
+    config.parallel_config.world_size, config.parallel_config.nnodes = 4, 2
+    connector = KVScopeConnector(config, KVConnectorRole.SCHEDULER, _kv_cache_config(64, WINDOW))
+    assert connector._scheduler.world_size == 4
+    connector.shutdown()
+
+
 def test_the_scheduler_side_knows_when_vllm_drafts_tokens(model_path):
     """With drafts a forward's end is not where a Mamba state is kept (the accepted draft decides): the
     connector must tell its scheduler side that vLLM runs speculative decoding. (The mamba-spec scenarios
