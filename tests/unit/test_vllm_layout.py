@@ -160,6 +160,21 @@ def test_a_host_resident_group_is_refused():
         group_layouts(config)
 
 
+@pytest.mark.parametrize("uniform", [False, True], ids=["one-spec", "layers-of-one-type"])
+def test_a_group_whose_role_vllm_serves_with_another_manager_is_refused(uniform):
+    """vLLM picks a group's manager by its role first (HiSparse's source groups): such a group follows
+    that manager's hit rules, not full attention's, whether its spec is one spec or several layers'."""
+    from vllm.v1.kv_cache_interface import KVCacheGroupRole
+
+    spec = FullAttentionSpec(**COMMON)
+    if uniform:
+        spec = UniformTypeKVCacheSpecs(block_size=16, kv_cache_specs={"layers.1": spec})
+    config = _config(FullAttentionSpec(**COMMON))
+    config.kv_cache_groups.append(KVCacheGroupSpec(["layers.1"], spec, role=KVCacheGroupRole.HISPARSE_SOURCE))
+    with pytest.raises(UnsupportedKVCache, match="HiSparseSourceManager"):
+        group_layouts(config)
+
+
 def test_a_group_of_layers_with_different_page_sizes_is_refused():
     """vLLM's scheduler sees such a group (`UniformTypeKVCacheSpecs`) as its first layer's spec: its
     host slots would be smaller than the workers', and it would address slots past their buffers."""
