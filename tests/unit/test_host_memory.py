@@ -115,8 +115,8 @@ def test_a_buffer_given_one_of_register_and_unregister_pins_through_vllms_pair(m
     registered, released, own = [], [], []
     monkeypatch.setattr(host_memory, "_vllm_host_register",
                         lambda: (lambda a, n: registered.append(a) or True, released.append))
-    for given in ({"register": lambda a, n: own.append(a) or True}, {"unregister": own.append}):
-        buffer = HostBuffer(4, PAGE_BYTES, pin=True, **given)
+    for one_of_the_pair in ({"register": lambda a, n: own.append(a) or True}, {"unregister": own.append}):
+        buffer = HostBuffer(4, PAGE_BYTES, pin=True, **one_of_the_pair)
         buffer.release()
         assert registered[-1] == released[-1] == buffer.tensor.data_ptr() and not buffer.pinned
     assert own == [] and len(registered) == len(released) == 2
