@@ -225,16 +225,13 @@ def test_a_rotated_or_deleted_trace_file_is_written_again_at_its_path(tmp_path, 
     assert len(path.read_text().splitlines()) == 1
 
 
-def test_a_write_failing_part_way_does_not_take_the_next_line_with_it(tmp_path, tracing, span_exporter,
-                                                                    monkeypatch):
-    """A full disk: a write stops after some bytes. The next line must still parse."""
-    import os
-
+def _export_torn_by_a_full_disk(path, tracing, span_exporter, monkeypatch):
+    """An exporter of ``path`` whose first export a full disk stopped after 40 bytes (a torn line);
+    writes work again afterwards. Returns the exporter and the spans each export writes."""
     from connector.telemetry import trace_file
 
     _make_spans(tracing)
     spans = span_exporter.get_finished_spans()
-    path = tmp_path / "t.jsonl"
     exporter = OtlpJsonLinesExporter(path)
     real_write = os.write
 
@@ -245,6 +242,14 @@ def test_a_write_failing_part_way_does_not_take_the_next_line_with_it(tmp_path, 
     monkeypatch.setattr(trace_file.os, "write", disk_full)
     assert exporter.export(spans) is SpanExportResult.FAILURE
     monkeypatch.setattr(trace_file.os, "write", real_write)
+    return exporter, spans
+
+
+def test_a_write_failing_part_way_does_not_take_the_next_line_with_it(tmp_path, tracing, span_exporter,
+                                                                    monkeypatch):
+    """A full disk: a write stops after some bytes. The next line must still parse."""
+    path = tmp_path / "t.jsonl"
+    exporter, spans = _export_torn_by_a_full_disk(path, tracing, span_exporter, monkeypatch)
     assert exporter.export(spans) is SpanExportResult.SUCCESS
     exporter.shutdown()
     lines = path.read_text().split("\n")
@@ -471,19 +476,8 @@ def test_without_the_append_lock_a_torn_line_is_ended_once_by_the_next_export(tm
         raise OSError(errno.ENOLCK, "No locks available")
 
     monkeypatch.setattr(trace_file.fcntl, "flock", no_flock)
-    _make_spans(tracing)
-    spans = span_exporter.get_finished_spans()
     path = tmp_path / "t.jsonl"
-    exporter = OtlpJsonLinesExporter(path)
-    real_write = os.write
-
-    def disk_full(fd, data):
-        real_write(fd, bytes(data[:40]))
-        raise OSError(28, "No space left on device")
-
-    monkeypatch.setattr(trace_file.os, "write", disk_full)
-    assert exporter.export(spans) is SpanExportResult.FAILURE
-    monkeypatch.setattr(trace_file.os, "write", real_write)
+    exporter, spans = _export_torn_by_a_full_disk(path, tracing, span_exporter, monkeypatch)
     for _ in range(2):
         assert exporter.export(spans) is SpanExportResult.SUCCESS
     exporter.shutdown()
