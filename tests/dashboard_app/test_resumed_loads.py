@@ -105,3 +105,13 @@ def test_a_repeated_request_id_is_told_apart_by_the_end_of_its_trace_id():
     requests = pd.DataFrame({"request_id": ["r2", "r2", "r2", "r3"], "trace_id": padded})
     assert traces.request_labels(requests).tolist() == [
         f"r2 · trace {padded[0]}", "r2 · trace 22222222", f"r2 · trace {padded[2]}", "r3"]
+
+
+def test_a_request_with_one_failed_load_among_others_is_a_failed_load(resumed):
+    """`failed` loaded once, then its second load failed: it is a request whose load failed (the Requests page's
+    filter and the overview's count), not only a request whose every load failed."""
+    requests = traces.requests_table(resumed.spans)
+    assert requests.set_index("request_id")["load_failed"].to_dict() == {
+        "mistimed": False, "uncopied": False, "summed": False, "failed": True}
+    assert traces.search_requests(requests, "", show="failed loads")["request_id"].tolist() == ["failed"]
+    assert traces.request_numbers(requests)["requests_load_failed"] == 1
