@@ -11,7 +11,7 @@ from dashboard import traces
 
 from .conftest import TWO_ROUNDS
 from .test_group_copies import group_copy
-from .test_joins import load
+from .test_joins import load, store
 from .test_reader import line, lookup, write
 
 T = 1_700_000_000_000_000_000
@@ -98,3 +98,31 @@ def test_a_one_token_hit_is_a_hit_and_a_request_without_lookup_none(tmp_path):
                                 load("resumed", span_id="03" * 8, trace="a3" * 16, start=T + 2)))  # no lookup
     requests = traces.requests_table(traces.read_trace_files([path]).spans)
     assert len(requests) == 3 and traces.request_numbers(requests)["requests_with_hit"] == 1
+
+
+def test_a_failed_store_copy_stores_nothing_in_its_requests_row(tmp_path):
+    """A store's copy that failed on a worker, its span still saying bytes: the request's bytes stored are its
+    other copy's, as the overview's total counts them."""
+    path = write(tmp_path, line(
+        lookup("r", 100, 0, span_id="01" * 8, trace=TRACE, start=T),
+        store("r", span_id="02" * 8, parent="01" * 8, trace=TRACE, start=T + 1_000_000),
+        group_copy("store", 0, 0, 4096, T + 1_000_000, T + 3_000_000, owner="02" * 8, n=1),
+        group_copy("store", 1, 0, 65536, T + 1_000_000, T + 3_000_000, owner="02" * 8, n=2, failed=True)))
+    spans = traces.read_trace_files([path]).spans
+    requests = traces.requests_table(spans)
+    assert requests["bytes_stored"].tolist() == [4096]
+    assert traces.overview_numbers(requests, spans)["bytes_stored"] == 4096
+
+
+def test_a_load_whose_only_copy_failed_is_not_a_load_without_copies(tmp_path):
+    """Its copy span was read (the copy failed and moved nothing): the overview must not say a worker's file
+    is missing for it, as it does for a load with no copy span."""
+    owner = "02" * 8
+    path = write(tmp_path, line(
+        lookup("r", 100, 64, span_id="01" * 8, trace=TRACE, start=T),
+        load("r", span_id=owner, parent="01" * 8, trace=TRACE, start=T + 1_000_000),
+        group_copy("load", 0, 0, 0, T + 1_000_000, T + 2_000_000, owner=owner, n=1, blocks=0, failed=True)))
+    spans = traces.read_trace_files([path]).spans
+    requests = traces.requests_table(spans)
+    assert traces.overview_numbers(requests, spans)["loads_without_copies"] == 0
+    assert requests["loads_without_copies"].tolist() == [0] and requests["load_failed"].tolist() == [True]
