@@ -272,6 +272,27 @@ def test_replay(read, requests, expected):
         traces.replay_state(timeline.iloc[:0], 1)
 
 
+def test_the_replays_host_traffic_counts_copies_that_ran_and_had_ended_by_the_next_arrival(tmp_path):
+    """A store copy ending at the very nanosecond the next request arrives had finished by then: step 1 counts
+    it. A failed copy whose span still says bytes moved none, at any step, as on every page."""
+    t = 1_700_000_000_000_000_000
+    failed = copy("load", 65536, "b", span_id="06" * 8, parent="05" * 8, trace="cd" * 16, start=t + 1010,
+                  end=t + 1020)
+    failed["status"] = {"code": 2}
+    path = write(tmp_path, line(
+        lookup("a", 100, 0, span_id="01" * 8, start=t),
+        span("kvscope.store", {"kvscope.request.id": "a", "kvscope.groups": 1, "kvscope.blocks": 1},
+             span_id="02" * 8, parent="01" * 8, start=t + 10),
+        copy("store", 4096, "a", span_id="03" * 8, parent="02" * 8, start=t + 20, end=t + 1000),
+        lookup("b", 100, 64, span_id="04" * 8, trace="cd" * 16, start=t + 1000),
+        load("b", span_id="05" * 8, parent="04" * 8, trace="cd" * 16, start=t + 1005),
+        copy("load", 512, "b", span_id="07" * 8, parent="05" * 8, trace="cd" * 16, start=t + 1010, end=t + 1030),
+        failed))
+    spans = traces.read_trace_files([path]).spans
+    timeline = traces.replay_timeline(traces.requests_table(spans), spans)
+    assert timeline[["cum_bytes_stored", "cum_bytes_loaded"]].values.tolist() == [[4096, 0], [4096, 512]]
+
+
 @pytest.mark.parametrize("total, unit", [(0, "B"), (999, "B"), (1000, "kB"), (13_500_000, "MB"), (2e9, "GB")])
 def test_byte_units_read_from_1_to_999(total, unit):
     from dashboard import charts
