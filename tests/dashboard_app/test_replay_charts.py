@@ -46,3 +46,17 @@ def test_the_traffic_chart_draws_at_most_2000_points_a_line_ending_at_the_curren
         assert line["step"].iloc[-1] == 10_000 and line["bytes"].iloc[-1] == long_timeline[column].iloc[9_999]
         # cumulative lines: their runs' extremes are their ends, so the limit buys finer runs, not extremes
         assert len(line) > 1_500
+
+
+def test_steps_whose_hit_rate_is_unknown_are_drawn_without_a_high_or_low(long_timeline):
+    """The first 100 requests queried no token, so the hit rate is unknown (NaN) up to step 100: whole runs of
+    such steps are no error and keep their first and last step (1 and 24); the spike and the dip are still drawn."""
+    unknown = long_timeline.assign(cum_hit_rate=long_timeline["cum_hit_rate"].where(long_timeline["step"] > 100))
+    drawn = charts.replay_hit_rate(unknown, STEPS).data
+    assert len(drawn) <= 2_000 and {1, 24, 5003, 7001, STEPS} <= set(drawn["step"])
+
+
+def test_the_traffic_axis_keeps_the_unit_of_the_whole_replay_from_its_first_step(long_timeline):
+    """At step 1 under 3 MB had been loaded, but the replay loads 18 GB in all: the axis reads GB from the start
+    (a unit changing while the replay plays would make the line jump)."""
+    assert charts.replay_traffic(long_timeline, 1).to_dict()["encoding"]["y"]["title"] == "host traffic (GB)"
