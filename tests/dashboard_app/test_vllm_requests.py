@@ -110,6 +110,7 @@ def test_vllm_spans_are_found_by_name_and_bad_ones_are_no_kvscope_problem(tmp_pa
     path = write(tmp_path, older, no_ids, not_json, line(lookup("r-1-00000000", trace=TRACE_A)))
     read = traces.read_trace_files([path])
     assert len(read.vllm_requests) == 1 and read.vllm_requests["ttft_ms"].tolist() == [500.0]
+    assert read.vllm_requests["source_line"].tolist() == [1]  # numbered from 1, as the kvscope reader does
     assert [(p.line, p.spans) for p in read.problems] == [(3, None)]  # the broken line, once, by the kvscope reader
 
 
@@ -206,3 +207,17 @@ def test_a_vllm_span_with_a_time_python_would_guess_at_is_left_out(tmp_path):
     assert read.vllm_requests["vllm_request_id"].tolist() == ["r-2", "r-3"]
     assert read.vllm_requests["status_code"].tolist() == [0, 0]
     assert read.vllm_requests["start_ns"].tolist() == [T, T]
+
+
+def test_a_token_count_that_is_no_whole_number_is_unknown_and_an_unknown_status_unset(tmp_path):
+    """544.5 prompt tokens is no count: unknown, not rounded to one. A status code OTLP does not define (7) reads
+    as unset, as for kvscope's own spans the reader takes only 0, 1 and 2."""
+    sp = llm_request("cmpl-7-0", trace=TRACE_A, span_id="e1" * 8, start=T, end=T + MS)
+    for attribute in sp["attributes"]:
+        if attribute["key"] == "gen_ai.usage.prompt_tokens":
+            attribute["value"] = {"doubleValue": 544.5}
+    sp["status"] = {"code": 7}
+    path = write(tmp_path, line(*kvscope_request("cmpl-7-0-1a2b3c4d", TRACE_A, 0x10)), vllm_line(sp))
+    read, requests = read_requests(path)
+    assert pd.isna(requests.loc["cmpl-7-0-1a2b3c4d", "vllm_prompt_tokens"])
+    assert read.vllm_requests["status_code"].tolist() == [0]
