@@ -102,3 +102,38 @@ def test_a_failed_copy_is_a_kind_of_its_own_in_its_place(tmp_path):
     assert rows["row"].tolist() == ["lookup", "load", "copy load g0 sliding_window rank 0",
                                     "copy load failed g1 full_attention rank 0"]
     assert "copy load failed" in charts.KIND_COLORS
+
+
+def test_tensor_parallel_workers_copies_of_a_group_go_in_rank_order(tmp_path):
+    """Rank 1's copy started first: each group's rows still read rank 0, rank 1, so the same worker has the same
+    place in every group."""
+    load_id = "02" * 8
+    path = write(tmp_path, line(
+        lookup("r", span_id="01" * 8, start=T),
+        load("r", span_id=load_id, parent="01" * 8, start=T + 1 * MS),
+        group_copy("load", 0, 1, 10, T + 2 * MS, T + 4 * MS, owner=load_id, n=1),
+        group_copy("load", 0, 0, 10, T + 3 * MS, T + 4 * MS, owner=load_id, n=2),
+        group_copy("load", 1, 0, 10, T + 2 * MS, T + 4 * MS, owner=load_id, n=3),
+        group_copy("load", 1, 1, 10, T + 3 * MS, T + 4 * MS, owner=load_id, n=4)))
+    spans = traces.read_trace_files([path]).spans
+    rows = traces.waterfall_rows(spans, traces.requests_table(spans), "r")
+    assert rows["row"].tolist()[2:] == ["copy load g0 sliding_window rank 0", "copy load g0 sliding_window rank 1",
+                                        "copy load g1 full_attention rank 0", "copy load g1 full_attention rank 1"]
+    assert rows["start_ms"].tolist()[2:] == [3.0, 2.0, 2.0, 3.0]
+
+
+def test_the_chart_draws_the_rows_in_their_order_and_its_legend_in_the_order_of_the_work(tmp_path):
+    """Not alphabetically: "copy load" would come before "lookup" on the axis and in the legend."""
+    load_id = "02" * 8
+    path = write(tmp_path, line(
+        lookup("r", span_id="01" * 8, start=T),
+        load("r", span_id=load_id, parent="01" * 8, start=T + 1 * MS),
+        scan(0, n=1, parent=load_id, start=T + 2 * MS),
+        group_copy("load", 0, 0, 10, T + 3 * MS, T + 4 * MS, owner=load_id, n=2)))
+    spans = traces.read_trace_files([path]).spans
+    rows = traces.waterfall_rows(spans, traces.requests_table(spans), "r")
+    encoding = charts.waterfall(rows).to_dict()["encoding"]
+    assert encoding["y"]["sort"] == rows["row"].tolist() == [
+        "lookup", "load", "group.scan g0 sliding_window", "copy load g0 sliding_window rank 0"]
+    assert encoding["color"]["scale"]["domain"] == ["lookup", "load", "group.scan", "copy load"]
+    assert encoding["color"]["scale"]["range"] == [charts.KIND_COLORS[k] for k in encoding["color"]["scale"]["domain"]]
