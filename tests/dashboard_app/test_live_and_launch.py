@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import pandas as pd
 import pytest
 
 from dashboard import formatting, launch, prometheus, sources
@@ -39,13 +40,13 @@ def test_errors_say_what_went_wrong(fake_prometheus, closed_port_url):
 
 
 class _Answering:
-    """A stand-in `requests.Session` whose every GET is answered HTTP 200 with `body`."""
+    """A stand-in `requests.Session` whose every GET is answered HTTP `status_code` (200) with `body`."""
 
-    def __init__(self, body):
-        self.body = body
+    def __init__(self, body, status_code: int = 200):
+        self.body, self.status_code = body, status_code
 
     def get(self, url, params, timeout):
-        return SimpleNamespace(status_code=200, json=lambda: self.body)
+        return SimpleNamespace(status_code=self.status_code, json=lambda: self.body)
 
 
 def _matrix(values) -> dict:
@@ -57,6 +58,7 @@ def _matrix(values) -> dict:
     [
         (_matrix([[1, "abc"]]), 'result[0].values[0] is [1, "abc"], expected [unix seconds, "value"]'),
         (_matrix([[1, None]]), "result[0].values[0] is [1, null]"),
+        (_matrix([[1, True]]), "result[0].values[0] is [1, true]"),  # float() would take it for 1
         (_matrix([[1]]), "result[0].values[0] is [1]"),
         (_matrix([[1e300, "1"]]), 'result[0].values[0] is [1e+300, "1"]'),  # no time a frame can hold
         (_matrix(5), 'result[0] is {"metric": {}, "values": 5}, expected a series'),
@@ -64,8 +66,8 @@ def _matrix(values) -> dict:
         ({"status": "success", "data": {"resultType": "matrix", "result": 5}}, "result is 5, not a list of series"),
         ({"status": "success", "data": [1]}, "answered a None, not a matrix"),
     ],
-    ids=["value-not-a-number", "value-null", "no-value", "time-past-2262", "values-not-a-list", "series-not-an-object",
-         "result-not-a-list", "data-not-an-object"],
+    ids=["value-not-a-number", "value-null", "value-boolean", "no-value", "time-past-2262", "values-not-a-list",
+         "series-not-an-object", "result-not-a-list", "data-not-an-object"],
 )
 def test_a_malformed_answer_says_what_is_malformed(body, said):
     with pytest.raises(prometheus.PrometheusError) as raised:
@@ -82,6 +84,7 @@ def test_a_url_no_http_client_can_parse_is_named():
 
 def test_step_and_window():
     assert prometheus.step_seconds(900) == 15 and prometheus.step_seconds(86400) == 360
+    assert prometheus.step_seconds(7201) == 31  # rounded up: never more than MAX_POINTS points
     assert prometheus.rate_window(15) == "60s" and prometheus.rate_window(360) == "1440s"
     assert prometheus.latest(prometheus.matrix_to_frame([], "x"), "x") != prometheus.latest(
         prometheus.matrix_to_frame([], "x"), "x")  # NaN
@@ -190,3 +193,26 @@ def test_committed_fixture_is_what_make_fixture_writes(tmp_path, monkeypatch):
     out = tmp_path / "two_rounds.jsonl"
     make_fixture.generate(out)
     assert out.read_text() == TWO_ROUNDS.read_text()
+
+
+def test_samples_that_are_no_finite_number_are_left_out():
+    """A quantile of an empty histogram is NaN, one past its last finite bucket +Inf: neither is a point to draw."""
+    values = [[1, "0.5"], [2, "NaN"], [3, "+Inf"], [4, "-Inf"]]
+    assert prometheus.matrix_to_frame([{"metric": {}, "values": values}], "p99")["value"].tolist() == [0.5]
+
+
+def test_each_series_is_a_line_of_its_own_and_the_latest_value_is_the_last_in_time():
+    """A query answered with a series per label set (an engine label kept by a user's recording rule): each is
+    named by its labels, not all drawn as one line."""
+    frame = prometheus.matrix_to_frame([{"metric": {"engine": "0"}, "values": [[1, "0.5"]]},
+                                        {"metric": {"engine": "1"}, "values": [[1, "0.25"]]}], "hit rate")
+    assert frame["series"].tolist() == ["hit rate {'engine': '0'}", "hit rate {'engine': '1'}"]
+    unordered = pd.DataFrame({"time": pd.to_datetime([2, 1], unit="s", utc=True), "value": [0.5, 0.25], "series": "x"})
+    assert prometheus.latest(unordered, "x") == 0.5
+
+
+def test_an_http_error_is_an_error_whatever_its_body_says():
+    """A proxy in front of Prometheus may answer 503 with a body it kept: not an answer to this query."""
+    with pytest.raises(prometheus.PrometheusError, match=r"rejected the query \(HTTP 503"):
+        prometheus.query_range("http://prometheus:9090", "up", 0, 60, 15,
+                               session=_Answering(_matrix([[1, "0.5"]]), status_code=503))
