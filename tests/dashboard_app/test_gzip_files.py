@@ -88,3 +88,11 @@ def test_a_gzip_bomb_stops_at_the_cap_keeping_the_complete_lines_before_it(monke
     read = _read(gzip.compress(TEXT[:half]) + gzip.compress(TEXT[half:]))
     assert read.spans["request_id"].tolist() == [f"r{i}" for i in range(TEXT[:10_000].count(b"\n"))]
     assert [(p.line, p.reason, p.spans) for p in read.problems] == [(0, gzip_files.TOO_LARGE, None)]
+
+
+def test_zero_bytes_between_and_after_members_are_padding_not_corruption():
+    """Tape and block-device writers pad gzip members with zero bytes (gzip itself skips them): every line is read,
+    and nothing is said."""
+    half = TEXT.index(b"\n", len(TEXT) // 2) + 1
+    read = _read(gzip.compress(TEXT[:half]) + bytes(512) + gzip.compress(TEXT[half:]) + bytes(100))
+    assert read.problems == [] and len(read.spans) == 200
