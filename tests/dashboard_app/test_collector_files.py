@@ -21,6 +21,7 @@ from dashboard import traces
 from dashboard.traces import collector_files
 
 from .conftest import TWO_ROUNDS
+from .test_reader import line, lookup
 
 zstandard = pytest.importorskip("zstandard", reason="the dashboard extra's zstandard module reads zstd files")
 
@@ -179,3 +180,19 @@ def test_a_first_message_of_16_mib_or_more_is_still_recognised():
     body = b"\x0a" + bytes(16 << 20)
     assert collector_files.is_length_prefixed(length_prefixed([body]))
     assert not collector_files.is_length_prefixed(length_prefixed([body])[:-1])  # its length runs past the file
+
+
+def test_a_zstd_stream_cut_mid_line_keeps_its_complete_lines_and_says_only_that(tmp_path):
+    """Cut where a line is half decompressed: the half line is the cut's, not a line that does not parse too.
+    Random ids keep zstd from squeezing the lines into less than the cut leaves."""
+    import random
+
+    rng = random.Random(0)
+    text = "".join(line(lookup(f"r{i}", span_id=f"{rng.getrandbits(64) | 1:016x}",
+                               trace=f"{rng.getrandbits(128) | 1:032x}")) + "\n" for i in range(3000)).encode()
+    data = _ZSTD.compress(text)
+    path = tmp_path / "t.jsonl.zst"
+    path.write_bytes(data[: len(data) // 2])
+    read = traces.read_trace_files([path])
+    assert [p.reason for p in read.problems] == [collector_files.ZSTD_CUT_SHORT]
+    assert 0 < len(read.spans) < 3000
