@@ -13,7 +13,7 @@ from streamlit.testing.v1 import AppTest
 from dashboard import formatting, sources, traces
 
 from .conftest import APP, FIXTURES, MALFORMED, TWO_ROUNDS, raw_spans
-from .test_joins import copy, load
+from .test_joins import copy, load, store
 from .test_reader import engine_line, line, lookup
 from .vllm_traces import vllm_spans_of
 
@@ -499,6 +499,19 @@ def test_spans_in_two_files_are_a_note_not_a_problem(monkeypatch, tmp_path):
     captions = " ".join(c.value for c in at.caption)
     assert f"{spans} span(s) were read twice, in one file or in two of the files read" in captions
     assert number(metrics(at)["Requests"]) == 20
+
+
+def test_files_of_no_request_whose_only_note_is_spans_read_twice_point_to_no_warning(monkeypatch, tmp_path):
+    """Spans read twice are a note, not a warning: the page saying why it has no request must not send the
+    reader to a warning above that is not there."""
+    stores = tmp_path / "a.jsonl"
+    stores.write_text(line(store("r", span_id="02" * 8)) + "\n")
+    again = tmp_path / "b.jsonl"
+    again.write_bytes(stores.read_bytes())
+    at = app(monkeypatch, stores, again)
+    assert_ok(at)
+    assert not at.warning
+    assert "hold no kvscope lookup or load spans. Start" in at.info[0].value
 
 
 def test_a_requests_view_splits_its_load_time(monkeypatch, expected):
