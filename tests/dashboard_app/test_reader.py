@@ -802,6 +802,18 @@ def test_each_span_takes_the_engine_its_resource_names(tmp_path, decoder):
     assert list(engine_requests["request_id"]) == ["r2"] and list(engine_spans["request_id"]) == ["r2"]
 
 
+def test_a_spans_own_engine_wins_over_its_resources_in_the_arrow_decoder_too(tmp_path):
+    """The test above writes one engine as text and one as a JSON number, which the Arrow decoder declines: here
+    both are text, so the Arrow decoder reads the file, and a span's own engine wins there too."""
+    own = lookup("r2", span_id="22" * 8)
+    own["attributes"].append({"key": "kvscope.engine", "value": {"intValue": "5"}})
+    path = write(tmp_path, engine_line({"intValue": "1"}, lookup("r1", span_id="11" * 8), own))
+    data = path.read_bytes()
+    fast = otlp_arrow.decode(data, str(path), data.split(b"\n"))
+    assert fast is not None, "the Arrow decoder declined a clean file"
+    assert list(fast.values["kvscope.engine"]) == [1, 5]
+
+
 def test_resource_attributes_that_are_no_attribute_objects_are_not_kvscopes_to_judge(tmp_path, decoder):
     doc = json.loads(engine_line({"intValue": "1"}, lookup("r1", span_id="11" * 8)))
     doc["resourceSpans"][0]["resource"]["attributes"][:0] = ["x", None, 7]
