@@ -911,6 +911,10 @@ def test_a_broken_pretty_printed_export_is_one_problem(tmp_path):
     read = traces.read_trace_files([broken])
     assert [(p.line, p.spans) for p in read.problems] == [(0, None)]
     assert read.problems[0].reason.startswith("expected JSON Lines: one ExportTraceServiceRequest per line")
+    # nor are its lines JSON lines, though one is an empty list: that is no list of exports
+    listed = tmp_path / "broken_list.json"
+    listed.write_text(json.dumps([json.loads(line(lookup())), []], indent=2)[:-2])
+    assert [(p.line, p.spans) for p in traces.read_trace_files([listed]).problems] == [(0, None)]
 
 
 def test_a_json_lines_file_is_not_parsed_whole_to_tell_its_kind(monkeypatch):
