@@ -4,6 +4,7 @@ request id, shown per request and leading the request's waterfall."""
 from __future__ import annotations
 
 import base64
+import json
 
 import pandas as pd
 import pytest
@@ -221,3 +222,13 @@ def test_a_token_count_that_is_no_whole_number_is_unknown_and_an_unknown_status_
     read, requests = read_requests(path)
     assert pd.isna(requests.loc["cmpl-7-0-1a2b3c4d", "vllm_prompt_tokens"])
     assert read.vllm_requests["status_code"].tolist() == [0]
+
+
+def test_a_vllm_span_under_the_pre_1_0_otlp_field_name_is_read(tmp_path):
+    """OTLP/JSON before 1.0 named scopeSpans instrumentationLibrarySpans, which the kvscope reader takes too."""
+    doc = json.loads(vllm_line(llm_request("cmpl-7-0", trace=TRACE_A, span_id="e1" * 8, start=T, end=T + MS)))
+    resource = doc["resourceSpans"][0]
+    resource["instrumentationLibrarySpans"] = resource.pop("scopeSpans")
+    path = write(tmp_path, line(*kvscope_request("cmpl-7-0-1a2b3c4d", TRACE_A, 0x10)), json.dumps(doc))
+    read, requests = read_requests(path)
+    assert requests.loc["cmpl-7-0-1a2b3c4d", "vllm_ttft_ms"] == pytest.approx(120.0)
