@@ -128,3 +128,14 @@ def test_a_loads_rows_show_each_groups_scan_beside_its_copies(tmp_path):
         {"transfer": "store 1", "group": "g1 full_attention", "scanned": None, "null_skipped": None,
          "pending": None, "start_index": None, "blocks": 1},  # a store scans nothing
     ]
+
+
+def test_a_transfers_groups_are_in_group_order_whatever_order_the_copies_came_in(tmp_path):
+    """Group 1's copy span came first: a transfer's rows still read g0, then g1, as the overview's group tables do."""
+    copies = copies_of(
+        tmp_path,
+        load("r", trace=TRACE, span_id="02" * 8, start=T),
+        group_copy("load", 1, 0, 100, T + MS, T + 2 * MS, owner="02" * 8, n=1),
+        group_copy("load", 0, 0, 100, T + MS, T + 2 * MS, owner="02" * 8, n=2),
+    )
+    assert copies["group"].tolist() == ["g0 sliding_window", "g1 full_attention"]
