@@ -212,3 +212,15 @@ def test_the_median_throughput_is_the_middle_transfers_not_their_mean(tmp_path):
           for i, (gb, owner) in enumerate(zip((1, 2, 6), owners)))))
     (row,) = traces.copy_throughput(traces.read_trace_files([path]).spans).to_dict("records")
     assert (row["copies"], row["gb_per_s"], row["p50_gb_per_s"]) == (3, 3.0, 2.0)
+
+
+def test_a_failed_copys_blocks_are_not_counted_as_copied(tmp_path):
+    """Its span may still say the blocks it was to copy: the throughput table's blocks, like its bytes, are what
+    the copies that ran moved."""
+    path = write(tmp_path, line(
+        lookup("r", span_id="01" * 8, trace=TRACE, start=T),
+        load("r", span_id="02" * 8, parent="01" * 8, trace=TRACE, start=T + 10),
+        group_copy("load", 0, 0, S, T + 100, T + 100 + S, owner="02" * 8, n=1, blocks=4),
+        group_copy("load", 0, 1, 0, T + 100, T + 100 + S, owner="02" * 8, n=2, blocks=4, failed=True)))
+    (row,) = traces.copy_throughput(traces.read_trace_files([path]).spans).to_dict("records")
+    assert (row["copies"], row["blocks"], row["bytes"]) == (1, 4, S)
