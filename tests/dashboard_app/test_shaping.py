@@ -11,7 +11,7 @@ from dashboard import traces
 
 from .conftest import MALFORMED, TWO_ROUNDS, nearest_rank
 from .test_joins import copy, load
-from .test_reader import line, lookup, span, write
+from .test_reader import engine_line, line, lookup, span, write
 
 
 @pytest.fixture(scope="module")
@@ -470,3 +470,10 @@ def test_names_are_listed_briefly():
 
     assert formatting.names(["a", "b"]) == "a, b"
     assert formatting.names([f"r{i}" for i in range(8)], limit=3) == "r0, r1, r2 and 5 more"
+
+
+def test_a_request_without_a_lookup_takes_its_loads_engine(tmp_path):
+    """Its lookup not read (a file cut before it): the engine its load names is the request's."""
+    path = write(tmp_path, engine_line({"intValue": "1"}, load("r", span_id="11" * 8)))
+    requests = traces.requests_table(traces.read_trace_files([path]).spans)
+    assert requests["engine"].tolist() == [1] and traces.engines_of(requests) == [1]
