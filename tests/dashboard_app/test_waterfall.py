@@ -90,17 +90,18 @@ def test_rows_go_lookups_load_scans_copies_store_copies_whatever_the_file_order(
 
 
 def test_a_failed_copy_is_a_kind_of_its_own_in_its_place(tmp_path):
-    """A failed copy looked like any other in the chart: its status showed only in the table."""
+    """A failed copy looked like any other in the chart: its status showed only in the table. Its row stays in
+    its group's place (group 0's, before group 1's copy), not after every other kind."""
     load_id = "02" * 8
     path = write(tmp_path, line(
         lookup("r", span_id="01" * 8, start=T),
         load("r", span_id=load_id, parent="01" * 8, start=T + 1 * MS),
-        group_copy("load", 1, 0, 0, T + 3 * MS, T + 4 * MS, owner=load_id, n=3, failed=True),
-        group_copy("load", 0, 0, 10, T + 3 * MS, T + 4 * MS, owner=load_id, n=4)))
+        group_copy("load", 0, 0, 0, T + 3 * MS, T + 4 * MS, owner=load_id, n=3, failed=True),
+        group_copy("load", 1, 0, 10, T + 3 * MS, T + 4 * MS, owner=load_id, n=4)))
     spans = traces.read_trace_files([path]).spans
     rows = traces.waterfall_rows(spans, traces.requests_table(spans), "r")
-    assert rows["row"].tolist() == ["lookup", "load", "copy load g0 sliding_window rank 0",
-                                    "copy load failed g1 full_attention rank 0"]
+    assert rows["row"].tolist() == ["lookup", "load", "copy load failed g0 sliding_window rank 0",
+                                    "copy load g1 full_attention rank 0"]
     assert "copy load failed" in charts.KIND_COLORS
 
 
