@@ -224,3 +224,18 @@ def test_a_failed_copys_blocks_are_not_counted_as_copied(tmp_path):
         group_copy("load", 0, 1, 0, T + 100, T + 100 + S, owner="02" * 8, n=2, blocks=4, failed=True)))
     (row,) = traces.copy_throughput(traces.read_trace_files([path]).spans).to_dict("records")
     assert (row["copies"], row["blocks"], row["bytes"]) == (1, 4, S)
+
+
+def test_a_copy_starting_before_its_load_keeps_its_duration(tmp_path):
+    """A copy placed more than 1 ms before its load (an offset to another clock) leaves the load without a load
+    time, but its duration, measured on one clock, counts in the copy latencies."""
+    owner = "02" * 8
+    path = write(tmp_path, line(
+        lookup("r", span_id="01" * 8, trace=TRACE, start=T),
+        load("r", span_id=owner, parent="01" * 8, trace=TRACE, start=T + 10_000_000),
+        group_copy("load", 0, 0, 1000, T + 5_000_000, T + 7_000_000, owner=owner, n=1)))
+    spans = traces.read_trace_files([path]).spans
+    requests = traces.requests_table(spans)
+    assert requests["load_ms"].isna().all() and requests["load_mistimed"].all()
+    q = traces.load_latency_quantiles(spans, requests).set_index("scope").loc["copy g0 sliding_window"]
+    assert q[["count", "max_ms"]].tolist() == [1, 2.0]
