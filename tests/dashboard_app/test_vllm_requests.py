@@ -232,3 +232,16 @@ def test_a_vllm_span_under_the_pre_1_0_otlp_field_name_is_read(tmp_path):
     path = write(tmp_path, line(*kvscope_request("cmpl-7-0-1a2b3c4d", TRACE_A, 0x10)), json.dumps(doc))
     read, requests = read_requests(path)
     assert requests.loc["cmpl-7-0-1a2b3c4d", "vllm_ttft_ms"] == pytest.approx(120.0)
+
+
+def test_a_vllm_span_past_int64_nanoseconds_is_left_out_and_an_infinite_latency_is_unknown(tmp_path):
+    """2^63 ns is past what the frame's int64 times hold; a latency of "Infinity" (OTLP/JSON's word for it) is no
+    time to show or to take a median of."""
+    past, infinite = (llm_request(f"r-{i}", trace=TRACE_A, span_id=f"e{i}" * 8, start=T, end=T + MS) for i in range(2))
+    past["endTimeUnixNano"] = str(1 << 63)
+    for attribute in infinite["attributes"]:
+        if attribute["key"] == "gen_ai.latency.time_to_first_token":
+            attribute["value"] = {"doubleValue": "Infinity"}
+    read = traces.read_trace_files([write(tmp_path, vllm_line(past, infinite))])
+    assert read.vllm_requests["vllm_request_id"].tolist() == ["r-1"]
+    assert pd.isna(read.vllm_requests["ttft_ms"].iloc[0]) and read.vllm_requests["e2e_ms"].iloc[0] == 900.0
