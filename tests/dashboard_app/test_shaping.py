@@ -477,3 +477,11 @@ def test_a_request_without_a_lookup_takes_its_loads_engine(tmp_path):
     path = write(tmp_path, engine_line({"intValue": "1"}, load("r", span_id="11" * 8)))
     requests = traces.requests_table(traces.read_trace_files([path]).spans)
     assert requests["engine"].tolist() == [1] and traces.engines_of(requests) == [1]
+
+
+def test_engines_are_listed_in_engine_order_not_in_order_of_arrival(tmp_path):
+    """Engine 1's request arrived first: the engine filter still offers engine 0 first."""
+    t = 1_700_000_000_000_000_000
+    path = write(tmp_path, engine_line({"intValue": "1"}, lookup("a", span_id="11" * 8, start=t)),
+                 engine_line({"intValue": "0"}, lookup("b", span_id="22" * 8, trace="cd" * 16, start=t + 1)))
+    assert traces.engines_of(traces.requests_table(traces.read_trace_files([path]).spans)) == [0, 1]
