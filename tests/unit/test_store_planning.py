@@ -142,6 +142,18 @@ def test_a_block_another_request_is_filling_is_left_to_it():
     assert sched.index.is_ready((0, "h3"))
 
 
+def test_blocks_another_request_stored_already_are_passed_over_once():
+    """A request whose blocks another request has stored already skips them: its stored mark moves past
+    them, so later steps neither look at them again (O(context) a step) nor miss the idle mark."""
+    sched, manager = _scheduler()
+    manager.ids = _ids(0)
+    _report(sched, sched._plan_store(_state("a", 128), 64))
+    b = _state("b", 128)  # the same tokens: the same keys
+    assert sched._plan_store(b, 64) is None
+    assert b.stored_blocks == [4, 4]
+    assert sched._plan_store(b, 64) is None and b.idle_until == 80  # idle until the window's next block
+
+
 def test_a_window_block_null_from_the_start_is_skipped_whole():
     sched, manager = _scheduler()
     state = _state("r", 128)
@@ -600,6 +612,21 @@ def test_a_block_whose_key_changes_under_it_is_given_up():
         assert not sched.index.is_ready((g, "h3")), "the old key would load the new turn's KV"
         assert not sched.index.contains((g, "h3")) and not sched.index.contains((g, "h3-next-turn"))
     assert not any(key[1] == "h3" for key in sched.stores.by_key)  # given up and settled
+
+
+def test_a_block_whose_key_is_gone_under_it_is_given_up_at_once():
+    """A streaming-input session's next turn can leave a block started under its old key without a key
+    (the new input ends before the block does): no later piece of it is stored under the old key."""
+    sched, manager = _scheduler()
+    state = _state("r", 64)
+    manager.ids = _ids(0)
+    _report(sched, sched._plan_store(state, 40))  # pieces 0 and 1 of block 0, under (g, "h3")
+    state.request.block_hashes = ["h0", "h1", "h2-next-turn"]  # tokens from 40 replaced: 50 tokens now
+    state.request.num_tokens = 50
+    manager.ids = _ids(40)
+    assert sched._plan_store(state, 50) is None  # not the window's piece 2: its block has no key now
+    assert not sched.index.contains((0, "h3")) and not sched.index.contains((1, "h3"))
+    assert sched.stores.by_key == {}
 
 
 def test_a_load_of_part_of_a_hit_fails_whole():
