@@ -346,6 +346,22 @@ def test_a_load_waits_for_a_store_until_every_worker_has_reported_it():
     assert not waits_after_a_report()
 
 
+def test_a_block_two_pending_stores_read_is_fenced_until_both_are_reported():
+    """Two unreported stores can read one device block (a block a request stores ahead under its placeholder
+    key, which another request found in vLLM's prefix cache once full): one's report leaves it a source."""
+    sched, manager = _scheduler()
+    manager.ids = _ids(0)
+    first = sched._plan_store(_state("a", 128), 64)
+    other = _state("b", 128)
+    other.request.block_hashes = [f"b{i}" for i in range(8)]
+    second = sched._plan_store(other, 64)
+    allocating_201 = _output(new=[(([], [201]), 0)])
+    _report(sched, first)
+    assert sched.build_connector_meta(allocating_201).fence_stores  # the second store still reads block 201
+    _report(sched, second)
+    assert not sched.build_connector_meta(allocating_201).fence_stores
+
+
 # case: (its blocks per group, its device prefix hit, how this step lists it: None (not scheduled), "new" or
 # "resumed" with its computed tokens, whether the pending store reading block 201 fails, whether the step is fenced)
 _FOREIGN_LOADS = {
