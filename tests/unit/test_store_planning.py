@@ -1106,6 +1106,28 @@ def test_a_restarted_request_forgets_the_mamba_states_it_witnessed_and_a_running
     assert state.witnessed_states == {}
 
 
+def test_only_a_mamba_block_holding_the_state_of_another_token_count_is_logged(caplog):
+    """The log says why Mamba states are stored less often than blocks end: a block vLLM keys for another
+    token count (a checkpoint at a finer hash boundary). A block keyed for its own end that a forward
+    started inside is not such a block: it does not use up the one message."""
+    layouts = [GroupLayout(0, GroupKind.MAMBA, B), GroupLayout(1, GroupKind.FULL_ATTENTION, BS)]
+
+    def block(block_id, keyed_tokens):
+        return SimpleNamespace(block_id=block_id, block_hash_num_tokens=keyed_tokens, block_hash=f"k{keyed_tokens}")
+
+    blocks = ([block(10, 64), block(11, 112)], [block(200 + i, 16 * (i + 1)) for i in range(8)])
+    manager = SimpleNamespace(get_blocks=lambda req_id: SimpleNamespace(blocks=blocks))
+    sched = KVScopeScheduler(layouts, offload_block_size=B, hash_block_size=BS, num_slots=16, slot_bytes=1024,
+                             world_size=1, tracing=KVScopeTracing.disabled(), kv_cache_manager_getter=lambda: manager)
+    state = _state("r", 128)
+    state.witnessed_states[(0, 0)] = None  # a forward started inside block 0 and left it
+    caplog.set_level("INFO", logger="connector.scheduler")
+    job = sched._plan_store(state, 128)
+    assert _pieces(job, 0) == []  # neither holds the state at its own end
+    said = [r.getMessage() for r in caplog.records if "holds vLLM's state at token" in r.getMessage()]
+    assert len(said) == 1 and "ending at token 128 holds vLLM's state at token 112" in said[0], said
+
+
 def test_the_retry_of_a_failed_load_counts_its_blocks_as_load_failed_and_nothing_as_not_taken(monkeypatch):
     """The retry (from 0 tokens) is offered no hit: every block the tier holds is missed as load_failed,
     the last one's tokens as tail; vLLM took all it was offered (nothing), so nothing is not_taken."""
