@@ -17,7 +17,8 @@ import pytest
 from connector.groups import GroupKind, GroupLayout
 from connector.metadata import LOAD, GroupTransfer, KVScopeWorkerMetadata, TransferJob
 from connector.planning import NULL_BLOCK_ID
-from connector.scheduler import KVScopeScheduler, _RequestState
+from connector.miss_reasons import Miss
+from connector.scheduler import KVScopeScheduler, _Lookup, _RequestState
 from connector.telemetry.tracing import KVScopeTracing
 
 BS, B, WINDOW = 16, 64, 24
@@ -594,6 +595,26 @@ def test_a_load_failed_in_its_copy_forgets_the_host_blocks_it_read():
     assert not sched.index.contains((0, "h3")) and not sched.index.contains((1, "h3"))
 
 
+def test_a_load_whose_request_ended_first_counts_its_blocks_but_no_request_load_time():
+    """vLLM frees an aborted request's blocks, unused, once its load is done: they were loaded
+    (`kvscope_loaded_blocks_total`), but that load's time is no request's (`..._request_load_duration_seconds`)."""
+    sched, manager = _scheduler()
+    _stored(sched, (0, "h3"), (1, "h3"))
+    loads = []
+    for rid in ("served", "aborted"):
+        request = _state(rid, 256).request
+        assert sched.get_num_new_matched_tokens(request, 0) == (64, True)
+        sched.update_state_after_alloc(request, SimpleNamespace(get_block_ids=lambda: _ids(0, 16)), 64)
+        (job,) = sched.build_connector_meta(_output()).loads
+        loads.append((request, job))
+    sched.request_finished(loads[1][0])
+    for _, job in loads:
+        _report(sched, job)
+    data = sched.take_stats().data
+    assert len(data["request_load_duration_s"]) == 1
+    assert sum(data["loaded_blocks"].values()) == sum(len(p.block_ids) for _, job in loads for p in job.groups)
+
+
 def test_a_load_vllm_asks_for_without_a_lookup_fails_whole_and_copies_nothing():
     """vLLM always looks a request up before it gives it external tokens; were it not to, the local
     hit (and so where the load starts) would be unknown: the load fails and vLLM recomputes."""
@@ -1052,6 +1073,21 @@ def test_evictions_are_counted_once_each_and_only_when_they_happen():
     assert sched.take_stats().data["evicted_blocks"] == 2
 
 
+def test_a_loads_scans_are_counted_in_one_stats_interval_only():
+    """The scan counters (`take_stats`): blocks scanned and null blocks skipped as the load's scans found them,
+    once: the next interval counts no scan again."""
+    sched, manager = _scheduler()
+    _stored(sched, *[(group, f"h{k}") for k in (3, 7) for group in (0, 1)])
+    request = _state("r", 256).request
+    assert sched.get_num_new_matched_tokens(request, 0) == (128, True)
+    sched.update_state_after_alloc(request, SimpleNamespace(get_block_ids=lambda: _ids(112, 16)), 128)
+    data = sched.take_stats().data
+    assert data["scan_blocks"] == {"0|sliding_window": 8, "1|full_attention": 8}
+    assert data["null_blocks_skipped"] == {"0|sliding_window": 5, "1|full_attention": 0}  # the window's first 5
+    again = sched.take_stats()
+    assert again is None or not any(again.data.get("scan_blocks", {}).values()), again.data
+
+
 def test_a_cache_reset_tells_vllm_it_succeeded():
     """vLLM's `reset_prefix_cache(reset_connector=True)` reports failure unless the connector says True."""
     sched, _ = _scheduler()
@@ -1167,6 +1203,14 @@ def test_the_retry_of_a_failed_load_counts_as_load_failed_only_what_the_tier_sti
     data = sched.take_stats().data
     assert data["missed_tokens"] == {"load_failed": 128, "dropped": 64, "new": 64, "tail": 64}
     assert sum(data["missed_tokens"].values()) == data["lookup_tokens"] == 320
+
+def test_missed_tokens_by_reason_add_up_to_the_tokens_looked_up_when_vllm_counts_fewer_than_the_lookup():
+    """vLLM's looked-up tokens are counted when it schedules the request and may be fewer than the lookup
+    saw: the reasons are cut to them, so missed and hit tokens still add up to the tokens looked up."""
+    sched, _ = _scheduler()
+    sched._lookup_log.append((100, 0, _Lookup(0, 0, 0, 0, Miss("new", (("new", 128),), 64))))
+    assert sched.take_stats().data["missed_tokens"] == {"new": 100}
+
 
 def test_tokens_a_drafter_may_write_again_are_not_stored_when_unverified_drafts_count_as_computed():
     """Both bounds at once: under async scheduling the known tokens bound the store (65 known, the
