@@ -615,6 +615,17 @@ def test_a_load_whose_request_ended_first_counts_its_blocks_but_no_request_load_
     assert sum(data["loaded_blocks"].values()) == sum(len(p.block_ids) for _, job in loads for p in job.groups)
 
 
+def test_a_request_looked_up_but_never_scheduled_leaves_nothing_behind_when_it_ends():
+    """vLLM looks a waiting request up each step it tries to schedule it; one that never gets blocks (the
+    device cache is full) and is aborted while it waits keeps no lookup here (a server runs for months)."""
+    sched, _ = _scheduler()
+    _stored(sched, (0, "h3"), (1, "h3"))
+    request = _state("r", 256).request
+    assert sched.get_num_new_matched_tokens(request, 0) == (64, True)
+    sched.request_finished(request)
+    assert sched._lookups == {} and sched._requests == {}
+
+
 def test_a_load_vllm_asks_for_without_a_lookup_fails_whole_and_copies_nothing():
     """vLLM always looks a request up before it gives it external tokens; were it not to, the local
     hit (and so where the load starts) would be unknown: the load fails and vLLM recomputes."""
@@ -774,21 +785,23 @@ def test_a_load_marks_what_it_read_used_tail_first():
     assert sched.get_num_new_matched_tokens(_state("again", 256).request, 0) == (64, True)
 
 
-def test_a_request_whose_load_failed_loads_again_only_once_vllm_preempted_it(monkeypatch):
+@pytest.mark.parametrize("preempted_before", [0, 1])
+def test_a_request_whose_load_failed_loads_again_only_once_vllm_preempted_it(monkeypatch, preempted_before):
     """After a failed load vLLM keeps the request's in-flight reserve until it is preempted (its retry
-    must recompute, or it could wait for ever); once preempted, it starts over and may load."""
+    must recompute, or it could wait for ever); once preempted, it starts over and may load. Preemptions
+    before the failure do not count: they dropped no reserve of it."""
     sched, manager = _scheduler()
     _stored(sched, (0, "h3"), (1, "h3"), (0, "h7"), (1, "h7"))
     monkeypatch.setattr(sched.index, "drop", lambda keys: 0)  # the host blocks stay after the failure
     request = _state("r", 256).request
-    request.num_preemptions = 0
+    request.num_preemptions = preempted_before
     assert sched.get_num_new_matched_tokens(request, 0) == (128, True)
     sched.update_state_after_alloc(request, SimpleNamespace(get_block_ids=lambda: _ids(0, 16)), 128)
     (job,) = sched.build_connector_meta(_output()).loads
     _report(sched, job, failed=True)
     assert sched.get_num_new_matched_tokens(request, 0) == (0, False)
     assert sched._lookups["r"].miss.reason == "load_failed"
-    request.num_preemptions = 1
+    request.num_preemptions = preempted_before + 1
     assert sched.get_num_new_matched_tokens(request, 0) == (128, True)
 
 
