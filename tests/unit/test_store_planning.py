@@ -583,6 +583,35 @@ def test_a_load_that_fails_at_planning_keeps_the_host_blocks_it_pinned():
     assert sched.index.is_ready((1, "h3")) and sched.index.pin_for_load((1, "h3")) is not None
 
 
+def test_a_load_failed_at_planning_bars_its_request_from_loading_again_too():
+    """vLLM keeps the reserve of any failed asynchronous load, one that failed before a copy too: its retry
+    recomputes (offered the hit again, it could wait for ever), while other requests still hit its blocks."""
+    sched, manager = _scheduler()
+    _stored(sched, (0, "h3"), (1, "h3"), (0, "h7"), (1, "h7"))
+    request = _state("r", 256).request
+    assert sched.get_num_new_matched_tokens(request, 0) == (128, True)
+    sched.index.drop([(0, "h7")])  # gone between lookup and load (it cannot be in vLLM; a guard)
+    sched.update_state_after_alloc(request, SimpleNamespace(get_block_ids=lambda: _ids(0, 16)), 128)
+    (job,) = sched.build_connector_meta(_output()).loads
+    assert job.failed_at_plan
+    _report(sched, job, failed=True)
+    assert sched.get_num_new_matched_tokens(request, 0) == (0, False)
+    assert sched.get_num_new_matched_tokens(_state("other", 256).request, 0) == (64, True)
+
+
+def test_a_store_report_counts_no_load_and_a_failed_store_bars_no_load():
+    """A store's report is no load's: it records no load time or failure, and a failed store leaves its
+    request free to load what the tier holds."""
+    sched, manager = _scheduler()
+    state = sched._requests["r"] = _state("r", 256)
+    manager.ids = _ids(0, 16)
+    _report(sched, sched._plan_store(state, 64))
+    _report(sched, sched._plan_store(state, 128), failed=True)
+    data = sched.take_stats().data
+    assert "request_load_duration_s" not in data and not data.get("load_failures")
+    assert sched.get_num_new_matched_tokens(state.request, 0) == (64, True)
+
+
 def test_a_load_failed_in_its_copy_forgets_the_host_blocks_it_read():
     sched, manager = _scheduler()
     _stored(sched, (0, "h3"), (1, "h3"))
