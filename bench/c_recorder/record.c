@@ -1,8 +1,8 @@
 /* An experiment, not kvscope's tracer: a request's load record (its lookup, the load and each group's
  * scan) packed in C, with its ids drawn in C, into a batch written to a file descriptor every 64 loads.
  * `bench/c_recorder/measure.py` times the planner with it beside kvscope's Python tracer, to size what
- * recording outside Python would save (issue 3's 15% at small loads). The record layout is `RECORD` in
- * `bench/c_recorder/build.py` (int64 fields, native byte order). */
+ * recording outside Python would save (issue 3's 15% at small loads). The record layout is `HEADER`, then one
+ * `SCAN` per group, in `bench/c_recorder/build.py` (int64 fields, native byte order). */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>

@@ -568,18 +568,26 @@ def _stored(sched, *keys):
         sched.index.complete_store(key)
 
 
+def _fail_a_load_at_planning(sched, request_id, hit_tokens, gone):
+    """Look ``request_id`` up (a hit of ``hit_tokens``), drop the host block ``gone`` between the lookup
+    and the load (it cannot be in vLLM; a guard), allocate, check the load failed at planning and report
+    it failed, as the worker would. Returns the request."""
+    request = _state(request_id, 256).request
+    assert sched.get_num_new_matched_tokens(request, 0) == (hit_tokens, True)
+    sched.index.drop([gone])
+    sched.update_state_after_alloc(request, SimpleNamespace(get_block_ids=lambda: _ids(0, 16)), hit_tokens)
+    (job,) = sched.build_connector_meta(_output()).loads
+    assert job.failed_at_plan
+    _report(sched, job, failed=True)
+    return request
+
+
 def test_a_load_that_fails_at_planning_keeps_the_host_blocks_it_pinned():
     """A load planned while one of its host blocks is gone fails before any copy: vLLM recomputes,
     and the blocks it did pin are intact, so later requests still hit them."""
     sched, manager = _scheduler()
     _stored(sched, (0, "h3"), (1, "h3"))  # offloaded block 0 of both groups; block 1 of neither
-    request = _state("r", 256).request
-    assert sched.get_num_new_matched_tokens(request, 0) == (64, True)
-    sched.index.drop([(0, "h3")])  # gone between lookup and load (it cannot be in vLLM; a guard)
-    sched.update_state_after_alloc(request, SimpleNamespace(get_block_ids=lambda: _ids(0, 16)), 64)
-    (job,) = sched.build_connector_meta(_output()).loads
-    assert job.failed_at_plan
-    _report(sched, job, failed=True)
+    _fail_a_load_at_planning(sched, "r", hit_tokens=64, gone=(0, "h3"))
     assert sched.index.is_ready((1, "h3")) and sched.index.pin_for_load((1, "h3")) is not None
 
 
@@ -588,13 +596,7 @@ def test_a_load_failed_at_planning_bars_its_request_from_loading_again_too():
     recomputes (offered the hit again, it could wait for ever), while other requests still hit its blocks."""
     sched, manager = _scheduler()
     _stored(sched, (0, "h3"), (1, "h3"), (0, "h7"), (1, "h7"))
-    request = _state("r", 256).request
-    assert sched.get_num_new_matched_tokens(request, 0) == (128, True)
-    sched.index.drop([(0, "h7")])  # gone between lookup and load (it cannot be in vLLM; a guard)
-    sched.update_state_after_alloc(request, SimpleNamespace(get_block_ids=lambda: _ids(0, 16)), 128)
-    (job,) = sched.build_connector_meta(_output()).loads
-    assert job.failed_at_plan
-    _report(sched, job, failed=True)
+    request = _fail_a_load_at_planning(sched, "r", hit_tokens=128, gone=(0, "h7"))
     assert sched.get_num_new_matched_tokens(request, 0) == (0, False)
     assert sched.get_num_new_matched_tokens(_state("other", 256).request, 0) == (64, True)
 
