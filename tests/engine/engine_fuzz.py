@@ -1,0 +1,280 @@
+"""Randomized multi-round workloads on the real CPU engine, with kvscope against without it.
+
+`workload_fuzz` drives vLLM's scheduler with a fake forward; this runs the real engine: the model's own
+attention backends read what kvscope's worker copied in. A seed draws a tiny model (full attention,
+sliding window, gpt-oss's sinks, or Qwen3-Next's linear attention), engine settings (device block size,
+chunked prefill, async scheduling, a small device cache that preempts), a host tier (tight ones evict)
+and a few rounds of prompts sharing documents' prefixes or continuing an earlier round's output, most
+rounds after a device prefix-cache reset so that they load from the host tier. The same plan runs in
+two engine processes at once, with kvscope and without, and their greedy outputs must agree: the same
+tokens, each logprob within `LOGPROB_TOLERANCE`. Where the tokens part at a step whose two best tokens
+were the same in both runs, with the same logprobs within that tolerance and within `TIE_MARGIN` of each
+other, the seed is a `tie` (bf16 sums in another order may pick either), not a failure. kvscope's hit
+and looked-up tokens must equal vLLM's external prefix-cache hits and queries, and once every request
+is done it must hold no host block, job or request state.
+
+    python -m tests.engine.engine_fuzz --seeds 0:100 --minutes 60 --out repros/
+    python -m tests.engine.engine_fuzz --replay repros/seed-17.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+LOGPROB_TOLERANCE = 0.05  # bf16: a loaded block was summed in other chunks than its recompute
+TIE_MARGIN = 0.05  # the two best tokens' logprobs this close: either may win in bf16
+MAX_PROMPT_TOKENS = 3000  # of the engines' 4096-token context, leaving room for the completion
+ENGINE_TIMEOUT_S = 600
+
+
+# ----------------------------------------------------------------------------- plans (pure data)
+def make_plan(seed: int) -> dict:
+    """One seed's plan: {"seed", "model", "window", "llm_kwargs", "extra", "rounds"}.
+
+    A round is {"reset_before", "reset_connector", "max_tokens", "prompts"}; a prompt is
+    {"doc", "cut", "suffix"} (a document's first `cut` tokens, then `suffix`) or {"continues":
+    [round, index], "suffix"} (that prompt, its completion, then `suffix`: a conversation's turn)."""
+    r = random.Random(seed)
+    model = r.choice(["llama", "gemma3", "gemma3", "gptoss", "qwen3next"])
+    plan: dict = {"seed": seed, "model": model, "window": r.choice([32, 64, 128])}
+    mamba = model == "qwen3next"
+    # vLLM sizes Mamba's blocks itself; the CPU attention backend takes 16 only beside a sliding window
+    device_block = None if mamba else r.choice([32, 64] if model == "llama" else [16, 32, 64])
+    llm_kwargs: dict = {"async_scheduling": r.random() < 0.4, "max_num_seqs": r.choice([2, 4, 8])}
+    if device_block:
+        llm_kwargs["block_size"] = device_block
+    if r.random() < 0.5:
+        llm_kwargs["max_num_batched_tokens"] = r.choice([128, 256, 512])
+    if device_block and r.random() < 0.3:  # a device cache a few prompts fill: preemptions
+        # (a sliding-window group's blocks share the pool: one context's worth would be refused)
+        llm_kwargs["num_gpu_blocks_override"] = int(4096 // device_block * r.choice([1.5, 2, 3]))
+    extra: dict = {"cpu_bytes": r.choice([256 << 10, 1 << 20, 4 << 20, 64 << 20])}
+    if device_block and r.random() < 0.4:
+        extra["block_size"] = device_block * r.choice([1, 2, 4])
+    docs = [[r.randint(1, 500) for _ in range(r.randint(20, 1200))] for _ in range(r.randint(1, 4))]
+    rounds = []
+    for index in range(r.randint(2, 4)):
+        prompts = []
+        for _ in range(r.randint(1, 6)):
+            suffix = [r.randint(1, 500) for _ in range(r.choice([0, 0, 1, 5, 17, 100]))]
+            if index and r.random() < 0.25:
+                earlier = r.randrange(index)
+                prompts.append({"continues": [earlier, r.randrange(len(rounds[earlier]["prompts"]))],
+                                "suffix": suffix})
+                continue
+            doc = r.randrange(len(docs))
+            length = len(docs[doc])
+            cut = r.choice([length, length, r.randint(1, length), max(1, length // 64 * 64)])
+            prompts.append({"doc": doc, "cut": cut, "suffix": suffix})
+        rounds.append({"reset_before": index > 0 and r.random() < 0.7,
+                       "reset_connector": index > 0 and r.random() < 0.1,
+                       "max_tokens": r.randint(1, 12), "prompts": prompts})
+    plan.update(llm_kwargs=llm_kwargs, extra=extra, docs=docs, rounds=rounds)
+    return plan
+
+
+def prompt_tokens(plan: dict, prompt: dict, earlier: list[tuple[list[list[int]], list[dict]]]) -> list[int]:
+    """A prompt's tokens; ``earlier`` holds each finished round's prompts and completions."""
+    if "continues" in prompt:
+        round_index, index = prompt["continues"]
+        prompts, outs = earlier[round_index]
+        tokens = prompts[index] + outs[index]["tokens"] + prompt["suffix"]
+    else:
+        tokens = plan["docs"][prompt["doc"]][:prompt["cut"]] + prompt["suffix"]
+    return tokens[:MAX_PROMPT_TOKENS]
+
+
+# ----------------------------------------------------------------------------- one engine (child process)
+def _generate(llm, prompts: list[list[int]], max_tokens: int) -> list[dict]:
+    """Greedy completions with each step's chosen logprob and its two best tokens' logprobs."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(max_tokens=max_tokens, logprobs=2, detokenize=False, temperature=0.0)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    result = []
+    for out in outs:
+        (o,) = out.outputs
+        chosen, best = [], []
+        for step, token in zip(o.logprobs or [], o.token_ids):
+            chosen.append(step[token].logprob)
+            best.append({str(t): lp.logprob for t, lp in step.items()})  # JSON keys are strings
+        result.append({"tokens": list(o.token_ids), "logprobs": chosen, "best": best})
+    return result
+
+
+def _connector_problems(llm) -> list[str]:
+    """kvscope's telemetry against vLLM's counters, and what it still holds with every request done."""
+    from connector.engine_runner import get_scheduler_connector, get_worker_connector, metric_values
+    from tests.engine.scenario import _kvscope, kvscope_samples
+
+    vllm_counts, ours = metric_values(llm), kvscope_samples()
+    problems = []
+    for kind, theirs in (("hit", "vllm:external_prefix_cache_hits"), ("lookup", "vllm:external_prefix_cache_queries")):
+        if ours.get(f"kvscope_{kind}_tokens_total", 0.0) != vllm_counts.get(theirs, 0.0):
+            problems.append(f"telemetry: kvscope_{kind}_tokens_total {ours.get(f'kvscope_{kind}_tokens_total')} "
+                            f"!= {theirs} {vllm_counts.get(theirs)}")
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    sched = _kvscope(get_scheduler_connector(llm))._scheduler
+    problems += [f"leak: {key} pins={e.pins} ready={e.ready}" for key, e in sched.index._entries.items()
+                 if e.pins or not e.ready]
+    problems += [f"leak: job {job_id} ({job.direction} of {job.req_id})" for job_id, job in sched._jobs.items()]
+    problems += [f"leak: state of finished request {r}" for r in (*sched._requests, *sched._lookups)
+                 if r not in scheduler.requests]
+    worker = _kvscope(get_worker_connector())._worker
+    if worker._in_flight:
+        problems.append(f"leak: {len(worker._in_flight)} copies in flight on the worker")
+    return problems
+
+
+def run_engine(plan: dict, with_connector: bool, corrupt_host: bool = False) -> dict:
+    """Run the plan's rounds on one engine. ``corrupt_host`` zeroes every host block before each round
+    after the first: the self-check that a wrong load is caught."""
+    from connector.engine_runner import engine_env, get_worker_connector, make_llm
+    from connector.tiny_models import build_model
+
+    engine_env()
+    model = build_model(plan["model"], window=plan["window"])
+    llm = make_llm(model, plan["extra"] if with_connector else None, connector=with_connector, **plan["llm_kwargs"])
+    earlier: list[tuple[list[list[int]], list[dict]]] = []
+    for index, round_ in enumerate(plan["rounds"]):
+        if round_["reset_before"]:
+            assert llm.reset_prefix_cache(reset_connector=with_connector and round_["reset_connector"])
+        if corrupt_host and index:
+            from tests.engine.scenario import _kvscope
+
+            for block in _kvscope(get_worker_connector())._worker.engine.host:
+                block.zero_()
+        prompts = [prompt_tokens(plan, p, earlier) for p in round_["prompts"]]
+        earlier.append((prompts, _generate(llm, prompts, round_["max_tokens"])))
+    result: dict = {"rounds": [outs for _, outs in earlier]}
+    if with_connector:
+        from connector.engine_runner import metric_values
+
+        result["problems"] = _connector_problems(llm)
+        counts = metric_values(llm)
+        result["external_hit_tokens"] = counts.get("vllm:external_prefix_cache_hits", 0.0)
+        result["preemptions"] = counts.get("vllm:num_preemptions", 0.0)
+    return result
+
+
+# ----------------------------------------------------------------------------- comparing two runs (pure)
+def compare(plan: dict, ours: dict, theirs: dict) -> tuple[str, list[str]]:
+    """("ok" | "tie" | "failed", what differs). Rounds after a tie are not compared: a continuing
+    prompt carries the parted completion, and a shorter one the host tier's other blocks."""
+    problems = list(ours.get("problems", []))
+    for index, (a_round, b_round) in enumerate(zip(ours["rounds"], theirs["rounds"])):
+        for i, (a, b) in enumerate(zip(a_round, b_round)):
+            where = f"round {index} prompt {i}"
+            steps = next((k for k, (x, y) in enumerate(zip(a["tokens"], b["tokens"])) if x != y), None)
+            gap = max((abs(x - y) for x, y in zip(a["logprobs"][:steps], b["logprobs"][:steps])), default=0.0)
+            if gap > LOGPROB_TOLERANCE:
+                problems.append(f"logprobs at {where} differ by {gap:.3f}")
+            elif steps is not None and _tie(a["best"][steps], b["best"][steps]):
+                return ("failed" if problems else "tie"), problems + [f"tie at {where} step {steps}"]
+            if steps is not None or len(a["tokens"]) != len(b["tokens"]):
+                return "failed", problems + [f"tokens part at {where} step {steps}: {a['tokens']} vs {b['tokens']}"]
+    return ("failed" if problems else "ok"), problems
+
+
+def _tie(ours: dict[str, float], theirs: dict[str, float]) -> bool:
+    """Two runs picked different tokens at a step where their two best were the same tokens, with the same
+    logprobs within `LOGPROB_TOLERANCE`, each under `TIE_MARGIN` apart: bf16's order of sums chose."""
+    shared = ours.keys() & theirs.keys()
+    if len(shared) < 2 or any(abs(ours[t] - theirs[t]) > LOGPROB_TOLERANCE for t in shared):
+        return False
+    top = sorted(ours.values(), reverse=True)[:2]
+    return top[0] - top[1] < TIE_MARGIN
+
+
+# ----------------------------------------------------------------------------- driving processes
+def _start(plan_path: str, role: str) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.Popen([sys.executable, "-m", "tests.engine.engine_fuzz", "--run", plan_path, role],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _result(proc: subprocess.Popen) -> dict:
+    try:
+        out, err = proc.communicate(timeout=ENGINE_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        return {"error": f"timed out after {ENGINE_TIMEOUT_S} s", "stderr": err[-4000:]}
+    for line in out.splitlines():
+        if line.startswith("ENGINE_FUZZ_JSON "):
+            return json.loads(line[len("ENGINE_FUZZ_JSON "):])
+    return {"error": f"exit {proc.returncode}", "stderr": err[-4000:]}
+
+
+def execute(plan: dict, roles: tuple[str, ...] = ("kvscope", "baseline")) -> dict[str, dict]:
+    """Each role's result, the engines running at once (one process each: vLLM keeps per-process state)."""
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(plan, f)
+    try:
+        procs = {role: _start(f.name, role) for role in roles}
+        return {role: _result(proc) for role, proc in procs.items()}
+    finally:
+        os.unlink(f.name)
+
+
+def verdict(plan: dict, results: dict[str, dict], ours: str = "kvscope") -> tuple[str, list[str]]:
+    """A seed's outcome from its engines' results: "refused" when the baseline engine itself could not
+    run the plan's settings (not kvscope's doing), "failed" when only kvscope's engine broke."""
+    base, mine = results["baseline"], results[ours]
+    if "error" in base:
+        return "refused", [base["error"], base["stderr"][-600:]]
+    if "error" in mine:
+        return "failed", [mine["error"], mine["stderr"][-3000:]]
+    return compare(plan, mine, base)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seeds", default="0:20", help="A:B, the seeds A..B-1")
+    parser.add_argument("--minutes", type=float, default=30.0, help="stop starting seeds after this long")
+    parser.add_argument("--out", type=Path, help="folder for the plans of seeds that failed")
+    parser.add_argument("--replay", type=Path, help="run one saved plan")
+    parser.add_argument("--run", nargs=2, metavar=("PLAN", "ROLE"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.run:
+        plan = json.loads(Path(args.run[0]).read_text())
+        role = args.run[1]
+        result = run_engine(plan, with_connector=role != "baseline", corrupt_host=role == "corrupted")
+        print("ENGINE_FUZZ_JSON " + json.dumps(result), flush=True)
+        return
+    plans = [json.loads(args.replay.read_text())] if args.replay else []
+    if not plans:
+        first, last = (int(x) for x in args.seeds.split(":"))
+        plans = (make_plan(seed) for seed in range(first, last))
+    deadline, counts = time.monotonic() + 60 * args.minutes, {}
+    for plan in plans:
+        if time.monotonic() > deadline:
+            break
+        started = time.monotonic()
+        results = execute(plan)
+        outcome, problems = verdict(plan, results)
+        counts[outcome] = counts.get(outcome, 0) + 1
+        summary = {k: plan[k] for k in ("model", "window", "llm_kwargs", "extra")}
+        hits, preempted = (results["kvscope"].get(k, 0) for k in ("external_hit_tokens", "preemptions"))
+        print(f"seed {plan['seed']} {outcome} {time.monotonic() - started:.0f}s hits={hits:.0f} "
+              f"preemptions={preempted:.0f} {json.dumps(summary)}", flush=True)
+        for problem in problems:
+            print(f"    {problem}", flush=True)
+        if outcome == "failed" and args.out:
+            args.out.mkdir(parents=True, exist_ok=True)
+            (args.out / f"seed-{plan['seed']}.json").write_text(json.dumps(plan))
+    print(f"{sum(counts.values())} seeds: {counts}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

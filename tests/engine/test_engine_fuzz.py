@@ -1,0 +1,113 @@
+"""The real-engine fuzz (`engine_fuzz`): its plans, its comparison, and that it catches a wrong load."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.engine.engine_fuzz import compare, execute, make_plan, prompt_tokens, verdict
+
+
+def _completion(tokens, logprobs, best):
+    return {"tokens": tokens, "logprobs": logprobs, "best": best}
+
+
+def _run(*completions, problems=()):
+    return {"rounds": [list(completions)], "problems": list(problems)}
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_plans_are_pure_data_that_repeat_and_continue_only_earlier_rounds(seed):
+    plan = make_plan(seed)
+    assert make_plan(seed) == plan
+    assert not plan["rounds"][0]["reset_before"]
+    for index, round_ in enumerate(plan["rounds"]):
+        for prompt in round_["prompts"]:
+            if "continues" in prompt:
+                earlier, i = prompt["continues"]
+                assert earlier < index and i < len(plan["rounds"][earlier]["prompts"])
+            else:
+                assert 1 <= prompt["cut"] <= len(plan["docs"][prompt["doc"]])
+
+
+def test_a_continuing_prompt_is_the_earlier_prompt_its_completion_and_a_suffix():
+    plan = {"docs": [[1, 2, 3, 4]], "rounds": []}
+    earlier = [([[1, 2, 3]], [{"tokens": [9, 8]}])]
+    assert prompt_tokens(plan, {"doc": 0, "cut": 2, "suffix": [7]}, earlier) == [1, 2, 7]
+    assert prompt_tokens(plan, {"continues": [0, 0], "suffix": [5]}, earlier) == [1, 2, 3, 9, 8, 5]
+
+
+def test_equal_tokens_within_the_logprob_tolerance_are_ok():
+    a = _completion([5, 6], [-1.0, -2.0], [{"5": -1.0, "4": -1.5}, {"6": -2.0, "1": -2.5}])
+    b = _completion([5, 6], [-1.02, -2.03], [{"5": -1.02, "4": -1.5}, {"6": -2.03, "1": -2.5}])
+    assert compare({}, _run(a), _run(b)) == ("ok", [])
+
+
+def test_a_logprob_past_the_tolerance_fails_with_equal_tokens():
+    a = _completion([5], [-1.0], [{"5": -1.0, "4": -1.5}])
+    b = _completion([5], [-1.2], [{"5": -1.2, "4": -1.5}])
+    outcome, problems = compare({}, _run(a), _run(b))
+    assert outcome == "failed" and "differ by 0.200" in problems[0]
+
+
+def test_tokens_parting_where_both_runs_saw_the_same_near_tie_are_a_tie():
+    a = _completion([5, 6], [-1.0, -2.0], [{"5": -1.0, "4": -1.5}, {"6": -2.0, "7": -2.01}])
+    b = _completion([5, 7], [-1.0, -2.0], [{"5": -1.0, "4": -1.5}, {"7": -2.0, "6": -2.01}])
+    assert compare({}, _run(a), _run(b)) == ("tie", ["tie at round 0 prompt 0 step 1"])
+
+
+@pytest.mark.parametrize("theirs", [
+    {"7": -2.0, "6": -2.2},  # the same two best tokens, but their logprobs moved past the tolerance
+    {"7": -2.0, "3": -2.01},  # another second token: not the same near-tie
+])
+def test_tokens_parting_at_a_near_tie_of_other_logprobs_fail(theirs):
+    a = _completion([6], [-2.0], [{"6": -2.0, "7": -2.01}])
+    b = _completion([7], [-2.0], [theirs])
+    outcome, problems = compare({}, _run(a), _run(b))
+    assert outcome == "failed" and problems[0].startswith("tokens part at round 0 prompt 0 step 0")
+
+
+def test_tokens_parting_at_a_clear_choice_fail():
+    a = _completion([6], [-1.0], [{"6": -1.0, "7": -3.0}])
+    b = _completion([7], [-1.0], [{"7": -1.0, "6": -3.0}])
+    assert compare({}, _run(a), _run(b))[0] == "failed"
+
+
+def test_the_connectors_own_problems_fail_a_seed_even_at_a_tie():
+    a = _completion([6], [-2.0], [{"6": -2.0, "7": -2.01}])
+    b = _completion([7], [-2.0], [{"7": -2.0, "6": -2.01}])
+    outcome, problems = compare({}, _run(a, problems=["leak: job 3"]), _run(b))
+    assert outcome == "failed" and problems[0] == "leak: job 3"
+
+
+def test_a_baseline_that_cannot_start_is_refused_and_a_kvscope_engine_that_cannot_fails():
+    broken = {"error": "exit 1", "stderr": "ValueError: No common block size"}
+    ok = {"rounds": [], "problems": []}
+    assert verdict({}, {"kvscope": ok, "baseline": broken})[0] == "refused"
+    assert verdict({}, {"kvscope": broken, "baseline": ok})[0] == "failed"
+
+
+# Two documents longer than the 64-token window, looked up again after a device prefix-cache reset.
+LOADING_PLAN = {
+    "seed": -1, "model": "gemma3", "window": 64,
+    "llm_kwargs": {"async_scheduling": True, "max_num_seqs": 4, "block_size": 16},
+    "extra": {"cpu_bytes": 64 << 20},
+    "docs": [[(7 * i) % 499 + 1 for i in range(600)], [(11 * i) % 487 + 1 for i in range(300)]],
+    "rounds": [
+        {"reset_before": False, "reset_connector": False, "max_tokens": 4,
+         "prompts": [{"doc": 0, "cut": 600, "suffix": []}, {"doc": 1, "cut": 300, "suffix": [3]}]},
+        {"reset_before": True, "reset_connector": False, "max_tokens": 4,
+         "prompts": [{"doc": 0, "cut": 600, "suffix": [9]}, {"continues": [0, 1], "suffix": [4]}]},
+    ],
+}
+
+
+@pytest.mark.engine
+def test_the_fuzz_passes_real_loads_and_fails_host_blocks_zeroed_before_them():
+    """The same plan on three engines at once: kvscope's, kvscope's with every host block zeroed before
+    the second round, and none. The first loads and agrees; the second loads the zeros and must fail."""
+    results = execute(LOADING_PLAN, ("kvscope", "corrupted", "baseline"))
+    assert results["kvscope"]["external_hit_tokens"] > 0, results["kvscope"]
+    assert verdict(LOADING_PLAN, results) == ("ok", [])
+    assert results["corrupted"]["external_hit_tokens"] > 0
+    outcome, problems = verdict(LOADING_PLAN, results, ours="corrupted")
+    assert outcome == "failed", problems
