@@ -3,9 +3,10 @@
 `workload_fuzz` drives vLLM's scheduler with a fake forward; this runs the real engine: the model's own
 attention backends read what kvscope's worker copied in. A seed draws a tiny model (full attention,
 sliding window, gpt-oss's sinks, or Qwen3-Next's linear attention), engine settings (device block size,
-chunked prefill, async scheduling, a small device cache that preempts), a host tier (tight ones evict)
-and a few rounds of prompts sharing documents' prefixes or continuing an earlier round's output, most
-rounds after a device prefix-cache reset so that they load from the host tier. The same plan runs in
+chunked prefill, async scheduling, n-gram drafts, the prefix cache off, a small device cache that
+preempts), a host tier (tight ones evict) and a few rounds of prompts sharing documents' prefixes or
+continuing an earlier round's output, some aborted mid-run, most rounds after a device prefix-cache
+reset so that they load from the host tier. The same plan runs in
 two engine processes at once, with kvscope and without, and their greedy outputs must agree: the same
 tokens, each logprob within `LOGPROB_TOLERANCE`. Where the tokens part at a step whose two best tokens
 were the same in both runs, with the same logprobs within that tolerance and within `TIE_MARGIN` of each
@@ -42,7 +43,8 @@ def make_plan(seed: int) -> dict:
 
     A round is {"reset_before", "reset_connector", "max_tokens", "prompts"}; a prompt is
     {"doc", "cut", "suffix"} (a document's first `cut` tokens, then `suffix`) or {"continues":
-    [round, index], "suffix"} (that prompt, its completion, then `suffix`: a conversation's turn)."""
+    [round, index], "suffix"} (that prompt, its completion, then `suffix`: a conversation's turn), either
+    with "abort_after_steps" when the request is aborted after that many engine steps (not compared)."""
     r = random.Random(seed)
     model = r.choice(["llama", "gemma3", "gemma3", "gptoss", "qwen3next"])
     plan: dict = {"seed": seed, "model": model, "window": r.choice([32, 64, 128])}
@@ -54,10 +56,16 @@ def make_plan(seed: int) -> dict:
         llm_kwargs["block_size"] = device_block
     if r.random() < 0.5:
         llm_kwargs["max_num_batched_tokens"] = r.choice([128, 256, 512])
+    if not mamba and r.random() < 0.2:  # drafts the target may reject: only verified tokens' blocks store
+        llm_kwargs["speculative_config"] = {"method": "ngram", "num_speculative_tokens": r.choice([2, 3, 5]),
+                                            "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+        llm_kwargs["async_scheduling"] = False  # vLLM refuses the CPU's n-gram drafts with it
+    if r.random() < 0.1:  # vLLM still hashes blocks for the connector: the host tier is the only cache
+        llm_kwargs["enable_prefix_caching"] = False
     if device_block and r.random() < 0.3:  # a device cache a few prompts fill: preemptions
         # (a sliding-window group's blocks share the pool: one context's worth would be refused)
         llm_kwargs["num_gpu_blocks_override"] = int(4096 // device_block * r.choice([1.5, 2, 3]))
-    extra: dict = {"cpu_bytes": r.choice([256 << 10, 1 << 20, 4 << 20, 64 << 20])}
+    extra: dict = {"cpu_bytes": r.choice([256 << 10, 1 << 20, 4 << 20, 4 << 20, 64 << 20, 64 << 20])}
     if device_block and r.random() < 0.4:
         extra["block_size"] = device_block * r.choice([1, 2, 4])
     docs = [[r.randint(1, 500) for _ in range(r.randint(20, 1200))] for _ in range(r.randint(1, 4))]
@@ -66,15 +74,18 @@ def make_plan(seed: int) -> dict:
         prompts = []
         for _ in range(r.randint(1, 6)):
             suffix = [r.randint(1, 500) for _ in range(r.choice([0, 0, 1, 5, 17, 100]))]
-            if index and r.random() < 0.25:
-                earlier = r.randrange(index)
-                prompts.append({"continues": [earlier, r.randrange(len(rounds[earlier]["prompts"]))],
-                                "suffix": suffix})
-                continue
-            doc = r.randrange(len(docs))
-            length = len(docs[doc])
-            cut = r.choice([length, length, r.randint(1, length), max(1, length // 64 * 64)])
-            prompts.append({"doc": doc, "cut": cut, "suffix": suffix})
+            finished = [(k, i) for k in range(index) for i, p in enumerate(rounds[k]["prompts"])
+                        if "abort_after_steps" not in p]
+            if finished and r.random() < 0.25:
+                prompt = {"continues": list(r.choice(finished)), "suffix": suffix}
+            else:
+                doc = r.randrange(len(docs))
+                length = len(docs[doc])
+                cut = r.choice([length, length, r.randint(1, length), max(1, length // 64 * 64)])
+                prompt = {"doc": doc, "cut": cut, "suffix": suffix}
+            if r.random() < 0.12:  # aborted mid-run, a load or its stores perhaps in flight
+                prompt["abort_after_steps"] = r.randint(1, 6)
+            prompts.append(prompt)
         rounds.append({"reset_before": index > 0 and r.random() < 0.7,
                        "reset_connector": index > 0 and r.random() < 0.1,
                        "max_tokens": r.randint(1, 12), "prompts": prompts})
@@ -94,16 +105,34 @@ def prompt_tokens(plan: dict, prompt: dict, earlier: list[tuple[list[list[int]],
 
 
 # ----------------------------------------------------------------------------- one engine (child process)
-def _generate(llm, prompts: list[list[int]], max_tokens: int) -> list[dict]:
-    """Greedy completions with each step's chosen logprob and its two best tokens' logprobs."""
+def _generate(llm, round_index: int, prompts: list[list[int]], max_tokens: int,
+              aborts: dict[int, int]) -> list[dict]:
+    """Greedy completions with each step's chosen logprob and its two best tokens' logprobs. The
+    requests go in together; prompt ``i`` in ``aborts`` is aborted after ``aborts[i]`` engine steps
+    (its completion is then {"aborted": True})."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
+    engine = llm.llm_engine
     params = SamplingParams(max_tokens=max_tokens, logprobs=2, detokenize=False, temperature=0.0)
-    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    ids = [f"{round_index}-{i}" for i in range(len(prompts))]
+    for request_id, prompt in zip(ids, prompts):
+        engine.add_request(request_id, TokensPrompt(prompt_token_ids=prompt), params)
+    finished, steps = {}, 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+        steps += 1
+        due = [ids[i] for i, after in aborts.items() if after == steps and ids[i] not in finished]
+        if due:
+            engine.abort_request(due)
     result = []
-    for out in outs:
-        (o,) = out.outputs
+    for i, request_id in enumerate(ids):
+        if i in aborts:
+            result.append({"aborted": True})
+            continue
+        (o,) = finished[request_id].outputs
         chosen, best = [], []
         for step, token in zip(o.logprobs or [], o.token_ids):
             chosen.append(step[token].logprob)
@@ -155,7 +184,8 @@ def run_engine(plan: dict, with_connector: bool, corrupt_host: bool = False) -> 
             for block in _kvscope(get_worker_connector())._worker.engine.host:
                 block.zero_()
         prompts = [prompt_tokens(plan, p, earlier) for p in round_["prompts"]]
-        earlier.append((prompts, _generate(llm, prompts, round_["max_tokens"])))
+        aborts = {i: p["abort_after_steps"] for i, p in enumerate(round_["prompts"]) if "abort_after_steps" in p}
+        earlier.append((prompts, _generate(llm, index, prompts, round_["max_tokens"], aborts)))
     result: dict = {"rounds": [outs for _, outs in earlier]}
     if with_connector:
         from connector.engine_runner import metric_values
@@ -174,6 +204,8 @@ def compare(plan: dict, ours: dict, theirs: dict) -> tuple[str, list[str]]:
     problems = list(ours.get("problems", []))
     for index, (a_round, b_round) in enumerate(zip(ours["rounds"], theirs["rounds"])):
         for i, (a, b) in enumerate(zip(a_round, b_round)):
+            if "aborted" in a or "aborted" in b:
+                continue
             where = f"round {index} prompt {i}"
             steps = next((k for k, (x, y) in enumerate(zip(a["tokens"], b["tokens"])) if x != y), None)
             gap = max((abs(x - y) for x, y in zip(a["logprobs"][:steps], b["logprobs"][:steps])), default=0.0)

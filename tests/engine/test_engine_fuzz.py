@@ -25,6 +25,7 @@ def test_plans_are_pure_data_that_repeat_and_continue_only_earlier_rounds(seed):
             if "continues" in prompt:
                 earlier, i = prompt["continues"]
                 assert earlier < index and i < len(plan["rounds"][earlier]["prompts"])
+                assert "abort_after_steps" not in plan["rounds"][earlier]["prompts"][i]  # it has a completion
             else:
                 assert 1 <= prompt["cut"] <= len(plan["docs"][prompt["doc"]])
 
@@ -40,6 +41,12 @@ def test_equal_tokens_within_the_logprob_tolerance_are_ok():
     a = _completion([5, 6], [-1.0, -2.0], [{"5": -1.0, "4": -1.5}, {"6": -2.0, "1": -2.5}])
     b = _completion([5, 6], [-1.02, -2.03], [{"5": -1.02, "4": -1.5}, {"6": -2.03, "1": -2.5}])
     assert compare({}, _run(a), _run(b)) == ("ok", [])
+
+
+def test_aborted_requests_are_not_compared():
+    a = _completion([5], [-1.0], [{"5": -1.0, "4": -1.5}])
+    b = _completion([7], [-1.0], [{"7": -1.0, "4": -1.5}])
+    assert compare({}, _run({"aborted": True}, a), _run(b, a)) == ("ok", [])
 
 
 def test_a_logprob_past_the_tolerance_fails_with_equal_tokens():
