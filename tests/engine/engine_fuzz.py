@@ -39,7 +39,7 @@ ENGINE_TIMEOUT_S = 600
 
 # ----------------------------------------------------------------------------- plans (pure data)
 def make_plan(seed: int) -> dict:
-    """One seed's plan: {"seed", "model", "window", "llm_kwargs", "extra", "rounds"}.
+    """One seed's plan: {"seed", "model", "window", "llm_kwargs", "extra", "docs", "rounds"}.
 
     A round is {"reset_before", "reset_connector", "max_tokens", "prompts"}; a prompt is
     {"doc", "cut", "suffix"} (a document's first `cut` tokens, then `suffix`) or {"continues":
@@ -199,8 +199,8 @@ def run_engine(plan: dict, with_connector: bool, corrupt_host: bool = False) -> 
 
 # ----------------------------------------------------------------------------- comparing two runs (pure)
 def compare(plan: dict, ours: dict, theirs: dict) -> tuple[str, list[str]]:
-    """("ok" | "tie" | "failed", what differs). Rounds after a tie are not compared: a continuing
-    prompt carries the parted completion, and a shorter one the host tier's other blocks."""
+    """("ok" | "tie" | "failed", what differs). Nothing after a tie is compared: a continuing prompt
+    carries the parted completion, and a different completion leaves the host tier other blocks."""
     problems = list(ours.get("problems", []))
     for index, (a_round, b_round) in enumerate(zip(ours["rounds"], theirs["rounds"])):
         for i, (a, b) in enumerate(zip(a_round, b_round)):
