@@ -63,8 +63,9 @@ def make_plan(seed: int) -> dict:
     if r.random() < 0.1:  # vLLM still hashes blocks for the connector: the host tier is the only cache
         llm_kwargs["enable_prefix_caching"] = False
     if device_block and r.random() < 0.3:  # a device cache a few prompts fill: preemptions
-        # (a sliding-window group's blocks share the pool: one context's worth would be refused)
-        llm_kwargs["num_gpu_blocks_override"] = int(4096 // device_block * r.choice([1.5, 2, 3]))
+        # (a sliding-window group's blocks share the pool: one context's worth is refused beside one)
+        factors = [1.05, 1.2, 1.5] if model == "llama" else [1.3, 1.4, 1.6]
+        llm_kwargs["num_gpu_blocks_override"] = int(4096 // device_block * r.choice(factors))
     extra: dict = {"cpu_bytes": r.choice([256 << 10, 1 << 20, 4 << 20, 4 << 20, 64 << 20, 64 << 20])}
     if device_block and r.random() < 0.4:
         extra["block_size"] = device_block * r.choice([1, 2, 4])
