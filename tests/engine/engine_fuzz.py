@@ -219,6 +219,21 @@ def compare(plan: dict, ours: dict, theirs: dict) -> tuple[str, list[str]]:
     return ("failed" if problems else "ok"), problems
 
 
+def largest_logprob_gap(ours: dict, theirs: dict) -> float:
+    """The largest logprob difference up to where each completion pair parts (aborted requests left
+    out): how close to `LOGPROB_TOLERANCE` the seed came."""
+    gaps = [0.0]
+    for a_round, b_round in zip(ours["rounds"], theirs["rounds"]):
+        for a, b in zip(a_round, b_round):
+            if "aborted" in a or "aborted" in b:
+                continue
+            for x, y, token_a, token_b in zip(a["logprobs"], b["logprobs"], a["tokens"], b["tokens"]):
+                if token_a != token_b:
+                    break
+                gaps.append(abs(x - y))
+    return max(gaps)
+
+
 def _tie(ours: dict[str, float], theirs: dict[str, float]) -> bool:
     """Two runs picked different tokens at a step where their two best were the same tokens, with the same
     logprobs within `LOGPROB_TOLERANCE`, each under `TIE_MARGIN` apart: bf16's order of sums chose."""
@@ -299,8 +314,9 @@ def main() -> None:
         counts[outcome] = counts.get(outcome, 0) + 1
         summary = {k: plan[k] for k in ("model", "window", "llm_kwargs", "extra")}
         hits, preempted = (results["kvscope"].get(k, 0) for k in ("external_hit_tokens", "preemptions"))
+        gap = largest_logprob_gap(results["kvscope"], results["baseline"]) if outcome in ("ok", "tie") else None
         print(f"seed {plan['seed']} {outcome} {time.monotonic() - started:.0f}s hits={hits:.0f} "
-              f"preemptions={preempted:.0f} {json.dumps(summary)}", flush=True)
+              f"preemptions={preempted:.0f} gap={gap} {json.dumps(summary)}", flush=True)
         for problem in problems:
             print(f"    {problem}", flush=True)
         if outcome == "failed" and args.out:

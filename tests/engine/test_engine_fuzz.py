@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.engine.engine_fuzz import compare, execute, make_plan, prompt_tokens, verdict
+from tests.engine.engine_fuzz import compare, execute, largest_logprob_gap, make_plan, prompt_tokens, verdict
 
 
 def _completion(tokens, logprobs, best):
@@ -47,6 +47,13 @@ def test_aborted_requests_are_not_compared():
     a = _completion([5], [-1.0], [{"5": -1.0, "4": -1.5}])
     b = _completion([7], [-1.0], [{"7": -1.0, "4": -1.5}])
     assert compare({}, _run({"aborted": True}, a), _run(b, a)) == ("ok", [])
+
+
+def test_the_largest_gap_is_over_steps_sampled_alike_of_requests_not_aborted():
+    a = _completion([5, 6, 1], [-1.0, -2.0, -3.0], [])
+    b = _completion([5, 6, 2], [-1.01, -2.04, -9.0], [])
+    aborted = _completion([5], [-1.0], [])
+    assert largest_logprob_gap(_run(a, {"aborted": True}), _run(b, aborted)) == pytest.approx(0.04)
 
 
 def test_a_logprob_past_the_tolerance_fails_with_equal_tokens():
