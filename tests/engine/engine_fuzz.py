@@ -24,6 +24,7 @@ import argparse
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 import tempfile
@@ -35,6 +36,8 @@ LOGPROB_TOLERANCE = 0.05  # bf16: a loaded block was summed in other chunks than
 TIE_MARGIN = 0.05  # the two best tokens' logprobs this close: either may win in bf16
 MAX_PROMPT_TOKENS = 3000  # of the engines' 4096-token context, leaving room for the completion
 ENGINE_TIMEOUT_S = 600
+_BLOCK_SIZE_REFUSAL = re.compile(r"ConfigError: kv_connector_extra_config\.block_size=\d+ is not accepted: it must "
+                                 r"be a multiple of every KV group's device block size .*")
 
 
 # ----------------------------------------------------------------------------- plans (pure data)
@@ -277,11 +280,16 @@ def execute(plan: dict, roles: tuple[str, ...] = ("kvscope", "baseline")) -> dic
 
 def verdict(plan: dict, results: dict[str, dict], ours: str = "kvscope") -> tuple[str, list[str]]:
     """A seed's outcome from its engines' results: "refused" when the baseline engine itself could not
-    run the plan's settings (not kvscope's doing), "failed" when only kvscope's engine broke."""
+    run the plan's settings (not kvscope's doing), or when kvscope refused a host block size that is
+    no multiple of the device block size vLLM chose (the CPU attention backend may double the one
+    asked for, which the plan cannot know); "failed" when only kvscope's engine broke otherwise."""
     base, mine = results["baseline"], results[ours]
     if "error" in base:
         return "refused", [base["error"], base["stderr"][-600:]]
     if "error" in mine:
+        refusal = _BLOCK_SIZE_REFUSAL.search(mine["stderr"])
+        if refusal:
+            return "refused", [refusal.group(0)]
         return "failed", [mine["error"], mine["stderr"][-3000:]]
     return compare(plan, mine, base)
 

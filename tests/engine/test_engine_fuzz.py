@@ -100,6 +100,16 @@ def test_a_baseline_that_cannot_start_is_refused_and_a_kvscope_engine_that_canno
     assert verdict({}, {"kvscope": broken, "baseline": ok})[0] == "failed"
 
 
+def test_kvscope_refusing_a_host_block_size_vllm_made_wrong_is_refused_not_failed():
+    message = ("connector.config.ConfigError: kv_connector_extra_config.block_size=16 is not accepted: it must be "
+               "a multiple of every KV group's device block size [32] (e.g. 32, 64, ...)")
+    refused = {"error": "exit 1", "stderr": "Traceback ...\n[rank0]: " + message + "\n"}
+    ok = {"rounds": [], "problems": []}
+    assert verdict({}, {"kvscope": refused, "baseline": ok}) == ("refused", [message.removeprefix("connector.config.")])
+    other = {"error": "exit 1", "stderr": "connector.config.ConfigError: cpu_bytes=0 is not accepted"}
+    assert verdict({}, {"kvscope": other, "baseline": ok})[0] == "failed"
+
+
 # Two documents longer than the 64-token window, looked up again after a device prefix-cache reset.
 LOADING_PLAN = {
     "seed": -1, "model": "gemma3", "window": 64,
