@@ -60,12 +60,14 @@ def _recipe(name: str, window: int, layer_types: list[str] | None):
 
 
 def build_model(name: str, window: int = 64, layer_types: list[str] | None = None,
-                cache_dir: Path | str | None = None, seed: int = 0) -> str:
-    """Path of a saved random-weight model; builds it on first use."""
+                cache_dir: Path | str | None = None, seed: int = 0, attention_scale: float = 1.0) -> str:
+    """Path of a saved random-weight model; builds it on first use. ``attention_scale`` scales every
+    attention layer's queries and keys (`_sharpen_attention`)."""
     import torch
 
     cfg, cls = _recipe(name, window, layer_types)
-    digest = hashlib.sha256(json.dumps([name, window, layer_types, seed], sort_keys=True).encode()).hexdigest()[:10]
+    key = [name, window, layer_types, seed] + ([attention_scale] if attention_scale != 1.0 else [])
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:10]
     path = Path(cache_dir or DEFAULT_CACHE) / f"{name}-{digest}"
     if (path / "config.json").exists():
         return str(path)
@@ -74,6 +76,8 @@ def build_model(name: str, window: int = 64, layer_types: list[str] | None = Non
     model = cls(cfg).to(torch.bfloat16)
     if name.startswith("qwen3next"):
         _long_memory(model)
+    if attention_scale != 1.0:
+        _sharpen_attention(model, attention_scale)
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     model.save_pretrained(tmp)
     config_json = tmp / "config.json"
@@ -98,3 +102,30 @@ def _long_memory(model) -> None:
             if hasattr(layer, "linear_attn"):
                 layer.linear_attn.A_log.data.fill_(-4.6)
                 layer.linear_attn.out_proj.weight.data.mul_(5)
+
+
+def _sharpen_attention(model, scale: float) -> None:
+    """Scale every attention layer's queries and keys by ``scale`` (its scores by its square).
+
+    Random weights attend almost evenly, so one wrong block of a long prompt barely moves the outputs
+    (a zeroed block among 54 moved a logprob by 0.02); attention this sharp makes single positions
+    decide them, which is what a check of loaded KV needs."""
+    import torch
+
+    sharpened = 0
+    with torch.no_grad():
+        for module in model.modules():
+            if not type(module).__name__.endswith("Attention"):  # not Qwen3-Next's linear attention
+                continue
+            sharpened += 1
+            norms = [getattr(module, name, None) for name in ("q_norm", "k_norm")]
+            if all(norm is not None for norm in norms):  # Gemma 3, Qwen3-Next: RMS norms scaling by 1 + w
+                for norm in norms:
+                    norm.weight.copy_((1 + norm.weight) * scale - 1)
+                continue
+            for projection in (module.q_proj, module.k_proj):  # Llama, GPT-OSS: no norm after them
+                projection.weight.mul_(scale)
+                if projection.bias is not None:
+                    projection.bias.mul_(scale)
+    if not sharpened:
+        raise ValueError(f"no attention layer to sharpen in {type(model).__name__}")
