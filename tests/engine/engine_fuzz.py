@@ -35,6 +35,7 @@ ROOT = Path(__file__).resolve().parents[2]
 LOGPROB_TOLERANCE = 0.05  # bf16: a loaded block was summed in other chunks than its recompute
 TIE_MARGIN = 0.05  # the two best tokens' logprobs this close: either may win in bf16
 MAX_PROMPT_TOKENS = 3000  # of the engines' 4096-token context, leaving room for the completion
+SMALL_CONTEXT = 1536  # tokens: the context of plans with a small device cache, so that prompts contend
 ENGINE_TIMEOUT_S = 600
 _BLOCK_SIZE_REFUSAL = re.compile(r"ConfigError: kv_connector_extra_config\.block_size=\d+ is not accepted: it must "
                                  r"be a multiple of every KV group's device block size .*")
@@ -65,10 +66,15 @@ def make_plan(seed: int) -> dict:
         llm_kwargs["async_scheduling"] = False  # vLLM refuses the CPU's n-gram drafts with it
     if r.random() < 0.1:  # vLLM still hashes blocks for the connector: the host tier is the only cache
         llm_kwargs["enable_prefix_caching"] = False
-    if device_block and r.random() < 0.3:  # a device cache a few prompts fill: preemptions
-        # (a sliding-window group's blocks share the pool: one context's worth is refused beside one)
+    # A device cache two prompts fill, and long completions: vLLM admits a prompt only where it fits,
+    # so requests are preempted (and their prefixes looked up again) as their completions grow.
+    # (A sliding-window group's blocks share the pool: one context's worth is refused beside one.)
+    small_cache = device_block is not None and r.random() < 0.3
+    if small_cache:
         factors = [1.05, 1.2, 1.5] if model == "llama" else [1.3, 1.4, 1.6]
-        llm_kwargs["num_gpu_blocks_override"] = int(4096 // device_block * r.choice(factors))
+        llm_kwargs["max_model_len"] = SMALL_CONTEXT
+        llm_kwargs["num_gpu_blocks_override"] = int(SMALL_CONTEXT // device_block * r.choice(factors))
+        plan["max_prompt_tokens"] = SMALL_CONTEXT - 20 * 12
     extra: dict = {"cpu_bytes": r.choice([256 << 10, 1 << 20, 4 << 20, 4 << 20, 64 << 20, 64 << 20])}
     if device_block and r.random() < 0.4:
         extra["block_size"] = device_block * r.choice([1, 2, 4])
@@ -92,7 +98,7 @@ def make_plan(seed: int) -> dict:
             prompts.append(prompt)
         rounds.append({"reset_before": index > 0 and r.random() < 0.7,
                        "reset_connector": index > 0 and r.random() < 0.1,
-                       "max_tokens": r.randint(1, 12), "prompts": prompts})
+                       "max_tokens": r.randint(1, 12) * (20 if small_cache else 1), "prompts": prompts})
     # random weights attend almost evenly, so that one wrong block barely moves the outputs: most plans
     # sharpen attention (`tiny_models._sharpen_attention`), so that single positions decide them
     plan.update(llm_kwargs=llm_kwargs, extra=extra, docs=docs, rounds=rounds,
@@ -108,7 +114,7 @@ def prompt_tokens(plan: dict, prompt: dict, earlier: list[tuple[list[list[int]],
         tokens = prompts[index] + outs[index]["tokens"] + prompt["suffix"]
     else:
         tokens = plan["docs"][prompt["doc"]][:prompt["cut"]] + prompt["suffix"]
-    return tokens[:MAX_PROMPT_TOKENS]
+    return tokens[:plan.get("max_prompt_tokens", MAX_PROMPT_TOKENS)]
 
 
 # ----------------------------------------------------------------------------- one engine (child process)
