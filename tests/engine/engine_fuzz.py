@@ -185,8 +185,9 @@ def _connector_problems(llm) -> list[str]:
 
 
 def run_engine(plan: dict, with_connector: bool, corrupt_host: bool = False) -> dict:
-    """Run the plan's rounds on one engine. ``corrupt_host`` zeroes one host block, the tier's first
-    slot, before each round after the first: the self-check that a single wrong block is caught."""
+    """Run the plan's rounds on one engine. ``corrupt_host`` zeroes one host block, the tier's highest
+    slot in use (its newest), before each round after the first: the self-check that a single wrong
+    block is caught."""
     from connector.engine_runner import engine_env, get_scheduler_connector, get_worker_connector, make_llm
     from connector.tiny_models import build_model
 
@@ -201,8 +202,8 @@ def run_engine(plan: dict, with_connector: bool, corrupt_host: bool = False) -> 
             from tests.engine.scenario import _kvscope
 
             index_of_tier = _kvscope(get_scheduler_connector(llm))._scheduler.index
-            first = max(entry.slot for entry in index_of_tier._entries.values())
-            _kvscope(get_worker_connector())._worker.engine.host[first].zero_()
+            newest = max(entry.slot for entry in index_of_tier._entries.values())
+            _kvscope(get_worker_connector())._worker.engine.host[newest].zero_()
         prompts = [prompt_tokens(plan, p, earlier) for p in round_["prompts"]]
         aborts = {i: p["abort_after_steps"] for i, p in enumerate(round_["prompts"]) if "abort_after_steps" in p}
         earlier.append((prompts, _generate(llm, index, prompts, round_["max_tokens"], aborts)))

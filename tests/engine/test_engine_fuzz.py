@@ -128,8 +128,8 @@ LOADING_PLAN = {
 @pytest.mark.engine
 def test_the_fuzz_passes_real_loads_and_fails_one_host_block_zeroed_before_they_load():
     """The same plan on three engines at once: kvscope's, kvscope's with one host block of the 54 it holds
-    zeroed before the second round, and none. The first loads and agrees; the second loads the zeros and
-    must fail (attention sharpened: with the model's random weights that one block moved a logprob 0.02)."""
+    (its newest) zeroed before the second round, and none. The first loads and agrees; the second loads
+    the zeros and must fail (attention sharpened: with the random weights that block moved a logprob 0.025)."""
     results = execute(LOADING_PLAN, ("kvscope", "corrupted", "baseline"))
     assert results["kvscope"]["external_hit_tokens"] > 0, results["kvscope"]
     assert verdict(LOADING_PLAN, results) == ("ok", [])
