@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.engine.engine_fuzz import compare, execute, largest_logprob_gap, make_plan, prompt_tokens, verdict
+from tests.engine.engine_fuzz import (compare, execute, first_parting, largest_logprob_gap, make_plan, prompt_tokens,
+                                     recompute_agrees, verdict)
 
 
 def _completion(tokens, logprobs, best):
@@ -91,6 +92,26 @@ def test_the_connectors_own_problems_fail_a_seed_even_at_a_tie():
     b = _completion([7], [-2.0], [{"7": -2.0, "6": -2.01}])
     outcome, problems = compare({}, _run(a, problems=["leak: job 3"]), _run(b))
     assert outcome == "failed" and problems[0] == "leak: job 3"
+
+
+def test_the_first_parting_skips_aborted_requests_and_equal_completions():
+    same, other = _completion([5, 6], [-1.0, -1.0], []), _completion([5, 7], [-1.0, -1.0], [])
+    ours = {"rounds": [[same, {"aborted": True}], [same, same]]}
+    theirs = {"rounds": [[same, other], [same, other]]}
+    assert first_parting(ours, theirs) == (1, 1)
+    assert first_parting(ours, ours) is None
+
+
+@pytest.mark.parametrize("recomputed, agrees", [
+    ({"tokens": [5, 7], "logprobs": [-1.0, -1.01], "prompt": "p1"}, True),
+    ({"tokens": [5, 7], "logprobs": [-1.0, -1.01], "prompt": "p2"}, False),  # another prompt (a parted turn)
+    ({"tokens": [5, 6], "logprobs": [-1.0, -1.0], "prompt": "p1"}, False),  # the baseline's tokens
+    ({"tokens": [5, 7], "logprobs": [-1.0, -1.2], "prompt": "p1"}, False),  # a logprob past the tolerance
+    ({"aborted": True}, False),
+])
+def test_a_parted_completion_is_vllms_cache_only_where_a_recompute_of_the_same_prompt_gives_it(recomputed, agrees):
+    ours = {"rounds": [[{"tokens": [5, 7], "logprobs": [-1.0, -1.0], "prompt": "p1"}]]}
+    assert recompute_agrees(ours, {"rounds": [[recomputed]]}, (0, 0)) is agrees
 
 
 def test_a_baseline_that_cannot_start_is_refused_and_a_kvscope_engine_that_cannot_fails():
