@@ -70,12 +70,12 @@ def make_plan(seed: int) -> dict:
         llm_kwargs["async_scheduling"] = False  # vLLM refuses the CPU's n-gram drafts with it
     if r.random() < 0.1:  # vLLM still hashes blocks for the connector: the host tier is the only cache
         llm_kwargs["enable_prefix_caching"] = False
-    # A device cache two prompts fill, and long completions: vLLM admits a prompt only where it fits,
+    # A device cache of 1.05-2 contexts, and long completions: vLLM admits a prompt only where it fits,
     # so requests are preempted (and their prefixes looked up again) as their completions grow.
     # (A sliding-window group's blocks share the pool: one context's worth is refused beside one.)
     small_cache = device_block is not None and r.random() < 0.3
     if small_cache:
-        factors = [1.05, 1.2, 1.5] if model == "llama" else [1.3, 1.4, 1.6]
+        factors = [1.05, 1.2, 1.5] if model == "llama" else [1.5, 1.75, 2.0]
         llm_kwargs["max_model_len"] = SMALL_CONTEXT
         llm_kwargs["num_gpu_blocks_override"] = int(SMALL_CONTEXT // device_block * r.choice(factors))
         plan["max_prompt_tokens"] = SMALL_CONTEXT - 20 * 12
