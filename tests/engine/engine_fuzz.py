@@ -68,7 +68,9 @@ def make_plan(seed: int) -> dict:
         llm_kwargs["speculative_config"] = {"method": "ngram", "num_speculative_tokens": r.choice([2, 3, 5]),
                                             "prompt_lookup_max": 4, "prompt_lookup_min": 2}
         llm_kwargs["async_scheduling"] = False  # vLLM refuses the CPU's n-gram drafts with it
-    if r.random() < 0.1:  # vLLM still hashes blocks for the connector: the host tier is the only cache
+    # vLLM still hashes blocks for the connector: the host tier is the only cache (kvscope refuses Mamba
+    # groups without prefix caching: vLLM then keeps no state per block)
+    if r.random() < 0.1 and not mamba:
         llm_kwargs["enable_prefix_caching"] = False
     # A device cache of 1.05-2 contexts, and long completions: vLLM admits a prompt only where it fits,
     # so requests are preempted (and their prefixes looked up again) as their completions grow.
