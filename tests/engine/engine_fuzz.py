@@ -226,7 +226,7 @@ def run_engine(plan: dict, with_connector: bool, corrupt_host: bool = False) -> 
 
 
 # ----------------------------------------------------------------------------- comparing two runs (pure)
-def compare(plan: dict, ours: dict, theirs: dict) -> tuple[str, list[str]]:
+def compare(ours: dict, theirs: dict) -> tuple[str, list[str]]:
     """("ok" | "tie" | "failed", what differs). Nothing after a tie is compared: a continuing prompt
     carries the parted completion, and a different completion leaves the host tier other blocks."""
     problems = list(ours.get("problems", []))
@@ -321,7 +321,7 @@ def execute(plan: dict, roles: tuple[str, ...] = ("kvscope", "baseline")) -> dic
         os.unlink(f.name)
 
 
-def verdict(plan: dict, results: dict[str, dict], ours: str = "kvscope") -> tuple[str, list[str]]:
+def verdict(results: dict[str, dict], ours: str = "kvscope") -> tuple[str, list[str]]:
     """A seed's outcome from its engines' results: "refused" when the baseline engine itself could not
     run the plan's settings (not kvscope's doing), or when kvscope refused a host block size that is
     no multiple of the device block size vLLM chose (the CPU attention backend may double the one
@@ -334,7 +334,7 @@ def verdict(plan: dict, results: dict[str, dict], ours: str = "kvscope") -> tupl
         if refusal:
             return "refused", [refusal.group(0)]
         return "failed", [mine["error"], mine["stderr"][-3000:]]
-    return compare(plan, mine, base)
+    return compare(mine, base)
 
 
 def recheck(plan: dict, results: dict[str, dict], outcome: str, problems: list[str]) -> tuple[str, list[str]]:
@@ -380,7 +380,7 @@ def main() -> None:
             break
         started = time.monotonic()
         results = execute(plan)
-        outcome, problems = verdict(plan, results)
+        outcome, problems = verdict(results)
         if outcome == "failed":
             outcome, problems = recheck(plan, results, outcome, problems)
         counts[outcome] = counts.get(outcome, 0) + 1

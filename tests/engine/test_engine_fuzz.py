@@ -41,13 +41,13 @@ def test_a_continuing_prompt_is_the_earlier_prompt_its_completion_and_a_suffix()
 def test_equal_tokens_within_the_logprob_tolerance_are_ok():
     a = _completion([5, 6], [-1.0, -2.0], [{"5": -1.0, "4": -1.5}, {"6": -2.0, "1": -2.5}])
     b = _completion([5, 6], [-1.02, -2.03], [{"5": -1.02, "4": -1.5}, {"6": -2.03, "1": -2.5}])
-    assert compare({}, _run(a), _run(b)) == ("ok", [])
+    assert compare(_run(a), _run(b)) == ("ok", [])
 
 
 def test_aborted_requests_are_not_compared():
     a = _completion([5], [-1.0], [{"5": -1.0, "4": -1.5}])
     b = _completion([7], [-1.0], [{"7": -1.0, "4": -1.5}])
-    assert compare({}, _run({"aborted": True}, a), _run(b, a)) == ("ok", [])
+    assert compare(_run({"aborted": True}, a), _run(b, a)) == ("ok", [])
 
 
 def test_the_largest_gap_is_over_steps_sampled_alike_of_requests_not_aborted():
@@ -60,14 +60,14 @@ def test_the_largest_gap_is_over_steps_sampled_alike_of_requests_not_aborted():
 def test_a_logprob_past_the_tolerance_fails_with_equal_tokens():
     a = _completion([5], [-1.0], [{"5": -1.0, "4": -1.5}])
     b = _completion([5], [-1.2], [{"5": -1.2, "4": -1.5}])
-    outcome, problems = compare({}, _run(a), _run(b))
+    outcome, problems = compare(_run(a), _run(b))
     assert outcome == "failed" and "differ by 0.200" in problems[0]
 
 
 def test_tokens_parting_where_both_runs_saw_the_same_near_tie_are_a_tie():
     a = _completion([5, 6], [-1.0, -2.0], [{"5": -1.0, "4": -1.5}, {"6": -2.0, "7": -2.01}])
     b = _completion([5, 7], [-1.0, -2.0], [{"5": -1.0, "4": -1.5}, {"7": -2.0, "6": -2.01}])
-    assert compare({}, _run(a), _run(b)) == ("tie", ["tie at round 0 prompt 0 step 1"])
+    assert compare(_run(a), _run(b)) == ("tie", ["tie at round 0 prompt 0 step 1"])
 
 
 @pytest.mark.parametrize("theirs", [
@@ -77,20 +77,20 @@ def test_tokens_parting_where_both_runs_saw_the_same_near_tie_are_a_tie():
 def test_tokens_parting_at_a_near_tie_of_other_logprobs_fail(theirs):
     a = _completion([6], [-2.0], [{"6": -2.0, "7": -2.01}])
     b = _completion([7], [-2.0], [theirs])
-    outcome, problems = compare({}, _run(a), _run(b))
+    outcome, problems = compare(_run(a), _run(b))
     assert outcome == "failed" and problems[0].startswith("tokens part at round 0 prompt 0 step 0")
 
 
 def test_tokens_parting_at_a_clear_choice_fail():
     a = _completion([6], [-1.0], [{"6": -1.0, "7": -3.0}])
     b = _completion([7], [-1.0], [{"7": -1.0, "6": -3.0}])
-    assert compare({}, _run(a), _run(b))[0] == "failed"
+    assert compare(_run(a), _run(b))[0] == "failed"
 
 
 def test_the_connectors_own_problems_fail_a_seed_even_at_a_tie():
     a = _completion([6], [-2.0], [{"6": -2.0, "7": -2.01}])
     b = _completion([7], [-2.0], [{"7": -2.0, "6": -2.01}])
-    outcome, problems = compare({}, _run(a, problems=["leak: job 3"]), _run(b))
+    outcome, problems = compare(_run(a, problems=["leak: job 3"]), _run(b))
     assert outcome == "failed" and problems[0] == "leak: job 3"
 
 
@@ -117,8 +117,8 @@ def test_a_parted_completion_is_vllms_cache_only_where_a_recompute_of_the_same_p
 def test_a_baseline_that_cannot_start_is_refused_and_a_kvscope_engine_that_cannot_fails():
     broken = {"error": "exit 1", "stderr": "ValueError: No common block size"}
     ok = {"rounds": [], "problems": []}
-    assert verdict({}, {"kvscope": ok, "baseline": broken})[0] == "refused"
-    assert verdict({}, {"kvscope": broken, "baseline": ok})[0] == "failed"
+    assert verdict({"kvscope": ok, "baseline": broken})[0] == "refused"
+    assert verdict({"kvscope": broken, "baseline": ok})[0] == "failed"
 
 
 def test_kvscope_refusing_a_host_block_size_vllm_made_wrong_is_refused_not_failed():
@@ -126,9 +126,9 @@ def test_kvscope_refusing_a_host_block_size_vllm_made_wrong_is_refused_not_faile
                "a multiple of every KV group's device block size [32] (e.g. 32, 64, ...)")
     refused = {"error": "exit 1", "stderr": "Traceback ...\n[rank0]: " + message + "\n"}
     ok = {"rounds": [], "problems": []}
-    assert verdict({}, {"kvscope": refused, "baseline": ok}) == ("refused", [message.removeprefix("connector.config.")])
+    assert verdict({"kvscope": refused, "baseline": ok}) == ("refused", [message.removeprefix("connector.config.")])
     other = {"error": "exit 1", "stderr": "connector.config.ConfigError: cpu_bytes=0 is not accepted"}
-    assert verdict({}, {"kvscope": other, "baseline": ok})[0] == "failed"
+    assert verdict({"kvscope": other, "baseline": ok})[0] == "failed"
 
 
 # Two documents longer than the 64-token window, looked up again after a device prefix-cache reset.
@@ -153,7 +153,7 @@ def test_the_fuzz_passes_real_loads_and_fails_one_host_block_zeroed_before_they_
     the zeros and must fail (attention sharpened: with the random weights that block moved a logprob 0.025)."""
     results = execute(LOADING_PLAN, ("kvscope", "corrupted", "baseline"))
     assert results["kvscope"]["external_hit_tokens"] > 0, results["kvscope"]
-    assert verdict(LOADING_PLAN, results) == ("ok", [])
+    assert verdict(results) == ("ok", [])
     assert results["corrupted"]["external_hit_tokens"] > 0
-    outcome, problems = verdict(LOADING_PLAN, results, ours="corrupted")
+    outcome, problems = verdict(results, ours="corrupted")
     assert outcome == "failed", problems
