@@ -35,6 +35,7 @@ from unittest import mock
 import torch
 
 from connector import KVScopeConnector
+from tests.connector_leaks import connector_leaks
 
 
 def create_engine_config(args):
@@ -534,21 +535,9 @@ class ModelFreeEngine:
         self.scheduler.finish_requests(list(req_ids), RequestStatus.FINISHED_ABORTED)
 
     def host_tier_leaks(self) -> list[str]:
-        """What the connector still holds once every request is done: pinned or never completed
-        host entries, transfer jobs without their reports, state of requests vLLM let go of.
-        Empty when nothing leaked."""
-        sched = self.scheduler.get_kv_connector()._scheduler
-        leaks = [f"{key}: pins={e.pins} ready={e.ready}" for key, e in sched.index._entries.items()
-                 if e.pins or not e.ready]
-        leaks += [f"job {job_id}: {job.direction} of {job.req_id}" for job_id, job in sched._jobs.items()]
-        leaks += [f"device block {block} still a source of stores {jobs}"
-                  for block, jobs in sched._store_sources.items()]
-        leaks += [f"unsettled filling of {key}" for key in sched.stores.by_key]
-        leaks += [f"worker {rank}: {len(w._worker._in_flight)} copies in flight"
-                  for rank, w in enumerate(self.workers) if w._worker is not None and w._worker._in_flight]
-        # nor per-request state of a request vLLM has let go of (a server runs for months)
-        gone = [r for r in (*sched._requests, *sched._lookups) if r not in self.scheduler.requests]
-        return leaks + [f"state of finished request {r}" for r in gone]
+        """What the connector still holds once every request is done (`connector_leaks`). Empty when
+        nothing leaked."""
+        return connector_leaks(self.scheduler.get_kv_connector()._scheduler, self.scheduler.requests, self.workers)
 
     def telemetry_mismatches(self) -> list[str]:
         """Where kvscope's stats, as vLLM hands them to its stat loggers, disagree with vLLM's own counts

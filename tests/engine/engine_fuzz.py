@@ -35,6 +35,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from tests.connector_leaks import connector_leaks
+
 ROOT = Path(__file__).resolve().parents[2]
 LOGPROB_TOLERANCE = 0.05  # bf16: a loaded block was summed in other chunks than its recompute
 TIE_MARGIN = 0.05  # the two best tokens' logprobs this close: either may win in bf16
@@ -162,7 +164,8 @@ def _generate(llm, round_index: int, prompts: list[list[int]], max_tokens: int,
 
 
 def _connector_problems(llm) -> list[str]:
-    """kvscope's telemetry against vLLM's counters, and what it still holds with every request done."""
+    """kvscope's telemetry against vLLM's counters and itself, and what it still holds with every
+    request done (`connector_leaks`)."""
     from connector.engine_runner import get_scheduler_connector, get_worker_connector, metric_values
     from tests.engine.scenario import _kvscope, kvscope_samples
 
@@ -179,16 +182,13 @@ def _connector_problems(llm) -> list[str]:
         if ours.get(f"kvscope_{kind}_tokens_total", 0.0) != vllm_counts.get(theirs, 0.0):
             problems.append(f"telemetry: kvscope_{kind}_tokens_total {ours.get(f'kvscope_{kind}_tokens_total')} "
                             f"!= {theirs} {vllm_counts.get(theirs)}")
+    hit, looked_up = ours.get("kvscope_hit_tokens_total", 0.0), ours.get("kvscope_lookup_tokens_total", 0.0)
+    if ours.get("kvscope_missed_tokens_total", 0.0) != looked_up - hit:
+        problems.append(f"telemetry: kvscope_missed_tokens_total {ours.get('kvscope_missed_tokens_total')} "
+                        f"!= lookup - hit {looked_up - hit}")
     sched = _kvscope(get_scheduler_connector(llm))._scheduler
-    problems += [f"leak: {key} pins={e.pins} ready={e.ready}" for key, e in sched.index._entries.items()
-                 if e.pins or not e.ready]
-    problems += [f"leak: job {job_id} ({job.direction} of {job.req_id})" for job_id, job in sched._jobs.items()]
-    problems += [f"leak: state of finished request {r}" for r in (*sched._requests, *sched._lookups)
-                 if r not in scheduler.requests]
-    worker = _kvscope(get_worker_connector())._worker
-    if worker._in_flight:
-        problems.append(f"leak: {len(worker._in_flight)} copies in flight on the worker")
-    return problems
+    workers = [_kvscope(get_worker_connector())]
+    return problems + [f"leak: {leak}" for leak in connector_leaks(sched, scheduler.requests, workers)]
 
 
 def run_engine(plan: dict, with_connector: bool, corrupt_host: bool = False) -> dict:
