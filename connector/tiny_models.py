@@ -108,7 +108,7 @@ def _sharpen_attention(model, scale: float) -> None:
     """Scale every attention layer's queries and keys by ``scale`` (its scores by its square).
 
     Random weights attend almost evenly, so one wrong block of a long prompt barely moves the outputs
-    (a zeroed block among 54 moved a logprob by 0.02); attention this sharp makes single positions
+    (a zeroed block among 54 moved a logprob by 0.025); attention this sharp makes single positions
     decide them, which is what a check of loaded KV needs."""
     import torch
 

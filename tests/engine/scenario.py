@@ -49,14 +49,23 @@ def kvscope_samples(by: str | None = None) -> dict:
     return out
 
 
-def _zero_host_blocks_of(llm, kind: str) -> None:
-    """Overwrite the host copies of one group kind with zeros (to show its loads are read)."""
+def _zero_one_block_of_the_next_load(llm, kind: str) -> list[int]:
+    """Zero one host block of one group kind just before a load copies it: the last block of the
+    first load of that kind (a block the model reads), so exactly one wrong block reaches the model."""
     sched = _kvscope(get_scheduler_connector(llm))._scheduler
     kinds = {layout.index: layout.kind.value for layout in sched.layouts}
     engine = _kvscope(get_worker_connector())._worker.engine
-    for (group, _), entry in sched.index._entries.items():
-        if kinds[group] == kind:
-            engine.host[entry.slot].zero_()
+    load = engine.load
+    zeroed = []
+
+    def load_with_one_zeroed_block(group, slots, *args, **kwargs):
+        if not zeroed and kinds[group] == kind and slots:
+            engine.host[slots[-1]].zero_()
+            zeroed.append(slots[-1])
+        return load(group, slots, *args, **kwargs)
+
+    engine.load = load_with_one_zeroed_block
+    return zeroed  # the slot, once zeroed
 
 
 def _next_turn(prompts: list[list[int]], outs, new_tokens: int) -> list[list[int]]:
@@ -97,7 +106,8 @@ def _inside_multi_connector(extra: dict) -> dict:
 
 def run(spec: dict) -> dict:
     engine_env()
-    model = build_model(spec["model"], window=spec.get("window", 64), layer_types=spec.get("layer_types"))
+    model = build_model(spec["model"], window=spec.get("window", 64), layer_types=spec.get("layer_types"),
+                        attention_scale=spec.get("attention_scale", 1.0))
     prompts = spec["prompts"]
     max_tokens = spec.get("max_tokens", 8)
     llm_kwargs = spec.get("llm_kwargs", {})
@@ -129,8 +139,8 @@ def run(spec: dict) -> dict:
     if conversation:
         prompts = _next_turn(prompts, rounds[0], conversation["new_tokens"])
     after0 = metric_values(llm)
-    if spec.get("zero_group_kind"):
-        _zero_host_blocks_of(llm, spec["zero_group_kind"])
+    zeroed = _zero_one_block_of_the_next_load(llm, spec["zero_one_loaded_block_of"]) \
+        if spec.get("zero_one_loaded_block_of") else []
     counters.append(_delta(after0, before))
     assert llm.reset_prefix_cache(), "device prefix cache reset failed"
     if spec.get("drop_host_blocks"):
@@ -164,6 +174,7 @@ def run(spec: dict) -> dict:
         "slot_bytes": sched.slot_bytes,
         "prompts": prompts,  # of rounds 1 and 2
         "fence": fence,
+        "zeroed_slots": zeroed,
     }
 
 
