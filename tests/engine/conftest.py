@@ -57,15 +57,21 @@ def run_scenario(spec: dict, timeout: int = 600) -> dict:
 
 
 class ScenarioCache:
-    """Runs each named scenario (and its no-connector baseline) once per session."""
+    """Runs each scenario spec once per session, whichever test names it first. Results are kept by the
+    spec itself, not by ``name``, so that tests naming the same scenario alike with other specs (another
+    model, say) never share a result; ``name`` labels its failure."""
 
     def __init__(self):
         self._results: dict[str, dict] = {}
 
     def get(self, name: str, spec: dict) -> dict:
-        if name not in self._results:
-            self._results[name] = run_scenario(spec)
-        return self._results[name]
+        key = json.dumps(spec, sort_keys=True)
+        if key not in self._results:
+            try:
+                self._results[key] = run_scenario(spec)
+            except AssertionError as failed:
+                raise AssertionError(f"scenario {name}: {failed}") from None
+        return self._results[key]
 
 
 @pytest.fixture(scope="session")

@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 
 from .conftest import prompts_sharing_prefixes
-from .outputs import tokens
+from .outputs import SHARP_ATTENTION, tokens
 
 pytestmark = pytest.mark.engine
 
 PROMPTS = prompts_sharing_prefixes()
-GEMMA = dict(model="gemma3", window=64, prompts=PROMPTS)
+GEMMA = dict(model="gemma3", window=64, attention_scale=SHARP_ATTENTION, prompts=PROMPTS)
 # One slot of this gemma3 holds 2 layers x 32 KiB; 24 slots hold far less than the workload.
 SMALL_HOST = {"cpu_bytes": 24 * 2 * 32768}
 
