@@ -49,23 +49,30 @@ def kvscope_samples(by: str | None = None) -> dict:
     return out
 
 
-def _zero_one_block_of_the_next_load(llm, kind: str) -> list[int]:
-    """Zero one host block of one group kind just before a load copies it: the last block of the
-    first load of that kind (a block the model reads), so exactly one wrong block reaches the model."""
+def _corrupt_the_next_load(llm, kind: str, how: str) -> list[int]:
+    """Give the model one wrong block in the first load of one group kind, just before that load copies:
+    "zero" zeroes its last host block; "swap" swaps its last two, each right KV at the other's position
+    (what an off-by-one in where a group's blocks start would load). Returns the slots changed."""
     sched = _kvscope(get_scheduler_connector(llm))._scheduler
     kinds = {layout.index: layout.kind.value for layout in sched.layouts}
     engine = _kvscope(get_worker_connector())._worker.engine
     load = engine.load
-    zeroed = []
+    changed: list[int] = []
 
-    def load_with_one_zeroed_block(group, slots, *args, **kwargs):
-        if not zeroed and kinds[group] == kind and slots:
-            engine.host[slots[-1]].zero_()
-            zeroed.append(slots[-1])
+    def corrupted_load(group, slots, *args, **kwargs):
+        if not changed and kinds[group] == kind and len(slots) >= (2 if how == "swap" else 1):
+            if how == "zero":
+                engine.host[slots[-1]].zero_()
+                changed.append(slots[-1])
+            else:
+                last = engine.host[slots[-1]].clone()
+                engine.host[slots[-1]].copy_(engine.host[slots[-2]])
+                engine.host[slots[-2]].copy_(last)
+                changed.extend(slots[-2:])
         return load(group, slots, *args, **kwargs)
 
-    engine.load = load_with_one_zeroed_block
-    return zeroed  # the slot, once zeroed
+    engine.load = corrupted_load
+    return changed
 
 
 def _next_turn(prompts: list[list[int]], outs, new_tokens: int) -> list[list[int]]:
@@ -139,8 +146,9 @@ def run(spec: dict) -> dict:
     if conversation:
         prompts = _next_turn(prompts, rounds[0], conversation["new_tokens"])
     after0 = metric_values(llm)
-    zeroed = _zero_one_block_of_the_next_load(llm, spec["zero_one_loaded_block_of"]) \
-        if spec.get("zero_one_loaded_block_of") else []
+    # "corrupt_next_load": {"kind": a group kind, "how": "zero" | "swap"}: the controls of the equality tests
+    corrupt = spec.get("corrupt_next_load")
+    corrupted = _corrupt_the_next_load(llm, corrupt["kind"], corrupt["how"]) if corrupt else []
     counters.append(_delta(after0, before))
     assert llm.reset_prefix_cache(), "device prefix cache reset failed"
     if spec.get("drop_host_blocks"):
@@ -174,7 +182,7 @@ def run(spec: dict) -> dict:
         "slot_bytes": sched.slot_bytes,
         "prompts": prompts,  # of rounds 1 and 2
         "fence": fence,
-        "zeroed_slots": zeroed,
+        "corrupted_slots": corrupted,
     }
 
 

@@ -55,10 +55,10 @@ def test_one_wrong_loaded_block_moves_the_outputs(scenarios, qwen_baseline, kind
     """The control for the test above: one block zeroed just before a load copies it (the first
     load's last block of that group: a request's whole state, for Mamba) moves the outputs past the
     tolerance. Unsharpened, a zeroed state moved a logprob by only 0.02 and parted no token."""
-    result = scenarios.get(f"qwen3next-zero-one-{kind}", {**QWEN, "zero_one_loaded_block_of": kind})
+    result = scenarios.get(f"qwen3next-zero-{kind}", {**QWEN, "corrupt_next_load": {"kind": kind, "how": "zero"}})
     cold, loaded, _ = result["rounds"]
     assert tokens(cold) == tokens(qwen_baseline["rounds"][0])
-    assert len(result["zeroed_slots"]) == 1
+    assert len(result["corrupted_slots"]) == 1
     assert outputs_moved(cold, loaded)
 
 

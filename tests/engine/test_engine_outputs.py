@@ -50,15 +50,19 @@ def test_loaded_round_equals_cold_round_and_no_connector(model_run):
     assert tokens(cold) == tokens(baseline["rounds"][0])
 
 
-@pytest.mark.parametrize("name,kind", [("gemma3-w64", "full_attention"), ("gemma3-w64", "sliding_window"),
-                                       ("llama", "full_attention"), ("gptoss-w64", "sliding_window")])
-def test_one_wrong_loaded_block_moves_the_outputs(scenarios, name, kind):
-    """The control for the test above: one host block of one group zeroed just before a load copies
-    it (the last block of that group's first load) moves what the model computes past the tolerance:
-    a single wrong block is enough to fail the equality above."""
-    result = scenarios.get(f"{name}-zero-one-{kind}", spec_for(name, zero_one_loaded_block_of=kind))
+@pytest.mark.parametrize("name,kind,how", [
+    ("gemma3-w64", "full_attention", "zero"), ("gemma3-w64", "sliding_window", "zero"),
+    ("llama", "full_attention", "zero"), ("gptoss-w64", "sliding_window", "zero"),
+    # the right KV at the wrong place: (rotary) positions are in the cached keys
+    ("gemma3-w64", "full_attention", "swap"), ("llama", "full_attention", "swap"),
+])
+def test_one_wrong_loaded_block_moves_the_outputs(scenarios, name, kind, how):
+    """The control for the test above: one host block of one group zeroed, or two swapped, just before a
+    load copies them (that group's first load's last blocks) moves what the model computes past the
+    tolerance: a single wrong block is enough to fail the equality above."""
+    result = scenarios.get(f"{name}-{how}-{kind}", spec_for(name, corrupt_next_load={"kind": kind, "how": how}))
     cold, loaded, _ = result["rounds"]
-    assert len(result["zeroed_slots"]) == 1
+    assert len(result["corrupted_slots"]) == (1 if how == "zero" else 2)
     assert outputs_moved(cold, loaded)
 
 
@@ -183,10 +187,10 @@ def test_an_fp8_kv_cache_loads_what_it_stored_in_half_the_host_bytes(scenarios):
 def test_one_wrong_loaded_fp8_block_moves_the_outputs(scenarios):
     """The control for the test above: one full-attention fp8 block zeroed just before a load copies
     it moves what the model computes past the tolerance."""
-    result = scenarios.get("gemma3-w64-fp8-zero-one", spec_for("gemma3-w64", llm_kwargs=FP8,
-                                                                 zero_one_loaded_block_of="full_attention"))
+    result = scenarios.get("gemma3-w64-fp8-zero-one", spec_for(
+        "gemma3-w64", llm_kwargs=FP8, corrupt_next_load={"kind": "full_attention", "how": "zero"}))
     cold, loaded, _ = result["rounds"]
-    assert len(result["zeroed_slots"]) == 1
+    assert len(result["corrupted_slots"]) == 1
     assert outputs_moved(cold, loaded)
 
 
