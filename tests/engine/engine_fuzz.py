@@ -8,13 +8,14 @@ preempts), a host tier (tight ones evict) and a few rounds of prompts sharing do
 continuing an earlier round's output, some aborted mid-run, most rounds after a device prefix-cache
 reset so that they load from the host tier. The same plan runs in two engine processes at once, with kvscope
 and without, and their greedy outputs must agree: the same tokens, each logprob within `logprob_tolerance`
-(0.01, or 0.05 beside linear attention). Where the tokens part at a step whose two best tokens were the same
-in both runs, with the same logprobs within that tolerance and within `TIE_MARGIN` of each other, the seed is
-a `tie` (bf16 sums in another order may pick either), not a failure; where they part otherwise, the plan runs
-once more without kvscope and without vLLM's prefix cache, and if kvscope's completion is that recompute's,
-the seed is `vllm_cache` (vLLM's prefix cache parted the baseline from a recompute, not kvscope: Qwen3-Next's
-linear-attention states). kvscope's hit and looked-up tokens must equal vLLM's external prefix-cache hits and
-queries, and once every request is done it must hold no host block, job or request state (`connector_leaks`).
+(0.01; 0.05 beside linear attention or preemption). Where the tokens part at a step whose two best tokens were
+the same in both runs, with the same logprobs within that tolerance and within `TIE_MARGIN` of each other, the
+seed is a `tie` (bf16 sums in another order may pick either), not a failure; where they part otherwise, the
+plan runs once more without kvscope and without vLLM's prefix cache, and if kvscope's completion is that
+recompute's, the seed is `vllm_cache` (vLLM's prefix cache parted the baseline from a recompute, not kvscope:
+Qwen3-Next's linear-attention states). kvscope's hit and looked-up tokens must equal vLLM's external prefix-
+cache hits and queries, every load must write only device blocks its request alone holds, and once every
+request is done it must hold no host block, job or request state (`connector_leaks`).
 
     python -m tests.engine.engine_fuzz --seeds 0:100 --minutes 60 --out repros/
     python -m tests.engine.engine_fuzz --replay repros/seed-17.json
@@ -198,6 +199,43 @@ def _connector_problems(llm) -> list[str]:
     return problems + [f"leak: {leak}" for leak in connector_leaks(sched, scheduler.requests, workers)]
 
 
+def load_destination_problem(group: int, block_ids: list[int], req_to_blocks: dict) -> str | None:
+    """What is wrong with a load writing ``block_ids`` of one group, given vLLM's block tables of that
+    group (request id -> its blocks): None when one request alone holds every one of them."""
+    wanted = set(block_ids)
+    holders: dict[int, list[str]] = {}
+    for req_id, blocks in req_to_blocks.items():
+        for block in blocks:
+            if block.block_id in wanted:
+                holders.setdefault(block.block_id, []).append(req_id)
+    owners = {req for held_by in holders.values() for req in held_by}
+    if len(owners) == 1 and all(len(holders.get(b, ())) == 1 for b in wanted):
+        return None
+    return f"load into group {group} blocks {sorted(wanted)} held by {holders}"
+
+
+def _watch_load_destinations(llm) -> list[str]:
+    """Check, as each load copies, that every device block it writes is held by one request alone in vLLM's
+    block tables (the loading one): a load writing another request's block, or a block vLLM shares from
+    its prefix cache, would change KV that no output comparison can tie to kvscope. Returns the list
+    that the problems found go into."""
+    from connector.engine_runner import get_worker_connector
+    from tests.engine.scenario import _kvscope
+
+    managers = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager.coordinator.single_type_managers
+    engine = _kvscope(get_worker_connector())._worker.engine
+    load, problems = engine.load, []
+
+    def watched_load(group, slots, subs, block_ids, *args, **kwargs):
+        problem = load_destination_problem(group, block_ids, managers[group].req_to_blocks)
+        if problem:
+            problems.append(problem)
+        return load(group, slots, subs, block_ids, *args, **kwargs)
+
+    engine.load = watched_load
+    return problems
+
+
 def run_engine(plan: dict, with_connector: bool, corrupt_host: bool = False) -> dict:
     """Run the plan's rounds on one engine. ``corrupt_host`` zeroes one host block, the tier's highest
     slot in use (its newest), before each round after the first: the self-check that a single wrong
@@ -208,6 +246,7 @@ def run_engine(plan: dict, with_connector: bool, corrupt_host: bool = False) -> 
     engine_env()
     model = build_model(plan["model"], window=plan["window"], attention_scale=plan.get("attention_scale", 1.0))
     llm = make_llm(model, plan["extra"] if with_connector else None, connector=with_connector, **plan["llm_kwargs"])
+    foreign_writes = _watch_load_destinations(llm) if with_connector else []
     earlier: list[tuple[list[list[int]], list[dict]]] = []
     for index, round_ in enumerate(plan["rounds"]):
         if round_["reset_before"]:
@@ -225,7 +264,7 @@ def run_engine(plan: dict, with_connector: bool, corrupt_host: bool = False) -> 
     if with_connector:
         from connector.engine_runner import metric_values
 
-        result["problems"] = _connector_problems(llm)
+        result["problems"] = foreign_writes[:5] + _connector_problems(llm)
         counts = metric_values(llm)
         result["external_hit_tokens"] = counts.get("vllm:external_prefix_cache_hits", 0.0)
         result["preemptions"] = counts.get("vllm:num_preemptions", 0.0)
@@ -234,8 +273,15 @@ def run_engine(plan: dict, with_connector: bool, corrupt_host: bool = False) -> 
 
 # ----------------------------------------------------------------------------- comparing two runs (pure)
 def logprob_tolerance(plan: dict) -> float:
-    """How far a plan's logprobs may move: `ATTENTION_ONLY_TOLERANCE` but beside linear attention."""
-    return LOGPROB_TOLERANCE if plan["model"].startswith("qwen3next") else ATTENTION_ONLY_TOLERANCE
+    """How far a plan's logprobs may move: `ATTENTION_ONLY_TOLERANCE`, but beside linear attention, and
+    with a device cache small enough to preempt. There kvscope rightly changes vLLM's schedule (it loads
+    a preempted request's blocks, which vLLM alone recomputes), and on the CPU backend a request's logits
+    move with the requests batched beside it: seed 1035 of a campaign preempting more, a request that was
+    never preempted nor loaded, parted by 0.136 over 100 decode steps; two engines without kvscope whose
+    caches differ by 4 blocks parted by 0.053."""
+    if plan["model"].startswith("qwen3next") or "num_gpu_blocks_override" in plan["llm_kwargs"]:
+        return LOGPROB_TOLERANCE
+    return ATTENTION_ONLY_TOLERANCE
 
 
 def compare(ours: dict, theirs: dict, tolerance: float = LOGPROB_TOLERANCE) -> tuple[str, list[str]]:
