@@ -13,9 +13,9 @@ the same in both runs, with the same logprobs within that tolerance and within `
 seed is a `tie` (bf16 sums in another order may pick either), not a failure; where they part otherwise, the
 plan runs once more without kvscope and without vLLM's prefix cache, and if kvscope's completion is that
 recompute's, the seed is `vllm_cache` (vLLM's prefix cache parted the baseline from a recompute, not kvscope:
-Qwen3-Next's linear-attention states). kvscope's hit and looked-up tokens must equal vLLM's external prefix-
-cache hits and queries, every load must write only device blocks its request alone holds, and once every
-request is done it must hold no host block, job or request state (`connector_leaks`).
+Qwen3-Next's linear-attention states). kvscope's hit and looked-up tokens must equal vLLM's external
+prefix-cache hits and queries, every load must write only device blocks its request alone holds, and once
+every request is done it must hold no host block, job or request state (`connector_leaks`).
 
     python -m tests.engine.engine_fuzz --seeds 0:100 --minutes 60 --out repros/
     python -m tests.engine.engine_fuzz --replay repros/seed-17.json
