@@ -113,11 +113,11 @@ def make_plan(seed: int) -> dict:
                        "max_tokens": r.randint(1, 12) * (20 if small_cache else 1), "prompts": prompts})
     # random weights attend almost evenly, so that one wrong block barely moves the outputs: most plans
     # sharpen attention (`tiny_models._sharpen_attention`), so that single positions decide them. Not
-    # Qwen3-Next's with chunked prefill: sharpened, its runs without kvscope, with vLLM's prefix cache
-    # and without it, already part by 0.1 in logprobs there (seed 1010; 0.004 at scale 1).
-    scale = r.choice([1.0, 6.0, 6.0])
-    if mamba and "max_num_batched_tokens" in llm_kwargs:
-        scale = 1.0
+    # Qwen3-Next's: sharpened, bf16 rounding in its linear attention parts runs past any tolerance. Under
+    # chunked prefill its runs without kvscope, with vLLM's prefix cache and without it, part by 0.098
+    # (seed 1010); a state loaded where an earlier completion's decode steps reached it parts from the
+    # prefill's by 0.012, then the tokens (seed 2022). Both within 0.004 at scale 1.
+    scale = 1.0 if mamba else r.choice([1.0, 6.0, 6.0])
     plan.update(llm_kwargs=llm_kwargs, extra=extra, docs=docs, rounds=rounds, attention_scale=scale)
     return plan
 
