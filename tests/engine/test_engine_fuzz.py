@@ -116,6 +116,16 @@ def test_tokens_parting_where_both_runs_saw_the_same_near_tie_are_a_tie():
     assert compare(_run(a), _run(b)) == ("tie", ["tie at round 0 prompt 0 step 1"])
 
 
+def test_a_near_tie_of_three_tokens_is_a_tie_when_each_run_saw_both_picks_near_the_top():
+    """Seed 2060's step: ours picked 165 over 94; theirs tied 94 with 255 and picked 94, 165 just below."""
+    a = _completion([165], [-5.652], [{"165": -5.652, "94": -5.6755, "255": -5.68, "7": -5.9}])
+    b = _completion([94], [-5.6555], [{"94": -5.6555, "255": -5.6555, "165": -5.66, "7": -5.9}])
+    assert compare(_run(a), _run(b), LOGPROB_TOLERANCE) == ("tie", ["tie at round 0 prompt 0 step 0"])
+    assert compare(_run(a), _run(b), ATTENTION_ONLY_TOLERANCE)[0] == "failed"  # 94 moved by 0.02
+    lost = _completion([94], [-5.6555], [{"94": -5.6555, "255": -5.6555, "7": -5.9}])  # ours' pick not among theirs
+    assert compare(_run(a), _run(lost), LOGPROB_TOLERANCE)[0] == "failed"
+
+
 @pytest.mark.parametrize("theirs", [
     {"7": -2.0, "6": -2.2},  # the same two best tokens, but their logprobs moved past the tolerance
     {"7": -2.0, "3": -2.01},  # another second token: not the same near-tie
