@@ -220,20 +220,17 @@ def _watch_load_destinations(llm) -> list[str]:
     block tables (the loading one): a load writing another request's block, or a block vLLM shares from
     its prefix cache, would change KV that no output comparison can tie to kvscope. Returns the list
     that the problems found go into."""
-    from connector.engine_runner import get_worker_connector
-    from tests.engine.scenario import _kvscope
+    from tests.engine.scenario import before_each_load
 
     managers = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager.coordinator.single_type_managers
-    engine = _kvscope(get_worker_connector())._worker.engine
-    load, problems = engine.load, []
+    problems: list[str] = []
 
-    def watched_load(group, slots, subs, block_ids, *args, **kwargs):
+    def check(engine, group, slots, block_ids):
         problem = load_destination_problem(group, block_ids, managers[group].req_to_blocks)
         if problem:
             problems.append(problem)
-        return load(group, slots, subs, block_ids, *args, **kwargs)
 
-    engine.load = watched_load
+    before_each_load(check)
     return problems
 
 

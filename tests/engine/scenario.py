@@ -49,17 +49,30 @@ def kvscope_samples(by: str | None = None) -> dict:
     return out
 
 
+def before_each_load(hook) -> None:
+    """Call ``hook(engine, group, slots, block_ids)`` as each load of this process's worker starts to
+    copy, before it reads the host tier: ``engine`` is the worker's `CopyEngine`, ``slots`` the host
+    slots read and ``block_ids`` the device blocks written. A hook may check or change what the load
+    copies. Hooks set up one after another all run, the first one first."""
+    engine = _kvscope(get_worker_connector())._worker.engine
+    load = engine.load
+
+    def hooked_load(group, slots, subs, block_ids, *args, **kwargs):
+        hook(engine, group, slots, block_ids)
+        return load(group, slots, subs, block_ids, *args, **kwargs)
+
+    engine.load = hooked_load
+
+
 def _corrupt_the_next_load(llm, kind: str, how: str) -> list[int]:
     """Give the model one wrong block in the first load of one group kind, just before that load copies:
     "zero" zeroes its last host block; "swap" swaps its last two, each right KV at the other's position
     (what an off-by-one in where a group's blocks start would load). Returns the slots changed."""
     sched = _kvscope(get_scheduler_connector(llm))._scheduler
     kinds = {layout.index: layout.kind.value for layout in sched.layouts}
-    engine = _kvscope(get_worker_connector())._worker.engine
-    load = engine.load
     changed: list[int] = []
 
-    def corrupted_load(group, slots, *args, **kwargs):
+    def corrupt(engine, group, slots, block_ids):
         if not changed and kinds[group] == kind and len(slots) >= (2 if how == "swap" else 1):
             if how == "zero":
                 engine.host[slots[-1]].zero_()
@@ -69,9 +82,8 @@ def _corrupt_the_next_load(llm, kind: str, how: str) -> list[int]:
                 engine.host[slots[-1]].copy_(engine.host[slots[-2]])
                 engine.host[slots[-2]].copy_(last)
                 changed.extend(slots[-2:])
-        return load(group, slots, *args, **kwargs)
 
-    engine.load = corrupted_load
+    before_each_load(corrupt)
     return changed
 
 
