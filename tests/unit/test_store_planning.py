@@ -1340,3 +1340,19 @@ def test_a_step_planning_fewer_computed_tokens_than_an_earlier_one_never_plans_a
     assert _pieces(third, 0) == [] and _pieces(third, 1) == [([202], [2])]
     _report(sched, third)
     assert not sched.index.is_ready((0, "h3")) and not sched.index.is_ready((1, "h3"))  # piece 3 is not written
+
+
+def test_a_store_reads_only_the_block_ids_vllm_has_allocated_and_stores_the_rest_once_it_has():
+    """vLLM allocates a block for every token it schedules, so its lists are never shorter than the computed
+    tokens: a guard. Were one shorter, the store stops at its end and goes on from there once it is longer."""
+    sched, manager = _scheduler()
+    state = _state("r", 128)
+    manager.ids = tuple(ids[:3] for ids in _ids(0))
+    first = sched._plan_store(state, 128)
+    assert _pieces(first, 0) == [([100, 101, 102], [0, 1, 2])] and _pieces(first, 1) == [([200, 201, 202], [0, 1, 2])]
+    _report(sched, first)
+    manager.ids = _ids(0)
+    second = sched._plan_store(state, 128)
+    assert _pieces(second, 1) == [([203, 204, 205, 206, 207], [3, 0, 1, 2, 3])]
+    _report(sched, second)
+    assert sched.index.is_ready((1, "h3")) and sched.index.is_ready((1, "h7"))
