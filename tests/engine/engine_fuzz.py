@@ -1,21 +1,22 @@
 """Randomized multi-round workloads on the real CPU engine, with kvscope against without it.
 
 `workload_fuzz` drives vLLM's scheduler with a fake forward; this runs the real engine: the model's own
-attention backends read what kvscope's worker copied in. A seed draws a tiny model (full attention,
-sliding window, gpt-oss's sinks, or Qwen3-Next's linear attention), engine settings (device block size,
-chunked prefill, async scheduling, n-gram drafts, the prefix cache off, a small device cache that
-preempts), a host tier (tight ones evict) and a few rounds of prompts sharing documents' prefixes or
-continuing an earlier round's output, some aborted mid-run, most rounds after a device prefix-cache
-reset so that they load from the host tier. The same plan runs in two engine processes at once, with kvscope
-and without, and their greedy outputs must agree: the same tokens, each logprob within `logprob_tolerance`
-(0.01; 0.05 beside linear attention or preemption). Where the tokens part at a step where each run saw both
-picks among its best tokens, with the same logprobs within that tolerance and within `TIE_MARGIN` of each
-other, the seed is a `tie` (bf16 sums in another order may pick either), not a failure; where they part
-otherwise, the plan runs once more without kvscope and without vLLM's prefix cache, and if kvscope's
-completion is that recompute's, the seed is `vllm_cache` (vLLM's prefix cache parted the baseline from a
-recompute, not kvscope: Qwen3-Next's linear-attention states). kvscope's hit and looked-up tokens must equal
-vLLM's external prefix-cache hits and queries, every load must write only device blocks its request alone
-holds, and once every request is done it must hold no host block, job or request state (`connector_leaks`).
+attention backends read what kvscope's worker copied in. A seed draws a tiny model (full attention, sliding
+window, gpt-oss's sinks, or Qwen3-Next's linear attention), engine settings (device block size, chunked
+prefill, async scheduling, n-gram drafts, the prefix cache off, a small device cache that preempts, an fp8 KV
+cache), a host tier (tight ones evict) and a few rounds of prompts sharing documents' prefixes or continuing
+an earlier round's output, some aborted mid-run, some with tenants' cache salts, most rounds after a device
+prefix-cache reset so that they load from the host tier. The same plan runs in two engine processes at once,
+with kvscope and without, and their greedy outputs must agree: the same tokens, each logprob within
+`logprob_tolerance` (0.01; 0.05 beside linear attention or preemption). Where the tokens part at a step where
+each run saw both picks among its best tokens, with the same logprobs within that tolerance and within
+`TIE_MARGIN` of each other, the seed is a `tie` (bf16 sums in another order may pick either), not a failure;
+where they part otherwise, the plan runs once more without kvscope and without vLLM's prefix cache, and if
+kvscope's completion is that recompute's, the seed is `vllm_cache` (vLLM's prefix cache parted the baseline
+from a recompute, not kvscope: Qwen3-Next's linear-attention states). kvscope's hit and looked-up tokens must
+equal vLLM's external prefix-cache hits and queries, every load must write only device blocks its request
+alone holds, and once every request is done it must hold no host block, job or request state
+(`connector_leaks`).
 
     python -m tests.engine.engine_fuzz --seeds 0:100 --minutes 60 --out repros/
     python -m tests.engine.engine_fuzz --replay repros/seed-17.json
@@ -59,7 +60,8 @@ def make_plan(seed: int) -> dict:
     A round is {"reset_before", "reset_connector", "max_tokens", "prompts"}; a prompt is
     {"doc", "cut", "suffix"} (a document's first `cut` tokens, then `suffix`) or {"continues":
     [round, index], "suffix"} (that prompt, its completion, then `suffix`: a conversation's turn), either
-    with "abort_after_steps" when the request is aborted after that many engine steps (not compared)."""
+    with "abort_after_steps" when the request is aborted after that many engine steps (not compared),
+    and with "cache_salt" when it is a tenant's."""
     r = random.Random(seed)
     model = r.choice(["llama", "gemma3", "gemma3", "gptoss", "qwen3next"])
     plan: dict = {"seed": seed, "model": model, "window": r.choice([32, 64, 128])}
@@ -119,6 +121,14 @@ def make_plan(seed: int) -> dict:
     # (seed 1010); a state loaded where an earlier completion's decode steps reached it parts from the
     # prefill's by 0.012, then the tokens (seed 2022). Both within 0.004 at scale 1.
     scale = 1.0 if mamba else r.choice([1.0, 6.0, 6.0])
+    # Drawn last, so that the draws above stay what they were for every seed.
+    if model in ("llama", "gemma3") and r.random() < 0.15:
+        llm_kwargs["kv_cache_dtype"] = "fp8"  # a byte a KV element: host slots half a bf16 one's
+    if r.random() < 0.2:  # tenants: a salt is part of every block's key, on the device and in the host tier
+        for prompt in (p for round_ in rounds for p in round_["prompts"]):
+            salt = r.choice([None, "tenant-a", "tenant-b"])
+            if salt:
+                prompt["cache_salt"] = salt
     plan.update(llm_kwargs=llm_kwargs, extra=extra, docs=docs, rounds=rounds, attention_scale=scale)
     return plan
 
@@ -136,18 +146,21 @@ def prompt_tokens(plan: dict, prompt: dict, earlier: list[tuple[list[list[int]],
 
 # ----------------------------------------------------------------------------- one engine (child process)
 def _generate(llm, round_index: int, prompts: list[list[int]], max_tokens: int,
-              aborts: dict[int, int]) -> list[dict]:
+              aborts: dict[int, int], salts: list[str | None]) -> list[dict]:
     """Greedy completions with each step's chosen logprob and its `BEST_TOKENS` best tokens' logprobs. The
-    requests go in together; prompt ``i`` in ``aborts`` is aborted after ``aborts[i]`` engine steps
-    (its completion is then {"aborted": True})."""
+    requests go in together, prompt ``i`` with cache salt ``salts[i]``; prompt ``i`` in ``aborts`` is
+    aborted after ``aborts[i]`` engine steps (its completion is then {"aborted": True})."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     engine = llm.llm_engine
     params = SamplingParams(max_tokens=max_tokens, logprobs=BEST_TOKENS, detokenize=False, temperature=0.0)
     ids = [f"{round_index}-{i}" for i in range(len(prompts))]
-    for request_id, prompt in zip(ids, prompts):
-        engine.add_request(request_id, TokensPrompt(prompt_token_ids=prompt), params)
+    for request_id, prompt, salt in zip(ids, prompts, salts):
+        tokens = TokensPrompt(prompt_token_ids=prompt)
+        if salt:
+            tokens["cache_salt"] = salt
+        engine.add_request(request_id, tokens, params)
     finished, steps = {}, 0
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -257,7 +270,8 @@ def run_engine(plan: dict, with_connector: bool, corrupt_host: bool = False) -> 
             _kvscope(get_worker_connector())._worker.engine.host[newest].zero_()
         prompts = [prompt_tokens(plan, p, earlier) for p in round_["prompts"]]
         aborts = {i: p["abort_after_steps"] for i, p in enumerate(round_["prompts"]) if "abort_after_steps" in p}
-        earlier.append((prompts, _generate(llm, index, prompts, round_["max_tokens"], aborts)))
+        salts = [p.get("cache_salt") for p in round_["prompts"]]
+        earlier.append((prompts, _generate(llm, index, prompts, round_["max_tokens"], aborts, salts)))
     result: dict = {"rounds": [outs for _, outs in earlier]}
     if with_connector:
         from connector.engine_runner import metric_values
