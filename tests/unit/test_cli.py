@@ -368,6 +368,13 @@ def test_check_of_the_json_alone_is_for_an_engine_of_one_worker(monkeypatch):
      "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL='http/json' is not accepted"),
     ({"OTEL_EXPORTER_OTLP_ENDPOINT": "not a url"},
      "OTEL_EXPORTER_OTLP_ENDPOINT='not a url' is not accepted for OTLP grpc: it holds a space"),
+    ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4317", "OTEL_EXPORTER_OTLP_PROTOCOL": "HTTP/JSON "},
+     "OTEL_EXPORTER_OTLP_PROTOCOL='HTTP/JSON ' is not accepted"),  # the value as written, not as read
+    ({"OTEL_EXPORTER_OTLP_ENDPOINT": "collector"}, "it has no http:// or https:// or grpc:// scheme; expected "
+     "http://host:port or https://host:port or grpc://host:port, host:port, or a gRPC target (unix:///path, "
+     "dns:///host:port)"),
+    ({"OTEL_EXPORTER_OTLP_ENDPOINT": "unix:///run/otel.sock", "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf"},
+     "its scheme is 'unix'; expected http://host:port or https://host:port"),  # gRPC targets are gRPC's alone
     ({"OTEL_EXPORTER_OTLP_ENDPOINT": "ftp://x:21"}, "its scheme is 'ftp'; expected http://host:port"),
     ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://localhost:99999"}, "Port out of range"),
     ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://[::1"}, "Invalid IPv6 URL"),
@@ -381,6 +388,7 @@ def test_check_of_the_json_alone_is_for_an_engine_of_one_worker(monkeypatch):
     ({"OTEL_EXPORTER_OTLP_ENDPOINT": "grpc://collector:4317", "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf"},
      "its scheme is 'grpc'; expected http://host:port or https://host:port"),
     ({"OTEL_EXPORTER_OTLP_ENDPOINT": "unix:"}, "it names no target"),
+    ({"OTEL_EXPORTER_OTLP_ENDPOINT": "dns:///"}, "it names no target"),
     ({"OTEL_EXPORTER_OTLP_ENDPOINT": "dns://8.8.8.8/collector:4317"}, "would send to '8.8.8.8' alone"),
     ({"OTEL_EXPORTER_OTLP_ENDPOINT": "unix://tmp/otel.sock"}, "would send to 'tmp' alone (write unix:///"),
     ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4317", "OTEL_EXPORTER_OTLP_HEADERS": "a=1,secret-token"},
@@ -419,11 +427,29 @@ def test_otel_variables_kvscope_would_act_on_wrongly_are_refused_naming_them(mon
     # vLLM's OpenTelemetry example's form, which vLLM passes on to its engine processes
     ("grpc://10.0.0.5:4317", "grpc"), ("otel_collector:4317", "grpc"), ("http://otel_collector:4318", "http/protobuf"),
     ("unix:///run/otel/otlp.sock", "grpc"), ("dns:///collector:4317", "grpc"),  # gRPC targets
+    ("http://collector:4318", " HTTP/Protobuf "),  # read as the exporters read it
 ])
 def test_endpoints_the_otlp_exporters_take_are_accepted(endpoint, protocol):
     from connector.telemetry.otel_env import check_otlp_env
 
     check_otlp_env({"OTEL_EXPORTER_OTLP_ENDPOINT": endpoint, "OTEL_EXPORTER_OTLP_PROTOCOL": protocol})
+
+
+def test_otlp_variables_set_empty_count_as_unset_as_the_exporter_reads_them():
+    """Compose files and Helm charts often set a variable to "": the trace-specific one then gives way
+    to the general one, in the check as in the exporter built."""
+    from connector.telemetry.otel_env import check_otlp_env, otlp_protocol
+    from connector.telemetry.sinks import build_otlp_exporter
+
+    env = {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318",
+           "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "", "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf"}
+    check_otlp_env(env)
+    assert otlp_protocol(env) == "http/protobuf"
+    exporter = build_otlp_exporter(env)
+    try:
+        assert exporter.inner._endpoint == "http://c:4318/v1/traces"
+    finally:
+        exporter.shutdown()
 
 
 @pytest.mark.parametrize("sampler, arg, ratio", [
