@@ -428,6 +428,9 @@ def test_otel_variables_kvscope_would_act_on_wrongly_are_refused_naming_them(mon
     ("grpc://10.0.0.5:4317", "grpc"), ("otel_collector:4317", "grpc"), ("http://otel_collector:4318", "http/protobuf"),
     ("unix:///run/otel/otlp.sock", "grpc"), ("dns:///collector:4317", "grpc"),  # gRPC targets
     ("http://collector:4318", " HTTP/Protobuf "),  # read as the exporters read it
+    ("collector:65535", "grpc"), ("collector:1", "grpc"),  # the bounds of a port
+    ("_collector:4317", "grpc"),  # `_` anywhere in a host name
+    ("unix-abstract:otel", "grpc"), ("ipv4:127.0.0.1:4317", "grpc"), ("ipv6:[::1]:4317", "grpc"),  # gRPC targets
 ])
 def test_endpoints_the_otlp_exporters_take_are_accepted(endpoint, protocol):
     from connector.telemetry.otel_env import check_otlp_env
@@ -479,6 +482,15 @@ def test_an_otel_traces_exporter_kvscope_does_not_export_to_is_said_not_refused(
     monkeypatch.setenv("OTEL_TRACES_EXPORTER", "otlp,jaeger")
     assert cli.main(["check", _transfer(cpu_bytes=1 << 20, trace_file=str(tmp_path / "t.jsonl"))]) == 0
     assert "OTEL_TRACES_EXPORTER names 'jaeger', which kvscope does not export to" in capsys.readouterr().err
+
+
+def test_otel_traces_exporter_names_kvscope_follows_are_read_in_any_case_and_others_warned_of():
+    from connector.telemetry.otel_env import exporter_warnings
+
+    assert exporter_warnings({"OTEL_TRACES_EXPORTER": " OTLP ,None,"}) == []
+    assert exporter_warnings({"OTEL_TRACES_EXPORTER": "console"}) == [
+        "kvscope: OTEL_TRACES_EXPORTER names 'console', which kvscope does not export to (accepted: 'otlp', 'none'); "
+        "its spans go over OTLP or to trace_file only"]
 
 
 @pytest.mark.parametrize("argv, said", [
