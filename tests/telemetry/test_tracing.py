@@ -143,6 +143,21 @@ def test_otel_traces_sampler_treats_a_traceparent_as_its_standard_meaning_says(t
         worker.shutdown()
 
 
+def test_otel_traces_sampler_and_its_arg_are_read_as_the_sdk_reads_them():
+    """Blank values count as unset, names are trimmed, and both ends of 0..1 are ratios."""
+    from connector.telemetry.otel_env import (REMOTE_PARENT_AND_RATIO, REMOTE_PARENT_FOLLOWED, REMOTE_PARENT_IGNORED,
+                                              sampler_from_env)
+
+    # unset: the caller's default (trace_sample_ratio's 1.0), an unsampled traceparent still drops the request
+    assert sampler_from_env({}) == (1.0, REMOTE_PARENT_AND_RATIO)
+    assert sampler_from_env({"OTEL_TRACES_SAMPLER": " "}, default=0.25) == (0.25, REMOTE_PARENT_AND_RATIO)
+    assert sampler_from_env({"OTEL_TRACES_SAMPLER": " always_on "}) == (1.0, REMOTE_PARENT_IGNORED)
+    ratio_of = {"OTEL_TRACES_SAMPLER": "parentbased_traceidratio"}
+    assert sampler_from_env(ratio_of | {"OTEL_TRACES_SAMPLER_ARG": " "}) == (1.0, REMOTE_PARENT_FOLLOWED)
+    for arg, ratio in (("0", 0.0), ("1", 1.0), (" 0.5 ", 0.5)):
+        assert sampler_from_env(ratio_of | {"OTEL_TRACES_SAMPLER_ARG": arg}) == (ratio, REMOTE_PARENT_FOLLOWED)
+
+
 # ------------------------------------------------------------------ file sink end to end
 def test_trace_file_sink_through_the_batch_processor(tmp_path):
     path = tmp_path / "traces.jsonl"
