@@ -1362,6 +1362,47 @@ def test_kvscope_logs_through_vllms_handlers(model_path):
         ours.handlers, ours.level = saved
 
 
+def test_kvscope_joins_vllms_handlers_once_vllm_has_some_and_keeps_a_level_already_chosen():
+    """Each connector of a process calls `log_through_vllm`: a second handler printed every line twice.
+    Before vLLM configured its logger there is nothing to join (and no level to take from it)."""
+    import logging
+
+    from connector.vllm_logging import _ThroughVllm, log_through_vllm
+
+    ours, theirs, root = logging.getLogger("connector"), logging.getLogger("vllm"), logging.getLogger()
+    saved = [(logger, list(logger.handlers), logger.level) for logger in (ours, theirs, root)]
+
+    def keeping(level: int) -> list[logging.LogRecord]:
+        kept: list[logging.LogRecord] = []
+        handler = logging.Handler(level)
+        handler.emit = kept.append
+        theirs.addHandler(handler)
+        return kept
+
+    try:
+        for logger in (ours, theirs, root):
+            logger.handlers, logger.level = [], logging.NOTSET
+        log_through_vllm()
+        assert ours.handlers == [] and ours.level == logging.NOTSET  # vLLM has not configured its logger yet
+        theirs.setLevel(logging.INFO)
+        info = keeping(logging.INFO)
+        log_through_vllm()
+        log_through_vllm()
+        assert [type(h) for h in ours.handlers] == [_ThroughVllm] and ours.level == logging.INFO
+        warning = keeping(logging.WARNING)  # added later (a dictConfig): it gets kvscope's records too
+        logging.getLogger("connector.scheduler").info("kvscope: info")
+        logging.getLogger("connector.scheduler").warning("kvscope: warning")
+        assert [r.getMessage() for r in info] == ["kvscope: info", "kvscope: warning"]
+        assert [r.getMessage() for r in warning] == ["kvscope: warning"]  # each handler's own level
+        for level, root_handlers in ((logging.DEBUG, []), (logging.NOTSET, [logging.NullHandler()])):
+            ours.handlers, ours.level, root.handlers = [], level, root_handlers
+            log_through_vllm()  # a level chosen already, or the user's own logging set up: left as it is
+            assert ours.level == level
+    finally:
+        for logger, handlers, level in saved:
+            logger.handlers, logger.level = handlers, level
+
+
 @pytest.mark.parametrize("role", ["SCHEDULER", "WORKER"])
 @pytest.mark.parametrize("name", ["pipeline_parallel_size", "decode_context_parallel_size"])
 def test_parallelism_kvscope_cannot_follow_is_refused_at_start_up(model_path, role, name):
