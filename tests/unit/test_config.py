@@ -338,3 +338,21 @@ def test_a_trace_file_no_file_system_can_name_is_one_of_the_problems_named():
     message = _error({"cpu_bytes": 0, "trace_file": "/tmp/x\ud800.jsonl"})
     assert "2 problems" in message and "surrogates not allowed at character 6" in message
     _assert_names(message, "cpu_bytes", 0)
+
+
+def test_the_mamba_advice_names_the_smallest_checkpointed_state_block():
+    """With several checkpointed groups finer than the offloaded block, only a block no longer than the
+    smallest state block holds every state; advising a larger one would be refused again."""
+    with pytest.raises(ConfigError, match=r"Mamba state blocks of 16 tokens.* expected block_size 16 \(the Mamba"):
+        parse_config({"cpu_bytes": 1, "block_size": 64}).offload_block_size([16], 16,
+                                                                            checkpointed_state_block_sizes=[32, 16])
+    # 16 is no multiple of the 32-token device block: no block size serves (32 would span two 16-token states)
+    with pytest.raises(ConfigError, match=r"expected no block_size with these KV groups"):
+        parse_config({"cpu_bytes": 1, "block_size": 64}).offload_block_size([16, 32], 16,
+                                                                            checkpointed_state_block_sizes=[32, 16])
+
+
+def test_a_block_one_token_shorter_than_max_model_len_is_accepted_and_a_longer_one_refused_naming_the_limit():
+    assert parse_config({"cpu_bytes": 1, "block_size": 16}).offload_block_size([16], 16, max_model_len=17) == (16, None)
+    with pytest.raises(ConfigError, match=r"block_size=4096 is not accepted: .* expected fewer than 2048 tokens"):
+        parse_config({"cpu_bytes": 1, "block_size": 4096}).offload_block_size([16], 16, max_model_len=2048)
