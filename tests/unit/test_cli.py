@@ -521,7 +521,8 @@ def test_check_warns_of_a_metrics_port_in_use_here(capsys):
     assert "is in use" not in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("value", ["false", "0", "None", " off "])
+@pytest.mark.parametrize("value", ["false", "0", "None", " off ", "TRUE", "1", "on", "yes", "no", "null",
+                                   "disabled"])
 def test_a_trace_file_that_reads_as_a_switch_is_refused(value):
     from connector.config import ConfigError, parse_config
 

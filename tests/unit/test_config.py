@@ -356,3 +356,41 @@ def test_a_block_one_token_shorter_than_max_model_len_is_accepted_and_a_longer_o
     assert parse_config({"cpu_bytes": 1, "block_size": 16}).offload_block_size([16], 16, max_model_len=17) == (16, None)
     with pytest.raises(ConfigError, match=r"block_size=4096 is not accepted: .* expected fewer than 2048 tokens"):
         parse_config({"cpu_bytes": 1, "block_size": 4096}).offload_block_size([16], 16, max_model_len=2048)
+
+
+def test_an_existing_trace_file_is_accepted_for_appending(tmp_path):
+    """Restarts append to the same file: an existing writable file is no "file, not a folder"."""
+    existing = tmp_path / "t.jsonl"
+    existing.write_text('{"earlier": "spans"}\n')
+    assert parse_config({"cpu_bytes": 1, "trace_file": str(existing)}).trace_file == str(existing)
+
+
+def test_an_existing_trace_file_is_checked_for_writing_itself_not_its_folder():
+    """/proc/self/comm can be written, but no file can be made in /proc/self (not even by root)."""
+    import os
+
+    if not os.path.exists("/proc/self/comm"):
+        pytest.skip("needs /proc")
+    assert parse_config({"cpu_bytes": 1, "trace_file": "/proc/self/comm"}).trace_file == "/proc/self/comm"
+
+
+def test_the_write_probe_leaves_no_file_and_no_open_descriptor_behind(tmp_path):
+    """Each check creates and removes a probe file: a leftover would litter the trace folder, and an
+    open descriptor per check would leak (`kvscope check`, each engine start)."""
+    import os
+
+    if not os.path.isdir("/proc/self/fd"):
+        pytest.skip("needs /proc/self/fd")
+    open_before = len(os.listdir("/proc/self/fd"))
+    for _ in range(5):
+        parse_config({"cpu_bytes": 1, "trace_file": str(tmp_path / "t.jsonl")})
+    assert list(tmp_path.iterdir()) == []
+    assert len(os.listdir("/proc/self/fd")) == open_before
+
+
+def test_a_trace_file_name_of_exactly_the_file_systems_limit_is_accepted(tmp_path):
+    import os
+
+    limit = os.pathconf(tmp_path, "PC_NAME_MAX")
+    path = str(tmp_path / ("n" * limit))
+    assert parse_config({"cpu_bytes": 1, "trace_file": path}).trace_file == path
