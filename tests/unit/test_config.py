@@ -394,3 +394,32 @@ def test_a_trace_file_name_of_exactly_the_file_systems_limit_is_accepted(tmp_pat
     limit = os.pathconf(tmp_path, "PC_NAME_MAX")
     path = str(tmp_path / ("n" * limit))
     assert parse_config({"cpu_bytes": 1, "trace_file": path}).trace_file == path
+
+
+def test_tiers_that_exactly_fill_the_memory_available_now_are_not_warned_of():
+    from connector.config import check_host_memory
+
+    assert check_host_memory(4 << 30, 2, 16 << 30, available_bytes=8 << 30) is None
+
+
+def test_available_memory_is_the_kernels_memavailable_in_bytes():
+    """Not MemFree (page cache the kernel gives back counts as available), and kB are KiB."""
+    from connector.config import available_memory_bytes
+
+    def mem_available() -> int:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+
+    try:
+        before = mem_available()
+    except (OSError, StopIteration):
+        pytest.skip("no MemAvailable in /proc/meminfo")
+    got = available_memory_bytes()
+    after = mem_available()
+    assert min(before, after) * 0.995 <= got <= max(before, after) * 1.005  # it moves between the reads
+
+
+def test_an_unknown_keys_value_is_shown_as_written():
+    """A quoted string is shown quoted, as in the JSON: '8G', not 8G."""
+    message = _error({"cpu_bytes": GIB, "trace_fiel": "/tmp/t.jsonl", "blocksize": "8"})
+    assert "blocksize='8', trace_fiel='/tmp/t.jsonl'" in message
