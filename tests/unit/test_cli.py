@@ -222,7 +222,8 @@ def test_check_warns_that_vllm_refuses_a_connector_with_expandable_segments(monk
     spaced form turns expandable segments on in PyTorch too, but vLLM lets it pass, and kvscope's copies
     read the KV cache through its tensors, whatever pages back them)."""
     for conf, refused in (("expandable_segments:True", True), ("max_split_size_mb:512,expandable_segments:True", True),
-                          ("expandable_segments: True", False), ("expandable_segments:False", False)):
+                          ("expandable_segments: True", False), ("expandable_segments:False", False),
+                          ("expandable_segments:true", False)):
         monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", conf)
         assert cli.main(["check", _transfer(cpu_bytes=1 << 20)]) == 0
         assert ("unless started with --enable-cumem-allocator" in capsys.readouterr().err) == refused, conf
@@ -536,3 +537,60 @@ def test_a_host_tier_larger_than_the_memory_available_now_is_warned_of():
     assert check_host_memory(6 << 30, 1, 16 << 30, available_bytes=8 << 30) is None
     warning = check_host_memory(6 << 30, 2, 16 << 30, available_bytes=8 << 30)
     assert "need 12884901888 bytes, more than the 8589934592 available now" in warning
+
+
+# --- found by the mutation campaign of config_check.py ------------------------------------------
+
+
+def test_check_of_nothing_traced_samples_every_request_and_reads_only_the_environment_it_is_given(monkeypatch):
+    """`env` replaces this process's environment: {} is an empty one, not "use os.environ"."""
+    from connector.config_check import check_transfer_config
+
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    result = check_transfer_config(_transfer(cpu_bytes=1 << 20), env={})
+    assert result.warnings == [] and result.sample_ratio == 1.0
+    assert any("expandable_segments" in w for w in check_transfer_config(_transfer(cpu_bytes=1 << 20)).warnings)
+
+
+def test_check_warns_when_the_tiers_outgrow_the_memory_available_now(monkeypatch):
+    from connector import config_check
+
+    monkeypatch.setattr(config_check, "physical_memory_bytes", lambda: 16 << 30)
+    monkeypatch.setattr(config_check, "available_memory_bytes", lambda: 1 << 30)
+    result = config_check.check_transfer_config(_transfer(cpu_bytes=2 << 30), env={})
+    assert len(result.warnings) == 1 and "more than the 1073741824 available now" in result.warnings[0]
+
+
+def test_check_leaves_no_handler_on_the_sinks_logger(monkeypatch):
+    """Its handler collects the exporter's warnings for one check; left on, every later warning of
+    the engine's sinks would go to that check's list."""
+    import logging
+
+    from connector.config_check import check_transfer_config
+
+    sinks_logger = logging.getLogger("connector.telemetry.sinks")
+    handlers = list(sinks_logger.handlers)
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4318", "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+           "OTEL_EXPORTER_OTLP_TIMEOUT": "500ms"}
+    warnings = check_transfer_config(_transfer(cpu_bytes=1 << 20), env=env).warnings
+    assert any("ignoring OTLP timeout" in w for w in warnings)
+    assert sinks_logger.handlers == handlers
+
+
+def test_check_without_vllm_installed_says_so(monkeypatch, capsys):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "vllm", None)  # `import vllm` raises ImportError
+    assert cli.main(["check", _transfer(cpu_bytes=1 << 20)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvscope check: vLLM is not installed here (") and "install a supported vLLM" in err, err
+
+
+def test_describe_names_the_offloaded_block_size_when_set_and_no_trace_file_as_none():
+    from connector.config import parse_config
+    from connector.config_check import CheckResult, describe
+
+    lines = describe(CheckResult(parse_config({"cpu_bytes": 1 << 20, "block_size": 64}))).splitlines()
+    assert "offloaded block: 64 tokens" in lines and "trace file: none" in lines
+    lines = describe(CheckResult(parse_config({"cpu_bytes": 1 << 20}))).splitlines()
+    assert "offloaded block: the device block size (checked against the model at start-up)" in lines
