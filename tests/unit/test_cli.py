@@ -251,6 +251,8 @@ def test_check_warns_when_the_workers_tiers_outgrow_this_hosts_memory(monkeypatc
     assert "4 workers on this host with a host tier of 6442450944 bytes each" in capsys.readouterr().err
     assert cli.main(["check", "-tp", "4", "--nnodes", "2", _transfer(cpu_bytes=6 << 30)]) == 0  # 2 on each node
     assert "workers on this host" not in capsys.readouterr().err
+    assert cli.main(["check", "-tp", "4", "--nnodes", "2", _transfer(cpu_bytes=9 << 30)]) == 0  # (vLLM: -dpl 1)
+    assert "2 workers on this host with a host tier of 9663676416 bytes each" in capsys.readouterr().err
     # two replicas on two nodes: one whole replica on this one (vLLM derives -dpl 1)
     assert cli.main(["check", "-tp", "4", "-dp", "2", "--nnodes", "2", _transfer(cpu_bytes=6 << 30)]) == 0
     assert "4 workers on this host with a host tier of 6442450944 bytes each" in capsys.readouterr().err
