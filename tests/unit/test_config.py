@@ -366,7 +366,8 @@ def test_an_existing_trace_file_is_accepted_for_appending(tmp_path):
 
 
 def test_an_existing_trace_file_is_checked_for_writing_itself_not_its_folder():
-    """/proc/self/comm can be written, but no file can be made in /proc/self (not even by root)."""
+    """/proc/self/comm can be written, but no file can be made in /proc/self (not even by root, for whom
+    folder permissions would not tell the two apart). Not a claim that /proc makes a good trace file."""
     import os
 
     if not os.path.exists("/proc/self/comm"):
