@@ -130,6 +130,11 @@ def test_formatting():
     assert formatting.data_size(1.5e12) == "1.5 TB" and formatting.count(3968) == "3,968"
 
 
+def test_sizes_take_the_next_unit_at_1000_of_one_and_keep_their_sign():
+    assert formatting.data_size(999) == "999 B" and formatting.data_size(1000) == "1 kB"
+    assert formatting.data_size(-1500) == "-1.5 kB"
+
+
 def test_launch_runs_streamlit_on_the_app_with_the_paths(monkeypatch):
     started = []
     monkeypatch.setattr(launch.os, "execv", lambda path, cmd: started.append((path, cmd)))

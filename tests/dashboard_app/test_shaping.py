@@ -458,7 +458,7 @@ def test_a_selection_follows_its_request():
     (95_981_990.9, "1110.9 d"), (math.nan, "–"),
     # where rounding reaches the next unit
     (0.9994, "999 ms"), (0.9996, "1.0 s"), (59.94, "59.9 s"), (59.97, "1 min 0 s"), (3599.4, "59 min 59 s"),
-    (3599.6, "1 h 0 min"), (-0.9996, "-1.0 s")])
+    (3599.6, "1 h 0 min"), (-0.9996, "-1.0 s"), (86_399.4, "23 h 59 min"), (86_400, "1.0 d")])
 def test_durations_read_in_their_units(seconds, text):
     from dashboard import formatting
 
@@ -469,6 +469,7 @@ def test_names_are_listed_briefly():
     from dashboard import formatting
 
     assert formatting.names(["a", "b"]) == "a, b"
+    assert formatting.names("abcde") == "a, b, c, d, e"  # five, the default limit: all named, no "and 0 more"
     assert formatting.names([f"r{i}" for i in range(8)], limit=3) == "r0, r1, r2 and 5 more"
 
 
