@@ -27,8 +27,12 @@ def data_size(n_bytes) -> str:
         return MISSING
     value = float(n_bytes)
     for unit in ("B", "kB", "MB", "GB", "TB"):
-        if abs(value) < 1000 or unit == "TB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.3g} {unit}"
+        # Rounded before the unit is chosen, as in `duration`: 999,999 bytes are "1 MB", not "1e+03 kB"
+        shown = f"{value:.0f}" if unit == "B" else f"{value:.3g}"
+        if abs(float(shown)) < 1000:
+            return f"{shown} {unit}"
+        if unit == "TB":  # no larger unit: whole terabytes, not "2e+03 TB"
+            return f"{value:,.0f} {unit}"
         value /= 1000
     raise AssertionError("unreachable")
 

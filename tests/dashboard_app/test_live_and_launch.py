@@ -135,6 +135,13 @@ def test_sizes_take_the_next_unit_at_1000_of_one_and_keep_their_sign():
     assert formatting.data_size(-1500) == "-1.5 kB"
 
 
+def test_a_size_that_rounds_to_1000_of_one_unit_reads_in_the_next():
+    """Rounded before the unit is chosen, as durations are: the pages showed "1e+03 kB" and "1000 B"."""
+    assert formatting.data_size(999_999) == "1 MB" and formatting.data_size(999.6) == "1 kB"
+    assert formatting.data_size(999_499) == "999 kB" and formatting.data_size(1_234_000_000) == "1.23 GB"
+    assert formatting.data_size(2e15) == "2,000 TB" and formatting.data_size(1.5e12) == "1.5 TB"
+
+
 def test_launch_runs_streamlit_on_the_app_with_the_paths(monkeypatch):
     started = []
     monkeypatch.setattr(launch.os, "execv", lambda path, cmd: started.append((path, cmd)))
