@@ -596,3 +596,157 @@ def test_describe_names_the_offloaded_block_size_when_set_and_no_trace_file_as_n
     assert "offloaded block: 64 tokens" in lines and "trace file: none" in lines
     lines = describe(CheckResult(parse_config({"cpu_bytes": 1 << 20}))).splitlines()
     assert "offloaded block: the device block size (checked against the model at start-up)" in lines
+
+
+def test_the_demos_workload_shares_each_prefix_and_adds_a_suffix_of_1_to_suffix_len_minus_1_tokens():
+    """The demo's context check counts on it: its longest prompt is prefix_len + suffix_len - 1 tokens."""
+    prompts = cli._workload(num_prefixes=3, per_prefix=40, prefix_len=5, suffix_len=4, seed=1)
+    assert len(prompts) == 120
+    assert len({tuple(p[:5]) for p in prompts}) == 3
+    assert {len(p) - 5 for p in prompts} == {1, 2, 3}
+    assert all(1 <= t < 500 for p in prompts for t in p)
+
+
+def test_demo_arguments_that_just_fit_the_demo_engines_context_are_accepted():
+    """4000 + 89 - 1 + 8 = 4096 tokens: the whole context, not more (4097 is refused)."""
+    from argparse import Namespace
+
+    args = Namespace(prefix_len=4000, suffix_len=89, max_tokens=8)
+    assert cli._demo_problem(args, {"cpu_bytes": 1 << 20}) is None
+
+
+class _FakeEngine:
+    """What the demo calls of vLLM's engine: fixed outputs per round; per prompt 10 tokens queried, 4 hit in
+    the host tier, 2 in the device cache."""
+
+    def __init__(self, outputs_per_round):
+        from types import SimpleNamespace
+
+        self.outputs_per_round, self.round, self.resets, self.flushed = outputs_per_round, 0, 0, 0
+        self.counters = {"vllm:external_prefix_cache_queries": 0, "vllm:external_prefix_cache_hits": 0,
+                         "vllm:prefix_cache_hits": 0}
+        layouts = [SimpleNamespace(index=0, kind=SimpleNamespace(value="sliding_window")),
+                   SimpleNamespace(index=1, kind=SimpleNamespace(value="full_attention"))]
+        index = SimpleNamespace(used_slots=12, num_slots=64, evicted_total=3)
+        tracing = SimpleNamespace(force_flush=lambda: setattr(self, "flushed", self.flushed + 1))
+        self.connector = SimpleNamespace(_scheduler=SimpleNamespace(layouts=layouts, index=index), tracing=tracing)
+
+    def reset_prefix_cache(self):
+        self.resets += 1
+        self.round += 1
+
+    def generate(self, prompts):
+        from types import SimpleNamespace
+
+        for name, per_prompt in zip(self.counters, (10, 4, 2)):
+            self.counters[name] += per_prompt * len(prompts)
+        return [SimpleNamespace(tokens=[self.outputs_per_round[self.round], len(p)]) for p in prompts]
+
+
+def _run_demo(monkeypatch, outputs_per_round, *argv):
+    """`kvscope demo` on `_FakeEngine` (rounds of 10 prompts), a progress bar that records its steps, and
+    per-group block counters in Prometheus' registry: (exit code, engine, what make_llm got, progress steps)."""
+    import tqdm
+    from prometheus_client import REGISTRY
+    from prometheus_client.core import CounterMetricFamily
+
+    from connector import engine_runner, tiny_models
+
+    engine = _FakeEngine(outputs_per_round)
+    made, steps = {}, []
+
+    class Bar:
+        def __init__(self, **kwargs):
+            steps.append(kwargs["total"])
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def update(self, n):
+            steps.append(n)
+
+    class Blocks:  # two engines' series of one group: the demo sums them
+        def collect(self):
+            loaded = CounterMetricFamily("kvscope_loaded_blocks", "", labels=["group", "kind", "engine"])
+            loaded.add_metric(["1", "full_attention", "0"], 5)
+            loaded.add_metric(["1", "full_attention", "1"], 7)
+            scanned = CounterMetricFamily("kvscope_scan_blocks", "", labels=["group", "kind"])
+            scanned.add_metric(["0", "sliding_window"], 30)
+            return [loaded, scanned]
+
+    monkeypatch.setattr(engine_runner, "engine_env", lambda: None)
+    monkeypatch.setattr(engine_runner, "make_llm", lambda model, extra: made.update(extra) or engine)
+    monkeypatch.setattr(engine_runner, "generate", lambda llm, prompts, max_tokens: llm.generate(prompts))
+    monkeypatch.setattr(engine_runner, "metric_values", lambda llm: dict(llm.counters))
+    monkeypatch.setattr(engine_runner, "get_scheduler_connector", lambda llm: llm.connector)
+    monkeypatch.setattr(tiny_models, "build_model", lambda name, window: f"{name}-{window}")
+    monkeypatch.setattr(tqdm, "tqdm", Bar)
+    collector = Blocks()
+    REGISTRY.register(collector)
+    try:
+        code = cli.main(["demo", "--prefixes", "2", "--per-prefix", "5", "--batch", "4", "--prefix-len", "8",
+                         "--suffix-len", "4", *argv])
+    finally:
+        REGISTRY.unregister(collector)
+    return code, engine, made, steps
+
+
+def test_the_demo_prints_each_rounds_host_tier_hits_and_each_groups_loads(monkeypatch, capsys, tmp_path):
+    """A fake engine in place of vLLM's: the report's numbers, the device cache reset between rounds (not before
+    the first), the host tier's size in MiB and the trace file handed to the connector and flushed."""
+    trace = tmp_path / "demo.jsonl"
+    code, engine, made, steps = _run_demo(monkeypatch, [1, 1, 1], "--rounds", "3", "--trace-file", str(trace))
+    out = capsys.readouterr().out
+    assert code == 0
+    assert engine.resets == 2 and engine.flushed == 1
+    assert made == {"cpu_bytes": 256 << 20, "trace_file": str(trace)}
+    assert steps == [30] + [4, 4, 2] * 3  # 10 prompts a round, in batches of 4
+    rows = [line.split() for line in out.splitlines() if line[:5].strip().isdigit()]
+    assert [r[:5] + r[-1:] for r in rows] == [[str(i), "100", "40", "20", "40.0%", "True"] for i in range(3)]
+    assert "group 0 sliding_window  loaded      0  scanned     30" in out
+    assert "group 1 full_attention  loaded     12  scanned      0" in out  # both engines' blocks
+    assert "host tier: 12/64 slots used, 3 evicted" in out
+    assert f"trace file: {trace} (replay: kvscope dashboard {trace})" in out
+
+
+def test_the_demo_fails_when_a_rounds_outputs_differ_from_round_0s(monkeypatch, capsys):
+    """Each round is compared with round 0's outputs, not with the round before."""
+    code, *_ = _run_demo(monkeypatch, [1, 2, 2], "--rounds", "3")
+    assert code == 1
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line[:5].strip().isdigit()]
+    assert [r[-1] for r in rows] == ["True", "False", "False"]
+
+
+def test_an_address_no_resolver_can_encode_is_refused_naming_it(capsys, monkeypatch):
+    """A host label over 63 characters fails to encode (UnicodeError, not OSError): refused, not a traceback."""
+    monkeypatch.setattr(cli, "dashboard", lambda args: pytest.fail("the dashboard started"))
+    address = "a" * 70 + ".example"
+    with pytest.raises(SystemExit) as info:
+        cli.main(["dashboard", "--address", address, "trace.jsonl"])
+    assert info.value.code == 2
+    assert f"argument --address: {address!r} is not an address of this host" in capsys.readouterr().err
+
+
+def test_kvscope_bench_quick_runs_the_quick_benchmarks(monkeypatch):
+    import sys
+    from types import ModuleType
+
+    runs = []
+    fake = ModuleType("bench.run_all")
+    fake.main = lambda quick: runs.append(quick) or 0
+    monkeypatch.setitem(sys.modules, "bench.run_all", fake)
+    assert cli.main(["bench", "--quick"]) == 0 and cli.main(["bench"]) == 0
+    assert runs == [True, False]
+
+
+def test_check_takes_vllm_serves_flags_as_vllm_serve_does(monkeypatch):
+    """-dpl 0 (an API server node that runs no engine of its own) and --no-enable-sleep-mode are vLLM's too."""
+    seen = []
+    monkeypatch.setattr(cli, "check", lambda args: seen.append(vars(args)) or 0)
+    assert cli.main(["check", "{}", "-dpl", "0", "--enable-sleep-mode"]) == 0
+    assert cli.main(["check", "{}", "--no-enable-sleep-mode"]) == 0
+    assert (seen[0]["data_parallel_size_local"], seen[0]["enable_sleep_mode"]) == (0, True)
+    assert (seen[1]["data_parallel_size_local"], seen[1]["enable_sleep_mode"]) == (None, False)
