@@ -14,7 +14,7 @@ from dashboard import formatting, sources, traces
 
 from .conftest import APP, FIXTURES, MALFORMED, TWO_ROUNDS, raw_spans
 from .test_joins import copy, load, store
-from .test_reader import engine_line, line, lookup
+from .test_reader import engine_line, line, lookup, span
 from .vllm_traces import vllm_spans_of
 
 PAGES = ["views/overview.py", "views/request_explorer.py", "views/replay.py", "views/live.py"]
@@ -570,3 +570,52 @@ def test_copies_in_another_trace_are_reported_not_only_their_loads(monkeypatch, 
     warnings = " ".join(w.value for w in at.warning)
     assert f"{copies} copy span(s) belong to no load or store in these files" in warnings
     assert "or their copies in another trace" in warnings
+
+
+def test_the_problems_warning_counts_lines_apart_from_files_and_says_whether_anything_else_shows(monkeypatch, tmp_path):
+    """A file that cannot be read is no line; "Everything else is shown" only where something is."""
+    no_hit = lookup("r2", span_id="22" * 8)
+    no_hit["attributes"].pop()  # lacks kvscope.tokens.hit
+    path = tmp_path / "t.jsonl"
+    path.write_text(line(lookup("r1", span_id="11" * 8), no_hit) + "\n")
+    at = app(monkeypatch, path)
+    assert [w.value for w in at.warning] == [
+        "1 problem(s) while reading the trace files (1 line(s), 1 kvscope span(s) skipped): t.jsonl line 1 "
+        "(kvscope.lookup span lacks kvscope.tokens.hit). Everything else is shown."]
+    at = app(monkeypatch, path, tmp_path / "nope.jsonl")
+    assert at.warning[0].value.startswith(
+        "2 problem(s) while reading the trace files (1 line(s), 1 kvscope span(s) skipped, and an unknown number "
+        "in 1 line(s) or file(s) that could not be read): ")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("not json\n")
+    at = app(monkeypatch, bad)
+    assert at.warning[0].value.endswith("bad.jsonl line 1 (not JSON: Expecting value (column 1)).")
+
+
+def test_the_sidebar_names_each_file_and_counts_what_was_read(monkeypatch, tmp_path):
+    """vLLM's request spans and spans of other tools are counted only where there are some."""
+    at = app(monkeypatch, TWO_ROUNDS)
+    assert_ok(at)
+    assert [(c.value, c.help) for c in at.sidebar.caption] == [
+        (":material/description: two_rounds.jsonl", str(TWO_ROUNDS)),
+        (f"20 requests · {len(raw_spans(TWO_ROUNDS))} kvscope spans · 10 vLLM request spans", "")]
+    path = tmp_path / "t.jsonl"
+    path.write_text(line(lookup("r1", span_id="11" * 8)) + "\n"
+                    + line(span("GET /", {}, span_id="22" * 8), scope="http.server", version="1.0") + "\n")
+    at = app(monkeypatch, path)
+    assert_ok(at)
+    assert at.sidebar.caption[-1].value == "1 requests · 1 kvscope spans · 1 other spans left out"
+
+
+def test_a_bug_reading_the_files_is_said_and_nothing_else_runs(monkeypatch):
+    """The reader reports bad input as problems; an exception it raises anyway is the app's last guard."""
+    from dashboard import data
+
+    def broken(*args):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(data, "load", broken)
+    at = app(monkeypatch, TWO_ROUNDS)
+    assert not at.exception and not at.title
+    assert [e.value for e in at.error] == ["kvscope could not read these trace files (RuntimeError: boom). Nothing "
+                                           "is shown; please report this with the file."]
