@@ -185,6 +185,7 @@ def test_requests_page_shows_vllm_latencies_and_copies_per_group(monkeypatch, tm
     assert_ok(at)
     shown = metrics(at)
     assert (shown["Time to first token (vLLM)"], shown["Queue time (vLLM)"]) == ("250.00 ms", "4.00 ms")
+    assert shown["Prefill (vLLM)"] == "100.00 ms"
     assert shown["Load time"] == f"{expected.load_ms['cmpl-r2-05']:.2f} ms"
     assert at.dataframe[1].value["row"].iloc[0] == "vLLM request"
     assert [c.value for c in at.caption if c.value in ("load 1", "store 1")] == ["load 1"]
@@ -619,3 +620,102 @@ def test_a_bug_reading_the_files_is_said_and_nothing_else_runs(monkeypatch):
     assert not at.exception and not at.title
     assert [e.value for e in at.error] == ["kvscope could not read these trace files (RuntimeError: boom). Nothing "
                                            "is shown; please report this with the file."]
+
+
+def test_a_requests_view_shows_its_own_hit_rate_bytes_and_copies_per_group(monkeypatch, expected):
+    """Its scan's columns beside a load's copies, not beside a store's (a store scans nothing); no device-cache
+    note where the device cache had none of its tokens."""
+    at = app(monkeypatch, TWO_ROUNDS)
+    at.switch_page("views/request_explorer.py").run()
+    at.text_input(key="request_search").input("r2-06").run()
+    assert_ok(at)
+    shown = metrics(at)
+    hit = next(s for s in expected.lookups if s["request.id"] == "cmpl-r2-06")
+    assert shown["Request hit rate"] == formatting.percent(hit["tokens.hit"] / hit["tokens.queried"])
+    loaded = sum(c["copy.bytes"] for c in expected.copies
+                 if c["trace"] == hit["trace"] and c["copy.direction"] == "load")
+    assert shown["Loaded from host"] == formatting.data_size(loaded)
+    assert not any("device prefix cache" in c.value for c in at.caption)
+    assert "**Copies per KV group**" in [m.value for m in at.markdown]
+    assert {"scanned", "null_skipped", "pending", "start_index"} <= set(at.dataframe[2].value.columns)
+    assert at.dataframe[2].proto.placeholder == "unknown"  # a group's copy on no worker: its time is unknown
+    at.text_input(key="request_search").input("r1-00").run()  # round 1: a store only
+    assert_ok(at)
+    assert [c.value for c in at.caption if c.value in ("load 1", "store 1")] == ["store 1"]
+    assert not {"scanned", "null_skipped", "pending", "start_index"} & set(at.dataframe[2].value.columns)
+
+
+def _attribute(sp: dict, key: str, value: dict) -> dict:
+    sp["attributes"] = [a for a in sp["attributes"] if a["key"] != key] + [{"key": key, "value": value}]
+    return sp
+
+
+def test_a_requests_view_explains_its_device_hits_an_unknown_miss_reason_and_a_copy_started_early(
+        monkeypatch, tmp_path):
+    """Its copy starts 0.5 ms before its load (within the 1 ms allowed): no negative wait before the first copy."""
+    t, ms, trace = 1_700_000_000_000_000_000, 1_000_000, "ab" * 16
+    path = tmp_path / "t.jsonl"
+    path.write_text(line(
+        _attribute(lookup("r", 100, 64, trace=trace, span_id="01" * 8, start=t), "kvscope.miss.reason",
+                   {"stringValue": "a-later-reason"}),
+        _attribute(load("r", trace=trace, span_id="02" * 8, parent="01" * 8, start=t + ms), "kvscope.tokens.local",
+                   {"intValue": "32"}),
+        copy("load", 4096, "r", trace=trace, span_id="03" * 8, parent="02" * 8, start=t + ms // 2, end=t + 3 * ms),
+    ) + "\n")
+    at = app(monkeypatch, path)
+    at.switch_page("views/request_explorer.py").run()
+    assert_ok(at)
+    captions = [c.value for c in at.caption]
+    assert any(c.startswith("Load time: 2.50 ms copying") and "and 0.00 ms before the first copy" in c
+               for c in captions), captions
+    assert any(c.startswith("vLLM's device prefix cache had its first 32 tokens") for c in captions), captions
+    assert [i.value for i in at.info] == ["Why the host tier served no more (`a-later-reason`): a reason this "
+                                          "version of the app does not know."]
+
+
+def test_a_requests_view_says_its_load_failed_or_that_no_copy_joined_it(monkeypatch, tmp_path):
+    path = tmp_path / "failed.jsonl"
+    path.write_text(_failed_load_trace())
+    at = app(monkeypatch, path)
+    at.switch_page("views/request_explorer.py").run()
+    at.text_input(key="request_search").input("r-failed").run()
+    assert not at.exception
+    assert [e.value for e in at.error] == ["A load of this request failed on a worker (copy span with status "
+                                           "ERROR): vLLM recomputed its tokens instead. "
+                                           + traces.LOAD_FAILED_DEFINITION]
+    at.text_input(key="request_search").input("r-miss").run()
+    assert_ok(at)
+    assert "No copy spans joined this request's loads or stores." in [c.value for c in at.caption]
+    assert not at.warning  # no load, so no load without a copy span
+
+
+def test_a_requests_view_shows_the_vllm_times_its_span_has_and_not_the_others(monkeypatch, tmp_path):
+    """A vLLM span without the prefill time (a vLLM that does not record it) still shows the other times."""
+    collector = vllm_spans_of(TWO_ROUNDS, {"cmpl-r2-05": 0.25}, tmp_path / "vllm.jsonl")
+    collector.write_text(collector.read_text().replace("gen_ai.latency.time_in_model_prefill", "other.attribute"))
+    at = app(monkeypatch, TWO_ROUNDS, collector)
+    at.switch_page("views/request_explorer.py").run()
+    at.text_input(key="request_search").input("r2-05").run()
+    assert_ok(at)
+    shown = metrics(at)
+    assert (shown["Time to first token (vLLM)"], shown["Prefill (vLLM)"]) == ("250.00 ms", "–")
+
+
+def test_requests_page_counts_its_rows_and_shows_when_each_arrived(monkeypatch, expected):
+    """A search that finds nothing shows no request (and raises nothing)."""
+    from datetime import datetime, timezone
+
+    at = app(monkeypatch, TWO_ROUNDS)
+    at.switch_page("views/request_explorer.py").run()
+    assert_ok(at)
+    assert at.caption[0].value == "20 of 20 requests. Select a row to see its spans."
+    assert "engine" not in at.dataframe[0].proto.column_order  # one engine
+    first = datetime.fromtimestamp(expected.lookups[0]["start"] / 1e9, timezone.utc)
+    assert at.caption[1].value.startswith(f"trace `{expected.lookups[0]['trace']}` · arrived at "
+                                          f"{first:%Y-%m-%d %H:%M:%S.%f} UTC")
+    at.text_input(key="request_search").input("cmpl-r2-03").run()
+    assert at.caption[0].value == "1 of 20 requests. Select a row to see its spans."
+    at.text_input(key="request_search").input("no such request").run()
+    assert_ok(at)
+    assert at.caption[0].value == "0 of 20 requests. Select a row to see its spans."
+    assert [h.value for h in at.subheader] == ["Trace files"] and len(at.dataframe) == 1  # the sidebar's
