@@ -719,3 +719,48 @@ def test_requests_page_counts_its_rows_and_shows_when_each_arrived(monkeypatch, 
     assert_ok(at)
     assert at.caption[0].value == "0 of 20 requests. Select a row to see its spans."
     assert [h.value for h in at.subheader] == ["Trace files"] and len(at.dataframe) == 1  # the sidebar's
+
+
+
+def test_live_page_takes_its_url_from_the_environment_and_shows_the_last_hour_in_milliseconds(
+        monkeypatch, fake_prometheus):
+    """KVSCOPE_PROMETHEUS_URL fills the URL in; the latency chart is drawn in ms (Prometheus answers seconds), and
+    the queries asked are shown."""
+    from dashboard import charts, prometheus
+
+    asked, drawn = [], []
+    fetch_live, live_series = prometheus.fetch_live, charts.live_series
+    monkeypatch.setattr(prometheus, "fetch_live", lambda url, range_s, now: asked.append(range_s) or fetch_live(
+        url, range_s, now=now))
+    monkeypatch.setattr(charts, "live_series", lambda frame, *a: drawn.append(frame) or live_series(frame, *a))
+    at = app(monkeypatch)
+    monkeypatch.setenv("KVSCOPE_PROMETHEUS_URL", fake_prometheus)
+    at.switch_page("views/live.py").run()
+    assert_ok(at)
+    assert at.text_input(key="live_url").value == fake_prometheus and asked == [3600]
+    assert sorted(set(drawn[1]["value"])) == [2.0, 4.0, 8.0]
+    live = fetch_live(fake_prometheus, 3600, now=1_700_000_000)
+    assert [c.value for c in at.code] == list(live.queries.values())
+
+
+def test_live_page_draws_what_prometheus_has_and_says_when_it_has_nothing(monkeypatch):
+    """A blank URL asks nothing; one series empty still draws the other; both empty say why there may be none."""
+    from dashboard import prometheus
+
+    empty = prometheus.matrix_to_frame([], "hit rate")
+    latency = prometheus.matrix_to_frame([{"metric": {}, "values": [[1_700_000_000, "0.002"]]}], "p50")
+    answers = [prometheus.LiveData(empty, latency, {"p50": "q"}), prometheus.LiveData(empty, empty, {"p50": "q"})]
+    monkeypatch.setattr(prometheus, "fetch_live", lambda *a, **k: answers.pop(0))
+    at = app(monkeypatch)
+    at.switch_page("views/live.py").run()
+    at.text_input(key="live_url").input("   ").run()
+    assert_ok(at)
+    assert [i.value for i in at.info] == ["Enter the URL of a Prometheus server to query it."] and len(answers) == 2
+    at.text_input(key="live_url").input("http://prometheus:9090").run()
+    assert_ok(at)
+    assert not at.info and len(at.get("vega_lite_chart")) == 2
+    assert metrics(at)["Load-to-report time p50 (latest)"] == "2.00 ms"
+    at.text_input(key="live_url").input("http://prometheus:9091").run()
+    assert_ok(at)
+    assert at.info[0].value.startswith("Prometheus answered, but has no kvscope samples in this range")
+    assert not at.get("vega_lite_chart")
