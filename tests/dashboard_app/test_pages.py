@@ -764,3 +764,39 @@ def test_live_page_draws_what_prometheus_has_and_says_when_it_has_nothing(monkey
     assert_ok(at)
     assert at.info[0].value.startswith("Prometheus answered, but has no kvscope samples in this range")
     assert not at.get("vega_lite_chart")
+
+
+def test_replay_stays_at_the_last_request_and_plays_again_from_the_start(monkeypatch, expected):
+    """Step at the last request stays there; Play there starts over at the first. Stored bytes are the stores'."""
+    at = app(monkeypatch, TWO_ROUNDS)
+    at.switch_page("views/replay.py").run()
+    assert at.select_slider(key="replay_speed").value == 0.5
+    assert at.subheader[0].value == f"Request `{expected.lookups[0]['request.id']}` at 0.000 s"
+    at.slider(key="replay_step").set_value(20).run()
+    next(b for b in at.button if b.label == "Step").click().run()
+    assert_ok(at)
+    shown = metrics(at)
+    assert shown["Request"] == "20 of 20"
+    assert number(shown["Stored to host so far"]) * 1e6 == pytest.approx(expected.bytes["store"], rel=5e-3)
+    arrival_s = (expected.lookups[19]["start"] - expected.lookups[0]["start"]) / 1e9
+    assert at.subheader[0].value.endswith(f" at {arrival_s:.3f} s")
+    next(b for b in at.button if b.label == "Play").click().run()
+    assert_ok(at)
+    assert at.session_state["replay_playing"] and metrics(at)["Request"] == "2 of 20"
+
+
+def test_replay_of_two_requests_has_a_slider_and_of_one_none(monkeypatch, tmp_path):
+    """A slider from 1 to 1 is not a slider Streamlit draws."""
+    t = 1_700_000_000_000_000_000
+    two = tmp_path / "two.jsonl"
+    two.write_text(line(lookup("r1", span_id="11" * 8, start=t), lookup("r2", span_id="22" * 8, start=t + 10)) + "\n")
+    at = app(monkeypatch, two)
+    at.switch_page("views/replay.py").run()
+    assert_ok(at)
+    assert [s.key for s in at.slider] == ["replay_step"]
+    one = tmp_path / "one.jsonl"
+    one.write_text(line(lookup("r1", span_id="11" * 8, start=t)) + "\n")
+    at = app(monkeypatch, one)
+    at.switch_page("views/replay.py").run()
+    assert_ok(at)
+    assert not at.slider and metrics(at)["Request"] == "1 of 1"
