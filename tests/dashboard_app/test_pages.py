@@ -800,3 +800,54 @@ def test_replay_of_two_requests_has_a_slider_and_of_one_none(monkeypatch, tmp_pa
     at.switch_page("views/replay.py").run()
     assert_ok(at)
     assert not at.slider and metrics(at)["Request"] == "1 of 1"
+
+
+def test_overview_counts_loads_without_copies_among_all_its_loads_and_says_when_no_copy_was_read(monkeypatch, tmp_path):
+    from .test_resumed_loads import _two_loads
+
+    resumed = tmp_path / "resumed.jsonl"  # a request resumed after preemption: its second load has no copy span
+    resumed.write_text(line(*_two_loads("uncopied", None)) + "\n")
+    at = app(monkeypatch, resumed)
+    assert not at.exception
+    assert at.warning[0].value.startswith("1 of 2 loads have no copy spans")
+    scheduler_only = tmp_path / "scheduler-only.jsonl"
+    scheduler_only.write_text(line(lookup("r1", span_id="11" * 8), load("r1", span_id="22" * 8, parent="11" * 8))
+                              + "\n")
+    at = app(monkeypatch, scheduler_only)
+    assert not at.exception
+    assert "No kvscope.group.copy spans in these traces." in [i.value for i in at.info]
+
+
+def test_overview_load_time_quantiles_are_each_their_own(monkeypatch, tmp_path):
+    """21 loads of 1 to 21 ms: nearest-rank p50, p95 and p99 are 11, 20 and 21 ms (with 20 loads or fewer p95 and
+    p99 are the same load). The Definitions list the definitions, and the hit rate chart's buckets are 50 ms wide
+    for 2.7 s of requests."""
+    t, ms, spans = 1_700_000_000_000_000_000, 1_000_000, []
+    for k in range(1, 22):
+        trace, start = f"{k:032x}", t + 100 * k * ms
+        spans += [lookup(f"r{k}", trace=trace, span_id=f"{k:08x}00000001", start=start),
+                  load(f"r{k}", trace=trace, span_id=f"{k:08x}00000002", parent=f"{k:08x}00000001", start=start + ms),
+                  copy("load", 4096, f"r{k}", trace=trace, span_id=f"{k:08x}00000003", parent=f"{k:08x}00000002",
+                       start=start + ms, end=start + ms + k * ms)]
+    path = tmp_path / "t.jsonl"
+    path.write_text(line(*spans) + "\n")
+    at = app(monkeypatch, path)
+    assert_ok(at)
+    shown = metrics(at)
+    assert [shown[f"Load time {p}"] for p in ("p50", "p95", "p99")] == ["11.00 ms", "20.00 ms", "21.00 ms"]
+    assert f"- {traces.HIT_RATE_DEFINITION}" in [m.value for m in at.markdown]
+    at = app(monkeypatch, TWO_ROUNDS)
+    assert "bucket start (s), 0.05 s wide" in at.get("vega_lite_chart")[0].proto.spec
+
+
+def test_a_slowest_load_of_a_repeated_request_id_opens_that_request(monkeypatch, tmp_path):
+    """Two runs with the same request ids: the request opened is the one selected (its trace), searched by its id,
+    its trace's id in the selection."""
+    at = app(monkeypatch, TWO_ROUNDS, _rerun_of(TWO_ROUNDS, tmp_path))
+    slowest = at.dataframe[-1].value.iloc[1]
+    at.session_state["slowest_loads"] = {"selection": {"rows": [1]}}
+    at.run()
+    assert_ok(at)
+    assert at.text_input(key="request_search").value == "cmpl-r2-06"
+    assert at.subheader[0].value == f"Request `{slowest['request']}`"
+    assert not any("first row is shown" in c.value for c in at.caption)
