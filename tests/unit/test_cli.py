@@ -30,6 +30,11 @@ def test_good_demo_options_reach_the_demo(monkeypatch):
     monkeypatch.setattr(cli, "demo", lambda args: seen.update(vars(args)) or 0)
     parser_default_func = cli.main(["demo", "--suffix-len", "2", "--batch", "1"])
     assert parser_default_func == 0 and seen["suffix_len"] == 2 and seen["batch"] == 1
+    # the defaults the README's demo describes: window 64, 16 requests (4 prefixes of 700 tokens, 4 each)
+    assert {k: seen[k] for k in ("model", "window", "prefixes", "per_prefix", "prefix_len", "rounds", "max_tokens",
+                                 "cpu_mib", "trace_file", "seed")} == {
+        "model": "gemma3", "window": 64, "prefixes": 4, "per_prefix": 4, "prefix_len": 700, "rounds": 3,
+        "max_tokens": 8, "cpu_mib": 256, "trace_file": None, "seed": 0}
 
 
 @pytest.mark.parametrize("port", ["0", "65536", "http"])
