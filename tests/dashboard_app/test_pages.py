@@ -851,3 +851,20 @@ def test_a_slowest_load_of_a_repeated_request_id_opens_that_request(monkeypatch,
     assert at.text_input(key="request_search").value == "cmpl-r2-06"
     assert at.subheader[0].value == f"Request `{slowest['request']}`"
     assert not any("first row is shown" in c.value for c in at.caption)
+
+
+def test_a_trace_of_one_engine_shows_no_engine_table_or_filter(monkeypatch, tmp_path):
+    """The spans name engine 0 (an engine that records it, without data parallelism): nothing to compare or pick."""
+    t = 1_700_000_000_000_000_000
+    path = tmp_path / "one-engine.jsonl"
+    path.write_text(engine_line({"intValue": "0"}, lookup("r-a", 100, 64, trace="aa" * 16, span_id="a1" * 8, start=t),
+                                lookup("r-b", 100, 0, trace="bb" * 16, span_id="b1" * 8, start=t + 10)) + "\n")
+    at = app(monkeypatch, path)
+    assert_ok(at)
+    assert "By engine" not in [h.value for h in at.subheader]
+    at.switch_page("views/request_explorer.py").run()
+    assert_ok(at)
+    assert not at.selectbox and "engine" not in at.dataframe[0].proto.column_order
+    at.switch_page("views/replay.py").run()
+    assert_ok(at)
+    assert not at.selectbox
