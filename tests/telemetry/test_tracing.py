@@ -415,6 +415,9 @@ def test_ratio_applies_under_a_sampled_upstream_trace():
         ({"OTEL_TRACES_EXPORTER": "console"}, False),
         ({"OTEL_TRACES_EXPORTER": "none", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318"}, False),
         ({"OTEL_SDK_DISABLED": "true", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318"}, False),
+        ({"OTEL_SDK_DISABLED": " TRUE ", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318"}, False),  # any case, spaces
+        ({"OTEL_TRACES_EXPORTER": " OTLP "}, True),
+        ({"OTEL_TRACES_EXPORTER": "otlp,none"}, True),  # as the SDK reads it: only "none" alone turns export off
     ],
 )
 def test_otlp_requested(env, expected):
@@ -447,11 +450,59 @@ def test_otlp_defaults_to_grpc_like_vllm():
     ("https://collector:4317", {"OTEL_EXPORTER_OTLP_INSECURE": "true"}, False),  # https:// is TLS, as in the SDK
     ("grpc://collector:4317", {"OTEL_EXPORTER_OTLP_TRACES_INSECURE": "false"}, False),  # TLS asked for
     ("collector:4317", {"OTEL_EXPORTER_OTLP_INSECURE": "False"}, False),
+    ("collector:4317", {"OTEL_EXPORTER_OTLP_INSECURE": " false "}, False),
+    # the trace-specific flag wins over the general one
+    ("collector:4317", {"OTEL_EXPORTER_OTLP_TRACES_INSECURE": "true", "OTEL_EXPORTER_OTLP_INSECURE": "false"}, True),
 ])
 def test_grpc_export_is_plaintext_unless_https_or_the_insecure_flag_asks_for_tls(endpoint, flags, insecure):
     exporter = build_otlp_exporter({"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": endpoint, **flags})
     try:
         assert exporter.inner._insecure is insecure
+    finally:
+        exporter.shutdown()
+
+
+def test_grpc_export_takes_its_endpoint_headers_and_timeout_from_the_environment():
+    """Unset, the endpoint is the gRPC default (4317, where vLLM's own tracer sends); the trace-specific
+    endpoint wins over the general one; headers and timeout reach the exporter."""
+    exporter = build_otlp_exporter({"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_HEADERS": "k=v",
+                                    "OTEL_EXPORTER_OTLP_TIMEOUT": "5"})
+    try:
+        assert exporter.description == "OTLP grpc http://localhost:4317"
+        assert exporter.inner._endpoint == "localhost:4317"
+        assert exporter.inner._headers == (("k", "v"),) and exporter.inner._timeout == 5.0
+    finally:
+        exporter.shutdown()
+    exporter = build_otlp_exporter({"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://traces:4317",
+                                    "OTEL_EXPORTER_OTLP_ENDPOINT": "http://general:4317"})
+    try:
+        assert exporter.inner._endpoint == "traces:4317"
+    finally:
+        exporter.shutdown()
+
+
+def test_http_export_takes_its_endpoint_headers_and_timeout_from_the_environment():
+    """Unset, the endpoint is the HTTP default (4318, path /v1/traces); headers and timeout reach the exporter."""
+    exporter = build_otlp_exporter({"OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf", "OTEL_EXPORTER_OTLP_HEADERS": "k=v",
+                                    "OTEL_EXPORTER_OTLP_TIMEOUT": "5"})
+    try:
+        assert exporter.description == "OTLP http/protobuf http://localhost:4318/v1/traces"
+        assert exporter.inner._endpoint == "http://localhost:4318/v1/traces"
+        assert exporter.inner._client._headers["k"] == "v" and exporter.inner._client._timeout == 5.0
+    finally:
+        exporter.shutdown()
+
+
+def test_an_unsupported_otlp_protocol_is_warned_of_naming_the_accepted_and_exported_over_http(caplog):
+    """The start-up check refuses it; should it get this far, export goes on over HTTP and says so
+    (the failure messages name the protocol actually spoken)."""
+    with caplog.at_level(logging.WARNING, logger="connector.telemetry.sinks"):
+        exporter = build_otlp_exporter({"OTEL_EXPORTER_OTLP_PROTOCOL": "http/json",
+                                        "OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318"})
+    try:
+        assert exporter.description == "OTLP http/protobuf http://c:4318/v1/traces"
+        (record,) = caplog.records
+        assert "'http/json'" in record.getMessage() and "accepted: 'grpc', 'http/protobuf'" in record.getMessage()
     finally:
         exporter.shutdown()
 
@@ -484,6 +535,58 @@ def test_log_once_exporter_logs_once_and_cools_down(caplog):
     with caplog.at_level(logging.ERROR):
         logging.getLogger("opentelemetry.exporter.otlp.proto.http.trace_exporter").error("visible")
     assert "visible" in caplog.text
+
+
+class _ScriptedExporter(SpanExporter):
+    """Fails each export its own way: ``script`` holds log lines to write, or an exception to raise."""
+
+    def __init__(self, *script):
+        self.script = list(script)
+        self.calls = 0
+
+    def export(self, spans):
+        self.calls += 1
+        step = self.script.pop(0)
+        if isinstance(step, Exception):
+            raise step
+        for line in step:
+            logging.getLogger("opentelemetry.exporter.otlp.proto.grpc.exporter").warning(*line)
+        return SpanExportResult.FAILURE
+
+    def shutdown(self):
+        logging.getLogger("opentelemetry.exporter.otlp.proto.grpc.exporter").warning("closing the channel")
+
+
+def _failure_warning(caplog, inner: SpanExporter) -> str:
+    with caplog.at_level(logging.DEBUG):
+        LogOnceExporter(inner, "OTLP test").export([])
+    (record,) = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    return record.getMessage()
+
+
+@pytest.mark.parametrize("step, reason", [
+    ([("first %s", "try"), ("middle",), ("last",)], "(first try; last)"),  # the first and the last line logged
+    ([], "(export returned FAILURE)"),  # nothing logged
+    ([("%d blocks", "x")], "(%d blocks)"),  # a line its own arguments cannot format
+    (ConnectionError("refused"), "(ConnectionError('refused'))"),
+])
+def test_the_one_failure_warning_says_why_the_export_failed(caplog, step, reason):
+    assert reason in _failure_warning(caplog, _ScriptedExporter(step))
+
+
+def test_the_cool_down_ends_at_its_last_instant_and_shutdown_logs_nothing(caplog):
+    """At ``cooldown_s`` after a failure the endpoint is tried again; the exporter's own log lines while it
+    shuts down (on the engine's shutdown path) are swallowed like its export's."""
+    now = [0.0]
+    inner = _ScriptedExporter([], [])
+    exporter = LogOnceExporter(inner, "OTLP test", cooldown_s=10.0, clock=lambda: now[0])
+    exporter.export([])
+    now[0] = 10.0
+    exporter.export([])
+    assert inner.calls == 2
+    with caplog.at_level(logging.DEBUG):
+        exporter.shutdown()
+    assert "closing the channel" not in caplog.text
 
 
 def _unreachable_otlp_env(export_mode: str) -> dict[str, str]:
