@@ -3,6 +3,7 @@ what an operator's collector gets for a planned multi-group load."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -99,6 +100,18 @@ def test_an_otlp_timeout_past_the_most_accepted_is_capped_and_one_in_seconds_kep
     assert _timeout_s({"OTEL_EXPORTER_OTLP_TRACES_TIMEOUT": "-1"}) == DEFAULT_OTLP_TIMEOUT_S
 
 
+def test_the_trace_specific_otlp_timeout_wins_and_only_one_not_taken_as_given_is_warned_of(caplog):
+    from connector.telemetry.sinks import MAX_OTLP_TIMEOUT_S, _timeout_s
+
+    with caplog.at_level(logging.WARNING, logger="connector.telemetry.sinks"):
+        assert _timeout_s({"OTEL_EXPORTER_OTLP_TRACES_TIMEOUT": "3", "OTEL_EXPORTER_OTLP_TIMEOUT": "7"}) == 3.0
+        assert _timeout_s({"OTEL_EXPORTER_OTLP_TIMEOUT": str(MAX_OTLP_TIMEOUT_S)}) == MAX_OTLP_TIMEOUT_S
+        assert not caplog.records  # the most accepted is taken as given
+        _timeout_s({"OTEL_EXPORTER_OTLP_TIMEOUT": "0"})
+    (record,) = caplog.records
+    assert "ignoring OTLP timeout '0' (seconds > 0 accepted)" in record.getMessage()
+
+
 # --- found by the mutation campaign of sinks.py ---------------------------------------------------
 
 
@@ -107,6 +120,18 @@ def test_trace_specific_otlp_headers_are_added_to_the_general_ones_and_win():
 
     assert _headers({"OTEL_EXPORTER_OTLP_HEADERS": "a=1,b=2", "OTEL_EXPORTER_OTLP_TRACES_HEADERS": "b=3,c=x%20y"}) == {
         "a": "1", "b": "3", "c": "x y"}
+    # keys are percent-decoded too, values stripped before decoding; an entry without a key is skipped
+    assert _headers({"OTEL_EXPORTER_OTLP_HEADERS": "x%2Dkey= a%20b , =orphan"}) == {"x-key": "a b"}
+
+
+def test_the_service_name_comes_from_otel_service_name_then_the_resource_attributes_then_kvscope():
+    from connector.telemetry.sinks import resource_from_env
+
+    both = {"OTEL_SERVICE_NAME": "svc", "OTEL_RESOURCE_ATTRIBUTES": "service.name=attr"}
+    assert resource_from_env(both).attributes["service.name"] == "svc"
+    assert resource_from_env({"OTEL_RESOURCE_ATTRIBUTES": "service.name=attr"}).attributes["service.name"] == "attr"
+    # the process's own attributes win over the environment's, the service name among them
+    assert resource_from_env(both, {"service.name": "own"}).attributes["service.name"] == "own"
 
 
 def test_an_exporter_that_raises_while_shutting_down_never_stops_the_engines_shutdown():
