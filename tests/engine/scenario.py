@@ -53,7 +53,7 @@ def before_each_load(hook) -> None:
     """Call ``hook(engine, group, slots, block_ids)`` as each load of this process's worker starts to
     copy, before it reads the host tier: ``engine`` is the worker's `CopyEngine`, ``slots`` the host
     slots read and ``block_ids`` the device blocks written. A hook may check or change what the load
-    copies. Hooks set up one after another all run, the first one first."""
+    copies. Hooks set up one after another all run, the one set up last first (each wraps the load before it)."""
     engine = _kvscope(get_worker_connector())._worker.engine
     load = engine.load
 
