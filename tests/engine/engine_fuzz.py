@@ -13,7 +13,10 @@ each run saw both picks among its best tokens, with the same logprobs within tha
 `TIE_MARGIN` of each other, the seed is a `tie` (bf16 sums in another order may pick either), not a failure;
 where they part otherwise, the plan runs once more without kvscope and without vLLM's prefix cache, and if
 kvscope's completion is that recompute's, the seed is `vllm_cache` (vLLM's prefix cache parted the baseline
-from a recompute, not kvscope: Qwen3-Next's linear-attention states). kvscope's hit and looked-up tokens must
+from a recompute, not kvscope: Qwen3-Next's linear-attention states). Where kvscope's engine first scheduled
+the prompts in another order (a request waiting for its load lets the next go first) and vLLM without kvscope,
+given the prompts in that order, agrees with kvscope's whole run, the seed is `vllm_order`: on the CPU backend
+a prompt's prefill moves with its place in the batch. kvscope's hit and looked-up tokens must
 equal vLLM's external prefix-cache hits and queries, every load must write only device blocks its request
 alone holds, and once every request is done it must hold no host block, job or request state
 (`connector_leaks`).
@@ -146,21 +149,22 @@ def prompt_tokens(plan: dict, prompt: dict, earlier: list[tuple[list[list[int]],
 
 # ----------------------------------------------------------------------------- one engine (child process)
 def _generate(llm, round_index: int, prompts: list[list[int]], max_tokens: int,
-              aborts: dict[int, int], salts: list[str | None]) -> list[dict]:
+              aborts: dict[int, int], salts: list[str | None], order: list[int] | None = None) -> list[dict]:
     """Greedy completions with each step's chosen logprob and its `BEST_TOKENS` best tokens' logprobs. The
-    requests go in together, prompt ``i`` with cache salt ``salts[i]``; prompt ``i`` in ``aborts`` is
-    aborted after ``aborts[i]`` engine steps (its completion is then {"aborted": True})."""
+    requests go in together, in ``order`` (prompt indices; by default as listed), prompt ``i`` with cache
+    salt ``salts[i]``; prompt ``i`` in ``aborts`` is aborted after ``aborts[i]`` engine steps (its
+    completion is then {"aborted": True})."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     engine = llm.llm_engine
     params = SamplingParams(max_tokens=max_tokens, logprobs=BEST_TOKENS, detokenize=False, temperature=0.0)
     ids = [f"{round_index}-{i}" for i in range(len(prompts))]
-    for request_id, prompt, salt in zip(ids, prompts, salts):
-        tokens = TokensPrompt(prompt_token_ids=prompt)
-        if salt:
-            tokens["cache_salt"] = salt
-        engine.add_request(request_id, tokens, params)
+    for i in order if order is not None else range(len(prompts)):
+        tokens = TokensPrompt(prompt_token_ids=prompts[i])
+        if salts[i]:
+            tokens["cache_salt"] = salts[i]
+        engine.add_request(ids[i], tokens, params)
     finished, steps = {}, 0
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -213,38 +217,74 @@ def _connector_problems(llm) -> list[str]:
     return problems + [f"leak: {leak}" for leak in connector_leaks(sched, scheduler.requests, workers)]
 
 
-def load_destination_problem(group: int, block_ids: list[int], req_to_blocks: dict) -> str | None:
-    """What is wrong with a load writing ``block_ids`` of one group, given vLLM's block tables of that
-    group (request id -> its blocks): None when one request alone holds every one of them."""
+def load_destination_problem(group: int, block_ids: list[int], req_to_blocks: dict, loading: str) -> str | None:
+    """What is wrong with request ``loading``'s load writing ``block_ids`` of one group, given vLLM's block
+    tables of that group (request id -> its blocks): None when that request alone holds every one of them."""
     wanted = set(block_ids)
     holders: dict[int, list[str]] = {}
     for req_id, blocks in req_to_blocks.items():
         for block in blocks:
             if block.block_id in wanted:
                 holders.setdefault(block.block_id, []).append(req_id)
-    owners = {req for held_by in holders.values() for req in held_by}
-    if len(owners) == 1 and all(len(holders.get(b, ())) == 1 for b in wanted):
+    if all(holders.get(b) == [loading] for b in wanted):
         return None
-    return f"load into group {group} blocks {sorted(wanted)} held by {holders}"
+    return f"{loading}'s load into group {group} blocks {sorted(wanted)}: held by {holders}"
 
 
 def _watch_load_destinations(llm) -> list[str]:
-    """Check, as each load copies, that every device block it writes is held by one request alone in vLLM's
-    block tables (the loading one): a load writing another request's block, or a block vLLM shares from
-    its prefix cache, would change KV that no output comparison can tie to kvscope. Returns the list
-    that the problems found go into."""
-    from tests.engine.scenario import before_each_load
+    """Check, as each load copies, that every device block it writes is held by the loading request alone
+    in vLLM's block tables: a load writing another request's block, or a block vLLM shares from its prefix
+    cache, would change KV that no output comparison can tie to kvscope. Returns the list that the
+    problems found go into."""
+    from connector.engine_runner import get_worker_connector
+    from tests.engine.scenario import _kvscope, before_each_load
 
     managers = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager.coordinator.single_type_managers
     problems: list[str] = []
+    worker = _kvscope(get_worker_connector())._worker
+    run_job, running = worker._run, []  # request ids of the jobs in `_run`, the innermost last
+
+    def run_tracked(job):  # the hook below sees only blocks: note whose job copies
+        running.append(job.req_id)
+        try:
+            return run_job(job)
+        finally:
+            running.pop()
 
     def check(engine, group, slots, block_ids):
-        problem = load_destination_problem(group, block_ids, managers[group].req_to_blocks)
+        problem = load_destination_problem(group, block_ids, managers[group].req_to_blocks, running[-1])
         if problem:
             problems.append(problem)
 
+    worker._run = run_tracked
     before_each_load(check)
     return problems
+
+
+def _record_admissions(llm) -> list[str]:
+    """The list that each request's vLLM id goes into as the scheduler first schedules it."""
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    schedule, admitted = scheduler.schedule, []
+
+    def recorded(*args, **kwargs):
+        output = schedule(*args, **kwargs)
+        admitted.extend(new.req_id for new in output.scheduled_new_reqs)
+        return output
+
+    scheduler.schedule = recorded
+    return admitted
+
+
+def admission_order(admitted: list[str], round_index: int, count: int) -> list[int]:
+    """A round's prompt indices in the order the engine first scheduled them, from vLLM's ids (the fuzz's
+    "round-prompt" and a suffix of vLLM's) in ``admitted``; prompts never scheduled (aborted while
+    waiting) last, as listed."""
+    first: dict[int, int] = {}
+    for position, req_id in enumerate(admitted):
+        round_, prompt = (int(part) for part in req_id.split("-")[:2])
+        if round_ == round_index:
+            first.setdefault(prompt, position)
+    return sorted(range(count), key=lambda i: (i not in first, first.get(i, 0), i))
 
 
 def run_engine(plan: dict, with_connector: bool, corrupt_host: bool = False) -> dict:
@@ -258,6 +298,7 @@ def run_engine(plan: dict, with_connector: bool, corrupt_host: bool = False) -> 
     model = build_model(plan["model"], window=plan["window"], attention_scale=plan.get("attention_scale", 1.0))
     llm = make_llm(model, plan["extra"] if with_connector else None, connector=with_connector, **plan["llm_kwargs"])
     foreign_writes = _watch_load_destinations(llm) if with_connector else []
+    admitted = _record_admissions(llm)
     earlier: list[tuple[list[list[int]], list[dict]]] = []
     for index, round_ in enumerate(plan["rounds"]):
         if round_["reset_before"]:
@@ -271,8 +312,11 @@ def run_engine(plan: dict, with_connector: bool, corrupt_host: bool = False) -> 
         prompts = [prompt_tokens(plan, p, earlier) for p in round_["prompts"]]
         aborts = {i: p["abort_after_steps"] for i, p in enumerate(round_["prompts"]) if "abort_after_steps" in p}
         salts = [p.get("cache_salt") for p in round_["prompts"]]
-        earlier.append((prompts, _generate(llm, index, prompts, round_["max_tokens"], aborts, salts)))
-    result: dict = {"rounds": [outs for _, outs in earlier]}
+        earlier.append((prompts, _generate(llm, index, prompts, round_["max_tokens"], aborts, salts,
+                                           round_.get("order"))))
+    result: dict = {"rounds": [outs for _, outs in earlier],
+                    "admission_orders": [admission_order(admitted, index, len(round_["prompts"]))
+                                         for index, round_ in enumerate(plan["rounds"])]}
     if with_connector:
         from connector.engine_runner import metric_values
 
@@ -411,20 +455,48 @@ def verdict(results: dict[str, dict], ours: str = "kvscope",
     return compare(mine, base, tolerance)
 
 
+def in_admission_order(plan: dict, orders: list[list[int]]) -> dict | None:
+    """The plan with each round's prompts submitted in ``orders`` (each round's `admission_order` in
+    kvscope's engine), or None where that is the order they are listed in already."""
+    if all(order == list(range(len(round_["prompts"]))) for order, round_ in zip(orders, plan["rounds"])):
+        return None
+    return {**plan, "rounds": [{**round_, "order": order} for round_, order in zip(plan["rounds"], orders)]}
+
+
 def recheck(plan: dict, results: dict[str, dict], outcome: str, problems: list[str]) -> tuple[str, list[str]]:
-    """A seed failed on parted tokens alone: run the plan once more without kvscope and without vLLM's
-    prefix cache. Where kvscope's parted completion is that recompute's, the baseline's device prefix
-    cache parted from a recompute, not kvscope: `vllm_cache`. (Seen with Qwen3-Next's linear attention: a
-    state vLLM cached at a block boundary continues in other sums than one computed through.)"""
+    """A seed failed on its outputs alone (no error, no problem kvscope's engine found in itself): look for
+    vLLM parting from itself.
+
+    - Where the tokens part, run the plan once more without kvscope and without vLLM's prefix cache. If
+      kvscope's parted completion is that recompute's, the baseline's device prefix cache parted from a
+      recompute, not kvscope: `vllm_cache`. (Seen with Qwen3-Next's linear attention: a state vLLM cached
+      at a block boundary continues in other sums than one computed through.)
+    - Else, where kvscope's engine first scheduled some prompts in another order than the baseline's (a
+      request waits for its load, so one behind it goes first), run the plan without kvscope, its prompts
+      submitted in that order. If kvscope's whole run agrees with that one (`compare`: "ok", or "tie":
+      equal up to a near-tie both saw), vLLM alone gives kvscope's outputs once the prompts come in that
+      order: `vllm_order`. (Seed 3245: a prompt
+      prefilled first in its batch rather than second parted at decode step 64, on the CPU backend, at
+      attention scale 1; vLLM without kvscope, those two prompts swapped, gave kvscope's run to the bit.)"""
     ours = results["kvscope"]
-    where = None if "error" in ours or ours["problems"] else first_parting(ours, results["baseline"])
-    if where is None:
+    if "error" in ours or ours["problems"]:
         return outcome, problems
-    recompute = execute(plan, ("recompute",))["recompute"]
-    if "error" in recompute or not recompute_agrees(ours, recompute, where, logprob_tolerance(plan)):
+    tolerance = logprob_tolerance(plan)
+    where = first_parting(ours, results["baseline"])
+    if where is not None:
+        recompute = execute(plan, ("recompute",))["recompute"]
+        if "error" not in recompute and recompute_agrees(ours, recompute, where, tolerance):
+            return "vllm_cache", problems + [f"kvscope's completion at round {where[0]} prompt {where[1]} is a "
+                                             "recompute's without any prefix cache"]
+    reordered_plan = in_admission_order(plan, ours["admission_orders"])
+    if reordered_plan is None:
         return outcome, problems
-    return "vllm_cache", problems + [f"kvscope's completion at round {where[0]} prompt {where[1]} is a "
-                                     "recompute's without any prefix cache"]
+    reordered = execute(reordered_plan, ("baseline",))["baseline"]
+    agreement, ties = compare(ours, reordered, tolerance) if "error" not in reordered else ("failed", [])
+    if agreement not in ("ok", "tie"):
+        return outcome, problems
+    return "vllm_order", problems + [f"kvscope's run is vLLM's own with the prompts submitted in the order "
+                                     f"kvscope's engine first scheduled them: {ours['admission_orders']}"] + ties
 
 
 def main() -> None:

@@ -6,9 +6,10 @@ import pytest
 
 from types import SimpleNamespace
 
-from tests.engine.engine_fuzz import (ATTENTION_ONLY_TOLERANCE, LOGPROB_TOLERANCE, compare, execute, first_parting,
-                                     largest_logprob_gap, load_destination_problem, logprob_tolerance, make_plan,
-                                     prompt_tokens, recompute_agrees, verdict)
+from tests.engine import engine_fuzz
+from tests.engine.engine_fuzz import (ATTENTION_ONLY_TOLERANCE, LOGPROB_TOLERANCE, admission_order, compare, execute,
+                                     first_parting, in_admission_order, largest_logprob_gap, load_destination_problem,
+                                     logprob_tolerance, make_plan, prompt_tokens, recheck, recompute_agrees, verdict)
 
 
 def _completion(tokens, logprobs, best):
@@ -47,11 +48,12 @@ def _blocks(*ids):
 
 def test_a_load_may_write_only_blocks_its_request_alone_holds():
     tables = {"a": _blocks(0, 3, 4), "b": _blocks(3, 7), "c": _blocks(8)}  # 0: the null block; 3: shared
-    assert load_destination_problem(1, [4], tables) is None
-    assert load_destination_problem(1, [7], tables) is None
-    assert "held by {3: ['a', 'b']}" in load_destination_problem(1, [3], tables)  # a block vLLM shares
-    assert load_destination_problem(1, [4, 8], tables) is not None  # another request's block
-    assert load_destination_problem(1, [9], tables) is not None  # a block nobody holds: freed under the load
+    assert load_destination_problem(1, [4], tables, "a") is None
+    assert load_destination_problem(1, [7], tables, "b") is None
+    assert "held by {3: ['a', 'b']}" in load_destination_problem(1, [3], tables, "a")  # a block vLLM shares
+    assert load_destination_problem(1, [4, 8], tables, "a") is not None  # another request's block
+    assert load_destination_problem(1, [8], tables, "a") == "a's load into group 1 blocks [8]: held by {8: ['c']}"
+    assert load_destination_problem(1, [9], tables, "a") is not None  # a block nobody holds: freed under the load
 
 
 def test_a_continuing_prompt_is_the_earlier_prompt_its_completion_and_a_suffix():
@@ -170,6 +172,94 @@ def test_a_parted_completion_is_vllms_cache_only_where_a_recompute_of_the_same_p
     assert recompute_agrees(ours, {"rounds": [[recomputed]]}, (0, 0)) is agrees
 
 
+def test_the_admission_order_is_each_round_s_prompts_as_first_scheduled_those_never_scheduled_last():
+    admitted = ["0-1-5f0e", "0-0-a1b2", "1-11-77aa", "1-0-0c0c", "1-3-9d9d", "1-0-0c0c", "1-2-e4e4"]  # 1-0 resumed
+    assert admission_order(admitted, 0, 3) == [1, 0, 2]  # 0-2 was aborted while it waited
+    assert admission_order(admitted, 1, 12) == [11, 0, 3, 2, 1, 4, 5, 6, 7, 8, 9, 10]
+    assert admission_order([], 2, 2) == [0, 1]
+
+
+def test_a_plan_in_admission_order_submits_each_round_s_prompts_in_it_unless_they_are_listed_so():
+    plan = {"seed": 1, "rounds": [{"prompts": [{}, {}]}, {"prompts": [{}, {}, {}]}]}
+    assert in_admission_order(plan, [[0, 1], [0, 1, 2]]) is None
+    reordered = in_admission_order(plan, [[0, 1], [2, 0, 1]])
+    assert [r["order"] for r in reordered["rounds"]] == [[0, 1], [2, 0, 1]]
+    assert "order" not in plan["rounds"][1]  # the plan itself is left as it was
+
+
+# Seed 3245's shape: kvscope's engine admitted prompt 1 before prompt 0, and prompt 1 parted from the baseline.
+_PLAN = {"model": "gptoss", "llm_kwargs": {}, "rounds": [{"prompts": [{}, {}]}]}
+def _prompt_b(second_token, second_logprob):
+    best = [{"5": -1.0}, {"7": -2.0, "6": -2.4} if second_token == 7 else {"6": second_logprob, "7": -2.6}]
+    return _completion([5, second_token], [-1.0, second_logprob], best) | {"prompt": "b"}
+
+
+_PROMPT_A = _completion([5], [-1.0], [{"5": -1.0}]) | {"prompt": "a"}
+_OURS = {"rounds": [[_PROMPT_A, _prompt_b(7, -2.0)]], "problems": [], "admission_orders": [[1, 0]]}
+_BASELINE = {"rounds": [[_PROMPT_A, _prompt_b(6, -2.4)]]}
+
+
+def _fake_engines(monkeypatch, reordered_run):
+    """`execute` answering with a recompute that agrees with the baseline, and ``reordered_run`` for a plan
+    given an admission order; the plans it was asked for go into the returned list."""
+    asked = []
+
+    def execute(plan, roles):
+        asked.append((plan, roles))
+        if roles == ("recompute",):
+            return {"recompute": _BASELINE}
+        return {"baseline": reordered_run if "order" in plan["rounds"][0] else _BASELINE}
+
+    monkeypatch.setattr(engine_fuzz, "execute", execute)
+    return asked
+
+
+def test_a_seed_whose_run_vllm_gives_with_kvscope_s_admission_order_is_vllm_order(monkeypatch):
+    asked = _fake_engines(monkeypatch, reordered_run=_OURS)
+    results = {"kvscope": _OURS, "baseline": _BASELINE}
+    outcome, problems = recheck(_PLAN, results, *verdict(results))
+    assert outcome == "vllm_order", problems
+    assert problems[-1].endswith("the order kvscope's engine first scheduled them: [[1, 0]]")
+    assert problems[0].startswith("tokens part at round 0 prompt 1 step 1")
+    assert [roles for _, roles in asked] == [("recompute",), ("baseline",)]
+    assert asked[1][0]["rounds"][0]["order"] == [1, 0]
+
+
+def test_a_seed_whose_run_vllm_in_kvscope_s_admission_order_gives_up_to_a_tie_is_vllm_order(monkeypatch):
+    """After a near-tie both runs saw nothing is compared (`compare`), as between kvscope and the baseline."""
+    near_tie = [{"5": -1.0}, {"7": -2.0, "6": -2.01}]
+    ours = _completion([5, 7], [-1.0, -2.0], near_tie) | {"prompt": "b"}
+    tied = _completion([5, 6], [-1.0, -2.01], near_tie) | {"prompt": "b"}
+    _fake_engines(monkeypatch, reordered_run={"rounds": [[_PROMPT_A, tied]]})
+    results = {"kvscope": _OURS | {"rounds": [[_PROMPT_A, ours]]}, "baseline": _BASELINE}
+    outcome, problems = recheck(_PLAN, results, *verdict(results))
+    assert outcome == "vllm_order" and problems[-1] == "tie at round 0 prompt 1 step 1", problems
+
+
+@pytest.mark.parametrize("reordered_run", [
+    _BASELINE,  # vLLM in kvscope's order still parts from kvscope
+    {"rounds": [[_PROMPT_A, _prompt_b(7, -2.02)]]},  # a logprob past the 0.01 tolerance
+    {"error": "exit 1", "stderr": ""},
+])
+def test_a_seed_stays_failed_unless_vllm_in_kvscope_s_admission_order_agrees_with_kvscope_s_whole_run(
+        monkeypatch, reordered_run):
+    _fake_engines(monkeypatch, reordered_run)
+    results = {"kvscope": _OURS, "baseline": _BASELINE}
+    assert recheck(_PLAN, results, *verdict(results))[0] == "failed"
+
+
+def test_no_reordered_run_where_kvscope_s_engine_admitted_the_prompts_as_listed_or_found_its_own_problem(monkeypatch):
+    asked = _fake_engines(monkeypatch, reordered_run=_OURS)
+    as_listed = _OURS | {"admission_orders": [[0, 1]]}
+    results = {"kvscope": as_listed, "baseline": _BASELINE}
+    assert recheck(_PLAN, results, *verdict(results))[0] == "failed"
+    assert [roles for _, roles in asked] == [("recompute",)]
+    leaking = _OURS | {"problems": ["leak: job 3"]}
+    results = {"kvscope": leaking, "baseline": _BASELINE}
+    assert recheck(_PLAN, results, *verdict(results))[0] == "failed"
+    assert len(asked) == 1
+
+
 def test_a_baseline_that_cannot_start_is_refused_and_a_kvscope_engine_that_cannot_fails():
     broken = {"error": "exit 1", "stderr": "ValueError: No common block size"}
     ok = {"rounds": [], "problems": []}
@@ -196,7 +286,7 @@ LOADING_PLAN = {
     "rounds": [
         {"reset_before": False, "reset_connector": False, "max_tokens": 4,
          "prompts": [{"doc": 0, "cut": 600, "suffix": []}, {"doc": 1, "cut": 300, "suffix": [3]}]},
-        {"reset_before": True, "reset_connector": False, "max_tokens": 4,
+        {"reset_before": True, "reset_connector": False, "max_tokens": 4, "order": [1, 0],
          "prompts": [{"doc": 0, "cut": 600, "suffix": [9]}, {"continues": [0, 1], "suffix": [4]}]},
     ],
 }
@@ -205,10 +295,12 @@ LOADING_PLAN = {
 @pytest.mark.engine
 def test_the_fuzz_passes_real_loads_and_fails_one_host_block_zeroed_before_they_load():
     """The same plan on three engines at once: kvscope's, kvscope's with one host block of the 54 it holds
-    (its newest) zeroed before the second round, and none. The first loads and agrees; the second loads
-    the zeros and must fail (attention sharpened: with the random weights that block moved a logprob 0.025)."""
+    (its newest) zeroed before the second round, and none; the second round's prompts are submitted in
+    reverse. The first loads and agrees; the second loads the zeros and must fail (attention sharpened:
+    with the random weights that block moved a logprob 0.025)."""
     results = execute(LOADING_PLAN, ("kvscope", "corrupted", "baseline"))
     assert results["kvscope"]["external_hit_tokens"] > 0, results["kvscope"]
+    assert results["baseline"]["admission_orders"] == [[0, 1], [1, 0]]  # the second round submitted in "order"
     tolerance = logprob_tolerance(LOADING_PLAN)
     assert verdict(results, tolerance=tolerance) == ("ok", [])
     assert results["corrupted"]["external_hit_tokens"] > 0
