@@ -16,10 +16,9 @@ kvscope's completion is that recompute's, the seed is `vllm_cache` (vLLM's prefi
 from a recompute, not kvscope: Qwen3-Next's linear-attention states). Where kvscope's engine first scheduled
 the prompts in another order (a request waiting for its load lets the next go first) and vLLM without kvscope,
 given the prompts in that order, agrees with kvscope's whole run, the seed is `vllm_order`: on the CPU backend
-a prompt's prefill moves with its place in the batch. kvscope's hit and looked-up tokens must
-equal vLLM's external prefix-cache hits and queries, every load must write only device blocks its request
-alone holds, and once every request is done it must hold no host block, job or request state
-(`connector_leaks`).
+a request's logits move with its place in the batch. kvscope's hit and looked-up tokens must equal vLLM's
+external prefix-cache hits and queries, every load must write only device blocks the loading request alone
+holds, and once every request is done it must hold no host block, job or request state (`connector_leaks`).
 
     python -m tests.engine.engine_fuzz --seeds 0:100 --minutes 60 --out repros/
     python -m tests.engine.engine_fuzz --replay repros/seed-17.json
@@ -475,9 +474,9 @@ def recheck(plan: dict, results: dict[str, dict], outcome: str, problems: list[s
       request waits for its load, so one behind it goes first), run the plan without kvscope, its prompts
       submitted in that order. If kvscope's whole run agrees with that one (`compare`: "ok", or "tie":
       equal up to a near-tie both saw), vLLM alone gives kvscope's outputs once the prompts come in that
-      order: `vllm_order`. (Seed 3245: a prompt
-      prefilled first in its batch rather than second parted at decode step 64, on the CPU backend, at
-      attention scale 1; vLLM without kvscope, those two prompts swapped, gave kvscope's run to the bit.)"""
+      order: `vllm_order`. (Seed 3245: a prompt batched first rather than second, because the prompt
+      before it waited for its load, parted at decode step 64 on the CPU backend at attention scale 1;
+      vLLM without kvscope, those two prompts swapped, gave kvscope's round to the bit.)"""
     ours = results["kvscope"]
     if "error" in ours or ours["problems"]:
         return outcome, problems
