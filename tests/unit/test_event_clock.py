@@ -234,3 +234,44 @@ def test_a_copy_never_ends_before_it_starts():
     clock = _clock(device)
     start_ns, end_ns = clock.interval(device.event(1.0), device.event(0.5))
     assert end_ns == start_ns
+
+
+# --- found by the mutation campaign of the worker side (event clock) -------------------------------
+
+
+def test_a_first_calibration_is_placed_in_the_middle_of_the_reads_around_it():
+    """The device stamps the calibration event somewhere between the wall-clock reads before and after
+    it: their middle places copy starts within half that wait, either read alone within all of it."""
+    device = _Device()
+    device.tick_ms = 10.0  # each wall-clock read takes 10 ms
+    device.queued_until_ms = 20.0  # stamped at 20 ms: 10 ms after the read before it, 10 ms before the one after
+    clock = _clock(device)
+    start_ns, _ = clock.interval(device.event(25.0), device.event(25.5))
+    assert abs(start_ns - (WALL_AT_DEVICE_ZERO_NS + 25_000_000)) <= 1_000
+
+
+def test_a_recalibration_is_placed_in_the_middle_of_the_reads_around_it():
+    """As at start-up: a recalibration taken in time places starts by the middle of its short wait."""
+    device = _Device()
+    clock = _clock(device, recalibrate_s=5.0)
+    clock.interval(device.event(0.0), device.event(0.01))
+    device.ms = 6_000.0
+    device.tick_ms = 0.0625  # 62.5 µs a wall-clock read: read before at 6000.125 ms, seen done at 6000.25 ms
+    device.queued_until_ms = 6_000.1875  # stamped in the middle
+    start_ns, _ = clock.interval(device.event(6_000.5), device.event(6_000.52))
+    assert clock.late_calibrations == 0
+    assert abs(start_ns - (WALL_AT_DEVICE_ZERO_NS + 6_000_500_000)) <= 1_000
+
+
+def test_a_first_calibration_seen_done_exactly_at_the_end_of_its_wait_holds_for_its_whole_interval():
+    """`CALIBRATION_WAIT_NS` itself included, as for recalibrations: such a first calibration is not
+    made again a second later."""
+    device = _Device()
+    device.tick_ms = CALIBRATION_WAIT_NS / 1e6  # the read after comes exactly one wait after the read before
+    clock = _clock(device, recalibrate_s=5.0)
+    clock.interval(device.event(0.0), device.event(0.01))
+    device.tick_ms = 0.0
+    events = device.events
+    device.ms = 1_100.0
+    clock.interval(device.event(1_100.0), device.event(1_100.01))
+    assert device.events == events + 2  # no new calibration event
