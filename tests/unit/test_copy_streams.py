@@ -233,6 +233,37 @@ def test_a_step_that_was_not_announced_is_fenced_when_its_metadata_is_bound(cuda
     assert log[-1] == ("compute", "waits for", "store")  # at once from now on
 
 
+
+def test_an_announced_step_covers_only_itself_a_later_unannounced_one_is_still_fenced(cuda_engine, caplog):
+    """`begin_step` announces one step: a runner that announced the last step but binds this one's
+    metadata without it must still have the stores fenced before this step's forward writes the KV cache."""
+    engine, _, log = cuda_engine
+    worker = _worker_on(engine)
+    worker.store_fence = FENCE_AT_NEXT_STEP
+    worker.begin_step(KVScopeMetadata())
+    worker.check_stores_fenced(KVScopeMetadata())  # step 1, announced
+    worker.wait_for_save(_a_store(1))
+    log.clear()
+    worker.check_stores_fenced(KVScopeMetadata())  # step 2, bound without handle_preemptions
+    assert log == [("compute", "waits for", "store")]
+    assert "did not call handle_preemptions" in caplog.text
+    assert worker.store_fence == FENCE_AT_ONCE
+
+
+def test_an_unannounced_step_with_no_fence_due_does_not_wait_for_the_stores(cuda_engine, caplog):
+    """Under `when_reused` a step that reallocates no store source need not wait for the stores (they
+    may still run): an unannounced one switches the fence to at once for later stores, without a
+    fence of its own that would hold its forward up behind them."""
+    engine, _, log = cuda_engine
+    worker = _worker_on(engine)
+    worker.store_fence = FENCE_WHEN_REUSED
+    worker.wait_for_save(_a_store(1))
+    log.clear()
+    worker.check_stores_fenced(KVScopeMetadata(fence_stores=False))
+    assert log == []
+    assert "did not call handle_preemptions" in caplog.text
+    assert worker.store_fence == FENCE_AT_ONCE
+
 def test_where_the_fence_goes_by_runner_and_cache():
     class Rejecting:
         @property
