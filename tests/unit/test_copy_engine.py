@@ -857,3 +857,31 @@ def test_the_reports_of_one_job_from_several_workers_add_up():
     total = first.aggregate(second).aggregate(KVScopeWorkerMetadata(completed_jobs={1: 1}, failed_jobs={3: 1}))
     assert (total.completed_jobs, total.failed_jobs) == ({1: 3, 2: 1}, {3: 3, 4: 1})
     assert (first.completed_jobs, first.failed_jobs) == ({1: 1, 2: 1}, {3: 1})  # left as it was
+
+
+def test_a_job_naming_more_device_blocks_than_host_slots_fails_without_copying():
+    """Every device block of a job needs its own slot and piece: a load of two blocks from one slot
+    would fill one of them and report both loaded (the other keeps stale KV); it fails instead."""
+    from connector.metadata import LOAD, GroupTransfer, KVScopeMetadata, TransferJob
+
+    engine, t0, _ = _shared_attention_engine(num_slots=4)
+    worker = _plain_worker(engine)
+    before = [_block_bytes(t0, b) for b in (4, 5)]
+    worker.start_load_kv(KVScopeMetadata(loads=[TransferJob(1, "a", LOAD, [
+        GroupTransfer(0, block_ids=[4, 5], slots=[1], subs=[0])])]))
+    assert worker.transfer_results() == ({"a"}, {"a"})
+    assert all(torch.equal(_block_bytes(t0, b), was) for b, was in zip((4, 5), before))
+
+
+def test_a_job_whose_group_has_nothing_to_copy_copies_its_other_groups():
+    """A group with no blocks in a job is nothing to check or copy, not an error: the job completes
+    with the other group's blocks stored."""
+    from connector.metadata import STORE, GroupTransfer, KVScopeMetadata, TransferJob
+
+    engine, t0, t1 = _shared_attention_engine(num_slots=4)
+    worker = _plain_worker(engine)
+    worker.wait_for_save(KVScopeMetadata(stores=[TransferJob(1, "s", STORE, [
+        GroupTransfer(0, block_ids=[], slots=[], subs=[]), GroupTransfer(1, block_ids=[6], slots=[2], subs=[0])])]))
+    assert worker.build_worker_meta().completed_jobs == {1: 1}
+    assert torch.equal(engine.host[2, :PAGE], _block_bytes(t0, 6))
+    assert torch.equal(engine.host[2, PAGE : 2 * PAGE], _block_bytes(t1, 6))
