@@ -276,6 +276,13 @@ def test_workers_on_this_host_spread_over_nodes_times_local_engines():
     assert workers_on_this_host(SimpleNamespace(world_size=3, nnodes=2, data_parallel_size_local=2)) == 4
 
 
+def test_a_host_counts_at_least_the_worker_asking_whatever_vllms_count_says():
+    """vLLM's `local_world_size` is `world_size // nnodes_within_dp`, 0 for a replica spread over more
+    nodes than it has workers: the host-memory check must still count this worker's host tier."""
+    assert workers_on_this_host(SimpleNamespace(world_size=1, local_world_size=0)) == 1
+    assert workers_on_this_host(SimpleNamespace(world_size=1, local_world_size=0, data_parallel_size_local=2)) == 2
+
+
 def test_draft_tokens_per_step_are_vllms_speculative_tokens_and_none_without_a_drafter():
     """The scheduler side counts drafted tokens as not final: without speculative decoding there are none."""
     assert speculative_draft_tokens(SimpleNamespace(speculative_config=None)) == 0
