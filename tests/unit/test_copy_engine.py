@@ -885,3 +885,110 @@ def test_a_job_whose_group_has_nothing_to_copy_copies_its_other_groups():
     assert worker.build_worker_meta().completed_jobs == {1: 1}
     assert torch.equal(engine.host[2, :PAGE], _block_bytes(t0, 6))
     assert torch.equal(engine.host[2, PAGE : 2 * PAGE], _block_bytes(t1, 6))
+
+
+def test_a_store_to_lost_slots_of_several_groups_makes_every_one_of_them_loadable_again():
+    """A store writes each of its slots anew, in every group it copies: none of them is lost any more,
+    so later loads from them are hits, not failures recomputed."""
+    from connector.metadata import LOAD, STORE, GroupTransfer, KVScopeMetadata, TransferJob
+
+    engine, _, _ = _shared_attention_engine(num_slots=4)
+    worker = _plain_worker(engine)
+    worker.lost_slots = {1, 2}
+    worker.wait_for_save(KVScopeMetadata(stores=[TransferJob(1, "s", STORE, [
+        GroupTransfer(0, block_ids=[4], slots=[1], subs=[0]), GroupTransfer(1, block_ids=[5], slots=[2], subs=[0])])]))
+    worker.start_load_kv(KVScopeMetadata(loads=[TransferJob(2, "a", LOAD, [GroupTransfer(0, [7], [1], [0])]),
+                                                TransferJob(3, "b", LOAD, [GroupTransfer(1, [8], [2], [0])])]))
+    assert worker.transfer_results() == ({"a", "b"}, set())
+
+
+def test_a_store_of_several_device_blocks_into_the_pieces_of_one_slot_round_trips():
+    """With offloaded blocks of several device blocks, a job writes one slot's pieces, one per device
+    block: the same slot with distinct pieces is no double write, and a load gives the blocks back."""
+    from connector.metadata import LOAD, STORE, GroupTransfer, KVScopeMetadata, TransferJob
+
+    engine, t0, t1 = _shared_attention_engine(num_slots=4, factor0=2)
+    worker = _plain_worker(engine)
+    stored = [(_block_bytes(t0, b), _block_bytes(t1, b)) for b in (4, 5)]
+    worker.wait_for_save(KVScopeMetadata(stores=[TransferJob(1, "s", STORE, [
+        GroupTransfer(0, block_ids=[4, 5], slots=[1, 1], subs=[0, 1])])]))
+    worker.start_load_kv(KVScopeMetadata(loads=[TransferJob(2, "a", LOAD, [
+        GroupTransfer(0, block_ids=[8, 9], slots=[1, 1], subs=[0, 1])])]))
+    assert worker.transfer_results() == ({"a"}, set())
+    assert worker.build_worker_meta().completed_jobs == {1: 1, 2: 1}
+    for block, (was0, was1) in zip((8, 9), stored):
+        assert torch.equal(_block_bytes(t0, block), was0) and torch.equal(_block_bytes(t1, block), was1)
+
+
+def test_a_job_whose_second_group_addresses_past_the_host_buffer_fails_before_its_first_group_copies():
+    """Every group of a job is checked before any copies: a load failing only at its second group would
+    already have written the first group's device blocks (on CUDA the bad one is a raw address)."""
+    from connector.metadata import LOAD, GroupTransfer, KVScopeMetadata, TransferJob
+
+    engine, t0, _ = _shared_attention_engine(num_slots=4)
+    worker = _plain_worker(engine)
+    before = _block_bytes(t0, 4)
+    worker.start_load_kv(KVScopeMetadata(loads=[TransferJob(1, "a", LOAD, [
+        GroupTransfer(0, block_ids=[4], slots=[1], subs=[0]), GroupTransfer(1, block_ids=[5], slots=[4], subs=[0])])]))
+    assert worker.transfer_results() == ({"a"}, {"a"})
+    assert torch.equal(_block_bytes(t0, 4), before)
+
+
+def test_a_copy_span_names_its_group_blocks_bytes_worker_and_request_and_lasts_the_copy(monkeypatch):
+    """A traced job's copy span per group says what moved (blocks, bytes, direction), where (group,
+    kind, worker rank) and for whom, from the copy's first block to its last."""
+    from itertools import count
+
+    from connector.metadata import STORE, GroupTransfer, KVScopeMetadata, TransferJob
+    from connector.telemetry.testing import in_memory_tracing
+
+    tracing, exporter = in_memory_tracing()
+    engine, _, _ = _shared_attention_engine(num_slots=4)
+    worker = _plain_worker(engine, rank=1, tracing=tracing)
+    ticks = count(1_000, 4_000)
+    monkeypatch.setattr(copy_module.time, "time_ns", lambda: next(ticks))
+    worker.wait_for_save(KVScopeMetadata(stores=[TransferJob(1, "s", STORE, [
+        GroupTransfer(0, block_ids=[4, 5], slots=[1, 2], subs=[0, 0])], trace_carrier=(0xABC, 0xDEF, None))]))
+    (span,) = exporter.get_finished_spans()
+    assert dict(span.attributes) == {"kvscope.group.index": 0, "kvscope.group.kind": "full_attention",
+                                     "kvscope.copy.direction": "store", "kvscope.copy.blocks": 2,
+                                     "kvscope.copy.bytes": 2 * engine.group_block_bytes(0),
+                                     "kvscope.worker.rank": 1, "kvscope.request.id": "s"}
+    assert span.end_time - span.start_time == 4_000
+
+
+def test_a_failing_end_of_step_in_tracing_still_reports_the_steps_jobs(monkeypatch):
+    """The step's job reports must reach the scheduler whatever tracing does: a job never reported
+    keeps its request waiting (a load) or its slots and blocks held (a store) for ever."""
+    from connector.metadata import STORE, GroupTransfer, KVScopeMetadata, TransferJob
+    from connector.telemetry import failures
+
+    monkeypatch.setattr(failures, "_logged", set())
+    engine, _, _ = _shared_attention_engine(num_slots=4)
+    worker = _plain_worker(engine)
+
+    def broken():
+        raise RuntimeError("an exporter bug")
+
+    monkeypatch.setattr(worker.tracing, "end_step", broken)
+    worker.wait_for_save(KVScopeMetadata(stores=[TransferJob(1, "s", STORE, [GroupTransfer(0, [4], [1], [0])])]))
+    assert worker.build_worker_meta().completed_jobs == {1: 1}
+
+
+def test_a_failing_count_of_lost_span_records_still_hands_over_the_copy_stats(monkeypatch):
+    """The worker's stats (copied blocks and bytes) reach vLLM's metrics even when tracing cannot say
+    how many span records it lost."""
+    from connector.metadata import STORE, GroupTransfer, KVScopeMetadata, TransferJob
+    from connector.telemetry import failures
+
+    monkeypatch.setattr(failures, "_logged", set())
+    engine, _, _ = _shared_attention_engine(num_slots=4)
+    worker = _plain_worker(engine)
+
+    def broken():
+        raise RuntimeError("a tracing bug")
+
+    monkeypatch.setattr(worker.tracing, "take_lost_records", broken)
+    worker.wait_for_save(KVScopeMetadata(stores=[TransferJob(1, "s", STORE, [
+        GroupTransfer(0, [4, 5], [1, 2], [0, 0])])]))
+    assert sum(worker.take_stats().data["copy_blocks"].values()) == 2

@@ -480,6 +480,41 @@ def test_a_load_still_copying_at_its_step_is_reported_once_vllm_asks_after_it_is
     assert worker.build_worker_meta().completed_jobs == {1: 1}
 
 
+
+class _CopiesDoneByGroup:
+    """A CUDA engine stand-in whose copies finish group by group: `done` holds the finished groups."""
+
+    is_cuda, num_blocks = True, 16
+
+    def __init__(self):
+        self.done = set()
+
+    def load(self, group, slots, subs, block_ids, waits_for_stores=True):
+        from connector.copy_engine import CopyResult
+
+        return CopyResult(0, len(block_ids), 0, 0, done_event=group)
+
+    def poll(self, copy):
+        return copy.done_event in self.done
+
+
+def test_a_load_is_reported_only_once_the_copies_of_all_its_groups_are_done():
+    """vLLM runs a request whose load is reported: one reported while another group still copies
+    would compute with that group's KV half written."""
+    from types import SimpleNamespace
+
+    worker = KVScopeWorker(None, SimpleNamespace(group_factors=[1, 1]), 4, ["full_attention", "sliding_window"], 0,
+                           KVScopeTracing.disabled())
+    worker.engine = _CopiesDoneByGroup()
+    worker.start_load_kv(KVScopeMetadata(loads=[TransferJob(1, "a", LOAD, [
+        GroupTransfer(0, [5], [1], [0]), GroupTransfer(1, [6], [2], [0])])]))
+    worker.engine.done = {0}
+    assert worker.transfer_results() == (set(), set())
+    assert worker.build_worker_meta() is None
+    worker.engine.done = {0, 1}
+    assert worker.transfer_results() == ({"a"}, set())
+    assert worker.build_worker_meta().completed_jobs == {1: 1}
+
 def test_the_engines_store_stream_is_neither_the_compute_stream_nor_its_load_stream(monkeypatch):
     """torch's pool hands a stream out again (round robin): a store stream that is the load stream
     queues stores behind large loads, and fencing the stores makes the next forward wait for loads."""
