@@ -245,6 +245,13 @@ def test_a_drafter_flagging_only_a_mamba_group_makes_every_attention_group_prove
     assert eagle_proof_groups(vllm_config, config, group_layouts(config)) == {0, 1}
 
 
+def test_a_vllm_without_hash_lookahead_tokens_is_one_whose_hashes_do_not_cover_the_next_token():
+    """vLLM 0.32's config has no `num_hash_lookahead_tokens`: its EAGLE drop is in force, so the
+    attention groups must prove their next token there too."""
+    config = _hybrid()
+    vllm_config = SimpleNamespace(speculative_config=_speculative("eagle"))
+    assert eagle_proof_groups(vllm_config, config, group_layouts(config)) == {0, 1}
+
 @pytest.mark.parametrize("vllm_config", [
     SimpleNamespace(speculative_config=None),
     SimpleNamespace(speculative_config=_speculative("ngram"), num_hash_lookahead_tokens=0),
