@@ -936,7 +936,8 @@ def test_a_job_whose_second_group_addresses_past_the_host_buffer_fails_before_it
 
 def test_a_copy_span_names_its_group_blocks_bytes_worker_and_request_and_lasts_the_copy(monkeypatch):
     """A traced job's copy span per group says what moved (blocks, bytes, direction), where (group,
-    kind, worker rank) and for whom, from the copy's first block to its last."""
+    kind, worker rank) and for whom, from the copy's first block to its last; the copy duration metric
+    (kvscope_copy_duration_seconds) has that length in seconds."""
     from itertools import count
 
     from connector.metadata import STORE, GroupTransfer, KVScopeMetadata, TransferJob
@@ -955,6 +956,7 @@ def test_a_copy_span_names_its_group_blocks_bytes_worker_and_request_and_lasts_t
                                      "kvscope.copy.bytes": 2 * engine.group_block_bytes(0),
                                      "kvscope.worker.rank": 1, "kvscope.request.id": "s"}
     assert span.end_time - span.start_time == 4_000
+    assert list(worker.take_stats().data["copy_duration_s"].values()) == [[pytest.approx(4e-6)]]
 
 
 def test_a_failing_end_of_step_in_tracing_still_reports_the_steps_jobs(monkeypatch):
@@ -992,3 +994,23 @@ def test_a_failing_count_of_lost_span_records_still_hands_over_the_copy_stats(mo
     worker.wait_for_save(KVScopeMetadata(stores=[TransferJob(1, "s", STORE, [
         GroupTransfer(0, [4, 5], [1, 2], [0, 0])])]))
     assert sum(worker.take_stats().data["copy_blocks"].values()) == 2
+
+
+def test_a_failed_job_naming_the_group_just_past_the_last_still_traces_its_known_groups(monkeypatch):
+    """The number of groups is no group of this worker: the failed job's ERROR copy span for a group
+    it does have is recorded, stamped when the failure is reported, not lost with the unknown one."""
+    from connector import worker as worker_module
+    from connector.metadata import LOAD, GroupTransfer, KVScopeMetadata, TransferJob
+    from connector.telemetry.testing import in_memory_tracing
+
+    tracing, exporter = in_memory_tracing()
+    engine, _, _ = _shared_attention_engine(num_slots=4)  # groups 0 and 1
+    worker = _plain_worker(engine, tracing=tracing)
+    monkeypatch.setattr(worker_module.time, "time_ns", lambda: 1_764_500_000_000_000_000)
+    worker.start_load_kv(KVScopeMetadata(loads=[TransferJob(1, "a", LOAD, [
+        GroupTransfer(1, block_ids=[4], slots=[1], subs=[0]), GroupTransfer(2, block_ids=[5], slots=[2], subs=[0])],
+        trace_carrier=(0xABC, 0xDEF, None))]))
+    assert worker.build_worker_meta().failed_jobs == {1: 1}
+    (span,) = exporter.get_finished_spans()
+    assert span.attributes["kvscope.group.index"] == 1
+    assert span.start_time == span.end_time == 1_764_500_000_000_000_000
