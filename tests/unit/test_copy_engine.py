@@ -1014,3 +1014,25 @@ def test_a_failed_job_naming_the_group_just_past_the_last_still_traces_its_known
     (span,) = exporter.get_finished_spans()
     assert span.attributes["kvscope.group.index"] == 1
     assert span.start_time == span.end_time == 1_764_500_000_000_000_000
+
+
+def test_copy_stats_are_labelled_with_each_copys_own_group_kind_and_direction():
+    """kvscope_copy_* metrics are per group, group kind and direction: a job's copies of two groups,
+    stored then loaded, count under their own labels, not under the first group's or as stores."""
+    from connector.metadata import LOAD, STORE, GroupTransfer, KVScopeMetadata, TransferJob
+    from connector.telemetry.metrics import copy_key
+    from connector.telemetry.tracing import KVScopeTracing
+    from connector.worker import KVScopeWorker
+
+    engine, _, _ = _shared_attention_engine(num_slots=4)
+    worker = KVScopeWorker(None, engine.layout, engine.num_slots, ["full_attention", "sliding_window"], 0,
+                           KVScopeTracing.disabled())
+    worker.engine = engine
+    worker.wait_for_save(KVScopeMetadata(stores=[TransferJob(1, "s", STORE, [
+        GroupTransfer(0, block_ids=[4], slots=[1], subs=[0]),
+        GroupTransfer(1, block_ids=[5, 6], slots=[2, 3], subs=[0, 0])])]))
+    worker.start_load_kv(KVScopeMetadata(loads=[TransferJob(2, "a", LOAD, [
+        GroupTransfer(1, block_ids=[7, 8], slots=[2, 3], subs=[0, 0])])]))
+    assert worker.take_stats().data["copy_blocks"] == {copy_key(0, "full_attention", "store"): 1,
+                                                       copy_key(1, "sliding_window", "store"): 2,
+                                                       copy_key(1, "sliding_window", "load"): 2}
