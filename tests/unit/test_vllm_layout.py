@@ -252,6 +252,7 @@ def test_a_vllm_without_hash_lookahead_tokens_is_one_whose_hashes_do_not_cover_t
     vllm_config = SimpleNamespace(speculative_config=_speculative("eagle"))
     assert eagle_proof_groups(vllm_config, config, group_layouts(config)) == {0, 1}
 
+
 @pytest.mark.parametrize("vllm_config", [
     SimpleNamespace(speculative_config=None),
     SimpleNamespace(speculative_config=_speculative("ngram"), num_hash_lookahead_tokens=0),
@@ -288,6 +289,23 @@ def test_a_host_counts_at_least_the_worker_asking_whatever_vllms_count_says():
     nodes than it has workers: the host-memory check must still count this worker's host tier."""
     assert workers_on_this_host(SimpleNamespace(world_size=1, local_world_size=0)) == 1
     assert workers_on_this_host(SimpleNamespace(world_size=1, local_world_size=0, data_parallel_size_local=2)) == 2
+
+
+def test_under_the_external_launcher_a_host_holds_one_worker_per_local_data_parallel_rank():
+    """Each torchrun rank is one engine with one worker (`world_size` also counts the data-parallel
+    ranks there): the host's workers are its local engines, not `world_size` of them each."""
+    launched = SimpleNamespace(distributed_executor_backend="external_launcher", world_size=4, data_parallel_size=4,
+                               data_parallel_size_local=4)
+    assert workers_on_this_host(launched) == 4
+
+
+def test_a_group_of_layers_of_one_type_has_its_first_layers_managers_rules():
+    """As in vLLM, a group of several layer specs is served by its first layer's manager: a full-attention
+    layer then an R-SWA one (a full-attention subclass) is a full-attention group."""
+    specs = {"layers.0": FullAttentionSpec(**COMMON), "layers.1": RSWASpec(**COMMON, rswa_window=64)}
+    group = KVCacheGroupSpec(list(specs), UniformTypeKVCacheSpecs(block_size=16, kv_cache_specs=specs))
+    config = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[group])
+    assert [layout.kind for layout in group_layouts(config)] == [GroupKind.FULL_ATTENTION]
 
 
 def test_draft_tokens_per_step_are_vllms_speculative_tokens_and_none_without_a_drafter():
