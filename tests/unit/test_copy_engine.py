@@ -631,7 +631,6 @@ def test_the_fault_injection_variable_fails_the_loads_of_its_rank_only(monkeypat
     assert _plain_worker(engine, rank=rank).fail_all_loads is fails
 
 
-
 def test_the_fault_injection_fails_every_load_of_the_worker_without_copying_and_leaves_its_stores_alone(monkeypatch):
     """KVSCOPE_FAIL_LOADS_ON_RANK stands for loads that fail on that worker (each is recomputed): none
     copies anything into the KV cache; stores still copy and complete."""
@@ -647,6 +646,7 @@ def test_the_fault_injection_fails_every_load_of_the_worker_without_copying_and_
     meta = worker.build_worker_meta()
     assert (meta.completed_jobs, meta.failed_jobs) == ({1: 1}, {2: 1})
     assert torch.equal(_block_bytes(t0, 5), before)
+
 
 def test_a_step_without_finished_jobs_has_no_worker_metadata_but_still_hands_its_spans_over(monkeypatch):
     """vLLM sends worker metadata only when there is some; the step's spans leave at every step end."""
