@@ -233,7 +233,6 @@ def test_a_step_that_was_not_announced_is_fenced_when_its_metadata_is_bound(cuda
     assert log[-1] == ("compute", "waits for", "store")  # at once from now on
 
 
-
 def test_an_announced_step_covers_only_itself_a_later_unannounced_one_is_still_fenced(cuda_engine, caplog):
     """`begin_step` announces one step: a runner that announced the last step but binds this one's
     metadata without it must still have the stores fenced before this step's forward writes the KV cache."""
@@ -263,6 +262,7 @@ def test_an_unannounced_step_with_no_fence_due_does_not_wait_for_the_stores(cuda
     assert log == []
     assert "did not call handle_preemptions" in caplog.text
     assert worker.store_fence == FENCE_AT_ONCE
+
 
 def test_where_the_fence_goes_by_runner_and_cache():
     class Rejecting:
@@ -480,7 +480,6 @@ def test_a_load_still_copying_at_its_step_is_reported_once_vllm_asks_after_it_is
     assert worker.build_worker_meta().completed_jobs == {1: 1}
 
 
-
 class _CopiesDoneByGroup:
     """A CUDA engine stand-in whose copies finish group by group: `done` holds the finished groups."""
 
@@ -514,6 +513,7 @@ def test_a_load_is_reported_only_once_the_copies_of_all_its_groups_are_done():
     worker.engine.done = {0, 1}
     assert worker.transfer_results() == ({"a"}, set())
     assert worker.build_worker_meta().completed_jobs == {1: 1}
+
 
 def test_the_engines_store_stream_is_neither_the_compute_stream_nor_its_load_stream(monkeypatch):
     """torch's pool hands a stream out again (round robin): a store stream that is the load stream
