@@ -1208,6 +1208,28 @@ def test_only_a_mamba_block_holding_the_state_of_another_token_count_is_logged(c
     assert len(said) == 1 and "ending at token 128 holds vLLM's state at token 112" in said[0], said
 
 
+def test_an_offloaded_mamba_block_with_a_device_block_not_holding_its_own_state_frees_its_slot():
+    """An offloaded block of several Mamba state blocks (vLLM keeping every state) is stored only if each
+    holds the state at its own end. One that does not leaves the block incomplete for ever: its host slot
+    is freed once the pieces already planned are written, not held until a cache reset."""
+    layouts = [GroupLayout(0, GroupKind.MAMBA, BS), GroupLayout(1, GroupKind.FULL_ATTENTION, BS)]
+
+    def block(block_id, keyed_tokens):
+        return SimpleNamespace(block_id=block_id, block_hash_num_tokens=keyed_tokens, block_hash=f"k{keyed_tokens}")
+
+    blocks = tuple([block(first + i, BS * (i + 1)) for i in range(4)] for first in (10, 200))
+    manager = SimpleNamespace(get_blocks=lambda req_id: SimpleNamespace(blocks=blocks))
+    sched = KVScopeScheduler(layouts, offload_block_size=B, hash_block_size=BS, num_slots=16, slot_bytes=1024,
+                             world_size=1, tracing=KVScopeTracing.disabled(), kv_cache_manager_getter=lambda: manager)
+    state = _state("r", 64)
+    state.witnessed_states[(0, 1)] = None  # a forward started inside Mamba block 1 and left it
+    job = sched._plan_store(state, 64)
+    assert _pieces(job, 0) == [([10], [0])]  # block 0 holds its own state; block 1 does not: the rest never comes
+    _report(sched, job)
+    assert not sched.index.contains((0, "h3")) and sched.index.is_ready((1, "h3"))
+    assert sched.stores.by_key == {} and sched.index.used_slots == 1
+
+
 def test_the_retry_of_a_failed_load_counts_its_blocks_as_load_failed_and_nothing_as_not_taken(monkeypatch):
     """The retry (from 0 tokens) is offered no hit: every block the tier holds is missed as load_failed,
     the last one's tokens as tail; vLLM took all it was offered (nothing), so nothing is not_taken."""
