@@ -626,6 +626,21 @@ def test_a_load_failed_in_its_copy_forgets_the_host_blocks_it_read():
     assert not sched.index.contains((0, "h3")) and not sched.index.contains((1, "h3"))
 
 
+def test_a_load_names_only_the_groups_it_writes_blocks_into():
+    """A group with no block to load in the hit's range (vLLM gave a Mamba group only null blocks there, as
+    in `test_planning`'s review case c) gets no copy: workers would time an empty copy and trace its span."""
+    layouts = [GroupLayout(0, GroupKind.FULL_ATTENTION, BS), GroupLayout(1, GroupKind.MAMBA, B)]
+    sched = KVScopeScheduler(layouts, offload_block_size=B, hash_block_size=BS, num_slots=8, slot_bytes=1024,
+                             world_size=1, tracing=KVScopeTracing.disabled(), kv_cache_manager_getter=lambda: None)
+    _stored(sched, (0, "h3"), (1, "h3"))
+    request = _state("r", 256).request
+    assert sched.get_num_new_matched_tokens(request, 0) == (64, True)
+    block_ids = ([200 + i for i in range(16)], [NULL_BLOCK_ID] * 4)
+    sched.update_state_after_alloc(request, SimpleNamespace(get_block_ids=lambda: block_ids), 64)
+    (job,) = sched.build_connector_meta(_output()).loads
+    assert [(p.group_index, p.block_ids) for p in job.groups] == [(0, [200, 201, 202, 203])]
+
+
 def test_a_load_whose_request_ended_first_counts_its_blocks_but_no_request_load_time():
     """vLLM frees an aborted request's blocks, unused, once its load is done: they were loaded
     (`kvscope_loaded_blocks_total`), but that load's time is no request's (`..._request_load_duration_seconds`)."""
