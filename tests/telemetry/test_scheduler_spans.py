@@ -542,3 +542,16 @@ def _no_step():
     """A scheduler output that schedules nothing."""
     return SimpleNamespace(scheduled_new_reqs=[], num_scheduled_tokens={}, scheduled_spec_decode_tokens={},
                            scheduled_cached_reqs=SimpleNamespace(req_ids=[], new_block_ids=[], num_computed_tokens=[]))
+
+
+def test_every_step_hands_the_schedulers_spans_over_at_its_end(monkeypatch):
+    """The step's lookup, load and store spans leave the process when the step ends, not on the export
+    thread's schedule: vLLM's shutdown can kill the engine core after its last step."""
+    tracing, _ = in_memory_tracing()
+    sched = make_scheduler(tracing)
+    ended = []
+    monkeypatch.setattr(tracing, "end_step", lambda: ended.append(1))
+    plan_loads(sched, "r1")
+    sched.build_connector_meta(_no_step())
+    sched.build_connector_meta(_no_step())
+    assert ended == [1, 1]

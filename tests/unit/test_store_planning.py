@@ -1117,6 +1117,16 @@ def test_the_host_tier_gauges_carry_the_bytes_of_its_slots():
     assert data["host_capacity_bytes"] == 16 * 1024 and data["host_used_bytes"] == 2 * 1024
 
 
+def test_every_step_reports_the_host_tier_usage_and_its_new_evictions():
+    """Each step's stats (`build_connector_meta`) carry the used bytes as they stand and the blocks evicted
+    since the last step, so the gauges and the eviction counter follow the tier step by step."""
+    sched = _full_attention_scheduler(num_slots=2)
+    _stored(sched, (0, "a"), (0, "b"), (0, "c"))  # the third evicts one
+    sched.build_connector_meta(_output())
+    data = sched.take_stats().data
+    assert data["host_used_bytes"] == 2 * 1024 and data["evicted_blocks"] == 1
+
+
 def test_evictions_are_counted_once_each_and_only_when_they_happen():
     sched = _full_attention_scheduler(num_slots=2)
     _stored(sched, (0, "a"), (0, "b"))
