@@ -301,6 +301,10 @@ def test_a_lookup_is_counted_from_the_device_hit_vllm_kept_inside_a_block():
     data = sched.take_stats().data
     assert data["lookup_tokens"] == 120 and data.get("hit_tokens", 0) == 0
     assert data["missed_tokens"] == {"not_taken": 48, "new": 64, "tail": 8}
+    sched.build_connector_meta(_no_step())  # a later step: that lookup was counted and traced once, for good
+    assert len(exporter.get_finished_spans()) == 1
+    again = sched.take_stats()
+    assert again is None or not again.data.get("lookup_tokens"), again.data
 
 
 def test_a_load_without_a_lookup_span_roots_its_own_trace():
