@@ -343,8 +343,10 @@ class _ExplodingTracing(KVScopeTracing):
     def __init__(self):
         super().__init__(None)
         self._ids = None  # drawing an id would raise too
+        self.asked = []  # what was asked for, seen even where the connector catches the fault (`telemetry_failed`)
 
     def _explode(self, *a, **k):
+        self.asked.append(a)
         raise AssertionError("span bookkeeping with tracing off")
 
     start_span = record_span = open_span = end_span = record = end_load = _explode
@@ -360,6 +362,7 @@ def test_tracing_off_builds_no_span_and_still_plans():
     assert external == 192
     job = sched._pending_loads[0]
     assert job.trace_carrier is None and [len(g.block_ids) for g in job.groups] == [3, 12]
+    assert sched.tracing.asked == []
 
 
 def test_a_request_dropped_by_sampling_costs_one_decision_and_no_span_bookkeeping():
@@ -384,6 +387,7 @@ def test_a_request_dropped_by_sampling_costs_one_decision_and_no_span_bookkeepin
     assert sched._pending_loads[0].trace_carrier is None
     assert drawn == ["trace"]  # the lookup's sampling decision (a new trace); no span id, no load or scan span
     assert exporter.get_finished_spans() == ()
+    assert "dropped_trace_records" not in sched.take_stats().data  # a record sampling dropped is no lost one
 
 
 def test_ids_do_not_repeat_when_python_random_is_seeded():
