@@ -509,6 +509,22 @@ def test_an_untraced_loads_scan_durations_are_in_seconds():
     assert all(len(d) == 1 and 0 < d[0] <= elapsed for d in durations.values())
 
 
+def test_each_untraced_groups_scan_is_timed_alone(monkeypatch):
+    """One clock read per group, each scan's end starting the next: a group's scan duration is its own,
+    not the time since the load's planning started."""
+    import itertools
+    import time
+
+    sched = make_scheduler(KVScopeTracing.disabled())
+    request = make_request("r1", 200)
+    store_everything(sched, request)
+    ticks = itertools.count(0, 1000)  # each read of the clock a microsecond after the last
+    monkeypatch.setattr(time, "perf_counter_ns", lambda: next(ticks))
+    plan(sched, request)
+    monkeypatch.undo()
+    assert sched.take_stats().data["scan_duration_s"] == {"0|sliding_window": [1e-6], "1|full_attention": [1e-6]}
+
+
 def test_a_load_failed_at_planning_is_traced_and_counted_like_one_failed_in_its_copy():
     """vLLM asking part of a hit (no vLLM path does today) fails the load at planning: its lookup and
     load spans carry the scans of the blocks vLLM gave, the worker's copy spans say ERROR, and the
