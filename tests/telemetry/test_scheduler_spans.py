@@ -493,6 +493,7 @@ def test_a_traced_loads_scan_durations_are_its_scan_spans_in_seconds():
     assert durations == {f"{g}|{LAYOUTS[g].kind.value}": [(scans[g].end_time - scans[g].start_time) / 1e9]
                          for g in (0, 1)}
     assert all(d[0] > 0 for d in durations.values())
+    assert scans[1].start_time == scans[0].end_time  # one clock read per group: each scan's end starts the next
 
 
 def test_an_untraced_loads_scan_durations_are_in_seconds():
