@@ -1229,6 +1229,7 @@ def test_only_a_mamba_block_holding_the_state_of_another_token_count_is_logged(c
     caplog.set_level("INFO", logger="connector.scheduler")
     job = sched._plan_store(state, 128)
     assert _pieces(job, 0) == []  # neither holds the state at its own end
+    sched._plan_store(_state("other", 128), 128)  # another request with such a block: said once for all
     said = [r.getMessage() for r in caplog.records if "holds vLLM's state at token" in r.getMessage()]
     assert len(said) == 1 and "ending at token 128 holds vLLM's state at token 112" in said[0], said
 
