@@ -241,6 +241,27 @@ def test_a_store_under_an_upstream_trace_hangs_under_the_upstream_span():
     assert job.trace_carrier == (int(trace_id, 16), store.context.span_id, "vendor=1")  # copy spans under it
 
 
+def test_a_store_whose_span_failed_to_record_carries_no_trace_to_its_copies(monkeypatch):
+    """A fault recording the store span (`telemetry_failed`) costs that span only: the job still goes to the
+    workers, with no carrier, so its copy spans do not hang under a span that was never recorded."""
+    tracing, exporter = in_memory_tracing()
+    upstream = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    request = make_request("r1", 200, headers={"traceparent": upstream})
+    _, ids = blocks_for(request.num_tokens)
+    sched = KVScopeScheduler(LAYOUTS, offload_block_size=B, hash_block_size=BS, num_slots=64, slot_bytes=1024,
+                             world_size=1, tracing=tracing,
+                             kv_cache_manager_getter=lambda: SimpleNamespace(get_blocks=lambda rid: vllm_blocks(ids)))
+    plan(sched, request)  # a miss: the lookup alone
+
+    def failing_end_span(*args):
+        raise RuntimeError("injected telemetry fault")
+
+    monkeypatch.setattr(tracing, "end_span", failing_end_span)
+    job = sched._plan_store(sched._requests["r1"], 192)
+    assert job is not None and job.groups and job.trace_carrier is None
+    assert not any(s.name == "kvscope.store" for s in exporter.get_finished_spans())
+
+
 def test_a_miss_records_its_lookup_alone():
     tracing, exporter = in_memory_tracing()
     sched = make_scheduler(tracing)
