@@ -106,7 +106,6 @@ class KVScopeScheduler:
         self._kind_names = [layout.kind.value for layout in layouts]  # plain str: an enum's .value is slow
         self._full_attention_groups = [layout.index for layout in layouts if layout.kind is GroupKind.FULL_ATTENTION]
         self.block_size = offload_block_size
-        self.hash_block_size = hash_block_size
         self.keys = OffloadKeys(offload_block_size // hash_block_size)
         self.index = HostIndex(num_slots)
         self.stores = PiecewiseStores(self.index, layouts, offload_block_size, self.keys, draft_tokens)

@@ -1275,7 +1275,6 @@ def test_the_retry_of_a_failed_load_counts_its_blocks_as_load_failed_and_nothing
     assert data["missed_tokens"] == {"load_failed": 192, "tail": 64}
 
 
-
 def test_the_retry_of_a_failed_load_counts_as_load_failed_only_what_the_tier_still_held():
     """Blocks the failed load read are dropped, blocks nobody stored are new: the bar on loading again
     cost the retry only the hit the tier still held, and that alone is load_failed."""
@@ -1295,6 +1294,7 @@ def test_the_retry_of_a_failed_load_counts_as_load_failed_only_what_the_tier_sti
     data = sched.take_stats().data
     assert data["missed_tokens"] == {"load_failed": 128, "dropped": 64, "new": 64, "tail": 64}
     assert sum(data["missed_tokens"].values()) == data["lookup_tokens"] == 320
+
 
 def test_missed_tokens_by_reason_add_up_to_the_tokens_looked_up_when_vllm_counts_fewer_than_the_lookup():
     """vLLM's looked-up tokens are counted when it schedules the request and may be fewer than the lookup
