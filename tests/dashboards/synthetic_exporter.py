@@ -2,13 +2,16 @@
 
 Served by prometheus_client from a fresh CollectorRegistry on 127.0.0.1 (port chosen by the OS),
 so the boards and rules can be checked against a real Prometheus without a vLLM engine. The
-rates are fixed (see RATES / GROUPS) so tests can also check what the queries compute.
+rates and durations are fixed (see RATES / GROUPS) so tests can also check what the queries compute:
+every observation of a histogram series falls in one bucket, where `histogram_quantile(q)` is
+exact (`bucket_quantile`), so p50, p95 and p99 differ and each names its quantile.
 """
 
 from __future__ import annotations
 
-import random
+import bisect
 import threading
+import time
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -31,8 +34,9 @@ RATES = {
     "hit_tokens": 1200.0,  # token hit rate 0.6
     "evicted_blocks": 5.0,
     "load_failures": 0.2,
-    "dropped_trace_records": 0.0,  # healthy: KVScopeTracesIncomplete stays quiet
 }
+# Span records lost per second by reason: one sink fails (KVScopeTracesIncomplete fires), the rest is healthy.
+DROPPED_RATES = {"sink_failed": 0.5}
 HOST_CAPACITY_BYTES = 8 * 2**30
 # Per-second missed tokens by reason: they add up to lookup minus hit tokens, as the connector's do.
 MISSED_RATES = {"new": 600.0, "evicted": 100.0, "storing": 20.0, "dropped": 2.0, "reset": 0.0, "no_state": 0.0,
@@ -48,22 +52,38 @@ class SyntheticGroup:
     loaded: float
     stored: float
     block_bytes: int
+    scan_s: float  # the duration of every scan, and of every copy by direction
+    copy_s: dict[str, float]
 
 
-# A hybrid model: a sliding-window group that skips most of its blocks, a full-attention one.
+# A hybrid model: a sliding-window group that skips most of its blocks, a full-attention one. Each
+# group's scans and each direction's copies take their own time, in a bucket of their own.
 GROUPS = (
-    SyntheticGroup("0", "sliding_window", scan_blocks=40, null_skipped=28, loaded=12, stored=20, block_bytes=256 * 1024),
-    SyntheticGroup("1", "full_attention", scan_blocks=40, null_skipped=0, loaded=40, stored=20, block_bytes=256 * 1024),
+    SyntheticGroup("0", "sliding_window", scan_blocks=40, null_skipped=28, loaded=12, stored=20, block_bytes=256 * 1024,
+                   scan_s=30e-6, copy_s={"load": 3e-3, "store": 1.5e-3}),
+    SyntheticGroup("1", "full_attention", scan_blocks=40, null_skipped=0, loaded=40, stored=20, block_bytes=512 * 1024,
+                   scan_s=70e-6, copy_s={"load": 7e-3, "store": 0.4e-3}),
 )
+REQUEST_LOAD_S = 0.02
+OBSERVATIONS_PER_S = 10.0  # of each histogram series: one scan per group, one copy per group and direction
+HOST_USED_FRACTION = 0.9  # the host tier fills up to this share of its capacity and stays there
+
+
+def bucket_quantile(q: float, observed: float, buckets: tuple[float, ...]) -> float:
+    """What `histogram_quantile(q)` gives for a histogram whose every observation is `observed`: the
+    linear interpolation inside its bucket (from 0 in the first bucket)."""
+    i = bisect.bisect_left(buckets, observed)
+    lower = buckets[i - 1] if i else 0.0
+    return lower + (buckets[i] - lower) * q
 
 
 class SyntheticKVScopeExporter:
-    """Serves the metrics and advances them every `tick_s` seconds from a background thread."""
+    """Serves the metrics and advances them every `tick_s` seconds from a background thread, by the time
+    that really passed: a busy machine delays ticks, not the rates."""
 
-    def __init__(self, tick_s: float = 0.1, seed: int = 0) -> None:
+    def __init__(self, tick_s: float = 0.1) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self._tick_s = tick_s
-        self._rng = random.Random(seed)
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._build_metrics()
@@ -98,12 +118,12 @@ class SyntheticKVScopeExporter:
         }
         assert not missing, f"synthetic exporter lacks contract metrics {missing}"
         self._used_bytes = 0.0
+        self._observations_due = 0.0
         self.gauges["kvscope_host_capacity_bytes"].labels(MODEL_NAME, ENGINE).set(HOST_CAPACITY_BYTES)
         self.step(0.0)  # create every labelled child, so every series exists from the first scrape
 
     def step(self, dt: float) -> None:
         """Advance all metrics by `dt` seconds of synthetic traffic."""
-        rng = self._rng
         e = (MODEL_NAME, ENGINE)
         with self._lock:
             c = self.counters
@@ -112,9 +132,12 @@ class SyntheticKVScopeExporter:
             c["kvscope_evicted_blocks_total"].labels(*e).inc(RATES["evicted_blocks"] * dt)
             c["kvscope_load_failures_total"].labels(*e).inc(RATES["load_failures"] * dt)
             for reason in LOSS_REASONS:
-                c["kvscope_dropped_trace_records_total"].labels(*e, reason).inc(RATES["dropped_trace_records"] * dt)
+                c["kvscope_dropped_trace_records_total"].labels(*e, reason).inc(DROPPED_RATES.get(reason, 0.0) * dt)
             for reason, rate in MISSED_RATES.items():
                 c["kvscope_missed_tokens_total"].labels(*e, reason).inc(rate * dt)
+            self._observations_due += OBSERVATIONS_PER_S * dt
+            observations = int(self._observations_due)
+            self._observations_due -= observations
             for g in GROUPS:
                 gl = (*e, g.index, g.kind)
                 c["kvscope_scan_blocks_total"].labels(*gl).inc(g.scan_blocks * dt)
@@ -122,20 +145,18 @@ class SyntheticKVScopeExporter:
                 c["kvscope_loaded_blocks_total"].labels(*gl).inc(g.loaded * dt)
                 c["kvscope_load_bytes_total"].labels(*gl).inc(g.loaded * g.block_bytes * dt)
                 c["kvscope_store_bytes_total"].labels(*gl).inc(g.stored * g.block_bytes * dt)
-                if dt > 0:
-                    self.scan_duration.labels(*gl).observe(rng.lognormvariate(-10.4, 0.5))  # ~30 us
+                for _ in range(observations):
+                    self.scan_duration.labels(*gl).observe(g.scan_s)
                     for direction in contract.DIRECTIONS:
-                        self.copy_duration.labels(*gl, direction).observe(rng.lognormvariate(-6.2, 0.6))  # ~2 ms
-                else:
-                    self.scan_duration.labels(*gl)
-                    for direction in contract.DIRECTIONS:
-                        self.copy_duration.labels(*gl, direction)
-            if dt > 0:
-                self.request_load_duration.labels(*e).observe(rng.lognormvariate(-3.9, 0.7))  # ~20 ms
-            else:
-                self.request_load_duration.labels(*e)
+                        self.copy_duration.labels(*gl, direction).observe(g.copy_s[direction])
+                self.scan_duration.labels(*gl)  # every child exists from the first scrape
+                for direction in contract.DIRECTIONS:
+                    self.copy_duration.labels(*gl, direction)
+            for _ in range(observations):
+                self.request_load_duration.labels(*e).observe(REQUEST_LOAD_S)
+            self.request_load_duration.labels(*e)
             stored = sum(g.stored * g.block_bytes for g in GROUPS) * dt
-            self._used_bytes = min(0.9 * HOST_CAPACITY_BYTES, self._used_bytes + stored + 2**30 * dt)
+            self._used_bytes = min(HOST_USED_FRACTION * HOST_CAPACITY_BYTES, self._used_bytes + stored + 2**30 * dt)
             self.gauges["kvscope_host_used_bytes"].labels(*e).set(self._used_bytes)
 
     # --- serving ---------------------------------------------------------------------------
@@ -147,8 +168,11 @@ class SyntheticKVScopeExporter:
         return self
 
     def _run(self) -> None:
+        last = time.monotonic()
         while not self._stop.wait(self._tick_s):
-            self.step(self._tick_s)
+            now = time.monotonic()
+            self.step(now - last)
+            last = now
 
     @property
     def port(self) -> int:
