@@ -10,8 +10,9 @@ import subprocess
 import sys
 
 import pytest
+import yaml
 
-from .paths import DASHBOARDS_DIR, GRAFANA_DIR, REPO
+from .paths import DASHBOARDS_DIR, GRAFANA_DIR, REPO, RULES_DIR
 from .promcheck import iter_panels
 
 BOARD_FILES = sorted(DASHBOARDS_DIR.glob("*.json"))
@@ -157,3 +158,86 @@ def test_overview_answers_the_questions_it_promises():
         "kvscope_dropped_trace_records_total",  # traces that lost spans
     ):
         assert needle in exprs, needle
+
+
+PERCENT, SECONDS, BYTES_PER_S = "percentunit", "s", "Bps"
+# The unit of what each panel's queries compute (ratios 0..1, seconds, bytes/s, ...): Grafana prints the
+# numbers in it, so a panel with another unit shows the right number as a wrong one (0.6 as "0.6%").
+PANEL_UNITS = {
+    "kvscope-overview": {
+        "Token hit rate (5m)": PERCENT, "Token hit rate over time": PERCENT,
+        "Tokens looked up and hit": "suffix: tokens/s", "Missed because evicted (5m)": PERCENT,
+        "Looked-up tokens not served, by reason": "suffix: tokens/s",
+        "Blocks loaded / blocks scanned, per KV group": PERCENT,
+        "Null blocks skipped / blocks scanned, per KV group": PERCENT,
+        "Request load latency p99 (5m)": SECONDS, "Request load latency p50 / p95 / p99": SECONDS,
+        "Copy latency p50 / p99, per group and direction": SECONDS,
+        "Copy throughput, per group and direction": BYTES_PER_S, "Host tier usage (fullest)": PERCENT,
+        "Host tier used vs capacity": "bytes", "Evictions": "suffix: entries/s", "Load failures in range": "short",
+        "Load failures over time": "suffix: blocks/min", "Trace records dropped in range": "short",
+        "Trace records dropped over time": "suffix: records/min",
+    },
+    "kvscope-groups": {
+        "Blocks scanned, skipped and loaded": "suffix: blocks/s", "Scan duration p50 / p99": SECONDS,
+        "Copy latency p50 / p99 by direction": SECONDS, "Copy throughput by direction": BYTES_PER_S,
+        "Bandwidth while copying": BYTES_PER_S, "Copies per second and mean copy size": "short",
+    },
+}
+
+
+def _panels(stem):
+    return {p["title"]: p for p in iter_panels(_board(DASHBOARDS_DIR / f"{stem}.json")["panels"]) if p["type"] != "row"}
+
+
+@pytest.mark.parametrize("stem", sorted(PANEL_UNITS))
+def test_every_panel_shows_its_numbers_in_their_unit(stem):
+    panels = _panels(stem)
+    assert {title: p["fieldConfig"]["defaults"]["unit"] for title, p in panels.items()} == PANEL_UNITS[stem]
+
+
+def test_the_mean_copy_size_is_in_bytes_on_its_own_axis():
+    """The copies panel mixes copies/s (query A) with bytes per load (query B): only B is in bytes."""
+    (override,) = _panels("kvscope-groups")["Copies per second and mean copy size"]["fieldConfig"]["overrides"]
+    assert override["matcher"] == {"id": "byFrameRefID", "options": "B"}
+    assert {"id": "unit", "value": "bytes"} in override["properties"]
+
+
+def test_only_the_misses_by_reason_are_stacked():
+    """Missed tokens by reason add up to the looked-up tokens not served (the stack is that gap); stacking
+    any other panel would add up series that do not."""
+    stacked = {
+        title for stem in PANEL_UNITS for title, p in _panels(stem).items()
+        if (p["fieldConfig"]["defaults"].get("custom") or {}).get("stacking", {}).get("mode", "none") != "none"
+    }
+    assert stacked == {"Looked-up tokens not served, by reason"}
+
+
+def _steps(panel):
+    return [(s["value"], s["color"]) for s in panel["fieldConfig"]["defaults"]["thresholds"]["steps"]]
+
+
+def test_the_load_p99_stat_turns_red_where_its_alert_fires():
+    """The stat's description and the README say red is KVScopeLoadLatencyHigh's threshold."""
+    alerts = yaml.safe_load((RULES_DIR / "kvscope-alerts.yaml").read_text())["groups"][0]["rules"]
+    (expr,) = [a["expr"] for a in alerts if a.get("alert") == "KVScopeLoadLatencyHigh"]
+    threshold = float(re.fullmatch(r"kvscope:request_load_duration_seconds:p99_rate5m > ([0-9.]+)", expr.strip())[1])
+    steps = _steps(_panels("kvscope-overview")["Request load latency p99 (5m)"])
+    assert steps[-1] == (threshold, "red")
+
+
+# Every stat's colours, as the panel descriptions and the README explain them: a hit rate under 20% is
+# poor, over 50% good; evicted misses above a few percent mean a tier too small; the load p99 is red at
+# its alert's threshold; load failures and dropped records should be 0, so one is already a colour.
+STAT_STEPS = {
+    "Token hit rate (5m)": [(None, "red"), (0.2, "orange"), (0.5, "green")],
+    "Missed because evicted (5m)": [(None, "green"), (0.05, "orange"), (0.2, "red")],
+    "Request load latency p99 (5m)": [(None, "green"), (0.25, "orange"), (0.5, "red")],
+    "Host tier usage (fullest)": [(None, "green"), (0.85, "orange"), (0.95, "red")],
+    "Load failures in range": [(None, "green"), (1, "red")],
+    "Trace records dropped in range": [(None, "green"), (1, "orange")],
+}
+
+
+def test_every_stat_changes_colour_where_its_description_says():
+    stats = {title: p for title, p in _panels("kvscope-overview").items() if p["type"] == "stat"}
+    assert {title: _steps(p) for title, p in stats.items()} == STAT_STEPS
