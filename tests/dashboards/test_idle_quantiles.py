@@ -1,14 +1,16 @@
-"""Latency quantile panels on an idle engine: no data, not NaN.
+"""Latency quantile and ratio panels on an idle engine: no data, not NaN.
 
 With no observation in the rate window every bucket rate is 0 and `histogram_quantile` gives NaN,
 which a stat panel shows as "NaN" and a time series as a broken line. promtool evaluates every
-quantile query of the boards over histograms that stopped moving and must find no sample.
+quantile query of the boards over histograms that stopped moving and must find no sample; a ratio of
+rates divides 0 by 0 there, and the same holds for it.
 """
 
 from __future__ import annotations
 
 import yaml
 
+from . import contract
 from .paths import DASHBOARDS_DIR, RULES_DIR
 from .promcheck import board_queries, substitute
 from .promtools import require_binary, run_promtool
@@ -35,11 +37,28 @@ def _recorded_quantiles():
     return [rule["record"] for rule in rules if "histogram_quantile" in rule.get("expr", "")]
 
 
+def _idle_counters():
+    """Every counter of the contract, and each histogram's _sum and _count, with kvscope's labels, frozen."""
+    extra = {"group": 'group="0"', "kind": 'kind="full_attention"', "reason": 'reason="evicted"'}
+    counters = [(name, labels) for name, labels in contract.COUNTERS.items()]
+    counters += [(name + suffix, labels) for name, labels in contract.HISTOGRAMS.items()
+                 for suffix in ("_sum", "_count")]
+    series = []
+    for name, labels in counters:
+        matchers = [ENGINE] + [extra[label] for label in labels if label != "direction"]
+        directions = contract.DIRECTIONS if "direction" in labels else (None,)
+        for d in directions:
+            selector = ", ".join(matchers + ([f'direction="{d}"'] if d else []))
+            series.append({"series": f"{name}{{{selector}}}", "values": "7x30"})
+    return series
+
+
 def _expect_no_sample_when_idle(exprs, tmp_path):
-    """promtool evaluates each expression over histograms whose counts stopped moving 20 minutes ago."""
+    """promtool evaluates each expression over histograms and counters that stopped moving 20 minutes ago."""
     require_binary("promtool")
     series = [{"series": f"{name}{{{labels}, le=\"{le}\"}}", "values": f"{count}x30"}
               for name, labels in IDLE_HISTOGRAMS.items() for le, count in (("0.1", 3), ("+Inf", 5))]
+    series += _idle_counters()
     tests = [{"interval": "1m", "input_series": series, "promql_expr_test": [
         {"expr": expr, "eval_time": "20m", "exp_samples": []} for expr in exprs]}]
     doc = {"rule_files": [str(p) for p in sorted(RULES_DIR.glob("*.yaml"))], "evaluation_interval": "1m",
@@ -61,3 +80,11 @@ def test_every_recorded_quantile_has_no_sample_when_idle(tmp_path):
     records = _recorded_quantiles()
     assert len(records) >= 6  # request load p50/p95/p99, copy p50/p99, scan p99
     _expect_no_sample_when_idle(records, tmp_path)
+
+
+def test_every_ratio_panel_shows_no_data_when_nothing_is_looked_up_or_copied(tmp_path):
+    """Hit rate, loaded and skipped shares, bandwidth and mean copy size divide one rate by another: idle,
+    that is 0 / 0, which a panel shows as NaN unless the divisor is kept only where it is above 0."""
+    queries = [q for q in board_queries(DASHBOARDS_DIR) if " / " in q.expr and "histogram_quantile" not in q.expr]
+    assert len(queries) >= 8  # hit rate stat and over time (2), evicted share, loaded and null shares, bandwidths...
+    _expect_no_sample_when_idle([substitute(q.expr, VARIABLES) for q in queries], tmp_path)
