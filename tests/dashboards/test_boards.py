@@ -241,3 +241,22 @@ STAT_STEPS = {
 def test_every_stat_changes_colour_where_its_description_says():
     stats = {title: p for title, p in _panels("kvscope-overview").items() if p["type"] == "stat"}
     assert {title: _steps(p) for title, p in stats.items()} == STAT_STEPS
+
+
+def test_time_series_follow_the_zoom_and_stats_in_range_count_the_whole_range():
+    """As the README says: a panel's rate is `rate(...[$__rate_interval])` (per second, smoothed over at least
+    four scrapes whatever the zoom; not irate's last two samples nor a fixed window), and a count "in range" is
+    `increase(...[$__range])`, over the dashboard's whole time range."""
+    windows = 0
+    for path in BOARD_FILES:
+        for panel in iter_panels(_board(path)["panels"]):
+            for target in panel.get("targets", ()):
+                expr = target["expr"]
+                calls = re.findall(r"\b(\w+)\(\w+\{[^{}]*\}\[([^\]]+)\]\)", expr)
+                assert len(calls) == expr.count("["), f"{panel['title']}: a range selector outside rate/increase"
+                for function, window in calls:
+                    windows += 1
+                    in_range = panel["title"].endswith(" in range")
+                    expected = ("increase", "$__range") if in_range else ("rate", "$__rate_interval")
+                    assert (function, window) == expected, f"{panel['title']}: {function}(...[{window}]) in {expr!r}"
+    assert windows > 30
