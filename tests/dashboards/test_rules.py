@@ -87,3 +87,23 @@ def test_a_missing_binary_skips_with_the_install_hint():
     assert find_binary("kvscope-no-such-binary") is None
     with pytest.raises(pytest.skip.Exception, match="install-prometheus.sh"):
         require_binary("kvscope-no-such-binary")
+
+
+def test_the_host_usage_stat_shows_the_fullest_tier(tmp_path):
+    """The "Host tier usage (fullest)" stat over two engines a quarter and three quarters full reads 0.75: the
+    fullest one, not the emptiest nor their sum."""
+    from .paths import DASHBOARDS_DIR
+    from .promcheck import board_queries, substitute
+
+    (query,) = [q for q in board_queries(DASHBOARDS_DIR) if "/ Host tier usage (fullest) /" in q.source]
+    variables = {"model_name": ".*", "instance": ".*", "engine": ".*"}
+    series = [{"series": f'kvscope_host_{name}_bytes{{instance="a:8000", model_name="m", engine="{engine}"}}',
+               "values": f"{value}x10"}
+              for engine, used in (("0", 25), ("1", 75)) for name, value in (("used", used), ("capacity", 100))]
+    doc = {"rule_files": [str(p) for p in RULE_FILES], "evaluation_interval": "1m", "tests": [{
+        "interval": "1m", "input_series": series,
+        "promql_expr_test": [{"expr": substitute(query.expr, variables), "eval_time": "5m",
+                              "exp_samples": [{"labels": "{}", "value": 0.75}]}]}]}
+    (tmp_path / "fullest.yaml").write_text(yaml.safe_dump(doc, sort_keys=False))
+    result = run_promtool("test", "rules", "fullest.yaml", cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
