@@ -683,6 +683,26 @@ def test_shutdown_kills_a_helper_that_stopped_reading_and_writes_what_waited_her
     assert helper.dropped_spans == ids[1] - 1 > 0
 
 
+def test_shutdown_waits_within_its_timeout_for_a_helper_slow_to_read_and_loses_nothing(tmp_path, caplog):
+    """Found by mutation testing: the deadline for what waits for a full pipe runs from the shutdown on.
+    A helper that reads again well within the stop timeout gets everything, and nothing is killed or lost."""
+    path = tmp_path / "t.jsonl"
+    helper = _started(path)  # (the default stop timeout: 30 s)
+    pid = helper.pid
+    os.kill(pid, signal.SIGSTOP)
+    _wait_until_stopped(pid)
+    batches = _fill_the_pipe(helper, extra=3)
+    assert helper._pending_bytes > 0
+    resume = threading.Timer(0.5, os.kill, (pid, signal.SIGCONT))  # reads again while shutdown waits
+    resume.start()
+    with caplog.at_level(logging.WARNING):
+        helper.shutdown()
+    resume.join()
+    assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]  # nothing failed over
+    assert helper.dropped_spans == 0
+    assert _request_ids(path) == list(range(1 + 200 * batches))
+
+
 def test_after_shutdown_batches_are_refused_and_no_helper_starts_again(tmp_path, caplog):
     path = tmp_path / "t.jsonl"
     helper = _started(path)
