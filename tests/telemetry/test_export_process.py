@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import marshal
 import os
 import select
 import signal
@@ -378,6 +379,22 @@ def test_the_engine_threads_batches_never_wait_for_a_helper_that_stopped_reading
     helper.catch_up()  # the export thread's part: waits for the helper to read the rest
     assert helper._pending_bytes == 0
     assert helper.force_flush(10_000)
+    helper.shutdown()
+    assert _request_ids(path) == list(range(1 + 200 * batches))
+
+
+def test_the_engine_threads_batches_fill_a_mebibyte_of_pipe_before_any_waits_here(tmp_path):
+    """Found by mutation testing: the helper's pipe is enlarged to 1 MiB (Linux's default 64 KiB holds
+    about four batches), so a helper busy for a moment leaves nothing waiting in the engine process."""
+    with open("/proc/sys/fs/pipe-max-size") as f:
+        if int(f.read()) < 1 << 20:
+            pytest.skip("pipes cannot hold 1 MiB here (/proc/sys/fs/pipe-max-size)")
+    path = tmp_path / "t.jsonl"
+    helper = _started(path)
+    with _stopped(helper, settle=True):
+        batches = _fill_the_pipe(helper, extra=0)  # until a batch waits here
+    batch_bytes = len(marshal.dumps(("spans", _numbered(1, 200)), 2))
+    assert (batches - 1) * batch_bytes > 900 << 10, f"the pipe took {batches - 1} batches of {batch_bytes} bytes"
     helper.shutdown()
     assert _request_ids(path) == list(range(1 + 200 * batches))
 
@@ -790,6 +807,29 @@ def test_a_helper_failed_over_and_shut_down_leaves_no_descriptor_open(tmp_path):
     assert not descriptors_open_on(path)
     assert set(os.listdir("/proc/self/fd")) == before  # nor the pipes to and from the helper
     assert _request_ids(path) == [0, 1, 2]
+
+
+def test_a_helper_whose_shared_count_cannot_be_made_leaves_the_spans_here_and_no_descriptor_open(
+        tmp_path, monkeypatch, caplog):
+    """Found by mutation testing: the reply pipe made just before is closed, both ends, and the spans
+    are written here (nothing was sent, nothing is lost)."""
+    import connector.telemetry.export_process as export_process
+
+    def no_memory():
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(export_process, "_shared_counter", no_memory)
+    before = set(os.listdir("/proc/self/fd"))
+    path = tmp_path / "t.jsonl"
+    helper = ExportProcess(_sinks(path))
+    with caplog.at_level(logging.WARNING):
+        assert helper.export(_numbered(0, 2)) is SpanExportResult.SUCCESS
+    assert helper.pid is None and helper.dropped_spans == 0
+    helper.shutdown()
+    assert set(os.listdir("/proc/self/fd")) == before
+    assert _request_ids(path) == [0, 1]
+    (failed,) = [r.getMessage() for r in caplog.records if "export process failed" in r.getMessage()]
+    assert "Cannot allocate memory" in failed
 
 
 def test_an_empty_batch_starts_no_helper(tmp_path):
