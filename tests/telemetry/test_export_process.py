@@ -452,6 +452,29 @@ def test_a_helper_dying_under_the_engine_threads_batches_fails_over_and_loses_no
     assert not [r for r in caplog.records if "fell behind" in r.getMessage()]  # it died, it did not fall behind
 
 
+def test_a_helper_that_fell_behind_then_died_counts_both_losses(tmp_path, monkeypatch):
+    """Found by mutation testing: what the death loses adds to what falling behind dropped before it.
+    Every record sent is either written or counted lost."""
+    import connector.telemetry.export_process as export_process
+
+    monkeypatch.setattr(export_process, "_MAX_PENDING_BYTES", 100_000)
+    path = tmp_path / "t.jsonl"
+    helper = _started(path)
+    pid = helper.pid
+    os.kill(pid, signal.SIGSTOP)
+    _wait_until_stopped(pid)
+    batches = _fill_the_pipe(helper, extra=20)
+    behind = helper.dropped_spans
+    assert behind > 0  # fell behind: whole batches dropped
+    os.kill(pid, signal.SIGKILL)
+    _wait_until_dead(pid)
+    helper.catch_up()  # fails over: the pipe's contents are lost too
+    helper.shutdown()
+    written = len(_request_ids(path))
+    assert helper.dropped_spans > behind
+    assert written + helper.dropped_spans == 1 + 200 * batches
+
+
 def test_spans_of_a_finished_step_survive_the_engine_process_being_killed(tmp_path):
     """vLLM's shutdown can SIGTERM the engine core while it tears down (its handlers already reset),
     right after its last step: what the connector recorded up to the end of a step is in the helper's
