@@ -1159,6 +1159,32 @@ def test_a_batch_the_failed_over_export_cannot_write_is_a_failure(tmp_path):
     assert helper.lost_by_reason() == {"helper_lost": 0, "sink_failed": 3}  # (the helper's count kept once unmapped)
 
 
+def test_after_a_fail_over_every_sink_gets_each_batch_and_one_failing_fails_it(tmp_path):
+    """Found by mutation testing: exported here, a batch goes to the trace file and the OTLP collector
+    both, and one of them failing it (an unwritable file) makes it a failure, counted."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    _Receiver.requests = []
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Receiver)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        otel = {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": f"http://127.0.0.1:{server.server_port}/v1/traces",
+                "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf"}
+        helper = ExportProcess(Sinks(str(blocker / "traces.jsonl"), otel, {"service.name": "kvscope-test"}))
+        helper.export(_numbered(0, 1))
+        helper.force_flush(10_000)
+        pid = helper.pid
+        os.kill(pid, signal.SIGKILL)
+        _wait_until_dead(pid)
+        assert helper.export(_numbered(1, 2)) is SpanExportResult.FAILURE  # failed over: the file failed them
+        assert helper.lost_by_reason() == {"helper_lost": 0, "sink_failed": 3}
+        helper.shutdown()
+    finally:
+        server.shutdown()
+    counts = [sum(len(ss.spans) for rs in r.resource_spans for ss in rs.scope_spans) for r in _Receiver.requests]
+    assert counts == [1, 2]  # the collector got them all the same
+
+
 @pytest.mark.parametrize("helper_state", ["not started", "failed over"])
 def test_shutdown_alone_writes_a_batch_handed_over_while_no_helper_ran(tmp_path, helper_state):
     path = tmp_path / "t.jsonl"
