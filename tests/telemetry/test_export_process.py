@@ -509,7 +509,7 @@ def test_spans_of_a_finished_step_survive_the_engine_process_being_killed(tmp_pa
 
 def test_a_helper_whose_engine_died_writes_everything_it_was_sent_and_exits_cleanly(tmp_path):
     """Its replies then go nowhere (a broken pipe): that must not end it before it has written
-    every batch waiting in its pipe."""
+    every batch waiting in its pipe (a flush among them, whose answer fails to go out)."""
     import marshal
     import subprocess
     import sys
@@ -533,6 +533,9 @@ def test_a_helper_whose_engine_died_writes_everything_it_was_sent_and_exits_clea
     for first in range(0, 600, 100):
         payload = marshal.dumps(("spans", _numbered(first, 100)), 2)
         helper.stdin.write(_HEADER.pack(len(payload)) + payload)
+        if first == 200:
+            flush = marshal.dumps(("flush", 1))
+            helper.stdin.write(_HEADER.pack(len(flush)) + flush)
     helper.stdin.close()
     replies.close()  # the engine process is gone: both ends closed
     os.kill(helper.pid, signal.SIGCONT)
