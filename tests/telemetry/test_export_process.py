@@ -1231,6 +1231,7 @@ def test_a_sink_raising_in_the_helper_is_logged_here_and_the_helper_goes_on(tmp_
     assert running is not None and helper.dropped_spans == 1  # failed by its sink, counted
     messages = [r.getMessage() for r in caplog.records]
     assert len(messages) == 1 and "span exporter" in messages[0] and "raised" in messages[0], messages
+    assert caplog.records[0].levelno == logging.ERROR  # at the level the helper logged it
 
 
 def test_a_helper_that_never_says_it_is_ready_is_given_up_on(tmp_path, caplog, monkeypatch):
