@@ -829,6 +829,8 @@ def test_a_helper_failed_over_and_shut_down_leaves_no_descriptor_open(tmp_path):
     assert helper.export(_numbered(2, 1)) is SpanExportResult.SUCCESS
     assert helper.pid is None  # and no new helper is started (it could die the same way)
     assert len(descriptors_open_on(path)) == 1  # one file exporter here, built once
+    # and nothing of the dead helper's is kept until shutdown (its pipes, its shared count)
+    assert len(set(os.listdir("/proc/self/fd")) - before) == 1
     helper.shutdown()
     assert not descriptors_open_on(path)
     assert set(os.listdir("/proc/self/fd")) == before  # nor the pipes to and from the helper
