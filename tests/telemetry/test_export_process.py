@@ -543,6 +543,39 @@ def test_a_helper_whose_engine_died_writes_everything_it_was_sent_and_exits_clea
     assert _request_ids(path) == list(range(600))
 
 
+def test_a_helper_whose_engine_died_mid_frame_writes_every_whole_batch_and_exits_cleanly(tmp_path):
+    """Found by mutation testing: a frame cut short by the engine's death is the end of the stream,
+    not a crash that would lose the batches read before it."""
+    import marshal
+    import subprocess
+    import sys
+    from dataclasses import asdict
+
+    from connector.telemetry.export_process import _HEADER, _read_frame
+
+    path = tmp_path / "t.jsonl"
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    reply_read, reply_write = os.pipe()
+    helper = subprocess.Popen([sys.executable, "-P", "-m", "connector.telemetry.export_process", str(reply_write)],
+                              env={**os.environ, "PYTHONPATH": root}, stdin=subprocess.PIPE,
+                              stderr=subprocess.PIPE, bufsize=0, pass_fds=(reply_write,))
+    os.close(reply_write)
+    with os.fdopen(reply_read, "rb", buffering=0) as replies:
+        config = marshal.dumps(asdict(_sinks(path)))
+        helper.stdin.write(_HEADER.pack(len(config)) + config)
+        assert _read_frame(replies, 30) == ("ready",)
+        os.kill(helper.pid, signal.SIGSTOP)  # everything below waits in its pipe
+        for first in range(0, 30, 10):
+            payload = marshal.dumps(("spans", _numbered(first, 10)), 2)
+            helper.stdin.write(_HEADER.pack(len(payload)) + payload)
+        payload = marshal.dumps(("spans", _numbered(30, 10)), 2)
+        helper.stdin.write(_HEADER.pack(len(payload)) + payload[:len(payload) // 2])  # cut short
+        helper.stdin.close()
+        os.kill(helper.pid, signal.SIGCONT)
+        assert helper.wait(30) == 0, helper.stderr.read().decode()[-2000:]
+    assert _request_ids(path) == list(range(30))
+
+
 @pytest.mark.parametrize("stream", ["stdout", "stderr"])
 def test_a_trace_file_of_dev_stdout_or_stderr_is_the_engine_processs_stream(stream):
     """The helper's replies have a pipe of their own: its stdout and stderr are the engine's, so
