@@ -47,6 +47,7 @@ from dataclasses import asdict
 
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
+from connector.telemetry.failures import telemetry_failed
 from connector.telemetry.sinks import Sinks, build_exporters
 from connector.telemetry.trace_file import own_descriptor, write_all
 
@@ -478,11 +479,21 @@ class ExportProcess(SpanExporter):
     def _export_here(self, records) -> SpanExportResult:
         if self._local is None:
             self._local = build_exporters(self._sinks)
-        results = [e.export(records) for e in self._local]
+        results = [self._export_to(exporter, records) for exporter in self._local]
         if all(r is SpanExportResult.SUCCESS for r in results):
             return SpanExportResult.SUCCESS
         self._sink_failed_here += len(records)  # a sink failed them (it logs that, once)
         return SpanExportResult.FAILURE
+
+    @staticmethod
+    def _export_to(exporter, records) -> SpanExportResult:
+        """One sink's export; one that raises (a bug: sinks report their failures) fails this batch
+        only, counted, so the batches after it (a fail-over's, shutdown's deferred ones) still go out."""
+        try:
+            return exporter.export(records)
+        except Exception:
+            telemetry_failed("a span sink's export")
+            return SpanExportResult.FAILURE
 
 
 def _kill(proc: subprocess.Popen) -> None:

@@ -1223,6 +1223,48 @@ def test_after_a_fail_over_every_sink_gets_each_batch_and_one_failing_fails_it(t
     assert counts == [1, 2]  # the collector got them all the same
 
 
+def test_a_sink_that_raises_fails_its_batch_alone_and_the_deferred_batches_after_it_still_go_out(
+        tmp_path, monkeypatch):
+    """Sinks report their failures; one that raises instead (a bug) must cost its batch only, counted.
+    Exported here after a fail-over, the batches the export thread took over from `export_nowait` go
+    out one after another: a raise must not end that loop and drop the rest uncounted."""
+    from connector.telemetry import export_process, failures
+
+    monkeypatch.setattr(failures, "_logged", set())
+    kept: list[list] = []
+    calls = []
+
+    class RaisesAtItsSecondBatch:
+        def export(self, records):
+            calls.append(len(records))
+            if len(calls) == 2:
+                raise RuntimeError("a sink bug")
+            return SpanExportResult.SUCCESS
+
+        def shutdown(self):
+            pass
+
+    class Keeps(RaisesAtItsSecondBatch):
+        def export(self, records):
+            kept.append(list(records))
+            return SpanExportResult.SUCCESS
+
+    monkeypatch.setattr(export_process, "build_exporters", lambda sinks: [RaisesAtItsSecondBatch(), Keeps()])
+    helper = ExportProcess(Sinks(str(tmp_path / "t.jsonl"), {}, {"service.name": "kvscope-test"}))
+    helper.export(_numbered(0, 1))
+    assert helper.force_flush(10_000)
+    pid = helper.pid
+    os.kill(pid, signal.SIGKILL)
+    _wait_until_dead(pid)
+    assert helper.export(_numbered(1, 1)) is SpanExportResult.SUCCESS  # fails over: exported here
+    helper.export_nowait(_numbered(2, 2))  # no helper: left to the export thread
+    helper.export_nowait(_numbered(4, 3))
+    helper.catch_up()
+    assert [len(batch) for batch in kept] == [1, 2, 3]  # the other sink got every batch
+    assert helper.lost_by_reason() == {"helper_lost": 0, "sink_failed": 2}  # the raising sink's batch, counted
+    helper.shutdown()
+
+
 @pytest.mark.parametrize("helper_state", ["not started", "failed over"])
 def test_shutdown_alone_writes_a_batch_handed_over_while_no_helper_ran(tmp_path, helper_state):
     path = tmp_path / "t.jsonl"
