@@ -396,7 +396,10 @@ def test_a_child_forked_while_an_export_held_the_file_lock_can_still_export(tmp_
     with exporter._lock:  # an export in progress on another thread, as the fork sees it
         pid = os.fork()
         if pid == 0:
-            signal.alarm(10)  # a child stuck on the lock dies instead of hanging the test
+            # a child stuck on the lock dies instead of hanging the test (not pytest-timeout's handler,
+            # which would raise into a copy of the test run)
+            signal.signal(signal.SIGALRM, signal.SIG_DFL)
+            signal.alarm(10)
             os._exit(0 if exporter.export(spans) is SpanExportResult.SUCCESS else 1)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
