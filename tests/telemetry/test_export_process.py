@@ -9,14 +9,17 @@ import marshal
 import os
 import select
 import signal
+import subprocess
+import sys
 import threading
 import time
+from dataclasses import asdict
 from http.server import ThreadingHTTPServer
 
 import pytest
 from opentelemetry.sdk.trace.export import SpanExportResult
 
-from connector.telemetry.export_process import ExportProcess
+from connector.telemetry.export_process import _HEADER, _MARSHAL_VERSION, ExportProcess, _enlarge_pipe, _read_frame
 from connector.telemetry.sinks import Sinks, build_exporters
 from connector.telemetry.span_records import LOAD_SPAN, LOOKUP_SPAN, SCAN_SPAN
 from connector.telemetry.tracing import KVScopeTracing
@@ -479,9 +482,6 @@ def test_spans_of_a_finished_step_survive_the_engine_process_being_killed(tmp_pa
     """vLLM's shutdown can SIGTERM the engine core while it tears down (its handlers already reset),
     right after its last step: what the connector recorded up to the end of a step is in the helper's
     pipe by then, and the helper writes it after the engine process is gone."""
-    import subprocess
-    import sys
-
     path = tmp_path / "killed.jsonl"
     script = (
         "import os, signal, time\n"
@@ -507,35 +507,43 @@ def test_spans_of_a_finished_step_survive_the_engine_process_being_killed(tmp_pa
     assert ids == ["warm-up", "last-step"]
 
 
-def test_a_helper_whose_engine_died_writes_everything_it_was_sent_and_exits_cleanly(tmp_path):
-    """Its replies then go nowhere (a broken pipe): that must not end it before it has written
-    every batch waiting in its pipe (a flush among them, whose answer fails to go out)."""
-    import marshal
-    import subprocess
-    import sys
-    from dataclasses import asdict
-
-    from connector.telemetry.export_process import _HEADER, _enlarge_pipe, _read_frame
-
-    path = tmp_path / "t.jsonl"
+def _bare_helper():
+    """The helper started as `ExportProcess` starts it, for tests that play the engine's side frame by
+    frame: (its `Popen`, stdin unbuffered; the read end of its replies)."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     reply_read, reply_write = os.pipe()
     helper = subprocess.Popen([sys.executable, "-P", "-m", "connector.telemetry.export_process", str(reply_write)],
                               env={**os.environ, "PYTHONPATH": root}, stdin=subprocess.PIPE,
                               stderr=subprocess.PIPE, bufsize=0, pass_fds=(reply_write,))
     os.close(reply_write)
-    replies = os.fdopen(reply_read, "rb", buffering=0)
-    _enlarge_pipe(helper.stdin.fileno())  # as the engine's side does: 600 spans exceed Linux's default 64 KiB
-    config = marshal.dumps(asdict(_sinks(path)))
-    helper.stdin.write(_HEADER.pack(len(config)) + config)
+    return helper, os.fdopen(reply_read, "rb", buffering=0)
+
+
+def _frame(message, version: int = marshal.version) -> bytes:
+    """One message to the helper as the engine's side frames it (spans at `_MARSHAL_VERSION`)."""
+    payload = marshal.dumps(message, version)
+    return _HEADER.pack(len(payload)) + payload
+
+
+def _ready_helper(path):
+    """A bare helper sent the sinks writing `path`, once it answered that it is ready."""
+    helper, replies = _bare_helper()
+    helper.stdin.write(_frame(asdict(_sinks(path))))
     assert _read_frame(replies, 30) == ("ready",)
+    return helper, replies
+
+
+def test_a_helper_whose_engine_died_writes_everything_it_was_sent_and_exits_cleanly(tmp_path):
+    """Its replies then go nowhere (a broken pipe): that must not end it before it has written
+    every batch waiting in its pipe (a flush among them, whose answer fails to go out)."""
+    path = tmp_path / "t.jsonl"
+    helper, replies = _ready_helper(path)
+    _enlarge_pipe(helper.stdin.fileno())  # as the engine's side does: 600 spans exceed Linux's default 64 KiB
     os.kill(helper.pid, signal.SIGSTOP)  # everything below waits in its pipe
     for first in range(0, 600, 100):
-        payload = marshal.dumps(("spans", _numbered(first, 100)), 2)
-        helper.stdin.write(_HEADER.pack(len(payload)) + payload)
+        helper.stdin.write(_frame(("spans", _numbered(first, 100)), _MARSHAL_VERSION))
         if first == 200:
-            flush = marshal.dumps(("flush", 1))
-            helper.stdin.write(_HEADER.pack(len(flush)) + flush)
+            helper.stdin.write(_frame(("flush", 1)))
     helper.stdin.close()
     replies.close()  # the engine process is gone: both ends closed
     os.kill(helper.pid, signal.SIGCONT)
@@ -546,30 +554,14 @@ def test_a_helper_whose_engine_died_writes_everything_it_was_sent_and_exits_clea
 def test_a_helper_whose_engine_died_mid_frame_writes_every_whole_batch_and_exits_cleanly(tmp_path):
     """Found by mutation testing: a frame cut short by the engine's death is the end of the stream,
     not a crash that would lose the batches read before it."""
-    import marshal
-    import subprocess
-    import sys
-    from dataclasses import asdict
-
-    from connector.telemetry.export_process import _HEADER, _read_frame
-
     path = tmp_path / "t.jsonl"
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    reply_read, reply_write = os.pipe()
-    helper = subprocess.Popen([sys.executable, "-P", "-m", "connector.telemetry.export_process", str(reply_write)],
-                              env={**os.environ, "PYTHONPATH": root}, stdin=subprocess.PIPE,
-                              stderr=subprocess.PIPE, bufsize=0, pass_fds=(reply_write,))
-    os.close(reply_write)
-    with os.fdopen(reply_read, "rb", buffering=0) as replies:
-        config = marshal.dumps(asdict(_sinks(path)))
-        helper.stdin.write(_HEADER.pack(len(config)) + config)
-        assert _read_frame(replies, 30) == ("ready",)
+    helper, replies = _ready_helper(path)
+    with replies:
         os.kill(helper.pid, signal.SIGSTOP)  # everything below waits in its pipe
         for first in range(0, 30, 10):
-            payload = marshal.dumps(("spans", _numbered(first, 10)), 2)
-            helper.stdin.write(_HEADER.pack(len(payload)) + payload)
-        payload = marshal.dumps(("spans", _numbered(30, 10)), 2)
-        helper.stdin.write(_HEADER.pack(len(payload)) + payload[:len(payload) // 2])  # cut short
+            helper.stdin.write(_frame(("spans", _numbered(first, 10)), _MARSHAL_VERSION))
+        frame = _frame(("spans", _numbered(30, 10)), _MARSHAL_VERSION)
+        helper.stdin.write(frame[:len(frame) // 2])  # cut short: the header promises the whole payload
         helper.stdin.close()
         os.kill(helper.pid, signal.SIGCONT)
         assert helper.wait(30) == 0, helper.stderr.read().decode()[-2000:]
@@ -580,9 +572,6 @@ def test_a_helper_whose_engine_died_mid_frame_writes_every_whole_batch_and_exits
 def test_a_trace_file_of_dev_stdout_or_stderr_is_the_engine_processs_stream(stream):
     """The helper's replies have a pipe of their own: its stdout and stderr are the engine's, so
     spans written to /dev/stdout reach whatever reads the engine's stdout (a container's log)."""
-    import subprocess
-    import sys
-
     script = (
         "import sys\n"
         "from connector.telemetry.span_records import LOOKUP_SPAN\n"
@@ -607,9 +596,6 @@ def test_a_trace_file_of_dev_stdout_or_stderr_is_the_engine_processs_stream(stre
 def test_spans_to_dev_stdout_redirected_to_a_file_keep_the_engines_own_lines(tmp_path, mode):
     """`vllm serve ... > log`: the trace file is the engine's own stdout, so its lines and the engine's
     share one write offset (a file opened anew at /dev/stdout has its own, and writes over them)."""
-    import subprocess
-    import sys
-
     script = (
         "from connector.telemetry.span_records import LOOKUP_SPAN\n"
         "from connector.telemetry.tracing import KVScopeTracing\n"
@@ -901,21 +887,11 @@ def test_an_empty_batch_starts_no_helper(tmp_path):
 
 
 def test_a_helper_whose_engine_closed_the_pipe_before_its_config_exits_quietly():
-    import subprocess
-    import sys
-
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    reply_read, reply_write = os.pipe()
-    helper = subprocess.Popen([sys.executable, "-P", "-m", "connector.telemetry.export_process", str(reply_write)],
-                              env={**os.environ, "PYTHONPATH": root}, stdin=subprocess.PIPE,
-                              stderr=subprocess.PIPE, bufsize=0, pass_fds=(reply_write,))
-    os.close(reply_write)
+    helper, replies = _bare_helper()
     helper.stdin.close()  # the engine process died before it sent the sinks
-    try:
+    with replies:
         assert helper.wait(30) == 0
         assert helper.stderr.read() == b""
-    finally:
-        os.close(reply_read)
 
 
 def test_a_flush_the_helper_does_not_answer_gives_up_after_its_timeout(tmp_path):
@@ -1454,9 +1430,6 @@ def test_a_reply_that_cannot_be_read_ends_the_reader_and_frees_the_flush_waiting
 def test_a_process_that_exits_without_shutting_its_helper_down_exits(tmp_path):
     """The reply thread waits for the helper, which waits for the engine process to close its pipe
     (at exit, after Python joins every non-daemon thread): the thread must not hold the exit up."""
-    import subprocess
-    import sys
-
     path = tmp_path / "t.jsonl"
     script = (
         "from connector.telemetry.export_process import ExportProcess\n"
