@@ -4,21 +4,22 @@
 attention backends read what kvscope's worker copied in. A seed draws a tiny model (full attention, sliding
 window, gpt-oss's sinks, or Qwen3-Next's linear attention), engine settings (device block size, chunked
 prefill, async scheduling, n-gram drafts, the prefix cache off, a small device cache that preempts, an fp8 KV
-cache), a host tier (tight ones evict) and a few rounds of prompts sharing documents' prefixes or continuing
-an earlier round's output, some aborted mid-run, some with tenants' cache salts, most rounds after a device
-prefix-cache reset so that they load from the host tier. The same plan runs in two engine processes at once,
-with kvscope and without, and their greedy outputs must agree: the same tokens, each logprob within
-`logprob_tolerance` (0.01; 0.05 beside linear attention or preemption). Where the tokens part at a step where
-each run saw both picks among its best tokens, with the same logprobs within that tolerance and within
-`TIE_MARGIN` of each other, the seed is a `tie` (bf16 sums in another order may pick either), not a failure;
-where they part otherwise, the plan runs once more without kvscope and without vLLM's prefix cache, and if
-kvscope's completion is that recompute's, the seed is `vllm_cache` (vLLM's prefix cache parted the baseline
-from a recompute, not kvscope: Qwen3-Next's linear-attention states). Where kvscope's engine first scheduled
-the prompts in another order (a request waiting for its load lets the next go first) and vLLM without kvscope,
-given the prompts in that order, agrees with kvscope's whole run, the seed is `vllm_order`: on the CPU backend
-a request's logits move with its place in the batch. kvscope's hit and looked-up tokens must equal vLLM's
-external prefix-cache hits and queries, every load must write only device blocks the loading request alone
-holds, and once every request is done it must hold no host block, job or request state (`connector_leaks`).
+cache, float32 weights and KV cache), a host tier (tight ones evict) and a few rounds of prompts sharing
+documents' prefixes or continuing an earlier round's output, some aborted mid-run, some with tenants' cache
+salts, most rounds after a device prefix-cache reset so that they load from the host tier. The same plan runs
+in two engine processes at once, with kvscope and without, and their greedy outputs must agree: the same
+tokens, each logprob within `logprob_tolerance` (0.01; 0.05 beside linear attention or preemption; 0.001 in
+float32, preempting or not). Where the tokens part at a step where each run saw both picks among its best
+tokens, with the same logprobs within that tolerance and within `TIE_MARGIN` of each other, the seed is a `tie`
+(bf16 sums in another order may pick either), not a failure; where they part otherwise, the plan runs once more
+without kvscope and without vLLM's prefix cache, and if kvscope's completion is that recompute's, the seed is
+`vllm_cache` (vLLM's prefix cache parted the baseline from a recompute, not kvscope: Qwen3-Next's
+linear-attention states). Where kvscope's engine first scheduled the prompts in another order (a request
+waiting for its load lets the next go first) and vLLM without kvscope, given the prompts in that order, agrees
+with kvscope's whole run, the seed is `vllm_order`: on the CPU backend a request's logits move with its place
+in the batch. kvscope's hit and looked-up tokens must equal vLLM's external prefix-cache hits and queries,
+every load must write only device blocks the loading request alone holds, and once every request is done it
+must hold no host block, job or request state (`connector_leaks`).
 
     python -m tests.engine.engine_fuzz --seeds 0:100 --minutes 60 --out repros/
     python -m tests.engine.engine_fuzz --replay repros/seed-17.json
@@ -46,6 +47,8 @@ ROOT = Path(__file__).resolve().parents[2]
 # host block of an unsharpened model moved one by 0.025: their tolerance is tighter.
 LOGPROB_TOLERANCE = 0.05
 ATTENTION_ONLY_TOLERANCE = 0.01
+# float32: runs without kvscope, batched otherwise, parted by 5e-7 (seeds 3493, 3499), 1000 times below it
+FLOAT32_TOLERANCE = 0.001
 TIE_MARGIN = 0.05  # two tokens' logprobs this close: either may win in bf16
 BEST_TOKENS = 5  # logprobs kept per step: a near-tie may be among three tokens
 MAX_PROMPT_TOKENS = 3000  # of the engines' 4096-token context, leaving room for the completion
@@ -83,15 +86,9 @@ def make_plan(seed: int) -> dict:
     # groups without prefix caching: vLLM then keeps no state per block)
     if r.random() < 0.1 and not mamba:
         llm_kwargs["enable_prefix_caching"] = False
-    # A device cache of 1.05-2 contexts, and long completions: vLLM admits a prompt only where it fits,
-    # so requests are preempted (and their prefixes looked up again) as their completions grow.
-    # (A sliding-window group's blocks share the pool: one context's worth is refused beside one.)
     small_cache = device_block is not None and r.random() < 0.3
     if small_cache:
-        factors = [1.05, 1.2, 1.5] if model == "llama" else [1.5, 1.75, 2.0]
-        llm_kwargs["max_model_len"] = SMALL_CONTEXT
-        llm_kwargs["num_gpu_blocks_override"] = int(SMALL_CONTEXT // device_block * r.choice(factors))
-        plan["max_prompt_tokens"] = SMALL_CONTEXT - 20 * 12
+        _shrink_device_cache(r, plan, llm_kwargs, device_block)
     extra: dict = {"cpu_bytes": r.choice([256 << 10, 1 << 20, 4 << 20, 4 << 20, 64 << 20, 64 << 20])}
     if device_block and r.random() < 0.4:
         extra["block_size"] = device_block * r.choice([1, 2, 4])
@@ -131,8 +128,28 @@ def make_plan(seed: int) -> dict:
             salt = r.choice([None, "tenant-a", "tenant-b"])
             if salt:
                 prompt["cache_salt"] = salt
+    # float32 weights and KV cache: there runs without kvscope part by under 1e-6 whatever the schedule, so
+    # such plans are held to `FLOAT32_TOLERANCE` even where kvscope changes the schedule. Half of those with a
+    # device block size of their own get a small device cache too: preempted requests loading back, checked
+    # as tightly as any. (vLLM's CPU linear attention, Qwen3-Next's, runs only in bf16.)
+    if not mamba and "kv_cache_dtype" not in llm_kwargs and r.random() < 0.3:
+        llm_kwargs["dtype"] = "float32"
+        if device_block and not small_cache and r.random() < 0.5:
+            _shrink_device_cache(r, plan, llm_kwargs, device_block)
+            for round_ in rounds:
+                round_["max_tokens"] *= 20
     plan.update(llm_kwargs=llm_kwargs, extra=extra, docs=docs, rounds=rounds, attention_scale=scale)
     return plan
+
+
+def _shrink_device_cache(r: random.Random, plan: dict, llm_kwargs: dict, device_block: int) -> None:
+    """A device cache of 1.05-2 contexts, and long completions: vLLM admits a prompt only where it fits,
+    so requests are preempted (and their prefixes looked up again) as their completions grow. (A
+    sliding-window group's blocks share the pool: one context's worth is refused beside one.)"""
+    factors = [1.05, 1.2, 1.5] if plan["model"] == "llama" else [1.5, 1.75, 2.0]
+    llm_kwargs["max_model_len"] = SMALL_CONTEXT
+    llm_kwargs["num_gpu_blocks_override"] = int(SMALL_CONTEXT // device_block * r.choice(factors))
+    plan["max_prompt_tokens"] = SMALL_CONTEXT - 20 * 12
 
 
 def prompt_tokens(plan: dict, prompt: dict, earlier: list[tuple[list[list[int]], list[dict]]]) -> list[int]:
@@ -333,7 +350,9 @@ def logprob_tolerance(plan: dict) -> float:
     a preempted request's blocks, which vLLM alone recomputes), and on the CPU backend a request's logits
     move with the requests batched beside it: seed 1035 of a campaign preempting more, a request that was
     never preempted nor loaded, parted by 0.136 over 100 decode steps; two engines without kvscope whose
-    caches differ by 4 blocks parted by 0.053."""
+    caches differ by 4 blocks parted by 0.053. In float32 every plan's is `FLOAT32_TOLERANCE`."""
+    if plan["llm_kwargs"].get("dtype") == "float32":
+        return FLOAT32_TOLERANCE
     if plan["model"].startswith("qwen3next") or "num_gpu_blocks_override" in plan["llm_kwargs"]:
         return LOGPROB_TOLERANCE
     return ATTENTION_ONLY_TOLERANCE

@@ -7,9 +7,10 @@ import pytest
 from types import SimpleNamespace
 
 from tests.engine import engine_fuzz
-from tests.engine.engine_fuzz import (ATTENTION_ONLY_TOLERANCE, LOGPROB_TOLERANCE, admission_order, compare, execute,
-                                     first_parting, in_admission_order, largest_logprob_gap, load_destination_problem,
-                                     logprob_tolerance, make_plan, prompt_tokens, recheck, recompute_agrees, verdict)
+from tests.engine.engine_fuzz import (ATTENTION_ONLY_TOLERANCE, FLOAT32_TOLERANCE, LOGPROB_TOLERANCE, admission_order,
+                                     compare, execute, first_parting, in_admission_order, largest_logprob_gap,
+                                     load_destination_problem, logprob_tolerance, make_plan, prompt_tokens, recheck,
+                                     recompute_agrees, verdict)
 
 
 def _completion(tokens, logprobs, best):
@@ -95,6 +96,28 @@ def test_only_plans_beside_linear_attention_or_preempting_allow_the_wide_toleran
     assert logprob_tolerance({"model": model, "llm_kwargs": {"block_size": 32}}) == tolerance
     small_cache = {"model": model, "llm_kwargs": {"num_gpu_blocks_override": 84}}
     assert logprob_tolerance(small_cache) == LOGPROB_TOLERANCE
+
+
+@pytest.mark.parametrize("model", ["llama", "gemma3", "gptoss"])
+def test_float32_plans_are_held_to_the_float32_tolerance_preempting_or_not(model):
+    for llm_kwargs in ({"block_size": 32}, {"num_gpu_blocks_override": 84}):
+        plan = {"model": model, "llm_kwargs": {**llm_kwargs, "dtype": "float32"}}
+        assert logprob_tolerance(plan) == FLOAT32_TOLERANCE
+    assert FLOAT32_TOLERANCE < ATTENTION_ONLY_TOLERANCE
+
+
+def test_some_plans_run_in_float32_without_an_fp8_cache_or_qwen3_next_and_half_of_those_that_can_preempt():
+    """vLLM's CPU linear attention runs only in bf16 ("CPU GDN attention requires BF16")."""
+    plans = [make_plan(seed) for seed in range(300)]
+    float32 = [p for p in plans if p["llm_kwargs"].get("dtype") == "float32"]
+    assert 0.15 < len(float32) / len(plans) < 0.35
+    assert not any("kv_cache_dtype" in p["llm_kwargs"] or p["model"] == "qwen3next" for p in float32)
+    with_blocks = [p for p in float32 if "block_size" in p["llm_kwargs"]]
+    small = [p for p in with_blocks if "num_gpu_blocks_override" in p["llm_kwargs"]]
+    assert 0.5 < len(small) / len(with_blocks) < 0.8  # 0.3 drawn with the bfloat16 plans' odds, then half of the rest
+    for plan in small:  # long completions, prompts cut to leave them room
+        assert plan["llm_kwargs"]["max_model_len"] == 1536 and plan["max_prompt_tokens"] == 1536 - 240
+        assert all(round_["max_tokens"] % 20 == 0 for round_ in plan["rounds"])
 
 
 def test_a_gap_the_wide_tolerance_allows_fails_the_attention_only_tolerance():
@@ -189,6 +212,8 @@ def test_a_plan_in_admission_order_submits_each_round_s_prompts_in_it_unless_the
 
 # Seed 3245's shape: kvscope's engine admitted prompt 1 before prompt 0, and prompt 1 parted from the baseline.
 _PLAN = {"model": "gptoss", "llm_kwargs": {}, "rounds": [{"prompts": [{}, {}]}]}
+
+
 def _prompt_b(second_token, second_logprob):
     best = [{"5": -1.0}, {"7": -2.0, "6": -2.4} if second_token == 7 else {"6": second_logprob, "7": -2.6}]
     return _completion([5, second_token], [-1.0, second_logprob], best) | {"prompt": "b"}
@@ -292,16 +317,23 @@ LOADING_PLAN = {
 }
 
 
+# The same in float32, attention not sharpened: there the zeroed block moved a logprob by 0.023, which only
+# the float32 tolerance sees (a bf16 plan's 0.05 would not).
+FLOAT32_LOADING_PLAN = {**LOADING_PLAN, "attention_scale": 1.0,
+                        "llm_kwargs": {**LOADING_PLAN["llm_kwargs"], "dtype": "float32"}}
+
+
 @pytest.mark.engine
-def test_the_fuzz_passes_real_loads_and_fails_one_host_block_zeroed_before_they_load():
-    """The same plan on three engines at once: kvscope's, kvscope's with one host block of the 54 it holds
+@pytest.mark.parametrize("plan", [LOADING_PLAN, FLOAT32_LOADING_PLAN], ids=["bf16-sharpened", "float32"])
+def test_the_fuzz_passes_real_loads_and_fails_one_host_block_zeroed_before_they_load(plan):
+    """The same plan on three engines at once: kvscope's, kvscope's with one host block of those it holds
     (its newest) zeroed before the second round, and none; the second round's prompts are submitted in
-    reverse. The first loads and agrees; the second loads the zeros and must fail (attention sharpened:
-    with the random weights that block moved a logprob 0.025)."""
-    results = execute(LOADING_PLAN, ("kvscope", "corrupted", "baseline"))
+    reverse. The first loads and agrees; the second loads the zeros and must fail (bf16 with attention
+    sharpened: with the random weights that block moved a logprob 0.025)."""
+    results = execute(plan, ("kvscope", "corrupted", "baseline"))
     assert results["kvscope"]["external_hit_tokens"] > 0, results["kvscope"]
     assert results["baseline"]["admission_orders"] == [[0, 1], [1, 0]]  # the second round submitted in "order"
-    tolerance = logprob_tolerance(LOADING_PLAN)
+    tolerance = logprob_tolerance(plan)
     assert verdict(results, tolerance=tolerance) == ("ok", [])
     assert results["corrupted"]["external_hit_tokens"] > 0
     outcome, problems = verdict(results, ours="corrupted", tolerance=tolerance)
