@@ -698,6 +698,18 @@ def test_a_tier_all_held_is_not_walked_again_until_something_is_released():
     assert index.reserve_for_store("c") is not None and not index.contains(("filling", 7))
 
 
+def test_a_tier_found_all_held_evicts_again_once_a_load_unpins_and_a_store_completes():
+    """Both releases after a walk that found nothing to evict count: if one undid the other, the tier would
+    refuse every store though two of its entries are evictable."""
+    index = _filled(2, ["a"])
+    index.pin_for_load("a")
+    index.reserve_for_store("b")  # the tier is all held: a load reads "a", a store fills "b"
+    assert index.reserve_for_store("c") is None
+    index.unpin("a")
+    index.complete_store("b")
+    assert index.reserve_for_store("c") is not None and not index.contains("a")
+
+
 def test_held_entries_an_eviction_walks_past_go_behind_the_rest_before_the_new_entry():
     """The order CI's stateful run found the model lacked: a filling entry walked past moves behind
     the ready ones, and the new reservation is the most recent."""
