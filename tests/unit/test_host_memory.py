@@ -6,6 +6,7 @@ chunking it is given is checked for every size."""
 from __future__ import annotations
 
 import math
+import sys
 
 import pytest
 from hypothesis import given, settings
@@ -40,6 +41,12 @@ def test_a_buffer_within_the_limit_is_one_registration():
     assert register_chunks(13 * 6144, 6144, page=PAGE, max_chunk=20 * PAGE) == [(0, 13 * 6144)]
     # at the limit itself too, though chunks ending on rows and pages (12 KiB) would cut it in two
     assert register_chunks(20 * PAGE, 6144, page=PAGE, max_chunk=20 * PAGE) == [(0, 20 * PAGE)]
+
+
+def test_one_registration_holds_at_most_vllms_64_gib():
+    """vLLM's bound for one `cudaHostRegister` (the driver's): a larger tier is registered in chunks of 64 GiB."""
+    assert register_chunks(64 << 30, PAGE) == [(0, 64 << 30)]
+    assert register_chunks((64 << 30) + PAGE, PAGE) == [(0, 64 << 30), (64 << 30, PAGE)]
 
 
 def test_the_buffer_is_page_aligned_and_not_registered_unless_pinned():
@@ -120,6 +127,21 @@ def test_a_buffer_given_one_of_register_and_unregister_pins_through_vllms_pair(m
         buffer.release()
         assert registered[-1] == released[-1] == buffer.tensor.data_ptr() and not buffer.pinned
     assert own == [] and len(registered) == len(released) == 2
+
+
+def test_the_buffer_is_pinned_through_vllms_own_host_register_where_vllm_has_it():
+    vllm_host_register = pytest.importorskip("vllm.v1.kv_offload.cpu.host_register")
+    assert host_memory._vllm_host_register() == (vllm_host_register.host_register,
+                                                 vllm_host_register.host_unregister)
+
+
+def test_a_vllm_without_host_register_leaves_the_buffer_pageable_and_says_so(monkeypatch, caplog):
+    """Registering then 'fails' at once: the tier is not reported pinned while it is not, and the log says why
+    copies are slower."""
+    monkeypatch.setitem(sys.modules, "vllm.v1.kv_offload.cpu.host_register", None)  # its import fails
+    buffer = HostBuffer(4, PAGE_BYTES, pin=True)
+    assert not buffer.pinned and "stays pageable" in caplog.text
+    buffer.release()
 
 
 @pytest.mark.parametrize("row", [PAGE, 3 * PAGE, 1000])
