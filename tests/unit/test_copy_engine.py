@@ -335,6 +335,20 @@ def test_non_dense_state_running_past_page():
         page_view([state], nb, page)
 
 
+def test_a_state_spans_its_one_element_and_an_empty_state_spans_none():
+    """The page holds every byte a state spans: a one-element state in the next block's first byte is refused
+    (copied, the neighbour's byte would be lost); an empty state (a conv state of kernel width 1) spans no
+    byte, so it fits even at the page's very end."""
+    nb, page = 4, 10
+    raw = torch.zeros(nb * page + 8, dtype=torch.int8)
+    body = torch.as_strided(raw, (nb, page), (page, 1))
+    one = torch.as_strided(raw, (nb, 1), (page, 1), page)
+    with pytest.raises(CopyError, match="exceeds the page"):
+        page_view([body, one], nb, page)
+    empty = torch.as_strided(raw, (nb, 3, 0), (page, 1, 1), page)
+    assert torch.equal(page_view([body, empty], nb, page), body)
+
+
 def test_missing_layer_is_a_copy_error():
     t = _bf16_cache(NB, HEADS, BS, TWO_HD)
     layout = SlotLayout(slot_bytes=PAGE, group_layers=[[("absent", 0, PAGE)]], group_factors=[1])
