@@ -44,11 +44,13 @@ class _Stream:
 
 
 class _Event:
+    """As CUDA's: an elapsed time needs two events made for timing and recorded (else it raises)."""
+
     def __init__(self, enable_timing: bool = False):
-        pass
+        self.timing, self.stream = enable_timing, None
 
     def record(self, stream=None) -> None:
-        pass
+        self.stream = stream
 
     def query(self) -> bool:
         return True
@@ -57,6 +59,8 @@ class _Event:
         pass
 
     def elapsed_time(self, other: _Event) -> float:
+        if not (self.timing and other.timing and self.stream and other.stream):
+            raise RuntimeError("both events must be recorded, and made with enable_timing=True")
         return 0.5  # ms
 
 
@@ -560,6 +564,19 @@ def test_a_copy_is_done_when_its_end_event_is_not_when_its_start_is(cuda_engine)
     stored = engine.store(0, [1], [0], [3])
     stored.done_event = (_Event(), _Pending())
     assert not engine.poll(stored) and stored.done_event is not None
+
+
+def test_a_copys_start_and_end_are_timing_events_recorded_on_its_own_stream(cuda_engine):
+    """A CUDA event never recorded reads as complete: a copy whose end event was not recorded behind it on
+    its stream would be taken for done at once, its load's blocks handed to the next forward before its bytes
+    are there. Events made without timing would leave every copy unmeasured."""
+    engine, _, _ = cuda_engine
+    stored = engine.store(0, [1], [0], [3])
+    loaded = engine.load(0, [1], [0], [5])
+    for copy, stream in ((stored, engine.store_stream), (loaded, engine.load_stream)):
+        start, end = copy.done_event
+        assert start.timing and end.timing and start.stream is stream and end.stream is stream
+        assert engine.poll(copy) and copy.end_ns >= copy.start_ns > 0
 
 
 def test_copies_still_in_flight_at_shutdown_are_reported_once_the_device_is_synchronized(monkeypatch):
