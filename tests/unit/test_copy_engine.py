@@ -116,6 +116,18 @@ def test_shared_tensor_two_groups_round_trip():
     assert torch.equal(_storage_bytes(t1).view(NB, PAGE), expected1)
 
 
+def test_a_first_layer_holding_its_one_state_in_a_list_round_trips():
+    """A layer may hand vLLM its states as a list of one (a short-conv layer's conv state alone); the engine
+    takes its device from that state."""
+    t = _bf16_cache(NB, HEADS, BS, TWO_HD)
+    layout = SlotLayout(slot_bytes=PAGE, group_layers=[[("conv", 0, PAGE)]], group_factors=[1])
+    engine = CopyEngine({"conv": [t]}, _config(NB), layout, 2)
+    before = _block_bytes(t, 3)
+    engine.store(0, [1], [0], [3])
+    engine.load(0, [1], [0], [5])
+    assert torch.equal(_block_bytes(t, 5), before)
+
+
 def test_untouched_host_slots_stay_untouched():
     engine, _, _ = _shared_attention_engine(num_slots=3)
     engine.host.copy_(_random_bytes(engine.host.numel()).view_as(engine.host))
