@@ -165,6 +165,13 @@ def test_a_failing_batched_op_falls_back_to_block_copies(cuda_engine, caplog):
     assert sum("swap_blocks_batch failed" in r.getMessage() for r in caplog.records) == 1
 
 
+def test_the_batched_copy_is_vllms_own_swap_blocks_batch_where_this_build_has_it():
+    custom_ops = pytest.importorskip("vllm._custom_ops")
+    if not hasattr(custom_ops, "swap_blocks_batch"):
+        pytest.skip("this vLLM build has no swap_blocks_batch: copies go block by block")
+    assert copy_engine_module._batched_copy_op() is custom_ops.swap_blocks_batch
+
+
 def _worker_on(engine) -> KVScopeWorker:
     worker = KVScopeWorker(None, engine.layout, engine.num_slots, ["full_attention", "full_attention"], 0,
                            KVScopeTracing.disabled())
