@@ -134,6 +134,7 @@ def make_plan(seed: int) -> dict:
     # as tightly as any. (vLLM's CPU linear attention, Qwen3-Next's, runs only in bf16.)
     if not mamba and "kv_cache_dtype" not in llm_kwargs and r.random() < 0.3:
         llm_kwargs["dtype"] = "float32"
+        extra["cpu_bytes"] *= 2  # a block's bytes double: the host tier keeps as many blocks as in bf16
         if device_block and not small_cache and r.random() < 0.5:
             _shrink_device_cache(r, plan, llm_kwargs, device_block)
             for round_ in rounds:

@@ -112,6 +112,7 @@ def test_some_plans_run_in_float32_without_an_fp8_cache_or_qwen3_next_and_half_o
     float32 = [p for p in plans if p["llm_kwargs"].get("dtype") == "float32"]
     assert 0.15 < len(float32) / len(plans) < 0.35
     assert not any("kv_cache_dtype" in p["llm_kwargs"] or p["model"] == "qwen3next" for p in float32)
+    assert {p["extra"]["cpu_bytes"] for p in float32} <= {512 << 10, 2 << 20, 8 << 20, 128 << 20}  # twice bf16's
     with_blocks = [p for p in float32 if "block_size" in p["llm_kwargs"]]
     small = [p for p in with_blocks if "num_gpu_blocks_override" in p["llm_kwargs"]]
     assert 0.5 < len(small) / len(with_blocks) < 0.8  # 0.3 drawn with the bfloat16 plans' odds, then half of the rest
