@@ -424,3 +424,24 @@ def test_an_unknown_keys_value_is_shown_as_written():
     """A quoted string is shown quoted, as in the JSON: '8G', not 8G."""
     message = _error({"cpu_bytes": GIB, "trace_fiel": "/tmp/t.jsonl", "blocksize": "8"})
     assert "blocksize='8', trace_fiel='/tmp/t.jsonl'" in message
+
+
+def test_available_memory_is_a_whole_number_of_kib_as_the_kernel_counts_it():
+    """MemAvailable's kB are KiB: the bytes are that count times 1024, not a near factor (1000, 1023, 1025),
+    which the range that `test_available_memory_is_the_kernels_memavailable_in_bytes` allows the moving
+    memory lets pass."""
+    from connector.config import available_memory_bytes
+
+    got = available_memory_bytes()
+    if got is None:
+        pytest.skip("no MemAvailable in /proc/meminfo")
+    assert got > 0 and got % 1024 == 0, got
+
+
+def test_a_parsed_config_cannot_be_changed_so_the_scheduler_and_its_workers_keep_what_was_checked():
+    import dataclasses
+
+    cfg = parse_config({"cpu_bytes": GIB})
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.cpu_bytes = 2 * GIB
+    assert cfg.cpu_bytes == GIB
