@@ -529,6 +529,31 @@ def test_check_warns_of_a_metrics_port_in_use_here(capsys):
     assert "is in use" not in capsys.readouterr().err
 
 
+def test_check_finds_a_metrics_port_free_that_a_stopped_metrics_server_left_connections_waiting_on(capsys):
+    """Restarting an engine: the metrics server it stopped leaves its scrapes' connections in TIME_WAIT on
+    the port. A new metrics server binds it (it reuses addresses), so the check must not warn that it is
+    in use, as a probe that does not reuse addresses would."""
+    import socket
+
+    from prometheus_client import CollectorRegistry, start_http_server
+
+    server, thread = start_http_server(0, addr="127.0.0.1", registry=CollectorRegistry())
+    port = server.server_port
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as scrape:
+        scrape.sendall(b"GET /metrics HTTP/1.0\r\n\r\n")
+        while scrape.recv(65536):  # to the end: the server closed first, so its side waits on the port
+            pass
+    server.shutdown()
+    server.server_close()
+    thread.join()
+    assert cli.main(["check", _transfer(cpu_bytes=1 << 20, metrics_port=port)]) == 0
+    assert "is in use" not in capsys.readouterr().err
+    again, thread = start_http_server(port, addr="127.0.0.1", registry=CollectorRegistry())  # as the check says
+    again.shutdown()
+    again.server_close()
+    thread.join()
+
+
 @pytest.mark.parametrize("value", ["false", "0", "None", " off ", "TRUE", "1", "on", "yes", "no", "null",
                                    "disabled"])
 def test_a_trace_file_that_reads_as_a_switch_is_refused(value):
@@ -755,3 +780,91 @@ def test_check_takes_vllm_serves_flags_as_vllm_serve_does(monkeypatch):
     assert cli.main(["check", "{}", "--no-enable-sleep-mode"]) == 0
     assert (seen[0]["data_parallel_size_local"], seen[0]["enable_sleep_mode"]) == (0, True)
     assert (seen[1]["data_parallel_size_local"], seen[1]["enable_sleep_mode"]) == (None, False)
+
+
+def test_check_counts_an_external_launcher_engines_ranks_as_vllm_does_across_pipeline_and_prefill_context_ranks(
+        capsys):
+    """vLLM's world size is tp x pp x pcp: start-up refuses such an engine first for its external launcher's
+    ranks, so the check names that refusal, with the ranks start-up counts."""
+    for flags in (["-tp", "2", "-pp", "2"], ["-tp", "2", "--prefill-context-parallel-size", "2"]):
+        argv = ["check", *flags, "--distributed-executor-backend", "external_launcher", _transfer(cpu_bytes=1 << 20)]
+        assert cli.main(argv) == 2
+        err = capsys.readouterr().err
+        assert "distributed_executor_backend='external_launcher' with 4 ranks per data-parallel rank" in err, flags
+
+
+def test_an_engine_shape_cannot_be_changed_so_the_default_every_check_shares_stays_one_worker():
+    import dataclasses
+    import inspect
+
+    from connector.config_check import EngineShape, check_transfer_config
+
+    default = inspect.signature(check_transfer_config).parameters["engine"].default
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        default.tensor_parallel_size = 4
+    assert default == EngineShape()
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http/protobuf"])
+def test_check_shuts_down_the_otlp_exporter_it_builds(monkeypatch, protocol):
+    """It builds the exporter only to describe it: left open, each check would keep its gRPC channel or HTTP
+    session (nothing is sent either way)."""
+    from connector.config_check import check_transfer_config
+    from connector.telemetry import sinks
+
+    built = []
+    build = sinks.build_otlp_exporter
+    monkeypatch.setattr(sinks, "build_otlp_exporter", lambda env: built.append(build(env)) or built[-1])
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4318", "OTEL_EXPORTER_OTLP_PROTOCOL": protocol}
+    result = check_transfer_config(_transfer(cpu_bytes=1 << 20), env=env)
+    assert result.otlp == built[0].description and protocol in result.otlp
+    assert built[0].inner._shutdown  # the OpenTelemetry exporters' own mark, set by their shutdown()
+
+
+def test_check_counts_one_worker_here_for_two_one_gpu_replicas_on_two_nodes(monkeypatch, capsys):
+    """vLLM derives -dpl 1 (one replica per node) for -dp 2 --nnodes 2: one tier on this host, not the two
+    of both replicas, so a tier that fits the host once is not warned of."""
+    from connector import config_check
+
+    monkeypatch.setattr(config_check, "physical_memory_bytes", lambda: 16 << 30)
+    monkeypatch.setattr(config_check, "available_memory_bytes", lambda: 16 << 30)
+    assert cli.main(["check", "-dp", "2", "--nnodes", "2", _transfer(cpu_bytes=9 << 30)]) == 0
+    assert capsys.readouterr().err == ""
+    assert cli.main(["check", "-dp", "2", _transfer(cpu_bytes=9 << 30)]) == 0  # both replicas here
+    assert "2 workers on this host with a host tier of 9663676416 bytes each" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, said", [
+    (["-pp", "2"], "pipeline_parallel_size=2 is not supported by kvscope"),
+    (["--prefill-context-parallel-size", "2"], "prefill_context_parallel_size=2 is not supported by kvscope"),
+])
+def test_check_refuses_pipeline_and_prefill_context_parallelism_over_several_nodes_naming_them(flags, said, capsys):
+    """The replicas per node are derived from every rank of a replica, the pipeline stages and prefill context
+    ranks too: the refusal start-up gives, not a traceback."""
+    assert cli.main(["check", *flags, "-dp", "2", "--nnodes", "2", _transfer(cpu_bytes=1 << 20)]) == 2
+    assert said in capsys.readouterr().err
+
+
+def test_an_engine_shape_is_on_one_node_unless_told_as_vllm_serve_is(monkeypatch):
+    """`EngineShape` takes vLLM serve's defaults for the flags not given: a -tp 2 engine's two workers are
+    both on this host."""
+    from connector import config_check
+
+    monkeypatch.setattr(config_check, "physical_memory_bytes", lambda: 3 << 30)
+    monkeypatch.setattr(config_check, "available_memory_bytes", lambda: 3 << 30)
+    result = config_check.check_transfer_config(_transfer(cpu_bytes=2 << 30),
+                                                config_check.EngineShape(tensor_parallel_size=2), env={})
+    assert len(result.warnings) == 1
+    assert "2 workers on this host with a host tier of 2147483648 bytes each" in result.warnings[0]
+
+
+def test_the_replicas_on_each_node_are_derived_as_vllm_serve_derives_them():
+    """Without -dpl, over several nodes, vLLM's arg_utils gives each node max(its ranks // one replica's, 1)
+    replicas: a replica wider than a node still counts one, never none."""
+    from connector.config_check import EngineShape
+
+    for shape, local in ((dict(tensor_parallel_size=4, nnodes=2), 1), (dict(nnodes=2), 1),
+                         (dict(tensor_parallel_size=4, data_parallel_size=2, nnodes=2), 1),
+                         (dict(tensor_parallel_size=2, data_parallel_size=4, nnodes=2), 2),
+                         (dict(data_parallel_size=8, nnodes=2), 4), (dict(data_parallel_size=3), 3)):
+        assert EngineShape(**shape).parallel_config().data_parallel_size_local == local, shape
