@@ -88,7 +88,8 @@ def test_own_provider_never_the_global_one(tmp_path):
 
 
 @pytest.mark.parametrize("ratio, sampler, recorded", [(None, "always_off", 0), (None, "traceidratio", 1000),
-                                                      (1.0, "always_off", 1000), (None, None, 1000)])
+                                                      (1.0, "always_off", 1000), (None, None, 1000),
+                                                      (None, "parentbased_always_on", 1000)])
 def test_otel_traces_sampler_samples_only_without_trace_sample_ratio(tmp_path, ratio, sampler, recorded):
     env = {"KVSCOPE_TRACE_EXPORT": "thread"} | ({"OTEL_TRACES_SAMPLER": sampler} if sampler else {})
     t = KVScopeTracing.from_config(str(tmp_path / "t.jsonl"), ratio, env=env)

@@ -410,6 +410,9 @@ def test_check_of_the_json_alone_is_for_an_engine_of_one_worker(monkeypatch):
     ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4317", "OTEL_TRACES_SAMPLER": "parentbased_traceidratio",
       "OTEL_TRACES_SAMPLER_ARG": "1.5"},
      "OTEL_TRACES_SAMPLER_ARG='1.5' is not accepted for parentbased_traceidratio: expected a number from 0 to 1"),
+    ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4317", "OTEL_TRACES_SAMPLER": "traceidratio",
+      "OTEL_TRACES_SAMPLER_ARG": "-0.5"},
+     "OTEL_TRACES_SAMPLER_ARG='-0.5' is not accepted for traceidratio: expected a number from 0 to 1"),
 ])
 def test_otel_variables_kvscope_would_act_on_wrongly_are_refused_naming_them(monkeypatch, capsys, env, said):
     """A mistyped protocol sent HTTP to a gRPC port, an endpoint that is no URL lost every span at the
@@ -465,6 +468,8 @@ def test_otlp_variables_set_empty_count_as_unset_as_the_exporter_reads_them():
 
 @pytest.mark.parametrize("sampler, arg, ratio", [
     ("always_on", None, "1.0, whatever a traceparent says"),
+    ("always_off", None, "0.0, whatever a traceparent says"),
+    ("parentbased_always_on", None, "1.0 of new traces; a sampled traceparent is always followed"),
     ("parentbased_always_off", None, "0.0 of new traces; a sampled traceparent is always followed"),
     ("traceidratio", "0.25", "0.25, whatever a traceparent says"),
     ("parentbased_traceidratio", None, "1.0 of new traces; a sampled traceparent is always followed"),
