@@ -115,6 +115,16 @@ def test_the_trace_specific_otlp_timeout_wins_and_only_one_not_taken_as_given_is
 # --- found by the mutation campaign of sinks.py ---------------------------------------------------
 
 
+def test_an_otlp_export_gets_two_seconds_unless_told_at_most_thirty_and_a_fraction_of_one_as_given():
+    """The bounds themselves, not only their names: a longer wait holds up the engine's shutdown."""
+    from connector.telemetry.sinks import _timeout_s
+
+    assert _timeout_s({}) == 2.0
+    assert _timeout_s({"OTEL_EXPORTER_OTLP_TIMEOUT": "30"}) == 30.0
+    assert _timeout_s({"OTEL_EXPORTER_OTLP_TIMEOUT": "31"}) == 30.0
+    assert _timeout_s({"OTEL_EXPORTER_OTLP_TRACES_TIMEOUT": "0.5"}) == 0.5
+
+
 def test_trace_specific_otlp_headers_are_added_to_the_general_ones_and_win():
     from connector.telemetry.sinks import _headers
 

@@ -590,6 +590,19 @@ def test_the_cool_down_ends_at_its_last_instant_and_shutdown_logs_nothing(caplog
     assert "closing the channel" not in caplog.text
 
 
+def test_after_a_failure_the_endpoint_is_left_alone_for_ten_seconds_by_default():
+    now = [0.0]
+    inner = _ScriptedExporter([], [])
+    exporter = LogOnceExporter(inner, "OTLP test", clock=lambda: now[0])
+    exporter.export([])
+    now[0] = 9.999
+    assert exporter.export([]) is SpanExportResult.FAILURE
+    assert inner.calls == 1
+    now[0] = 10.0
+    exporter.export([])
+    assert inner.calls == 2
+
+
 def _unreachable_otlp_env(export_mode: str) -> dict[str, str]:
     return {
         "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://127.0.0.1:9/v1/traces",  # discard port: refused
