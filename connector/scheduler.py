@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from .groups import GroupKind, GroupLayout
 from .host_store import HostIndex
+from .load_admission import LoadAdmission
 from .lookup import find_hit_tokens
 from .metadata import LOAD, STORE, GroupTransfer, KVScopeMetadata, KVScopeWorkerMetadata, TransferJob
 from .miss_reasons import NOT_TAKEN, TAIL, Miss, barred_from_hit, lookup_miss, miss_order, past_kept_tokens
@@ -120,6 +121,9 @@ class KVScopeScheduler:
         self.tracing = tracing
         self._kv_cache_manager = kv_cache_manager_getter
         self.states = StateBlocks(layouts, speculative=draft_tokens > 0)
+        # vLLM's drafts are its lookahead tokens: a request first running asks blocks for them too
+        self.admission = LoadAdmission(layouts, lookahead_tokens=draft_tokens)
+        self._deferral_logged = False
         self._foreign_state_logged = False
         # The last tokens whose KV a drafter may write again (vLLM's multi-module MTP re-prefills
         # them): not final, so not stored, as vLLM does not cache them (`get_num_cacheable_tokens`)
@@ -156,8 +160,8 @@ class KVScopeScheduler:
         """The key hash of each full offload block of the request (`offload_keys`)."""
         return self.keys.hashes(request.block_hashes)
 
-    # -- lookup (side-effect free towards vLLM: only memoises its answer) --
-    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
+    # -- lookup (side-effect free towards vLLM: only memoises its answer, and notes a load it defers) --
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         start = time.time_ns()
         state = self._requests.get(request.request_id)
         if state is not None and state.load_failed and (
@@ -179,6 +183,8 @@ class KVScopeScheduler:
             return 0, False
         hashes = self._offload_hashes(request)
         external = self._hit_tokens(request, num_computed_tokens, hashes)
+        if external and not self._load_may_start(request):
+            return None, False  # vLLM asks again next step (`load_admission`)
         end = time.time_ns()
         # Why it did not serve more, outside the lookup's span time, as the stats it feeds are
         miss = self._miss(request, num_computed_tokens, external, hashes)
@@ -186,6 +192,23 @@ class KVScopeScheduler:
         # Asynchronous load: the request waits while others run; Mamba state must land
         # before vLLM's mamba preprocessing, which a synchronous load would miss.
         return external, external > 0
+
+    def _load_may_start(self, request) -> bool:
+        """Whether the request's load may start beside the loads vLLM has not yet run (`load_admission`)."""
+        admission = self.admission
+        if not admission.waiting_loads:
+            return True
+        manager = self._kv_cache_manager()
+        usable = manager.block_pool.num_gpu_blocks - 1  # less the null block
+        if admission.may_start(request.request_id, request.num_tokens, usable):
+            return True
+        if not self._deferral_logged:
+            self._deferral_logged = True
+            logger.info("kvscope: a load waits for the %d load(s) vLLM has not yet run to run first: together "
+                        "they could need more than the device cache's %d blocks, where vLLM would stall; "
+                        "loads wait like this whenever the device cache is nearly full (logged once)",
+                        admission.waiting_loads, usable)
+        return False
 
     def _hit_tokens(self, request, num_computed_tokens: int, hashes: list) -> int:
         """The tokens past the device's that the host tier can serve (`find_hit_tokens`)."""
@@ -221,6 +244,7 @@ class KVScopeScheduler:
                     state.trace_context = self.tracing.parent_from_trace_headers(headers)
             self._requests[req_id] = state
         lookup = self._lookups.pop(req_id, None)
+        self.admission.admitted(req_id, request.num_tokens, loads=num_external_tokens > 0)
         if state.stores_stopped and lookup is not None and lookup.local_tokens == 0:
             # Restarted from nothing after a cache reset stopped its stores (preempted, or its load
             # failed): all its KV is computed anew (or loaded from the tier, emptied by the reset), so
@@ -441,6 +465,7 @@ class KVScopeScheduler:
             computed[req_id] = cached.num_computed_tokens[i]
         if self._unsettled_lookups:  # before the stores: a lookup span may root its request's trace
             self._settle_lookups(computed)
+        self.admission.ran(scheduler_output.num_scheduled_tokens)
         if self._store_sources:
             meta.fence_stores = self._sources_reallocated(scheduler_output, computed)
         self._allocated_unplanned.clear()
@@ -744,6 +769,7 @@ class KVScopeScheduler:
         req_id = request.request_id
         state = self._requests.pop(req_id, None)
         self._lookups.pop(req_id, None)
+        self.admission.ended(req_id)
         if state is not None:
             # Its prefix was used last: its stores went in head first, so this puts the head last in line
             self._touch_prefix(self._offload_hashes(request), state.load_job.keys if state.load_job else [])

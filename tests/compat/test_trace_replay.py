@@ -11,6 +11,7 @@ from connector.tiny_models import build_model
 from dashboard import traces
 from tests.compat.model_free import ModelFreeEngine
 from tests.compat.test_vllm_scheduler_loop import WINDOW, _assert_no_violations, _prompts
+from tests.unit.test_store_planning import ROOMY_KV_CACHE_MANAGER
 
 SHARED_TRACEPARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 
@@ -93,7 +94,7 @@ def test_a_request_that_loads_again_after_preemption_sums_its_loads(tmp_path):
     tracing = KVScopeTracing.from_config(str(path), 1.0)
     layouts = [GroupLayout(0, GroupKind.FULL_ATTENTION, 16)]
     sched = KVScopeScheduler(layouts, offload_block_size=32, hash_block_size=16, num_slots=64, slot_bytes=1024,
-                             world_size=1, tracing=tracing, kv_cache_manager_getter=lambda: None)
+                             world_size=1, tracing=tracing, kv_cache_manager_getter=lambda: ROOMY_KV_CACHE_MANAGER)
     request = SimpleNamespace(request_id="r1", num_tokens=200, num_computed_tokens=0, num_preemptions=0,
                               block_hashes=[f"h{i}" for i in range(12)], trace_headers=None)
     for k, h in enumerate(sched._offload_hashes(request)):

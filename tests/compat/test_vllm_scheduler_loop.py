@@ -19,6 +19,7 @@ import pytest
 from vllm.config import SchedulerConfig
 from vllm.v1.worker.gpu.kv_connector import ActiveKVConnector
 
+from connector.load_admission import LoadAdmission
 from connector.tiny_models import build_model
 from connector.worker import FENCE_AT_NEXT_STEP, FENCE_AT_ONCE, FENCE_WHEN_REUSED
 from tests.compat.model_free import (HAS_V1_RUNNER, ModelFreeEngine, create_engine_config, loaded_blocks_by_group,
@@ -262,14 +263,21 @@ def _two_failing_loads(model_path, engine_args: dict | None = None) -> ModelFree
     return engine
 
 
-def test_known_vllm_gap_async_loads_admitted_past_their_reserve_stall_the_scheduler(model_path):
+def without_load_admission(monkeypatch) -> None:
+    """vLLM's own admission alone: every load kvscope finds starts at once (`load_admission` off)."""
+    monkeypatch.setattr(LoadAdmission, "may_start", lambda self, req_id, num_tokens, usable_blocks: True)
+
+
+def test_known_vllm_gap_async_loads_admitted_past_their_reserve_stall_the_scheduler(model_path, monkeypatch):
     """Under device-KV pressure vLLM (0.32 to 0.34) admits three async loads, then the first one's
     next chunk needs more blocks than are free (its sliding-window group needs blocks for the whole
     chunk, not only its window: more than the admission estimate counts); its full-sequence check compares one
     request's need with all free blocks, the other loads' reserve is taken off the load's own blocks
     only. With nothing running nothing can be preempted, and the requests wait for ever (README).
-    kvscope's part is sound: every load finished, no job is left. This pins vLLM's behaviour: when
-    it fails, vLLM changed it and the README can say so."""
+    kvscope defers such loads (`load_admission`, the next test); without that the loads' part is sound:
+    every load finished, no job is left. This pins vLLM's behaviour: when it fails, vLLM changed it and
+    the README can say so."""
+    without_load_admission(monkeypatch)
     engine = _three_loads_past_their_reserve(model_path)
     try:
         with pytest.raises(AssertionError, match="still unfinished"):
@@ -285,15 +293,17 @@ def test_known_vllm_gap_async_loads_admitted_past_their_reserve_stall_the_schedu
         engine.shutdown()
 
 
-def test_known_vllm_gap_a_failed_load_at_the_head_of_the_queue_stalls_the_loads_behind_it(model_path):
+def test_known_vllm_gap_a_failed_load_at_the_head_of_the_queue_stalls_the_loads_behind_it(model_path, monkeypatch):
     """Two async loads admitted in one step both fail (a copy error). vLLM frees the first request's
     blocks and sends it back to waiting, but it stays first in the queue of requests holding KV; its
     prefill (the sliding-window group needs blocks for the whole chunk) needs more blocks than are
     free while the second request, behind it, still holds its load's blocks, and vLLM stops at the
     first request it cannot admit: the second one's failure is never taken, its blocks never freed,
-    and both wait for ever (README). kvscope's part is done: both loads were reported, no job is left,
-    no host block stays pinned. This pins vLLM's behaviour (0.32 to 0.34): when it fails, vLLM
-    changed it and the README can say so."""
+    and both wait for ever (README). kvscope defers the second load (`load_admission`, the next test);
+    without that kvscope's part is done: both loads were reported, no job is left, no host block stays
+    pinned. This pins vLLM's behaviour (0.32 to 0.34): when it fails, vLLM changed it and the README
+    can say so."""
+    without_load_admission(monkeypatch)
     engine = _two_failing_loads(model_path)
     try:
         with pytest.raises(AssertionError, match="still unfinished"):
@@ -310,6 +320,38 @@ def test_known_vllm_gap_a_failed_load_at_the_head_of_the_queue_stalls_the_loads_
         engine.shutdown()
 
 
+@pytest.mark.parametrize("scenario", ["past-their-reserve", "failing"])
+def test_kvscope_defers_the_loads_that_would_stall_vllm_and_every_request_finishes(model_path, scenario):
+    """Both stalls above, with kvscope's load admission: a load whose request, beside those whose loads
+    vLLM has not yet run, could need more blocks than the device cache has waits for them to run
+    (vLLM asks again each step). Every request finishes, loads still serve hits (or fail cleanly), the
+    forward reads what was written and the tier holds nothing after."""
+    build = _three_loads_past_their_reserve if scenario == "past-their-reserve" else _two_failing_loads
+    engine = build(model_path)
+    deferred = []
+    kvscope = engine.scheduler.get_kv_connector()._scheduler
+    may_start = kvscope.admission.may_start
+
+    def noted(req_id, num_tokens, usable_blocks):
+        started = may_start(req_id, num_tokens, usable_blocks)
+        if not started:
+            deferred.append(req_id)
+        return started
+
+    kvscope.admission.may_start = noted
+    try:
+        engine.run(max_steps=200)
+        assert engine.host_tier_leaks() == []
+    finally:
+        engine.shutdown()
+    assert deferred  # the scenario still meets the pressure
+    _assert_no_violations(engine.stats, loads=scenario != "failing")
+    if scenario == "failing":
+        assert engine.stats.failed_recving
+    else:
+        assert engine.stats.external_hit_tokens > 0 and not engine.stats.failed_recving
+
+
 _INFLIGHT_KV_LOADS = pytest.mark.skipif(
     "max_num_inflight_kv_loads" not in SchedulerConfig.__dataclass_fields__,
     reason="this vLLM has no --max-num-inflight-kv-loads (0.34 on)")
@@ -320,11 +362,13 @@ _INFLIGHT_KV_LOADS = pytest.mark.skipif(
     ("past-their-reserve", 1, True), ("past-their-reserve", 2, True), ("past-their-reserve", 3, False),
     ("failing", 1, True), ("failing", 2, False),
 ])
-def test_one_async_load_in_flight_avoids_both_known_stalls(model_path, scenario, cap, finishes):
+def test_one_async_load_in_flight_avoids_both_known_stalls(model_path, monkeypatch, scenario, cap, finishes):
     """vLLM 0.34's `--max-num-inflight-kv-loads N` caps the requests holding blocks for an async
-    load (kvscope's loads are all async). At 1 both stalls above are gone: each load's request
-    runs before the next is admitted; every load finishes or fails cleanly and the forward reads
-    what was written. At 2 the first stall is gone, not the second; at 3 neither (README)."""
+    load (kvscope's loads are all async). Alone (kvscope's load admission off), at 1 both stalls
+    above are gone: each load's request runs before the next is admitted; every load finishes or
+    fails cleanly and the forward reads what was written. At 2 the first stall is gone, not the
+    second; at 3 neither (README)."""
+    without_load_admission(monkeypatch)
     build = _three_loads_past_their_reserve if scenario == "past-their-reserve" else _two_failing_loads
     engine = build(model_path, engine_args={"max_num_inflight_kv_loads": cap})
     try:
@@ -594,11 +638,12 @@ def test_the_fuzzer_tells_vllms_mamba_align_mix_up_apart_where_kvscope_loaded_fo
     assert result.verdict == "vllm_mamba_align" and result.failure is None
 
 
-def test_the_fuzzer_tells_the_known_admission_stall_apart_where_vllms_own_estimate_fits():
+def test_the_fuzzer_tells_the_known_admission_stall_apart_where_vllms_own_estimate_fits(monkeypatch):
     """The stall of `test_known_vllm_gap_async_loads_admitted_past_their_reserve_stall_the_scheduler`,
     where vLLM's capped estimate of what the stuck requests need fits in the free blocks, but the
     head one's next chunk (its sliding-window group needs every block the chunk spans) does not
-    (random workload seed 160364, shrunk; it was reported as a failure before)."""
+    (random workload seed 160364, shrunk; it was reported as an unexplained failure before). With
+    kvscope's load admission the plan runs through; without it the fuzzer names the stall."""
     from tests.compat import workload_fuzz
 
     plan = {"seed": 160364, "config": {"block_size": 256, "workers": 1, "async_scheduling": False, "runner": "v1",
@@ -624,7 +669,10 @@ def test_the_fuzzer_tells_the_known_admission_stall_apart_where_vllms_own_estima
 
     with mock.patch.object(workload_fuzz, "_stalled_by_vllm", telling):
         result = workload_fuzz.execute(plan)
-    assert result.verdict == "vllm_stall" and result.failure is None and not result.violations
+        assert result.verdict == "ok" and not seen and result.external_hit_tokens > 0
+        without_load_admission(monkeypatch)
+        result = workload_fuzz.execute(plan)
+    assert result.verdict == "stall" and result.failure == "stall" and not result.violations
     (estimate, chunk, free), = seen
     assert estimate <= free < chunk  # vLLM's estimate fits; the chunk it asks blocks for does not
 
@@ -1041,6 +1089,9 @@ def test_late_reading_stores_beside_a_mamba_group_whose_new_blocks_vllm_zeroes(m
     from connector import connector as connector_module
     from tests.compat.model_free import MambaAlign
 
+    # the schedule the control was built on, every load starting at once: kvscope's load admission
+    # changes it in this 100-block cache, and no late store then meets a zeroed block
+    without_load_admission(monkeypatch)
     engine = ModelFreeEngine(model_path, {"cpu_bytes": 64 << 20, "block_size": 16}, window=WINDOW, num_blocks=100,
                              max_num_batched_tokens=100, runner=runner, mamba=MambaAlign(16, 16))
     # vLLM's config names the V1 runner here (its V2 needs Triton); the loop drives the runner asked for

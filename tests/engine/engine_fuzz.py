@@ -54,6 +54,9 @@ TIE_MARGIN = 0.05  # two tokens' logprobs this close: either may win in bf16
 BEST_TOKENS = 5  # logprobs kept per step: a near-tie may be among three tokens
 MAX_PROMPT_TOKENS = 3000  # of the engines' 4096-token context, leaving room for the completion
 SMALL_CONTEXT = 1536  # tokens: the context of plans with a small device cache, so that prompts contend
+# engine steps in a row with requests left and none running: vLLM's admission stall (`load_admission`), or
+# a load never reported; a load on the CPU takes a step or two
+STALL_STEPS = 500
 ENGINE_TIMEOUT_S = 600
 _BLOCK_SIZE_REFUSAL = re.compile(r"ConfigError: kv_connector_extra_config\.block_size=\d+ is not accepted: it must "
                                  r"be a multiple of every KV group's device block size .*")
@@ -186,12 +189,19 @@ def _generate(llm, round_index: int, prompts: list[list[int]], max_tokens: int,
         if salts[i]:
             tokens["cache_salt"] = salts[i]
         engine.add_request(ids[i], tokens, params)
-    finished, steps = {}, 0
+    scheduler = engine.engine_core.engine_core.scheduler
+    finished, steps, idle = {}, 0, 0
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.finished:
                 finished[out.request_id] = out
         steps += 1
+        idle = 0 if scheduler.running or not scheduler.has_requests() else idle + 1
+        if idle == STALL_STEPS:
+            states = ", ".join(f"{r.request_id} {r.status.name} {r.num_computed_tokens}/{r.num_tokens}"
+                               for r in scheduler.requests.values())
+            raise RuntimeError(f"stalled: {STALL_STEPS} steps without a running request; {states}; "
+                               f"{scheduler.kv_cache_manager.block_pool.get_num_free_blocks()} free blocks")
         due = [ids[i] for i, after in aborts.items() if after == steps and ids[i] not in finished]
         if due:
             engine.abort_request(due)
@@ -535,6 +545,10 @@ def main() -> None:
         role = args.run[1]
         if role == "recompute":
             plan = {**plan, "llm_kwargs": {**plan["llm_kwargs"], "enable_prefix_caching": False}}
+        if role == "unadmitted":  # kvscope starting every load it finds: vLLM's admission alone decides
+            from connector.load_admission import LoadAdmission
+
+            LoadAdmission.may_start = lambda self, req_id, num_tokens, usable_blocks: True
         result = run_engine(plan, with_connector=role not in ("baseline", "recompute"),
                             corrupt_host=role == "corrupted")
         print("ENGINE_FUZZ_JSON " + json.dumps(result), flush=True)

@@ -341,3 +341,18 @@ def test_the_fuzz_passes_real_loads_and_fails_one_host_block_zeroed_before_they_
     assert results["corrupted"]["external_hit_tokens"] > 0
     outcome, problems = verdict(results, ours="corrupted", tolerance=tolerance)
     assert outcome == "failed", problems
+
+
+@pytest.mark.engine
+def test_seed_3782_runs_through_where_vllms_admission_alone_stalls():
+    """Fuzz seed 3782 (bf16 Gemma-3-like, async scheduling, a 72-block device cache): vLLM admitted two
+    loads in one step, of 928 and 1056 tokens, which held all but one free block while each needed two
+    more; with nothing running kvscope's engine stepped for ever (`load_admission`). kvscope defers the
+    second load until the first one's request runs: its run equals vLLM's. Its engine starting every
+    load at once stalls, and the fuzz says so within `STALL_STEPS` steps."""
+    plan = make_plan(3782)
+    results = execute(plan, ("kvscope", "unadmitted", "baseline"))
+    assert results["kvscope"]["external_hit_tokens"] > 0
+    assert verdict(results, tolerance=logprob_tolerance(plan)) == ("ok", [])
+    outcome, problems = verdict(results, ours="unadmitted")
+    assert outcome == "failed" and "RuntimeError: stalled: 500 steps without a running request" in problems[1]

@@ -12,7 +12,7 @@ from connector.telemetry.testing import in_memory_tracing
 from connector.telemetry.tracing import KVScopeTracing, OsRandomIdGenerator
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from tests.unit.test_store_planning import vllm_blocks
+from tests.unit.test_store_planning import ROOMY_KV_CACHE_MANAGER, vllm_blocks
 
 BS, B = 16, 32  # device block 16 tokens, offload block 32 tokens (factor 2)
 LAYOUTS = [
@@ -24,7 +24,8 @@ LAYOUTS = [
 def make_scheduler(tracing, world_size: int = 1, eagle_groups=frozenset()) -> KVScopeScheduler:
     return KVScopeScheduler(LAYOUTS, offload_block_size=B, hash_block_size=BS, num_slots=64,
                             slot_bytes=1024, world_size=world_size,
-                            tracing=tracing, kv_cache_manager_getter=lambda: None, eagle_groups=eagle_groups)
+                            tracing=tracing, kv_cache_manager_getter=lambda: ROOMY_KV_CACHE_MANAGER,
+                            eagle_groups=eagle_groups)
 
 
 def make_request(rid: str, num_tokens: int, headers=None):
@@ -304,7 +305,7 @@ def test_a_lookup_is_counted_from_the_device_hit_vllm_kept_inside_a_block():
     tracing, exporter = in_memory_tracing()
     layouts = [GroupLayout(0, GroupKind.FULL_ATTENTION, BS), GroupLayout(1, GroupKind.SLIDING_WINDOW, 32, 40)]
     sched = KVScopeScheduler(layouts, offload_block_size=B, hash_block_size=BS, num_slots=64, slot_bytes=1024,
-                             world_size=1, tracing=tracing, kv_cache_manager_getter=lambda: None)
+                             world_size=1, tracing=tracing, kv_cache_manager_getter=lambda: ROOMY_KV_CACHE_MANAGER)
     request = make_request("r1", 200)
     hashes = sched._offload_hashes(request)
     for layout in layouts:  # the tier holds tokens 64..128
@@ -459,7 +460,7 @@ def test_a_lookup_tells_why_the_tier_missed_in_its_span_and_in_the_stats():
     the lookup, on its span and in `missed_tokens`, which with the hits add up to the looked-up tokens."""
     tracing, exporter = in_memory_tracing()
     sched = KVScopeScheduler(LAYOUTS, offload_block_size=B, hash_block_size=BS, num_slots=24, slot_bytes=1024,
-                             world_size=1, tracing=tracing, kv_cache_manager_getter=lambda: None)
+                             world_size=1, tracing=tracing, kv_cache_manager_getter=lambda: ROOMY_KV_CACHE_MANAGER)
     for rid in ("a1", "b1"):  # 6 blocks in each of 2 groups, block by block: the tier is full
         for h in sched._offload_hashes(make_request(rid, 200)):
             for layout in LAYOUTS:

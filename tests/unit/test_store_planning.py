@@ -25,6 +25,11 @@ BS, B, WINDOW = 16, 64, 24
 LAYOUTS = [GroupLayout(0, GroupKind.SLIDING_WINDOW, BS, sliding_window=WINDOW), GroupLayout(1, GroupKind.FULL_ATTENTION, BS)]
 
 
+# A device cache no load ever waits for room in (`load_admission`), for schedulers no test gives blocks
+ROOMY_BLOCK_POOL = SimpleNamespace(num_gpu_blocks=1 << 20)
+ROOMY_KV_CACHE_MANAGER = SimpleNamespace(block_pool=ROOMY_BLOCK_POOL)
+
+
 def vllm_blocks(group_ids) -> SimpleNamespace:
     """What vLLM's `KVCacheManager.get_blocks` gives for these block ids per group."""
     from vllm.v1.core.kv_cache_utils import KVCacheBlock
@@ -36,6 +41,7 @@ class _Manager:
     """vLLM's block ids per group for the request being stored, as the test sets them."""
 
     ids: tuple[list[int], list[int]] = ([], [])
+    block_pool = ROOMY_BLOCK_POOL
 
     def get_blocks(self, req_id):
         return vllm_blocks(self.ids)
@@ -631,7 +637,8 @@ def test_a_load_names_only_the_groups_it_writes_blocks_into():
     in `test_planning`'s review case c) gets no copy: workers would time an empty copy and trace its span."""
     layouts = [GroupLayout(0, GroupKind.FULL_ATTENTION, BS), GroupLayout(1, GroupKind.MAMBA, B)]
     sched = KVScopeScheduler(layouts, offload_block_size=B, hash_block_size=BS, num_slots=8, slot_bytes=1024,
-                             world_size=1, tracing=KVScopeTracing.disabled(), kv_cache_manager_getter=lambda: None)
+                             world_size=1, tracing=KVScopeTracing.disabled(),
+                             kv_cache_manager_getter=lambda: ROOMY_KV_CACHE_MANAGER)
     _stored(sched, (0, "h3"), (1, "h3"))
     request = _state("r", 256).request
     assert sched.get_num_new_matched_tokens(request, 0) == (64, True)
@@ -757,7 +764,8 @@ def _lookup_after_one_more_store(sched):
 def _full_attention_scheduler(num_slots: int, manager=None) -> KVScopeScheduler:
     return KVScopeScheduler([GroupLayout(0, GroupKind.FULL_ATTENTION, BS)], offload_block_size=B,
                             hash_block_size=BS, num_slots=num_slots, slot_bytes=1024, world_size=1,
-                            tracing=KVScopeTracing.disabled(), kv_cache_manager_getter=lambda: manager)
+                            tracing=KVScopeTracing.disabled(),
+                            kv_cache_manager_getter=lambda: manager or ROOMY_KV_CACHE_MANAGER)
 
 
 def test_a_prefix_stored_by_a_finished_request_is_evicted_from_its_tail():
@@ -976,6 +984,7 @@ class _Managers:
     """vLLM's block ids per group of each request, as the history sets them."""
 
     ids: dict[str, tuple[list[int], ...]] = {}
+    block_pool = ROOMY_BLOCK_POOL
 
     def get_blocks(self, req_id):
         return vllm_blocks(self.ids[req_id])
@@ -1196,7 +1205,8 @@ def test_requests_resumed_after_preemption_restart_like_new_ones():
 def test_a_restarted_request_forgets_the_mamba_states_it_witnessed_and_a_running_one_keeps_them():
     layouts = [GroupLayout(0, GroupKind.MAMBA, B), GroupLayout(1, GroupKind.FULL_ATTENTION, BS)]
     sched = KVScopeScheduler(layouts, offload_block_size=B, hash_block_size=BS, num_slots=8, slot_bytes=1024,
-                             world_size=1, tracing=KVScopeTracing.disabled(), kv_cache_manager_getter=lambda: None)
+                             world_size=1, tracing=KVScopeTracing.disabled(),
+                             kv_cache_manager_getter=lambda: ROOMY_KV_CACHE_MANAGER)
     state = sched._requests["r"] = _state("r", 256)
     state.witnessed_states[(0, 1)] = 7
 
@@ -1358,7 +1368,8 @@ def test_a_load_failed_at_planning_counts_one_failed_block_per_mamba_group():
     """A Mamba group loads one state, whatever the external tokens span: one failed block."""
     layouts = [GroupLayout(0, GroupKind.MAMBA, B), GroupLayout(1, GroupKind.FULL_ATTENTION, BS)]
     sched = KVScopeScheduler(layouts, offload_block_size=B, hash_block_size=BS, num_slots=8, slot_bytes=1024,
-                             world_size=1, tracing=KVScopeTracing.disabled(), kv_cache_manager_getter=lambda: None)
+                             world_size=1, tracing=KVScopeTracing.disabled(),
+                             kv_cache_manager_getter=lambda: ROOMY_KV_CACHE_MANAGER)
     request = _state("r", 256).request
     sched.update_state_after_alloc(request, SimpleNamespace(get_block_ids=lambda: ([], [])), 128)  # no lookup
     (job,) = sched.build_connector_meta(_output()).loads

@@ -1,0 +1,83 @@
+"""When one more asynchronous load may start: the loads vLLM has not yet run must fit the device cache.
+
+vLLM (0.32 to 0.34) admits an async load against its own estimate of what the loads already admitted
+still need, and that estimate caps a sliding-window group's count at its admission cap while counting
+the window's null placeholders against it: for a loaded request past its window it reads 0 where the
+next chunk needs a block per sliding-window group. Its full-sequence check, for its part, compares one
+request's need with all free blocks, not with what the other loads leave. Loads admitted together can
+then hold all but a block or two, each waiting for blocks the others hold; a request waiting for its
+load cannot be preempted, and with none running the engine steps for ever (README, "Device KV
+headroom"). A failed load at the head of vLLM's queue stalls it the same way.
+
+So kvscope starts a load only while the requests whose loads vLLM has not yet run, this one included,
+fit the device cache even at their largest: each of them alone then finds its blocks once the running
+requests are gone, the head of the queue first. The bound ignores what a window or a Mamba group frees
+(vLLM's own checks count a sliding-window group up to the whole sequence): it is never below what vLLM
+asks, and only serialises loads when the device cache is nearly full. A load that must wait is deferred
+(vLLM asks again next step), and the loads behind it wait too, so none overtakes it.
+
+Pure: request ids and token counts in, no vLLM types.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from .groups import GroupKind, GroupLayout
+
+
+def request_blocks_bound(layouts: Iterable[GroupLayout], num_tokens: int, lookahead_tokens: int = 0) -> int:
+    """At most how many device blocks a request of ``num_tokens`` holds and asks for, over all groups,
+    from its load until it first runs: every block its tokens (and ``lookahead_tokens`` drafts) span in
+    each group, and a Mamba group's draft states besides."""
+    tokens = num_tokens + lookahead_tokens
+    total = 0
+    for layout in layouts:
+        total += -(-tokens // layout.block_size)
+        if layout.kind is GroupKind.MAMBA:
+            total += lookahead_tokens  # a state block per draft token at most
+    return total
+
+
+class LoadAdmission:
+    """The requests whose loads vLLM admitted and has not yet run, and the loads deferred behind them."""
+
+    def __init__(self, layouts: list[GroupLayout], lookahead_tokens: int = 0):
+        self.layouts = layouts
+        self.lookahead_tokens = lookahead_tokens
+        self._waiting: dict[str, int] = {}  # request id -> its blocks bound (`request_blocks_bound`)
+        self._deferred: dict[str, None] = {}  # request ids in the order their loads were first deferred
+
+    @property
+    def waiting_loads(self) -> int:
+        return len(self._waiting)
+
+    def may_start(self, req_id: str, num_tokens: int, usable_blocks: int) -> bool:
+        """Whether a load of ``req_id`` may start now, given the device blocks a request can ever have
+        (``usable_blocks``: the cache less vLLM's null block). With no load waiting to run, vLLM's own
+        checks decide: one such load always finds its blocks once the running requests are gone."""
+        if not self._waiting:
+            return True
+        first_deferred = next(iter(self._deferred), req_id)
+        bound = request_blocks_bound(self.layouts, num_tokens, self.lookahead_tokens)
+        if first_deferred == req_id and bound + sum(self._waiting.values()) <= usable_blocks:
+            return True
+        self._deferred.setdefault(req_id, None)
+        return False
+
+    def admitted(self, req_id: str, num_tokens: int, loads: bool) -> None:
+        """vLLM admitted the request, with a load (``loads``) or without."""
+        self._deferred.pop(req_id, None)
+        if loads:
+            self._waiting[req_id] = request_blocks_bound(self.layouts, num_tokens, self.lookahead_tokens)
+
+    def ran(self, req_ids: Iterable[str]) -> None:
+        """vLLM scheduled these requests to run: their blocks are the running requests' now."""
+        waiting = self._waiting
+        if waiting:
+            for req_id in req_ids:
+                waiting.pop(req_id, None)
+
+    def ended(self, req_id: str) -> None:
+        self._waiting.pop(req_id, None)
+        self._deferred.pop(req_id, None)

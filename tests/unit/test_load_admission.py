@@ -1,0 +1,108 @@
+"""When a load may start beside the loads vLLM has not yet run (`connector/load_admission.py`)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from connector.groups import GroupKind, GroupLayout
+from connector.load_admission import LoadAdmission, request_blocks_bound
+
+SLIDING = GroupLayout(0, GroupKind.SLIDING_WINDOW, 32, sliding_window=128)
+FULL = GroupLayout(1, GroupKind.FULL_ATTENTION, 32)
+MAMBA = GroupLayout(2, GroupKind.MAMBA, 1024)
+GEMMA = [SLIDING, FULL]
+
+
+def test_the_bound_counts_every_block_a_request_spans_in_each_group_the_window_included():
+    # vLLM's checks may count a sliding-window group up to the whole sequence: so does the bound
+    assert request_blocks_bound(GEMMA, 959) == 30 + 30
+    assert request_blocks_bound(GEMMA, 960) == 30 + 30
+    assert request_blocks_bound(GEMMA, 961) == 31 + 31
+    assert request_blocks_bound([GroupLayout(0, GroupKind.FULL_ATTENTION, 16)], 1) == 1
+
+
+def test_drafts_add_their_slots_and_a_mamba_state_block_each():
+    assert request_blocks_bound(GEMMA, 959, lookahead_tokens=3) == 31 + 31
+    assert request_blocks_bound([FULL, MAMBA], 959) == 30 + 1
+    assert request_blocks_bound([FULL, MAMBA], 959, lookahead_tokens=3) == 31 + 1 + 3
+
+
+@given(st.lists(st.sampled_from([SLIDING, FULL, MAMBA]), min_size=1, max_size=4),
+       st.integers(1, 5000), st.integers(0, 5000), st.integers(0, 4))
+def test_the_bound_grows_with_the_tokens_and_is_at_least_a_block_per_group(layouts, tokens, more, drafts):
+    bound = request_blocks_bound(layouts, tokens, drafts)
+    assert bound >= len(layouts)
+    assert request_blocks_bound(layouts, tokens + more, drafts) >= bound
+    assert request_blocks_bound(layouts, tokens, drafts + 1) >= bound
+
+
+def test_with_no_load_waiting_to_run_vllm_decides_whatever_the_size():
+    admission = LoadAdmission(GEMMA)
+    assert admission.may_start("big", 100_000, usable_blocks=10)
+    admission.admitted("done", 500, loads=True)
+    admission.ran(["done"])
+    assert admission.waiting_loads == 0 and admission.may_start("big", 100_000, usable_blocks=10)
+
+
+def test_seed_3782_the_second_load_waits_for_the_first_to_run():
+    """The real engine's stall (fuzz seed 3782): 71 usable blocks; loads of requests of 959 and 1086
+    tokens admitted in one step held 70, and each needed 2 more."""
+    admission = LoadAdmission(GEMMA)
+    assert admission.may_start("2-0", 959, usable_blocks=71)
+    admission.admitted("2-0", 959, loads=True)
+    assert not admission.may_start("2-1", 1086, usable_blocks=71)  # 60 + 68 > 71
+    admission.ran(["1-1"])  # another request's step: 2-0 still waits to run
+    assert not admission.may_start("2-1", 1086, usable_blocks=71)
+    admission.ran(["1-1", "2-0"])
+    assert admission.may_start("2-1", 1086, usable_blocks=71)
+
+
+@pytest.mark.parametrize("usable, fits", [(127, False), (128, True)])
+def test_loads_that_fit_together_start_together(usable, fits):
+    admission = LoadAdmission(GEMMA)
+    admission.admitted("a", 1024, loads=True)  # 32 + 32
+    assert admission.may_start("b", 1024, usable_blocks=usable) is fits
+
+
+def test_a_request_admitted_without_a_load_holds_no_place_and_its_deferral_ends():
+    admission = LoadAdmission(GEMMA)
+    admission.admitted("a", 1024, loads=True)
+    assert not admission.may_start("b", 1024, usable_blocks=100)
+    admission.admitted("b", 1024, loads=False)  # its hit was gone: vLLM took it with none
+    admission.admitted("c", 32, loads=False)
+    assert admission.waiting_loads == 1
+    assert admission.may_start("d", 32, usable_blocks=100)  # nothing deferred before it any more
+
+
+def test_a_deferred_load_is_not_overtaken_by_a_smaller_one():
+    admission = LoadAdmission(GEMMA)
+    admission.admitted("a", 1024, loads=True)
+    assert not admission.may_start("big", 1024, usable_blocks=100)
+    assert not admission.may_start("small", 32, usable_blocks=100)  # would fit, but "big" came first
+    admission.ran(["a"])
+    assert admission.may_start("big", 1024, usable_blocks=100)
+    admission.admitted("big", 1024, loads=True)
+    assert admission.may_start("small", 32, usable_blocks=100)  # first deferred now, and it fits
+
+
+def test_a_request_that_ends_leaves_no_load_waiting_and_no_deferral_behind():
+    admission = LoadAdmission(GEMMA)
+    admission.admitted("a", 1024, loads=True)
+    assert not admission.may_start("big", 1024, usable_blocks=100)
+    admission.ended("big")  # aborted while deferred
+    admission.admitted("b", 32, loads=True)
+    assert admission.may_start("small", 32, usable_blocks=100)
+    admission.ended("a")
+    admission.ended("b")
+    assert admission.waiting_loads == 0
+
+
+def test_a_request_loading_again_after_a_preemption_waits_to_run_again():
+    admission = LoadAdmission(GEMMA)
+    admission.admitted("a", 1024, loads=True)
+    admission.ran(["a"])
+    admission.admitted("a", 1100, loads=True)  # preempted, its blocks freed, loaded again
+    assert admission.waiting_loads == 1
+    assert not admission.may_start("b", 1024, usable_blocks=100)

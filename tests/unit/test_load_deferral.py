@@ -1,0 +1,75 @@
+"""The scheduler side defers a load that could stall vLLM (`load_admission`), with vLLM's objects stood in
+for: the real vLLM scheduler replays the stall and its end in `tests/compat/test_vllm_scheduler_loop.py`."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from connector.scheduler import KVScopeScheduler
+from connector.telemetry.tracing import KVScopeTracing
+from tests.unit.test_store_planning import B, BS, LAYOUTS, _ids, _output, _report, _state, _stored
+
+
+def _scheduler(num_gpu_blocks: int) -> KVScopeScheduler:
+    manager = SimpleNamespace(block_pool=SimpleNamespace(num_gpu_blocks=num_gpu_blocks))
+    return KVScopeScheduler(LAYOUTS, offload_block_size=B, hash_block_size=BS, num_slots=16, slot_bytes=1024,
+                            world_size=1, tracing=KVScopeTracing.disabled(), kv_cache_manager_getter=lambda: manager)
+
+
+def _admit_with_load(sched, request, hit: int) -> None:
+    assert sched.get_num_new_matched_tokens(request, 0) == (hit, True)
+    sched.update_state_after_alloc(request, SimpleNamespace(get_block_ids=lambda: _ids(0, 16)), hit)
+
+
+def _ran(sched, *req_ids) -> list:
+    """A step that schedules ``req_ids`` to run; its load jobs."""
+    output = _output()
+    output.num_scheduled_tokens = {req_id: 1 for req_id in req_ids}
+    return sched.build_connector_meta(output).loads
+
+
+def _tier_with_a_prefix() -> tuple[KVScopeScheduler, KVScopeScheduler]:
+    """Two schedulers whose tiers hold a 128-token prefix: 47 usable device blocks, and 48."""
+    scheds = _scheduler(48), _scheduler(49)  # less the null block
+    for sched in scheds:
+        _stored(sched, (0, "h3"), (1, "h3"), (0, "h7"), (1, "h7"))
+    return scheds
+
+
+def test_a_load_that_could_stall_vllm_waits_uncounted_until_the_load_before_it_runs():
+    """Requests of 192 tokens: 12 blocks at most in each of two groups with 16-token blocks, 24 in all.
+    Two fit in 48 usable blocks, not in 47."""
+    tight, roomy = _tier_with_a_prefix()
+    for sched in tight, roomy:
+        _admit_with_load(sched, _state("first", 192).request, 128)
+    second = _state("second", 192).request
+    assert roomy.get_num_new_matched_tokens(second, 0) == (128, True)
+    assert tight.get_num_new_matched_tokens(second, 0) == (None, False)  # vLLM asks again next step
+    (load,) = _ran(tight)  # the first one's load, its request waiting for it
+    assert tight.get_num_new_matched_tokens(second, 0) == (None, False)
+    _report(tight, load)
+    assert tight.get_num_new_matched_tokens(second, 0) == (None, False)  # loaded, not yet run
+    _ran(tight, "first")
+    assert tight.get_num_new_matched_tokens(second, 0) == (128, True)
+    # counted once, as vLLM counts it: when it admits the request
+    tight.update_state_after_alloc(second, SimpleNamespace(get_block_ids=lambda: _ids(0, 16)), 128)
+    data = tight.take_stats().data
+    assert data["lookup_tokens"] == 2 * 192 and data["hit_tokens"] == 2 * 128
+
+
+def test_a_request_with_nothing_to_load_never_waits():
+    tight, _ = _tier_with_a_prefix()
+    _admit_with_load(tight, _state("first", 192).request, 128)
+    miss = _state("miss", 192).request
+    miss.block_hashes = [f"x{i}" for i in range(12)]
+    assert tight.get_num_new_matched_tokens(miss, 0) == (0, False)
+
+
+def test_a_load_aborted_before_it_ran_makes_room():
+    tight, _ = _tier_with_a_prefix()
+    first = _state("first", 192).request
+    _admit_with_load(tight, first, 128)
+    second = _state("second", 192).request
+    assert tight.get_num_new_matched_tokens(second, 0) == (None, False)
+    tight.request_finished(first)
+    assert tight.get_num_new_matched_tokens(second, 0) == (128, True)
