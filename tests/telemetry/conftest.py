@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
 import pytest
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from prometheus_client import CollectorRegistry
 
 from connector.telemetry.testing import in_memory_tracing
@@ -41,3 +45,26 @@ def prom_metrics(registry):
     from connector.telemetry.testing import build_prom_metrics
 
     return build_prom_metrics(registry, engines=2)
+
+
+class _OtlpHttpHandler(BaseHTTPRequestHandler):
+    def do_POST(self):
+        body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        self.server.requests.append(ExportTraceServiceRequest.FromString(body))
+        self.send_response(200)
+        self.send_header("Content-Type", "application/x-protobuf")
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def receiver():
+    """An OTLP/HTTP collector on a free local port; ``receiver.requests`` holds each request it got."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _OtlpHttpHandler)
+    server.requests = []
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield server
+    server.shutdown()
+    server.server_close()

@@ -14,7 +14,6 @@ import sys
 import threading
 import time
 from dataclasses import asdict
-from http.server import ThreadingHTTPServer
 
 import pytest
 from opentelemetry.sdk.trace.export import SpanExportResult
@@ -25,7 +24,6 @@ from connector.telemetry.span_records import LOAD_SPAN, LOOKUP_SPAN, SCAN_SPAN
 from connector.telemetry.tracing import KVScopeTracing
 
 from .descriptors import descriptors_open_on
-from .test_otlp_export import _Receiver  # an OTLP/HTTP collector that keeps each request
 
 
 class _Keep:
@@ -976,27 +974,29 @@ def _wait_until_reading(pid: int) -> None:
         time.sleep(0.01)
 
 
-def test_the_helper_sends_an_otlp_collector_no_empty_request(tmp_path):
+def _otlp_http(receiver) -> dict[str, str]:
+    """The OTEL_* variables that send traces to ``receiver`` (the `receiver` fixture's collector)."""
+    return {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": f"http://127.0.0.1:{receiver.server_port}/v1/traces",
+            "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf"}
+
+
+def _spans_per_request(receiver) -> list[int]:
+    """The spans in each request the `receiver` fixture's collector got."""
+    return [sum(len(ss.spans) for rs in r.resource_spans for ss in rs.scope_spans) for r in receiver.requests]
+
+
+def test_the_helper_sends_an_otlp_collector_no_empty_request(tmp_path, receiver):
     """Every request carries spans: with nothing to export (between batches, after a flush, at the
     end) the helper sends nothing."""
-    _Receiver.requests = []
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _Receiver)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        otel = {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": f"http://127.0.0.1:{server.server_port}/v1/traces",
-                "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf"}
-        helper = ExportProcess(Sinks(None, otel, {"service.name": "kvscope-test"}))
-        helper.export(_numbered(0, 2))
-        assert helper.force_flush(10_000)
-        _wait_until_reading(helper.pid)  # idle, nothing left to export
-        helper.export(_numbered(2, 1))
-        assert helper.force_flush(10_000)
-        _wait_until_reading(helper.pid)
-        helper.shutdown()
-    finally:
-        server.shutdown()
-    counts = [sum(len(ss.spans) for rs in r.resource_spans for ss in rs.scope_spans) for r in _Receiver.requests]
-    assert counts == [2, 1]
+    helper = ExportProcess(Sinks(None, _otlp_http(receiver), {"service.name": "kvscope-test"}))
+    helper.export(_numbered(0, 2))
+    assert helper.force_flush(10_000)
+    _wait_until_reading(helper.pid)  # idle, nothing left to export
+    helper.export(_numbered(2, 1))
+    assert helper.force_flush(10_000)
+    _wait_until_reading(helper.pid)
+    helper.shutdown()
+    assert _spans_per_request(receiver) == [2, 1]
 
 
 def test_the_helper_exports_at_most_1024_records_at_once(tmp_path):
@@ -1173,30 +1173,21 @@ def test_a_batch_the_failed_over_export_cannot_write_is_a_failure(tmp_path):
     assert helper.lost_by_reason() == {"helper_lost": 0, "sink_failed": 3}  # (the helper's count kept once unmapped)
 
 
-def test_after_a_fail_over_every_sink_gets_each_batch_and_one_failing_fails_it(tmp_path):
+def test_after_a_fail_over_every_sink_gets_each_batch_and_one_failing_fails_it(tmp_path, receiver):
     """Found by mutation testing: exported here, a batch goes to the trace file and the OTLP collector
     both, and one of them failing it (an unwritable file) makes it a failure, counted."""
     blocker = tmp_path / "a-file"
     blocker.write_text("")
-    _Receiver.requests = []
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _Receiver)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        otel = {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": f"http://127.0.0.1:{server.server_port}/v1/traces",
-                "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf"}
-        helper = ExportProcess(Sinks(str(blocker / "traces.jsonl"), otel, {"service.name": "kvscope-test"}))
-        helper.export(_numbered(0, 1))
-        helper.force_flush(10_000)
-        pid = helper.pid
-        os.kill(pid, signal.SIGKILL)
-        _wait_until_dead(pid)
-        assert helper.export(_numbered(1, 2)) is SpanExportResult.FAILURE  # failed over: the file failed them
-        assert helper.lost_by_reason() == {"helper_lost": 0, "sink_failed": 3}
-        helper.shutdown()
-    finally:
-        server.shutdown()
-    counts = [sum(len(ss.spans) for rs in r.resource_spans for ss in rs.scope_spans) for r in _Receiver.requests]
-    assert counts == [1, 2]  # the collector got them all the same
+    helper = ExportProcess(Sinks(str(blocker / "traces.jsonl"), _otlp_http(receiver), {"service.name": "kvscope-test"}))
+    helper.export(_numbered(0, 1))
+    helper.force_flush(10_000)
+    pid = helper.pid
+    os.kill(pid, signal.SIGKILL)
+    _wait_until_dead(pid)
+    assert helper.export(_numbered(1, 2)) is SpanExportResult.FAILURE  # failed over: the file failed them
+    assert helper.lost_by_reason() == {"helper_lost": 0, "sink_failed": 3}
+    helper.shutdown()
+    assert _spans_per_request(receiver) == [1, 2]  # the collector got them all the same
 
 
 def test_a_sink_that_raises_fails_its_batch_alone_and_the_deferred_batches_after_it_still_go_out(

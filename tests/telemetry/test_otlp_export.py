@@ -4,41 +4,15 @@ what an operator's collector gets for a planned multi-group load."""
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 from connector.planning import scan_group
 from connector.telemetry.testing import proto_span_attributes
 from connector.telemetry.tracing import EXPORT_MODE_VARIABLE, KVScopeTracing
 
 from .test_scheduler_spans import LAYOUTS, B, make_request, make_scheduler, plan, store_everything
-
-
-class _Receiver(BaseHTTPRequestHandler):
-    requests: list[ExportTraceServiceRequest] = []
-
-    def do_POST(self):
-        body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
-        type(self).requests.append(ExportTraceServiceRequest.FromString(body))
-        self.send_response(200)
-        self.send_header("Content-Type", "application/x-protobuf")
-        self.end_headers()
-
-    def log_message(self, *args):
-        pass
-
-
-@pytest.fixture
-def receiver():
-    _Receiver.requests = []
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _Receiver)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield server
-    server.shutdown()
 
 
 @pytest.mark.parametrize("mode", ["process", "thread"])
@@ -54,12 +28,12 @@ def test_a_load_reaches_an_otlp_collector_as_lookup_load_and_one_scan_per_group(
         _, _, ids = plan(sched, request)
         assert tracing.force_flush(10_000)
         deadline = time.monotonic() + 10
-        while not _Receiver.requests and time.monotonic() < deadline:
+        while not receiver.requests and time.monotonic() < deadline:
             time.sleep(0.05)
     finally:
         tracing.shutdown()
     spans, services = [], set()
-    for message in _Receiver.requests:
+    for message in receiver.requests:
         for rs in message.resource_spans:
             services |= {kv.value.string_value for kv in rs.resource.attributes if kv.key == "service.name"}
             for ss in rs.scope_spans:
