@@ -47,6 +47,7 @@ class LoadAdmission:
         self.lookahead_tokens = lookahead_tokens
         self._waiting: dict[str, int] = {}  # request id -> its blocks bound (`request_blocks_bound`)
         self._deferred: dict[str, None] = {}  # request ids in the order their loads were first deferred
+        self.deferrals = 0  # loads deferred so far, each counted once however many steps it waits
 
     @property
     def waiting_loads(self) -> int:
@@ -62,7 +63,9 @@ class LoadAdmission:
         bound = request_blocks_bound(self.layouts, num_tokens, self.lookahead_tokens)
         if first_deferred == req_id and bound + sum(self._waiting.values()) <= usable_blocks:
             return True
-        self._deferred.setdefault(req_id, None)
+        if req_id not in self._deferred:
+            self._deferred[req_id] = None
+            self.deferrals += 1
         return False
 
     def admitted(self, req_id: str, num_tokens: int, loads: bool) -> None:

@@ -76,11 +76,13 @@ def test_a_request_admitted_without_a_load_holds_no_place_and_its_deferral_ends(
     assert admission.may_start("d", 32, usable_blocks=100)  # nothing deferred before it any more
 
 
-def test_a_deferred_load_is_not_overtaken_by_a_smaller_one():
+def test_a_deferred_load_is_not_overtaken_by_a_smaller_one_and_each_deferral_counts_once():
     admission = LoadAdmission(GEMMA)
     admission.admitted("a", 1024, loads=True)
     assert not admission.may_start("big", 1024, usable_blocks=100)
     assert not admission.may_start("small", 32, usable_blocks=100)  # would fit, but "big" came first
+    assert not admission.may_start("big", 1024, usable_blocks=100)  # the next step
+    assert admission.deferrals == 2
     admission.ran(["a"])
     assert admission.may_start("big", 1024, usable_blocks=100)
     admission.admitted("big", 1024, loads=True)
