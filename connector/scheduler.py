@@ -154,6 +154,7 @@ class KVScopeScheduler:
         self._lookup_log: list[tuple[int, int, _Lookup]] = []  # (tokens queried, tokens hit, its lookup), likewise
         self._miss_layouts = miss_order(layouts)  # `lookup_miss`
         self._evicted_reported = 0
+        self._deferrals_reported = 0  # `admission.deferrals` already in the stats
 
     # -- keys --
     def _offload_hashes(self, request) -> list:
@@ -814,6 +815,10 @@ class KVScopeScheduler:
         # counts them twice, nor keeps them to fail again at every step
         lookups, self._lookup_log = self._lookup_log, []
         scan_logs, self._scan_log = self._scan_log, [[] for _ in self.layouts]
+        deferrals = self.admission.deferrals
+        deferred, self._deferrals_reported = deferrals - self._deferrals_reported, deferrals
+        if deferred:  # no key (nor a non-empty payload) while no load waits for device KV room
+            self._stats.record_deferred_loads(deferred)
         record_missed = self._stats.record_missed
         for queried, hit, lookup in lookups:
             self._stats.record_lookup(queried, hit)

@@ -12,7 +12,7 @@ scheduler and msgpack-encoded by vLLM towards the front end)::
     {
       "lookup_tokens": int, "hit_tokens": int,                # counters
       "missed_tokens":       {"<reason>": int, ...},          # counters per miss reason
-      "evicted_blocks": int, "load_failures": int,
+      "evicted_blocks": int, "load_failures": int, "deferred_loads": int,
       "dropped_trace_records": {"<reason>": int, ...},  # counters per loss reason
       "scan_blocks":         {"<group>|<kind>": int, ...},    # counters per group
       "null_blocks_skipped": {"<group>|<kind>": int, ...},
@@ -49,6 +49,7 @@ Which call feeds which contract metric (each metric has exactly one source):
 ``record_request_load``            ``kvscope_request_load_duration_seconds``
 ``record_evictions``               ``kvscope_evicted_blocks_total``
 ``record_load_failures``           ``kvscope_load_failures_total``
+``record_deferred_loads``          ``kvscope_deferred_loads_total`` (scheduler: loads deferred for device KV room)
 ``set_host_usage``                 ``kvscope_host_used_bytes``, ``kvscope_host_capacity_bytes``
 ``record_dropped_trace_records``    ``kvscope_dropped_trace_records_total`` (scheduler and workers: each its own)
 =================================  =============================================================
@@ -91,7 +92,7 @@ REQUEST_LOAD_BUCKETS_S = (
 )
 
 # data keys, by how they aggregate
-_COUNTERS = ("lookup_tokens", "hit_tokens", "evicted_blocks", "load_failures")
+_COUNTERS = ("lookup_tokens", "hit_tokens", "evicted_blocks", "load_failures", "deferred_loads")
 _GROUP_COUNTERS = ("scan_blocks", "null_blocks_skipped", "loaded_blocks", "load_bytes", "store_bytes")
 _COPY_COUNTERS = ("copy_blocks", "copy_bytes")
 _GROUP_OBSERVATIONS = ("scan_duration_s",)
@@ -192,6 +193,10 @@ class KVScopeStats(KVConnectorStats):
     def record_load_failures(self, n: int) -> None:
         self._inc("load_failures", n)
 
+    def record_deferred_loads(self, n: int) -> None:
+        """Loads deferred for device KV room (`load_admission`), each load once however long it waits."""
+        self._inc("deferred_loads", n)
+
     def record_dropped_trace_records(self, reason: str, n: int) -> None:
         """Span records this process made that a sink will not get, for one reason
         (`KVScopeTracing.take_lost_records`, `span_batcher.LOSS_REASONS`)."""
@@ -281,7 +286,7 @@ class KVScopeStats(KVConnectorStats):
             out["request_load_ms_mean"] = round(1e3 * sum(loads) / len(loads), 4)
         for reason, records in sorted(d.get("dropped_trace_records", {}).items()):
             out[f"dropped_trace_records_{reason}"] = records
-        for key in ("evicted_blocks", "load_failures"):
+        for key in ("evicted_blocks", "load_failures", "deferred_loads"):
             if key in d:
                 out[key] = d[key]
         if "host_used_bytes" in d:
@@ -369,6 +374,11 @@ METRICS: tuple[MetricSpec, ...] = (
                "of one group."),
     MetricSpec("kvscope_load_failures_total", Counter, "load_failures", (),
                "Device blocks whose load from the host tier failed (recomputed instead)."),
+    MetricSpec("kvscope_deferred_loads_total", Counter, "deferred_loads", (),
+               "Loads from the host tier deferred for device KV room: the device KV cache was nearly full, and "
+               "the loads vLLM had not yet run could, with this one, need more device blocks than the cache has, "
+               "where vLLM would stall. The load waits (vLLM asks again next step) until the loads before it have "
+               "run; it is not lost. Each load is counted once, however many steps it waits."),
     MetricSpec("kvscope_dropped_trace_records_total", Counter, "dropped_trace_records", ("reason",),
                "Span records the connector made that a trace sink did not get, so traces lack their spans, by "
                "why: sink_failed (a sink failed to take them: an OTLP endpoint down, an unwritable trace file; "

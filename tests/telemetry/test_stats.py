@@ -29,6 +29,7 @@ def _scheduler_stats() -> KVScopeStats:
     s.record_request_load(0.004)
     s.record_evictions(3)
     s.record_load_failures(1)
+    s.record_deferred_loads(2)
     s.set_host_usage(used_bytes=10_000, capacity_bytes=1 << 30)
     return s
 
@@ -74,6 +75,7 @@ def test_numpy_counts_are_stored_as_python_ints():
     s = KVScopeStats()
     s.record_evictions(np.int64(2))
     s.record_load_failures(np.int64(1))
+    s.record_deferred_loads(np.int64(1))
     s.record_lookup(np.int64(16), np.int64(8))
     _assert_plain(s.data)
     msgspec.msgpack.encode(s.data)
@@ -89,7 +91,7 @@ def test_aggregate_sums_concatenates_and_keeps_latest_gauge():
     assert d["scan_duration_s"]["0|full_attention"] == [3e-6, 3e-6]
     assert d["request_load_duration_s"] == [0.004, 0.004]
     assert d["host_used_bytes"] == 20_000
-    assert d["evicted_blocks"] == 6 and d["load_failures"] == 2
+    assert d["evicted_blocks"] == 6 and d["load_failures"] == 2 and d["deferred_loads"] == 4
     assert d["store_bytes"] == {"1|sliding_window": 1024}
     assert d["loaded_blocks"] == {"0|full_attention": 8, "1|sliding_window": 4}
     assert d["load_bytes"] == {"0|full_attention": 4096}  # only from the workers' copies
@@ -107,6 +109,7 @@ def test_empty_reset_and_take():
     assert s.is_empty() and s.take() is None
     s.record_lookup(0, 0)
     s.record_evictions(0)
+    s.record_deferred_loads(0)
     assert s.is_empty()  # nothing happened, nothing to ship
     s.record_lookup(10, 5)
     taken = s.take()
@@ -145,7 +148,7 @@ def test_reduce_summary():
     assert r["load_copies"] == 1 and r["load_copy_ms_mean"] == pytest.approx(2.0)
     assert r["store_copy_ms_mean"] == pytest.approx(1.0)
     assert r["request_load_ms_mean"] == pytest.approx(4.0)
-    assert r["evicted_blocks"] == 3 and r["load_failures"] == 1
+    assert r["evicted_blocks"] == 3 and r["load_failures"] == 1 and r["deferred_loads"] == 2
     assert all(isinstance(v, (int, float)) for v in r.values())
     assert KVScopeStats().reduce() == {}
 

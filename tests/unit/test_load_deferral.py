@@ -73,3 +73,42 @@ def test_a_load_aborted_before_it_ran_makes_room():
     assert tight.get_num_new_matched_tokens(second, 0) == (None, False)
     tight.request_finished(first)
     assert tight.get_num_new_matched_tokens(second, 0) == (128, True)
+
+
+def _deferred_loads(sched) -> int | None:
+    """The deferred loads the scheduler's stats report now (None: no such key)."""
+    stats = sched.take_stats()
+    return None if stats is None else stats.data.get("deferred_loads")
+
+
+def test_the_stats_count_each_deferred_load_once_however_many_steps_it_waits():
+    """`kvscope_deferred_loads_total`: a load is counted when first deferred, not again each step vLLM
+    asks, and no key at all is reported while none waits (as with evictions)."""
+    tight, roomy = _tier_with_a_prefix()
+    for sched in tight, roomy:
+        _admit_with_load(sched, _state("first", 192).request, 128)
+    assert _deferred_loads(tight) is None
+    second, third = _state("second", 192).request, _state("third", 192).request
+    assert roomy.get_num_new_matched_tokens(second, 0) == (128, True)
+    _ran(roomy)
+    assert _deferred_loads(roomy) is None  # a load that fits is not deferred
+    for request in second, third:
+        assert tight.get_num_new_matched_tokens(request, 0) == (None, False)
+    (load,) = _ran(tight)
+    assert _deferred_loads(tight) == 2
+    for step in range(3):  # vLLM asks again each step: the same two loads, not counted again
+        for request in second, third:
+            assert tight.get_num_new_matched_tokens(request, 0) == (None, False)
+        if step == 1:
+            _report(tight, load)
+        _ran(tight)
+        assert _deferred_loads(tight) is None
+    _ran(tight, "first")
+    assert tight.get_num_new_matched_tokens(second, 0) == (128, True)
+    tight.update_state_after_alloc(second, SimpleNamespace(get_block_ids=lambda: _ids(0, 16)), 128)
+    assert tight.get_num_new_matched_tokens(third, 0) == (None, False)  # behind "second" now, still once
+    _ran(tight)
+    assert _deferred_loads(tight) is None
+    fourth = _state("fourth", 192).request
+    assert tight.get_num_new_matched_tokens(fourth, 0) == (None, False)  # a new one counts
+    assert _deferred_loads(tight) == 1
