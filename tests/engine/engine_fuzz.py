@@ -198,10 +198,14 @@ def _generate(llm, round_index: int, prompts: list[list[int]], max_tokens: int,
         steps += 1
         idle = 0 if scheduler.running or not scheduler.has_requests() else idle + 1
         if idle == STALL_STEPS:
+            from tests.engine.scenario import kvscope_samples
+
+            deferred = kvscope_samples().get("kvscope_deferred_loads_total", 0.0)
             states = ", ".join(f"{r.request_id} {r.status.name} {r.num_computed_tokens}/{r.num_tokens}"
                                for r in scheduler.requests.values())
             raise RuntimeError(f"stalled: {STALL_STEPS} steps without a running request; {states}; "
-                               f"{scheduler.kv_cache_manager.block_pool.get_num_free_blocks()} free blocks")
+                               f"{scheduler.kv_cache_manager.block_pool.get_num_free_blocks()} free blocks; "
+                               f"{deferred:.0f} loads deferred by kvscope")
         due = [ids[i] for i, after in aborts.items() if after == steps and ids[i] not in finished]
         if due:
             engine.abort_request(due)
@@ -350,11 +354,14 @@ def run_engine(plan: dict, with_connector: bool, corrupt_host: bool = False) -> 
                                          for index, round_ in enumerate(plan["rounds"])]}
     if with_connector:
         from connector.engine_runner import metric_values
+        from tests.engine.scenario import kvscope_samples
 
         result["problems"] = foreign_writes[:5] + _connector_problems(llm)
         counts = metric_values(llm)
         result["external_hit_tokens"] = counts.get("vllm:external_prefix_cache_hits", 0.0)
         result["preemptions"] = counts.get("vllm:num_preemptions", 0.0)
+        # loads kvscope deferred for device KV room (`load_admission`), as its metric counts them
+        result["deferred_loads"] = kvscope_samples().get("kvscope_deferred_loads_total", 0.0)
     return result
 
 
@@ -568,10 +575,11 @@ def main() -> None:
             outcome, problems = recheck(plan, results, outcome, problems)
         counts[outcome] = counts.get(outcome, 0) + 1
         summary = {k: plan.get(k) for k in ("model", "window", "attention_scale", "llm_kwargs", "extra")}
-        hits, preempted = (results["kvscope"].get(k, 0) for k in ("external_hit_tokens", "preemptions"))
+        hits, preempted, deferred = (results["kvscope"].get(k, 0)
+                                     for k in ("external_hit_tokens", "preemptions", "deferred_loads"))
         gap = largest_logprob_gap(results["kvscope"], results["baseline"]) if outcome in ("ok", "tie") else None
         print(f"seed {plan['seed']} {outcome} {time.monotonic() - started:.0f}s hits={hits:.0f} "
-              f"preemptions={preempted:.0f} gap={gap} {json.dumps(summary)}", flush=True)
+              f"preemptions={preempted:.0f} deferred={deferred:.0f} gap={gap} {json.dumps(summary)}", flush=True)
         for problem in problems:
             print(f"    {problem}", flush=True)
         if outcome == "failed" and args.out:

@@ -353,6 +353,8 @@ def test_seed_3782_runs_through_where_vllms_admission_alone_stalls():
     plan = make_plan(3782)
     results = execute(plan, ("kvscope", "unadmitted", "baseline"))
     assert results["kvscope"]["external_hit_tokens"] > 0
+    assert results["kvscope"]["deferred_loads"] >= 1  # kvscope_deferred_loads_total
     assert verdict(results, tolerance=logprob_tolerance(plan)) == ("ok", [])
     outcome, problems = verdict(results, ours="unadmitted")
     assert outcome == "failed" and "RuntimeError: stalled: 500 steps without a running request" in problems[1]
+    assert "free blocks; 0 loads deferred by kvscope" in problems[1]
