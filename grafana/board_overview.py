@@ -16,7 +16,8 @@ UID = "kvscope-overview"
 TITLE = "kvscope / Overview"
 DESCRIPTION = (
     "Host-tier KV offload by the kvscope vLLM connector: token hit rate, per-KV-group loads, "
-    "load and copy latency, copy throughput, host-tier capacity, evictions and load failures."
+    "load and copy latency, copy throughput, host-tier capacity, evictions, loads deferred for device KV "
+    "room and load failures."
 )
 
 RATE = "[$__rate_interval]"
@@ -289,6 +290,28 @@ def evictions():
     )
 
 
+# --- Device KV headroom --------------------------------------------------------------------
+
+def deferred_loads():
+    return pc.timeseries(
+        "Loads deferred for device KV room",
+        "Host-tier loads kvscope deferred per minute, per engine (kvscope_deferred_loads_total), because "
+        "the device KV cache was nearly full: the loads vLLM had not yet run could, with this one, have "
+        "needed more device blocks than the cache has, where vLLM (0.32 to 0.34) would stall for good. A "
+        "deferred load is not lost: its request waits (vLLM asks again next step) until the loads before it "
+        "have run, then loads; each load counts once however many steps it waits. A few under a burst are "
+        "harmless; steady deferrals mean the prompts loaded at once often outgrow the device cache, so loads "
+        "run one after another instead of together and requests wait longer for their prefix: leave device KV "
+        "headroom (give vLLM more KV cache memory, e.g. a higher gpu_memory_utilization).",
+        pc.queries((
+            f"60 * sum by (instance, model_name, engine) (rate(kvscope_deferred_loads_total{sel()}{RATE}))",
+            "{{model_name}} {{instance}} engine {{engine}}",
+        )),
+        pc.LOADS_PER_MINUTE,
+        width=pc.FULL,
+    )
+
+
 # --- Failures -------------------------------------------------------------------------------
 
 def load_failures_stat():
@@ -372,6 +395,8 @@ def build():
         copy_latency(), copy_throughput(),
         pc.row("Host tier capacity"),
         host_usage_stat(), host_used_vs_capacity(), evictions(),
+        pc.row("Device KV headroom"),
+        deferred_loads(),
         pc.row("Failures"),
         load_failures_stat(), load_failures_over_time(),
         pc.row("Telemetry"),

@@ -37,6 +37,7 @@ BLOCKS_PER_SECOND = "suffix: blocks/s"
 BLOCKS_PER_MINUTE = "suffix: blocks/min"
 ENTRIES_PER_SECOND = "suffix: entries/s"
 RECORDS_PER_MINUTE = "suffix: records/min"
+LOADS_PER_MINUTE = "suffix: loads/min"
 
 
 def sel(*extra: str) -> str:

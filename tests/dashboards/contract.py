@@ -12,6 +12,7 @@ COUNTERS: dict[str, tuple[str, ...]] = {
     "kvscope_missed_tokens_total": ("reason",),
     "kvscope_evicted_blocks_total": (),
     "kvscope_load_failures_total": (),
+    "kvscope_deferred_loads_total": (),  # beyond DESIGN §3 (asked of it): loads deferred for device KV room
     "kvscope_dropped_trace_records_total": ("reason",),  # beyond DESIGN §3 (asked of it): records a sink did not get
     "kvscope_scan_blocks_total": ("group", "kind"),
     "kvscope_null_blocks_skipped_total": ("group", "kind"),

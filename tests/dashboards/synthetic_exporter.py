@@ -34,6 +34,7 @@ RATES = {
     "hit_tokens": 1200.0,  # token hit rate 0.6
     "evicted_blocks": 5.0,
     "load_failures": 0.2,
+    "deferred_loads": 0.1,  # loads waiting for device KV room now and then
 }
 # Span records lost per second by reason: one sink fails (KVScopeTracesIncomplete fires), the rest is healthy.
 DROPPED_RATES = {"sink_failed": 0.5}
@@ -131,6 +132,7 @@ class SyntheticKVScopeExporter:
             c["kvscope_hit_tokens_total"].labels(*e).inc(RATES["hit_tokens"] * dt)
             c["kvscope_evicted_blocks_total"].labels(*e).inc(RATES["evicted_blocks"] * dt)
             c["kvscope_load_failures_total"].labels(*e).inc(RATES["load_failures"] * dt)
+            c["kvscope_deferred_loads_total"].labels(*e).inc(RATES["deferred_loads"] * dt)
             for reason in LOSS_REASONS:
                 c["kvscope_dropped_trace_records_total"].labels(*e, reason).inc(DROPPED_RATES.get(reason, 0.0) * dt)
             for reason, rate in MISSED_RATES.items():

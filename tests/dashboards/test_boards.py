@@ -155,6 +155,7 @@ def test_overview_answers_the_questions_it_promises():
         "kvscope_load_bytes_total", "kvscope_store_bytes_total",
         "kvscope_host_used_bytes", "kvscope_host_capacity_bytes",
         "kvscope_evicted_blocks_total", "kvscope_load_failures_total",
+        "kvscope_deferred_loads_total",  # loads waiting for device KV room
         "kvscope_dropped_trace_records_total",  # traces that lost spans
     ):
         assert needle in exprs, needle
@@ -173,7 +174,8 @@ PANEL_UNITS = {
         "Request load latency p99 (5m)": SECONDS, "Request load latency p50 / p95 / p99": SECONDS,
         "Copy latency p50 / p99, per group and direction": SECONDS,
         "Copy throughput, per group and direction": BYTES_PER_S, "Host tier usage (fullest)": PERCENT,
-        "Host tier used vs capacity": "bytes", "Evictions": "suffix: entries/s", "Load failures in range": "short",
+        "Host tier used vs capacity": "bytes", "Evictions": "suffix: entries/s",
+        "Loads deferred for device KV room": "suffix: loads/min", "Load failures in range": "short",
         "Load failures over time": "suffix: blocks/min", "Trace records dropped in range": "short",
         "Trace records dropped over time": "suffix: records/min",
     },

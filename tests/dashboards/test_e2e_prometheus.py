@@ -143,6 +143,7 @@ def _expected_panel_values(instance: str, group: str) -> dict[tuple[str, str, st
         ("Host tier used vs capacity", "A"): one(engine, s.HOST_USED_FRACTION * s.HOST_CAPACITY_BYTES, EXACT),
         ("Host tier used vs capacity", "B"): one(engine, s.HOST_CAPACITY_BYTES, EXACT),
         ("Evictions", "A"): one({**model, **engine}, s.RATES["evicted_blocks"]),
+        ("Loads deferred for device KV room", "A"): one({**model, **engine}, 60 * s.RATES["deferred_loads"]),
         ("Load failures in range", "A"): one({}, s.RATES["load_failures"] * RANGE_S),
         ("Load failures over time", "A"): one({**model, **engine}, 60 * s.RATES["load_failures"]),
         ("Trace records dropped in range", "A"): one({}, sum(s.DROPPED_RATES.values()) * RANGE_S),
@@ -250,7 +251,7 @@ def test_queries_compute_what_the_exporter_produces(warmed_up):
             rate / lookup, rel=0.05, abs=1e-4), reason
     assert _value(url, "kvscope:evicted_miss_ratio:rate5m") == pytest.approx(
         s.MISSED_RATES["evicted"] / lookup, abs=0.005)
-    for name in ("evicted_blocks", "load_failures"):
+    for name in ("evicted_blocks", "load_failures", "deferred_loads"):
         assert rate_vs_lookup(f"kvscope:{name}:rate5m") == pytest.approx(s.RATES[name] / lookup, rel=0.05), name
     for reason in s.LOSS_REASONS:
         assert rate_vs_lookup(f'kvscope:dropped_trace_records:rate5m{{reason="{reason}"}}') == pytest.approx(
