@@ -40,6 +40,7 @@ from types import SimpleNamespace
 if __package__ in (None, ""):  # run as a script from a checkout
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.stand_ins import ROOMY_BLOCK_POOL  # noqa: E402
 from bench.table import render_table  # noqa: E402
 from connector.groups import GroupKind, GroupLayout  # noqa: E402
 from connector.host_store import HostIndex  # noqa: E402
@@ -134,6 +135,8 @@ def _request(rid: int, prefix: int, prefix_tokens: int, suffix_tokens: int, pref
 # ----------------------------------------------------------------------------- driving the scheduler
 class _Manager:
     """vLLM's KV cache manager as the store planning asks it: each request's device block ids."""
+
+    block_pool = ROOMY_BLOCK_POOL
 
     def __init__(self):
         self.ids: dict[str, tuple[list[int], ...]] = {}

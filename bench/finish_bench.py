@@ -24,6 +24,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script from a checkout
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.stand_ins import ROOMY_KV_CACHE_MANAGER  # noqa: E402
 from bench.table import render_table  # noqa: E402
 from connector.groups import GroupKind, GroupLayout  # noqa: E402
 from connector.lookup import needed_offload_blocks  # noqa: E402
@@ -87,7 +88,7 @@ def _scheduler_holding_the_prefix(case: Case) -> tuple[KVScopeScheduler, list[by
     blocks = case.tokens // case.offload_block
     sched = KVScopeScheduler(layouts=layouts, offload_block_size=case.offload_block, hash_block_size=BLOCK,
                              num_slots=len(layouts) * blocks + 1, slot_bytes=1, world_size=1,
-                             tracing=KVScopeTracing.disabled(), kv_cache_manager_getter=lambda: None)
+                             tracing=KVScopeTracing.disabled(), kv_cache_manager_getter=lambda: ROOMY_KV_CACHE_MANAGER)
     hashes = [b"prefix-%d" % k for k in range(blocks)]
     for layout in layouts:
         for key_hash in hashes:

@@ -54,8 +54,10 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 from opentelemetry.sdk.resources import Resource  # noqa: E402
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult  # noqa: E402
 
+from bench.stand_ins import ROOMY_KV_CACHE_MANAGER  # noqa: E402
 from bench.table import render_table  # noqa: E402
 from connector.groups import GroupKind, GroupLayout  # noqa: E402
+from connector.load_admission import LoadAdmission  # noqa: E402
 from connector.planning import NULL_BLOCK_ID, cdiv, scan_group  # noqa: E402
 from connector.scheduler import KVScopeScheduler  # noqa: E402
 from connector.telemetry.span_batcher import SpanBatcher  # noqa: E402
@@ -364,7 +366,7 @@ class KVScopeSide:
             slot_bytes=1,
             world_size=1,
             tracing=tracing,
-            kv_cache_manager_getter=lambda: None,
+            kv_cache_manager_getter=lambda: ROOMY_KV_CACHE_MANAGER,
         )
         step = OFFLOAD_BLOCK_SIZE // DEVICE_BLOCK_SIZE
         for layout in case.layouts:
@@ -432,6 +434,7 @@ class KVScopeSide:
         s._pending_loads.clear()
         s._requests.clear()
         s._lookups.clear()
+        s.admission = LoadAdmission(s.layouts, s.admission.lookahead_tokens)  # no load left waiting to run
         s.take_stats()
 
 
