@@ -22,6 +22,7 @@ Pure: request ids and token counts in, no vLLM types.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 from .groups import GroupKind, GroupLayout
 
@@ -39,6 +40,14 @@ def request_blocks_bound(layouts: Iterable[GroupLayout], num_tokens: int, lookah
     return total
 
 
+@dataclass(slots=True)
+class Deferral:
+    """How long a request's load has waited: what its lookup span tells (`kvscope.deferred.*`)."""
+
+    lookups: int  # vLLM's lookups answered "not yet" (one per scheduler step that reached the request)
+    first_ns: int  # when the first of them started (the caller's clock)
+
+
 class LoadAdmission:
     """The requests whose loads vLLM admitted and has not yet run, and the loads deferred behind them."""
 
@@ -46,41 +55,56 @@ class LoadAdmission:
         self.layouts = layouts
         self.lookahead_tokens = lookahead_tokens
         self._waiting: dict[str, int] = {}  # request id -> its blocks bound (`request_blocks_bound`)
-        self._deferred: dict[str, None] = {}  # request ids in the order their loads were first deferred
+        self._waiting_blocks = 0  # their sum
+        # The deferred requests, in the order their loads were first deferred (public: the scheduler
+        # reads a request's deferral at its lookup, once the dict is known to be non-empty)
+        self.deferred: dict[str, Deferral] = {}
         self.deferrals = 0  # loads deferred so far, each counted once however many steps it waits
 
     @property
     def waiting_loads(self) -> int:
         return len(self._waiting)
 
-    def may_start(self, req_id: str, num_tokens: int, usable_blocks: int) -> bool:
+    def may_start(self, req_id: str, num_tokens: int, usable_blocks: int, now_ns: int = 0) -> bool:
         """Whether a load of ``req_id`` may start now, given the device blocks a request can ever have
-        (``usable_blocks``: the cache less vLLM's null block). With no load waiting to run, vLLM's own
-        checks decide: one such load always finds its blocks once the running requests are gone."""
+        (``usable_blocks``: the cache less vLLM's null block); ``now_ns``: when this lookup started,
+        kept for the first one deferred. With no load waiting to run, vLLM's own checks decide: one
+        such load always finds its blocks once the running requests are gone."""
         if not self._waiting:
             return True
-        first_deferred = next(iter(self._deferred), req_id)
-        bound = request_blocks_bound(self.layouts, num_tokens, self.lookahead_tokens)
-        if first_deferred == req_id and bound + sum(self._waiting.values()) <= usable_blocks:
+        deferred = self.deferred
+        first_deferred = next(iter(deferred), req_id)
+        if first_deferred == req_id and (request_blocks_bound(self.layouts, num_tokens, self.lookahead_tokens)
+                                         + self._waiting_blocks <= usable_blocks):
             return True
-        if req_id not in self._deferred:
-            self._deferred[req_id] = None
+        deferral = deferred.get(req_id)
+        if deferral is None:
+            deferred[req_id] = Deferral(1, now_ns)
             self.deferrals += 1
+        else:
+            deferral.lookups += 1
         return False
 
     def admitted(self, req_id: str, num_tokens: int, loads: bool) -> None:
         """vLLM admitted the request, with a load (``loads``) or without."""
-        self._deferred.pop(req_id, None)
+        self.deferred.pop(req_id, None)
         if loads:
-            self._waiting[req_id] = request_blocks_bound(self.layouts, num_tokens, self.lookahead_tokens)
+            self._forget_waiting(req_id)  # a preempted request loading again is counted once
+            bound = request_blocks_bound(self.layouts, num_tokens, self.lookahead_tokens)
+            self._waiting[req_id] = bound
+            self._waiting_blocks += bound
 
     def ran(self, req_ids: Iterable[str]) -> None:
         """vLLM scheduled these requests to run: their blocks are the running requests' now."""
         waiting = self._waiting
-        if waiting:
+        if waiting:  # every step: most of these requests never waited for a load
             for req_id in req_ids:
-                waiting.pop(req_id, None)
+                if req_id in waiting:
+                    self._waiting_blocks -= waiting.pop(req_id)
 
     def ended(self, req_id: str) -> None:
-        self._waiting.pop(req_id, None)
-        self._deferred.pop(req_id, None)
+        self._forget_waiting(req_id)
+        self.deferred.pop(req_id, None)
+
+    def _forget_waiting(self, req_id: str) -> None:
+        self._waiting_blocks -= self._waiting.pop(req_id, 0)

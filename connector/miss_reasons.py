@@ -53,6 +53,7 @@ def miss_reasons_explained() -> str:
     """Every reason with its meaning, as one sentence's list: "new (never stored, ...), evicted (...), ..."."""
     return ", ".join(f"{reason} ({MISS_REASON_MEANINGS[reason]})" for reason in MISS_REASONS)
 
+
 # (group index, offload block index) -> None when that block is ready in that group, else its reason
 WhyAbsent = Callable[[int, int], "str | None"]
 

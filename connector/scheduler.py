@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from .groups import GroupKind, GroupLayout
 from .host_store import HostIndex
-from .load_admission import LoadAdmission
+from .load_admission import Deferral, LoadAdmission
 from .lookup import find_hit_tokens
 from .metadata import LOAD, STORE, GroupTransfer, KVScopeMetadata, KVScopeWorkerMetadata, TransferJob
 from .miss_reasons import NOT_TAKEN, TAIL, Miss, barred_from_hit, lookup_miss, miss_order, past_kept_tokens
@@ -26,7 +26,7 @@ from .prefix_recency import finished_prefix_keys
 from .state_blocks import StateBlocks
 from .telemetry.failures import telemetry_failed
 from .telemetry.metrics import KVScopeStats
-from .telemetry.span_records import LOOKUP_SPAN, STORE_SPAN
+from .telemetry.span_records import DEFERRED_LOOKUP_SPAN, LOOKUP_SPAN, STORE_SPAN
 from .telemetry.tracing import KVScopeTracing, SpanRef
 
 logger = logging.getLogger(__name__)
@@ -37,6 +37,11 @@ def _pin_nothing(key) -> None:
     return None
 
 
+def _deferral_values(deferral: Deferral, lookup_start_ns: int) -> tuple[int, int]:
+    """A deferred request's lookup span's `kvscope.deferred.*` values (`DEFERRED_LOOKUP_SPAN`)."""
+    return deferral.lookups, max(0, lookup_start_ns - deferral.first_ns) // 1000
+
+
 @dataclass(slots=True)
 class _Lookup:
     local_tokens: int
@@ -44,6 +49,7 @@ class _Lookup:
     start_ns: int
     end_ns: int
     miss: Miss  # what the tier did not serve, and why, as the index stood at the lookup
+    deferred: Deferral | None = None  # how long kvscope deferred the request's load before this lookup
 
 
 @dataclass(slots=True)
@@ -184,24 +190,27 @@ class KVScopeScheduler:
             return 0, False
         hashes = self._offload_hashes(request)
         external = self._hit_tokens(request, num_computed_tokens, hashes)
-        if external and not self._load_may_start(request):
+        if external and not self._load_may_start(request, start):
             return None, False  # vLLM asks again next step (`load_admission`)
         end = time.time_ns()
         # Why it did not serve more, outside the lookup's span time, as the stats it feeds are
         miss = self._miss(request, num_computed_tokens, external, hashes)
-        self._lookups[request.request_id] = _Lookup(num_computed_tokens, external, start, end, miss)
+        deferred = self.admission.deferred
+        # (its hit may be gone since it was deferred: the wait is still the request's)
+        deferral = deferred.get(request.request_id) if deferred else None
+        self._lookups[request.request_id] = _Lookup(num_computed_tokens, external, start, end, miss, deferral)
         # Asynchronous load: the request waits while others run; Mamba state must land
         # before vLLM's mamba preprocessing, which a synchronous load would miss.
         return external, external > 0
 
-    def _load_may_start(self, request) -> bool:
+    def _load_may_start(self, request, lookup_start_ns: int) -> bool:
         """Whether the request's load may start beside the loads vLLM has not yet run (`load_admission`)."""
         admission = self.admission
         if not admission.waiting_loads:
             return True
         manager = self._kv_cache_manager()
         usable = manager.block_pool.num_gpu_blocks - 1  # less the null block
-        if admission.may_start(request.request_id, request.num_tokens, usable):
+        if admission.may_start(request.request_id, request.num_tokens, usable, lookup_start_ns):
             return True
         if not self._deferral_logged:
             self._deferral_logged = True
@@ -312,7 +321,7 @@ class KVScopeScheduler:
             if kept > 0:
                 within = min(kept, lookup.external_tokens)
                 lookup = _Lookup(lookup.local_tokens + kept, lookup.external_tokens - within, lookup.start_ns,
-                                 lookup.end_ns, past_kept_tokens(lookup.miss, kept - within))
+                                 lookup.end_ns, past_kept_tokens(lookup.miss, kept - within), lookup.deferred)
             self._log_lookup(state, lookup, 0)
         self._unsettled_lookups.clear()
 
@@ -339,12 +348,19 @@ class KVScopeScheduler:
             state.trace_context = span
         if type(span) is not SpanRef:
             return None
+        deferral = lookup.deferred
         if not hit:
-            self.tracing.end_span(LOOKUP_SPAN, span, lookup.end_ns,
-                                  (req_id, queried, hit, miss_reason, lookup.local_tokens))
+            if deferral is None:
+                self.tracing.end_span(LOOKUP_SPAN, span, lookup.end_ns,
+                                      (req_id, queried, hit, miss_reason, lookup.local_tokens))
+            else:
+                self.tracing.end_span(DEFERRED_LOOKUP_SPAN, span, lookup.end_ns,
+                                      (req_id, queried, hit, miss_reason, lookup.local_tokens,
+                                       *_deferral_values(deferral, lookup.start_ns)))
             return None
-        return (span.span_id, span.parent_span_id, span.parent_is_remote, span.start_time, lookup.end_ns,
-                queried, hit, miss_reason, lookup.local_tokens)
+        record = (span.span_id, span.parent_span_id, span.parent_is_remote, span.start_time, lookup.end_ns,
+                  queried, hit, miss_reason, lookup.local_tokens)
+        return record if deferral is None else record + _deferral_values(deferral, lookup.start_ns)
 
     def _plan_load(self, state, request, group_block_ids, local: int, external: int,
                    lookup_record: tuple | None = None, fail: bool = False) -> None:

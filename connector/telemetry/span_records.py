@@ -72,7 +72,14 @@ COPY_SPAN = RecordKind(5, "kvscope.group.copy", (
 # copy span with status ERROR, its blocks and bytes 0, so replays see why a hit loaded nothing.
 FAILED_COPY_SPAN = RecordKind(6, COPY_SPAN.name, COPY_SPAN.attributes,
                               error="copy failed on this worker: a load is recomputed, a store dropped")
-KINDS = (GENERIC_SPAN, LOOKUP_SPAN, LOAD_SPAN, SCAN_SPAN, STORE_SPAN, COPY_SPAN, FAILED_COPY_SPAN)  # by code
+# The lookup of a request whose load kvscope deferred for device KV room (`connector.load_admission`):
+# a lookup span that also says how long it waited, which lies just before the span's start. Apart
+# from LOOKUP_SPAN so that the many lookups never deferred carry (and encode) nothing more.
+DEFERRED_LOOKUP_SPAN = RecordKind(7, LOOKUP_SPAN.name, LOOKUP_SPAN.attributes + (
+    ("kvscope.deferred.lookups", int),  # vLLM's lookups kvscope answered "not yet" before this one
+    ("kvscope.deferred.wait_us", int)))  # from the first of them to this span's start
+KINDS = (GENERIC_SPAN, LOOKUP_SPAN, LOAD_SPAN, SCAN_SPAN, STORE_SPAN, COPY_SPAN, FAILED_COPY_SPAN,
+         DEFERRED_LOOKUP_SPAN)  # by code
 # A resource attribute of every kvscope span: the engine that recorded it, as vLLM's metrics label it
 # (`engine`: vLLM's data-parallel index). Each engine has its own host tier.
 ENGINE_RESOURCE_ATTRIBUTE = "kvscope.engine"
@@ -82,9 +89,11 @@ ENGINE_RESOURCE_ATTRIBUTE = "kvscope.engine"
 # ``(request id, local tokens, external tokens, groups, scans, lookup)`` with
 # - ``scans``: one ``(start_ns, end_ns, *SCAN_SPAN values)`` per group, in the load's group order;
 # - ``lookup``: None, or ``(span_id, parent_span_id, parent_is_remote, start_ns, end_ns, queried, hit,
-#   miss reason, local tokens)``.
-LOAD_PLAN = 7
+#   miss reason, local tokens)``, with the two `DEFERRED_LOOKUP_SPAN` values after them when the
+#   request's load was deferred.
+LOAD_PLAN = 8
 
+_LOOKUP_VALUES = len(LOOKUP_SPAN.attributes) - 1  # a compound record's lookup values: all but the request id
 _MASK64 = (1 << 64) - 1
 
 
@@ -115,7 +124,8 @@ def expand_records(records) -> list[tuple]:
         # span before its start, which OTLP consumers reject; `end_span` and `end_load` clamp theirs.
         if lookup is not None:
             lookup_id, lookup_parent, lookup_remote, lookup_start, lookup_end, *lookup_values = lookup
-            out.append((LOOKUP_SPAN.code, trace_id, lookup_id, lookup_parent, lookup_remote, state,
+            kind = LOOKUP_SPAN.code if len(lookup_values) == _LOOKUP_VALUES else DEFERRED_LOOKUP_SPAN.code
+            out.append((kind, trace_id, lookup_id, lookup_parent, lookup_remote, state,
                         lookup_start, max(lookup_start, lookup_end), (req_id, *lookup_values)))
         for i, scan in enumerate(scans):
             out.append((SCAN_SPAN.code, trace_id, child_span_id(span_id, i), span_id, False, state,

@@ -35,6 +35,7 @@ from unittest import mock
 import torch
 
 from connector import KVScopeConnector
+from connector.load_admission import LoadAdmission
 from tests.connector_leaks import connector_leaks
 
 
@@ -679,7 +680,6 @@ class ModelFreeEngine:
                     written = values[lo - start:hi - start] ^ self._salts[rank, layer]
                     slots[lo - i * BLOCK:hi - i * BLOCK] = written[:, None]
 
-
     # ------------------------------------------------------------------ Mamba states (align mode)
     def _check_state(self, rank: int, req_id: str, group: int, computed: int, loaded=(),
                      index: int | None = None) -> None:
@@ -838,6 +838,11 @@ class ModelFreeEngine:
         group = self.group_kinds.index(MAMBA)
         for req_id, source, target in self._state_copies:
             self._copy_state(rank, req_id, group, source, target)
+
+
+def without_load_admission(monkeypatch) -> None:
+    """vLLM's own admission alone: every load kvscope finds starts at once (`load_admission` off)."""
+    monkeypatch.setattr(LoadAdmission, "may_start", lambda self, *args, **kwargs: True)
 
 
 def _kv_cache_config(num_blocks: int, window: int, mamba: MambaAlign | None = None, spec_tokens: int = 0):

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from connector.load_admission import LoadAdmission
+from tests.compat.model_free import without_load_admission
 from tests.compat.workload_fuzz import execute, make_plan, missing_feature
 
 SEEDS = [
@@ -116,7 +116,7 @@ def test_the_known_vllm_stall_is_told_apart_from_other_failures_and_kvscope_keep
                        {"phases": [phase(request("after", [["shared", 700], ["e", 100]]))], "between": "none"}]}
     result = execute(plan)
     assert result.verdict == "ok" and not result.vllm_stalls and result.external_hit_tokens > 0
-    monkeypatch.setattr(LoadAdmission, "may_start", lambda self, req_id, num_tokens, usable_blocks: True)
+    without_load_admission(monkeypatch)
     result = execute(plan)
     assert result.vllm_stalls == [["b", "c", "d"]] and result.aborts == 3
     assert result.verdict == "stall" and result.failure == "stall"

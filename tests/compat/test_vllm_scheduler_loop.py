@@ -19,11 +19,10 @@ import pytest
 from vllm.config import SchedulerConfig
 from vllm.v1.worker.gpu.kv_connector import ActiveKVConnector
 
-from connector.load_admission import LoadAdmission
 from connector.tiny_models import build_model
 from connector.worker import FENCE_AT_NEXT_STEP, FENCE_AT_ONCE, FENCE_WHEN_REUSED
 from tests.compat.model_free import (HAS_V1_RUNNER, ModelFreeEngine, create_engine_config, loaded_blocks_by_group,
-                                     true_token)
+                                     true_token, without_load_admission)
 
 # vLLM 0.34 has no V1 runner ("v1" then drives its CPU runner): fence placements only V1's order allows
 _V1_RUNNER = pytest.mark.skipif(not HAS_V1_RUNNER, reason="this vLLM has no V1 model runner (0.34 on)")
@@ -236,9 +235,10 @@ def test_a_data_parallel_rank_of_the_external_launcher_loads_what_its_worker_sto
     assert stats.external_hit_tokens > 0 and any(r.startswith("r1-") for r in stats.loads)
 
 
-def _three_loads_past_their_reserve(model_path, engine_args: dict | None = None) -> ModelFreeEngine:
+def _three_loads_past_their_reserve(model_path, engine_args: dict | None = None,
+                                    trace_file=None) -> ModelFreeEngine:
     """Device-KV pressure: round 0 stored, then three requests that load 512, 1024 and 512 tokens."""
-    engine = ModelFreeEngine(model_path, {"cpu_bytes": 64 << 20, "block_size": 256}, window=WINDOW,
+    engine = ModelFreeEngine(model_path, _traced({"cpu_bytes": 64 << 20, "block_size": 256}, trace_file), window=WINDOW,
                              num_blocks=200, max_num_batched_tokens=512, engine_args=engine_args)
     shared = [(31 * i + 3) % 509 + 1 for i in range(700)]
     suffix = [[(17 * i + 11 * j + 5) % 509 + 1 for i in range(n)] for j, n in enumerate((525, 307, 54, 63))]
@@ -250,9 +250,9 @@ def _three_loads_past_their_reserve(model_path, engine_args: dict | None = None)
     return engine
 
 
-def _two_failing_loads(model_path, engine_args: dict | None = None) -> ModelFreeEngine:
+def _two_failing_loads(model_path, engine_args: dict | None = None, trace_file=None) -> ModelFreeEngine:
     """Round 0 stored, then two requests whose loads fail (a copy error), admitted in one step."""
-    engine = ModelFreeEngine(model_path, {"cpu_bytes": 64 << 20, "block_size": 64}, window=WINDOW,
+    engine = ModelFreeEngine(model_path, _traced({"cpu_bytes": 64 << 20, "block_size": 64}, trace_file), window=WINDOW,
                              num_blocks=150, max_num_batched_tokens=2048, engine_args=engine_args)
     shared = [(31 * i + 3) % 509 + 1 for i in range(700)]
     suffix = [[(17 * i + 11 * j + 5) % 509 + 1 for i in range(n)] for j, n in enumerate((308, 294, 40))]
@@ -263,9 +263,8 @@ def _two_failing_loads(model_path, engine_args: dict | None = None) -> ModelFree
     return engine
 
 
-def without_load_admission(monkeypatch) -> None:
-    """vLLM's own admission alone: every load kvscope finds starts at once (`load_admission` off)."""
-    monkeypatch.setattr(LoadAdmission, "may_start", lambda self, req_id, num_tokens, usable_blocks: True)
+def _traced(extra_config: dict, trace_file) -> dict:
+    return extra_config if trace_file is None else {**extra_config, "trace_file": str(trace_file)}
 
 
 def test_known_vllm_gap_async_loads_admitted_past_their_reserve_stall_the_scheduler(model_path, monkeypatch):
@@ -321,19 +320,21 @@ def test_known_vllm_gap_a_failed_load_at_the_head_of_the_queue_stalls_the_loads_
 
 
 @pytest.mark.parametrize("scenario", ["past-their-reserve", "failing"])
-def test_kvscope_defers_the_loads_that_would_stall_vllm_and_every_request_finishes(model_path, scenario):
+def test_kvscope_defers_the_loads_that_would_stall_vllm_and_every_request_finishes(model_path, tmp_path, scenario):
     """Both stalls above, with kvscope's load admission: a load whose request, beside those whose loads
     vLLM has not yet run, could need more blocks than the device cache has waits for them to run
     (vLLM asks again each step). Every request finishes, loads still serve hits (or fail cleanly), the
-    forward reads what was written and the tier holds nothing after."""
+    forward reads what was written and the tier holds nothing after. Each deferred request's lookup
+    span says how many lookups it waited (`kvscope.deferred.*`), and no other span does."""
     build = _three_loads_past_their_reserve if scenario == "past-their-reserve" else _two_failing_loads
-    engine = build(model_path)
+    trace_file = tmp_path / "spans.jsonl"
+    engine = build(model_path, trace_file=trace_file)
     deferred = []
     kvscope = engine.scheduler.get_kv_connector()._scheduler
     may_start = kvscope.admission.may_start
 
-    def noted(req_id, num_tokens, usable_blocks):
-        started = may_start(req_id, num_tokens, usable_blocks)
+    def noted(req_id, *args):
+        started = may_start(req_id, *args)
         if not started:
             deferred.append(req_id)
         return started
@@ -343,8 +344,15 @@ def test_kvscope_defers_the_loads_that_would_stall_vllm_and_every_request_finish
         engine.run(max_steps=200)
         assert engine.host_tier_leaks() == []
     finally:
-        engine.shutdown()
+        engine.shutdown()  # flushes the spans to the file
     assert deferred  # the scenario still meets the pressure
+    lookups = [s["attrs"] for spans in _spans_by_trace(trace_file).values() for s in spans
+               if s["name"] == "kvscope.lookup"]
+    waits = {a["kvscope.request.id"]: (a["kvscope.deferred.lookups"], a["kvscope.deferred.wait_us"])
+             for a in lookups if "kvscope.deferred.lookups" in a}
+    assert {req_id: lookups for req_id, (lookups, _) in waits.items()} == {
+        req_id: deferred.count(req_id) for req_id in deferred}
+    assert all(wait_us > 0 for _, wait_us in waits.values())
     _assert_no_violations(engine.stats, loads=scenario != "failing")
     if scenario == "failing":
         assert engine.stats.failed_recving

@@ -555,7 +555,7 @@ def main() -> None:
         if role == "unadmitted":  # kvscope starting every load it finds: vLLM's admission alone decides
             from connector.load_admission import LoadAdmission
 
-            LoadAdmission.may_start = lambda self, req_id, num_tokens, usable_blocks: True
+            LoadAdmission.may_start = lambda self, *args, **kwargs: True
         result = run_engine(plan, with_connector=role not in ("baseline", "recompute"),
                             corrupt_host=role == "corrupted")
         print("ENGINE_FUZZ_JSON " + json.dumps(result), flush=True)

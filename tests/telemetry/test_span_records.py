@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from connector.telemetry.span_records import (
     COPY_SPAN,
+    DEFERRED_LOOKUP_SPAN,
     FAILED_COPY_SPAN,
     KINDS,
     LOAD_PLAN,
@@ -33,6 +34,9 @@ def test_span_names_and_attribute_keys_are_the_contracts():
                                "kvscope.request.id"),
     }
     assert (FAILED_COPY_SPAN.name, FAILED_COPY_SPAN.attributes) == (COPY_SPAN.name, COPY_SPAN.attributes)
+    # a deferred load's lookup: the lookup span with how long the load waited (beyond DESIGN §2)
+    assert (DEFERRED_LOOKUP_SPAN.name, DEFERRED_LOOKUP_SPAN.keys) == (
+        LOOKUP_SPAN.name, LOOKUP_SPAN.keys + ("kvscope.deferred.lookups", "kvscope.deferred.wait_us"))
     assert [kind.code for kind in KINDS] == list(range(len(KINDS))) and LOAD_PLAN not in range(len(KINDS))
 
 
@@ -67,6 +71,9 @@ def test_a_load_plan_expands_to_lookup_scans_and_load_in_the_order_they_ended():
     assert out[4] == (LOAD_SPAN.code, 0xABC, 99, 77, False, "v=1", 10, 14, ("r1", 0, 192, 2))
     without_lookup = expand_records([record[:8] + (("r1", 0, 192, 2, scans, None),)])
     assert [r[0] for r in without_lookup] == [SCAN_SPAN.code, SCAN_SPAN.code, LOAD_SPAN.code]
+    deferred = expand_records([record[:8] + (("r1", 0, 192, 2, scans, lookup + (4, 9000)),)])
+    assert deferred[0] == (DEFERRED_LOOKUP_SPAN.code, 0xABC, 77, None, False, "v=1", 5, 9,
+                           ("r1", 200, 192, "evicted", 64, 4, 9000))
 
 
 def test_a_clock_stepped_back_never_ends_a_lookup_or_scan_before_its_start():

@@ -108,3 +108,31 @@ def test_a_request_loading_again_after_a_preemption_waits_to_run_again():
     admission.admitted("a", 1100, loads=True)  # preempted, its blocks freed, loaded again
     assert admission.waiting_loads == 1
     assert not admission.may_start("b", 1024, usable_blocks=100)
+
+
+def test_a_request_admitted_twice_before_it_ran_holds_one_place_at_its_latest_size():
+    """A preempted request admitted with a load again before its first load ran: its place is counted
+    once, at its new size (35 + 35 blocks), and freed once."""
+    admission = LoadAdmission(GEMMA)
+    admission.admitted("a", 1024, loads=True)
+    admission.admitted("a", 1100, loads=True)
+    assert admission.may_start("b", 1024, usable_blocks=70 + 64)
+    assert not admission.may_start("b", 1024, usable_blocks=70 + 63)
+    admission.ran(["a"])
+    assert admission.waiting_loads == 0
+    admission.admitted("c", 1024, loads=True)
+    assert admission.may_start("b", 1024, usable_blocks=64 + 64)  # nothing of "a" left counted
+
+
+def test_a_deferral_records_the_lookups_answered_not_yet_and_when_the_first_began():
+    admission = LoadAdmission(GEMMA)
+    admission.admitted("a", 1024, loads=True)
+    assert admission.deferred == {}
+    for step, now in enumerate((1_000, 2_000, 3_500)):
+        assert not admission.may_start("b", 1024, usable_blocks=100, now_ns=now)
+        assert (admission.deferred["b"].lookups, admission.deferred["b"].first_ns) == (step + 1, 1_000)
+    admission.ran(["a"])
+    assert admission.may_start("b", 1024, usable_blocks=100, now_ns=5_000)  # not counted: it starts
+    assert admission.deferred["b"].lookups == 3  # read by the lookup span; gone once vLLM admits it
+    admission.admitted("b", 1024, loads=True)
+    assert admission.deferred == {} and admission.deferrals == 1

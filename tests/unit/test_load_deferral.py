@@ -3,17 +3,20 @@ for: the real vLLM scheduler replays the stall and its end in `tests/compat/test
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 
 from connector.scheduler import KVScopeScheduler
+from connector.telemetry.testing import in_memory_tracing
 from connector.telemetry.tracing import KVScopeTracing
 from tests.unit.test_store_planning import B, BS, LAYOUTS, _ids, _output, _report, _state, _stored
 
 
-def _scheduler(num_gpu_blocks: int) -> KVScopeScheduler:
+def _scheduler(num_gpu_blocks: int, tracing: KVScopeTracing | None = None) -> KVScopeScheduler:
     manager = SimpleNamespace(block_pool=SimpleNamespace(num_gpu_blocks=num_gpu_blocks))
     return KVScopeScheduler(LAYOUTS, offload_block_size=B, hash_block_size=BS, num_slots=16, slot_bytes=1024,
-                            world_size=1, tracing=KVScopeTracing.disabled(), kv_cache_manager_getter=lambda: manager)
+                            world_size=1, tracing=tracing or KVScopeTracing.disabled(),
+                            kv_cache_manager_getter=lambda: manager)
 
 
 def _admit_with_load(sched, request, hit: int) -> None:
@@ -112,3 +115,49 @@ def test_the_stats_count_each_deferred_load_once_however_many_steps_it_waits():
     fourth = _state("fourth", 192).request
     assert tight.get_num_new_matched_tokens(fourth, 0) == (None, False)  # a new one counts
     assert _deferred_loads(tight) == 1
+
+
+def _lookup_spans(exporter) -> dict[str, dict]:
+    """Each request's lookup span attributes."""
+    return {dict(span.attributes)["kvscope.request.id"]: dict(span.attributes)
+            for span in exporter.get_finished_spans() if span.name == "kvscope.lookup"}
+
+
+def test_a_deferred_loads_lookup_span_says_how_many_lookups_it_waited_and_how_long():
+    """`kvscope.deferred.*`: the wait lies before the lookup span vLLM admitted the request on, from
+    the first lookup answered "not yet"; a load never deferred carries neither attribute."""
+    tracing, exporter = in_memory_tracing()
+    tight = _scheduler(48, tracing)
+    _stored(tight, (0, "h3"), (1, "h3"), (0, "h7"), (1, "h7"))
+    _admit_with_load(tight, _state("first", 192).request, 128)
+    second = _state("second", 192).request
+    before = time.time_ns()
+    for _ in range(3):  # three steps: vLLM asks, kvscope answers "not yet"
+        assert tight.get_num_new_matched_tokens(second, 0) == (None, False)
+        time.sleep(0.002)
+    _ran(tight, "first")
+    assert tight.get_num_new_matched_tokens(second, 0) == (128, True)
+    waited_at_most_us = (time.time_ns() - before) // 1000
+    tight.update_state_after_alloc(second, SimpleNamespace(get_block_ids=lambda: _ids(0, 16)), 128)
+    spans = _lookup_spans(exporter)
+    assert not any(key.startswith("kvscope.deferred.") for key in spans["first"])
+    assert spans["second"]["kvscope.tokens.hit"] == 128
+    assert spans["second"]["kvscope.deferred.lookups"] == 3
+    assert 6000 <= spans["second"]["kvscope.deferred.wait_us"] <= waited_at_most_us
+
+
+def test_a_deferred_request_whose_hit_is_gone_still_shows_its_wait():
+    """Its hit evicted while it waited: admitted with nothing to load, its lookup span (alone, no
+    load follows) still carries the wait."""
+    tracing, exporter = in_memory_tracing()
+    tight = _scheduler(48, tracing)
+    _stored(tight, (0, "h3"), (1, "h3"), (0, "h7"), (1, "h7"))
+    _admit_with_load(tight, _state("first", 192).request, 128)
+    second = _state("second", 192).request
+    assert tight.get_num_new_matched_tokens(second, 0) == (None, False)
+    second.block_hashes = [f"x{i}" for i in range(12)]  # as if its blocks had left the tier
+    assert tight.get_num_new_matched_tokens(second, 0) == (0, False)
+    tight.update_state_after_alloc(second, SimpleNamespace(get_block_ids=lambda: _ids(0, 16)), 0)
+    span = _lookup_spans(exporter)["second"]
+    assert (span["kvscope.tokens.hit"], span["kvscope.deferred.lookups"]) == (0, 1)
+    assert span["kvscope.deferred.wait_us"] >= 0
