@@ -9,6 +9,7 @@ from dashboard.traces.replay import replay_points
 
 KIND_COLORS = {  # waterfall rows, by span kind
     "vLLM request": "#d4d4d4",
+    "waiting for device KV room": "#eeca3b",  # before a deferred lookup: no span, the lookup's deferral attributes
     "lookup": "#8c8c8c",
     "load": "#4c78a8",
     "group.scan": "#72b7b2",

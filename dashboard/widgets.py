@@ -83,6 +83,9 @@ def request_numbers(request: pd.Series) -> None:
     if pd.notna(local) and local > 0:
         st.caption(f"vLLM's device prefix cache had its first {formatting.count(local)} tokens: the host tier was "
                    "asked for the rest only (they are not in the tokens queried).")
+    deferral = deferral_text(request)
+    if deferral:
+        st.info(deferral, icon=":material/hourglass_top:")
     reason = request["miss_reason"]
     if isinstance(reason, str):  # trace files that record it
         text = traces.MISS_REASON_TEXT.get(reason, "a reason this version of the app does not know")
@@ -113,6 +116,20 @@ def request_numbers(request: pd.Series) -> None:
     if request["load_failed"]:
         st.error("A load of this request failed on a worker (copy span with status ERROR): vLLM recomputed "
                  "its tokens instead. " + traces.LOAD_FAILED_DEFINITION, icon=":material/error:")
+
+
+def deferral_text(request: pd.Series) -> str | None:
+    """How long kvscope deferred the request's load for device KV room, in words; None when it did not (or the
+    trace file predates deferral attributes)."""
+    lookups = request["deferred_lookups"]
+    if pd.isna(lookups) or lookups < 1:
+        return None
+    times = "once" if lookups == 1 else f"{formatting.count(lookups)} times"
+    waited = request["deferred_wait_ms"]
+    wait = "wait unknown" if pd.isna(waited) else formatting.millis(waited)
+    return (f"kvscope deferred its load {times} ({wait}) for device KV room before its lookup: the loads admitted "
+            "before it, together with it, needed more device blocks than the device KV cache has. Frequent "
+            "deferrals ask for device KV headroom.")
 
 
 GROUP_COPY_TABLE_COLUMNS = {

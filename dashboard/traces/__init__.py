@@ -65,6 +65,7 @@ from dashboard.traces.replay import (
     replay_timeline,
 )
 from dashboard.traces.request_table import (
+    DEFERRAL_DEFINITION,
     LOAD_FAILED_DEFINITION,
     LOAD_TIME_DEFINITION,
     MISS_REASON_DEFINITION,
@@ -96,11 +97,11 @@ from dashboard.traces.schema import (
 from dashboard.traces.vllm_join import VLLM_REQUEST_COLUMNS, VLLM_TIMES_DEFINITION, vllm_keys
 from dashboard.traces.vllm_outcomes import OUTCOME_COLUMNS, OUTCOME_DEFINITION, vllm_latency_by_outcome
 from dashboard.traces.vllm_spans import VLLM_COLUMNS, VLLM_REQUEST_SPAN
-from dashboard.traces.waterfall import VLLM_KIND, waterfall_rows
+from dashboard.traces.waterfall import DEVICE_KV_WAIT, VLLM_KIND, waterfall_rows
 
 __all__ = [
     "ATTRIBUTE_COLUMNS", "COPY", "DUPLICATE_SPAN", "ENGINE_COLUMNS", "ENGINE_DEFINITION", "GROUP_COPY_COLUMNS",
-    "COPY_THROUGHPUT_DEFINITION", "GROUP_SCAN_COLUMNS",
+    "COPY_THROUGHPUT_DEFINITION", "DEFERRAL_DEFINITION", "DEVICE_KV_WAIT", "GROUP_SCAN_COLUMNS",
     "GROUP_COPY_DEFINITION", "GROUP_KINDS",
     "HIT_RATE_DEFINITION",
     "LOAD", "LOAD_FAILED_DEFINITION", "MISS_REASON_DEFINITION", "MISS_REASON_TEXT", "MISSES_COLUMNS",

@@ -47,6 +47,16 @@ MISS_REASON_TEXT = {
     "tail": "it served every offloaded block a hit could cover; the rest (the prompt's partial last block, "
             "the last token) no offloaded block covers",
 }
+DEFERRAL_DEFINITION = (
+    "Waited for device KV room: how many times kvscope answered vLLM's lookup of the request \"not yet\" (about "
+    "once per scheduler step) and for how long, from its first deferred lookup to the start of the lookup vLLM "
+    "admitted it on (`kvscope.deferred.lookups`, `kvscope.deferred.wait_us` of that lookup span; summed over its "
+    "lookups, as a request resumed after preemption can wait again). kvscope defers a load while the loads admitted "
+    "before it, together with it, need more device blocks than the device KV cache has; the wait delays the start "
+    "of its load, not the load itself. Frequent deferrals ask for device KV headroom (a larger device KV cache, or "
+    "fewer requests at once). Empty for a request kvscope did not defer, and in trace files written before kvscope "
+    "recorded it."
+)
 LOAD_FAILED_DEFINITION = (
     "A load failed when one of its copy spans has status ERROR (a worker could not load: vLLM "
     "recomputed the request's tokens instead). Its hit still counts, as vLLM counts it."
@@ -64,6 +74,8 @@ REQUEST_COLUMNS = (
     "tokens_hit",
     "hit_rate",
     "miss_reason",
+    "deferred_lookups",
+    "deferred_wait_ms",
     "tokens_local",
     "tokens_external",
     "tokens_loaded",
@@ -92,9 +104,10 @@ def requests_table(spans: pd.DataFrame, vllm: pd.DataFrame | None = None) -> pd.
     (the one its hit planned); tokens_loaded summed over its loads that did not fail; the load time (see
     `LOAD_TIME_DEFINITION`: NA when a load that did not fail has none), the number of loads, how many have no
     copy span, and whether one failed (`LOAD_FAILED_DEFINITION`) over all its loads; bytes from the copies of
-    its loads and stores. Missing parts (no load for a miss, no copy spans recorded) are NA. `request` labels
-    the row: the request id, with the end of its trace id (`request_labels`)
-    where the id is another request's too (two runs read together). With `vllm` (the reader's
+    its loads and stores; how often and how long kvscope deferred its load for device KV room, summed over its
+    lookups (`DEFERRAL_DEFINITION`: NA when no lookup says it was deferred). Missing parts (no load for a miss,
+    no copy spans recorded) are NA. `request` labels the row: the request id, with the end of its trace id
+    (`request_labels`) where the id is another request's too (two runs read together). With `vllm` (the reader's
     `vllm_requests`), each request's vLLM latencies where vLLM's request span joins it (`vllm_join`).
     """
     lookups = spans[spans["name"] == LOOKUP].sort_values("start_ns", kind="stable")  # `.last()` is the latest
@@ -121,6 +134,10 @@ def requests_table(spans: pd.DataFrame, vllm: pd.DataFrame | None = None) -> pd.
                      .fillna(first_load["engine"].reindex(ids)))
     out["lookups"] = by_lookup.size().reindex(ids).fillna(0).astype("int64")
     out["miss_reason"] = by_lookup["miss_reason"].last().reindex(ids)  # its last lookup's (`MISS_REASON_DEFINITION`)
+    # NA unless a lookup says it was deferred (`DEFERRAL_DEFINITION`): older files cannot tell "not deferred"
+    out["deferred_lookups"] = by_lookup["deferred_lookups"].sum(min_count=1).reindex(ids).astype("Int64")
+    wait_us = by_lookup["deferred_wait_us"].sum(min_count=1).reindex(ids)
+    out["deferred_wait_ms"] = (wait_us.astype("Int64") / 1e3).astype(float)
 
     loads = load_rows(spans)
     by_request = loads.groupby(REQUEST_KEY, sort=False)
@@ -212,9 +229,9 @@ def _empty_requests() -> pd.DataFrame:
     added_later = {*VLLM_REQUEST_COLUMNS, "vllm_key"}  # by `with_vllm_columns`
     frame = pd.DataFrame({col: pd.Series(dtype=object) for col in REQUEST_COLUMNS if col not in added_later})
     for col in ("engine", "tokens_queried", "tokens_hit", "tokens_local", "tokens_external", "tokens_loaded",
-                "groups", "bytes_loaded", "bytes_stored"):
+                "groups", "bytes_loaded", "bytes_stored", "deferred_lookups"):
         frame[col] = frame[col].astype("Int64")
-    for col in ("hit_rate", "load_ms", "load_copy_ms", "t_s"):
+    for col in ("hit_rate", "load_ms", "load_copy_ms", "t_s", "deferred_wait_ms"):
         frame[col] = frame[col].astype(float)
     frame["lookups"] = frame["lookups"].astype("int64")
     frame["loads_without_copies"] = frame["loads_without_copies"].astype("int64")

@@ -35,6 +35,10 @@ ATTRIBUTE_COLUMNS: dict[str, tuple[str, bool]] = {
     "kvscope.tokens.queried": ("tokens_queried", True),
     "kvscope.tokens.hit": ("tokens_hit", True),
     "kvscope.miss.reason": ("miss_reason", False),  # newer files only: NA in older ones
+    # Only on the lookup kvscope admitted a deferred load on (`DEFERRAL_DEFINITION`): NA on every other span,
+    # and in files written before kvscope recorded them.
+    "kvscope.deferred.lookups": ("deferred_lookups", True),
+    "kvscope.deferred.wait_us": ("deferred_wait_us", True),
     "kvscope.tokens.local": ("tokens_local", True),
     "kvscope.tokens.external": ("tokens_external", True),
     "kvscope.groups": ("groups", True),

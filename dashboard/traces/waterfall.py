@@ -11,8 +11,12 @@ from dashboard.traces.schema import ATTRIBUTE_COLUMNS, COPY, LOAD, LOOKUP, SCAN,
 from dashboard.traces.vllm_spans import VLLM_REQUEST_SPAN
 
 VLLM_KIND = "vLLM request"  # the waterfall's kind (and colour) of vLLM's own request span
+# The kind of a deferred request's wait before its lookup (`DEFERRAL_DEFINITION`): no span of its own, drawn from
+# its lookup span's deferral attributes
+DEVICE_KV_WAIT = "waiting for device KV room"
 
-_ROW_ORDER = {VLLM_REQUEST_SPAN: -1, LOOKUP: 0, LOAD: 1, SCAN: 2, "copy load": 3, STORE: 4, "copy store": 5}
+_ROW_ORDER = {VLLM_REQUEST_SPAN: -1, DEVICE_KV_WAIT: -0.5, LOOKUP: 0, LOAD: 1, SCAN: 2, "copy load": 3, STORE: 4,
+              "copy store": 5}
 _SHOWN_AS = {"request_id", "group_index", "group_kind", "copy_direction"}  # already in the row label
 
 
@@ -26,7 +30,9 @@ def waterfall_rows(spans: pd.DataFrame, requests: pd.DataFrame, request_id: str,
     request's own spans: several requests can share one trace (one upstream ``traceparent`` for a
     batch of prompts), and another's load is not this one's. With `vllm` (the reader's `vllm_requests`),
     the request's vLLM span (`vllm_key` of its row) comes first: the request as vLLM saw it, from arrival
-    to finish, the parent row of kvscope's work.
+    to finish, the parent row of kvscope's work. A lookup kvscope deferred for device KV room has a
+    `DEVICE_KV_WAIT` row before the lookups: its wait, ending where the lookup span starts (times then count
+    from the wait's start when it comes first).
     """
     cols = ["row", "kind", "name", "start_ms", "end_ms", "duration_ms", "group_index", "group_kind",
             "direction", "attributes", "status_code", "span_id", "parent_span_id", "trace_id"]
@@ -42,6 +48,10 @@ def waterfall_rows(spans: pd.DataFrame, requests: pd.DataFrame, request_id: str,
     related = own | (spans["name"].isin([COPY, SCAN]) & spans["owner_key"].isin(owner_keys))
     rows = spans[related].copy()
     rows["name"] = rows["name"].astype(str)
+    waits = _device_kv_waits(rows)
+    if not waits.empty:
+        rows = pd.concat([rows, waits], ignore_index=True)
+        rows["status_code"] = rows["status_code"].astype("Int64")  # a wait has none: the spans' stay integers
     key = req["vllm_key"].iloc[0] if "vllm_key" in req else pd.NA
     if vllm is not None and not pd.isna(key):
         rows = pd.concat([_vllm_row(vllm[vllm["vllm_key"] == key]), rows], ignore_index=True)
@@ -59,6 +69,25 @@ def waterfall_rows(spans: pd.DataFrame, requests: pd.DataFrame, request_id: str,
     rows["row"] = _unique([_row_label(r) for r in rows.itertuples(index=False)])
     rows["attributes"] = [_attribute_text(r) for r in rows.to_dict("records")]
     return rows[cols].reset_index(drop=True)
+
+
+def _device_kv_waits(rows: pd.DataFrame) -> pd.DataFrame:
+    """A row per lookup span with a deferral wait: from the start of its first deferred lookup (which has no
+    span) to the start of the lookup span, with the lookup's deferral attributes."""
+    deferred = rows[(rows["name"] == LOOKUP) & rows["deferred_wait_us"].notna()]
+    lookup_start = deferred["start_ns"].to_numpy(dtype="int64")
+    wait_ns = deferred["deferred_wait_us"].to_numpy(dtype="int64") * 1000
+    return pd.DataFrame({
+        "name": DEVICE_KV_WAIT,
+        "start_ns": lookup_start - wait_ns,
+        "end_ns": lookup_start,
+        "duration_ms": wait_ns / 1e6,
+        "trace_id": deferred["trace_id"].to_numpy(),
+        "request_id": deferred["request_id"].to_numpy(),
+        "deferred_lookups": deferred["deferred_lookups"].to_numpy(),
+        "deferred_wait_us": deferred["deferred_wait_us"].to_numpy(),
+        "attributes": [None] * len(deferred),  # its lookup's other attributes stay on the lookup's row
+    })
 
 
 def _vllm_row(span: pd.DataFrame) -> pd.DataFrame:

@@ -39,6 +39,8 @@ st.session_state["request_table_keys"] = keys
 
 # vLLM's latencies beside the load time, when vLLM's request span of any request has them
 vllm_columns = [c for c in ("vllm_queue_ms", "vllm_ttft_ms", "vllm_e2e_ms") if requests[c].notna().any()]
+# How long kvscope deferred loads for device KV room, when it deferred any (files that record it)
+deferral_columns = ["deferred_lookups", "deferred_wait_ms"] if requests["deferred_lookups"].notna().any() else []
 st.caption(f"{len(shown)} of {len(requests)} requests. Select a row to see its spans.")
 st.dataframe(
     shown,
@@ -50,8 +52,8 @@ st.dataframe(
     height=min(320, 35 * (len(shown) + 1) + 3),  # no empty rows below a short result
     placeholder="–",
     column_order=["request", *(["engine"] if len(engines) > 1 else []), "t_s", "tokens_queried", "tokens_hit",
-                  "hit_rate", "miss_reason", "tokens_local", "tokens_external", "groups", "load_ms", *vllm_columns,
-                  "loads", "load_failed", "bytes_loaded", "bytes_stored", "trace_id"],
+                  "hit_rate", "miss_reason", "tokens_local", "tokens_external", "groups", "load_ms",
+                  *deferral_columns, *vllm_columns, "loads", "load_failed", "bytes_loaded", "bytes_stored", "trace_id"],
     column_config={
         "request": st.column_config.TextColumn("request", help="Request id; with its trace id's last digits where "
                                                "another request has the same id (runs read together)"),
@@ -70,6 +72,9 @@ st.dataframe(
         "groups": st.column_config.NumberColumn("groups"),
         "load_ms": st.column_config.NumberColumn("load time (ms)", format="%.3f",
                                                  help=traces.LOAD_TIME_DEFINITION),
+        "deferred_lookups": st.column_config.NumberColumn("deferred", help=traces.DEFERRAL_DEFINITION),
+        "deferred_wait_ms": st.column_config.NumberColumn("KV room wait (ms)", format="%.3f",
+                                                          help=traces.DEFERRAL_DEFINITION),
         "vllm_queue_ms": st.column_config.NumberColumn("queue (ms)", format="%.3f",
                                                        help="vLLM's queue time. " + traces.VLLM_TIMES_DEFINITION),
         "vllm_ttft_ms": st.column_config.NumberColumn(

@@ -195,6 +195,9 @@ def test_missing_file_is_a_problem_not_an_error(tmp_path):
         pytest.param(span("kvscope.store", {"kvscope.request.id": "r9", "kvscope.groups": 2, "kvscope.blocks": True}),
                      "kvscope.blocks is not an integer", marks=pytest.mark.arrow_declines),  # pandas reads true as 1
         (lookup(trace="xyz"), "invalid trace id"),
+        (span("kvscope.lookup", {"kvscope.request.id": "r9", "kvscope.tokens.queried": 9, "kvscope.tokens.hit": 0,
+                                 "kvscope.deferred.lookups": 2, "kvscope.deferred.wait_us": -5}),
+         "kvscope.deferred.wait_us is -5, expected a count >= 0"),
     ],
 )
 def test_span_breaking_the_contract_is_skipped_and_reported(tmp_path, decoder, bad, reason):
@@ -232,6 +235,22 @@ COPY = {"kvscope.group.index": 0, "kvscope.group.kind": "full_attention", "kvsco
         "kvscope.copy.blocks": 4, "kvscope.copy.bytes": 4096}
 SCAN = {"kvscope.group.index": 1, "kvscope.group.kind": "mamba", "kvscope.group.blocks.total": 4,
         "kvscope.group.blocks.null_skipped": 4, "kvscope.group.blocks.pending": 0, "kvscope.group.blocks.start": -1}
+
+
+def test_deferral_attributes_are_integer_columns_na_where_a_span_lacks_them(tmp_path, decoder):
+    """Only the lookup kvscope admitted a deferred load on carries them: NA on another request's lookup, and on
+    every other span."""
+    deferred = span("kvscope.lookup", {"kvscope.request.id": "r1", "kvscope.tokens.queried": 100,
+                                       "kvscope.tokens.hit": 64, "kvscope.deferred.lookups": 3,
+                                       "kvscope.deferred.wait_us": 12_400}, span_id="11" * 8)
+    store = span("kvscope.store", {"kvscope.request.id": "r1", "kvscope.groups": 1, "kvscope.blocks": 1},
+                 span_id="33" * 8)
+    read = traces.read_trace_files([write(tmp_path, line(deferred, lookup("r2", span_id="22" * 8), store))])
+    assert read.problems == []
+    by_id = read.spans.set_index("span_id")[["deferred_lookups", "deferred_wait_us", "attributes"]]
+    assert by_id.dtypes[["deferred_lookups", "deferred_wait_us"]].tolist() == ["Int64", "Int64"]
+    assert by_id.loc["11" * 8].tolist() == [3, 12_400, None]  # columns of their own, not extra attributes
+    assert by_id.loc[["22" * 8, "33" * 8], ["deferred_lookups", "deferred_wait_us"]].isna().all().all()
 
 
 def test_a_scan_with_no_pending_block_starts_at_minus_one_and_is_kept(tmp_path, decoder):
