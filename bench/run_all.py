@@ -280,6 +280,11 @@ METHOD_NOTES = [
     "`decode`: fresh 512-token prompts, 64 tokens generated; `reload`: the same prompts after a device "
     "prefix cache reset, loaded from the host tier (asserted); case `Ng/R`: N groups (1: full; 2: full + "
     "sliding 1024), R requests at once; ratios are medians of per-round ratios.",
+    "admission_bench: engine steps (counts, not times) from the start of a reload round to each request's "
+    "first token, kvscope's load admission on vs off (every load starting at once): two real vLLM `Scheduler`s "
+    "in lockstep without a model, 8 requests of 2048 tokens stored, the device prefix cache reset, then loaded "
+    "back; case `Ng/B/Ln`: N groups (2: full + sliding 1024; 4: full, sliding 4096, full, sliding 128), B device "
+    "blocks in all, a load done n steps after it is planned.",
     "e2e: vLLM CPU engine, `big-llama` (random weights, 8 layers, hidden 1024) in float32 (this CPU "
     "has no native bf16 matmuls), one process per engine. Time to first token = wall time of a "
     "max_tokens=1 request; host load vs recompute measured as pairs in one engine (the last, "
@@ -327,6 +332,9 @@ def _benches(quick: bool) -> list[tuple[str, Callable[[], list[dict]]]]:
     def step_bench():
         return importlib.import_module("bench.step_bench").run(quick)
 
+    def admission_bench():
+        return importlib.import_module("bench.admission_bench").run(quick)
+
     def e2e_bench():
         return importlib.import_module("bench.e2e_bench").run(quick, log=lambda s: print(s, flush=True))
 
@@ -334,7 +342,7 @@ def _benches(quick: bool) -> list[tuple[str, Callable[[], list[dict]]]]:
             ("planner_bench", planner_bench),
             ("copy_bench", copy_bench), ("dashboard_bench", dashboard_bench), ("kv_events_bench", kv_events_bench),
             ("eviction_bench", eviction_bench), ("finish_bench", finish_bench), ("step_bench", step_bench),
-            ("e2e_bench", e2e_bench)]
+            ("admission_bench", admission_bench), ("e2e_bench", e2e_bench)]
 
 
 class _Skipped(Exception):

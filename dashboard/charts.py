@@ -96,7 +96,7 @@ def waterfall(rows: pd.DataFrame) -> alt.Chart:
         alt.Chart(data)
         .mark_bar(cornerRadius=2)
         .encode(
-            x=alt.X("start_ms:Q", title="ms since the request's first span"),
+            x=alt.X("start_ms:Q", title="ms since the request's first span (or its wait for device KV room)"),
             x2="visible_end:Q",
             y=alt.Y("row:N", sort=list(data["row"]), title=None, axis=alt.Axis(labelLimit=320)),
             color=alt.Color("kind:N", scale=alt.Scale(domain=kinds, range=colors),
