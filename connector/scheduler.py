@@ -37,9 +37,10 @@ def _pin_nothing(key) -> None:
     return None
 
 
-def _deferral_values(deferral: Deferral, lookup_start_ns: int) -> tuple[int, int]:
-    """A deferred request's lookup span's `kvscope.deferred.*` values (`DEFERRED_LOOKUP_SPAN`)."""
-    return deferral.lookups, max(0, lookup_start_ns - deferral.first_ns) // 1000
+def _deferral_values(deferral: Deferral, span_start_ns: int) -> tuple[int, int]:
+    """The `kvscope.deferred.*` values of the span that tells a deferred load's wait, which ends at its
+    start (`DEFERRED_LOOKUP_SPAN`, `DEFERRED_LOAD_SPAN`)."""
+    return deferral.lookups, max(0, span_start_ns - deferral.first_ns) // 1000
 
 
 @dataclass(slots=True)
@@ -289,10 +290,10 @@ class KVScopeScheduler:
             # Planned, scans and spans alike, over the blocks vLLM gave it, but copying nothing: its
             # failure counts the blocks a load would have brought, and its workers' copy spans say ERROR.
             self._plan_load(state, request, blocks.get_block_ids(), lookup.local_tokens, num_external_tokens,
-                            lookup_record, fail=True)
+                            lookup_record, fail=True, deferral=lookup.deferred if lookup_record is None else None)
             return
         self._plan_load(state, request, blocks.get_block_ids(), lookup.local_tokens, num_external_tokens,
-                        lookup_record)
+                        lookup_record, deferral=lookup.deferred if lookup_record is None else None)
 
     def _log_lookup(self, state: _RequestState, lookup: _Lookup, hit: int) -> tuple | None:
         """Count a first-scheduled request's lookup (``hit``: the tokens vLLM takes of it) and trace it
@@ -363,8 +364,10 @@ class KVScopeScheduler:
         return record if deferral is None else record + _deferral_values(deferral, lookup.start_ns)
 
     def _plan_load(self, state, request, group_block_ids, local: int, external: int,
-                   lookup_record: tuple | None = None, fail: bool = False) -> None:
-        """``fail``: plan it, but pin and copy nothing (the workers fail it): vLLM recomputes."""
+                   lookup_record: tuple | None = None, fail: bool = False, deferral: Deferral | None = None) -> None:
+        """``fail``: plan it, but pin and copy nothing (the workers fail it): vLLM recomputes. ``deferral``:
+        how long kvscope deferred this load, told by its load span (a request resumed after preemption:
+        its lookup has no span)."""
         req_id = request.request_id
         cached = local + external
         tracing = self.tracing
@@ -406,8 +409,10 @@ class KVScopeScheduler:
         if traced:
             # One record for the lookup, the load and its scans; the carrier puts the copy spans under the load.
             try:
-                carrier = tracing.end_load(parent, load_start, time.time_ns(),
-                                           (req_id, local, external, len(scans), scan_records, lookup_record))
+                values = (req_id, local, external, len(scans), scan_records, lookup_record)
+                if deferral is not None:
+                    values += _deferral_values(deferral, load_start)
+                carrier = tracing.end_load(parent, load_start, time.time_ns(), values)
             except Exception:  # the load's slots are pinned: it must reach the workers (`telemetry_failed`)
                 telemetry_failed("the load span")
                 tracing.record_failed()

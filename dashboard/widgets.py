@@ -127,7 +127,7 @@ def deferral_text(request: pd.Series) -> str | None:
     times = "once" if lookups == 1 else f"{formatting.count(lookups)} times"
     waited = request["deferred_wait_ms"]
     wait = "wait unknown" if pd.isna(waited) else formatting.millis(waited)
-    return (f"kvscope deferred its load {times} ({wait}) for device KV room before its lookup: the loads admitted "
+    return (f"kvscope deferred its load {times} ({wait}) for device KV room: the loads admitted "
             "before it, together with it, needed more device blocks than the device KV cache has. Frequent "
             "deferrals ask for device KV headroom.")
 

@@ -72,26 +72,30 @@ COPY_SPAN = RecordKind(5, "kvscope.group.copy", (
 # copy span with status ERROR, its blocks and bytes 0, so replays see why a hit loaded nothing.
 FAILED_COPY_SPAN = RecordKind(6, COPY_SPAN.name, COPY_SPAN.attributes,
                               error="copy failed on this worker: a load is recomputed, a store dropped")
-# The lookup of a request whose load kvscope deferred for device KV room (`connector.load_admission`):
-# a lookup span that also says how long it waited, which lies just before the span's start. Apart
-# from LOOKUP_SPAN so that the many lookups never deferred carry (and encode) nothing more.
-DEFERRED_LOOKUP_SPAN = RecordKind(7, LOOKUP_SPAN.name, LOOKUP_SPAN.attributes + (
-    ("kvscope.deferred.lookups", int),  # vLLM's lookups kvscope answered "not yet" before this one
-    ("kvscope.deferred.wait_us", int)))  # from the first of them to this span's start
+# How long kvscope deferred a request's load for device KV room (`connector.load_admission`): the wait
+# lies just before the span's start. On the lookup span vLLM admitted the request on; on the load span
+# of a request resumed after preemption, whose lookup has no span. Kinds apart from LOOKUP_SPAN and
+# LOAD_SPAN, so that the many spans never deferred carry (and encode) nothing more.
+DEFERRAL_ATTRIBUTES = (
+    ("kvscope.deferred.lookups", int),  # vLLM's lookups kvscope answered "not yet" before admitting it
+    ("kvscope.deferred.wait_us", int))  # from the first of them to this span's start
+DEFERRED_LOOKUP_SPAN = RecordKind(7, LOOKUP_SPAN.name, LOOKUP_SPAN.attributes + DEFERRAL_ATTRIBUTES)
+DEFERRED_LOAD_SPAN = RecordKind(8, LOAD_SPAN.name, LOAD_SPAN.attributes + DEFERRAL_ATTRIBUTES)
 KINDS = (GENERIC_SPAN, LOOKUP_SPAN, LOAD_SPAN, SCAN_SPAN, STORE_SPAN, COPY_SPAN, FAILED_COPY_SPAN,
-         DEFERRED_LOOKUP_SPAN)  # by code
+         DEFERRED_LOOKUP_SPAN, DEFERRED_LOAD_SPAN)  # by code
 # A resource attribute of every kvscope span: the engine that recorded it, as vLLM's metrics label it
 # (`engine`: vLLM's data-parallel index). Each engine has its own host tier.
 ENGINE_RESOURCE_ATTRIBUTE = "kvscope.engine"
 
 # The compound load record's kind code (not in KINDS: it is never encoded as itself). Its ids,
 # parent, trace state and times are the load span's; its values are
-# ``(request id, local tokens, external tokens, groups, scans, lookup)`` with
+# ``(request id, local tokens, external tokens, groups, scans, lookup)``, with the two
+# `DEFERRED_LOAD_SPAN` values after them when the load span tells a deferral, and
 # - ``scans``: one ``(start_ns, end_ns, *SCAN_SPAN values)`` per group, in the load's group order;
 # - ``lookup``: None, or ``(span_id, parent_span_id, parent_is_remote, start_ns, end_ns, queried, hit,
 #   miss reason, local tokens)``, with the two `DEFERRED_LOOKUP_SPAN` values after them when the
 #   request's load was deferred.
-LOAD_PLAN = 8
+LOAD_PLAN = 9
 
 _LOOKUP_VALUES = len(LOOKUP_SPAN.attributes) - 1  # a compound record's lookup values: all but the request id
 _MASK64 = (1 << 64) - 1
@@ -119,7 +123,7 @@ def expand_records(records) -> list[tuple]:
             out.append(r)
             continue
         _, trace_id, span_id, parent_id, parent_remote, state, start, end, values = r
-        req_id, local, external, groups, scans, lookup = values
+        req_id, local, external, groups, scans, lookup, *deferral = values
         # Times are the wall clock's, read on the hot path unclamped: a clock stepped back would end a
         # span before its start, which OTLP consumers reject; `end_span` and `end_load` clamp theirs.
         if lookup is not None:
@@ -130,8 +134,12 @@ def expand_records(records) -> list[tuple]:
         for i, scan in enumerate(scans):
             out.append((SCAN_SPAN.code, trace_id, child_span_id(span_id, i), span_id, False, state,
                         scan[0], max(scan[0], scan[1]), scan[2:]))
-        out.append((LOAD_SPAN.code, trace_id, span_id, parent_id, parent_remote, state, start, end,
-                    (req_id, local, external, groups)))
+        if deferral:
+            out.append((DEFERRED_LOAD_SPAN.code, trace_id, span_id, parent_id, parent_remote, state, start, end,
+                        (req_id, local, external, groups, *deferral)))
+        else:
+            out.append((LOAD_SPAN.code, trace_id, span_id, parent_id, parent_remote, state, start, end,
+                        (req_id, local, external, groups)))
     return out
 
 

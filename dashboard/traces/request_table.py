@@ -50,8 +50,9 @@ MISS_REASON_TEXT = {
 DEFERRAL_DEFINITION = (
     "Waited for device KV room: how many times kvscope answered vLLM's lookup of the request \"not yet\" (about "
     "once per scheduler step) and for how long, from its first deferred lookup to the start of the lookup vLLM "
-    "admitted it on (`kvscope.deferred.lookups`, `kvscope.deferred.wait_us` of that lookup span; summed over its "
-    "lookups, as a request resumed after preemption can wait again). kvscope defers a load while the loads admitted "
+    "admitted it on (`kvscope.deferred.lookups`, `kvscope.deferred.wait_us` of that lookup span, or of the load "
+    "span of a request resumed after preemption, whose lookup has no span; summed over its spans, as a request "
+    "can wait again after a preemption). kvscope defers a load while the loads admitted "
     "before it, together with it, need more device blocks than the device KV cache has; the wait delays the start "
     "of its load, not the load itself. Frequent deferrals ask for device KV headroom (a larger device KV cache, or "
     "fewer requests at once). Empty for a request kvscope did not defer, and in trace files written before kvscope "
@@ -105,7 +106,7 @@ def requests_table(spans: pd.DataFrame, vllm: pd.DataFrame | None = None) -> pd.
     `LOAD_TIME_DEFINITION`: NA when a load that did not fail has none), the number of loads, how many have no
     copy span, and whether one failed (`LOAD_FAILED_DEFINITION`) over all its loads; bytes from the copies of
     its loads and stores; how often and how long kvscope deferred its load for device KV room, summed over its
-    lookups (`DEFERRAL_DEFINITION`: NA when no lookup says it was deferred). Missing parts (no load for a miss,
+    lookups and loads (`DEFERRAL_DEFINITION`: NA when no span says it was deferred). Missing parts (no load for a miss,
     no copy spans recorded) are NA. `request` labels the row: the request id, with the end of its trace id
     (`request_labels`) where the id is another request's too (two runs read together). With `vllm` (the reader's
     `vllm_requests`), each request's vLLM latencies where vLLM's request span joins it (`vllm_join`).
@@ -134,9 +135,10 @@ def requests_table(spans: pd.DataFrame, vllm: pd.DataFrame | None = None) -> pd.
                      .fillna(first_load["engine"].reindex(ids)))
     out["lookups"] = by_lookup.size().reindex(ids).fillna(0).astype("int64")
     out["miss_reason"] = by_lookup["miss_reason"].last().reindex(ids)  # its last lookup's (`MISS_REASON_DEFINITION`)
-    # NA unless a lookup says it was deferred (`DEFERRAL_DEFINITION`): older files cannot tell "not deferred"
-    out["deferred_lookups"] = by_lookup["deferred_lookups"].sum(min_count=1).reindex(ids).astype("Int64")
-    wait_us = by_lookup["deferred_wait_us"].sum(min_count=1).reindex(ids)
+    # NA unless a span says it was deferred (`DEFERRAL_DEFINITION`): older files cannot tell "not deferred"
+    by_deferral = spans[spans["name"].isin([LOOKUP, LOAD])].groupby(REQUEST_KEY, sort=False)
+    out["deferred_lookups"] = by_deferral["deferred_lookups"].sum(min_count=1).reindex(ids).astype("Int64")
+    wait_us = by_deferral["deferred_wait_us"].sum(min_count=1).reindex(ids)
     out["deferred_wait_ms"] = (wait_us.astype("Int64") / 1e3).astype(float)
 
     loads = load_rows(spans)

@@ -30,9 +30,10 @@ def waterfall_rows(spans: pd.DataFrame, requests: pd.DataFrame, request_id: str,
     request's own spans: several requests can share one trace (one upstream ``traceparent`` for a
     batch of prompts), and another's load is not this one's. With `vllm` (the reader's `vllm_requests`),
     the request's vLLM span (`vllm_key` of its row) comes first: the request as vLLM saw it, from arrival
-    to finish, the parent row of kvscope's work. A lookup kvscope deferred for device KV room has a
-    `DEVICE_KV_WAIT` row before the lookups: its wait, ending where the lookup span starts (times then count
-    from the wait's start when it comes first).
+    to finish, the parent row of kvscope's work. A lookup kvscope deferred for device KV room (or the load of
+    a request resumed after preemption, whose lookup has no span) has a `DEVICE_KV_WAIT` row before the
+    lookups: its wait, ending where that span starts (times then count from the wait's start when it comes
+    first).
     """
     cols = ["row", "kind", "name", "start_ms", "end_ms", "duration_ms", "group_index", "group_kind",
             "direction", "attributes", "status_code", "span_id", "parent_span_id", "trace_id"]
@@ -72,9 +73,9 @@ def waterfall_rows(spans: pd.DataFrame, requests: pd.DataFrame, request_id: str,
 
 
 def _device_kv_waits(rows: pd.DataFrame) -> pd.DataFrame:
-    """A row per lookup span with a deferral wait: from the start of its first deferred lookup (which has no
-    span) to the start of the lookup span, with the lookup's deferral attributes."""
-    deferred = rows[(rows["name"] == LOOKUP) & rows["deferred_wait_us"].notna()]
+    """A row per lookup or load span with a deferral wait: from the start of its first deferred lookup (which
+    has no span) to the start of that span, with its deferral attributes."""
+    deferred = rows[rows["name"].isin([LOOKUP, LOAD]) & rows["deferred_wait_us"].notna()]
     lookup_start = deferred["start_ns"].to_numpy(dtype="int64")
     wait_ns = deferred["deferred_wait_us"].to_numpy(dtype="int64") * 1000
     return pd.DataFrame({

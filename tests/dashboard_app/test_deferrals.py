@@ -1,6 +1,6 @@
-"""Loads kvscope deferred for device KV room (`kvscope.deferred.*` on the lookup span vLLM admitted the request on):
-per request in the requests table, in words in the request view, and as a wait bar before the lookup in the
-waterfall; a file without them shows none."""
+"""Loads kvscope deferred for device KV room (`kvscope.deferred.*` on the lookup span vLLM admitted the request on,
+or on the load span of a request resumed after preemption): per request in the requests table, in words in the
+request view, and as a wait bar before the span in the waterfall; a file without them shows none."""
 
 from __future__ import annotations
 
@@ -20,24 +20,31 @@ WAIT = traces.DEVICE_KV_WAIT
 DEFERRAL_COLUMNS = ["deferred_lookups", "deferred_wait_ms"]
 
 
-def deferred_lookup(rid: str, lookups: int, wait_us: int, **kw) -> dict:
-    sp = lookup(rid, **kw)
+def deferred(sp: dict, lookups: int, wait_us: int) -> dict:
     sp["attributes"] += [{"key": "kvscope.deferred.lookups", "value": {"intValue": str(lookups)}},
                          {"key": "kvscope.deferred.wait_us", "value": {"intValue": str(wait_us)}}]
     return sp
 
 
+def deferred_lookup(rid: str, lookups: int, wait_us: int, **kw) -> dict:
+    return deferred(lookup(rid, **kw), lookups, wait_us)
+
+
 @pytest.fixture
 def deferrals(tmp_path) -> traces.Traces:
-    """q: not deferred; r: deferred 3 times (12.4 ms) before its lookup at 20 ms, then loaded; s: resumed after
-    preemption, deferred before each of its two lookups."""
+    """q: not deferred; r: deferred 3 times (12.4 ms) before its lookup at 20 ms, then loaded; s: deferred before
+    each of its two lookups; t: loaded at once, then preempted, its load deferred twice (4 ms) when resumed (its
+    load span tells it: that lookup has no span)."""
     path = write(tmp_path, line(
         lookup("q", trace="cd" * 16, span_id="09" * 8, start=T),
         deferred_lookup("r", 3, 12_400, span_id="01" * 8, start=T + 20 * MS),
         load("r", span_id="02" * 8, parent="01" * 8, start=T + 21 * MS),
         group_copy("load", 0, 0, 1000, T + 22 * MS, T + 24 * MS, owner="02" * 8, n=1),
         deferred_lookup("s", 1, 500, trace="ef" * 16, span_id="05" * 8, start=T + 30 * MS),
-        deferred_lookup("s", 2, 1_250, trace="ef" * 16, span_id="06" * 8, start=T + 40 * MS)))
+        deferred_lookup("s", 2, 1_250, trace="ef" * 16, span_id="06" * 8, start=T + 40 * MS),
+        lookup("t", trace="ab" * 16, span_id="07" * 8, start=T + 50 * MS),
+        load("t", trace="ab" * 16, span_id="08" * 8, parent="07" * 8, start=T + 51 * MS),
+        deferred(load("t", trace="ab" * 16, span_id="0a" * 8, parent="07" * 8, start=T + 70 * MS), 2, 4_000)))
     read = traces.read_trace_files([path])
     assert read.problems == []
     return read
@@ -48,6 +55,7 @@ def test_a_requests_deferrals_and_wait_are_summed_over_its_lookups_and_empty_whe
     assert requests.dtypes.astype(str).tolist() == ["Int64", "float64"]
     assert requests.loc["r"].tolist() == [3, 12.4]
     assert requests.loc["s"].tolist() == [3, 1.75]  # 1 + 2 lookups, 0.5 + 1.25 ms
+    assert requests.loc["t"].tolist() == [2, 4.0]  # told by its resumed load
     assert requests.loc["q"].isna().all()
 
 
@@ -81,6 +89,11 @@ def test_the_waterfall_draws_the_wait_before_the_lookup_it_delayed(deferrals):
 
     assert traces.waterfall_rows(deferrals.spans, requests, "q")["row"].tolist() == ["lookup"]
 
+    rows = traces.waterfall_rows(deferrals.spans, requests, "t")  # the resumed load's wait ends where it starts
+    assert rows["row"].tolist() == [WAIT, "lookup", "load", "load #2"]
+    assert rows[["start_ms", "end_ms"]].values.tolist()[0] == [16.0, 20.0]
+    assert rows["start_ms"].tolist()[3] == 20.0
+
 
 def test_the_chart_colours_the_wait_and_draws_it_first(deferrals):
     requests = traces.requests_table(deferrals.spans)
@@ -92,8 +105,8 @@ def test_the_chart_colours_the_wait_and_draws_it_first(deferrals):
 
 
 @pytest.mark.parametrize(("lookups", "wait_ms", "said"), [
-    (3, 12.4, "kvscope deferred its load 3 times (12.40 ms) for device KV room before its lookup: "),
-    (1, float("nan"), "kvscope deferred its load once (wait unknown) for device KV room before its lookup: "),
+    (3, 12.4, "kvscope deferred its load 3 times (12.40 ms) for device KV room: "),
+    (1, float("nan"), "kvscope deferred its load once (wait unknown) for device KV room: "),
 ])
 def test_the_request_view_says_how_often_and_how_long_kvscope_deferred_its_load(lookups, wait_ms, said):
     text = widgets.deferral_text(pd.Series({"deferred_lookups": lookups, "deferred_wait_ms": wait_ms}))

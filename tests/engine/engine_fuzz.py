@@ -552,6 +552,8 @@ def main() -> None:
         role = args.run[1]
         if role == "recompute":
             plan = {**plan, "llm_kwargs": {**plan["llm_kwargs"], "enable_prefix_caching": False}}
+        if plan.get("trace_dir"):  # each role with a connector traces to a file of its own
+            plan = {**plan, "extra": {**plan["extra"], "trace_file": str(Path(plan["trace_dir"]) / f"{role}.jsonl")}}
         if role == "unadmitted":  # kvscope starting every load it finds: vLLM's admission alone decides
             from connector.load_admission import LoadAdmission
 

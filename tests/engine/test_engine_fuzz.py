@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import pytest
-
+import json
 from types import SimpleNamespace
+
+import pytest
 
 from tests.engine import engine_fuzz
 from tests.engine.engine_fuzz import (ATTENTION_ONLY_TOLERANCE, FLOAT32_TOLERANCE, LOGPROB_TOLERANCE, admission_order,
@@ -344,17 +345,42 @@ def test_the_fuzz_passes_real_loads_and_fails_one_host_block_zeroed_before_they_
 
 
 @pytest.mark.engine
-def test_seed_3782_runs_through_where_vllms_admission_alone_stalls():
+def test_seed_3782_runs_through_where_vllms_admission_alone_stalls(tmp_path):
     """Fuzz seed 3782 (bf16 Gemma-3-like, async scheduling, a 72-block device cache): vLLM admitted two
     loads in one step, of 928 and 1056 tokens, which held all but one free block while each needed two
     more; with nothing running kvscope's engine stepped for ever (`load_admission`). kvscope defers the
-    second load until the first one's request runs: its run equals vLLM's. Its engine starting every
-    load at once stalls, and the fuzz says so within `STALL_STEPS` steps."""
-    plan = make_plan(3782)
+    second load until the first one's request runs: its run equals vLLM's, and each deferred load's wait
+    is in the trace (on the lookup span vLLM admitted the request on; on the load span of a request
+    resumed after preemption, half of them here). Its engine starting every load at once stalls, and
+    the fuzz says so within `STALL_STEPS` steps."""
+    plan = {**make_plan(3782), "trace_dir": str(tmp_path)}
     results = execute(plan, ("kvscope", "unadmitted", "baseline"))
     assert results["kvscope"]["external_hit_tokens"] > 0
     assert results["kvscope"]["deferred_loads"] >= 1  # kvscope_deferred_loads_total
+    spans = _spans(tmp_path / "kvscope.jsonl")
+    waits = [span for span in spans if "kvscope.deferred.lookups" in span["attributes"]]
+    # every deferred request was admitted in the end (none aborted while it waited): each wait is told once
+    assert len(waits) == results["kvscope"]["deferred_loads"]
+    assert {span["name"] for span in waits} == {"kvscope.lookup", "kvscope.load"}
+    for span in waits:
+        told = span["attributes"]
+        assert told["kvscope.deferred.lookups"] >= 1 and told["kvscope.deferred.wait_us"] > 0
     assert verdict(results, tolerance=logprob_tolerance(plan)) == ("ok", [])
     outcome, problems = verdict(results, ours="unadmitted")
     assert outcome == "failed" and "RuntimeError: stalled: 500 steps without a running request" in problems[1]
     assert "free blocks; 0 loads deferred by kvscope" in problems[1]
+
+
+def _spans(path) -> list[dict]:
+    """A trace file's spans: name and attributes (ints and strings)."""
+    spans = []
+    for line in path.read_text().splitlines():
+        for resource_spans in json.loads(line)["resourceSpans"]:
+            for scope_spans in resource_spans["scopeSpans"]:
+                for span in scope_spans["spans"]:
+                    attributes = {}
+                    for a in span.get("attributes", []):
+                        v = a["value"]  # {"intValue": "12"} or {"stringValue": "r1"}
+                        attributes[a["key"]] = int(v["intValue"]) if "intValue" in v else v.get("stringValue")
+                    spans.append({"name": span["name"], "attributes": attributes})
+    return spans

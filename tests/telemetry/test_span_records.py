@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from connector.telemetry.span_records import (
     COPY_SPAN,
+    DEFERRED_LOAD_SPAN,
     DEFERRED_LOOKUP_SPAN,
     FAILED_COPY_SPAN,
     KINDS,
@@ -35,8 +36,9 @@ def test_span_names_and_attribute_keys_are_the_contracts():
     }
     assert (FAILED_COPY_SPAN.name, FAILED_COPY_SPAN.attributes) == (COPY_SPAN.name, COPY_SPAN.attributes)
     # a deferred load's lookup: the lookup span with how long the load waited (beyond DESIGN §2)
-    assert (DEFERRED_LOOKUP_SPAN.name, DEFERRED_LOOKUP_SPAN.keys) == (
-        LOOKUP_SPAN.name, LOOKUP_SPAN.keys + ("kvscope.deferred.lookups", "kvscope.deferred.wait_us"))
+    deferral = ("kvscope.deferred.lookups", "kvscope.deferred.wait_us")
+    assert (DEFERRED_LOOKUP_SPAN.name, DEFERRED_LOOKUP_SPAN.keys) == (LOOKUP_SPAN.name, LOOKUP_SPAN.keys + deferral)
+    assert (DEFERRED_LOAD_SPAN.name, DEFERRED_LOAD_SPAN.keys) == (LOAD_SPAN.name, LOAD_SPAN.keys + deferral)
     assert [kind.code for kind in KINDS] == list(range(len(KINDS))) and LOAD_PLAN not in range(len(KINDS))
 
 
@@ -74,6 +76,9 @@ def test_a_load_plan_expands_to_lookup_scans_and_load_in_the_order_they_ended():
     deferred = expand_records([record[:8] + (("r1", 0, 192, 2, scans, lookup + (4, 9000)),)])
     assert deferred[0] == (DEFERRED_LOOKUP_SPAN.code, 0xABC, 77, None, False, "v=1", 5, 9,
                            ("r1", 200, 192, "evicted", 64, 4, 9000))
+    assert deferred[-1][0] == LOAD_SPAN.code
+    resumed = expand_records([record[:8] + (("r1", 0, 192, 2, scans, None, 2, 700),)])  # its lookup has no span
+    assert resumed[-1] == (DEFERRED_LOAD_SPAN.code, 0xABC, 99, 77, False, "v=1", 10, 14, ("r1", 0, 192, 2, 2, 700))
 
 
 def test_a_clock_stepped_back_never_ends_a_lookup_or_scan_before_its_start():

@@ -201,7 +201,8 @@ def test_record_encoder_writes_exactly_what_the_sdk_encoder_writes(tmp_path):
     tracing.end_load(remote, 52, 55, ("r4", 0, 32, 2, scans, lookup_part))
     deferred_part = (0x5678, remote.span_id, True, 60, 61, 64, 32, "other_blocks", 128, 2, 7_000)
     tracing.end_load(remote, 62, 65, ("r6", 0, 32, 2, scans, deferred_part))
-    assert len(captured) == 17
+    tracing.end_load(remote, 66, 69, ("r7", 0, 32, 2, scans, None, 1, 500))  # resumed: the load tells the wait
+    assert len(captured) == 18
     resource = Resource.create({"service.name": "kvscope"})
     fast = records_to_json_line(captured, resource, SCOPE_NAME, __version__)
     readable = []

@@ -144,6 +144,8 @@ def test_a_deferred_loads_lookup_span_says_how_many_lookups_it_waited_and_how_lo
     assert spans["second"]["kvscope.tokens.hit"] == 128
     assert spans["second"]["kvscope.deferred.lookups"] == 3
     assert 6000 <= spans["second"]["kvscope.deferred.wait_us"] <= waited_at_most_us
+    loads = [span.attributes for span in exporter.get_finished_spans() if span.name == "kvscope.load"]
+    assert len(loads) == 2 and not any("kvscope.deferred.lookups" in load for load in loads)  # told once
 
 
 def test_a_deferred_request_whose_hit_is_gone_still_shows_its_wait():
@@ -161,3 +163,29 @@ def test_a_deferred_request_whose_hit_is_gone_still_shows_its_wait():
     span = _lookup_spans(exporter)["second"]
     assert (span["kvscope.tokens.hit"], span["kvscope.deferred.lookups"]) == (0, 1)
     assert span["kvscope.deferred.wait_us"] >= 0
+
+
+def test_a_resumed_requests_deferred_load_tells_its_wait_on_its_load_span():
+    """A request preempted and loading again has no lookup span (vLLM counts its lookup apart): its load
+    span says how long kvscope deferred it, from the first deferred lookup to the load's start."""
+    tracing, exporter = in_memory_tracing()
+    tight = _scheduler(48, tracing)
+    _stored(tight, (0, "h3"), (1, "h3"), (0, "h7"), (1, "h7"))
+    _admit_with_load(tight, _state("first", 192).request, 128)
+    resumed = _state("resumed", 192).request
+    resumed.num_preemptions = 1
+    before = time.time_ns()
+    for _ in range(2):
+        assert tight.get_num_new_matched_tokens(resumed, 0) == (None, False)
+        time.sleep(0.002)
+    _ran(tight, "first")
+    _admit_with_load(tight, resumed, 128)
+    waited_at_most_us = (time.time_ns() - before) // 1000
+    assert "resumed" not in _lookup_spans(exporter)
+    (load,) = [dict(span.attributes) for span in exporter.get_finished_spans()
+               if span.name == "kvscope.load" and span.attributes["kvscope.request.id"] == "resumed"]
+    assert load["kvscope.deferred.lookups"] == 2
+    assert 4000 <= load["kvscope.deferred.wait_us"] <= waited_at_most_us
+    (first_load,) = [span for span in exporter.get_finished_spans()
+                     if span.name == "kvscope.load" and span.attributes["kvscope.request.id"] == "first"]
+    assert "kvscope.deferred.lookups" not in first_load.attributes
