@@ -162,6 +162,7 @@ class KVScopeScheduler:
         self._miss_layouts = miss_order(layouts)  # `lookup_miss`
         self._evicted_reported = 0
         self._deferrals_reported = 0  # `admission.deferrals` already in the stats
+        self._deferral_waits_ns: list[int] = []  # each admitted deferred load's wait, for the stats
 
     # -- keys --
     def _offload_hashes(self, request) -> list:
@@ -256,6 +257,8 @@ class KVScopeScheduler:
             self._requests[req_id] = state
         lookup = self._lookups.pop(req_id, None)
         self.admission.admitted(req_id, request.num_tokens, loads=num_external_tokens > 0)
+        if lookup is not None and lookup.deferred is not None:
+            self._deferral_waits_ns.append(max(0, lookup.start_ns - lookup.deferred.first_ns))
         if state.stores_stopped and lookup is not None and lookup.local_tokens == 0:
             # Restarted from nothing after a cache reset stopped its stores (preempted, or its load
             # failed): all its KV is computed anew (or loaded from the tier, emptied by the reset), so
@@ -840,6 +843,9 @@ class KVScopeScheduler:
         deferred, self._deferrals_reported = deferrals - self._deferrals_reported, deferrals
         if deferred:  # no key (nor a non-empty payload) while no load waits for device KV room
             self._stats.record_deferred_loads(deferred)
+        waits, self._deferral_waits_ns = self._deferral_waits_ns, []
+        for wait_ns in waits:
+            self._stats.record_deferral_wait(wait_ns / 1e9)
         record_missed = self._stats.record_missed
         for queried, hit, lookup in lookups:
             self._stats.record_lookup(queried, hit)

@@ -24,6 +24,7 @@ scheduler and msgpack-encoded by vLLM towards the front end)::
       "scan_duration_s":     {"<group>|<kind>": [float, ...]},           # observations
       "copy_duration_s":     {"<group>|<kind>|<direction>": [float, ...]},
       "request_load_duration_s": [float, ...],
+      "load_deferral_wait_s": [float, ...],
       "host_used_bytes": int, "host_capacity_bytes": int,     # gauges
     }
 
@@ -50,6 +51,7 @@ Which call feeds which contract metric (each metric has exactly one source):
 ``record_evictions``               ``kvscope_evicted_blocks_total``
 ``record_load_failures``           ``kvscope_load_failures_total``
 ``record_deferred_loads``          ``kvscope_deferred_loads_total`` (scheduler: loads deferred for device KV room)
+``record_deferral_wait``           ``kvscope_load_deferral_wait_seconds`` (scheduler: how long a deferred load waited)
 ``set_host_usage``                 ``kvscope_host_used_bytes``, ``kvscope_host_capacity_bytes``
 ``record_dropped_trace_records``    ``kvscope_dropped_trace_records_total`` (scheduler and workers: each its own)
 =================================  =============================================================
@@ -91,13 +93,16 @@ REQUEST_LOAD_BUCKETS_S = (
     1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
 )
 
+# A deferred load waits whole engine steps: a few ms to seconds
+DEFERRAL_WAIT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
 # data keys, by how they aggregate
 _COUNTERS = ("lookup_tokens", "hit_tokens", "evicted_blocks", "load_failures", "deferred_loads")
 _GROUP_COUNTERS = ("scan_blocks", "null_blocks_skipped", "loaded_blocks", "load_bytes", "store_bytes")
 _COPY_COUNTERS = ("copy_blocks", "copy_bytes")
 _GROUP_OBSERVATIONS = ("scan_duration_s",)
 _COPY_OBSERVATIONS = ("copy_duration_s",)
-_OBSERVATIONS = ("request_load_duration_s",)
+_OBSERVATIONS = ("request_load_duration_s", "load_deferral_wait_s")
 _GAUGES = ("host_used_bytes", "host_capacity_bytes")
 _KEYED_COUNTERS = _GROUP_COUNTERS + _COPY_COUNTERS + ("missed_tokens", "dropped_trace_records")
 _KEYED_OBSERVATIONS = _GROUP_OBSERVATIONS + _COPY_OBSERVATIONS
@@ -197,6 +202,13 @@ class KVScopeStats(KVConnectorStats):
         """Loads deferred for device KV room (`load_admission`), each load once however long it waits."""
         self._inc("deferred_loads", n)
 
+    def record_deferral_wait(self, wait_s: float) -> None:
+        """How long a deferred load's request waited for device KV room: from the first lookup answered
+        "not yet" to the lookup vLLM admitted it on."""
+        value = float(wait_s)
+        if value >= 0:
+            self.data.setdefault("load_deferral_wait_s", []).append(value)
+
     def record_dropped_trace_records(self, reason: str, n: int) -> None:
         """Span records this process made that a sink will not get, for one reason
         (`KVScopeTracing.take_lost_records`, `span_batcher.LOSS_REASONS`)."""
@@ -284,6 +296,9 @@ class KVScopeStats(KVConnectorStats):
         if loads:
             out["request_loads"] = len(loads)
             out["request_load_ms_mean"] = round(1e3 * sum(loads) / len(loads), 4)
+        waits = d.get("load_deferral_wait_s")
+        if waits:
+            out["deferral_wait_ms_mean"] = round(1e3 * sum(waits) / len(waits), 4)
         for reason, records in sorted(d.get("dropped_trace_records", {}).items()):
             out[f"dropped_trace_records_{reason}"] = records
         for key in ("evicted_blocks", "load_failures", "deferred_loads"):
@@ -379,6 +394,11 @@ METRICS: tuple[MetricSpec, ...] = (
                "the loads vLLM had not yet run could, with this one, need more device blocks than the cache has, "
                "where vLLM would stall. The load waits (vLLM asks again next step) until the loads before it have "
                "run; it is not lost. Each load is counted once, however many steps it waits."),
+    MetricSpec("kvscope_load_deferral_wait_seconds", Histogram, "load_deferral_wait_s", (),
+               "How long a deferred load's request waited for device KV room (see kvscope_deferred_loads_total): "
+               "from the first lookup kvscope answered 'not yet' to the lookup vLLM admitted the request on. "
+               "Observed when vLLM admits it: a request aborted while it waited is counted by "
+               "kvscope_deferred_loads_total only.", DEFERRAL_WAIT_BUCKETS_S),
     MetricSpec("kvscope_dropped_trace_records_total", Counter, "dropped_trace_records", ("reason",),
                "Span records the connector made that a trace sink did not get, so traces lack their spans, by "
                "why: sink_failed (a sink failed to take them: an OTLP endpoint down, an unwritable trace file; "

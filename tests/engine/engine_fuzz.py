@@ -361,7 +361,10 @@ def run_engine(plan: dict, with_connector: bool, corrupt_host: bool = False) -> 
         result["external_hit_tokens"] = counts.get("vllm:external_prefix_cache_hits", 0.0)
         result["preemptions"] = counts.get("vllm:num_preemptions", 0.0)
         # loads kvscope deferred for device KV room (`load_admission`), as its metric counts them
-        result["deferred_loads"] = kvscope_samples().get("kvscope_deferred_loads_total", 0.0)
+        samples = kvscope_samples()
+        result["deferred_loads"] = samples.get("kvscope_deferred_loads_total", 0.0)
+        result["deferral_waits"] = samples.get("kvscope_load_deferral_wait_seconds_count", 0.0)  # admitted ones
+        result["deferral_wait_s"] = samples.get("kvscope_load_deferral_wait_seconds_sum", 0.0)
     return result
 
 

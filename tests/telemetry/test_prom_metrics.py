@@ -36,6 +36,7 @@ CONTRACT = {
     "kvscope_evicted_blocks_total": ("counter", []),
     "kvscope_load_failures_total": ("counter", []),
     "kvscope_deferred_loads_total": ("counter", []),  # beyond §3 (asked of DESIGN)
+    "kvscope_load_deferral_wait_seconds": ("histogram", []),  # beyond §3 (asked of DESIGN)
     "kvscope_dropped_trace_records_total": ("counter", ["reason"]),  # beyond §3 (asked of DESIGN)
     "kvscope_host_used_bytes": ("gauge", []),
     "kvscope_host_capacity_bytes": ("gauge", []),
@@ -56,6 +57,7 @@ def _payload() -> dict:
     s.record_evictions(3)
     s.record_load_failures(1)
     s.record_deferred_loads(2)
+    s.record_deferral_wait(0.03)
     s.set_host_usage(10_000, 1 << 30)
     return s.data
 
@@ -92,6 +94,7 @@ def test_unlabelled_series_exist_at_zero_before_any_observation(registry, prom_m
         assert registry.get_sample_value("kvscope_lookup_tokens_total", labels) == 0
         assert registry.get_sample_value("kvscope_deferred_loads_total", labels) == 0  # rate() sees the first
         assert registry.get_sample_value("kvscope_request_load_duration_seconds_count", labels) == 0
+        assert registry.get_sample_value("kvscope_load_deferral_wait_seconds_count", labels) == 0
         for reason in ("evicted", "new", "tail"):  # every reason: an evicted share is 0, not absent
             assert registry.get_sample_value("kvscope_missed_tokens_total", {**labels, "reason": reason}) == 0
 
@@ -148,6 +151,9 @@ def test_observe_applies_a_payload_per_engine(registry, prom_metrics):
     assert get("kvscope_load_failures_total", e1) == 2
     assert get("kvscope_deferred_loads_total", e1) == 4
     assert get("kvscope_deferred_loads_total", e0) == 0
+    assert get("kvscope_load_deferral_wait_seconds_count", e1) == 2
+    assert get("kvscope_load_deferral_wait_seconds_bucket", {**e1, "le": "0.025"}) == 0
+    assert get("kvscope_load_deferral_wait_seconds_bucket", {**e1, "le": "0.05"}) == 2
     assert get("kvscope_host_used_bytes", e1) == 10_000
     assert get("kvscope_host_capacity_bytes", e1) == 1 << 30
 

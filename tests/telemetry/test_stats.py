@@ -30,6 +30,7 @@ def _scheduler_stats() -> KVScopeStats:
     s.record_evictions(3)
     s.record_load_failures(1)
     s.record_deferred_loads(2)
+    s.record_deferral_wait(0.02)
     s.set_host_usage(used_bytes=10_000, capacity_bytes=1 << 30)
     return s
 
@@ -90,6 +91,7 @@ def test_aggregate_sums_concatenates_and_keeps_latest_gauge():
     assert d["null_blocks_skipped"] == {"1|sliding_window": 12}
     assert d["scan_duration_s"]["0|full_attention"] == [3e-6, 3e-6]
     assert d["request_load_duration_s"] == [0.004, 0.004]
+    assert d["load_deferral_wait_s"] == [0.02, 0.02]
     assert d["host_used_bytes"] == 20_000
     assert d["evicted_blocks"] == 6 and d["load_failures"] == 2 and d["deferred_loads"] == 4
     assert d["store_bytes"] == {"1|sliding_window": 1024}
@@ -148,6 +150,7 @@ def test_reduce_summary():
     assert r["load_copies"] == 1 and r["load_copy_ms_mean"] == pytest.approx(2.0)
     assert r["store_copy_ms_mean"] == pytest.approx(1.0)
     assert r["request_load_ms_mean"] == pytest.approx(4.0)
+    assert r["deferral_wait_ms_mean"] == pytest.approx(20.0)
     assert r["evicted_blocks"] == 3 and r["load_failures"] == 1 and r["deferred_loads"] == 2
     assert all(isinstance(v, (int, float)) for v in r.values())
     assert KVScopeStats().reduce() == {}
@@ -234,7 +237,7 @@ def test_hit_tokens_never_exceed_lookup_tokens(lookups):
 _SAMPLE_ARGUMENTS = {
     "group": 1, "kind": "sliding_window", "direction": "store", "blocks": 3, "nbytes": 3072, "duration_s": 0.002,
     "queried_tokens": 64, "hit_tokens": 32, "reason": "evicted", "tokens": 32, "blocks_total": 8, "null_skipped": 5,
-    "n": 2, "durations_s": [1e-6, 2e-6], "used_bytes": 1024, "capacity_bytes": 4096,
+    "n": 2, "durations_s": [1e-6, 2e-6], "used_bytes": 1024, "capacity_bytes": 4096, "wait_s": 0.04,
     "groups": [(0, "full_attention"), (1, "sliding_window")],
 }
 

@@ -146,6 +146,9 @@ def test_a_deferred_loads_lookup_span_says_how_many_lookups_it_waited_and_how_lo
     assert 6000 <= spans["second"]["kvscope.deferred.wait_us"] <= waited_at_most_us
     loads = [span.attributes for span in exporter.get_finished_spans() if span.name == "kvscope.load"]
     assert len(loads) == 2 and not any("kvscope.deferred.lookups" in load for load in loads)  # told once
+    # kvscope_load_deferral_wait_seconds: the same wait, observed once (the span's is in whole µs)
+    (wait_s,) = tight.take_stats().data["load_deferral_wait_s"]
+    assert int(wait_s * 1e6) == spans["second"]["kvscope.deferred.wait_us"]
 
 
 def test_a_deferred_request_whose_hit_is_gone_still_shows_its_wait():
@@ -163,6 +166,7 @@ def test_a_deferred_request_whose_hit_is_gone_still_shows_its_wait():
     span = _lookup_spans(exporter)["second"]
     assert (span["kvscope.tokens.hit"], span["kvscope.deferred.lookups"]) == (0, 1)
     assert span["kvscope.deferred.wait_us"] >= 0
+    assert len(tight.take_stats().data["load_deferral_wait_s"]) == 1  # it waited, load or not
 
 
 def test_a_resumed_requests_deferred_load_tells_its_wait_on_its_load_span():
@@ -186,6 +190,9 @@ def test_a_resumed_requests_deferred_load_tells_its_wait_on_its_load_span():
                if span.name == "kvscope.load" and span.attributes["kvscope.request.id"] == "resumed"]
     assert load["kvscope.deferred.lookups"] == 2
     assert 4000 <= load["kvscope.deferred.wait_us"] <= waited_at_most_us
+    # the metric's wait ends at the lookup vLLM admitted it on, the load span's at the load's start
+    (wait_s,) = tight.take_stats().data["load_deferral_wait_s"]
+    assert 4000 <= wait_s * 1e6 <= load["kvscope.deferred.wait_us"]
     (first_load,) = [span for span in exporter.get_finished_spans()
                      if span.name == "kvscope.load" and span.attributes["kvscope.request.id"] == "first"]
     assert "kvscope.deferred.lookups" not in first_load.attributes
