@@ -97,7 +97,8 @@ REQUEST_COLUMNS = (
 
 
 def requests_table(spans: pd.DataFrame, vllm: pd.DataFrame | None = None) -> pd.DataFrame:
-    """One row per request (trace id, request id: see `REQUEST_KEY`), in arrival order (first lookup, else its load).
+    """One row per request (trace id, request id: see `REQUEST_KEY`), in arrival order (first lookup, else its
+    load; a deferred request's when its wait for device KV room began).
 
     Tokens queried/hit are summed over the request's lookups (a request whose load failed may be
     looked up again: every recorded lookup counts, as in kvscope's counters); local (vLLM's device
@@ -140,6 +141,13 @@ def requests_table(spans: pd.DataFrame, vllm: pd.DataFrame | None = None) -> pd.
     out["deferred_lookups"] = by_deferral["deferred_lookups"].sum(min_count=1).reindex(ids).astype("Int64")
     wait_us = by_deferral["deferred_wait_us"].sum(min_count=1).reindex(ids)
     out["deferred_wait_ms"] = (wait_us.astype("Int64") / 1e3).astype(float)
+    # A deferred request arrived by its first deferred lookup, before any of its spans
+    waits = spans[spans["name"].isin([LOOKUP, LOAD]) & spans["deferred_wait_us"].notna()]
+    if not waits.empty:
+        wait_starts = (waits["start_ns"].astype("int64") - 1000 * waits["deferred_wait_us"].astype("int64"))
+        first_wait = wait_starts.groupby([waits[key] for key in REQUEST_KEY]).min().astype("Int64").reindex(ids)
+        earlier = (first_wait < out["arrival_ns"]).fillna(False).astype(bool)  # (as floats, ns would be lost)
+        out.loc[earlier, "arrival_ns"] = first_wait[earlier].astype("int64")
 
     loads = load_rows(spans)
     by_request = loads.groupby(REQUEST_KEY, sort=False)

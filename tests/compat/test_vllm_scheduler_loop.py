@@ -22,7 +22,8 @@ from vllm.v1.worker.gpu.kv_connector import ActiveKVConnector
 from connector.tiny_models import build_model
 from connector.worker import FENCE_AT_NEXT_STEP, FENCE_AT_ONCE, FENCE_WHEN_REUSED
 from tests.compat.model_free import (HAS_V1_RUNNER, ModelFreeEngine, create_engine_config, loaded_blocks_by_group,
-                                     true_token, without_load_admission)
+                                     without_load_admission)
+from tests.compat.stall_scenarios import WINDOW, store_round, three_loads_past_their_reserve, two_failing_loads
 
 # vLLM 0.34 has no V1 runner ("v1" then drives its CPU runner): fence placements only V1's order allows
 _V1_RUNNER = pytest.mark.skipif(not HAS_V1_RUNNER, reason="this vLLM has no V1 model runner (0.34 on)")
@@ -31,8 +32,6 @@ _DEFERRED_FINALIZE = pytest.mark.skipif(
     "defer_finalize" not in inspect.signature(ActiveKVConnector.post_forward).parameters,
     reason="this vLLM's V2 runner has no deferred finalize (speculative decoding)")
 V2_RUNNERS = ["v2", pytest.param("v2-spec", marks=_DEFERRED_FINALIZE)]
-
-WINDOW = 64  # tokens: prompts of 450-750 tokens reach far past it
 
 
 def _prompts() -> list[list[int]]:
@@ -46,16 +45,6 @@ def model_path() -> str:
     return build_model("gemma3", window=WINDOW)
 
 
-def _store_round(engine: ModelFreeEngine, prompts, max_tokens: int = 2) -> None:
-    """Round 0: the prompts are computed and stored (nothing to load yet); then vLLM's device prefix
-    cache is reset, so the next round can only hit the host tier."""
-    for j, prompt in enumerate(prompts):
-        engine.add(f"r0-{j}", prompt, max_tokens)
-    engine.run()
-    assert engine.stats.external_hit_tokens == 0
-    engine.reset_device_prefix_cache()
-
-
 def _two_rounds(model_path: str, block_size: int, max_num_batched_tokens: int, num_blocks: int = 1200,
                 max_tokens: int = 2, workers: int = 1, failing_rank: int | None = None,
                 async_scheduling: bool = False, runner: str = "v1", parallel_overrides: dict | None = None):
@@ -67,7 +56,7 @@ def _two_rounds(model_path: str, block_size: int, max_num_batched_tokens: int, n
                              parallel_overrides=parallel_overrides)
     try:
         prompts = _prompts()
-        _store_round(engine, prompts, max_tokens)
+        store_round(engine, prompts, max_tokens)
         if failing_rank is not None:
             engine.workers[failing_rank]._worker.fail_all_loads = True
         for j, prompt in enumerate(prompts):
@@ -235,38 +224,6 @@ def test_a_data_parallel_rank_of_the_external_launcher_loads_what_its_worker_sto
     assert stats.external_hit_tokens > 0 and any(r.startswith("r1-") for r in stats.loads)
 
 
-def _three_loads_past_their_reserve(model_path, engine_args: dict | None = None,
-                                    trace_file=None) -> ModelFreeEngine:
-    """Device-KV pressure: round 0 stored, then three requests that load 512, 1024 and 512 tokens."""
-    engine = ModelFreeEngine(model_path, _traced({"cpu_bytes": 64 << 20, "block_size": 256}, trace_file), window=WINDOW,
-                             num_blocks=200, max_num_batched_tokens=512, engine_args=engine_args)
-    shared = [(31 * i + 3) % 509 + 1 for i in range(700)]
-    suffix = [[(17 * i + 11 * j + 5) % 509 + 1 for i in range(n)] for j, n in enumerate((525, 307, 54, 63))]
-    first = shared + suffix[0]
-    _store_round(engine, [first])  # 1225 tokens, and the 2 it samples
-    engine.add("r1-0", shared + suffix[1], 2)  # loads 512 tokens
-    engine.add("r1-1", first + [true_token(p) for p in range(len(first), len(first) + 2)] + suffix[2], 2)  # 1024
-    engine.add("r1-2", shared + suffix[3], 1)  # 512
-    return engine
-
-
-def _two_failing_loads(model_path, engine_args: dict | None = None, trace_file=None) -> ModelFreeEngine:
-    """Round 0 stored, then two requests whose loads fail (a copy error), admitted in one step."""
-    engine = ModelFreeEngine(model_path, _traced({"cpu_bytes": 64 << 20, "block_size": 64}, trace_file), window=WINDOW,
-                             num_blocks=150, max_num_batched_tokens=2048, engine_args=engine_args)
-    shared = [(31 * i + 3) % 509 + 1 for i in range(700)]
-    suffix = [[(17 * i + 11 * j + 5) % 509 + 1 for i in range(n)] for j, n in enumerate((308, 294, 40))]
-    _store_round(engine, [shared + suffix[0]])
-    engine.workers[0]._worker.fail_all_loads = True
-    engine.add("r1-0", shared + suffix[1], 2)
-    engine.add("r1-1", shared + suffix[2], 2)
-    return engine
-
-
-def _traced(extra_config: dict, trace_file) -> dict:
-    return extra_config if trace_file is None else {**extra_config, "trace_file": str(trace_file)}
-
-
 def test_known_vllm_gap_async_loads_admitted_past_their_reserve_stall_the_scheduler(model_path, monkeypatch):
     """Under device-KV pressure vLLM (0.32 to 0.34) admits three async loads, then the first one's
     next chunk needs more blocks than are free (its sliding-window group needs blocks for the whole
@@ -277,7 +234,7 @@ def test_known_vllm_gap_async_loads_admitted_past_their_reserve_stall_the_schedu
     every load finished, no job is left. This pins vLLM's behaviour: when it fails, vLLM changed it and
     the README can say so."""
     without_load_admission(monkeypatch)
-    engine = _three_loads_past_their_reserve(model_path)
+    engine = three_loads_past_their_reserve(model_path)
     try:
         with pytest.raises(AssertionError, match="still unfinished"):
             engine.run(max_steps=200)
@@ -303,7 +260,7 @@ def test_known_vllm_gap_a_failed_load_at_the_head_of_the_queue_stalls_the_loads_
     pinned. This pins vLLM's behaviour (0.32 to 0.34): when it fails, vLLM changed it and the README
     can say so."""
     without_load_admission(monkeypatch)
-    engine = _two_failing_loads(model_path)
+    engine = two_failing_loads(model_path)
     try:
         with pytest.raises(AssertionError, match="still unfinished"):
             engine.run(max_steps=200)
@@ -326,7 +283,7 @@ def test_kvscope_defers_the_loads_that_would_stall_vllm_and_every_request_finish
     (vLLM asks again each step). Every request finishes, loads still serve hits (or fail cleanly), the
     forward reads what was written and the tier holds nothing after. Each deferred request's lookup
     span says how many lookups it waited (`kvscope.deferred.*`), and no other span does."""
-    build = _three_loads_past_their_reserve if scenario == "past-their-reserve" else _two_failing_loads
+    build = three_loads_past_their_reserve if scenario == "past-their-reserve" else two_failing_loads
     trace_file = tmp_path / "spans.jsonl"
     engine = build(model_path, trace_file=trace_file)
     deferred = []
@@ -377,7 +334,7 @@ def test_one_async_load_in_flight_avoids_both_known_stalls(model_path, monkeypat
     fails cleanly and the forward reads what was written. At 2 the first stall is gone, not the
     second; at 3 neither (README)."""
     without_load_admission(monkeypatch)
-    build = _three_loads_past_their_reserve if scenario == "past-their-reserve" else _two_failing_loads
+    build = three_loads_past_their_reserve if scenario == "past-their-reserve" else two_failing_loads
     engine = build(model_path, engine_args={"max_num_inflight_kv_loads": cap})
     try:
         if finishes:
@@ -695,7 +652,7 @@ def test_a_request_whose_load_failed_recomputes_instead_of_waiting_for_its_own_r
                              num_blocks=100, max_num_batched_tokens=512)
     prompt = [(31 * i + 3) % 509 + 1 for i in range(700)]
     try:
-        _store_round(engine, [prompt[:650]])
+        store_round(engine, [prompt[:650]])
         sched = engine.scheduler.get_kv_connector()._scheduler
         monkeypatch.setattr(sched.index, "drop", lambda keys: None)  # the host blocks stay after the failure
         engine.workers[0]._worker.fail_all_loads = True
@@ -749,7 +706,7 @@ def test_requests_aborted_while_loading_leak_nothing(model_path, async_schedulin
 
     try:
         prompts = _prompts()
-        _store_round(engine, prompts)
+        store_round(engine, prompts)
         for j, prompt in enumerate(prompts):
             engine.add(f"r1-{j}", prompt)
         engine.run(on_scheduled=abort_loading)
@@ -838,7 +795,7 @@ def test_each_loading_request_traced_in_the_trace_it_sent(model_path, tmp_path):
     upstream = {}  # request id -> (trace id, the client's span id)
     try:
         prompts = _prompts()
-        _store_round(engine, prompts)
+        store_round(engine, prompts)
         for j, prompt in enumerate(prompts):
             trace_id, span_id = secrets.token_hex(16), secrets.token_hex(8)
             upstream[f"r1-{j}"] = (trace_id, span_id)
@@ -1222,7 +1179,7 @@ def _late_load_rounds(model_path, async_scheduling: bool, runner: str, report_ea
         late = LateReadingStores(connector._worker.engine, steps=1, load_steps=3, report_loads_early=report_early)
         engine.after_step.append(late.tick)
     try:
-        _store_round(engine, _prompts(), max_tokens=8)
+        store_round(engine, _prompts(), max_tokens=8)
         for j, prompt in enumerate(_prompts()):
             engine.add(f"r1-{j}", prompt, max_tokens=8)
         engine.run()

@@ -180,3 +180,43 @@ def test_several_engines_show_a_table_by_engine_and_an_engine_filter(tmp_path):
         assert page_errors(driver) == []
         assert table(driver, 0)[0][:2] == ["request", "engine"]
         assert driver.find_elements(By.CSS_SELECTOR, '[data-testid="stSelectbox"]')
+
+
+def test_a_load_kvscope_deferred_shows_its_wait_for_device_kv_room(tmp_path, screenshot_dir):
+    """A real trace file from vLLM's own scheduler under device-KV pressure (`stall_scenarios`: kvscope
+    defers loads there): the Requests page shows the deferral columns, and the deferred request's view
+    says how long it waited and leads its waterfall with the wait."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+
+    from connector.tiny_models import build_model
+    from dashboard import traces
+    from tests.compat.stall_scenarios import WINDOW, three_loads_past_their_reserve
+
+    trace_file = tmp_path / "deferrals.jsonl"
+    engine = three_loads_past_their_reserve(build_model("gemma3", window=WINDOW), trace_file=trace_file)
+    try:
+        engine.run(max_steps=200)
+    finally:
+        engine.shutdown()  # flushes the spans to the file
+    requests = traces.requests_table(traces.read_trace_files([trace_file]).spans).set_index("request_id")
+    deferred = requests[requests["deferred_lookups"].notna()]
+    assert len(deferred), "the scenario deferred no load"
+    request_id = deferred.index[0]
+    with streamlit_server([str(trace_file)]) as base, chromium() as driver:
+        driver.get(f"{base}/requests")
+        wait_rendered(driver, "Requests")
+        assert page_errors(driver) == []
+        headers, _ = table(driver, 0)
+        assert {"deferred", "KV room wait (ms)"} <= set(headers)
+        search = driver.find_element(By.CSS_SELECTOR, 'input[aria-label="Search request or trace id"]')
+        search.send_keys(request_id, Keys.ENTER)
+        wait_for(driver, lambda d: any(request_id in h.text for h in d.find_elements(By.CSS_SELECTOR, "h3")))
+        wait_rendered(driver, "Requests")
+        assert page_errors(driver) == []
+        said = [e.text for e in driver.find_elements(By.CSS_SELECTOR, '[data-testid="stAlert"]')]
+        times = int(deferred.loc[request_id, "deferred_lookups"])
+        told = f"kvscope deferred its load {'once' if times == 1 else f'{times} times'} ("
+        assert any(told in text for text in said), said  # (after the alert's icon name)
+        assert table(driver, 1)[1][0] == traces.DEVICE_KV_WAIT  # the waterfall's first row
+        driver.save_screenshot(str(screenshot_dir / "requests-deferred.png"))

@@ -59,6 +59,13 @@ def test_a_requests_deferrals_and_wait_are_summed_over_its_lookups_and_empty_whe
     assert requests.loc["q"].isna().all()
 
 
+def test_a_deferred_request_arrived_when_its_wait_began(deferrals):
+    """Its first deferred lookup has no span: the wait tells when it came (replays order requests by it)."""
+    arrivals = traces.requests_table(deferrals.spans).set_index("request_id")["arrival_ns"]
+    assert arrivals.to_dict() == {"q": T, "r": T + 20 * MS - 12_400_000, "s": T + 30 * MS - 500_000,
+                                  "t": T + 50 * MS}  # t waited after its first lookup: not before it
+
+
 def test_a_file_without_deferral_attributes_has_no_deferral_and_no_wait_bar():
     read = traces.read_trace_files([TWO_ROUNDS])
     requests = traces.requests_table(read.spans, read.vllm_requests)
