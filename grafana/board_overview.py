@@ -17,7 +17,7 @@ TITLE = "kvscope / Overview"
 DESCRIPTION = (
     "Host-tier KV offload by the kvscope vLLM connector: token hit rate, per-KV-group loads, "
     "load and copy latency, copy throughput, host-tier capacity, evictions, loads deferred for device KV "
-    "room and load failures."
+    "room and their wait, and load failures."
 )
 
 RATE = "[$__rate_interval]"
@@ -308,7 +308,30 @@ def deferred_loads():
             "{{model_name}} {{instance}} engine {{engine}}",
         )),
         pc.LOADS_PER_MINUTE,
-        width=pc.FULL,
+        width=pc.HALF,
+    )
+
+
+def deferral_wait():
+    return pc.timeseries(
+        "Wait for device KV room p50 / p99",
+        "Quantiles of kvscope_load_deferral_wait_seconds, per engine: how long a deferred load's request "
+        "waited for device KV room, from the first step kvscope deferred its load to the step vLLM admitted "
+        "it. The request's load had not even started: it waits this long, then its load (request load "
+        "latency) on top. Only admitted loads are observed; one aborted while it waited counts in the "
+        "deferred loads beside, never here. No line means no deferred load was admitted in the window. "
+        "Steady waits well above an engine step or two ask for device KV headroom: a larger device KV cache "
+        "(a higher gpu_memory_utilization), or fewer concurrent requests (max_num_seqs).",
+        pc.queries(*(
+            (
+                pc.quantile(q, lambda *m: f"rate(kvscope_load_deferral_wait_seconds_bucket{sel(*m)}{RATE})",
+                            by=("instance", "model_name", "engine")),
+                f"p{round(q * 100)} {{{{model_name}}}} {{{{instance}}}} engine {{{{engine}}}}",
+            )
+            for q in (0.5, 0.99)
+        )),
+        "s",
+        width=pc.HALF,
     )
 
 
@@ -396,7 +419,7 @@ def build():
         pc.row("Host tier capacity"),
         host_usage_stat(), host_used_vs_capacity(), evictions(),
         pc.row("Device KV headroom"),
-        deferred_loads(),
+        deferred_loads(), deferral_wait(),
         pc.row("Failures"),
         load_failures_stat(), load_failures_over_time(),
         pc.row("Telemetry"),

@@ -24,6 +24,8 @@ HISTOGRAMS: dict[str, tuple[str, ...]] = {
     "kvscope_scan_duration_seconds": ("group", "kind"),
     "kvscope_copy_duration_seconds": ("group", "kind", "direction"),
     "kvscope_request_load_duration_seconds": (),
+    # beyond DESIGN §3 (asked of it): how long an admitted deferred load waited for device KV room
+    "kvscope_load_deferral_wait_seconds": (),
 }
 GAUGES: dict[str, tuple[str, ...]] = {
     "kvscope_host_used_bytes": (),

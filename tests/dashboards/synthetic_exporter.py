@@ -27,6 +27,8 @@ ENGINE = "0"
 
 # The connector's own buckets: microseconds for scans, milliseconds for copies.
 SCAN_BUCKETS, COPY_BUCKETS, REQUEST_LOAD_BUCKETS = SCAN_BUCKETS_S, COPY_BUCKETS_S, REQUEST_LOAD_BUCKETS_S
+# kvscope_load_deferral_wait_seconds's buckets: a wait lasts engine steps, from milliseconds to many seconds.
+DEFERRAL_WAIT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 # Per-second rates of the engine-wide counters.
 RATES = {
@@ -66,6 +68,7 @@ GROUPS = (
                    scan_s=70e-6, copy_s={"load": 7e-3, "store": 0.4e-3}),
 )
 REQUEST_LOAD_S = 0.02
+DEFERRAL_WAIT_S = 0.15  # each deferred load waits a few engine steps for device KV room, then is admitted
 OBSERVATIONS_PER_S = 10.0  # of each histogram series: one scan per group, one copy per group and direction
 HOST_USED_FRACTION = 0.9  # the host tier fills up to this share of its capacity and stays there
 
@@ -110,16 +113,19 @@ class SyntheticKVScopeExporter:
         self.scan_duration = histogram("kvscope_scan_duration_seconds", SCAN_BUCKETS)
         self.copy_duration = histogram("kvscope_copy_duration_seconds", COPY_BUCKETS)
         self.request_load_duration = histogram("kvscope_request_load_duration_seconds", REQUEST_LOAD_BUCKETS)
+        self.deferral_wait = histogram("kvscope_load_deferral_wait_seconds", DEFERRAL_WAIT_BUCKETS)
         self.gauges = {
             name: Gauge(name, f"synthetic {name}", eng + list(labels), registry=reg)
             for name, labels in contract.GAUGES.items()
         }
         missing = contract.all_metrics() - set(self.counters) - set(self.gauges) - {
             "kvscope_scan_duration_seconds", "kvscope_copy_duration_seconds", "kvscope_request_load_duration_seconds",
+            "kvscope_load_deferral_wait_seconds",
         }
         assert not missing, f"synthetic exporter lacks contract metrics {missing}"
         self._used_bytes = 0.0
         self._observations_due = 0.0
+        self._admissions_due = 0.0
         self.gauges["kvscope_host_capacity_bytes"].labels(MODEL_NAME, ENGINE).set(HOST_CAPACITY_BYTES)
         self.step(0.0)  # create every labelled child, so every series exists from the first scrape
 
@@ -157,9 +163,20 @@ class SyntheticKVScopeExporter:
             for _ in range(observations):
                 self.request_load_duration.labels(*e).observe(REQUEST_LOAD_S)
             self.request_load_duration.labels(*e)
+            self._observe_deferral_waits(dt)
             stored = sum(g.stored * g.block_bytes for g in GROUPS) * dt
             self._used_bytes = min(HOST_USED_FRACTION * HOST_CAPACITY_BYTES, self._used_bytes + stored + 2**30 * dt)
             self.gauges["kvscope_host_used_bytes"].labels(*e).set(self._used_bytes)
+
+    def _observe_deferral_waits(self, dt: float) -> None:
+        """Every deferred load is admitted in the end (none aborted): one wait each, as the counter grows."""
+        e = (MODEL_NAME, ENGINE)
+        self._admissions_due += RATES["deferred_loads"] * dt
+        admitted = int(self._admissions_due)
+        self._admissions_due -= admitted
+        for _ in range(admitted):
+            self.deferral_wait.labels(*e).observe(DEFERRAL_WAIT_S)
+        self.deferral_wait.labels(*e)
 
     # --- serving ---------------------------------------------------------------------------
 

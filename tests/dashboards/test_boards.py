@@ -156,6 +156,9 @@ def test_overview_answers_the_questions_it_promises():
         "kvscope_host_used_bytes", "kvscope_host_capacity_bytes",
         "kvscope_evicted_blocks_total", "kvscope_load_failures_total",
         "kvscope_deferred_loads_total",  # loads waiting for device KV room
+        # how long they wait, per engine
+        "histogram_quantile(0.99, sum by (le, instance, model_name, engine) "
+        "(rate(kvscope_load_deferral_wait_seconds_bucket",
         "kvscope_dropped_trace_records_total",  # traces that lost spans
     ):
         assert needle in exprs, needle
@@ -175,7 +178,8 @@ PANEL_UNITS = {
         "Copy latency p50 / p99, per group and direction": SECONDS,
         "Copy throughput, per group and direction": BYTES_PER_S, "Host tier usage (fullest)": PERCENT,
         "Host tier used vs capacity": "bytes", "Evictions": "suffix: entries/s",
-        "Loads deferred for device KV room": "suffix: loads/min", "Load failures in range": "short",
+        "Loads deferred for device KV room": "suffix: loads/min", "Wait for device KV room p50 / p99": SECONDS,
+        "Load failures in range": "short",
         "Load failures over time": "suffix: blocks/min", "Trace records dropped in range": "short",
         "Trace records dropped over time": "suffix: records/min",
     },
@@ -195,6 +199,30 @@ def _panels(stem):
 def test_every_panel_shows_its_numbers_in_their_unit(stem):
     panels = _panels(stem)
     assert {title: p["fieldConfig"]["defaults"]["unit"] for title, p in panels.items()} == PANEL_UNITS[stem]
+
+
+def _row_of_panels(stem):
+    """Panel title -> the title of the row above it."""
+    rows, row = {}, None
+    for panel in iter_panels(_board(DASHBOARDS_DIR / f"{stem}.json")["panels"]):
+        if panel["type"] == "row":
+            row = panel["title"]
+        else:
+            rows[panel["title"]] = row
+    return rows
+
+
+def test_the_deferral_wait_sits_beside_the_deferred_loads():
+    """How many loads were deferred and how long their requests waited read together: one row, side by side."""
+    panels = _panels("kvscope-overview")
+    count, wait = panels["Loads deferred for device KV room"], panels["Wait for device KV room p50 / p99"]
+    rows = _row_of_panels("kvscope-overview")
+    assert rows[count["title"]] == rows[wait["title"]] == "Device KV headroom"
+    assert count["gridPos"]["y"] == wait["gridPos"]["y"]
+    assert count["gridPos"]["x"] + count["gridPos"]["w"] == wait["gridPos"]["x"]
+    # each line is the quantile its legend names
+    assert [(t["expr"].split(",")[0], t["legendFormat"].split()[0]) for t in wait["targets"]] == [
+        ("histogram_quantile(0.5", "p50"), ("histogram_quantile(0.99", "p99")]
 
 
 def test_the_mean_copy_size_is_in_bytes_on_its_own_axis():

@@ -109,6 +109,9 @@ def _expected_panel_values(instance: str, group: str) -> dict[tuple[str, str, st
     def request_q(q):
         return s.bucket_quantile(q, s.REQUEST_LOAD_S, s.REQUEST_LOAD_BUCKETS)
 
+    def deferral_wait_q(q):
+        return s.bucket_quantile(q, s.DEFERRAL_WAIT_S, s.DEFERRAL_WAIT_BUCKETS)
+
     def copy_q(q, g, direction):
         return s.bucket_quantile(q, g.copy_s[direction], s.COPY_BUCKETS)
 
@@ -144,6 +147,8 @@ def _expected_panel_values(instance: str, group: str) -> dict[tuple[str, str, st
         ("Host tier used vs capacity", "B"): one(engine, s.HOST_CAPACITY_BYTES, EXACT),
         ("Evictions", "A"): one({**model, **engine}, s.RATES["evicted_blocks"]),
         ("Loads deferred for device KV room", "A"): one({**model, **engine}, 60 * s.RATES["deferred_loads"]),
+        ("Wait for device KV room p50 / p99", "A"): one({**model, **engine}, deferral_wait_q(0.5), EXACT),
+        ("Wait for device KV room p50 / p99", "B"): one({**model, **engine}, deferral_wait_q(0.99), EXACT),
         ("Load failures in range", "A"): one({}, s.RATES["load_failures"] * RANGE_S),
         ("Load failures over time", "A"): one({**model, **engine}, 60 * s.RATES["load_failures"]),
         ("Trace records dropped in range", "A"): one({}, sum(s.DROPPED_RATES.values()) * RANGE_S),
@@ -279,6 +284,9 @@ def test_queries_compute_what_the_exporter_produces(warmed_up):
     for name, q in (("p50", 0.5), ("p95", 0.95), ("p99", 0.99)):
         assert _value(url, f"kvscope:request_load_duration_seconds:{name}_rate5m") == pytest.approx(
             s.bucket_quantile(q, s.REQUEST_LOAD_S, s.REQUEST_LOAD_BUCKETS)), name
+    for name, q in (("p50", 0.5), ("p99", 0.99)):
+        assert _value(url, f"kvscope:load_deferral_wait_seconds:{name}_rate5m") == pytest.approx(
+            s.bucket_quantile(q, s.DEFERRAL_WAIT_S, s.DEFERRAL_WAIT_BUCKETS)), name
     assert _value(url, "kvscope:host_usage:ratio") == pytest.approx(s.HOST_USED_FRACTION)
 
 

@@ -23,6 +23,7 @@ IDLE_HISTOGRAMS = {
     "kvscope_request_load_duration_seconds_bucket": ENGINE,
     "kvscope_copy_duration_seconds_bucket": ENGINE + ', group="0", kind="full_attention", direction="load"',
     "kvscope_scan_duration_seconds_bucket": ENGINE + ', group="0", kind="full_attention"',
+    "kvscope_load_deferral_wait_seconds_bucket": ENGINE,
 }
 
 
@@ -68,9 +69,15 @@ def _expect_no_sample_when_idle(exprs, tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+def test_every_latency_histogram_is_checked_idle():
+    """A histogram missing here would go unchecked: its quantiles would find no series at all, idle or not."""
+    assert set(IDLE_HISTOGRAMS) == {name + "_bucket" for name in contract.HISTOGRAMS}
+
+
 def test_every_quantile_panel_shows_no_data_when_no_request_loads(tmp_path):
     queries = _quantile_queries()
-    assert len(queries) >= 5  # the overview's p99 stat and time series, the groups board's
+    # the overview's load p99 stat and p50/p95/p99, copy p50/p99, deferral wait p50/p99; the groups board's 4
+    assert len(queries) >= 12
     _expect_no_sample_when_idle([substitute(q.expr, VARIABLES) for q in queries], tmp_path)
 
 
@@ -78,7 +85,7 @@ def test_every_recorded_quantile_has_no_sample_when_idle(tmp_path):
     """Not only the boards' queries: each recorded quantile must skip an idle histogram too, or it
     records NaN, which a board built on it shows as "NaN" and an alert on it (load p99) reads as a value."""
     records = _recorded_quantiles()
-    assert len(records) >= 6  # request load p50/p95/p99, copy p50/p99, scan p99
+    assert len(records) >= 8  # request load p50/p95/p99, copy p50/p99, scan p99, deferral wait p50/p99
     _expect_no_sample_when_idle(records, tmp_path)
 
 
