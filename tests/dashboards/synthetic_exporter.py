@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import start_http_server
 
-from connector.telemetry.metrics import COPY_BUCKETS_S, REQUEST_LOAD_BUCKETS_S, SCAN_BUCKETS_S
+from connector.telemetry.metrics import (COPY_BUCKETS_S, DEFERRAL_WAIT_BUCKETS_S, REQUEST_LOAD_BUCKETS_S,
+                                        SCAN_BUCKETS_S)
 from connector.telemetry.span_batcher import LOSS_REASONS
 
 from . import contract
@@ -27,8 +28,7 @@ ENGINE = "0"
 
 # The connector's own buckets: microseconds for scans, milliseconds for copies.
 SCAN_BUCKETS, COPY_BUCKETS, REQUEST_LOAD_BUCKETS = SCAN_BUCKETS_S, COPY_BUCKETS_S, REQUEST_LOAD_BUCKETS_S
-# kvscope_load_deferral_wait_seconds's buckets: a wait lasts engine steps, from milliseconds to many seconds.
-DEFERRAL_WAIT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+DEFERRAL_WAIT_BUCKETS = DEFERRAL_WAIT_BUCKETS_S  # a wait lasts engine steps, from milliseconds to seconds
 
 # Per-second rates of the engine-wide counters.
 RATES = {
