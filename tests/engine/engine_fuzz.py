@@ -247,6 +247,11 @@ def _connector_problems(llm) -> list[str]:
     if ours.get("kvscope_missed_tokens_total", 0.0) != looked_up - hit:
         problems.append(f"telemetry: kvscope_missed_tokens_total {ours.get('kvscope_missed_tokens_total')} "
                         f"!= lookup - hit {looked_up - hit}")
+    # a wait is observed once per deferred load vLLM admitted (an aborted one is counted, not observed)
+    waits = ours.get("kvscope_load_deferral_wait_seconds_count", 0.0)
+    deferred = ours.get("kvscope_deferred_loads_total", 0.0)
+    if waits > deferred:
+        problems.append(f"telemetry: {waits:.0f} deferral waits observed, {deferred:.0f} loads deferred")
     sched = _kvscope(get_scheduler_connector(llm))._scheduler
     workers = [_kvscope(get_worker_connector())]
     return problems + [f"leak: {leak}" for leak in connector_leaks(sched, scheduler.requests, workers)]
