@@ -22,10 +22,13 @@ def top_slow_loads(requests: pd.DataFrame, n: int = 10) -> pd.DataFrame:
 
 
 def request_numbers(requests: pd.DataFrame) -> dict[str, float]:
-    """What the request table alone says: requests, hits, failed loads and load time quantiles."""
+    """What the request table alone says: requests, hits, failed loads, load time quantiles, and the
+    requests kvscope deferred for device KV room with their median and longest wait."""
     load_ms = requests["load_ms"].dropna().astype(float)
     # nearest rank: every quantile is a load that happened (interpolating between two far apart is none)
     q = np.percentile(load_ms, [50, 95, 99], method="inverted_cdf") if len(load_ms) else [math.nan] * 3
+    wait_ms = requests["deferred_wait_ms"].dropna().astype(float)
+    wait_p50 = float(np.percentile(wait_ms, 50, method="inverted_cdf")) if len(wait_ms) else math.nan
     return {
         "requests": int(len(requests)),
         "requests_with_hit": int((requests["tokens_hit"].fillna(0) > 0).sum()),
@@ -37,6 +40,9 @@ def request_numbers(requests: pd.DataFrame) -> dict[str, float]:
         "load_p50_ms": float(q[0]),
         "load_p95_ms": float(q[1]),
         "load_p99_ms": float(q[2]),
+        "requests_deferred": int(requests["deferred_lookups"].notna().sum()),
+        "deferral_wait_p50_ms": wait_p50,
+        "deferral_wait_max_ms": float(wait_ms.max()) if len(wait_ms) else math.nan,
     }
 
 

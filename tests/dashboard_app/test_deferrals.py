@@ -134,3 +134,22 @@ def test_the_requests_page_shows_the_deferral_columns_and_says_it_in_words(monke
     assert [i.value for i in at.info if "deferred" in i.value] == [widgets.deferral_text(
         traces.requests_table(deferrals.spans).set_index("request_id").loc["r"])]
     assert at.dataframe[1].value["row"].tolist()[0] == WAIT
+
+
+def test_the_overview_counts_the_deferred_requests_and_their_waits(monkeypatch, deferrals):
+    numbers = traces.overview_numbers(traces.requests_table(deferrals.spans), deferrals.spans)
+    assert (numbers["requests_deferred"], numbers["deferral_wait_p50_ms"], numbers["deferral_wait_max_ms"]) == (
+        3, 4.0, 12.4)  # r 12.4 ms, s 1.75, t 4.0: the nearest-rank median
+    at = app(monkeypatch, *deferrals.files)
+    at.run()
+    assert_ok(at)
+    (said,) = [i.value for i in at.info if "for device KV room" in i.value]
+    assert said.startswith("kvscope deferred the loads of 3 request(s) for device KV room: they waited 4.00 ms "
+                           "(median), at most 12.40 ms,")
+
+
+def test_an_overview_without_deferrals_says_nothing_of_them(monkeypatch):
+    at = app(monkeypatch, TWO_ROUNDS)
+    at.run()
+    assert_ok(at)
+    assert not [i.value for i in at.info if "device KV room" in i.value]
