@@ -52,7 +52,7 @@ def test_every_alert_is_documented():
     assert {a["alert"] for a in alerts} == {
         "KVScopeHitRateCollapsed", "KVScopeLoadLatencyHigh", "KVScopeLoadFailures",
         "KVScopeMetricsMissing", "KVScopeStoresWithoutLoads", "KVScopeHostTierTooSmall",
-        "KVScopeTracesIncomplete",
+        "KVScopeTracesIncomplete", "KVScopeLoadsWaitForDeviceKV",
     }
     for alert in alerts:
         annotations = alert.get("annotations") or {}
