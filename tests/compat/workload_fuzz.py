@@ -49,6 +49,10 @@ PROFILES = {
     # loads while the stores that read them are pending (`TransferJob.waits_for_stores`)
     "late": {"mamba": 0.15, "two_workers": 0.25, "spec": 0.3, "fail_loads": 0.12, "late": 1.0,
              "store_lags": (1, 3, 10, 30)},
+    # "full" in a small device cache every time (drawn last): preemptions, and loads kvscope defers for
+    # device KV room (`load_admission`), among them loads of requests resumed after a preemption
+    "tight": {"mamba": 0.15, "two_workers": 0.25, "spec": 0.3, "fail_loads": 0.12, "late": 0.15,
+              "device_blocks": (100, 120, 150, 200)},
 }
 
 
@@ -110,6 +114,8 @@ def _config(r: random.Random, odds: dict) -> dict:
         config["late"] = {"store_steps": r.choice(odds.get("store_lags", (1, 3))), "load_steps": r.choice([0, 0, 2])}
     if "windows" in odds:
         config["window"] = r.choice(odds["windows"])
+    if "device_blocks" in odds:
+        config["num_blocks"] = r.choice(odds["device_blocks"])
     return config
 
 
@@ -232,6 +238,7 @@ class WorkloadResult:
     checkpoint_clobbers: int = 0  # vLLM's Mamba checkpoint exported over the running state (`model_free`)
     clobbered_stored: int = 0  # kvscope store jobs reading such a block (`model_free.LoopStats`)
     loads_after_stores: int = 0  # late copies: loads that waited for the stores in flight (`waits_for_stores`)
+    deferred_loads: int = 0  # loads kvscope deferred for device KV room (`load_admission`)
 
     @property
     def failure(self) -> str | None:
@@ -380,7 +387,8 @@ class _Replay:
         for name in ("steps", "checked_blocks", "checked_loaded_blocks", "external_hit_tokens", "drafts_rejected",
                      "checkpoint_clobbers", "clobbered_stored"):
             setattr(result, name, getattr(stats, name))
-        result.evictions = self.engine.scheduler.get_kv_connector()._scheduler.index.evicted_total
+        kvscope = self.engine.scheduler.get_kv_connector()._scheduler
+        result.evictions, result.deferred_loads = kvscope.index.evicted_total, kvscope.admission.deferrals
         result.loads_after_stores = sum(late.loads_after_stores for late in self.engine.late_copies)
         result.preemptions, result.failed_loads = len(stats.resumed), len(stats.failed_recving)
         return result
