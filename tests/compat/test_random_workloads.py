@@ -166,3 +166,18 @@ def test_the_windows_profile_replays_windows_where_drafts_decide_what_stores_ahe
     result = execute(plan)
     assert result.verdict == "ok", (result.violations[:6], result.unfinished[:6], result.leaks[:6])
     assert result.checked_loaded_blocks > 0 and result.drafts_rejected > 0
+
+
+# Small device caches: each preempts requests and defers loads for device KV room (found by the "tight" profile)
+TIGHT_SEEDS = [34, 50, 53, 112]
+
+
+@pytest.mark.parametrize("seed", [pytest.param(seed, id=f"seed{seed}") for seed in TIGHT_SEEDS])
+def test_the_tight_profile_preempts_and_defers_loads_and_reads_what_it_wrote(seed):
+    plan = make_plan(seed, "tight")
+    assert plan["config"]["num_blocks"] <= 200
+    if reason := missing_feature(plan):
+        pytest.skip(reason)
+    result = execute(plan)
+    assert result.verdict == "ok", (result.violations[:6], result.unfinished[:6], result.leaks[:6])
+    assert result.preemptions > 0 and result.deferred_loads > 0 and result.checked_loaded_blocks > 0
