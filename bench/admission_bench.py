@@ -8,10 +8,12 @@ vLLM (0.32 to 0.34) can stall for good. Its bound is loose on purpose (every blo
 every group, a sliding window counted whole), so under device-KV pressure it starts loads one after
 another that vLLM might have run together. This counts what that costs in engine steps.
 
-Two real vLLM `Scheduler`s with `KVScopeConnector` (telemetry off), built as `step_bench` builds
-them, one with load admission (`admission`), one with every load starting at once (`unadmitted`),
-serve the same rounds in lockstep: a round of `REQUESTS` fresh prompts (computed and stored to the
-host tier), a device prefix cache reset, then the same prompts again, loaded from the host tier. No
+Three real vLLM `Scheduler`s with `KVScopeConnector` (telemetry off), built as `step_bench` builds
+them, one with load admission (`admission`), one with its bound counting every sliding-window group
+whole, as it did before it read vLLM's per-group cap (`uncapped`), one with every load starting at once
+(`unadmitted`), serve the same rounds in lockstep: a round of `REQUESTS` fresh prompts (computed and
+stored to the host tier), a device prefix cache reset, then the same prompts again, loaded from the
+host tier. No
 model and no worker: each step samples a token per scheduled request and one worker reports the
 step's stores done at once and each load done `load_steps` steps after the step that planned it (1:
 at once). Per device cache size (`blocks`, the pool all groups share) and load time, for the reload
@@ -44,17 +46,21 @@ from bench.planner_vs_vllm import GROUP_MIXES, _kv_cache_config  # noqa: E402
 from bench.step_bench import DEVICE_BLOCK_SIZE, OFFLOAD_BLOCK_SIZE  # noqa: E402
 from bench.table import render_table  # noqa: E402
 
-PROMPT_TOKENS = 2048
+PROMPT_TOKENS = 2048  # shorter than a 1024-token window plus a chunk: vLLM's cap changes nothing
+LONG_PROMPT_TOKENS = 6144  # longer: the cap counts the window group 193 blocks, not 384
 DECODE_TOKENS = 4
 REQUESTS = 8
 MAX_NUM_BATCHED_TOKENS = 2048
 HOST_BYTES = 1 << 30  # the host tier holds every prompt
 STALL_STEPS = 300
-SIDES = ("admission", "unadmitted")
-# Device blocks per case, from a cache two loads barely fit in to one all eight fit in at once (a
-# request's admission bound: 2 groups x 128 blocks at 2g, 4 x 128 at 4g)
-BLOCKS_FULL = {2: (450, 600, 900, 1300, 2100), 4: (900, 1300, 2100, 4200)}
-BLOCKS_QUICK = {2: (600, 2100)}
+SIDES = ("admission", "uncapped", "unadmitted")
+# (KV groups, device blocks, prompt tokens) per case, from a cache two loads barely fit in to one all
+# eight fit in at once (a request's bound: 2 groups x 128 blocks at 2g, 4 x 128 at 4g; with 6144-token
+# prompts 384 + 193, uncapped 2 x 384)
+CASES_FULL = (*((2, blocks, PROMPT_TOKENS) for blocks in (450, 600, 900, 1300, 2100)),
+              *((4, blocks, PROMPT_TOKENS) for blocks in (900, 1300, 2100, 4200)),
+              *((2, blocks, LONG_PROMPT_TOKENS) for blocks in (1200, 1800, 2600, 4700, 6200)))
+CASES_QUICK = ((2, 600, PROMPT_TOKENS), (2, 1800, LONG_PROMPT_TOKENS))
 LOAD_STEPS_FULL = (1, 4)  # a load done in the step after it is planned, or over 4 steps (a big model's KV)
 LOAD_STEPS_QUICK = (1,)
 UNIT = "steps"
@@ -73,15 +79,18 @@ def new_scheduler(side: str, num_groups: int, num_blocks: int):
                                 kv_role="kv_both",
                                 kv_connector_extra_config={"cpu_bytes": HOST_BYTES, "block_size": OFFLOAD_BLOCK_SIZE})
     args = EngineArgs(model=build_model("llama"), skip_tokenizer_init=True, enable_prefix_caching=True,
-                      block_size=DEVICE_BLOCK_SIZE, max_model_len=4096, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
+                      block_size=DEVICE_BLOCK_SIZE, max_model_len=8192,
+                      max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
                       max_num_seqs=256, kv_transfer_config=transfer)
     config = args.create_engine_config()
     config.cache_config.num_gpu_blocks = num_blocks
     scheduler = Scheduler(vllm_config=config, kv_cache_config=_kv_cache_config(GROUP_MIXES[num_groups], num_blocks),
                           structured_output_manager=StructuredOutputManager(config), block_size=DEVICE_BLOCK_SIZE,
                           hash_block_size=DEVICE_BLOCK_SIZE, log_stats=True)
-    if side == "unadmitted":
-        admission = scheduler.get_kv_connector()._scheduler.admission
+    admission = scheduler.get_kv_connector()._scheduler.admission
+    if side == "uncapped":
+        admission.window_caps = {}  # every sliding-window group counted whole
+    elif side == "unadmitted":
         admission.may_start = lambda *args, **kwargs: True  # every load starts at once: vLLM decides
     return scheduler
 
@@ -167,9 +176,9 @@ def _worker_output(scheduler_output, result: Round):
 
 @dataclass
 class Result:
-    case: str  # "{groups}g/{blocks}/L{load steps}"
+    case: str  # "{groups}g/{blocks}/{prompt tokens}/L{load steps}"
     reload: dict[str, Round]
-    deferrals: int  # loads the `admission` side deferred in the reload round
+    deferrals: dict[str, int]  # loads each admitting side deferred in the reload round
 
     def mean_first_token(self, side: str) -> float:
         return statistics.fmean(self.reload[side].first_token_step.values())
@@ -178,7 +187,8 @@ class Result:
         return max(self.reload[side].first_token_step.values())
 
 
-def measure(num_groups: int, num_blocks: int, load_steps: int = 1, requests: int = REQUESTS) -> Result:
+def measure(num_groups: int, num_blocks: int, load_steps: int = 1, requests: int = REQUESTS,
+            prompt_tokens: int = PROMPT_TOKENS) -> Result:
     from vllm.utils.hashing import get_hash_fn_by_name
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 
@@ -188,40 +198,42 @@ def measure(num_groups: int, num_blocks: int, load_steps: int = 1, requests: int
         init_none_hash(hash_fn)
         block_hasher = get_request_block_hasher(DEVICE_BLOCK_SIZE, hash_fn)
         rng = random.Random(num_groups * 100_000 + num_blocks)
-        prompts = {f"r{i}": [rng.randrange(1, 30000) for _ in range(PROMPT_TOKENS)] for i in range(requests)}
+        prompts = {f"r{i}": [rng.randrange(1, 30000) for _ in range(prompt_tokens)] for i in range(requests)}
         stored = serve_round(schedulers, prompts, block_hasher)
         for side, scheduler in schedulers.items():
             if stored[side].stalled:
                 raise AssertionError(f"{num_groups}g/{num_blocks} {side}: the storing round stalled")
             assert scheduler.reset_prefix_cache(), f"{side}: vLLM could not reset its prefix cache"
-        admission = schedulers["admission"].get_kv_connector()._scheduler.admission
-        deferred_before = admission.deferrals
+        admissions = {side: schedulers[side].get_kv_connector()._scheduler.admission for side in SIDES[:2]}
+        deferred_before = {side: admission.deferrals for side, admission in admissions.items()}
         again = {f"{req_id}-again": prompt for req_id, prompt in prompts.items()}
         reload = serve_round(schedulers, again, block_hasher, load_steps)
-        case = f"{num_groups}g/{num_blocks}/L{load_steps}"
+        case = f"{num_groups}g/{num_blocks}/{prompt_tokens}/L{load_steps}"
         for side, served in reload.items():
             if not served.stalled and served.loads != requests:
                 raise AssertionError(f"{case} {side}: {served.loads} of {requests} requests loaded their prompt "
                                      "from the host tier")
-        if reload["admission"].stalled:
-            raise AssertionError(f"{case}: vLLM stalled with kvscope's load admission on")
-        return Result(case, reload, admission.deferrals - deferred_before)
+        for side in SIDES[:2]:
+            if reload[side].stalled:
+                raise AssertionError(f"{case} {side}: vLLM stalled with kvscope's load admission on")
+        return Result(case, reload, {side: admission.deferrals - deferred_before[side]
+                                     for side, admission in admissions.items()})
     finally:
         for scheduler in schedulers.values():
             scheduler.shutdown()
 
 
-def measure_all(quick: bool = False, cases: dict[int, tuple[int, ...]] | None = None,
+def measure_all(quick: bool = False, cases: tuple[tuple[int, int, int], ...] | None = None,
                 load_steps: tuple[int, ...] | None = None) -> list[Result]:
-    cases = cases or (BLOCKS_QUICK if quick else BLOCKS_FULL)
+    cases = cases or (CASES_QUICK if quick else CASES_FULL)
     load_steps = load_steps or (LOAD_STEPS_QUICK if quick else LOAD_STEPS_FULL)
-    return [measure(groups, blocks, steps) for steps in load_steps for groups, sizes in cases.items()
-            for blocks in sizes]
+    return [measure(groups, blocks, steps, prompt_tokens=tokens) for steps in load_steps
+            for groups, blocks, tokens in cases]
 
 
 def to_records(results: list[Result]) -> list[dict]:
-    """Per case: the mean steps to first token with admission on, its ratio to off (not when off
-    stalled), and the round's steps likewise."""
+    """Per case: the mean steps to first token of each admitting side, as a ratio to every load starting at
+    once (not when that stalled), and the round's steps likewise."""
     records = []
     for r in results:
         unadmitted = r.reload["unadmitted"]
@@ -229,13 +241,17 @@ def to_records(results: list[Result]) -> list[dict]:
             def name(side: str) -> str:
                 return f"admission.{metric}.{side}[{r.case}]"
 
-            on = value(r, "admission") if value else r.reload["admission"].steps
-            off = None if unadmitted.stalled else (value(r, "unadmitted") if value else unadmitted.steps)
+            def steps(side: str) -> float:
+                return value(r, side) if value else r.reload[side].steps
+
+            off = None if unadmitted.stalled else steps("unadmitted")
             if off is not None:
                 records.append({"name": name("unadmitted"), "median": off, "unit": UNIT, "ratio": None,
                                 "ratio_of": None})
-            records.append({"name": name("admission"), "median": on, "unit": UNIT,
-                            "ratio": on / off if off else None, "ratio_of": name("unadmitted") if off else None})
+            for side in SIDES[:2]:
+                records.append({"name": name(side), "median": steps(side), "unit": UNIT,
+                                "ratio": steps(side) / off if off else None,
+                                "ratio_of": name("unadmitted") if off else None})
     return records
 
 
@@ -244,16 +260,17 @@ def run(quick: bool = False) -> list[dict]:
 
 
 def format_table(results: list[Result]) -> str:
-    rows = [("case", "deferred", "first token, mean (on)", "(off)", "on / off", "last first token (on)",
-             "(off)", "round steps (on)", "(off)")]
+    rows = [("case", "deferred (on / uncapped)", "first token, mean: on", "uncapped", "off", "on / off",
+             "uncapped / off", "last first token: on", "uncapped", "off")]
     for r in results:
-        off = r.reload["unadmitted"]
-        stalled = "stalled" if off.stalled else None
-        rows.append((r.case, str(r.deferrals), f"{r.mean_first_token('admission'):.1f}",
-                     stalled or f"{r.mean_first_token('unadmitted'):.1f}",
-                     stalled or f"{r.mean_first_token('admission') / r.mean_first_token('unadmitted'):.2f}",
-                     str(r.last_first_token("admission")), stalled or str(r.last_first_token("unadmitted")),
-                     str(r.reload["admission"].steps), stalled or str(off.steps)))
+        stalled = "stalled" if r.reload["unadmitted"].stalled else None
+        mean = {side: r.mean_first_token(side) for side in SIDES if not (side == "unadmitted" and stalled)}
+        rows.append((r.case, f"{r.deferrals['admission']} / {r.deferrals['uncapped']}",
+                     f"{mean['admission']:.1f}", f"{mean['uncapped']:.1f}", stalled or f"{mean['unadmitted']:.1f}",
+                     stalled or f"{mean['admission'] / mean['unadmitted']:.2f}",
+                     stalled or f"{mean['uncapped'] / mean['unadmitted']:.2f}",
+                     str(r.last_first_token("admission")), str(r.last_first_token("uncapped")),
+                     stalled or str(r.last_first_token("unadmitted"))))
     return render_table(rows)
 
 
@@ -263,11 +280,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     started = time.perf_counter()
     results = measure_all(args.quick)
-    print(f"Reload round of {REQUESTS} requests of {PROMPT_TOKENS} tokens ({DECODE_TOKENS} generated each), "
-          f"loaded from the host tier; engine steps to each request's first token with kvscope's load admission "
-          f"on and off (off: every load starts at once, vLLM's own admission alone); case = KV groups (2g: full "
-          f"attention + a 1024-token window; 4g: 2 full + windows of 4096 and 128)/device blocks/L: steps a "
-          f"load takes; max_num_batched_tokens {MAX_NUM_BATCHED_TOKENS}")
+    print(f"Reload round of {REQUESTS} requests ({DECODE_TOKENS} tokens generated each) loaded from the host tier; "
+          f"engine steps to each request's first token with kvscope's load admission on, on with every window "
+          f"counted whole (uncapped), and off (every load starts at once: vLLM's own admission alone); case = KV "
+          f"groups (2g: full attention + a 1024-token window; 4g: 2 full + windows of 4096 and 128)/device "
+          f"blocks/prompt tokens/L: steps a load takes; max_num_batched_tokens {MAX_NUM_BATCHED_TOKENS}")
     print(format_table(results))
     print(f"{time.perf_counter() - started:.0f} s")
     return 0

@@ -281,10 +281,11 @@ METHOD_NOTES = [
     "prefix cache reset, loaded from the host tier (asserted); case `Ng/R`: N groups (1: full; 2: full + "
     "sliding 1024), R requests at once; ratios are medians of per-round ratios.",
     "admission_bench: engine steps (counts, not times) from the start of a reload round to each request's "
-    "first token, kvscope's load admission on vs off (every load starting at once): two real vLLM `Scheduler`s "
-    "in lockstep without a model, 8 requests of 2048 tokens stored, the device prefix cache reset, then loaded "
-    "back; case `Ng/B/Ln`: N groups (2: full + sliding 1024; 4: full, sliding 4096, full, sliding 128), B device "
-    "blocks in all, a load done n steps after it is planned.",
+    "first token, kvscope's load admission on (`admission`; `uncapped`: its bound counting every window whole) "
+    "vs off (every load starting at once): three real vLLM `Scheduler`s in lockstep without a model, 8 "
+    "requests stored, the device prefix cache reset, then loaded back; case `Ng/B/T/Ln`: N groups (2: full + "
+    "sliding 1024; 4: full, sliding 4096, full, sliding 128), B device blocks in all, prompts of T tokens, a "
+    "load done n steps after it is planned.",
     "e2e: vLLM CPU engine, `big-llama` (random weights, 8 layers, hidden 1024) in float32 (this CPU "
     "has no native bf16 matmuls), one process per engine. Time to first token = wall time of a "
     "max_tokens=1 request; host load vs recompute measured as pairs in one engine (the last, "

@@ -11,32 +11,41 @@ headroom"). A failed load at the head of vLLM's queue stalls it the same way.
 
 So kvscope starts a load only while the requests whose loads vLLM has not yet run, this one included,
 fit the device cache even at their largest: each of them alone then finds its blocks once the running
-requests are gone, the head of the queue first. The bound ignores what a window or a Mamba group frees
-(vLLM's own checks count a sliding-window group up to the whole sequence): it is never below what vLLM
-asks, and only serialises loads when the device cache is nearly full. A load that must wait is deferred
-(vLLM asks again next step), and the loads behind it wait too, so none overtakes it.
+requests are gone, the head of the queue first. At their largest: every block a request's tokens span in
+each full-attention and Mamba group; in a sliding-window group no more than vLLM's own per-request cap
+for it (`max_admission_blocks_per_request`: the window plus the tokens in flight; vLLM frees the blocks
+behind the window before it allocates a chunk, so a request never holds more, and every check of vLLM's
+counts the group at most that). The bound is never below what vLLM asks, and only serialises loads when
+the device cache is nearly full. A load that must wait is deferred (vLLM asks again next step), and the
+loads behind it wait too, so none overtakes it.
 
 Pure: request ids and token counts in, no vLLM types.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from .groups import GroupKind, GroupLayout
 
 
-def request_blocks_bound(layouts: Iterable[GroupLayout], num_tokens: int, lookahead_tokens: int = 0) -> int:
+def request_blocks_bound(layouts: Iterable[GroupLayout], num_tokens: int, lookahead_tokens: int = 0,
+                         window_caps: Mapping[int, int] | None = None) -> int:
     """At most how many device blocks a request of ``num_tokens`` holds and asks for, over all groups,
     from its load until it first runs: every block its tokens (and ``lookahead_tokens`` drafts) span in
-    each group, and a Mamba group's draft states besides."""
+    each group, a sliding-window group no more than its cap in ``window_caps`` (group index -> blocks:
+    vLLM's `max_admission_blocks_per_request`; a group without one counts whole), and a Mamba group's
+    draft states besides."""
     tokens = num_tokens + lookahead_tokens
     total = 0
     for layout in layouts:
-        total += -(-tokens // layout.block_size)
+        blocks = -(-tokens // layout.block_size)
         if layout.kind is GroupKind.MAMBA:
-            total += lookahead_tokens  # a state block per draft token at most
+            blocks += lookahead_tokens  # a state block per draft token at most
+        elif window_caps and layout.kind is GroupKind.SLIDING_WINDOW and layout.index in window_caps:
+            blocks = min(blocks, window_caps[layout.index])
+        total += blocks
     return total
 
 
@@ -54,6 +63,9 @@ class LoadAdmission:
     def __init__(self, layouts: list[GroupLayout], lookahead_tokens: int = 0):
         self.layouts = layouts
         self.lookahead_tokens = lookahead_tokens
+        # vLLM's per-request cap of each sliding-window group (`request_blocks_bound`); None until the
+        # caller has read them from vLLM (set before the first load is admitted)
+        self.window_caps: dict[int, int] | None = None
         self._waiting: dict[str, int] = {}  # request id -> its blocks bound (`request_blocks_bound`)
         self._waiting_blocks = 0  # their sum
         # The deferred requests, in the order their loads were first deferred (public: the scheduler
@@ -74,8 +86,7 @@ class LoadAdmission:
             return True
         deferred = self.deferred
         first_deferred = next(iter(deferred), req_id)
-        if first_deferred == req_id and (request_blocks_bound(self.layouts, num_tokens, self.lookahead_tokens)
-                                         + self._waiting_blocks <= usable_blocks):
+        if first_deferred == req_id and self._bound(num_tokens) + self._waiting_blocks <= usable_blocks:
             return True
         deferral = deferred.get(req_id)
         if deferral is None:
@@ -90,7 +101,7 @@ class LoadAdmission:
         self.deferred.pop(req_id, None)
         if loads:
             self._forget_waiting(req_id)  # a preempted request loading again is counted once
-            bound = request_blocks_bound(self.layouts, num_tokens, self.lookahead_tokens)
+            bound = self._bound(num_tokens)
             self._waiting[req_id] = bound
             self._waiting_blocks += bound
 
@@ -105,6 +116,9 @@ class LoadAdmission:
     def ended(self, req_id: str) -> None:
         self._forget_waiting(req_id)
         self.deferred.pop(req_id, None)
+
+    def _bound(self, num_tokens: int) -> int:
+        return request_blocks_bound(self.layouts, num_tokens, self.lookahead_tokens, self.window_caps)
 
     def _forget_waiting(self, req_id: str) -> None:
         self._waiting_blocks -= self._waiting.pop(req_id, 0)

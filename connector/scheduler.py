@@ -37,6 +37,20 @@ def _pin_nothing(key) -> None:
     return None
 
 
+def _window_admission_caps(kv_cache_manager, layouts: list[GroupLayout]) -> dict[int, int]:
+    """vLLM's per-request cap of each sliding-window group (`load_admission`): its manager's
+    `max_admission_blocks_per_request` (0.32 to 0.34). A group without a readable one gets none: the
+    bound counts it whole."""
+    caps = {}
+    managers = getattr(getattr(kv_cache_manager, "coordinator", None), "single_type_managers", ())
+    for layout in layouts:
+        if layout.kind is GroupKind.SLIDING_WINDOW and layout.index < len(managers):
+            cap = getattr(managers[layout.index], "max_admission_blocks_per_request", None)
+            if type(cap) is int and cap > 0:
+                caps[layout.index] = cap
+    return caps
+
+
 def _deferral_values(deferral: Deferral, span_start_ns: int) -> tuple[int, int]:
     """The `kvscope.deferred.*` values of the span that tells a deferred load's wait, which ends at its
     start (`DEFERRED_LOOKUP_SPAN`, `DEFERRED_LOAD_SPAN`)."""
@@ -212,6 +226,8 @@ class KVScopeScheduler:
             return True
         manager = self._kv_cache_manager()
         usable = manager.block_pool.num_gpu_blocks - 1  # less the null block
+        if admission.window_caps is None:
+            admission.window_caps = _window_admission_caps(manager, self.layouts)
         if admission.may_start(request.request_id, request.num_tokens, usable, lookup_start_ns):
             return True
         if not self._deferral_logged:
@@ -256,6 +272,8 @@ class KVScopeScheduler:
                     state.trace_context = self.tracing.parent_from_trace_headers(headers)
             self._requests[req_id] = state
         lookup = self._lookups.pop(req_id, None)
+        if num_external_tokens and self.admission.window_caps is None:
+            self.admission.window_caps = _window_admission_caps(self._kv_cache_manager(), self.layouts)
         self.admission.admitted(req_id, request.num_tokens, loads=num_external_tokens > 0)
         if lookup is not None and lookup.deferred is not None:
             self._deferral_waits_ns.append(max(0, lookup.start_ns - lookup.deferred.first_ns))

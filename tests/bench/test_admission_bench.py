@@ -1,6 +1,7 @@
-"""Smoke test of the load admission benchmark: two real vLLM schedulers with kvscope, load admission on
-and off, serve the same rounds; with room for every load at once admission changes nothing, under
-device-KV pressure it defers loads, and the records are well formed."""
+"""Smoke test of the load admission benchmark: real vLLM schedulers with kvscope, load admission on (its
+bound capped by vLLM's per-group window cap, and not) and off, serve the same rounds; with room for every
+load at once admission changes nothing, under device-KV pressure it defers loads, the cap defers fewer
+of long prompts, and the records are well formed."""
 
 from __future__ import annotations
 
@@ -12,10 +13,12 @@ pytest.importorskip("vllm")
 
 from bench import admission_bench, run_all  # noqa: E402
 
+SHORT, LONG = admission_bench.PROMPT_TOKENS, admission_bench.LONG_PROMPT_TOKENS
+
 
 def test_admission_defers_only_under_pressure_and_changes_nothing_with_room():
-    tight, roomy = admission_bench.measure_all(cases={2: (600, 2100)}, load_steps=(2,))
-    assert tight.deferrals > 0 and roomy.deferrals == 0
+    tight, roomy = admission_bench.measure_all(cases=((2, 600, SHORT), (2, 2100, SHORT)), load_steps=(2,))
+    assert tight.deferrals["admission"] > 0 and roomy.deferrals == {"admission": 0, "uncapped": 0}
     for result in tight, roomy:
         for side in admission_bench.SIDES:
             served = result.reload[side]
@@ -27,9 +30,17 @@ def test_admission_defers_only_under_pressure_and_changes_nothing_with_room():
     run_all.check_records(records)
     json.dumps(records)
     by_name = {r["name"]: r for r in records}
-    ratio = by_name["admission.first_token_steps.admission[2g/2100/L2]"]
-    assert ratio["ratio"] == 1.0 and ratio["ratio_of"] == "admission.first_token_steps.unadmitted[2g/2100/L2]"
-    assert "2g/600/L2" in admission_bench.format_table([tight, roomy])
+    ratio = by_name["admission.first_token_steps.admission[2g/2100/2048/L2]"]
+    assert ratio["ratio"] == 1.0 and ratio["ratio_of"] == "admission.first_token_steps.unadmitted[2g/2100/2048/L2]"
+    assert "2g/600/2048/L2" in admission_bench.format_table([tight, roomy])
+
+
+def test_vllms_window_cap_defers_fewer_loads_of_prompts_longer_than_the_window():
+    """6144-token prompts beside a 1024-token window: capped, a request counts 384 + 193 blocks, not 2 x 384."""
+    (result,) = admission_bench.measure_all(cases=((2, 4700, LONG),), load_steps=(4,))
+    assert result.deferrals == {"admission": 0, "uncapped": 2}
+    assert result.mean_first_token("admission") == result.mean_first_token("unadmitted")
+    assert result.mean_first_token("uncapped") > result.mean_first_token("admission")
 
 
 def test_a_round_that_loads_nothing_is_caught(monkeypatch):

@@ -23,6 +23,25 @@ def test_the_bound_counts_every_block_a_request_spans_in_each_group_the_window_i
     assert request_blocks_bound([GroupLayout(0, GroupKind.FULL_ATTENTION, 16)], 1) == 1
 
 
+def test_a_sliding_window_group_counts_no_more_than_vllms_cap_for_it():
+    """vLLM's `max_admission_blocks_per_request` (window plus tokens in flight): a request never holds more
+    in that group, and vLLM's checks count it no higher. Full attention stays whole; no cap, whole."""
+    assert request_blocks_bound(GEMMA, 4000, window_caps={0: 20}) == 20 + 125
+    assert request_blocks_bound(GEMMA, 320, window_caps={0: 20}) == 10 + 10  # under the cap: what it spans
+    assert request_blocks_bound(GEMMA, 4000, window_caps={1: 20}) == 125 + 125  # a cap on full attention: none
+    assert request_blocks_bound(GEMMA, 4000, window_caps={}) == request_blocks_bound(GEMMA, 4000) == 250
+
+
+def test_the_caps_let_long_requests_load_together():
+    admission = LoadAdmission(GEMMA)
+    admission.window_caps = {0: 20}
+    admission.admitted("a", 4000, loads=True)  # 20 + 125
+    assert admission.may_start("b", 4000, usable_blocks=290)
+    uncapped = LoadAdmission(GEMMA)
+    uncapped.admitted("a", 4000, loads=True)  # 125 + 125
+    assert not uncapped.may_start("b", 4000, usable_blocks=290)
+
+
 def test_drafts_add_their_slots_and_a_mamba_state_block_each():
     assert request_blocks_bound(GEMMA, 959, lookahead_tokens=3) == 31 + 31
     assert request_blocks_bound([FULL, MAMBA], 959) == 30 + 1

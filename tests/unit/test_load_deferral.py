@@ -196,3 +196,27 @@ def test_a_resumed_requests_deferred_load_tells_its_wait_on_its_load_span():
     (first_load,) = [span for span in exporter.get_finished_spans()
                      if span.name == "kvscope.load" and span.attributes["kvscope.request.id"] == "first"]
     assert "kvscope.deferred.lookups" not in first_load.attributes
+
+
+def test_the_sliding_window_caps_are_read_from_vllms_managers():
+    """`max_admission_blocks_per_request` of each sliding-window group's manager, read once, before the
+    first load is admitted; full-attention groups and unreadable caps get none (counted whole)."""
+    from connector.scheduler import _window_admission_caps
+
+    managers = [SimpleNamespace(max_admission_blocks_per_request=cap) for cap in (5, 9)]
+    manager = SimpleNamespace(block_pool=SimpleNamespace(num_gpu_blocks=48),
+                              coordinator=SimpleNamespace(single_type_managers=managers))
+    assert [layout.kind.value for layout in LAYOUTS] == ["sliding_window", "full_attention"]
+    assert _window_admission_caps(manager, LAYOUTS) == {0: 5}
+    assert _window_admission_caps(SimpleNamespace(), LAYOUTS) == {}
+    managers[0].max_admission_blocks_per_request = None
+    assert _window_admission_caps(manager, LAYOUTS) == {}
+    managers[0].max_admission_blocks_per_request = 5
+    sched = KVScopeScheduler(LAYOUTS, offload_block_size=B, hash_block_size=BS, num_slots=16, slot_bytes=1024,
+                             world_size=1, tracing=KVScopeTracing.disabled(), kv_cache_manager_getter=lambda: manager)
+    _stored(sched, (0, "h3"), (1, "h3"), (0, "h7"), (1, "h7"))
+    assert sched.admission.window_caps is None
+    _admit_with_load(sched, _state("first", 192).request, 128)
+    assert sched.admission.window_caps == {0: 5}
+    # 5 + 12 blocks each now, where 24 before: a second load fits 47 usable blocks
+    assert sched.get_num_new_matched_tokens(_state("second", 192).request, 0) == (128, True)
