@@ -35,8 +35,8 @@ def request_blocks_bound(layouts: Iterable[GroupLayout], num_tokens: int, lookah
     """At most how many device blocks a request of ``num_tokens`` holds and asks for, over all groups,
     from its load until it first runs: every block its tokens (and ``lookahead_tokens`` drafts) span in
     each group, a sliding-window group no more than its cap in ``window_caps`` (group index -> blocks:
-    vLLM's `max_admission_blocks_per_request`; a group without one counts whole), and a Mamba group's
-    draft states besides."""
+    vLLM's `max_admission_blocks_per_request`, and the drafts' slots; a group without one counts whole),
+    and a Mamba group's draft states besides."""
     tokens = num_tokens + lookahead_tokens
     total = 0
     for layout in layouts:
@@ -44,7 +44,8 @@ def request_blocks_bound(layouts: Iterable[GroupLayout], num_tokens: int, lookah
         if layout.kind is GroupKind.MAMBA:
             blocks += lookahead_tokens  # a state block per draft token at most
         elif window_caps and layout.kind is GroupKind.SLIDING_WINDOW and layout.index in window_caps:
-            blocks = min(blocks, window_caps[layout.index])
+            # (vLLM's cap counts the tokens in flight, not the drafts' slots beside them: those too)
+            blocks = min(blocks, window_caps[layout.index] - (-lookahead_tokens // layout.block_size))
         total += blocks
     return total
 

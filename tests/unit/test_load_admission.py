@@ -30,6 +30,8 @@ def test_a_sliding_window_group_counts_no_more_than_vllms_cap_for_it():
     assert request_blocks_bound(GEMMA, 320, window_caps={0: 20}) == 10 + 10  # under the cap: what it spans
     assert request_blocks_bound(GEMMA, 4000, window_caps={1: 20}) == 125 + 125  # a cap on full attention: none
     assert request_blocks_bound(GEMMA, 4000, window_caps={}) == request_blocks_bound(GEMMA, 4000) == 250
+    # drafts take slots beside the tokens in flight vLLM's cap counts: a block more for up to 32 of them
+    assert request_blocks_bound(GEMMA, 4000, lookahead_tokens=3, window_caps={0: 20}) == 21 + 126
 
 
 def test_the_caps_let_long_requests_load_together():
