@@ -51,7 +51,6 @@ def raw_spans(path: Path) -> list[dict]:
     return out
 
 
-
 def nearest_rank(values, percent: float) -> float:
     """The nearest-rank percentile: the smallest value with at least `percent` % of the values at or below it
     (a value that occurred, as the app shows)."""

@@ -412,7 +412,6 @@ def test_request_filters_misses_and_failed_loads(monkeypatch, tmp_path):
     assert at.dataframe[0].value["request_id"].tolist() == ["r-miss"]
 
 
-
 def test_requests_of_several_engines_show_their_engine_and_filter_by_it(monkeypatch, tmp_path):
     """Data parallelism: the Overview's table by engine, the Requests page's engine column and filter appear
     only when the spans name several engines."""
@@ -450,6 +449,7 @@ def test_requests_of_several_engines_show_their_engine_and_filter_by_it(monkeypa
     single.switch_page("views/replay.py").run()
     assert_ok(single)
     assert not any(box.key == "replay_engine" for box in single.selectbox)
+
 
 def _failed_load_trace() -> str:
     t = 1_700_000_000_000_000_000
@@ -721,7 +721,6 @@ def test_requests_page_counts_its_rows_and_shows_when_each_arrived(monkeypatch, 
     assert_ok(at)
     assert at.caption[0].value == "0 of 20 requests. Select a row to see its spans."
     assert [h.value for h in at.subheader] == ["Trace files"] and len(at.dataframe) == 1  # the sidebar's
-
 
 
 def test_live_page_takes_its_url_from_the_environment_and_shows_the_last_hour_in_milliseconds(

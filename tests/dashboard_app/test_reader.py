@@ -832,7 +832,6 @@ def test_an_attribute_holding_two_values_skips_its_span_in_both_decoders(tmp_pat
     assert list(traces.read_trace_files([write(tmp_path, line(ok), name="ok.jsonl")]).spans["request_id"]) == ["r3"]
 
 
-
 def engine_line(engine_value, *spans: dict) -> str:
     """A line whose resource names its engine (`kvscope.engine`, as the connector's SDK resource writes it)."""
     doc = json.loads(line(*spans))
@@ -946,6 +945,7 @@ def test_a_bad_engine_in_a_resource_skips_that_resources_spans_only(tmp_path, de
     assert list(read.spans["request_id"]) == ["r3"]
     assert [(p.line, p.spans) for p in read.problems] == [(1, 2)]
     assert reason in read.problems[0].reason
+
 
 def test_a_pretty_printed_export_is_read_as_one_document(tmp_path, decoder):
     one = json.loads(line(lookup("r1", span_id="11" * 8)))
@@ -1229,7 +1229,6 @@ def test_a_misshapen_export_names_the_field(tmp_path, decoder, doc, reason):
     assert len(read.spans) == 1
 
 
-
 def _scope_spans(doc: dict) -> dict:
     return doc["resourceSpans"][0]["scopeSpans"][0]
 
@@ -1301,6 +1300,7 @@ def test_a_list_whose_only_entries_in_the_file_are_null_is_reported(tmp_path, de
     read = traces.read_trace_files([write(tmp_path, json.dumps(edit(json.loads(line(lookup())))))])
     assert read.spans.empty
     assert [(p.line, p.reason, p.spans) for p in read.problems] == [(1, reason, spans)]
+
 
 @pytest.mark.parametrize(
     ("edit", "reason"),

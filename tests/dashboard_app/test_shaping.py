@@ -133,7 +133,6 @@ def test_overall_hit_rate_and_numbers(read, requests, expected):
     assert (numbers["bytes_loaded"], numbers["bytes_stored"]) == (expected.bytes["load"], expected.bytes["store"])
 
 
-
 def test_per_engine_numbers_split_the_overall_ones(requests, expected):
     """Each engine's row is the overview's numbers over its requests alone; requests of no engine (older
     files) are in none, and a file naming no engine has no rows."""
@@ -149,6 +148,7 @@ def test_per_engine_numbers_split_the_overall_ones(requests, expected):
         assert table.loc[engine, "hit_rate"] == pytest.approx(mine["tokens_hit"].sum() / mine["tokens_queried"].sum())
         assert table.loc[engine, "load_p50_ms"] == pytest.approx(nearest_rank(mine["load_ms"].dropna(), 50))
     assert table["tokens_queried"].sum() == split["tokens_queried"].iloc[:18].sum()
+
 
 def test_hit_rate_over_time(requests, expected):
     frame = traces.hit_rate_over_time(requests, bucket_s=1.0)
