@@ -66,14 +66,9 @@ def scan_duration():
         "loop, so it delays every request in the step: it should stay in the tens of microseconds. "
         "Growth with prompt length is linear by design; a jump at equal prompt lengths is a "
         "regression worth a profile.",
-        pc.queries(*(
-            (
-                pc.quantile(q, lambda *m: f"rate(kvscope_scan_duration_seconds_bucket{sel(GROUP, *m)}{RATE})",
-                            by=("model_name", "group", "kind")),
-                f"p{round(q * 100)} ({{{{kind}}}}, {{{{model_name}}}})",
-            )
-            for q in (0.5, 0.99)
-        )),
+        pc.quantile_queries(
+            (0.5, 0.99), lambda *m: f"rate(kvscope_scan_duration_seconds_bucket{sel(GROUP, *m)}{RATE})",
+            ("model_name", "group", "kind"), "{p} ({{kind}}, {{model_name}})"),
         "s",
         width=pc.THIRD,
     )
@@ -85,14 +80,9 @@ def copy_latency_by_direction():
         "Quantiles of one copy of this group's blocks (kvscope_copy_duration_seconds), loads (host "
         "to device) and stores (device to host) apart. A load p99 far above p50 means loads wait "
         "behind stores or each other; compare the copy rate panel.",
-        pc.queries(*(
-            (
-                pc.quantile(q, lambda *m: f"rate(kvscope_copy_duration_seconds_bucket{sel(GROUP, *m)}{RATE})",
-                            by=("model_name", "direction")),
-                f"p{round(q * 100)} {{{{direction}}}} ({{{{model_name}}}})",
-            )
-            for q in (0.5, 0.99)
-        )),
+        pc.quantile_queries(
+            (0.5, 0.99), lambda *m: f"rate(kvscope_copy_duration_seconds_bucket{sel(GROUP, *m)}{RATE})",
+            ("model_name", "direction"), "{p} {{direction}} ({{model_name}})"),
         "s",
         width=pc.THIRD,
     )

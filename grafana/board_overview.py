@@ -187,14 +187,9 @@ def request_load_latency():
         "arrive from the host tier. p50 is the usual cost of a hit; a p99 far above p50 means some "
         "loads queue behind others or behind stores (long prompts, bursts). Compare with the prefill "
         "time of the same prompts: a load slower than recomputing is a loss.",
-        pc.queries(*(
-            (
-                pc.quantile(q, lambda *m: f"rate(kvscope_request_load_duration_seconds_bucket{sel(*m)}{RATE})",
-                            by=("model_name",)),
-                f"p{round(q * 100)} {{{{model_name}}}}",
-            )
-            for q in (0.5, 0.95, 0.99)
-        )),
+        pc.quantile_queries(
+            (0.5, 0.95, 0.99), lambda *m: f"rate(kvscope_request_load_duration_seconds_bucket{sel(*m)}{RATE})",
+            ("model_name",), "{p} {{model_name}}"),
         "s",
         width=18,
     )
@@ -209,14 +204,10 @@ def copy_latency():
         "with bigger blocks take longer; what matters is the trend and the p99/p50 spread. Rising "
         "latency at flat throughput means contention on the PCIe link or host memory; compare with "
         "the throughput panel.",
-        pc.queries(*(
-            (
-                pc.quantile(q, lambda *m: f"rate(kvscope_copy_duration_seconds_bucket{sel(*m)}{RATE})",
-                            by=("model_name", "group", "kind", "direction")),
-                f"p{round(q * 100)} {{{{direction}}}} {{{{model_name}}}} group {{{{group}}}} ({{{{kind}}}})",
-            )
-            for q in (0.5, 0.99)
-        )),
+        pc.quantile_queries(
+            (0.5, 0.99), lambda *m: f"rate(kvscope_copy_duration_seconds_bucket{sel(*m)}{RATE})",
+            ("model_name", "group", "kind", "direction"),
+            "{p} {{direction}} {{model_name}} group {{group}} ({{kind}})"),
         "s",
     )
 
@@ -322,14 +313,9 @@ def deferral_wait():
         "deferred loads beside, never here. No line means no deferred load was admitted in the window. "
         "Steady waits well above an engine step or two ask for device KV headroom: a larger device KV cache "
         "(a higher gpu_memory_utilization), or fewer concurrent requests (max_num_seqs).",
-        pc.queries(*(
-            (
-                pc.quantile(q, lambda *m: f"rate(kvscope_load_deferral_wait_seconds_bucket{sel(*m)}{RATE})",
-                            by=("instance", "model_name", "engine")),
-                f"p{round(q * 100)} {{{{model_name}}}} {{{{instance}}}} engine {{{{engine}}}}",
-            )
-            for q in (0.5, 0.99)
-        )),
+        pc.quantile_queries(
+            (0.5, 0.99), lambda *m: f"rate(kvscope_load_deferral_wait_seconds_bucket{sel(*m)}{RATE})",
+            ("instance", "model_name", "engine"), "{p} {{model_name}} {{instance}} engine {{engine}}"),
         "s",
         width=pc.HALF,
     )

@@ -58,6 +58,11 @@ def quantile(q: float, buckets, by: Sequence[str] = ()) -> str:
     return f"histogram_quantile({q}, {summed} and ignoring (le) ({observed}))"
 
 
+def quantile_queries(quantiles: Sequence[float], buckets, by: Sequence[str], legend: str) -> list:
+    """A `quantile` range query per quantile, its legend ``legend`` with ``{p}`` the percentile ("p99")."""
+    return queries(*((quantile(q, buckets, by), legend.replace("{p}", f"p{round(q * 100)}")) for q in quantiles))
+
+
 def query(expr: str, legend: str = "", ref_id: str = "A", instant: bool = False) -> prometheus_b.Dataquery:
     q = prometheus_b.Dataquery().expr(expr).ref_id(ref_id)
     q = q.instant() if instant else q.range()
