@@ -78,6 +78,11 @@ class LoadAdmission:
     def waiting_loads(self) -> int:
         return len(self._waiting)
 
+    @property
+    def waiting_requests(self) -> Iterable[str]:
+        """The requests whose loads vLLM admitted and has not yet run."""
+        return self._waiting.keys()
+
     def may_start(self, req_id: str, num_tokens: int, usable_blocks: int, now_ns: int = 0) -> bool:
         """Whether a load of ``req_id`` may start now, given the device blocks a request can ever have
         (``usable_blocks``: the cache less vLLM's null block); ``now_ns``: when this lookup started,

@@ -7,7 +7,7 @@ from __future__ import annotations
 def connector_leaks(sched, vllm_requests, workers) -> list[str]:
     """Pinned or never completed host entries, transfer jobs without their reports, device blocks still
     sources of stores, unsettled fillings, copies in flight on a worker, and state of requests vLLM
-    let go of. ``sched``: kvscope's scheduler side; ``vllm_requests``: vLLM's scheduler's live requests;
+    let go of (load admission's too). ``sched``: kvscope's scheduler side; ``vllm_requests``: vLLM's scheduler's live requests;
     ``workers``: kvscope's worker connectors. Empty when nothing leaked."""
     leaks = [f"{key}: pins={e.pins} ready={e.ready}" for key, e in sched.index._entries.items()
              if e.pins or not e.ready]
@@ -16,5 +16,7 @@ def connector_leaks(sched, vllm_requests, workers) -> list[str]:
     leaks += [f"unsettled filling of {key}" for key in sched.stores.by_key]
     leaks += [f"worker {rank}: {len(w._worker._in_flight)} copies in flight"
               for rank, w in enumerate(workers) if w._worker is not None and w._worker._in_flight]
-    gone = [r for r in (*sched._requests, *sched._lookups) if r not in vllm_requests]
+    admission = sched.admission  # (a deferred or waiting request vLLM let go of would hold the others back)
+    gone = [r for r in (*sched._requests, *sched._lookups, *admission.deferred, *admission.waiting_requests)
+            if r not in vllm_requests]
     return leaks + [f"state of finished request {r}" for r in gone]

@@ -220,3 +220,23 @@ def test_the_sliding_window_caps_are_read_from_vllms_managers():
     assert sched.admission.window_caps == {0: 5}
     # 5 + 12 blocks each now, where 24 before: a second load fits 47 usable blocks
     assert sched.get_num_new_matched_tokens(_state("second", 192).request, 0) == (128, True)
+
+
+def test_a_deferred_or_waiting_request_vllm_let_go_of_is_a_leak():
+    """`connector_leaks` (every model-free and real-engine run checks it) sees load admission's state too:
+    a deferred request left behind would hold back every load after it."""
+    from tests.connector_leaks import connector_leaks
+
+    def request_states(live) -> list[str]:
+        return [leak for leak in connector_leaks(tight, live, []) if leak.startswith("state of")]
+
+    tight, _ = _tier_with_a_prefix()
+    first, second = _state("first", 192).request, _state("second", 192).request
+    _admit_with_load(tight, first, 128)
+    assert tight.get_num_new_matched_tokens(second, 0) == (None, False)
+    assert request_states({"first": first, "second": second}) == []
+    tight._requests.pop("first")  # as if vLLM's finish had not reached kvscope: the admission holds both still
+    assert request_states({}) == ["state of finished request second", "state of finished request first"]
+    tight.admission.ended("first")
+    tight.admission.ended("second")
+    assert request_states({}) == []
