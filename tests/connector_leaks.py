@@ -7,8 +7,8 @@ from __future__ import annotations
 def connector_leaks(sched, vllm_requests, workers) -> list[str]:
     """Pinned or never completed host entries, transfer jobs without their reports, device blocks still
     sources of stores, unsettled fillings, copies in flight on a worker, and state of requests vLLM
-    let go of (load admission's too). ``sched``: kvscope's scheduler side; ``vllm_requests``: vLLM's scheduler's live requests;
-    ``workers``: kvscope's worker connectors. Empty when nothing leaked."""
+    let go of (load admission's too). ``sched``: kvscope's scheduler side; ``vllm_requests``: vLLM's
+    scheduler's live requests; ``workers``: kvscope's worker connectors. Empty when nothing leaked."""
     leaks = [f"{key}: pins={e.pins} ready={e.ready}" for key, e in sched.index._entries.items()
              if e.pins or not e.ready]
     leaks += [f"job {job_id}: {job.direction} of {job.req_id}" for job_id, job in sched._jobs.items()]
