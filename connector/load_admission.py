@@ -119,9 +119,10 @@ class LoadAdmission:
                 if req_id in waiting:
                     self._waiting_blocks -= waiting.pop(req_id)
 
-    def ended(self, req_id: str) -> None:
+    def ended(self, req_id: str) -> Deferral | None:
+        """The request is gone (finished or aborted); its deferral if it ended still deferred."""
         self._forget_waiting(req_id)
-        self.deferred.pop(req_id, None)
+        return self.deferred.pop(req_id, None)
 
     def _bound(self, num_tokens: int) -> int:
         return request_blocks_bound(self.layouts, num_tokens, self.lookahead_tokens, self.window_caps)

@@ -176,7 +176,7 @@ class KVScopeScheduler:
         self._miss_layouts = miss_order(layouts)  # `lookup_miss`
         self._evicted_reported = 0
         self._deferrals_reported = 0  # `admission.deferrals` already in the stats
-        self._deferral_waits_ns: list[int] = []  # each admitted deferred load's wait, for the stats
+        self._deferral_waits_ns: list[int] = []  # each deferred load's wait once it ended, for the stats
 
     # -- keys --
     def _offload_hashes(self, request) -> list:
@@ -812,7 +812,11 @@ class KVScopeScheduler:
         req_id = request.request_id
         state = self._requests.pop(req_id, None)
         self._lookups.pop(req_id, None)
-        self.admission.ended(req_id)
+        deferral = self.admission.ended(req_id)
+        if deferral is not None:
+            # Aborted while its load waited for device KV room (a client gave up, say): its wait is
+            # observed too, or the longest waits, the ones clients give up on, would never be.
+            self._deferral_waits_ns.append(max(0, time.time_ns() - deferral.first_ns))
         if state is not None:
             # Its prefix was used last: its stores went in head first, so this puts the head last in line
             self._touch_prefix(self._offload_hashes(request), state.load_job.keys if state.load_job else [])

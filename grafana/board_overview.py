@@ -309,8 +309,8 @@ def deferral_wait():
         "Quantiles of kvscope_load_deferral_wait_seconds, per engine: how long a deferred load's request "
         "waited for device KV room, from the first lookup kvscope answered \"not yet\" to the lookup vLLM "
         "admitted it on. The request's load had not even started: it waits this long, then its load (request load "
-        "latency) on top. Only admitted loads are observed; one aborted while it waited counts in the "
-        "deferred loads beside, never here. No line means no deferred load was admitted in the window. "
+        "latency) on top. A request aborted while it waited is observed at its end (clients give up on the "
+        "longest waits). No line means no wait ended in the window. "
         "Steady waits well above an engine step or two ask for device KV headroom: a larger device KV cache "
         "(a higher gpu_memory_utilization), or fewer concurrent requests (max_num_seqs).",
         pc.quantile_queries(

@@ -204,7 +204,7 @@ class KVScopeStats(KVConnectorStats):
 
     def record_deferral_wait(self, wait_s: float) -> None:
         """How long a deferred load's request waited for device KV room: from the first lookup answered
-        "not yet" to the lookup vLLM admitted it on."""
+        "not yet" to the lookup vLLM admitted it on, or to its end (aborted while it waited)."""
         value = float(wait_s)
         if value >= 0:
             self.data.setdefault("load_deferral_wait_s", []).append(value)
@@ -396,9 +396,8 @@ METRICS: tuple[MetricSpec, ...] = (
                "run; it is not lost. Each load is counted once, however many steps it waits."),
     MetricSpec("kvscope_load_deferral_wait_seconds", Histogram, "load_deferral_wait_s", (),
                "How long a deferred load's request waited for device KV room (see kvscope_deferred_loads_total): "
-               "from the first lookup kvscope answered 'not yet' to the lookup vLLM admitted the request on. "
-               "Observed when vLLM admits it: a request aborted while it waited is counted by "
-               "kvscope_deferred_loads_total only.", DEFERRAL_WAIT_BUCKETS_S),
+               "from the first lookup kvscope answered 'not yet' to the lookup vLLM admitted the request on, "
+               "or to the request's end where it was aborted while it waited.", DEFERRAL_WAIT_BUCKETS_S),
     MetricSpec("kvscope_dropped_trace_records_total", Counter, "dropped_trace_records", ("reason",),
                "Span records the connector made that a trace sink did not get, so traces lack their spans, by "
                "why: sink_failed (a sink failed to take them: an OTLP endpoint down, an unwritable trace file; "

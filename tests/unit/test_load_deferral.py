@@ -169,6 +169,31 @@ def test_a_deferred_request_whose_hit_is_gone_still_shows_its_wait():
     assert len(tight.take_stats().data["load_deferral_wait_s"]) == 1  # it waited, load or not
 
 
+def test_a_request_aborted_while_its_load_waited_has_its_wait_observed_at_its_end():
+    """A client that gives up on a load deferred for device KV room: `kvscope_load_deferral_wait_seconds`
+    observes its wait up to its end (else the longest waits, the ones given up on, would never be), once;
+    it has no lookup span (vLLM never counted its lookup) and is not deferred any more."""
+    tracing, exporter = in_memory_tracing()
+    tight = _scheduler(48, tracing)
+    _stored(tight, (0, "h3"), (1, "h3"), (0, "h7"), (1, "h7"))
+    _admit_with_load(tight, _state("first", 192).request, 128)
+    second = _state("second", 192).request
+    before = time.time_ns()
+    for _ in range(2):
+        assert tight.get_num_new_matched_tokens(second, 0) == (None, False)
+        time.sleep(0.002)
+    assert tight.take_stats().data.get("load_deferral_wait_s") is None  # still waiting: nothing observed
+    tight.request_finished(second)
+    waited_at_most_s = (time.time_ns() - before) / 1e9
+    data = tight.take_stats().data
+    (wait_s,) = data["load_deferral_wait_s"]
+    assert 0.004 <= wait_s <= waited_at_most_s
+    assert "second" not in _lookup_spans(exporter) and not tight.admission.deferred
+    tight.request_finished(_state("first", 192).request)  # not deferred: nothing more observed
+    stats = tight.take_stats()
+    assert stats is None or "load_deferral_wait_s" not in stats.data
+
+
 def test_a_resumed_requests_deferred_load_tells_its_wait_on_its_load_span():
     """A request preempted and loading again has no lookup span (vLLM counts its lookup apart): its load
     span says how long kvscope deferred it, from the first deferred lookup to the load's start."""
