@@ -56,6 +56,7 @@ class Deferral:
 
     lookups: int  # vLLM's lookups answered "not yet" (one per scheduler step that reached the request)
     first_ns: int  # when the first of them started (the caller's clock)
+    load_tokens: int = 0  # the tokens its load would bring, as of the latest of them
 
 
 class LoadAdmission:
@@ -83,11 +84,12 @@ class LoadAdmission:
         """The requests whose loads vLLM admitted and has not yet run."""
         return self._waiting.keys()
 
-    def may_start(self, req_id: str, num_tokens: int, usable_blocks: int, now_ns: int = 0) -> bool:
-        """Whether a load of ``req_id`` may start now, given the device blocks a request can ever have
-        (``usable_blocks``: the cache less vLLM's null block); ``now_ns``: when this lookup started,
-        kept for the first one deferred. With no load waiting to run, vLLM's own checks decide: one
-        such load always finds its blocks once the running requests are gone."""
+    def may_start(self, req_id: str, num_tokens: int, usable_blocks: int, now_ns: int = 0,
+                  load_tokens: int = 0) -> bool:
+        """Whether a load of ``req_id`` (of ``load_tokens``) may start now, given the device blocks a
+        request can ever have (``usable_blocks``: the cache less vLLM's null block); ``now_ns``: when
+        this lookup started, kept for the first one deferred. With no load waiting to run, vLLM's own
+        checks decide: one such load always finds its blocks once the running requests are gone."""
         if not self._waiting:
             return True
         deferred = self.deferred
@@ -96,10 +98,11 @@ class LoadAdmission:
             return True
         deferral = deferred.get(req_id)
         if deferral is None:
-            deferred[req_id] = Deferral(1, now_ns)
+            deferred[req_id] = Deferral(1, now_ns, load_tokens)
             self.deferrals += 1
         else:
             deferral.lookups += 1
+            deferral.load_tokens = load_tokens
         return False
 
     def admitted(self, req_id: str, num_tokens: int, loads: bool) -> None:

@@ -26,7 +26,7 @@ from .prefix_recency import finished_prefix_keys
 from .state_blocks import StateBlocks
 from .telemetry.failures import telemetry_failed
 from .telemetry.metrics import KVScopeStats
-from .telemetry.span_records import DEFERRED_LOOKUP_SPAN, LOOKUP_SPAN, STORE_SPAN
+from .telemetry.span_records import ABANDONED_WAIT_SPAN, DEFERRED_LOOKUP_SPAN, LOOKUP_SPAN, STORE_SPAN
 from .telemetry.tracing import KVScopeTracing, SpanRef
 
 logger = logging.getLogger(__name__)
@@ -51,10 +51,10 @@ def _window_admission_caps(kv_cache_manager, layouts: list[GroupLayout]) -> dict
     return caps
 
 
-def _deferral_values(deferral: Deferral, span_start_ns: int) -> tuple[int, int]:
-    """The `kvscope.deferred.*` values of the span that tells a deferred load's wait, which ends at its
-    start (`DEFERRED_LOOKUP_SPAN`, `DEFERRED_LOAD_SPAN`)."""
-    return deferral.lookups, max(0, span_start_ns - deferral.first_ns) // 1000
+def _deferral_values(deferral: Deferral, wait_end_ns: int) -> tuple[int, int]:
+    """The `kvscope.deferred.*` values of the span that tells a deferred load's wait: the wait ends at
+    its start (`DEFERRED_LOOKUP_SPAN`, `DEFERRED_LOAD_SPAN`) or its end (`ABANDONED_WAIT_SPAN`)."""
+    return deferral.lookups, max(0, wait_end_ns - deferral.first_ns) // 1000
 
 
 @dataclass(slots=True)
@@ -206,7 +206,7 @@ class KVScopeScheduler:
             return 0, False
         hashes = self._offload_hashes(request)
         external = self._hit_tokens(request, num_computed_tokens, hashes)
-        if external and not self._load_may_start(request, start):
+        if external and not self._load_may_start(request, start, external):
             return None, False  # vLLM asks again next step (`load_admission`)
         end = time.time_ns()
         # Why it did not serve more, outside the lookup's span time, as the stats it feeds are
@@ -219,7 +219,7 @@ class KVScopeScheduler:
         # before vLLM's mamba preprocessing, which a synchronous load would miss.
         return external, external > 0
 
-    def _load_may_start(self, request, lookup_start_ns: int) -> bool:
+    def _load_may_start(self, request, lookup_start_ns: int, load_tokens: int) -> bool:
         """Whether the request's load may start beside the loads vLLM has not yet run (`load_admission`)."""
         admission = self.admission
         if not admission.waiting_loads:
@@ -228,7 +228,7 @@ class KVScopeScheduler:
         usable = manager.block_pool.num_gpu_blocks - 1  # less the null block
         if admission.window_caps is None:
             admission.window_caps = _window_admission_caps(manager, self.layouts)
-        if admission.may_start(request.request_id, request.num_tokens, usable, lookup_start_ns):
+        if admission.may_start(request.request_id, request.num_tokens, usable, lookup_start_ns, load_tokens):
             return True
         if not self._deferral_logged:
             self._deferral_logged = True
@@ -816,7 +816,10 @@ class KVScopeScheduler:
         if deferral is not None:
             # Aborted while its load waited for device KV room (a client gave up, say): its wait is
             # observed too, or the longest waits, the ones clients give up on, would never be.
-            self._deferral_waits_ns.append(max(0, time.time_ns() - deferral.first_ns))
+            end_ns = time.time_ns()
+            self._deferral_waits_ns.append(max(0, end_ns - deferral.first_ns))
+            if self.tracing.enabled:
+                self._abandoned_wait_span(request, deferral, end_ns)
         if state is not None:
             # Its prefix was used last: its stores went in head first, so this puts the head last in line
             self._touch_prefix(self._offload_hashes(request), state.load_job.keys if state.load_job else [])
@@ -828,6 +831,19 @@ class KVScopeScheduler:
             state.load_job.aborted = True
         # Stores are complete (CPU) or fenced before block reuse (CUDA): free at once.
         return False, None
+
+    def _abandoned_wait_span(self, request, deferral: Deferral, end_ns: int) -> None:
+        """The span of a request that ended while its load was deferred (`ABANDONED_WAIT_SPAN`): the
+        only one it gets, as vLLM never admitted it. In the trace it came with, sampled like its others."""
+        try:
+            parent = self.tracing.parent_from_trace_headers(getattr(request, "trace_headers", None))
+            if self.tracing.may_record(parent):
+                self.tracing.record(ABANDONED_WAIT_SPAN, parent, deferral.first_ns, end_ns,
+                                    (request.request_id, deferral.load_tokens,
+                                     *_deferral_values(deferral, end_ns)))
+        except Exception:  # the request's end must go on (`telemetry_failed`)
+            telemetry_failed("the span of a request that ended waiting for device KV room")
+            self.tracing.record_failed()
 
     def reset_cache(self) -> bool:
         """vLLM resets its caches (`reset_prefix_cache(reset_connector=True)`, e.g. after a weight

@@ -81,8 +81,14 @@ DEFERRAL_ATTRIBUTES = (
     ("kvscope.deferred.wait_us", int))  # from the first of them to this span's start
 DEFERRED_LOOKUP_SPAN = RecordKind(7, LOOKUP_SPAN.name, LOOKUP_SPAN.attributes + DEFERRAL_ATTRIBUTES)
 DEFERRED_LOAD_SPAN = RecordKind(8, LOAD_SPAN.name, LOAD_SPAN.attributes + DEFERRAL_ATTRIBUTES)
+# A request that ended (a client gave up) while kvscope deferred its load: no lookup or load span tells its
+# wait, as vLLM never admitted it (nor counted its lookup), so this span does; it spans the wait itself.
+ABANDONED_WAIT_SPAN = RecordKind(9, "kvscope.deferral", (
+    ("kvscope.request.id", str),
+    ("kvscope.tokens.external", int),  # the tokens its load would have brought (at its last lookup)
+    *DEFERRAL_ATTRIBUTES))  # the wait: the span's own length
 KINDS = (GENERIC_SPAN, LOOKUP_SPAN, LOAD_SPAN, SCAN_SPAN, STORE_SPAN, COPY_SPAN, FAILED_COPY_SPAN,
-         DEFERRED_LOOKUP_SPAN, DEFERRED_LOAD_SPAN)  # by code
+         DEFERRED_LOOKUP_SPAN, DEFERRED_LOAD_SPAN, ABANDONED_WAIT_SPAN)  # by code
 # A resource attribute of every kvscope span: the engine that recorded it, as vLLM's metrics label it
 # (`engine`: vLLM's data-parallel index). Each engine has its own host tier.
 ENGINE_RESOURCE_ATTRIBUTE = "kvscope.engine"
@@ -95,7 +101,7 @@ ENGINE_RESOURCE_ATTRIBUTE = "kvscope.engine"
 # - ``lookup``: None, or ``(span_id, parent_span_id, parent_is_remote, start_ns, end_ns, queried, hit,
 #   miss reason, local tokens)``, with the two `DEFERRED_LOOKUP_SPAN` values after them when the
 #   request's load was deferred.
-LOAD_PLAN = 9
+LOAD_PLAN = 10
 
 _LOOKUP_VALUES = len(LOOKUP_SPAN.attributes) - 1  # a compound record's lookup values: all but the request id
 _MASK64 = (1 << 64) - 1

@@ -70,6 +70,16 @@ def build_prom_metrics(registry: CollectorRegistry, engines: int = 1):
     )
 
 
+def trace_file_spans(path) -> list:
+    """Every span of an OTLP/JSON-lines trace file (kvscope's or a Collector's), as protobuf spans; a line
+    that does not parse raises (tests want to see it)."""
+    from connector.telemetry.trace_file import parse_json_line
+
+    with open(path) as f:
+        return [span for line in f for rs in parse_json_line(line).resource_spans
+                for ss in rs.scope_spans for span in ss.spans]
+
+
 def proto_span_attributes(span) -> dict[str, Any]:
     """A protobuf (OTLP) span's attributes as a dict of ints and strings, the only kinds kvscope writes."""
     out = {}

@@ -10,7 +10,6 @@ for block, in each KV group, with the sliding window's null blocks skipped.
 from __future__ import annotations
 
 import inspect
-import json
 import secrets
 from collections import defaultdict
 from unittest import mock
@@ -19,6 +18,7 @@ import pytest
 from vllm.config import SchedulerConfig
 from vllm.v1.worker.gpu.kv_connector import ActiveKVConnector
 
+from connector.telemetry.testing import proto_span_attributes, trace_file_spans
 from connector.tiny_models import build_model
 from connector.worker import FENCE_AT_NEXT_STEP, FENCE_AT_ONCE, FENCE_WHEN_REUSED
 from tests.compat.model_free import (HAS_V1_RUNNER, ModelFreeEngine, create_engine_config, loaded_blocks_by_group,
@@ -772,16 +772,11 @@ def test_stores_still_copying_when_the_last_request_ends_are_ready_for_the_next(
 
 
 def _spans_by_trace(path) -> dict[str, list[dict]]:
-    """The trace file's spans (OTLP/JSON lines) as {trace id: [{name, id, parent, attrs}]}."""
+    """The trace file's spans as {trace id: [{name, id, parent, attrs}]}, ids in hex."""
     traces = defaultdict(list)
-    for line in path.read_text().splitlines():
-        for resource_spans in json.loads(line)["resourceSpans"]:
-            for scope_spans in resource_spans["scopeSpans"]:
-                for span in scope_spans["spans"]:
-                    attrs = {a["key"]: int(v["intValue"]) if "intValue" in (v := a["value"]) else v.get("stringValue")
-                             for a in span.get("attributes", [])}
-                    traces[span["traceId"]].append({"name": span["name"], "id": span["spanId"],
-                                                    "parent": span.get("parentSpanId", ""), "attrs": attrs})
+    for span in trace_file_spans(path):
+        traces[span.trace_id.hex()].append({"name": span.name, "id": span.span_id.hex(),
+                                            "parent": span.parent_span_id.hex(), "attrs": proto_span_attributes(span)})
     return traces
 
 

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import json
 from types import SimpleNamespace
 
 import pytest
 
+from connector.telemetry.testing import proto_span_attributes, trace_file_spans
 from tests.engine import engine_fuzz
 from tests.engine.engine_fuzz import (ATTENTION_ONLY_TOLERANCE, FLOAT32_TOLERANCE, LOGPROB_TOLERANCE, admission_order,
                                      compare, execute, first_parting, in_admission_order, largest_logprob_gap,
@@ -357,18 +357,17 @@ def test_seed_3782_runs_through_where_vllms_admission_alone_stalls(tmp_path):
     results = execute(plan, ("kvscope", "unadmitted", "baseline"))
     assert results["kvscope"]["external_hit_tokens"] > 0
     assert results["kvscope"]["deferred_loads"] >= 1  # kvscope_deferred_loads_total
-    spans = _spans(tmp_path / "kvscope.jsonl")
-    waits = [span for span in spans if "kvscope.deferred.lookups" in span["attributes"]]
+    spans = [(span.name, proto_span_attributes(span)) for span in trace_file_spans(tmp_path / "kvscope.jsonl")]
+    waits = [(name, told) for name, told in spans if "kvscope.deferred.lookups" in told]
     # every deferred request was admitted in the end (none aborted while it waited): each wait is told once,
     # in the trace and in kvscope_load_deferral_wait_seconds, which agree on it (the load spans' waits
     # run on to the load's start: a little longer)
     assert len(waits) == results["kvscope"]["deferred_loads"] == results["kvscope"]["deferral_waits"]
-    traced_wait_s = sum(span["attributes"]["kvscope.deferred.wait_us"] for span in waits) / 1e6
+    traced_wait_s = sum(told["kvscope.deferred.wait_us"] for _, told in waits) / 1e6
     assert results["kvscope"]["deferral_wait_s"] <= traced_wait_s + 1e-6 * len(waits)
     assert results["kvscope"]["deferral_wait_s"] >= 0.9 * traced_wait_s
-    assert {span["name"] for span in waits} == {"kvscope.lookup", "kvscope.load"}
-    for span in waits:
-        told = span["attributes"]
+    assert {name for name, _ in waits} == {"kvscope.lookup", "kvscope.load"}
+    for _, told in waits:
         assert told["kvscope.deferred.lookups"] >= 1 and told["kvscope.deferred.wait_us"] > 0
     assert verdict(results, tolerance=logprob_tolerance(plan)) == ("ok", [])
     outcome, problems = verdict(results, ours="unadmitted")
@@ -376,16 +375,3 @@ def test_seed_3782_runs_through_where_vllms_admission_alone_stalls(tmp_path):
     assert "free blocks; 0 loads deferred by kvscope" in problems[1]
 
 
-def _spans(path) -> list[dict]:
-    """A trace file's spans: name and attributes (ints and strings)."""
-    spans = []
-    for line in path.read_text().splitlines():
-        for resource_spans in json.loads(line)["resourceSpans"]:
-            for scope_spans in resource_spans["scopeSpans"]:
-                for span in scope_spans["spans"]:
-                    attributes = {}
-                    for a in span.get("attributes", []):
-                        v = a["value"]  # {"intValue": "12"} or {"stringValue": "r1"}
-                        attributes[a["key"]] = int(v["intValue"]) if "intValue" in v else v.get("stringValue")
-                    spans.append({"name": span["name"], "attributes": attributes})
-    return spans

@@ -169,29 +169,50 @@ def test_a_deferred_request_whose_hit_is_gone_still_shows_its_wait():
     assert len(tight.take_stats().data["load_deferral_wait_s"]) == 1  # it waited, load or not
 
 
-def test_a_request_aborted_while_its_load_waited_has_its_wait_observed_at_its_end():
-    """A client that gives up on a load deferred for device KV room: `kvscope_load_deferral_wait_seconds`
-    observes its wait up to its end (else the longest waits, the ones given up on, would never be), once;
-    it has no lookup span (vLLM never counted its lookup) and is not deferred any more."""
+def test_a_request_aborted_while_its_load_waited_tells_its_wait_in_a_span_and_the_histogram():
+    """A client that gives up on a load deferred for device KV room. vLLM never admitted the request (nor
+    counted its lookup): no lookup or load span, so a `kvscope.deferral` span of its own spans the wait, in
+    the trace the request came with; `kvscope_load_deferral_wait_seconds` observes the same wait at its end
+    (else the longest waits, the ones given up on, would never be), once."""
     tracing, exporter = in_memory_tracing()
     tight = _scheduler(48, tracing)
     _stored(tight, (0, "h3"), (1, "h3"), (0, "h7"), (1, "h7"))
     _admit_with_load(tight, _state("first", 192).request, 128)
     second = _state("second", 192).request
+    second.trace_headers = {"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"}
     before = time.time_ns()
     for _ in range(2):
         assert tight.get_num_new_matched_tokens(second, 0) == (None, False)
         time.sleep(0.002)
     assert tight.take_stats().data.get("load_deferral_wait_s") is None  # still waiting: nothing observed
     tight.request_finished(second)
-    waited_at_most_s = (time.time_ns() - before) / 1e9
-    data = tight.take_stats().data
-    (wait_s,) = data["load_deferral_wait_s"]
-    assert 0.004 <= wait_s <= waited_at_most_s
+    after = time.time_ns()
+    (wait_s,) = tight.take_stats().data["load_deferral_wait_s"]
+    assert 0.004 <= wait_s <= (after - before) / 1e9
     assert "second" not in _lookup_spans(exporter) and not tight.admission.deferred
-    tight.request_finished(_state("first", 192).request)  # not deferred: nothing more observed
+    (span,) = [span for span in exporter.get_finished_spans() if span.name == "kvscope.deferral"]
+    assert dict(span.attributes) == {"kvscope.request.id": "second", "kvscope.tokens.external": 128,
+                                     "kvscope.deferred.lookups": 2,
+                                     "kvscope.deferred.wait_us": (span.end_time - span.start_time) // 1000}
+    assert before <= span.start_time < span.start_time + 4_000_000 <= span.end_time <= after
+    assert int(wait_s * 1e6) == span.attributes["kvscope.deferred.wait_us"]
+    assert (span.context.trace_id, span.parent.span_id) == (0x0AF7651916CD43DD8448EB211C80319C, 0xB7AD6B7169203331)
+    tight.request_finished(_state("first", 192).request)  # not deferred: nothing more observed, no such span
     stats = tight.take_stats()
     assert stats is None or "load_deferral_wait_s" not in stats.data
+    assert len([span for span in exporter.get_finished_spans() if span.name == "kvscope.deferral"]) == 1
+
+
+def test_an_aborted_deferred_request_sampling_dropped_gets_no_span():
+    tracing, exporter = in_memory_tracing(sample_ratio=0.0)
+    tight = _scheduler(48, tracing)
+    _stored(tight, (0, "h3"), (1, "h3"), (0, "h7"), (1, "h7"))
+    _admit_with_load(tight, _state("first", 192).request, 128)
+    second = _state("second", 192).request
+    assert tight.get_num_new_matched_tokens(second, 0) == (None, False)
+    tight.request_finished(second)
+    assert not exporter.get_finished_spans()
+    assert len(tight.take_stats().data["load_deferral_wait_s"]) == 1  # the metric is never sampled
 
 
 def test_a_resumed_requests_deferred_load_tells_its_wait_on_its_load_span():
