@@ -771,6 +771,39 @@ def test_stores_still_copying_when_the_last_request_ends_are_ready_for_the_next(
     _assert_no_violations(engine.stats)
 
 
+def test_a_request_aborted_while_its_load_is_deferred_gets_a_span_of_its_wait(model_path, tmp_path):
+    """vLLM's own scheduler: a client aborts a request whose load kvscope deferred for device KV room (vLLM's
+    `finish_requests` on a waiting request ends it in the connector too). vLLM never admitted it: its one
+    span is a `kvscope.deferral` spanning the wait, and kvscope_load_deferral_wait_seconds observes it, as
+    every other deferred load's; the other requests finish, nothing leaks, the counts agree with vLLM's."""
+    trace_file = tmp_path / "spans.jsonl"
+    engine = three_loads_past_their_reserve(model_path, trace_file=trace_file)
+    admission = engine.scheduler.get_kv_connector()._scheduler.admission
+    aborted = []
+
+    def abort_the_first_deferred(_):
+        if not aborted and admission.deferred:
+            req_id, deferral = next(iter(admission.deferred.items()))
+            aborted.append((req_id, deferral.lookups))
+            engine.abort([req_id])
+
+    try:
+        engine.run(max_steps=200, on_scheduled=abort_the_first_deferred)
+        assert engine.host_tier_leaks() == [] and engine.telemetry_mismatches() == []
+    finally:
+        engine.shutdown()  # flushes the spans to the file
+    ((req_id, lookups),) = aborted
+    spans = [s for trace in _spans_by_trace(trace_file).values() for s in trace
+             if s["attrs"].get("kvscope.request.id") == req_id]
+    assert [(s["name"], s["parent"]) for s in spans] == [("kvscope.deferral", "")]  # the root of its own trace
+    told = spans[0]["attrs"]
+    assert told["kvscope.deferred.lookups"] == lookups >= 1 and told["kvscope.deferred.wait_us"] > 0
+    assert told["kvscope.tokens.external"] > 0
+    data = engine.stats.connector.data
+    assert len(data["load_deferral_wait_s"]) == data["deferred_loads"]  # the aborted one's too
+    assert engine.scheduler.requests == {}
+
+
 def _spans_by_trace(path) -> dict[str, list[dict]]:
     """The trace file's spans as {trace id: [{name, id, parent, attrs}]}, ids in hex."""
     traces = defaultdict(list)
