@@ -247,7 +247,8 @@ def _connector_problems(llm) -> list[str]:
     if ours.get("kvscope_missed_tokens_total", 0.0) != looked_up - hit:
         problems.append(f"telemetry: kvscope_missed_tokens_total {ours.get('kvscope_missed_tokens_total')} "
                         f"!= lookup - hit {looked_up - hit}")
-    # a wait is observed once per deferred load vLLM admitted (an aborted one is counted, not observed)
+    # a wait is observed once per deferred load whose wait ended: admitted, or aborted (that one with the next
+    # step's stats: none may follow the run's last abort)
     waits = ours.get("kvscope_load_deferral_wait_seconds_count", 0.0)
     deferred = ours.get("kvscope_deferred_loads_total", 0.0)
     if waits > deferred:
