@@ -819,7 +819,7 @@ class KVScopeScheduler:
             end_ns = time.time_ns()
             self._deferral_waits_ns.append(max(0, end_ns - deferral.first_ns))
             if self.tracing.enabled:
-                self._abandoned_wait_span(request, deferral, end_ns)
+                self._abandoned_wait_span(request, state, deferral, end_ns)
         if state is not None:
             # Its prefix was used last: its stores went in head first, so this puts the head last in line
             self._touch_prefix(self._offload_hashes(request), state.load_job.keys if state.load_job else [])
@@ -832,11 +832,13 @@ class KVScopeScheduler:
         # Stores are complete (CPU) or fenced before block reuse (CUDA): free at once.
         return False, None
 
-    def _abandoned_wait_span(self, request, deferral: Deferral, end_ns: int) -> None:
-        """The span of a request that ended while its load was deferred (`ABANDONED_WAIT_SPAN`): the
-        only one it gets, as vLLM never admitted it. In the trace it came with, sampled like its others."""
+    def _abandoned_wait_span(self, request, state: _RequestState | None, deferral: Deferral, end_ns: int) -> None:
+        """The span of a request that ended while its load was deferred (`ABANDONED_WAIT_SPAN`): no lookup or
+        load span tells that wait. Under the request's other spans (``state``: one admitted before, then
+        preempted, deferred on resuming) and sampled like them; else in the trace it came with."""
         try:
-            parent = self.tracing.parent_from_trace_headers(getattr(request, "trace_headers", None))
+            parent = state.trace_context if state is not None and state.trace_context is not None else \
+                self.tracing.parent_from_trace_headers(getattr(request, "trace_headers", None))
             if self.tracing.may_record(parent):
                 self.tracing.record(ABANDONED_WAIT_SPAN, parent, deferral.first_ns, end_ns,
                                     (request.request_id, deferral.load_tokens,

@@ -544,8 +544,9 @@ class ModelFreeEngine:
         """Where kvscope's stats, as vLLM hands them to its stat loggers, disagree with vLLM's own counts
         or with themselves: hit and looked-up tokens against vLLM's external prefix-cache hits and
         queries; the missed tokens by reason against lookup minus hit tokens; the blocks loaded and
-        failed against those the load jobs carried (their scans' pending blocks). Once every job is
-        reported. Empty when they agree."""
+        failed against those the load jobs carried (their scans' pending blocks); the deferral waits
+        observed against the loads deferred. Once every job is reported, and a step after the last abort.
+        Empty when they agree."""
         data = self.stats.connector.data if self.stats.connector is not None else {}
         hit, looked_up = data.get("hit_tokens", 0), data.get("lookup_tokens", 0)
         missed = sum(data.get("missed_tokens", {}).values())
@@ -561,6 +562,10 @@ class ModelFreeEngine:
                             f"{self.stats.external_queried_tokens}")
         if missed != looked_up - hit:
             problems.append(f"telemetry: {missed} missed tokens by reason, lookup - hit is {looked_up - hit}")
+        # every deferred load's wait ended (admitted, or aborted: observed with the step after its end)
+        waits, deferred = len(data.get("load_deferral_wait_s", ())), data.get("deferred_loads", 0)
+        if waits != deferred:
+            problems.append(f"telemetry: {waits} deferral waits observed, {deferred} loads deferred")
         return problems
 
     def kv_event_mismatches(self) -> list[str]:

@@ -181,3 +181,12 @@ def test_the_tight_profile_preempts_and_defers_loads_and_reads_what_it_wrote(see
     result = execute(plan)
     assert result.verdict == "ok", (result.violations[:6], result.unfinished[:6], result.leaks[:6])
     assert result.preemptions > 0 and result.deferred_loads > 0 and result.checked_loaded_blocks > 0
+
+
+def test_a_tight_seed_that_aborts_a_request_while_its_load_is_deferred_observes_its_wait():
+    """Seed 54 aborts a request at a pause while kvscope defers its load: its wait is observed as every
+    other deferred load's (`telemetry_mismatches`: as many waits as deferred loads; found failing with
+    the observation at the request's end taken out)."""
+    result = execute(make_plan(54, "tight"))
+    assert result.verdict == "ok", (result.violations[:6], result.unfinished[:6], result.leaks[:6])
+    assert result.deferred_loads >= 2 and result.aborts > 0

@@ -203,6 +203,25 @@ def test_a_request_aborted_while_its_load_waited_tells_its_wait_in_a_span_and_th
     assert len([span for span in exporter.get_finished_spans() if span.name == "kvscope.deferral"]) == 1
 
 
+def test_a_resumed_request_aborted_while_deferred_has_its_wait_span_under_its_first_lookup():
+    """Admitted with a load, preempted, deferred on resuming, then aborted: its wait span joins the trace its
+    lookup rooted (no traceparent), as its load span did, rather than starting a trace of its own."""
+    tracing, exporter = in_memory_tracing()
+    tight = _scheduler(48, tracing)
+    _stored(tight, (0, "h3"), (1, "h3"), (0, "h7"), (1, "h7"))
+    first = _state("first", 192).request
+    _admit_with_load(tight, first, 128)
+    _ran(tight, "first")
+    _admit_with_load(tight, _state("second", 192).request, 128)  # its load not yet run
+    first.num_preemptions = 1
+    assert tight.get_num_new_matched_tokens(first, 0) == (None, False)
+    tight.request_finished(first)
+    spans = [span for span in exporter.get_finished_spans() if span.attributes.get("kvscope.request.id") == "first"]
+    (lookup,) = [span for span in spans if span.name == "kvscope.lookup"]
+    (wait,) = [span for span in spans if span.name == "kvscope.deferral"]
+    assert (wait.context.trace_id, wait.parent.span_id) == (lookup.context.trace_id, lookup.context.span_id)
+
+
 def test_an_aborted_deferred_request_sampling_dropped_gets_no_span():
     tracing, exporter = in_memory_tracing(sample_ratio=0.0)
     tight = _scheduler(48, tracing)
