@@ -118,18 +118,37 @@ def request_numbers(request: pd.Series) -> None:
                  "its tokens instead. " + traces.LOAD_FAILED_DEFINITION, icon=":material/error:")
 
 
+_DEFERRAL_CAUSE = ("the loads admitted before it, together with it, needed more device blocks than the device KV "
+                   "cache has")
+
+
 def deferral_text(request: pd.Series) -> str | None:
-    """How long kvscope deferred the request's load for device KV room, in words; None when it did not (or the
-    trace file predates deferral attributes)."""
+    """How long kvscope deferred the request's load for device KV room, in words, and whether the request ended
+    while still waiting (`ended_waiting`); None when it was not deferred (or the trace file predates deferral
+    attributes)."""
     lookups = request["deferred_lookups"]
     if pd.isna(lookups) or lookups < 1:
         return None
     times = "once" if lookups == 1 else f"{formatting.count(lookups)} times"
     waited = request["deferred_wait_ms"]
     wait = "wait unknown" if pd.isna(waited) else formatting.millis(waited)
-    return (f"kvscope deferred its load {times} ({wait}) for device KV room: the loads admitted "
-            "before it, together with it, needed more device blocks than the device KV cache has. Frequent "
-            "deferrals ask for device KV headroom.")
+    deferred = f"kvscope deferred its load {times} ({wait}) for device KV room"
+    if not bool(request.get("ended_waiting", False)):
+        return f"{deferred}: {_DEFERRAL_CAUSE}. Frequent deferrals ask for device KV headroom."
+    return (f"{deferred}, and the request ended (aborted: did its client give up?) before its load could start: "
+            f"{_DEFERRAL_CAUSE}.{_never_admitted_text(request)} Waits that outlast clients ask for device KV "
+            "headroom.")
+
+
+def _never_admitted_text(request: pd.Series) -> str:
+    """What a request that ended waiting and has no lookup or load span lacks, and why ("" for one vLLM admitted
+    before a preemption)."""
+    if request.get("lookups", 0) or request.get("loads", 0):
+        return ""
+    external = request.get("tokens_external")
+    would_load = "" if pd.isna(external) else f"; its load would have brought {formatting.count(external)} tokens"
+    return (" vLLM never admitted it: it has no lookup or load span, and no hit counted (tokens queried and hit "
+            f"are empty, out of the hit rate){would_load}.")
 
 
 GROUP_COPY_TABLE_COLUMNS = {

@@ -23,7 +23,8 @@ def top_slow_loads(requests: pd.DataFrame, n: int = 10) -> pd.DataFrame:
 
 def request_numbers(requests: pd.DataFrame) -> dict[str, float]:
     """What the request table alone says: requests, hits, failed loads, load time quantiles, and the
-    requests kvscope deferred for device KV room with their median and longest wait."""
+    requests kvscope deferred for device KV room with their median and longest wait, and those of them that ended
+    (aborted) while still waiting."""
     load_ms = requests["load_ms"].dropna().astype(float)
     # nearest rank: every quantile is a load that happened (interpolating between two far apart is none)
     q = np.percentile(load_ms, [50, 95, 99], method="inverted_cdf") if len(load_ms) else [math.nan] * 3
@@ -43,6 +44,7 @@ def request_numbers(requests: pd.DataFrame) -> dict[str, float]:
         "requests_deferred": int(requests["deferred_lookups"].notna().sum()),
         "deferral_wait_p50_ms": wait_p50,
         "deferral_wait_max_ms": float(wait_ms.max()) if len(wait_ms) else math.nan,
+        "requests_ended_waiting": int(requests["ended_waiting"].sum()),
     }
 
 

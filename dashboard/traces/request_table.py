@@ -5,7 +5,17 @@ from __future__ import annotations
 import pandas as pd
 
 from connector.miss_reasons import miss_reasons_explained
-from dashboard.traces.schema import COPY, LOAD, LOOKUP, REQUEST_KEY, STATUS_ERROR, STORE, copies_of, moved_bytes
+from dashboard.traces.schema import (
+    COPY,
+    DEFERRAL,
+    LOAD,
+    LOOKUP,
+    REQUEST_KEY,
+    STATUS_ERROR,
+    STORE,
+    copies_of,
+    moved_bytes,
+)
 from dashboard.traces.vllm_join import VLLM_REQUEST_COLUMNS, with_vllm_columns
 
 LOAD_TIME_DEFINITION = (
@@ -56,7 +66,11 @@ DEFERRAL_DEFINITION = (
     "before it, together with it, need more device blocks than the device KV cache has; the wait delays the start "
     "of its load, not the load itself. Frequent deferrals ask for device KV headroom (a larger device KV cache, or "
     "fewer requests at once). Empty for a request kvscope did not defer, and in trace files written before kvscope "
-    "recorded it."
+    "recorded it. A request that ended (a client gave up, or vLLM aborted it) while kvscope still deferred its load "
+    "has a `kvscope.deferral` span of its own instead, which is the wait itself: from its first deferred lookup to "
+    "its end ('ended waiting', with the same two attributes). Unless vLLM had admitted it before a preemption, it "
+    "has no other span: vLLM never counted its lookup (tokens queried and hit empty, out of the hit rate) and it "
+    "loaded nothing; its external tokens are those its load would have brought."
 )
 LOAD_FAILED_DEFINITION = (
     "A load failed when one of its copy spans has status ERROR (a worker could not load: vLLM "
@@ -77,6 +91,7 @@ REQUEST_COLUMNS = (
     "miss_reason",
     "deferred_lookups",
     "deferred_wait_ms",
+    "ended_waiting",
     "tokens_local",
     "tokens_external",
     "tokens_loaded",
@@ -98,7 +113,8 @@ REQUEST_COLUMNS = (
 
 def requests_table(spans: pd.DataFrame, vllm: pd.DataFrame | None = None) -> pd.DataFrame:
     """One row per request (trace id, request id: see `REQUEST_KEY`), in arrival order (first lookup, else its
-    load; a deferred request's when its wait for device KV room began).
+    load; a deferred request's when its wait for device KV room began: the start of its `kvscope.deferral` span
+    when it ended waiting).
 
     Tokens queried/hit are summed over the request's lookups (a request whose load failed may be
     looked up again: every recorded lookup counts, as in kvscope's counters); local (vLLM's device
@@ -107,47 +123,47 @@ def requests_table(spans: pd.DataFrame, vllm: pd.DataFrame | None = None) -> pd.
     `LOAD_TIME_DEFINITION`: NA when a load that did not fail has none), the number of loads, how many have no
     copy span, and whether one failed (`LOAD_FAILED_DEFINITION`) over all its loads; bytes from the copies of
     its loads and stores; how often and how long kvscope deferred its load for device KV room, summed over its
-    lookups and loads (`DEFERRAL_DEFINITION`: NA when no span says it was deferred). Missing parts (no load for a miss,
-    no copy spans recorded) are NA. `request` labels the row: the request id, with the end of its trace id
+    lookups, loads and deferral spans (`DEFERRAL_DEFINITION`: NA when no span says it was deferred), and whether it
+    ended waiting (a `kvscope.deferral` span: a request vLLM never admitted has no other, so its tokens queried and
+    hit stay NA and its external tokens are that span's). Missing parts (no load for a miss, no copy spans
+    recorded) are NA. `request` labels the row: the request id, with the end of its trace id
     (`request_labels`) where the id is another request's too (two runs read together). With `vllm` (the reader's
     `vllm_requests`), each request's vLLM latencies where vLLM's request span joins it (`vllm_join`).
     """
     lookups = spans[spans["name"] == LOOKUP].sort_values("start_ns", kind="stable")  # `.last()` is the latest
     loads = spans[spans["name"] == LOAD].sort_values("start_ns", kind="stable")
-    if lookups.empty and loads.empty:
+    ended = spans[spans["name"] == DEFERRAL].sort_values("start_ns", kind="stable")  # ended waiting: maybe no other
+    if lookups.empty and loads.empty and ended.empty:
         return with_vllm_columns(_empty_requests(), None)[list(REQUEST_COLUMNS)]
 
     by_lookup = lookups.groupby(REQUEST_KEY, sort=False)
     first_load = loads.drop_duplicates(REQUEST_KEY, keep="first").set_index(REQUEST_KEY)
-    ids = by_lookup.size().index.append(first_load.index.difference(by_lookup.size().index))
+    by_end = ended.groupby(REQUEST_KEY, sort=False)
+    looked_up_or_loaded = by_lookup.size().index.append(first_load.index.difference(by_lookup.size().index))
+    ended_ids = ended.drop_duplicates(REQUEST_KEY).set_index(REQUEST_KEY).index  # a MultiIndex, even empty
+    ids = looked_up_or_loaded.append(ended_ids.difference(looked_up_or_loaded))
     out = pd.DataFrame(index=ids)
-    # Nanosecond times stay integers: as float64 they would lose up to 256 ns.
-    out["arrival_ns"] = (by_lookup["start_ns"].min().astype("Int64").reindex(ids)
-                         .fillna(first_load["start_ns"].astype("Int64").reindex(ids)).astype("int64"))
+    out["arrival_ns"] = _arrivals(spans, by_lookup, first_load, ids)
     for col in ("tokens_queried", "tokens_hit"):
         out[col] = by_lookup[col].sum(min_count=1).reindex(ids)
-    for col in ("tokens_external", "groups"):
-        out[col] = first_load[col].reindex(ids)
+    out["groups"] = first_load["groups"].reindex(ids)
+    # what its first load brought, else what the load it ended waiting for would have brought
+    out["tokens_external"] = (first_load["tokens_external"].reindex(ids).astype("Int64")
+                              .fillna(by_end["tokens_external"].last().reindex(ids)))
     # vLLM's device prefix-cache hit: the first lookup says it (newer files), a load does too
     out["tokens_local"] = (by_lookup["tokens_local"].first().reindex(ids).astype("Int64")
                            .fillna(first_load["tokens_local"].reindex(ids)))
-    # the engine (vLLM's data-parallel index) that looked it up, else loaded it; NA in older files
+    # the engine (vLLM's data-parallel index) that looked it up, else loaded it, else deferred it; NA in older files
     out["engine"] = (by_lookup["engine"].first().reindex(ids).astype("Int64")
-                     .fillna(first_load["engine"].reindex(ids)))
+                     .fillna(first_load["engine"].reindex(ids)).fillna(by_end["engine"].first().reindex(ids)))
     out["lookups"] = by_lookup.size().reindex(ids).fillna(0).astype("int64")
     out["miss_reason"] = by_lookup["miss_reason"].last().reindex(ids)  # its last lookup's (`MISS_REASON_DEFINITION`)
     # NA unless a span says it was deferred (`DEFERRAL_DEFINITION`): older files cannot tell "not deferred"
-    by_deferral = spans[spans["name"].isin([LOOKUP, LOAD])].groupby(REQUEST_KEY, sort=False)
+    by_deferral = spans[spans["name"].isin(_TELL_WAITS)].groupby(REQUEST_KEY, sort=False)
     out["deferred_lookups"] = by_deferral["deferred_lookups"].sum(min_count=1).reindex(ids).astype("Int64")
     wait_us = by_deferral["deferred_wait_us"].sum(min_count=1).reindex(ids)
     out["deferred_wait_ms"] = (wait_us.astype("Int64") / 1e3).astype(float)
-    # A deferred request arrived by its first deferred lookup, before any of its spans
-    waits = spans[spans["name"].isin([LOOKUP, LOAD]) & spans["deferred_wait_us"].notna()]
-    if not waits.empty:
-        wait_starts = (waits["start_ns"].astype("int64") - 1000 * waits["deferred_wait_us"].astype("int64"))
-        first_wait = wait_starts.groupby([waits[key] for key in REQUEST_KEY]).min().astype("Int64").reindex(ids)
-        earlier = (first_wait < out["arrival_ns"]).fillna(False).astype(bool)  # (as floats, ns would be lost)
-        out.loc[earlier, "arrival_ns"] = first_wait[earlier].astype("int64")
+    out["ended_waiting"] = by_end.size().reindex(ids).notna()
 
     loads = load_rows(spans)
     by_request = loads.groupby(REQUEST_KEY, sort=False)
@@ -171,6 +187,30 @@ def requests_table(spans: pd.DataFrame, vllm: pd.DataFrame | None = None) -> pd.
     out = out.reset_index().sort_values(["arrival_ns", *REQUEST_KEY], kind="stable").reset_index(drop=True)
     out["request"] = request_labels(out)
     return with_vllm_columns(out, vllm)[list(REQUEST_COLUMNS)]
+
+
+# The spans that tell a wait for device KV room: before a lookup's or load's start, or the deferral span itself
+_TELL_WAITS = [LOOKUP, LOAD, DEFERRAL]
+
+
+def _arrivals(spans: pd.DataFrame, by_lookup, first_load: pd.DataFrame, ids: pd.MultiIndex) -> pd.Series:
+    """When each request (`ids`) arrived: its first lookup's start, else its first load's, or when its first
+    wait for device KV room began where that was earlier (or it has neither: it ended waiting). In ns, int64."""
+    # Nanosecond times stay integers: as float64 they would lose up to 256 ns.
+    first_span = (by_lookup["start_ns"].min().astype("Int64").reindex(ids)
+                  .fillna(first_load["start_ns"].astype("Int64").reindex(ids)))
+    first_wait = _first_wait_starts(spans).reindex(ids)
+    waited_first = ((first_wait < first_span).fillna(False) | first_span.isna()).astype(bool)
+    return first_span.mask(waited_first, first_wait).astype("int64")
+
+
+def _first_wait_starts(spans: pd.DataFrame) -> pd.Series:
+    """Per request (`REQUEST_KEY`), when its first wait for device KV room began (Int64): a lookup's or load's
+    wait lies just before it (its first deferred lookup has no span), a `kvscope.deferral` span is the wait."""
+    told = spans[spans["name"].isin(_TELL_WAITS) & spans["deferred_wait_us"].notna()]
+    wait_before_ns = (1000 * told["deferred_wait_us"].astype("int64")).where(told["name"] != DEFERRAL, 0)
+    starts = told["start_ns"].astype("int64") - wait_before_ns
+    return starts.groupby([told[key] for key in REQUEST_KEY]).min().astype("Int64")
 
 
 def _sum_unless_unknown(loads: pd.DataFrame, column: str) -> pd.Series:
@@ -248,6 +288,7 @@ def _empty_requests() -> pd.DataFrame:
     frame["loads"] = frame["loads"].astype("int64")
     frame["load_failed"] = frame["load_failed"].astype(bool)
     frame["load_mistimed"] = frame["load_mistimed"].astype(bool)
+    frame["ended_waiting"] = frame["ended_waiting"].astype(bool)
     frame["arrival_ns"] = frame["arrival_ns"].astype("int64")
     frame["arrival"] = pd.to_datetime(frame["arrival_ns"], unit="ns", utc=True)
     return frame
@@ -270,7 +311,8 @@ def of_engine(requests: pd.DataFrame, spans: pd.DataFrame, engine: int) -> tuple
 def search_requests(requests: pd.DataFrame, text: str, show: str = "all", engine: int | None = None) -> pd.DataFrame:
     """Requests whose label, id or trace id contains `text` (case-insensitive), and of the kind `show` names
     (`REQUEST_FILTERS`): "hits or loads" (a request resumed after preemption can load what it stored
-    itself, with no hit), "misses" (the others) or "failed loads"; with `engine`, those of that engine only
+    itself, with no hit; one that ended waiting for device KV room had a hit to load, never counted), "misses"
+    (the others) or "failed loads"; with `engine`, those of that engine only
     (each engine has a host tier of its own: a prefix another engine stored is a miss on this one)."""
     out = requests
     if engine is not None:
@@ -282,7 +324,7 @@ def search_requests(requests: pd.DataFrame, text: str, show: str = "all", engine
         out = out[match]
     if show not in REQUEST_FILTERS:
         raise ValueError(f"show={show!r}: expected one of {', '.join(REQUEST_FILTERS)}")
-    hit_or_load = (out["tokens_hit"].fillna(0) > 0) | (out["loads"] > 0)
+    hit_or_load = (out["tokens_hit"].fillna(0) > 0) | (out["loads"] > 0) | out["ended_waiting"]
     if show == "hits or loads":
         out = out[hit_or_load]
     elif show == "misses":

@@ -23,7 +23,10 @@ LOAD = "kvscope.load"
 SCAN = "kvscope.group.scan"
 COPY = "kvscope.group.copy"
 STORE = "kvscope.store"
-SPAN_NAMES = (LOOKUP, LOAD, SCAN, COPY, STORE)
+# A request that ended (aborted) while kvscope deferred its load for device KV room: the span is its wait, the
+# only span of a request vLLM never admitted (`DEFERRAL_DEFINITION`). Newer files only.
+DEFERRAL = "kvscope.deferral"
+SPAN_NAMES = (LOOKUP, LOAD, SCAN, COPY, STORE, DEFERRAL)
 
 GROUP_KINDS = ("full_attention", "sliding_window", "mamba")
 DIRECTIONS = ("load", "store")
@@ -35,8 +38,9 @@ ATTRIBUTE_COLUMNS: dict[str, tuple[str, bool]] = {
     "kvscope.tokens.queried": ("tokens_queried", True),
     "kvscope.tokens.hit": ("tokens_hit", True),
     "kvscope.miss.reason": ("miss_reason", False),  # newer files only: NA in older ones
-    # Only on the lookup kvscope admitted a deferred load on (`DEFERRAL_DEFINITION`): NA on every other span,
-    # and in files written before kvscope recorded them.
+    # Only on the lookup kvscope admitted a deferred load on, the load of a request resumed after preemption, and
+    # a `DEFERRAL` span (`DEFERRAL_DEFINITION`): NA on every other span, and in files written before kvscope
+    # recorded them.
     "kvscope.deferred.lookups": ("deferred_lookups", True),
     "kvscope.deferred.wait_us": ("deferred_wait_us", True),
     "kvscope.tokens.local": ("tokens_local", True),
@@ -79,6 +83,8 @@ REQUIRED_ATTRIBUTES: dict[str, tuple[str, ...]] = {
         "kvscope.copy.bytes",
     ),
     STORE: ("kvscope.request.id", "kvscope.groups", "kvscope.blocks"),
+    DEFERRAL: ("kvscope.request.id", "kvscope.tokens.external", "kvscope.deferred.lookups",
+               "kvscope.deferred.wait_us"),
 }
 
 ALLOWED_VALUES: dict[str, tuple[str, ...]] = {

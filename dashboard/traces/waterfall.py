@@ -7,12 +7,22 @@ from typing import Any
 
 import pandas as pd
 
-from dashboard.traces.schema import ATTRIBUTE_COLUMNS, COPY, LOAD, LOOKUP, SCAN, STATUS_ERROR, STORE, group_label
+from dashboard.traces.schema import (
+    ATTRIBUTE_COLUMNS,
+    COPY,
+    DEFERRAL,
+    LOAD,
+    LOOKUP,
+    SCAN,
+    STATUS_ERROR,
+    STORE,
+    group_label,
+)
 from dashboard.traces.vllm_spans import VLLM_REQUEST_SPAN
 
 VLLM_KIND = "vLLM request"  # the waterfall's kind (and colour) of vLLM's own request span
 # The kind of a deferred request's wait before its lookup (`DEFERRAL_DEFINITION`): no span of its own, drawn from
-# its lookup span's deferral attributes
+# its lookup span's deferral attributes; or the `kvscope.deferral` span of a request that ended waiting
 DEVICE_KV_WAIT = "waiting for device KV room"
 
 _ROW_ORDER = {VLLM_REQUEST_SPAN: -1, DEVICE_KV_WAIT: -0.5, LOOKUP: 0, LOAD: 1, SCAN: 2, "copy load": 3, STORE: 4,
@@ -33,7 +43,7 @@ def waterfall_rows(spans: pd.DataFrame, requests: pd.DataFrame, request_id: str,
     to finish, the parent row of kvscope's work. A lookup kvscope deferred for device KV room (or the load of
     a request resumed after preemption, whose lookup has no span) has a `DEVICE_KV_WAIT` row before the
     lookups: its wait, ending where that span starts (times then count from the wait's start when it comes
-    first).
+    first). The `kvscope.deferral` span of a request that ended waiting is such a wait, and drawn as one.
     """
     cols = ["row", "kind", "name", "start_ms", "end_ms", "duration_ms", "group_index", "group_kind",
             "direction", "attributes", "status_code", "span_id", "parent_span_id", "trace_id"]
@@ -57,6 +67,7 @@ def waterfall_rows(spans: pd.DataFrame, requests: pd.DataFrame, request_id: str,
     if vllm is not None and not pd.isna(key):
         rows = pd.concat([_vllm_row(vllm[vllm["vllm_key"] == key]), rows], ignore_index=True)
     kind = rows["name"].astype(str)
+    kind = kind.where(kind != DEFERRAL, DEVICE_KV_WAIT)  # a wait that outlasted its request: a span of its own
     is_copy = kind == COPY
     kind = kind.where(~is_copy, "copy " + rows["copy_direction"].astype(str))
     rows["_order"] = kind.map(_ROW_ORDER).fillna(9)

@@ -30,11 +30,14 @@ if numbers["copies_without_owner"]:
                "scheduler's trace file missing). Their bytes count in the totals below, in no "
                "request.", icon=":material/warning:")
 if numbers["requests_deferred"]:
+    ended = numbers["requests_ended_waiting"]  # aborted while waiting: their waits are in the median and longest
     st.info(f"kvscope deferred the loads of {formatting.count(numbers['requests_deferred'])} request(s) for device "
             f"KV room: they waited {formatting.millis(numbers['deferral_wait_p50_ms'])} (median), at most "
-            f"{formatting.millis(numbers['deferral_wait_max_ms'])}, before their loads could start. The device KV "
-            "cache was nearly full; steady deferrals ask for device KV headroom. The Requests page lists them "
-            "('deferred').", icon=":material/hourglass_top:")
+            f"{formatting.millis(numbers['deferral_wait_max_ms'])}, before their loads could start"
+            + (f" or, for {formatting.count(ended)} of them, until they ended (aborted: did a client give up?) while "
+               "still waiting: their loads never started ('ended waiting')" if ended else "")
+            + ". The device KV cache was nearly full; steady deferrals ask for device KV headroom. The Requests page "
+            "lists them ('deferred').", icon=":material/hourglass_top:")
 row = st.columns(5)
 row[0].metric("Requests", formatting.count(numbers["requests"]))
 row[1].metric("Token hit rate", formatting.percent(numbers["hit_rate"]), help=traces.HIT_RATE_DEFINITION)

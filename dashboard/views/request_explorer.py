@@ -41,6 +41,8 @@ st.session_state["request_table_keys"] = keys
 vllm_columns = [c for c in ("vllm_queue_ms", "vllm_ttft_ms", "vllm_e2e_ms") if requests[c].notna().any()]
 # How long kvscope deferred loads for device KV room, when it deferred any (files that record it)
 deferral_columns = ["deferred_lookups", "deferred_wait_ms"] if requests["deferred_lookups"].notna().any() else []
+if requests["ended_waiting"].any():  # requests aborted while their loads waited (files that record them)
+    deferral_columns.append("ended_waiting")
 st.caption(f"{len(shown)} of {len(requests)} requests. Select a row to see its spans.")
 st.dataframe(
     shown,
@@ -68,13 +70,17 @@ st.dataframe(
                                                       "had: the host tier was asked for the rest only"),
         "tokens_external": st.column_config.NumberColumn(
             "external", help="What its first load (the one its hit planned) brought from the host tier (the "
-            "load span's kvscope.tokens.external); the Overview's tokens loaded sums its loads that did not fail"),
+            "load span's kvscope.tokens.external); the Overview's tokens loaded sums its loads that did not fail. "
+            "For a request that ended waiting for device KV room with no load, what its load would have brought"),
         "groups": st.column_config.NumberColumn("groups"),
         "load_ms": st.column_config.NumberColumn("load time (ms)", format="%.3f",
                                                  help=traces.LOAD_TIME_DEFINITION),
         "deferred_lookups": st.column_config.NumberColumn("deferred", help=traces.DEFERRAL_DEFINITION),
         "deferred_wait_ms": st.column_config.NumberColumn("KV room wait (ms)", format="%.3f",
                                                           help=traces.DEFERRAL_DEFINITION),
+        "ended_waiting": st.column_config.CheckboxColumn(
+            "ended waiting", help="The request ended (aborted: did its client give up?) while kvscope still "
+            "deferred its load for device KV room: its load never started. " + traces.DEFERRAL_DEFINITION),
         "vllm_queue_ms": st.column_config.NumberColumn("queue (ms)", format="%.3f",
                                                        help="vLLM's queue time. " + traces.VLLM_TIMES_DEFINITION),
         "vllm_ttft_ms": st.column_config.NumberColumn(

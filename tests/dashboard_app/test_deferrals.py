@@ -127,6 +127,7 @@ def test_the_requests_page_shows_the_deferral_columns_and_says_it_in_words(monke
     assert_ok(at)
     table = at.dataframe[0]
     assert set(DEFERRAL_COLUMNS) <= set(table.proto.column_order)
+    assert "ended_waiting" not in table.proto.column_order  # none ended waiting (`test_ended_waiting`)
     assert table.value.set_index("request_id").loc["r", DEFERRAL_COLUMNS].tolist() == [3, 12.4]
     assert not [i.value for i in at.info if "deferred" in i.value]  # q, the first row, was not deferred
     at.text_input(key="request_search").input("r").run()
@@ -145,7 +146,7 @@ def test_the_overview_counts_the_deferred_requests_and_their_waits(monkeypatch, 
     assert_ok(at)
     (said,) = [i.value for i in at.info if "for device KV room" in i.value]
     assert said.startswith("kvscope deferred the loads of 3 request(s) for device KV room: they waited 4.00 ms "
-                           "(median), at most 12.40 ms,")
+                           "(median), at most 12.40 ms, before their loads could start. ")  # none ended waiting
 
 
 def test_an_overview_without_deferrals_says_nothing_of_them(monkeypatch):

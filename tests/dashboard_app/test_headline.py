@@ -34,7 +34,7 @@ def test_overview_numbers_of_a_small_file(tmp_path):
         "requests": 2, "requests_with_hit": 1, "requests_load_failed": 0, "tokens_queried": 150, "tokens_hit": 64,
         "hit_rate": 64 / 150, "loads_timed": 1, "load_p50_ms": 2.0, "load_p95_ms": 2.0, "load_p99_ms": 2.0,
         "requests_deferred": 0, "deferral_wait_p50_ms": pytest.approx(math.nan, nan_ok=True),
-        "deferral_wait_max_ms": pytest.approx(math.nan, nan_ok=True),
+        "deferral_wait_max_ms": pytest.approx(math.nan, nan_ok=True), "requests_ended_waiting": 0,
         "loads": 2, "loads_without_copies": 1, "copies_without_owner": 0, "bytes_loaded": 4096, "bytes_stored": 0,
         "spans": 5, "duration_s": 1.500001}
 

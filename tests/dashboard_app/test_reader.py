@@ -253,6 +253,22 @@ def test_deferral_attributes_are_integer_columns_na_where_a_span_lacks_them(tmp_
     assert by_id.loc[["22" * 8, "33" * 8], ["deferred_lookups", "deferred_wait_us"]].isna().all().all()
 
 
+def test_the_reader_takes_the_deferral_span_and_names_an_attribute_it_lacks(tmp_path, decoder):
+    """The span of a request that ended waiting for device KV room (newer files): its attributes in their columns,
+    and one it lacks named, as any other span's."""
+    ended = {"kvscope.request.id": "u", "kvscope.tokens.external": 128, "kvscope.deferred.lookups": 40,
+             "kvscope.deferred.wait_us": 1_200_000, "kvscope.engine": 1}
+    lacking = span(traces.DEFERRAL, {**ended, "kvscope.request.id": "x"}, span_id="0e" * 8)
+    lacking["attributes"] = [a for a in lacking["attributes"] if a["key"] != "kvscope.deferred.wait_us"]
+    whole = span(traces.DEFERRAL, ended, end=1_700_000_000_000_000_000 + 1_200_000_000)
+    read = traces.read_trace_files([write(tmp_path, line(whole, lacking))])
+    assert [(p.line, p.reason, p.spans) for p in read.problems] == [
+        (1, "kvscope.deferral span lacks kvscope.deferred.wait_us", 1)]
+    (row,) = read.spans.to_dict("records")
+    assert (row["name"], row["request_id"], row["tokens_external"], row["deferred_lookups"], row["deferred_wait_us"],
+            row["engine"], row["duration_ms"]) == (traces.DEFERRAL, "u", 128, 40, 1_200_000, 1, 1200.0)
+
+
 def test_a_scan_with_no_pending_block_starts_at_minus_one_and_is_kept(tmp_path, decoder):
     path = write(tmp_path, line(span("kvscope.group.scan", SCAN)))
     read = traces.read_trace_files([path])
