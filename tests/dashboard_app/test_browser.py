@@ -220,3 +220,51 @@ def test_a_load_kvscope_deferred_shows_its_wait_for_device_kv_room(tmp_path, scr
         assert any(told in text for text in said), said  # (after the alert's icon name)
         assert table(driver, 1)[1][0] == traces.DEVICE_KV_WAIT  # the waterfall's first row
         driver.save_screenshot(str(screenshot_dir / "requests-deferred.png"))
+
+
+def test_a_request_that_ended_waiting_for_device_kv_room_shows_its_wait(tmp_path, screenshot_dir):
+    """A real trace file: vLLM's own scheduler under device-KV pressure (`stall_scenarios`), and a client aborting
+    the first request whose load kvscope deferred, while it waits: its `kvscope.deferral` span gives it a row
+    ticked 'ended waiting', its view says it ended before its load could start, and its waterfall is the wait."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+
+    from connector.tiny_models import build_model
+    from dashboard import traces
+    from tests.compat.stall_scenarios import WINDOW, three_loads_past_their_reserve
+
+    trace_file = tmp_path / "ended-waiting.jsonl"
+    engine = three_loads_past_their_reserve(build_model("gemma3", window=WINDOW), trace_file=trace_file)
+    admission = engine.scheduler.get_kv_connector()._scheduler.admission
+    aborted: list[str] = []
+
+    def abort_a_deferred_request(_scheduled) -> None:  # after a step's schedule, as a client's abort lands
+        if not aborted and admission.deferred:
+            aborted.append(next(iter(admission.deferred)))
+            engine.abort(aborted)
+
+    try:
+        engine.run(max_steps=200, on_scheduled=abort_a_deferred_request)
+    finally:
+        engine.shutdown()  # flushes the spans to the file
+    assert aborted, "the scenario deferred no load"
+    request_id = aborted[0]
+    requests = traces.requests_table(traces.read_trace_files([trace_file]).spans).set_index("request_id")
+    assert requests.loc[request_id, "ended_waiting"] and requests.loc[request_id, "lookups"] == 0
+    with streamlit_server([str(trace_file)]) as base, chromium() as driver:
+        driver.get(f"{base}/requests")
+        wait_rendered(driver, "Requests")
+        assert page_errors(driver) == []
+        headers, _ = table(driver, 0)
+        assert {"deferred", "KV room wait (ms)", "ended waiting"} <= set(headers)
+        search = driver.find_element(By.CSS_SELECTOR, 'input[aria-label="Search request or trace id"]')
+        search.send_keys(request_id, Keys.ENTER)
+        wait_for(driver, lambda d: any(request_id in h.text for h in d.find_elements(By.CSS_SELECTOR, "h3")))
+        wait_rendered(driver, "Requests")
+        assert page_errors(driver) == []
+        said = [e.text for e in driver.find_elements(By.CSS_SELECTOR, '[data-testid="stAlert"]')]
+        assert any("and the request ended (aborted" in text and "vLLM never admitted it" in text
+                   for text in said), said
+        cells = table(driver, 1)[1]
+        assert cells[0] == traces.DEVICE_KV_WAIT and "lookup" not in cells  # the waterfall: the wait alone
+        driver.save_screenshot(str(screenshot_dir / "requests-ended-waiting.png"))
