@@ -186,9 +186,6 @@ def test_a_load_kvscope_deferred_shows_its_wait_for_device_kv_room(tmp_path, scr
     """A real trace file from vLLM's own scheduler under device-KV pressure (`stall_scenarios`: kvscope
     defers loads there): the Requests page shows the deferral columns, and the deferred request's view
     says how long it waited and leads its waterfall with the wait."""
-    from selenium.webdriver.common.by import By
-    from selenium.webdriver.common.keys import Keys
-
     from connector.tiny_models import build_model
     from dashboard import traces
     from tests.compat.stall_scenarios import WINDOW, three_loads_past_their_reserve
@@ -204,17 +201,8 @@ def test_a_load_kvscope_deferred_shows_its_wait_for_device_kv_room(tmp_path, scr
     assert len(deferred), "the scenario deferred no load"
     request_id = deferred.index[0]
     with streamlit_server([str(trace_file)]) as base, chromium() as driver:
-        driver.get(f"{base}/requests")
-        wait_rendered(driver, "Requests")
-        assert page_errors(driver) == []
-        headers, _ = table(driver, 0)
+        headers, said = _request_view(driver, base, request_id)
         assert {"deferred", "KV room wait (ms)"} <= set(headers)
-        search = driver.find_element(By.CSS_SELECTOR, 'input[aria-label="Search request or trace id"]')
-        search.send_keys(request_id, Keys.ENTER)
-        wait_for(driver, lambda d: any(request_id in h.text for h in d.find_elements(By.CSS_SELECTOR, "h3")))
-        wait_rendered(driver, "Requests")
-        assert page_errors(driver) == []
-        said = [e.text for e in driver.find_elements(By.CSS_SELECTOR, '[data-testid="stAlert"]')]
         times = int(deferred.loc[request_id, "deferred_lookups"])
         told = f"kvscope deferred its load {'once' if times == 1 else f'{times} times'} ("
         assert any(told in text for text in said), said  # (after the alert's icon name)
@@ -226,9 +214,6 @@ def test_a_request_that_ended_waiting_for_device_kv_room_shows_its_wait(tmp_path
     """A real trace file: vLLM's own scheduler under device-KV pressure (`stall_scenarios`), and a client aborting
     the first request whose load kvscope deferred, while it waits: its `kvscope.deferral` span gives it a row
     ticked 'ended waiting', its view says it ended before its load could start, and its waterfall is the wait."""
-    from selenium.webdriver.common.by import By
-    from selenium.webdriver.common.keys import Keys
-
     from connector.tiny_models import build_model
     from dashboard import traces
     from tests.compat.stall_scenarios import WINDOW, three_loads_past_their_reserve
@@ -252,19 +237,28 @@ def test_a_request_that_ended_waiting_for_device_kv_room_shows_its_wait(tmp_path
     requests = traces.requests_table(traces.read_trace_files([trace_file]).spans).set_index("request_id")
     assert requests.loc[request_id, "ended_waiting"] and requests.loc[request_id, "lookups"] == 0
     with streamlit_server([str(trace_file)]) as base, chromium() as driver:
-        driver.get(f"{base}/requests")
-        wait_rendered(driver, "Requests")
-        assert page_errors(driver) == []
-        headers, _ = table(driver, 0)
+        headers, said = _request_view(driver, base, request_id)
         assert {"deferred", "KV room wait (ms)", "ended waiting"} <= set(headers)
-        search = driver.find_element(By.CSS_SELECTOR, 'input[aria-label="Search request or trace id"]')
-        search.send_keys(request_id, Keys.ENTER)
-        wait_for(driver, lambda d: any(request_id in h.text for h in d.find_elements(By.CSS_SELECTOR, "h3")))
-        wait_rendered(driver, "Requests")
-        assert page_errors(driver) == []
-        said = [e.text for e in driver.find_elements(By.CSS_SELECTOR, '[data-testid="stAlert"]')]
         assert any("and the request ended (aborted" in text and "vLLM never admitted it" in text
                    for text in said), said
         cells = table(driver, 1)[1]
         assert cells[0] == traces.DEVICE_KV_WAIT and "lookup" not in cells  # the waterfall: the wait alone
         driver.save_screenshot(str(screenshot_dir / "requests-ended-waiting.png"))
+
+
+def _request_view(driver, base: str, request_id: str) -> tuple[list[str], list[str]]:
+    """The Requests page searched for one request: the table's headers (before the search) and the texts
+    of the request view's alerts."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+
+    driver.get(f"{base}/requests")
+    wait_rendered(driver, "Requests")
+    assert page_errors(driver) == []
+    headers, _ = table(driver, 0)
+    search = driver.find_element(By.CSS_SELECTOR, 'input[aria-label="Search request or trace id"]')
+    search.send_keys(request_id, Keys.ENTER)
+    wait_for(driver, lambda d: any(request_id in h.text for h in d.find_elements(By.CSS_SELECTOR, "h3")))
+    wait_rendered(driver, "Requests")
+    assert page_errors(driver) == []
+    return headers, [e.text for e in driver.find_elements(By.CSS_SELECTOR, '[data-testid="stAlert"]')]
