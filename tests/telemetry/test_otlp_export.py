@@ -114,6 +114,9 @@ def test_the_service_name_comes_from_otel_service_name_then_the_resource_attribu
     both = {"OTEL_SERVICE_NAME": "svc", "OTEL_RESOURCE_ATTRIBUTES": "service.name=attr"}
     assert resource_from_env(both).attributes["service.name"] == "svc"
     assert resource_from_env({"OTEL_RESOURCE_ATTRIBUTES": "service.name=attr"}).attributes["service.name"] == "attr"
+    # an entry without "=" is skipped, as the SDK's resource detector skips it: it names no service
+    assert resource_from_env({"OTEL_RESOURCE_ATTRIBUTES": "service.name=attr,service.name"}).attributes[
+        "service.name"] == "attr"
     # the process's own attributes win over the environment's, the service name among them
     assert resource_from_env(both, {"service.name": "own"}).attributes["service.name"] == "own"
 
@@ -137,10 +140,12 @@ def test_an_exporter_that_raises_while_shutting_down_never_stops_the_engines_shu
     assert Raising.calls == 1
 
 
-@pytest.mark.parametrize("form", ["grpc://127.0.0.1:{port}", "127.0.0.1:{port}", "unix://{socket}"])
+@pytest.mark.parametrize("form", ["grpc://127.0.0.1:{port}", "127.0.0.1:{port}", "unix://{socket}",
+                                  "UNIX://{socket}"])
 def test_a_load_reaches_a_grpc_collector_at_each_endpoint_form_the_exporter_takes(tmp_path, form):
     """`grpc://host:4317` is vLLM's OpenTelemetry example's form (vLLM passes it to its engine
-    processes); a check once refused it, and gRPC targets, at start-up."""
+    processes); a check once refused it, and gRPC targets, at start-up. gRPC reads a target's scheme in
+    any case."""
     from concurrent import futures
 
     import grpc

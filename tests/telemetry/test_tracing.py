@@ -419,6 +419,7 @@ def test_ratio_applies_under_a_sampled_upstream_trace():
         ({"OTEL_SDK_DISABLED": " TRUE ", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318"}, False),  # any case, spaces
         ({"OTEL_TRACES_EXPORTER": " OTLP "}, True),
         ({"OTEL_TRACES_EXPORTER": "otlp,none"}, True),  # as the SDK reads it: only "none" alone turns export off
+        ({"OTEL_TRACES_EXPORTER": "none, ", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318"}, False),  # blanks: no names
     ],
 )
 def test_otlp_requested(env, expected):
@@ -446,6 +447,7 @@ def test_otlp_defaults_to_grpc_like_vllm():
 
 @pytest.mark.parametrize("endpoint, flags, insecure", [
     ("grpc://collector:4317", {}, True),  # plaintext, as vLLM's own gRPC exporter always is
+    ("http://collector:4317", {}, True),  # http:// is plaintext, as in the SDK (only https:// is TLS)
     ("collector:4317", {}, True),
     ("https://collector:4317", {}, False),
     ("https://collector:4317", {"OTEL_EXPORTER_OTLP_INSECURE": "true"}, False),  # https:// is TLS, as in the SDK

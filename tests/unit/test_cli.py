@@ -449,6 +449,21 @@ def test_endpoints_the_otlp_exporters_take_are_accepted(endpoint, protocol):
     check_otlp_env({"OTEL_EXPORTER_OTLP_ENDPOINT": endpoint, "OTEL_EXPORTER_OTLP_PROTOCOL": protocol})
 
 
+def test_blank_otlp_header_entries_spaces_around_them_or_not_are_skipped_as_the_exporters_skip_them():
+    """A header list ending in ", " (as a template leaves it) is one the exporters read: refused, the
+    engine would not start."""
+    from opentelemetry.util.re import parse_env_headers
+
+    from connector.telemetry.otel_env import check_otlp_env
+    from connector.telemetry.sinks import _headers
+
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4317", "OTEL_EXPORTER_OTLP_HEADERS": "a=1, ",
+           "OTEL_EXPORTER_OTLP_TRACES_HEADERS": " , b=2"}
+    check_otlp_env(env)
+    assert parse_env_headers("a=1, ") == {"a": "1"} and parse_env_headers(" , b=2") == {"b": "2"}  # the SDK's reading
+    assert _headers(env) == {"a": "1", "b": "2"}
+
+
 def test_otlp_variables_set_empty_count_as_unset_as_the_exporter_reads_them():
     """Compose files and Helm charts often set a variable to "": the trace-specific one then gives way
     to the general one, in the check as in the exporter built."""
