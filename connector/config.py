@@ -25,6 +25,9 @@ class KVScopeConfig:
     trace_file: str | None = None
     trace_sample_ratio: float | None = None
     metrics_port: int | None = None  # offline runs: serve /metrics on this port
+    # store the Mamba states decode steps leave at block ends (a conversation's next turn loads past its
+    # previous prompt); False: only those vLLM's own prefix cache keys (`state_blocks`)
+    mamba_decode_states: bool = True
 
     def offload_block_size(self, device_block_sizes: Sequence[int], hash_block_size: int | None = None,
                            max_model_len: int | None = None,
@@ -96,6 +99,8 @@ _ACCEPTED = {
     "trace_file": "a path (string) of a file to append OTLP/JSON lines to (missing folders are made)",
     "trace_sample_ratio": "a number between 0 and 1",
     "metrics_port": "a TCP port 1..65535 to serve Prometheus metrics on (offline runs)",
+    "mamba_decode_states": ("true (store the Mamba states decode steps leave, the default) or false (only "
+                            "states a prefill computed, as vLLM's prefix cache keeps them)"),
 }
 
 
@@ -281,6 +286,11 @@ def parse_config(extra: Mapping[str, Any] | None) -> KVScopeConfig:
     port = extra.get("metrics_port")
     if port is not None:
         port = checked(_positive_int, "metrics_port", port, 65535)
+    decode_states = extra.get("mamba_decode_states")
+    if decode_states is None:
+        decode_states = True
+    elif not isinstance(decode_states, bool):  # a string "false" would read as true
+        problems.append(str(_bad("mamba_decode_states", decode_states)))
     if len(problems) == 1:
         raise ConfigError(problems[0])
     if problems:
@@ -291,4 +301,5 @@ def parse_config(extra: Mapping[str, Any] | None) -> KVScopeConfig:
         trace_file=trace_file,
         trace_sample_ratio=ratio,
         metrics_port=port,
+        mamba_decode_states=decode_states,
     )

@@ -121,6 +121,7 @@ class KVScopeScheduler:
         draft_tokens: int = 0,
         eagle_groups: frozenset[int] = frozenset(),
         host_events=None,
+        mamba_decode_states: bool = True,
     ):
         self.layouts = layouts
         # Groups whose hits must prove their next token (EAGLE drafters' KV): `find_hit_tokens`
@@ -141,7 +142,7 @@ class KVScopeScheduler:
         self.world_size = world_size
         self.tracing = tracing
         self._kv_cache_manager = kv_cache_manager_getter
-        self.states = StateBlocks(layouts, speculative=draft_tokens > 0)
+        self.states = StateBlocks(layouts, speculative=draft_tokens > 0, decode_states=mamba_decode_states)
         # vLLM's drafts are its lookahead tokens: a request first running asks blocks for them too
         self.admission = LoadAdmission(layouts, lookahead_tokens=draft_tokens)
         self._deferral_logged = False
@@ -570,7 +571,8 @@ class KVScopeScheduler:
             state.witnessed_states.clear()
         req_id = state.request.request_id
         self.states.note_forward(state.witnessed_states, computed, computed + scheduled,
-                                 lambda: self._kv_cache_manager().get_blocks(req_id).blocks)
+                                 lambda: self._kv_cache_manager().get_blocks(req_id).blocks,
+                                 state.request.num_prompt_tokens)
 
     def _sources_reallocated(self, scheduler_output, computed: dict[str, int]) -> bool:
         """Whether this step allocates a device block that an unreported store reads (vLLM freed it,

@@ -23,6 +23,11 @@ there on are kept as wrong too, for other requests that reach them through vLLM'
 with drafts: a decode step starts inside a block and leaves it while vLLM's postprocess copies the right
 state into it, and the next step starts at its end reading the running column, not that block (marking
 those would refuse correct states). Nor for a partial hit inside a block (a private copy of another).
+
+A decode state is right but not recompute's: a decode step runs the recurrent kernel, one token at a
+time, where a prefill of the same tokens runs the chunked one. With `mamba_decode_states` off, only
+states a forward within the prompt left are witnessed by their ends (vLLM keys the rest it keeps):
+kvscope then stores the Mamba states vLLM's own prefix cache would serve, and no others.
 """
 
 from __future__ import annotations
@@ -37,24 +42,28 @@ _WRONG_FROM = "wrong from"  # witnessed[(_WRONG_FROM, group)]: the block index f
 class StateBlocks:
     """The Mamba groups of a layout, and the exact forward ends each request's blocks witnessed."""
 
-    def __init__(self, layouts: list[GroupLayout], speculative: bool):
+    def __init__(self, layouts: list[GroupLayout], speculative: bool, decode_states: bool = True):
         self.groups = [(layout.index, layout.block_size) for layout in layouts if layout.kind is GroupKind.MAMBA]
         # With drafts a forward's end is not where its state is kept (the accepted draft decides), and
         # under async scheduling vLLM counts drafts as computed before it knows: only keys witness.
         self.forward_ends_witness = not speculative
+        # whether a forward past the prompt (a decode step, or a resumed prefill vLLM keys) witnesses
+        # the state it ends at (`mamba_decode_states`)
+        self.decode_states = decode_states
         # device block id -> vLLM's key of it, for keyed blocks holding another state than that key's: a
         # forward started inside and left them, or computed them from such a state (for every request:
         # others reach them through vLLM's prefix cache); until given out anew
         self._wrong_states: dict[int, object] = {}
 
-    def note_forward(self, witnessed: dict, start: int, end: int, blocks_of) -> None:
-        """A forward of the request computes tokens [start, end). The block holding its last
-        position then holds the state after ``end``; a block it started inside and left holds the
-        state at ``start`` for good (``witnessed``: (group, block index) -> block id, or None for
-        such a block; per request). ``blocks_of()`` gives vLLM's blocks of the request per group,
-        asked for only at a block's end or one a forward leaves."""
+    def note_forward(self, witnessed: dict, start: int, end: int, blocks_of, prompt_tokens: int) -> None:
+        """A forward of the request (of ``prompt_tokens`` prompt tokens) computes tokens [start, end).
+        The block holding its last position then holds the state after ``end``; a block it started
+        inside and left holds the state at ``start`` for good (``witnessed``: (group, block index) ->
+        block id, or None for such a block; per request). ``blocks_of()`` gives vLLM's blocks of the
+        request per group, asked for only at a block's end or one a forward leaves."""
         group_blocks = None
         tracks_wrong = self.forward_ends_witness and bool(self._wrong_states)
+        ends_witness = self.forward_ends_witness and (self.decode_states or start < prompt_tokens)
         for g, size in self.groups:
             if tracks_wrong and start and not start % size and (_WRONG_FROM, g) not in witnessed:
                 # resumes from the state in the block ending at `start`: a wrong one taints the rest
@@ -75,7 +84,7 @@ class StateBlocks:
                 group_blocks = group_blocks or blocks_of()
                 for block in group_blocks[g][wrong_from:(end - 1) // size + 1]:
                     self._mark_wrong(block)
-            if not self.forward_ends_witness or end <= 0 or end % size:
+            if not ends_witness or end <= 0 or end % size:
                 continue
             group_blocks = group_blocks or blocks_of()
             index, blocks = end // size - 1, group_blocks[g]

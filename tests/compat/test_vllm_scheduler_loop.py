@@ -1710,6 +1710,33 @@ def test_a_conversation_turn_loads_mamba_states_decode_steps_left(model_path, ma
     assert turn2_hits == expected
 
 
+@pytest.mark.parametrize("mamba_block, hash_block, async_scheduling, num_blocks",
+                         [(16, 16, False, 1200), (16, 16, True, 1200), (64, 16, True, 1200), (16, 16, True, 140)],
+                         ids=["default-sync", "default-async", "partial-hits-async", "default-async-preempting"])
+def test_with_mamba_decode_states_off_a_conversation_turn_loads_only_prefill_states(
+        model_path, mamba_block, hash_block, async_scheduling, num_blocks):
+    """`mamba_decode_states` false: turn 2 hits turn 1's prompt's whole blocks and no further (the states
+    decode steps left past them are not stored), states and KV checked. With partial hash hits vLLM
+    keeps a prompt's last state at its last hash boundary, a block's end for some prompts only (450 and
+    644 tokens here, not 547 and 741): the others hit at an earlier state. A request vLLM preempts
+    computes its decoded tokens again by a prefill, whose states vLLM keys: those may be stored."""
+    from tests.compat.model_free import MambaAlign
+
+    extra = {"cpu_bytes": 64 << 20, "block_size": mamba_block, "mamba_decode_states": False}
+    engine = ModelFreeEngine(model_path, extra, window=WINDOW, async_scheduling=async_scheduling,
+                             num_blocks=num_blocks, mamba=MambaAlign(mamba_block, hash_block))
+    turn2_hits, through_the_replies = _two_turns(engine, mamba_block)
+    _assert_no_violations(engine.stats)
+    prompts_blocks = sum(len(p) // mamba_block * mamba_block for p in _prompts())
+    assert bool(engine.stats.resumed) == (num_blocks < 1000)
+    if engine.stats.resumed:
+        assert prompts_blocks <= turn2_hits < through_the_replies
+    elif hash_block == mamba_block:
+        assert turn2_hits == prompts_blocks
+    else:
+        assert 0 < turn2_hits < prompts_blocks
+
+
 @pytest.mark.parametrize("retention, guarded", [(None, True), (128, True), (0, True), (None, False)],
                          ids=["dense", "every-128", "default", "dense-negative-control"])
 def test_a_mamba_block_a_chunk_started_inside_keeps_that_state(model_path, retention, guarded, monkeypatch):

@@ -53,6 +53,10 @@ PROFILES = {
     # device KV room (`load_admission`), among them loads of requests resumed after a preemption
     "tight": {"mamba": 0.15, "two_workers": 0.25, "spec": 0.3, "fail_loads": 0.12, "late": 0.15,
               "device_blocks": (100, 120, 150, 200)},
+    # "full" with a Mamba group every time and `mamba_decode_states` false: only states a prefill computed
+    # are stored (preempted requests computing their decoded tokens again among them)
+    "prefill-states": {"mamba": 1.0, "two_workers": 0.25, "spec": 0.0, "fail_loads": 0.12, "late": 0.15,
+                       "prefill_states": True},
 }
 
 
@@ -116,6 +120,8 @@ def _config(r: random.Random, odds: dict) -> dict:
         config["window"] = r.choice(odds["windows"])
     if "device_blocks" in odds:
         config["num_blocks"] = r.choice(odds["device_blocks"])
+    if odds.get("prefill_states"):
+        config["mamba_decode_states"] = False
     return config
 
 
@@ -406,8 +412,10 @@ def _engine(config: dict):
     if "spec_tokens" in config:
         options.update(spec_tokens=config["spec_tokens"], spec_method=config["spec_method"])
     window = config.get("window", WINDOW)
-    engine = ModelFreeEngine(build_model("gemma3", window=window),
-                             {"cpu_bytes": config["cpu_bytes"], "block_size": config["block_size"]}, window=window,
+    extra = {"cpu_bytes": config["cpu_bytes"], "block_size": config["block_size"]}
+    if "mamba_decode_states" in config:
+        extra["mamba_decode_states"] = config["mamba_decode_states"]
+    engine = ModelFreeEngine(build_model("gemma3", window=window), extra, window=window,
                              num_blocks=config["num_blocks"], max_num_batched_tokens=config["max_num_batched_tokens"],
                              workers=config["workers"], async_scheduling=config["async_scheduling"],
                              runner=config["runner"], kv_events=True, **options)

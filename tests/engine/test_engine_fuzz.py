@@ -289,6 +289,67 @@ def test_no_reordered_run_where_kvscope_s_engine_admitted_the_prompts_as_listed_
     assert len(asked) == 1
 
 
+_QWEN_PLAN = {"model": "qwen3next", "extra": {"cpu_bytes": 1 << 20}, "llm_kwargs": {},
+              "rounds": [{"prompts": [{}, {}]}]}
+
+
+def _fake_engines_with_prefill_states(monkeypatch, prefill_states_run):
+    """As `_fake_engines`, with ``prefill_states_run`` for kvscope's engine run again with
+    `mamba_decode_states` false (and vLLM in kvscope's order still parting from kvscope)."""
+    asked = []
+
+    def execute(plan, roles):
+        asked.append((plan, roles))
+        if roles == ("recompute",):
+            return {"recompute": _BASELINE}
+        if roles == ("kvscope",):
+            return {"kvscope": prefill_states_run}
+        return {"baseline": _BASELINE}
+
+    monkeypatch.setattr(engine_fuzz, "execute", execute)
+    return asked
+
+
+def test_a_qwen3_next_seed_that_agrees_once_decode_states_are_not_stored_is_decode_state(monkeypatch):
+    asked = _fake_engines_with_prefill_states(monkeypatch, _BASELINE | {"problems": []})
+    results = {"kvscope": _OURS, "baseline": _BASELINE}
+    outcome, problems = recheck(_QWEN_PLAN, results, *verdict(results, tolerance=0.05))
+    assert outcome == "decode_state", problems
+    assert problems[-1].endswith("(mamba_decode_states false)")
+    assert [roles for _, roles in asked] == [("recompute",), ("kvscope",)]
+    assert asked[1][0]["extra"] == {"cpu_bytes": 1 << 20, "mamba_decode_states": False}
+    assert _QWEN_PLAN["extra"] == {"cpu_bytes": 1 << 20}  # the seed's own plan is left as it was
+
+
+@pytest.mark.parametrize("prefill_states_run", [
+    _OURS,  # parts from vLLM without decode states too
+    _BASELINE | {"problems": ["leak: job 3"]},  # agrees, but kvscope found a problem in itself
+    {"error": "exit 1", "stderr": ""},
+])
+def test_a_qwen3_next_seed_stays_failed_unless_its_run_without_decode_states_agrees_cleanly(
+        monkeypatch, prefill_states_run):
+    asked = _fake_engines_with_prefill_states(monkeypatch, prefill_states_run)
+    results = {"kvscope": _OURS, "baseline": _BASELINE}
+    assert recheck(_QWEN_PLAN, results, *verdict(results, tolerance=0.05))[0] == "failed"
+    assert ("kvscope",) in [roles for _, roles in asked]
+
+
+def test_no_run_without_decode_states_where_the_plan_stores_none_or_has_no_mamba_group(monkeypatch):
+    asked = _fake_engines_with_prefill_states(monkeypatch, _BASELINE | {"problems": []})
+    results = {"kvscope": _OURS, "baseline": _BASELINE}
+    prefill_only = _QWEN_PLAN | {"extra": {"cpu_bytes": 1 << 20, "mamba_decode_states": False}}
+    for plan in (prefill_only, _PLAN):
+        assert recheck(plan, results, *verdict(results))[0] == "failed"
+    assert ("kvscope",) not in [roles for _, roles in asked]
+
+
+def test_some_qwen3_next_plans_store_no_decode_states_and_no_other_plan_says_so():
+    plans = [make_plan(seed) for seed in range(300)]
+    off = [p for p in plans if "mamba_decode_states" in p["extra"]]
+    assert off and all(p["model"] == "qwen3next" and p["extra"]["mamba_decode_states"] is False for p in off)
+    assert any(p["model"] == "qwen3next" and "mamba_decode_states" not in p["extra"] for p in plans)
+
+
 def test_a_baseline_that_cannot_start_is_refused_and_a_kvscope_engine_that_cannot_fails():
     broken = {"error": "exit 1", "stderr": "ValueError: No common block size"}
     ok = {"rounds": [], "problems": []}

@@ -126,3 +126,28 @@ def test_a_conversation_turn_loads_mamba_states_from_the_previous_turns_output(s
     assert all(a >= b for a, b in zip(ours, vllm_alone)) and sum(ours) > sum(vllm_alone), (ours, vllm_alone)
     for ours, theirs in zip(second, baseline["rounds"][1]):
         assert abs(ours["logprobs"][0] - theirs["logprobs"][0]) <= 0.01
+
+
+def test_with_mamba_decode_states_off_a_conversation_turn_gives_the_outputs_without_the_connector(scenarios):
+    """`mamba_decode_states` false: turn 2 loads only states a prefill computed (turn 1's prompt's), the
+    kind vLLM's own prefix cache keeps, none a decode step left. Its outputs are then those of the same
+    engine without kvscope (turn 2 over vLLM's device prefix cache), attention sharpened, which the test
+    above cannot ask: there a decode step's state (the recurrent kernel's, one token at a time) parts
+    from a prefill's (the chunked kernel's) in bf16."""
+    conversation = {"first_turn_tokens": 300, "new_tokens": 50}
+    qwen = {**QWEN, "conversation": conversation, "max_tokens": 8,
+            "extra": {"cpu_bytes": 64 << 20, "mamba_decode_states": False}}
+    result = scenarios.get("qwen3next-conversation-prefill-states", qwen)
+    baseline = scenarios.get("qwen3next-conversation-sharp:baseline", {**qwen, "connector": False})
+    first, second, _ = result["rounds"]
+    assert tokens(first) == tokens(baseline["rounds"][0])
+    block = result["offload_block_size"]
+    turn1_prompts = [len(p) - conversation["first_turn_tokens"] - conversation["new_tokens"] for p in result["prompts"]]
+    hits, vllm_alone = ([c["num_cached_tokens"] for c in r] for r in (second, baseline["rounds"][1]))
+    assert result["counters"][1]["vllm:external_prefix_cache_hits"] > 0
+    # no further than turn 1's prompts' whole blocks (the replies' states are not stored), and no less
+    # than vLLM's own prefix cache (on one machine: 256, 512, 512, 512, 512, 0 against 256, 512, 512,
+    # 512, 256, 0; the 512-token prompt's state at its end is witnessed by its last chunk ending there)
+    assert all(hit <= prompt // block * block for hit, prompt in zip(hits, turn1_prompts)), (hits, turn1_prompts)
+    assert all(ours >= theirs for ours, theirs in zip(hits, vllm_alone)), (hits, vllm_alone)
+    assert_same_outputs(second, baseline["rounds"][1])

@@ -32,6 +32,7 @@ def test_minimal_config():
     assert cfg == KVScopeConfig(cpu_bytes=GIB)
     assert cfg.block_size is None and cfg.trace_file is None
     assert cfg.trace_sample_ratio is None and cfg.metrics_port is None
+    assert cfg.mamba_decode_states is True
 
 
 def test_full_config():
@@ -42,9 +43,10 @@ def test_full_config():
             "trace_file": "/tmp/trace.jsonl",
             "trace_sample_ratio": 0.25,
             "metrics_port": 9400,
+            "mamba_decode_states": False,
         }
     )
-    assert cfg == KVScopeConfig(4 * GIB, 64, "/tmp/trace.jsonl", 0.25, 9400)
+    assert cfg == KVScopeConfig(4 * GIB, 64, "/tmp/trace.jsonl", 0.25, 9400, mamba_decode_states=False)
 
 
 @pytest.mark.parametrize("raw, parsed", [("1073741824", GIB), (" 42 ", 42), ("1_000", 1000), (1, 1)])
@@ -71,7 +73,8 @@ def test_metrics_port_bounds_inclusive(port):
 
 def test_explicit_none_means_default():
     cfg = parse_config(
-        {"cpu_bytes": 1, "block_size": None, "trace_file": None, "trace_sample_ratio": None, "metrics_port": None}
+        {"cpu_bytes": 1, "block_size": None, "trace_file": None, "trace_sample_ratio": None, "metrics_port": None,
+         "mamba_decode_states": None}
     )
     assert cfg == KVScopeConfig(cpu_bytes=1)
 
@@ -129,6 +132,20 @@ def test_every_problem_is_named_at_once():
     assert "trace_sampel_ratio=0.5" in message
     for key, value in (("cpu_bytes", "8G"), ("block_size", 0), ("metrics_port", 70000), ("trace_sample_ratio", 2)):
         _assert_names(message, key, value)
+
+
+# --- mamba_decode_states -------------------------------------------------------------------------
+@pytest.mark.parametrize("value", [True, False])
+def test_mamba_decode_states_takes_json_booleans(value):
+    assert parse_config({"cpu_bytes": 1, "mamba_decode_states": value}).mamba_decode_states is value
+
+
+@pytest.mark.parametrize("value", ["false", "true", 0, 1, "off", [], {}])
+def test_mamba_decode_states_refuses_anything_but_a_boolean(value):
+    """A string "false" is truthy: taken as given it would store what the operator turned off."""
+    message = _error({"cpu_bytes": 1, "mamba_decode_states": value})
+    _assert_names(message, "mamba_decode_states", value)
+    assert "true" in message and "false" in message
 
 
 # --- block_size ---------------------------------------------------------------------------------

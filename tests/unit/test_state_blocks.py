@@ -28,6 +28,7 @@ def _blocks(*group_ids):
 
 
 STATES = StateBlocks(LAYOUTS, speculative=False)
+PROMPT = 1000  # prompt tokens of the requests below: their forwards are prefill chunks
 
 
 def test_a_block_keyed_for_its_own_end_holds_its_state():
@@ -62,18 +63,18 @@ def test_forward_ends_are_witnessed_at_block_ends_only():
         asked.append(1)
         return _blocks([NULL_BLOCK_ID, 11, 12, NULL_BLOCK_ID], list(range(20, 36)))
 
-    states.note_forward(witnessed, 0, 100, blocks)
+    states.note_forward(witnessed, 0, 100, blocks, PROMPT)
     assert witnessed == {} and not asked  # not a state block's end: vLLM is not asked
-    states.note_forward(witnessed, 100, 128, blocks)
-    states.note_forward(witnessed, 128, 192, blocks)
-    states.note_forward(witnessed, 192, 256, blocks)  # a null block there: nothing to witness
+    states.note_forward(witnessed, 100, 128, blocks, PROMPT)
+    states.note_forward(witnessed, 128, 192, blocks, PROMPT)
+    states.note_forward(witnessed, 192, 256, blocks, PROMPT)  # a null block there: nothing to witness
     assert witnessed == {(0, 1): 11, (0, 2): 12}
 
 
 def test_a_forward_witnesses_the_block_it_ends_at_the_end_of():
     """The state after 128 tokens is in block 1: witnessed there, not in the block before it."""
     states, witnessed = StateBlocks(LAYOUTS, speculative=False), {}
-    states.note_forward(witnessed, 0, 128, lambda: _blocks([10, 11], []))
+    states.note_forward(witnessed, 0, 128, lambda: _blocks([10, 11], []), PROMPT)
     assert witnessed == {(0, 1): 11}
 
 
@@ -82,15 +83,16 @@ def test_a_forward_leaves_the_block_it_starts_inside_however_little_it_runs_past
     """Block 0 too (a partial hit inside it), and a few tokens past it; a forward starting at a block's
     start leaves none (refusing those would lose every chunked prefill's states)."""
     states, witnessed = StateBlocks(LAYOUTS, speculative=False), {}
-    states.note_forward(witnessed, start, end, lambda: _blocks([10, 11, 12, 13, 14], []))
+    states.note_forward(witnessed, start, end, lambda: _blocks([10, 11, 12, 13, 14], []), PROMPT)
     assert [key for key, block_id in witnessed.items() if block_id is None] == ([] if left is None else [(0, left)])
 
 
 def test_a_block_a_forward_started_inside_and_left_keeps_that_state_whatever_its_key():
     states, witnessed = StateBlocks(LAYOUTS, speculative=True), {}
-    states.note_forward(witnessed, 80, 128, lambda: _blocks([0, 11], []))  # ends at the block's end: not left
+    states.note_forward(witnessed, 80, 128, lambda: _blocks([0, 11], []), PROMPT)  # ends at the block's end: not left
     assert witnessed == {}
-    states.note_forward(witnessed, 80, 300, lambda: _blocks([0, 11, 12, 13, 14], []))  # a partial hit at 80, then on
+    # a partial hit at 80, then on
+    states.note_forward(witnessed, 80, 300, lambda: _blocks([0, 11, 12, 13, 14], []), PROMPT)
     assert witnessed == {(0, 1): None}
     assert not states.holds_own_state(_block(11, 128), 0, 1, 64, witnessed)
 
@@ -99,7 +101,7 @@ def test_so_does_it_for_a_request_that_finds_it_in_vllms_prefix_cache_until_vllm
     """Another request reaching that block through vLLM's prefix cache (its own forwards never touched it)
     must not take it for its end's state either; once vLLM allocates the block afresh, that is over."""
     states = StateBlocks(LAYOUTS, speculative=False)
-    states.note_forward({}, 80, 300, lambda: _blocks([0, 11, 12, 13, 14], []))
+    states.note_forward({}, 80, 300, lambda: _blocks([0, 11, 12, 13, 14], []), PROMPT)
     assert not states.holds_own_state(_block(11, 128), 0, 1, 64, {})  # another request, same key
     assert states.holds_own_state(_block(12, 192), 0, 2, 64, {})  # the blocks after it are not concerned
     rekeyed = SimpleNamespace(block_id=11, block_hash_num_tokens=128, block_hash="another prefix's 128 tokens")
@@ -113,25 +115,25 @@ def test_a_request_resuming_at_such_a_blocks_end_computes_wrong_states_and_they_
     hit of 128 tokens. The request resuming there computes every later state from it: none is stored,
     and the blocks it ends in stay wrong for requests that find them in vLLM's prefix cache."""
     states = StateBlocks(LAYOUTS, speculative=False)
-    states.note_forward({}, 80, 300, lambda: _blocks([0, 11, 12, 13, 14], []))  # another request left 11
+    states.note_forward({}, 80, 300, lambda: _blocks([0, 11, 12, 13, 14], []), PROMPT)  # another request left 11
     witnessed = {}
     blocks = _blocks([0, 11, 22, 23, 24, 25], [])
-    states.note_forward(witnessed, 128, 256, lambda: blocks)  # resumes from 11, ends in 23
+    states.note_forward(witnessed, 128, 256, lambda: blocks, PROMPT)  # resumes from 11, ends in 23
     assert states.holds_own_state(_block(0, 64), 0, 0, 64, witnessed)  # before it: not concerned
     assert not states.holds_own_state(_block(23, 256), 0, 3, 64, witnessed)
-    states.note_forward(witnessed, 256, 320, lambda: blocks)  # its next chunk: still from the wrong state
+    states.note_forward(witnessed, 256, 320, lambda: blocks, PROMPT)  # its next chunk: still from the wrong state
     assert not states.holds_own_state(_block(24, 320), 0, 4, 64, witnessed)
     assert not states.holds_own_state(_block(23, 256), 0, 3, 64, {})  # another request, same key
     assert not states.holds_own_state(_block(24, 320), 0, 4, 64, {})
     fresh = {}  # a request resuming from a block that holds its state is not concerned
-    states.note_forward(fresh, 192, 256, lambda: _blocks([0, 31, 32, 33], []))
+    states.note_forward(fresh, 192, 256, lambda: _blocks([0, 31, 32, 33], []), PROMPT)
     assert states.holds_own_state(_block(33, 256), 0, 3, 64, fresh)
 
 
 def test_a_block_a_forward_left_before_vllm_keyed_it_keeps_that_state_once_keyed():
     """The request's own witness decides: keyed later, the block is in no list of wrong states."""
     states, witnessed = StateBlocks(LAYOUTS, speculative=False), {}
-    states.note_forward(witnessed, 80, 300, lambda: [[_block(0, 64), *map(_block, (11, 12, 13, 14))], []])
+    states.note_forward(witnessed, 80, 300, lambda: [[_block(0, 64), *map(_block, (11, 12, 13, 14))], []], PROMPT)
     assert not states.holds_own_state(_block(11, 128), 0, 1, 64, witnessed)
 
 
@@ -139,19 +141,19 @@ def test_a_decode_state_computed_from_a_wrong_one_is_not_taken_for_its_end():
     """vLLM keys no decode state: a forward ending at its block's end witnesses it, yet computed from the
     wrong state the request resumed from it is wrong too (stored, another request would load it)."""
     states = StateBlocks(LAYOUTS, speculative=False)
-    states.note_forward({}, 80, 300, lambda: _blocks([0, 11, 12, 13, 14], []))  # another request left 11
+    states.note_forward({}, 80, 300, lambda: _blocks([0, 11, 12, 13, 14], []), PROMPT)  # another request left 11
     witnessed = {}
-    states.note_forward(witnessed, 128, 192, lambda: [[_block(0, 64), _block(11, 128), _block(22)], []])
+    states.note_forward(witnessed, 128, 192, lambda: [[_block(0, 64), _block(11, 128), _block(22)], []], PROMPT)
     assert witnessed[(0, 2)] == 22 and not states.holds_own_state(_block(22), 0, 2, 64, witnessed)
 
 
 def test_resuming_at_the_end_of_an_unkeyed_block_taints_nothing():
     """Decode steps resume at unkeyed blocks' ends all the time: no key, so never a wrong state's."""
     states = StateBlocks(LAYOUTS, speculative=False)
-    states.note_forward({}, 80, 300, lambda: _blocks([0, 11, 12, 13, 14], []))  # a wrong state exists
+    states.note_forward({}, 80, 300, lambda: _blocks([0, 11, 12, 13, 14], []), PROMPT)  # a wrong state exists
     witnessed, blocks = {}, [[_block(0, 64), _block(21), _block(22)], []]
-    states.note_forward(witnessed, 100, 128, lambda: blocks)
-    states.note_forward(witnessed, 128, 192, lambda: blocks)
+    states.note_forward(witnessed, 100, 128, lambda: blocks, PROMPT)
+    states.note_forward(witnessed, 128, 192, lambda: blocks, PROMPT)
     assert states.holds_own_state(_block(22), 0, 2, 64, witnessed)
 
 
@@ -159,7 +161,7 @@ def test_every_state_group_witnesses_a_forward():
     """A model with several Mamba groups: each group's block is left by the forward, not only the first's."""
     states, witnessed = StateBlocks([GroupLayout(0, GroupKind.MAMBA, 64), GroupLayout(1, GroupKind.MAMBA, 64)],
                                     speculative=False), {}
-    states.note_forward(witnessed, 80, 300, lambda: _blocks([0, 11, 12, 13, 14], [0, 21, 22, 23, 24]))
+    states.note_forward(witnessed, 80, 300, lambda: _blocks([0, 11, 12, 13, 14], [0, 21, 22, 23, 24]), PROMPT)
     assert witnessed == {(0, 1): None, (1, 1): None}
 
 
@@ -167,18 +169,43 @@ def test_with_drafts_a_request_is_never_tainted():
     """With drafts a step starts inside a block and leaves it while vLLM's postprocess copies the right
     state into it, and the next step reads the running column: the taint would refuse correct states."""
     states = StateBlocks(LAYOUTS, speculative=True)
-    states.note_forward({}, 80, 300, lambda: _blocks([0, 11, 12, 13, 14], []))
+    states.note_forward({}, 80, 300, lambda: _blocks([0, 11, 12, 13, 14], []), PROMPT)
     witnessed = {}
-    states.note_forward(witnessed, 128, 256, lambda: _blocks([0, 11, 22, 23, 24], []))
+    states.note_forward(witnessed, 128, 256, lambda: _blocks([0, 11, 22, 23, 24], []), PROMPT)
     assert states.holds_own_state(_block(23, 256), 0, 3, 64, witnessed)
 
 
 def test_with_speculative_decoding_only_keys_witness():
     states, witnessed = StateBlocks(LAYOUTS, speculative=True), {}
-    states.note_forward(witnessed, 64, 128, lambda: _blocks([0, 11], []))
+    states.note_forward(witnessed, 64, 128, lambda: _blocks([0, 11], []), PROMPT)
     assert witnessed == {}
 
 
 def test_no_state_groups_nothing_to_witness():
     states = StateBlocks([GroupLayout(0, GroupKind.FULL_ATTENTION, 16)], speculative=False)
     assert states.groups == []
+
+
+@pytest.mark.parametrize("decode_states", [True, False])
+def test_a_decode_step_witnesses_its_end_only_where_decode_states_are_stored(decode_states):
+    """A 100-token prompt, then decode steps one token each: the step computing token 127 ends at block
+    1's end and leaves the state there (the recurrent kernel's, where a prefill would run the chunked
+    one). `mamba_decode_states` false: such a state is not taken for its end."""
+    states, witnessed = StateBlocks(LAYOUTS, speculative=False, decode_states=decode_states), {}
+    blocks = lambda: _blocks([10, 11, 12], [])  # noqa: E731
+    states.note_forward(witnessed, 0, 64, blocks, 100)  # prefill chunks: within the prompt
+    states.note_forward(witnessed, 64, 100, blocks, 100)
+    for start in range(100, 128):
+        states.note_forward(witnessed, start, start + 1, blocks, 100)
+    assert witnessed.get((0, 0)) == 10  # the prefill's state is witnessed either way
+    assert (witnessed.get((0, 1)) == 11) is decode_states
+    assert states.holds_own_state(_block(11), 0, 1, 64, witnessed) is decode_states
+
+
+def test_with_decode_states_off_keys_still_witness_and_so_does_a_prompts_last_chunk():
+    """vLLM keys the states it keeps (the prompt's, a resumed request's re-prefill): those hold. And
+    a prompt's last chunk that ends at a block's end witnesses it (its start is within the prompt)."""
+    states, witnessed = StateBlocks(LAYOUTS, speculative=False, decode_states=False), {}
+    states.note_forward(witnessed, 200, 256, lambda: _blocks([0, 11, 12, 13], []), 256)
+    assert witnessed == {(0, 3): 13}
+    assert states.holds_own_state(_block(23, 320), 0, 4, 64, {})  # keyed for its end: past the prompt or not

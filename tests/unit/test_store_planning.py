@@ -56,8 +56,8 @@ def _scheduler(num_slots: int = 16, world_size: int = 1) -> tuple[KVScopeSchedul
 
 
 def _state(rid: str, num_tokens: int) -> _RequestState:
-    request = SimpleNamespace(request_id=rid, num_tokens=num_tokens, num_computed_tokens=0,
-                              block_hashes=[f"h{i}" for i in range(num_tokens // BS)])
+    request = SimpleNamespace(request_id=rid, num_tokens=num_tokens, num_prompt_tokens=num_tokens,
+                              num_computed_tokens=0, block_hashes=[f"h{i}" for i in range(num_tokens // BS)])
     return _RequestState(request=request)
 
 
