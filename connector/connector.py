@@ -28,6 +28,7 @@ from .config import (
     parse_config,
     physical_memory_bytes,
 )
+from .groups import GroupKind
 from .metadata import KVScopeMetadata
 from .scheduler import KVScopeScheduler
 from .telemetry.failures import telemetry_failed
@@ -127,6 +128,11 @@ class KVScopeConnector(KVConnectorBase_V1, SupportsHMA):
             role.name.lower(), len(layouts), [g.kind.value for g in layouts], block_size,
             num_slots, layout.slot_bytes,
         )
+        if role == KVConnectorRole.SCHEDULER and not self.config.mamba_decode_states:
+            if any(g.kind is GroupKind.MAMBA for g in layouts):
+                logger.info("kvscope: mamba_decode_states false: only Mamba states a prefill computed are stored")
+            else:
+                logger.warning("kvscope: mamba_decode_states false changes nothing: this model has no Mamba group")
 
     @property
     def requires_kv_delivery(self) -> bool:

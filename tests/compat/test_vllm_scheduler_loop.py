@@ -1824,3 +1824,32 @@ def test_a_block_a_forward_started_inside_is_forgotten_once_vllm_gives_it_out_an
         _assert_no_violations(engine.stats, loads=False)
     finally:
         engine.shutdown()
+
+
+@pytest.mark.parametrize("mamba", [True, False], ids=["mamba", "no-mamba"])
+def test_start_up_says_what_mamba_decode_states_false_does(model_path, mamba):
+    """Said once, by the scheduler side: only prefill states are stored; without a Mamba group the key
+    changes nothing, which an operator who set it should hear."""
+    import logging
+
+    from tests.compat.model_free import MambaAlign
+
+    records: list[logging.LogRecord] = []
+    catch = logging.Handler()
+    catch.emit = records.append
+    logger = logging.getLogger("connector.connector")
+    level = logger.level
+    logger.addHandler(catch)
+    logger.setLevel(logging.INFO)  # vLLM's default (another test's VLLM_LOGGING_LEVEL may have raised it)
+    try:
+        engine = ModelFreeEngine(model_path, {"cpu_bytes": 64 << 20, "mamba_decode_states": False}, window=WINDOW,
+                                 mamba=MambaAlign(16, 16) if mamba else None)
+        engine.shutdown()
+    finally:
+        logger.removeHandler(catch)
+        logger.setLevel(level)
+    said = [(r.levelname, r.getMessage()) for r in records if "mamba_decode_states" in r.getMessage()]
+    expected = (("INFO", "kvscope: mamba_decode_states false: only Mamba states a prefill computed are stored")
+                if mamba else
+                ("WARNING", "kvscope: mamba_decode_states false changes nothing: this model has no Mamba group"))
+    assert said == [expected]
