@@ -25,9 +25,10 @@ class KVScopeConfig:
     trace_file: str | None = None
     trace_sample_ratio: float | None = None
     metrics_port: int | None = None  # offline runs: serve /metrics on this port
-    # store the Mamba states decode steps leave at block ends (a conversation's next turn loads past its
-    # previous prompt); False: only those vLLM's own prefix cache keys (`state_blocks`)
-    mamba_decode_states: bool = True
+    # also store the Mamba states decode steps leave at block ends (a conversation's next turn loads past
+    # its previous prompt); False: only states a prefill computed, as vLLM's own prefix cache keeps them
+    # (`state_blocks`), so that loads give a recompute's outputs
+    mamba_decode_states: bool = False
 
     def offload_block_size(self, device_block_sizes: Sequence[int], hash_block_size: int | None = None,
                            max_model_len: int | None = None,
@@ -99,8 +100,8 @@ _ACCEPTED = {
     "trace_file": "a path (string) of a file to append OTLP/JSON lines to (missing folders are made)",
     "trace_sample_ratio": "a number between 0 and 1",
     "metrics_port": "a TCP port 1..65535 to serve Prometheus metrics on (offline runs)",
-    "mamba_decode_states": ("true (store the Mamba states decode steps leave, the default) or false (only "
-                            "states a prefill computed, as vLLM's prefix cache keeps them)"),
+    "mamba_decode_states": ("false (store only the Mamba states a prefill computed, as vLLM's prefix cache "
+                            "keeps them: the default) or true (also those decode steps leave)"),
 }
 
 
@@ -288,7 +289,7 @@ def parse_config(extra: Mapping[str, Any] | None) -> KVScopeConfig:
         port = checked(_positive_int, "metrics_port", port, 65535)
     decode_states = extra.get("mamba_decode_states")
     if decode_states is None:
-        decode_states = True
+        decode_states = False
     elif not isinstance(decode_states, bool):  # a string "false" would read as true
         problems.append(str(_bad("mamba_decode_states", decode_states)))
     if len(problems) == 1:

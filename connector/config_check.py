@@ -235,7 +235,7 @@ def describe(result: CheckResult) -> str:
     lines.append(f"OTLP export: {result.otlp}" if result.otlp else "OTLP export: none (no OTEL_* variable asks for it)")
     if c.metrics_port is not None:
         lines.append(f"metrics port: {c.metrics_port} (offline vllm.LLM runs; `vllm serve` has /metrics)")
-    if not c.mamba_decode_states:
-        lines.append("Mamba states: only those a prefill computed are stored (a conversation's next turn loads "
-                     "up to its previous prompt's blocks)")
+    if c.mamba_decode_states:
+        lines.append("Mamba states: those decode steps leave are stored too (a conversation's next turn loads "
+                     "through the previous reply; outputs may part from a recompute's by bf16 rounding)")
     return "\n".join(lines)

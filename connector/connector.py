@@ -128,11 +128,12 @@ class KVScopeConnector(KVConnectorBase_V1, SupportsHMA):
             role.name.lower(), len(layouts), [g.kind.value for g in layouts], block_size,
             num_slots, layout.slot_bytes,
         )
-        if role == KVConnectorRole.SCHEDULER and not self.config.mamba_decode_states:
+        if role == KVConnectorRole.SCHEDULER and self.config.mamba_decode_states:
             if any(g.kind is GroupKind.MAMBA for g in layouts):
-                logger.info("kvscope: mamba_decode_states false: only Mamba states a prefill computed are stored")
+                logger.info("kvscope: mamba_decode_states true: the Mamba states decode steps leave are stored too "
+                            "(loads through a reply; outputs may part from a recompute's by bf16 rounding)")
             else:
-                logger.warning("kvscope: mamba_decode_states false changes nothing: this model has no Mamba group")
+                logger.warning("kvscope: mamba_decode_states true changes nothing: this model has no Mamba group")
 
     @property
     def requires_kv_delivery(self) -> bool:

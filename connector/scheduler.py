@@ -121,7 +121,7 @@ class KVScopeScheduler:
         draft_tokens: int = 0,
         eagle_groups: frozenset[int] = frozenset(),
         host_events=None,
-        mamba_decode_states: bool = True,
+        mamba_decode_states: bool = False,
     ):
         self.layouts = layouts
         # Groups whose hits must prove their next token (EAGLE drafters' KV): `find_hit_tokens`

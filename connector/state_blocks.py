@@ -25,9 +25,11 @@ state into it, and the next step starts at its end reading the running column, n
 those would refuse correct states). Nor for a partial hit inside a block (a private copy of another).
 
 A decode state is right but not recompute's: a decode step runs the recurrent kernel, one token at a
-time, where a prefill of the same tokens runs the chunked one. With `mamba_decode_states` off, only
-states a forward within the prompt left are witnessed by their ends (vLLM keys the rest it keeps):
-kvscope then stores the Mamba states vLLM's own prefix cache would serve, and no others.
+time, where a prefill of the same tokens runs the chunked one, and in bf16 they part. So by default
+(`mamba_decode_states` false) only states a forward within the prompt left are witnessed by their
+ends (vLLM keys the rest it keeps): kvscope stores the Mamba states vLLM's own prefix cache would
+serve, and no others. With it true, decode states too: a conversation's next turn loads through the
+previous reply.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ _WRONG_FROM = "wrong from"  # witnessed[(_WRONG_FROM, group)]: the block index f
 class StateBlocks:
     """The Mamba groups of a layout, and the exact forward ends each request's blocks witnessed."""
 
-    def __init__(self, layouts: list[GroupLayout], speculative: bool, decode_states: bool = True):
+    def __init__(self, layouts: list[GroupLayout], speculative: bool, decode_states: bool = False):
         self.groups = [(layout.index, layout.block_size) for layout in layouts if layout.kind is GroupKind.MAMBA]
         # With drafts a forward's end is not where its state is kept (the accepted draft decides), and
         # under async scheduling vLLM counts drafts as computed before it knows: only keys witness.

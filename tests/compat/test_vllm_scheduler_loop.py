@@ -1697,13 +1697,13 @@ def test_a_conversation_turn_loads_mamba_states_decode_steps_left(model_path, ma
                                                                   async_scheduling, runner, num_blocks, workers):
     """vLLM keys Mamba states at the prompt's boundaries only; past them, a decode step that ends
     at a block's end leaves the state there (its runner writes the state after each step into the
-    block of its last position), which kvscope stores: turn 2 hits every whole block of turn 1,
-    state and KV checked."""
+    block of its last position), which kvscope stores with `mamba_decode_states` true: turn 2 hits
+    every whole block of turn 1, state and KV checked."""
     from tests.compat.model_free import MambaAlign
 
-    engine = ModelFreeEngine(model_path, {"cpu_bytes": 64 << 20, "block_size": mamba_block}, window=WINDOW,
-                             async_scheduling=async_scheduling, runner=runner, num_blocks=num_blocks,
-                             workers=workers, mamba=MambaAlign(mamba_block, hash_block))
+    extra = {"cpu_bytes": 64 << 20, "block_size": mamba_block, "mamba_decode_states": True}
+    engine = ModelFreeEngine(model_path, extra, window=WINDOW, async_scheduling=async_scheduling, runner=runner,
+                             num_blocks=num_blocks, workers=workers, mamba=MambaAlign(mamba_block, hash_block))
     turn2_hits, expected = _two_turns(engine, mamba_block)
     _assert_no_violations(engine.stats)
     assert bool(engine.stats.resumed) == (num_blocks < 1000)
@@ -1713,18 +1713,18 @@ def test_a_conversation_turn_loads_mamba_states_decode_steps_left(model_path, ma
 @pytest.mark.parametrize("mamba_block, hash_block, async_scheduling, num_blocks",
                          [(16, 16, False, 1200), (16, 16, True, 1200), (64, 16, True, 1200), (16, 16, True, 140)],
                          ids=["default-sync", "default-async", "partial-hits-async", "default-async-preempting"])
-def test_with_mamba_decode_states_off_a_conversation_turn_loads_only_prefill_states(
+def test_by_default_a_conversation_turn_loads_only_prefill_states(
         model_path, mamba_block, hash_block, async_scheduling, num_blocks):
-    """`mamba_decode_states` false: turn 2 hits turn 1's prompt's whole blocks and no further (the states
+    """`mamba_decode_states` false (the default): turn 2 hits turn 1's prompt's whole blocks and no further (the states
     decode steps left past them are not stored), states and KV checked. With partial hash hits vLLM
     keeps a prompt's last state at its last hash boundary, a block's end for some prompts only (450 and
     644 tokens here, not 547 and 741): the others hit at an earlier state. A request vLLM preempts
     computes its decoded tokens again by a prefill, whose states vLLM keys: those may be stored."""
     from tests.compat.model_free import MambaAlign
 
-    extra = {"cpu_bytes": 64 << 20, "block_size": mamba_block, "mamba_decode_states": False}
-    engine = ModelFreeEngine(model_path, extra, window=WINDOW, async_scheduling=async_scheduling,
-                             num_blocks=num_blocks, mamba=MambaAlign(mamba_block, hash_block))
+    engine = ModelFreeEngine(model_path, {"cpu_bytes": 64 << 20, "block_size": mamba_block}, window=WINDOW,
+                             async_scheduling=async_scheduling, num_blocks=num_blocks,
+                             mamba=MambaAlign(mamba_block, hash_block))
     turn2_hits, through_the_replies = _two_turns(engine, mamba_block)
     _assert_no_violations(engine.stats)
     prompts_blocks = sum(len(p) // mamba_block * mamba_block for p in _prompts())
@@ -1827,9 +1827,9 @@ def test_a_block_a_forward_started_inside_is_forgotten_once_vllm_gives_it_out_an
 
 
 @pytest.mark.parametrize("mamba", [True, False], ids=["mamba", "no-mamba"])
-def test_start_up_says_what_mamba_decode_states_false_does(model_path, mamba):
-    """Said once, by the scheduler side: only prefill states are stored; without a Mamba group the key
-    changes nothing, which an operator who set it should hear."""
+def test_start_up_says_what_mamba_decode_states_true_does(model_path, mamba):
+    """Said once, by the scheduler side: decode states are stored too, and what that may cost; without
+    a Mamba group the key changes nothing, which an operator who set it should hear."""
     import logging
 
     from tests.compat.model_free import MambaAlign
@@ -1842,14 +1842,15 @@ def test_start_up_says_what_mamba_decode_states_false_does(model_path, mamba):
     logger.addHandler(catch)
     logger.setLevel(logging.INFO)  # vLLM's default (another test's VLLM_LOGGING_LEVEL may have raised it)
     try:
-        engine = ModelFreeEngine(model_path, {"cpu_bytes": 64 << 20, "mamba_decode_states": False}, window=WINDOW,
+        engine = ModelFreeEngine(model_path, {"cpu_bytes": 64 << 20, "mamba_decode_states": True}, window=WINDOW,
                                  mamba=MambaAlign(16, 16) if mamba else None)
         engine.shutdown()
     finally:
         logger.removeHandler(catch)
         logger.setLevel(level)
     said = [(r.levelname, r.getMessage()) for r in records if "mamba_decode_states" in r.getMessage()]
-    expected = (("INFO", "kvscope: mamba_decode_states false: only Mamba states a prefill computed are stored")
+    expected = (("INFO", "kvscope: mamba_decode_states true: the Mamba states decode steps leave are stored too "
+                         "(loads through a reply; outputs may part from a recompute's by bf16 rounding)")
                 if mamba else
-                ("WARNING", "kvscope: mamba_decode_states false changes nothing: this model has no Mamba group"))
+                ("WARNING", "kvscope: mamba_decode_states true changes nothing: this model has no Mamba group"))
     assert said == [expected]

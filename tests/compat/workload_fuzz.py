@@ -53,8 +53,9 @@ PROFILES = {
     # device KV room (`load_admission`), among them loads of requests resumed after a preemption
     "tight": {"mamba": 0.15, "two_workers": 0.25, "spec": 0.3, "fail_loads": 0.12, "late": 0.15,
               "device_blocks": (100, 120, 150, 200)},
-    # "full" with a Mamba group every time and `mamba_decode_states` false: only states a prefill computed
-    # are stored (preempted requests computing their decoded tokens again among them)
+    # "full" with a Mamba group every time and `mamba_decode_states` false (kvscope's default): only states a
+    # prefill computed are stored (preempted requests computing their decoded tokens again among them). The
+    # other profiles store decode states too (true), as every profile did before the key existed
     "prefill-states": {"mamba": 1.0, "two_workers": 0.25, "spec": 0.0, "fail_loads": 0.12, "late": 0.15,
                        "prefill_states": True},
 }
@@ -120,8 +121,8 @@ def _config(r: random.Random, odds: dict) -> dict:
         config["window"] = r.choice(odds["windows"])
     if "device_blocks" in odds:
         config["num_blocks"] = r.choice(odds["device_blocks"])
-    if odds.get("prefill_states"):
-        config["mamba_decode_states"] = False
+    if "mamba" in config:
+        config["mamba_decode_states"] = not odds.get("prefill_states", False)
     return config
 
 

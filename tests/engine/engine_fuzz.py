@@ -149,8 +149,8 @@ def make_plan(seed: int) -> dict:
         if model != "llama" and "num_gpu_blocks_override" in llm_kwargs:
             # vLLM refused 1.5-2 contexts beside a sliding window in float32 (it asked for 2.1: seeds 3508, 3595)
             llm_kwargs["num_gpu_blocks_override"] = int(llm_kwargs["num_gpu_blocks_override"] * 1.5)
-    if mamba and r.random() < 0.3:  # only states a prefill computed: loads then give a recompute's numbers
-        extra["mamba_decode_states"] = False
+    if mamba:  # most store decode states too (not kvscope's default): where runs part, `recheck` tells why
+        extra["mamba_decode_states"] = r.random() < 0.7
     plan.update(llm_kwargs=llm_kwargs, extra=extra, docs=docs, rounds=rounds, attention_scale=scale)
     return plan
 
@@ -525,8 +525,8 @@ def recheck(plan: dict, results: dict[str, dict], outcome: str, problems: list[s
       kvscope's parted completion is that recompute's, the baseline's device prefix cache parted from a
       recompute, not kvscope: `vllm_cache`. (Seen with Qwen3-Next's linear attention: a state vLLM cached
       at a block boundary continues in other sums than one computed through.)
-    - Else, where kvscope stored the Mamba states decode steps left (`mamba_decode_states`, on by
-      default), run kvscope again with it off. If that run agrees with the baseline (`compare`: "ok" or
+    - Else, where kvscope stored the Mamba states decode steps left (`mamba_decode_states` true), run
+      kvscope again with it false (kvscope's default). If that run agrees with the baseline (`compare`: "ok" or
       "tie"), the parting came with loading such a state: `decode_state`. (Seed 4048: a state at 768
       tokens that decode steps 763-767 reached, loaded, parted a logprob by 0.065 at decode step 9; the
       state differs from a prefill's of the same tokens by 0.4% (relative norm), where changing the token
@@ -549,7 +549,7 @@ def recheck(plan: dict, results: dict[str, dict], outcome: str, problems: list[s
         if "error" not in recompute and recompute_agrees(ours, recompute, where, tolerance):
             return "vllm_cache", problems + [f"kvscope's completion at round {where[0]} prompt {where[1]} is a "
                                              "recompute's without any prefix cache"]
-    if plan["model"].startswith("qwen3next") and plan["extra"].get("mamba_decode_states", True):
+    if plan["model"].startswith("qwen3next") and plan["extra"].get("mamba_decode_states", False):
         prefill_states = {**plan, "extra": {**plan["extra"], "mamba_decode_states": False}}
         again = execute(prefill_states, ("kvscope",))["kvscope"]
         if "error" not in again and not again["problems"]:

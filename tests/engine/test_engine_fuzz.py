@@ -289,7 +289,7 @@ def test_no_reordered_run_where_kvscope_s_engine_admitted_the_prompts_as_listed_
     assert len(asked) == 1
 
 
-_QWEN_PLAN = {"model": "qwen3next", "extra": {"cpu_bytes": 1 << 20}, "llm_kwargs": {},
+_QWEN_PLAN = {"model": "qwen3next", "extra": {"cpu_bytes": 1 << 20, "mamba_decode_states": True}, "llm_kwargs": {},
               "rounds": [{"prompts": [{}, {}]}]}
 
 
@@ -318,7 +318,7 @@ def test_a_qwen3_next_seed_that_agrees_once_decode_states_are_not_stored_is_deco
     assert problems[-1].endswith("(mamba_decode_states false)")
     assert [roles for _, roles in asked] == [("recompute",), ("kvscope",)]
     assert asked[1][0]["extra"] == {"cpu_bytes": 1 << 20, "mamba_decode_states": False}
-    assert _QWEN_PLAN["extra"] == {"cpu_bytes": 1 << 20}  # the seed's own plan is left as it was
+    assert _QWEN_PLAN["extra"]["mamba_decode_states"] is True  # the seed's own plan is left as it was
 
 
 @pytest.mark.parametrize("prefill_states_run", [
@@ -338,16 +338,17 @@ def test_no_run_without_decode_states_where_the_plan_stores_none_or_has_no_mamba
     asked = _fake_engines_with_prefill_states(monkeypatch, _BASELINE | {"problems": []})
     results = {"kvscope": _OURS, "baseline": _BASELINE}
     prefill_only = _QWEN_PLAN | {"extra": {"cpu_bytes": 1 << 20, "mamba_decode_states": False}}
-    for plan in (prefill_only, _PLAN):
+    by_default = _QWEN_PLAN | {"extra": {"cpu_bytes": 1 << 20}}
+    for plan in (prefill_only, by_default, _PLAN):
         assert recheck(plan, results, *verdict(results))[0] == "failed"
     assert ("kvscope",) not in [roles for _, roles in asked]
 
 
-def test_some_qwen3_next_plans_store_no_decode_states_and_no_other_plan_says_so():
+def test_qwen3_next_plans_say_whether_they_store_decode_states_some_do_some_not_no_other_plan_says():
     plans = [make_plan(seed) for seed in range(300)]
-    off = [p for p in plans if "mamba_decode_states" in p["extra"]]
-    assert off and all(p["model"] == "qwen3next" and p["extra"]["mamba_decode_states"] is False for p in off)
-    assert any(p["model"] == "qwen3next" and "mamba_decode_states" not in p["extra"] for p in plans)
+    assert all(("mamba_decode_states" in p["extra"]) == (p["model"] == "qwen3next") for p in plans)
+    assert {p["extra"].get("mamba_decode_states") for p in plans if p["model"] == "qwen3next"} == {True, False}
+    assert make_plan(4048)["extra"]["mamba_decode_states"] is True  # the seed that parted (`decode_state`)
 
 
 def test_a_baseline_that_cannot_start_is_refused_and_a_kvscope_engine_that_cannot_fails():

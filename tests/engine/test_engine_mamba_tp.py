@@ -105,16 +105,17 @@ def test_failure_on_one_worker_fails_the_whole_load_and_recomputes(scenarios, ge
 
 
 def test_a_conversation_turn_loads_mamba_states_from_the_previous_turns_output(scenarios):
-    """Turn 2 sends turn 1's prompt, its 300 generated tokens and a new message: the Mamba states
-    at the block boundaries of turn 1's output (computed by decode steps) load with the attention
-    blocks, so every whole block of turn 1 is a hit (vLLM's own prefix cache keeps only the
-    prompt's boundaries). The CPU GDN kernels run in bf16 only, and a state reached by decode steps
+    """`mamba_decode_states` true. Turn 2 sends turn 1's prompt, its 300 generated tokens and a new
+    message: the Mamba states at the block boundaries of turn 1's output (computed by decode steps)
+    load with the attention blocks, so every whole block of turn 1 is a hit (vLLM's own prefix cache
+    keeps only the prompt's boundaries). The CPU GDN kernels run in bf16 only, and a state reached by decode steps
     differs from one recomputed by a prefill in the last bits, so greedy tokens of this random
     model (near-uniform logits) may flip at near-ties; the first token's log-probability is within
     bf16 rounding of the baseline's (loading zeros for the states instead moves it by up to 0.09).
     The model's attention is not sharpened here: sharpened, that rounding moved it by 0.035."""
     conversation = {"first_turn_tokens": 300, "new_tokens": 50}
-    qwen = {**QWEN, "attention_scale": 1.0, "conversation": conversation, "max_tokens": 4}
+    qwen = {**QWEN, "attention_scale": 1.0, "conversation": conversation, "max_tokens": 4,
+            "extra": {"cpu_bytes": 64 << 20, "mamba_decode_states": True}}
     result = scenarios.get("qwen3next-conversation", qwen)
     baseline = scenarios.get("qwen3next-conversation:baseline", {**qwen, "connector": False})
     first, second, _ = result["rounds"]
@@ -128,15 +129,14 @@ def test_a_conversation_turn_loads_mamba_states_from_the_previous_turns_output(s
         assert abs(ours["logprobs"][0] - theirs["logprobs"][0]) <= 0.01
 
 
-def test_with_mamba_decode_states_off_a_conversation_turn_gives_the_outputs_without_the_connector(scenarios):
-    """`mamba_decode_states` false: turn 2 loads only states a prefill computed (turn 1's prompt's), the
+def test_by_default_a_mamba_conversation_turn_gives_the_outputs_without_the_connector(scenarios):
+    """`mamba_decode_states` false (the default): turn 2 loads only states a prefill computed (turn 1's prompt's), the
     kind vLLM's own prefix cache keeps, none a decode step left. Its outputs are then those of the same
     engine without kvscope (turn 2 over vLLM's device prefix cache), attention sharpened, which the test
     above cannot ask: there a decode step's state (the recurrent kernel's, one token at a time) parts
     from a prefill's (the chunked kernel's) in bf16."""
     conversation = {"first_turn_tokens": 300, "new_tokens": 50}
-    qwen = {**QWEN, "conversation": conversation, "max_tokens": 8,
-            "extra": {"cpu_bytes": 64 << 20, "mamba_decode_states": False}}
+    qwen = {**QWEN, "conversation": conversation, "max_tokens": 8}
     result = scenarios.get("qwen3next-conversation-prefill-states", qwen)
     baseline = scenarios.get("qwen3next-conversation-sharp:baseline", {**qwen, "connector": False})
     first, second, _ = result["rounds"]

@@ -305,13 +305,13 @@ def test_describe_names_a_metrics_port_only_when_one_is_set_and_a_whole_sample_b
     assert "metrics port: 9464 (offline vllm.LLM runs" in served
 
 
-def test_describe_says_when_mamba_decode_states_are_not_stored():
+def test_describe_says_when_mamba_decode_states_are_stored_too():
     from connector.config import parse_config
     from connector.config_check import CheckResult, describe
 
     assert "Mamba states" not in describe(CheckResult(parse_config({"cpu_bytes": 1 << 20})))
-    off = describe(CheckResult(parse_config({"cpu_bytes": 1 << 20, "mamba_decode_states": False})))
-    assert "Mamba states: only those a prefill computed are stored" in off
+    on = describe(CheckResult(parse_config({"cpu_bytes": 1 << 20, "mamba_decode_states": True})))
+    assert "Mamba states: those decode steps leave are stored too" in on
 
 
 @pytest.mark.parametrize("module_path", ["connector", "connector.connector"])

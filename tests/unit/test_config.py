@@ -32,7 +32,7 @@ def test_minimal_config():
     assert cfg == KVScopeConfig(cpu_bytes=GIB)
     assert cfg.block_size is None and cfg.trace_file is None
     assert cfg.trace_sample_ratio is None and cfg.metrics_port is None
-    assert cfg.mamba_decode_states is True
+    assert cfg.mamba_decode_states is False
 
 
 def test_full_config():
@@ -43,10 +43,10 @@ def test_full_config():
             "trace_file": "/tmp/trace.jsonl",
             "trace_sample_ratio": 0.25,
             "metrics_port": 9400,
-            "mamba_decode_states": False,
+            "mamba_decode_states": True,
         }
     )
-    assert cfg == KVScopeConfig(4 * GIB, 64, "/tmp/trace.jsonl", 0.25, 9400, mamba_decode_states=False)
+    assert cfg == KVScopeConfig(4 * GIB, 64, "/tmp/trace.jsonl", 0.25, 9400, mamba_decode_states=True)
 
 
 @pytest.mark.parametrize("raw, parsed", [("1073741824", GIB), (" 42 ", 42), ("1_000", 1000), (1, 1)])
@@ -142,7 +142,7 @@ def test_mamba_decode_states_takes_json_booleans(value):
 
 @pytest.mark.parametrize("value", ["false", "true", 0, 1, "off", [], {}])
 def test_mamba_decode_states_refuses_anything_but_a_boolean(value):
-    """A string "false" is truthy: taken as given it would store what the operator turned off."""
+    """A string "false" is truthy: taken as given it would store what the operator meant to keep out."""
     message = _error({"cpu_bytes": 1, "mamba_decode_states": value})
     _assert_names(message, "mamba_decode_states", value)
     assert "true" in message and "false" in message
