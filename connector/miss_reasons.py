@@ -39,7 +39,7 @@ MISS_REASON_MEANINGS = {
     RESET: "forgotten by a cache reset",
     STORING: "its store had not completed on every worker (the same prefix came again within a copy)",
     NO_STATE: "the attention groups held it, but no Mamba state was stored at its end (vLLM keeps states at "
-              "some block ends only)",
+              "some block ends only; decode steps' states are stored only with mamba_decode_states true)",
     OTHER_BLOCKS: "every group held it, but the hit needed another block (a sliding window's earlier one)",
     LOAD_FAILED: "held, but an earlier load of the request failed: it recomputes, not offered a hit until vLLM "
                  "preempts it or its streaming session takes its next turn",

@@ -46,7 +46,7 @@ MISS_REASON_TEXT = {
     "storing": "the offloaded block after its hit was still being stored (the same prefix came again "
                "within one copy)",
     "no_state": "no Mamba state was stored at the end of the block after its hit (vLLM keeps states at "
-                "some block ends only)",
+                "some block ends only; decode steps' states are stored only with mamba_decode_states true)",
     "other_blocks": "every group held the block after its hit, but the hit needed another one (a sliding "
                     "window's earlier block)",
     "load_failed": "the tier held the block after its hit, but an earlier load of this request failed: it "
