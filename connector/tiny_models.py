@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 from pathlib import Path
 
 COMMON = dict(
@@ -85,7 +86,12 @@ def build_model(name: str, window: int = 64, layer_types: list[str] | None = Non
     if "quantization_config" in data and data["quantization_config"] is None:
         del data["quantization_config"]  # gpt-oss loader wants no key at all
         config_json.write_text(json.dumps(data, indent=2))
-    tmp.rename(path) if not path.exists() else None
+    try:
+        tmp.rename(path)
+    except OSError:  # another process built the same model (the same weights: seeded) and renamed it first
+        if not (path / "config.json").exists():
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
     return str(path)
 
 
