@@ -17,7 +17,10 @@ without kvscope and without vLLM's prefix cache, and if kvscope's completion is 
 linear-attention states). Where kvscope's engine first scheduled the prompts in another order (a request
 waiting for its load lets the next go first) and vLLM without kvscope, given the prompts in that order, agrees
 with kvscope's whole run, the seed is `vllm_order`: on the CPU backend a request's logits move with its place
-in the batch. Where a Qwen3-Next plan stored the Mamba states decode steps left and kvscope's engine run again
+in the batch. Where vLLM without kvscope, keeping every sliding-window block and Mamba state in its prefix
+cache (`prefix_cache_retention_interval` None), agrees with kvscope's whole run, the seed is `vllm_dense`: by
+default vLLM keeps those only at prompt ends and recomputes by prefill what kvscope loads, as computed by decode
+steps (seed 4099). Where a Qwen3-Next plan stored the Mamba states decode steps left and kvscope's engine run again
 without them (`mamba_decode_states` false) agrees with the baseline, the seed is `decode_state` (the recurrent
 kernel's state against a prefill's chunked one, in bf16: seed 4048). kvscope's hit and looked-up tokens must
 equal vLLM's external prefix-cache hits and queries, every load must write only device blocks the loading
@@ -60,6 +63,9 @@ SMALL_CONTEXT = 1536  # tokens: the context of plans with a small device cache, 
 # engine steps in a row with requests left and none running: vLLM's admission stall (`load_admission`), or
 # a load never reported; a load on the CPU takes a step or two
 STALL_STEPS = 500
+# Models with sliding-window or Mamba groups: vLLM's prefix cache keeps their blocks sparsely by default
+# (`prefix_cache_retention_interval` 0), kvscope's tier all of them (`recheck`: `vllm_dense`).
+DENSE_RETENTION_MODELS = ("gemma3", "gptoss", "qwen3next")
 ENGINE_TIMEOUT_S = 600
 _BLOCK_SIZE_REFUSAL = re.compile(r"ConfigError: kv_connector_extra_config\.block_size=\d+ is not accepted: it must "
                                  r"be a multiple of every KV group's device block size .*")
@@ -532,6 +538,14 @@ def recheck(plan: dict, results: dict[str, dict], outcome: str, problems: list[s
       state differs from a prefill's of the same tokens by 0.4% (relative norm), where changing the token
       68 places back moves it by 6.7%: bf16 numbers of the recurrent kernel against the chunked one, not
       another state. The model-free fuzz checks every such state's identity.)
+    - Else, where the model has sliding-window or Mamba groups, run the plan without kvscope, vLLM keeping
+      every such block and state in its prefix cache (`prefix_cache_retention_interval` None; its default
+      keeps them only at prompt ends and shared-prefix junctions, so the baseline recomputes a reply that
+      kvscope loads). If kvscope's whole run agrees with that one, vLLM's own cache gives kvscope's outputs:
+      `vllm_dense`. (Seed 4099, gpt-oss-like: a continued conversation loaded its reply's blocks, whose
+      KV decode steps computed; the dense baseline gave kvscope's run to the bit, the default one
+      recomputed the reply by prefill, and one logprob parted by 0.110 at the single decode step that read
+      the reply's first sliding-window position.)
     - Else, where kvscope's engine first scheduled some prompts in another order than the baseline's (a
       request waits for its load, so one behind it goes first), run the plan without kvscope, its prompts
       submitted in that order. If kvscope's whole run agrees with that one (`compare`: "ok", or "tie":
@@ -557,6 +571,13 @@ def recheck(plan: dict, results: dict[str, dict], outcome: str, problems: list[s
             if agreement in ("ok", "tie"):
                 return "decode_state", problems + ["kvscope's run agrees with vLLM's once the Mamba states decode "
                                                    "steps left are not stored (mamba_decode_states false)"] + ties
+    if plan["model"] in DENSE_RETENTION_MODELS and "prefix_cache_retention_interval" not in plan["llm_kwargs"]:
+        dense = execute(plan, ("dense",))["dense"]
+        agreement, ties = compare(ours, dense, tolerance) if "error" not in dense else ("failed", [])
+        if agreement in ("ok", "tie"):
+            return "vllm_dense", problems + ["kvscope's run is vLLM's own once its prefix cache keeps every "
+                                             "sliding-window block and Mamba state "
+                                             "(prefix_cache_retention_interval None)"] + ties
     reordered_plan = in_admission_order(plan, ours["admission_orders"])
     if reordered_plan is None:
         return outcome, problems
@@ -581,13 +602,15 @@ def main() -> None:
         role = args.run[1]
         if role == "recompute":
             plan = {**plan, "llm_kwargs": {**plan["llm_kwargs"], "enable_prefix_caching": False}}
+        if role == "dense":  # vLLM alone, keeping every sliding-window block and Mamba state (`recheck`)
+            plan = {**plan, "llm_kwargs": {**plan["llm_kwargs"], "prefix_cache_retention_interval": None}}
         if plan.get("trace_dir"):  # each role with a connector traces to a file of its own
             plan = {**plan, "extra": {**plan["extra"], "trace_file": str(Path(plan["trace_dir"]) / f"{role}.jsonl")}}
         if role == "unadmitted":  # kvscope starting every load it finds: vLLM's admission alone decides
             from connector.load_admission import LoadAdmission
 
             LoadAdmission.may_start = lambda self, *args, **kwargs: True
-        result = run_engine(plan, with_connector=role not in ("baseline", "recompute"),
+        result = run_engine(plan, with_connector=role not in ("baseline", "recompute", "dense"),
                             corrupt_host=role == "corrupted")
         print("ENGINE_FUZZ_JSON " + json.dumps(result), flush=True)
         return

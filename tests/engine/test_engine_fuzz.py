@@ -237,6 +237,8 @@ def _fake_engines(monkeypatch, reordered_run):
         asked.append((plan, roles))
         if roles == ("recompute",):
             return {"recompute": _BASELINE}
+        if roles == ("dense",):  # vLLM keeping every sliding-window block parts from kvscope too
+            return {"dense": _BASELINE}
         return {"baseline": reordered_run if "order" in plan["rounds"][0] else _BASELINE}
 
     monkeypatch.setattr(engine_fuzz, "execute", execute)
@@ -250,8 +252,9 @@ def test_a_seed_whose_run_vllm_gives_with_kvscope_s_admission_order_is_vllm_orde
     assert outcome == "vllm_order", problems
     assert problems[-1].endswith("the order kvscope's engine first scheduled them: [[1, 0]]")
     assert problems[0].startswith("tokens part at round 0 prompt 1 step 1")
-    assert [roles for _, roles in asked] == [("recompute",), ("baseline",)]
-    assert asked[1][0]["rounds"][0]["order"] == [1, 0]
+    # the recompute, vLLM keeping every sliding-window block (parting from kvscope too), then kvscope's order
+    assert [roles for _, roles in asked] == [("recompute",), ("dense",), ("baseline",)]
+    assert asked[2][0]["rounds"][0]["order"] == [1, 0]
 
 
 def test_a_seed_whose_run_vllm_in_kvscope_s_admission_order_gives_up_to_a_tie_is_vllm_order(monkeypatch):
@@ -282,11 +285,65 @@ def test_no_reordered_run_where_kvscope_s_engine_admitted_the_prompts_as_listed_
     as_listed = _OURS | {"admission_orders": [[0, 1]]}
     results = {"kvscope": as_listed, "baseline": _BASELINE}
     assert recheck(_PLAN, results, *verdict(results))[0] == "failed"
-    assert [roles for _, roles in asked] == [("recompute",)]
+    assert [roles for _, roles in asked] == [("recompute",), ("dense",)]
     leaking = _OURS | {"problems": ["leak: job 3"]}
     results = {"kvscope": leaking, "baseline": _BASELINE}
     assert recheck(_PLAN, results, *verdict(results))[0] == "failed"
-    assert len(asked) == 1
+    assert len(asked) == 2
+
+
+def _fake_engines_with_dense_cache(monkeypatch, dense_run):
+    """As `_fake_engines` (vLLM in kvscope's order still parting from kvscope), with ``dense_run`` for vLLM
+    keeping every sliding-window block and Mamba state (`prefix_cache_retention_interval` None)."""
+    asked = []
+
+    def execute(plan, roles):
+        asked.append((plan, roles))
+        if roles == ("recompute",):
+            return {"recompute": _BASELINE}
+        if roles == ("dense",):
+            return {"dense": dense_run}
+        return {"baseline": _BASELINE}
+
+    monkeypatch.setattr(engine_fuzz, "execute", execute)
+    return asked
+
+
+# Seed 4099's shape (gpt-oss-like): equal tokens, one logprob parted past the tolerance, prompts admitted as listed.
+_PARTED_LOGPROB = _completion([5, 7], [-1.0, -5.62], [{"5": -1.0}, {"7": -5.62}]) | {"prompt": "b"}
+_OURS_4099 = {"rounds": [[_PROMPT_A, _PARTED_LOGPROB]], "problems": [], "admission_orders": [[0, 1]]}
+_BASELINE_4099 = {"rounds": [[_PROMPT_A, _completion([5, 7], [-1.0, -5.51], [{"5": -1.0}, {"7": -5.51}])]]}
+
+
+def test_a_seed_whose_run_vllm_keeping_every_window_block_gives_is_vllm_dense(monkeypatch):
+    asked = _fake_engines_with_dense_cache(monkeypatch, dense_run=_OURS_4099)
+    results = {"kvscope": _OURS_4099, "baseline": _BASELINE_4099}
+    assert verdict(results)[0] == "failed"
+    outcome, problems = recheck(_PLAN, results, *verdict(results))
+    assert outcome == "vllm_dense", problems
+    assert problems[0] == "logprobs at round 0 prompt 1 differ by 0.110"
+    assert problems[-1].endswith("(prefix_cache_retention_interval None)")
+    assert [roles for _, roles in asked] == [("dense",)]  # the tokens do not part: no recompute
+
+
+@pytest.mark.parametrize("dense_run", [
+    _BASELINE_4099,  # vLLM's dense cache parts from kvscope too
+    {"rounds": [[_PROMPT_A, _completion([5, 7], [-1.0, -5.60], [{"5": -1.0}, {"7": -5.60}])]]},  # 0.02 off
+    {"error": "exit 1", "stderr": ""},
+])
+def test_a_seed_stays_failed_unless_vllm_keeping_every_window_block_agrees_with_kvscope_s_whole_run(
+        monkeypatch, dense_run):
+    _fake_engines_with_dense_cache(monkeypatch, dense_run)
+    results = {"kvscope": _OURS_4099, "baseline": _BASELINE_4099}
+    assert recheck(_PLAN, results, *verdict(results))[0] == "failed"
+
+
+def test_no_dense_cache_run_for_a_full_attention_model_or_a_plan_that_sets_the_retention(monkeypatch):
+    asked = _fake_engines_with_dense_cache(monkeypatch, dense_run=_OURS_4099)
+    results = {"kvscope": _OURS_4099, "baseline": _BASELINE_4099}
+    for plan in (_PLAN | {"model": "llama"}, _PLAN | {"llm_kwargs": {"prefix_cache_retention_interval": None}}):
+        assert recheck(plan, results, *verdict(results))[0] == "failed"
+    assert asked == []
 
 
 _QWEN_PLAN = {"model": "qwen3next", "extra": {"cpu_bytes": 1 << 20, "mamba_decode_states": True}, "llm_kwargs": {},
@@ -304,6 +361,8 @@ def _fake_engines_with_prefill_states(monkeypatch, prefill_states_run):
             return {"recompute": _BASELINE}
         if roles == ("kvscope",):
             return {"kvscope": prefill_states_run}
+        if roles == ("dense",):
+            return {"dense": _BASELINE}
         return {"baseline": _BASELINE}
 
     monkeypatch.setattr(engine_fuzz, "execute", execute)
@@ -437,3 +496,17 @@ def test_seed_3782_runs_through_where_vllms_admission_alone_stalls(tmp_path):
     assert "free blocks; 0 loads deferred by kvscope" in problems[1]
 
 
+
+
+@pytest.mark.engine
+def test_seed_4099_loads_what_vllms_own_cache_serves_once_it_keeps_every_window_block():
+    """Fuzz seed 4099 (gpt-oss-like: sliding window and sinks, a 1 MiB host tier): a conversation continued
+    without a device reset loads its reply's blocks, KV that decode steps computed, from the host tier. vLLM's
+    prefix cache keeps sliding-window blocks only at prompt ends by default (`prefix_cache_retention_interval`
+    0), so the default baseline recomputed the reply by prefill, and a logprob parted by 0.110 at the one decode
+    step that read the reply's first window position. vLLM keeping every window block (None) serves the same
+    blocks from its device cache and gives kvscope's run (bit for bit on the CPU engine): `vllm_dense`."""
+    plan = make_plan(4099)
+    results = execute(plan, ("kvscope", "dense"))
+    assert results["kvscope"]["external_hit_tokens"] > 0, results["kvscope"]
+    assert compare(results["kvscope"], results["dense"], logprob_tolerance(plan)) == ("ok", [])
