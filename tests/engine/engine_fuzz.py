@@ -161,6 +161,16 @@ def make_plan(seed: int) -> dict:
     return plan
 
 
+def with_dense_retention(plan: dict) -> dict:
+    """The plan with vLLM keeping every sliding-window block and Mamba state in its prefix cache, not only
+    those at prompt ends (`prefix_cache_retention_interval` None, in both engines), where the model has such
+    groups: kvscope's hits then start where the device's longer ones end, and its block size rules for Mamba
+    groups change (`config`)."""
+    if plan["model"] not in DENSE_RETENTION_MODELS:
+        return plan
+    return {**plan, "llm_kwargs": {**plan["llm_kwargs"], "prefix_cache_retention_interval": None}}
+
+
 def _shrink_device_cache(r: random.Random, plan: dict, llm_kwargs: dict, device_block: int) -> None:
     """A device cache of 1.05-2 contexts, and long completions: vLLM admits a prompt only where it fits,
     so requests are preempted (and their prefixes looked up again) as their completions grow. (A
@@ -595,6 +605,9 @@ def main() -> None:
     parser.add_argument("--minutes", type=float, default=30.0, help="stop starting seeds after this long")
     parser.add_argument("--out", type=Path, help="folder for the plans of seeds that failed")
     parser.add_argument("--replay", type=Path, help="run one saved plan")
+    parser.add_argument("--dense-retention", action="store_true",
+                        help="both engines keep every sliding-window block and Mamba state in vLLM's prefix cache "
+                             "(prefix_cache_retention_interval None), where the model has such groups")
     parser.add_argument("--run", nargs=2, metavar=("PLAN", "ROLE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.run:
@@ -618,6 +631,8 @@ def main() -> None:
     if not plans:
         first, last = (int(x) for x in args.seeds.split(":"))
         plans = (make_plan(seed) for seed in range(first, last))
+    if args.dense_retention:
+        plans = (with_dense_retention(plan) for plan in plans)
     deadline, counts = time.monotonic() + 60 * args.minutes, {}
     for plan in plans:
         if time.monotonic() > deadline:

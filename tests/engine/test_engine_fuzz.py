@@ -11,7 +11,7 @@ from tests.engine import engine_fuzz
 from tests.engine.engine_fuzz import (ATTENTION_ONLY_TOLERANCE, FLOAT32_TOLERANCE, LOGPROB_TOLERANCE, admission_order,
                                      compare, execute, first_parting, in_admission_order, largest_logprob_gap,
                                      load_destination_problem, logprob_tolerance, make_plan, prompt_tokens, recheck,
-                                     recompute_agrees, verdict)
+                                     recompute_agrees, verdict, with_dense_retention)
 
 
 def _completion(tokens, logprobs, best):
@@ -401,6 +401,18 @@ def test_no_run_without_decode_states_where_the_plan_stores_none_or_has_no_mamba
     for plan in (prefill_only, by_default, _PLAN):
         assert recheck(plan, results, *verdict(results))[0] == "failed"
     assert ("kvscope",) not in [roles for _, roles in asked]
+
+
+def test_dense_retention_is_asked_of_models_with_window_or_mamba_groups_only_and_leaves_the_plan_as_it_was():
+    plans = {p["model"]: p for p in (make_plan(seed) for seed in range(40))}
+    for model, plan in plans.items():
+        dense = with_dense_retention(plan)
+        assert "prefix_cache_retention_interval" not in plan["llm_kwargs"]
+        if model == "llama":
+            assert dense == plan
+        else:
+            assert dense == {**plan, "llm_kwargs": {**plan["llm_kwargs"], "prefix_cache_retention_interval": None}}
+    assert set(plans) == {"llama", "gemma3", "gptoss", "qwen3next"}
 
 
 def test_qwen3_next_plans_say_whether_they_store_decode_states_some_do_some_not_no_other_plan_says():
