@@ -322,11 +322,12 @@ class ModelFreeEngine:
 
     # ------------------------------------------------------------------ driving
     def add(self, req_id: str, prompt: list[int], max_tokens: int = 2, trace_headers: dict | None = None,
-            cache_salt: str | None = None) -> None:
+            cache_salt: str | None = None, prompt_logprobs: int | None = None) -> None:
         from vllm import SamplingParams
         from vllm.v1.request import Request
 
-        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        # (prompt logprobs: vLLM then reads no cached KV for the request, `skip_reading_prefix_cache`)
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, prompt_logprobs=prompt_logprobs)
         self.tokens[req_id] = list(prompt)
         self.scheduler.add_request(Request(req_id, list(prompt), params, None, block_hasher=self._block_hasher,
                                            trace_headers=trace_headers, cache_salt=cache_salt))

@@ -150,6 +150,41 @@ def test_a_request_resumed_after_preemption_counts_its_host_hits_once_as_vllm_do
     assert data["lookup_tokens"] == stats.external_queried_tokens
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_a_request_asking_for_prompt_logprobs_loads_nothing_and_its_lookup_counts_as_vllms_query(
+        model_path, async_scheduling):
+    """vLLM reads no cached KV for a request that asks for prompt logprobs (it computes them only for tokens
+    it computes: `skip_reading_prefix_cache`). It still asks the connector, then takes none of the hit. kvscope
+    must plan no load for it, and count its lookup as vLLM counts the query: hit 0, the whole hit it found
+    missed as `not_taken`. Its KV is stored as any other's: the same prompts without prompt logprobs load."""
+    engine = ModelFreeEngine(model_path, {"cpu_bytes": 64 << 20, "block_size": 64}, window=WINDOW,
+                             max_num_batched_tokens=2048, async_scheduling=async_scheduling)
+    try:
+        prompts = _prompts()
+        store_round(engine, prompts)
+        queried = engine.stats.external_queried_tokens
+        for j, prompt in enumerate(prompts):
+            engine.add(f"r1-{j}", prompt, 2, prompt_logprobs=1)
+        engine.run()
+        data = engine.stats.connector.data
+        assert not engine.stats.loads and engine.stats.external_hit_tokens == data.get("hit_tokens", 0) == 0
+        # no device hit either: vLLM queried the whole prompts
+        assert engine.stats.external_queried_tokens - queried == sum(map(len, prompts))
+        assert data["lookup_tokens"] == engine.stats.external_queried_tokens
+        # round 1's lookups found every whole offloaded block of round 0's prompts, and vLLM took none
+        assert data["missed_tokens"]["not_taken"] == sum(len(p) // 64 * 64 for p in prompts)
+        assert engine.telemetry_mismatches() == []
+        engine.reset_device_prefix_cache()
+        for j, prompt in enumerate(prompts):
+            engine.add(f"r2-{j}", prompt, 2)
+        engine.run()
+        assert {f"r2-{j}" for j in range(len(prompts))} <= engine.stats.loads.keys()
+        assert engine.host_tier_leaks() == [] and engine.telemetry_mismatches() == []
+    finally:
+        engine.shutdown()
+    _assert_no_violations(engine.stats)
+
+
 @pytest.mark.parametrize("kv_events", [False, True], ids=["events-off", "events-on"])
 def test_a_paused_engine_that_cleared_its_caches_can_release_its_kv_memory(model_path, kv_events):
     """An RL loop pauses generation with `clear_cache=True` (vLLM resets its caches, the host tier with
