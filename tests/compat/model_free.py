@@ -172,7 +172,8 @@ class ModelFreeEngine:
                  max_num_batched_tokens: int = 2048, max_model_len: int = 2048, workers: int = 1,
                  async_scheduling: bool = False, runner: str = "v1", spec_tokens: int = 0,
                  spec_method: str = "ngram", mamba: MambaAlign | None = None,
-                 parallel_overrides: dict | None = None, kv_events: bool = False, engine_args: dict | None = None):
+                 parallel_overrides: dict | None = None, kv_events: bool = False, engine_args: dict | None = None,
+                 window_retention: int | None = None):
         from vllm.config import KVTransferConfig
         from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -225,6 +226,13 @@ class ModelFreeEngine:
             self.kv_cache_config.prefix_cache_retention_interval = mamba.retention
             if mamba.shared_prefix_checkpoint:
                 cache.enable_mamba_shared_prefix_checkpoint = True
+        elif window_retention is not None:
+            # `window_retention`: the sliding window's blocks vLLM's prefix cache keeps (its
+            # `prefix_cache_retention_interval`, which the engine resolves into the KV cache config): None, every
+            # one, what these tests were written against; 0, vLLM's engine default, only those a later request
+            # can resume at (prompt ends, shared-prefix junctions); a multiple of the block size, those too
+            self.vllm_config.cache_config.prefix_cache_retention_interval = window_retention
+            self.kv_cache_config.prefix_cache_retention_interval = window_retention
         spec = self.vllm_config.speculative_config
         drops = getattr(spec, "use_eagle_block_drop", None)
         # the runner's prefill checkpoints follow EAGLE's dropped last block (`MambaPrefillCheckpointBuilder`)

@@ -168,6 +168,23 @@ def test_the_windows_profile_replays_windows_where_drafts_decide_what_stores_ahe
     assert result.checked_loaded_blocks > 0 and result.drafts_rejected > 0
 
 
+# vLLM's engine default for a sliding window's prefix cache (`prefix_cache_retention_interval` 0: blocks kept only
+# where a later request can resume, at prompt ends and shared-prefix junctions), sync and async; the host tier
+# serves what the device cache dropped. (The other profiles' engines keep every window block.)
+SPARSE_WINDOWS_SEEDS = [25, 34, 48]
+
+
+@pytest.mark.parametrize("seed", [pytest.param(seed, id=f"seed{seed}") for seed in SPARSE_WINDOWS_SEEDS])
+def test_the_sparse_windows_profile_keeps_window_blocks_as_vllms_engine_does_and_reads_what_it_wrote(seed):
+    plan = make_plan(seed, "sparse-windows")
+    assert plan["config"]["window_retention"] == 0 and "mamba" not in plan["config"], plan["config"]
+    if reason := missing_feature(plan):
+        pytest.skip(reason)
+    result = execute(plan)
+    assert result.verdict == "ok", (result.violations[:6], result.unfinished[:6], result.leaks[:6])
+    assert result.checked_loaded_blocks > 0
+
+
 # Small device caches: each preempts requests and defers loads for device KV room (found by the "tight" profile)
 TIGHT_SEEDS = [34, 53, 112, 246, 262]
 

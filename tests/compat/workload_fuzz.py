@@ -58,6 +58,12 @@ PROFILES = {
     # other profiles store decode states too (true), as every profile did before the key existed
     "prefill-states": {"mamba": 1.0, "two_workers": 0.25, "spec": 0.0, "fail_loads": 0.12, "late": 0.15,
                        "prefill_states": True},
+    # "full" with vLLM's prefix cache keeping the sliding window's blocks as the engine does by default (its
+    # `prefix_cache_retention_interval` 0: only where a later request can resume, at prompt ends and shared-prefix
+    # junctions) or periodically (drawn last). The other profiles keep every one (None): device hits then reach
+    # as far as the host tier's, where here kvscope serves what the device dropped
+    "sparse-windows": {"mamba": 0.15, "two_workers": 0.25, "spec": 0.3, "fail_loads": 0.12, "late": 0.15,
+                       "window_retentions": (0, 0, 64, 256)},
 }
 
 
@@ -123,6 +129,8 @@ def _config(r: random.Random, odds: dict) -> dict:
         config["num_blocks"] = r.choice(odds["device_blocks"])
     if "mamba" in config:
         config["mamba_decode_states"] = not odds.get("prefill_states", False)
+    elif "window_retentions" in odds:
+        config["window_retention"] = r.choice(odds["window_retentions"])
     return config
 
 
@@ -416,6 +424,8 @@ def _engine(config: dict):
     extra = {"cpu_bytes": config["cpu_bytes"], "block_size": config["block_size"]}
     if "mamba_decode_states" in config:
         extra["mamba_decode_states"] = config["mamba_decode_states"]
+    if "window_retention" in config:
+        options["window_retention"] = config["window_retention"]
     engine = ModelFreeEngine(build_model("gemma3", window=window), extra, window=window,
                              num_blocks=config["num_blocks"], max_num_batched_tokens=config["max_num_batched_tokens"],
                              workers=config["workers"], async_scheduling=config["async_scheduling"],
