@@ -554,8 +554,8 @@ def recheck(plan: dict, results: dict[str, dict], outcome: str, problems: list[s
       kvscope loads). If kvscope's whole run agrees with that one, vLLM's own cache gives kvscope's outputs:
       `vllm_dense`. (Seed 4099, gpt-oss-like: a continued conversation loaded its reply's blocks, whose
       KV decode steps computed; the dense baseline gave kvscope's run to the bit, the default one
-      recomputed the reply by prefill, and one logprob parted by 0.110 at the single decode step that read
-      the reply's first sliding-window position.)
+      recomputed the reply by prefill (its full-attention KV then differs by bf16 rounding, up to 0.004), and
+      one logprob parted by 0.110, at one decode step of 180.)
     - Else, where kvscope's engine first scheduled some prompts in another order than the baseline's (a
       request waits for its load, so one behind it goes first), run the plan without kvscope, its prompts
       submitted in that order. If kvscope's whole run agrees with that one (`compare`: "ok", or "tie":

@@ -515,9 +515,10 @@ def test_seed_4099_loads_what_vllms_own_cache_serves_once_it_keeps_every_window_
     """Fuzz seed 4099 (gpt-oss-like: sliding window and sinks, a 1 MiB host tier): a conversation continued
     without a device reset loads its reply's blocks, KV that decode steps computed, from the host tier. vLLM's
     prefix cache keeps sliding-window blocks only at prompt ends by default (`prefix_cache_retention_interval`
-    0), so the default baseline recomputed the reply by prefill, and a logprob parted by 0.110 at the one decode
-    step that read the reply's first window position. vLLM keeping every window block (None) serves the same
-    blocks from its device cache and gives kvscope's run (bit for bit on the CPU engine): `vllm_dense`."""
+    0), so the default baseline recomputed the reply by prefill (its full-attention KV then differs by bf16
+    rounding), and a logprob parted by 0.110 at one decode step of 180. vLLM keeping every window block (None)
+    serves the same blocks from its device cache and gives kvscope's run (bit for bit on the CPU engine):
+    `vllm_dense`."""
     plan = make_plan(4099)
     results = execute(plan, ("kvscope", "dense"))
     assert results["kvscope"]["external_hit_tokens"] > 0, results["kvscope"]
