@@ -616,7 +616,7 @@ def main() -> None:
         if role == "recompute":
             plan = {**plan, "llm_kwargs": {**plan["llm_kwargs"], "enable_prefix_caching": False}}
         if role == "dense":  # vLLM alone, keeping every sliding-window block and Mamba state (`recheck`)
-            plan = {**plan, "llm_kwargs": {**plan["llm_kwargs"], "prefix_cache_retention_interval": None}}
+            plan = with_dense_retention(plan)
         if plan.get("trace_dir"):  # each role with a connector traces to a file of its own
             plan = {**plan, "extra": {**plan["extra"], "trace_file": str(Path(plan["trace_dir"]) / f"{role}.jsonl")}}
         if role == "unadmitted":  # kvscope starting every load it finds: vLLM's admission alone decides

@@ -228,18 +228,19 @@ _OURS = {"rounds": [[_PROMPT_A, _prompt_b(7, -2.0)]], "problems": [], "admission
 _BASELINE = {"rounds": [[_PROMPT_A, _prompt_b(6, -2.4)]]}
 
 
-def _fake_engines(monkeypatch, reordered_run):
-    """`execute` answering with a recompute that agrees with the baseline, and ``reordered_run`` for a plan
-    given an admission order; the plans it was asked for go into the returned list."""
+def _fake_engines(monkeypatch, reordered_run=_BASELINE, dense_run=_BASELINE, prefill_states_run=None):
+    """`execute` answering with a recompute that agrees with the baseline, ``reordered_run`` for a plan given
+    an admission order (vLLM in kvscope's order), ``dense_run`` for vLLM keeping every sliding-window block
+    and Mamba state, and ``prefill_states_run`` for kvscope's engine run again with `mamba_decode_states`
+    false; the plans it was asked for go into the returned list."""
     asked = []
 
     def execute(plan, roles):
         asked.append((plan, roles))
-        if roles == ("recompute",):
-            return {"recompute": _BASELINE}
-        if roles == ("dense",):  # vLLM keeping every sliding-window block parts from kvscope too
-            return {"dense": _BASELINE}
-        return {"baseline": reordered_run if "order" in plan["rounds"][0] else _BASELINE}
+        (role,) = roles
+        if role == "baseline":
+            return {"baseline": reordered_run if "order" in plan["rounds"][0] else _BASELINE}
+        return {role: {"recompute": _BASELINE, "dense": dense_run, "kvscope": prefill_states_run}[role]}
 
     monkeypatch.setattr(engine_fuzz, "execute", execute)
     return asked
@@ -292,23 +293,6 @@ def test_no_reordered_run_where_kvscope_s_engine_admitted_the_prompts_as_listed_
     assert len(asked) == 2
 
 
-def _fake_engines_with_dense_cache(monkeypatch, dense_run):
-    """As `_fake_engines` (vLLM in kvscope's order still parting from kvscope), with ``dense_run`` for vLLM
-    keeping every sliding-window block and Mamba state (`prefix_cache_retention_interval` None)."""
-    asked = []
-
-    def execute(plan, roles):
-        asked.append((plan, roles))
-        if roles == ("recompute",):
-            return {"recompute": _BASELINE}
-        if roles == ("dense",):
-            return {"dense": dense_run}
-        return {"baseline": _BASELINE}
-
-    monkeypatch.setattr(engine_fuzz, "execute", execute)
-    return asked
-
-
 # Seed 4099's shape (gpt-oss-like): equal tokens, one logprob parted past the tolerance, prompts admitted as listed.
 _PARTED_LOGPROB = _completion([5, 7], [-1.0, -5.62], [{"5": -1.0}, {"7": -5.62}]) | {"prompt": "b"}
 _OURS_4099 = {"rounds": [[_PROMPT_A, _PARTED_LOGPROB]], "problems": [], "admission_orders": [[0, 1]]}
@@ -316,7 +300,7 @@ _BASELINE_4099 = {"rounds": [[_PROMPT_A, _completion([5, 7], [-1.0, -5.51], [{"5
 
 
 def test_a_seed_whose_run_vllm_keeping_every_window_block_gives_is_vllm_dense(monkeypatch):
-    asked = _fake_engines_with_dense_cache(monkeypatch, dense_run=_OURS_4099)
+    asked = _fake_engines(monkeypatch, dense_run=_OURS_4099)
     results = {"kvscope": _OURS_4099, "baseline": _BASELINE_4099}
     assert verdict(results)[0] == "failed"
     outcome, problems = recheck(_PLAN, results, *verdict(results))
@@ -333,13 +317,13 @@ def test_a_seed_whose_run_vllm_keeping_every_window_block_gives_is_vllm_dense(mo
 ])
 def test_a_seed_stays_failed_unless_vllm_keeping_every_window_block_agrees_with_kvscope_s_whole_run(
         monkeypatch, dense_run):
-    _fake_engines_with_dense_cache(monkeypatch, dense_run)
+    _fake_engines(monkeypatch, dense_run=dense_run)
     results = {"kvscope": _OURS_4099, "baseline": _BASELINE_4099}
     assert recheck(_PLAN, results, *verdict(results))[0] == "failed"
 
 
 def test_no_dense_cache_run_for_a_full_attention_model_or_a_plan_that_sets_the_retention(monkeypatch):
-    asked = _fake_engines_with_dense_cache(monkeypatch, dense_run=_OURS_4099)
+    asked = _fake_engines(monkeypatch, dense_run=_OURS_4099)
     results = {"kvscope": _OURS_4099, "baseline": _BASELINE_4099}
     for plan in (_PLAN | {"model": "llama"}, _PLAN | {"llm_kwargs": {"prefix_cache_retention_interval": None}}):
         assert recheck(plan, results, *verdict(results))[0] == "failed"
@@ -350,27 +334,8 @@ _QWEN_PLAN = {"model": "qwen3next", "extra": {"cpu_bytes": 1 << 20, "mamba_decod
               "rounds": [{"prompts": [{}, {}]}]}
 
 
-def _fake_engines_with_prefill_states(monkeypatch, prefill_states_run):
-    """As `_fake_engines`, with ``prefill_states_run`` for kvscope's engine run again with
-    `mamba_decode_states` false (and vLLM in kvscope's order still parting from kvscope)."""
-    asked = []
-
-    def execute(plan, roles):
-        asked.append((plan, roles))
-        if roles == ("recompute",):
-            return {"recompute": _BASELINE}
-        if roles == ("kvscope",):
-            return {"kvscope": prefill_states_run}
-        if roles == ("dense",):
-            return {"dense": _BASELINE}
-        return {"baseline": _BASELINE}
-
-    monkeypatch.setattr(engine_fuzz, "execute", execute)
-    return asked
-
-
 def test_a_qwen3_next_seed_that_agrees_once_decode_states_are_not_stored_is_decode_state(monkeypatch):
-    asked = _fake_engines_with_prefill_states(monkeypatch, _BASELINE | {"problems": []})
+    asked = _fake_engines(monkeypatch, prefill_states_run=_BASELINE | {"problems": []})
     results = {"kvscope": _OURS, "baseline": _BASELINE}
     outcome, problems = recheck(_QWEN_PLAN, results, *verdict(results, tolerance=0.05))
     assert outcome == "decode_state", problems
@@ -387,14 +352,14 @@ def test_a_qwen3_next_seed_that_agrees_once_decode_states_are_not_stored_is_deco
 ])
 def test_a_qwen3_next_seed_stays_failed_unless_its_run_without_decode_states_agrees_cleanly(
         monkeypatch, prefill_states_run):
-    asked = _fake_engines_with_prefill_states(monkeypatch, prefill_states_run)
+    asked = _fake_engines(monkeypatch, prefill_states_run=prefill_states_run)
     results = {"kvscope": _OURS, "baseline": _BASELINE}
     assert recheck(_QWEN_PLAN, results, *verdict(results, tolerance=0.05))[0] == "failed"
     assert ("kvscope",) in [roles for _, roles in asked]
 
 
 def test_no_run_without_decode_states_where_the_plan_stores_none_or_has_no_mamba_group(monkeypatch):
-    asked = _fake_engines_with_prefill_states(monkeypatch, _BASELINE | {"problems": []})
+    asked = _fake_engines(monkeypatch, prefill_states_run=_BASELINE | {"problems": []})
     results = {"kvscope": _OURS, "baseline": _BASELINE}
     prefill_only = _QWEN_PLAN | {"extra": {"cpu_bytes": 1 << 20, "mamba_decode_states": False}}
     by_default = _QWEN_PLAN | {"extra": {"cpu_bytes": 1 << 20}}
@@ -506,8 +471,6 @@ def test_seed_3782_runs_through_where_vllms_admission_alone_stalls(tmp_path):
     outcome, problems = verdict(results, ours="unadmitted")
     assert outcome == "failed" and "RuntimeError: stalled: 500 steps without a running request" in problems[1]
     assert "free blocks; 0 loads deferred by kvscope" in problems[1]
-
-
 
 
 @pytest.mark.engine
