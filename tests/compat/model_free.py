@@ -173,7 +173,7 @@ class ModelFreeEngine:
                  async_scheduling: bool = False, runner: str = "v1", spec_tokens: int = 0,
                  spec_method: str = "ngram", mamba: MambaAlign | None = None,
                  parallel_overrides: dict | None = None, kv_events: bool = False, engine_args: dict | None = None,
-                 window_retention: int | None = None):
+                 window_retention: int | None | str = "engine"):
         from vllm.config import KVTransferConfig
         from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -226,11 +226,15 @@ class ModelFreeEngine:
             self.kv_cache_config.prefix_cache_retention_interval = mamba.retention
             if mamba.shared_prefix_checkpoint:
                 cache.enable_mamba_shared_prefix_checkpoint = True
-        elif window_retention is not None:
+        else:
             # `window_retention`: the sliding window's blocks vLLM's prefix cache keeps (its
-            # `prefix_cache_retention_interval`, which the engine resolves into the KV cache config): None, every
-            # one, what these tests were written against; 0, vLLM's engine default, only those a later request
-            # can resume at (prompt ends, shared-prefix junctions); a multiple of the block size, those too
+            # `prefix_cache_retention_interval`): "engine", what the engine arguments give, which vLLM's
+            # `get_kv_cache_configs` copies into the KV cache config (a hand-made one would keep the dataclass's
+            # None); 0, the engine's default, only those a later request can resume at (prompt ends,
+            # shared-prefix junctions); a multiple of the block size, those too; None, every one (the
+            # model-free fuzz's profiles but sparse-windows, drawn when that was the default here)
+            if window_retention == "engine":
+                window_retention = self.vllm_config.cache_config.prefix_cache_retention_interval
             self.vllm_config.cache_config.prefix_cache_retention_interval = window_retention
             self.kv_cache_config.prefix_cache_retention_interval = window_retention
         spec = self.vllm_config.speculative_config

@@ -9,14 +9,25 @@ from tests.compat.model_free import ModelFreeEngine, true_token
 WINDOW = 64  # tokens: prompts of 450-750 tokens reach far past it
 
 
-def store_round(engine: ModelFreeEngine, prompts, max_tokens: int = 2) -> None:
-    """Round 0: the prompts are computed and stored (nothing to load yet); then vLLM's device prefix
-    cache is reset, so the next round can only hit the host tier."""
+def store_round(engine: ModelFreeEngine, prompts, max_tokens: int = 2) -> int:
+    """Round 0: the prompts are computed and stored; then vLLM's device prefix cache is reset, so the
+    next round can only hit the host tier. Returns round 0's host hit tokens.
+
+    A prompt can load in round 0 only a prefix it shares with an earlier prompt: with vLLM's default
+    window retention its device cache keeps no sliding-window block at such a junction (the first
+    prompt's end is not one), so the host tier serves what the earlier prompt stored."""
     for j, prompt in enumerate(prompts):
         engine.add(f"r0-{j}", prompt, max_tokens)
     engine.run()
-    assert engine.stats.external_hit_tokens == 0
+    hits = engine.stats.external_hit_tokens
+    assert hits <= sum(_longest_shared_prefix(prompt, prompts[:j]) for j, prompt in enumerate(prompts)), hits
     engine.reset_device_prefix_cache()
+    return hits
+
+
+def _longest_shared_prefix(prompt, earlier) -> int:
+    return max((next((i for i, (a, b) in enumerate(zip(prompt, other)) if a != b), min(len(prompt), len(other)))
+                for other in earlier), default=0)
 
 
 def three_loads_past_their_reserve(model_path, engine_args: dict | None = None,

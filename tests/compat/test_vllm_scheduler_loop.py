@@ -16,6 +16,7 @@ from unittest import mock
 
 import pytest
 from vllm.config import SchedulerConfig
+from vllm.v1.request import RequestStatus
 from vllm.v1.worker.gpu.kv_connector import ActiveKVConnector
 
 from connector.telemetry.testing import proto_span_attributes, trace_file_spans
@@ -50,13 +51,21 @@ def _two_rounds(model_path: str, block_size: int, max_num_batched_tokens: int, n
                 async_scheduling: bool = False, runner: str = "v1", parallel_overrides: dict | None = None):
     """Round 0 computes and stores; the device prefix cache is reset; round 1 sends the same prompts
     (with every load on `failing_rank` failing, when given)."""
+    return _two_rounds_and_round0_hits(model_path, block_size, max_num_batched_tokens, num_blocks, max_tokens,
+                                       workers, failing_rank, async_scheduling, runner, parallel_overrides)[0]
+
+
+def _two_rounds_and_round0_hits(model_path, block_size, max_num_batched_tokens, num_blocks=1200, max_tokens=2,
+                                workers=1, failing_rank=None, async_scheduling=False, runner="v1",
+                                parallel_overrides=None):
+    """`_two_rounds`, and round 0's host hit tokens (`store_round`)."""
     engine = ModelFreeEngine(model_path, {"cpu_bytes": 64 << 20, "block_size": block_size}, window=WINDOW,
                              num_blocks=num_blocks, max_num_batched_tokens=max_num_batched_tokens, workers=workers,
                              async_scheduling=async_scheduling, runner=runner,
                              parallel_overrides=parallel_overrides)
     try:
         prompts = _prompts()
-        store_round(engine, prompts, max_tokens)
+        round0_hits = store_round(engine, prompts, max_tokens)
         if failing_rank is not None:
             engine.workers[failing_rank]._worker.fail_all_loads = True
         for j, prompt in enumerate(prompts):
@@ -65,7 +74,7 @@ def _two_rounds(model_path: str, block_size: int, max_num_batched_tokens: int, n
         assert engine.host_tier_leaks() == []
     finally:
         engine.shutdown()
-    return engine.stats
+    return engine.stats, round0_hits
 
 
 def _assert_no_violations(stats, loads: bool = True) -> None:
@@ -123,10 +132,12 @@ def _assert_loads_right(stats, num_blocks: int, async_scheduling: bool) -> None:
     assert loading, "round 1 loaded nothing from the host tier"
     assert set(loading) <= stats.finished_recving and not stats.failed_recving
     assert stats.external_hit_tokens > 0  # vLLM's own count of the tokens the connector served
-    loaded = loaded_blocks_by_group(stats, round1)
     # group 0 is the sliding window: only the blocks inside the window at the hit are loaded
-    assert 0 < loaded.get(0, 0) < loaded[1], loaded
-    # kvscope's own stats, through vLLM's stats path, agree with vLLM and with what was loaded
+    round1_loaded = loaded_blocks_by_group(stats, round1)
+    assert 0 < round1_loaded.get(0, 0) < round1_loaded[1], round1_loaded
+    # kvscope's own stats, through vLLM's stats path, agree with vLLM and with what was loaded (in
+    # round 0 too: vLLM's device cache keeps no window block where a prompt's shared prefix ends)
+    loaded = loaded_blocks_by_group(stats, stats.loads)
     data = stats.connector.data
     assert data["hit_tokens"] == stats.external_hit_tokens
     assert data["loaded_blocks"] == {"0|sliding_window": loaded[0], "1|full_attention": loaded[1]}
@@ -243,7 +254,7 @@ def test_two_workers_load_their_own_shards(model_path):
     loading = [r for r in round1 if r in stats.loads]
     assert loading and set(loading) <= stats.finished_recving and not stats.failed_recving
     data = stats.connector.data
-    loaded = loaded_blocks_by_group(stats, round1)
+    loaded = loaded_blocks_by_group(stats, stats.loads)  # round 0's loads too (`store_round`)
     assert data["loaded_blocks"] == {"0|sliding_window": loaded[0], "1|full_attention": loaded[1]}
     # copies are counted per worker
     assert data["copy_blocks"]["1|full_attention|load"] == 2 * loaded[1]
@@ -892,19 +903,22 @@ def test_each_loading_request_traced_in_the_trace_it_sent(model_path, tmp_path):
 def test_offloaded_blocks_larger_than_the_window_survive_chunked_prefill(model_path, async_scheduling):
     """Offloaded blocks of 256 tokens, a window of 64, 100-token prefill chunks: a block's first
     device blocks leave the window before its last ones are computed. Stored piece by piece, every
-    block still reaches the host tier: the hits equal those of whole-prompt prefill."""
+    block still reaches the host tier: round 1's hits equal those of whole-prompt prefill. (Round 0's
+    differ: in 100-token steps a prompt can load the shared prefix an earlier one stored.)"""
     hits = {}
     for chunk in (2048, 100):
-        stats = _two_rounds(model_path, 256, chunk, async_scheduling=async_scheduling)
+        stats, round0_hits = _two_rounds_and_round0_hits(model_path, 256, chunk, async_scheduling=async_scheduling)
         _assert_no_violations(stats)
-        hits[chunk] = stats.external_hit_tokens
+        hits[chunk] = stats.external_hit_tokens - round0_hits
     assert hits[100] == hits[2048] > 0, hits
 
 
 @pytest.mark.parametrize(
     "block_size, async_scheduling, num_blocks, runner",
-    [(256, False, 1200, "v1"), (256, True, 1200, "v1"), (256, True, 150, "v1"), (64, False, 1200, "v1"),
-     (256, True, 150, "v2")],
+    # 130 device blocks: vLLM preempts one request (which count does is chaotic: 150 did with every window
+    # block kept, 130 does with vLLM's default retention, 110 does not)
+    [(256, False, 1200, "v1"), (256, True, 1200, "v1"), (256, True, 130, "v1"), (64, False, 1200, "v1"),
+     (256, True, 130, "v2")],
     ids=["bs256-sync", "bs256-async", "bs256-async-preempting", "bs64-sync", "v2-bs256-async-preempting"],
 )
 def test_a_conversation_turn_loads_the_previous_turns_output(model_path, block_size, async_scheduling, num_blocks,
@@ -916,7 +930,7 @@ def test_a_conversation_turn_loads_the_previous_turns_output(model_path, block_s
     as with 64-token blocks (which the window cannot outrun), and the KV loaded is right."""
     engine = ModelFreeEngine(model_path, {"cpu_bytes": 64 << 20, "block_size": block_size}, window=WINDOW,
                              async_scheduling=async_scheduling, num_blocks=num_blocks, runner=runner)
-    turn2_hits, expected = _two_turns(engine, block_size)  # with 150 device blocks, vLLM preempts one
+    turn2_hits, expected = _two_turns(engine, block_size)  # with 130 device blocks, vLLM preempts one
     _assert_no_violations(engine.stats)
     assert bool(engine.stats.resumed) == (num_blocks < 1000)
     assert turn2_hits == expected
@@ -1264,6 +1278,10 @@ def test_a_cache_reset_for_new_weights_never_loads_kv_from_before_it(model_path,
         for j, prompt in enumerate(_prompts()):
             engine.add(f"r0-{j}", prompt, max_tokens=8)
         engine.run(pause_after=5)  # a chunk of each prompt is computed and stored
+        # vLLM refuses the reset while a load is in flight (README); with its default window retention a
+        # prompt loads the shared prefix an earlier one stored, so step on until none is
+        while any(r.status == RequestStatus.WAITING_FOR_REMOTE_KVS for r in engine.scheduler.requests.values()):
+            engine.run(pause_after=1)
         assert engine.scheduler.has_requests()
         assert engine.scheduler.reset_prefix_cache(reset_running_requests=True, reset_connector=True)
         engine.update_weights()

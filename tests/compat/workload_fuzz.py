@@ -424,8 +424,8 @@ def _engine(config: dict):
     extra = {"cpu_bytes": config["cpu_bytes"], "block_size": config["block_size"]}
     if "mamba_decode_states" in config:
         extra["mamba_decode_states"] = config["mamba_decode_states"]
-    if "window_retention" in config:
-        options["window_retention"] = config["window_retention"]
+    # plans without it (every profile's but sparse-windows') keep every window block, as when they were drawn
+    options["window_retention"] = config.get("window_retention")
     engine = ModelFreeEngine(build_model("gemma3", window=window), extra, window=window,
                              num_blocks=config["num_blocks"], max_num_batched_tokens=config["max_num_batched_tokens"],
                              workers=config["workers"], async_scheduling=config["async_scheduling"],
