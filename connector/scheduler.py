@@ -26,7 +26,7 @@ from .prefix_recency import finished_prefix_keys
 from .state_blocks import StateBlocks
 from .telemetry.failures import telemetry_failed
 from .telemetry.metrics import KVScopeStats
-from .telemetry.span_records import ABANDONED_WAIT_SPAN, DEFERRED_LOOKUP_SPAN, LOOKUP_SPAN, STORE_SPAN
+from .telemetry.span_records import DEFERRAL_WAIT_SPAN, DEFERRED_LOOKUP_SPAN, LOOKUP_SPAN, STORE_SPAN
 from .telemetry.tracing import KVScopeTracing, SpanRef
 
 logger = logging.getLogger(__name__)
@@ -53,7 +53,7 @@ def _window_admission_caps(kv_cache_manager, layouts: list[GroupLayout]) -> dict
 
 def _deferral_values(deferral: Deferral, wait_end_ns: int) -> tuple[int, int]:
     """The `kvscope.deferred.*` values of the span that tells a deferred load's wait: the wait ends at
-    its start (`DEFERRED_LOOKUP_SPAN`, `DEFERRED_LOAD_SPAN`) or its end (`ABANDONED_WAIT_SPAN`)."""
+    its start (`DEFERRED_LOOKUP_SPAN`, `DEFERRED_LOAD_SPAN`) or its end (`DEFERRAL_WAIT_SPAN`)."""
     return deferral.lookups, max(0, wait_end_ns - deferral.first_ns) // 1000
 
 
@@ -285,7 +285,8 @@ class KVScopeScheduler:
             # were in use), and that hit may be the request's own KV from before the reset.
             state.stores_stopped = False
         lookup_record = None
-        if request.num_computed_tokens == 0 and lookup is not None and not getattr(request, "num_preemptions", 0):
+        first_scheduled = request.num_computed_tokens == 0 and not getattr(request, "num_preemptions", 0)
+        if first_scheduled and lookup is not None:
             # Counted like vLLM's external prefix-cache hits: once per request, when first scheduled.
             # A request resumed after preemption is looked up again, but vLLM counts that apart
             # (`preempted_hits`, not exported): so neither the lookup metrics nor a lookup span
@@ -295,6 +296,10 @@ class KVScopeScheduler:
             else:
                 lookup_record = self._log_lookup(state, lookup, num_external_tokens)
         if num_external_tokens == 0:
+            if not first_scheduled and lookup is not None and lookup.deferred is not None and self.tracing.enabled:
+                # Resumed, deferred, then admitted with nothing to load: neither a lookup span nor a load
+                # span tells its wait, which the histogram observed above.
+                self._wait_span(request, state, lookup.deferred, lookup.start_ns, "admitted")
             if self._store_sources and request.num_computed_tokens == 0:  # admitted afresh: new blocks
                 self._allocated_unplanned.append((req_id, blocks, lookup.local_tokens if lookup is not None else 0))
             return
@@ -821,7 +826,7 @@ class KVScopeScheduler:
             end_ns = time.time_ns()
             self._deferral_waits_ns.append(max(0, end_ns - deferral.first_ns))
             if self.tracing.enabled:
-                self._abandoned_wait_span(request, state, deferral, end_ns)
+                self._wait_span(request, state, deferral, end_ns, "ended")
         if state is not None:
             # Its prefix was used last: its stores went in head first, so this puts the head last in line
             self._touch_prefix(self._offload_hashes(request), state.load_job.keys if state.load_job else [])
@@ -834,19 +839,21 @@ class KVScopeScheduler:
         # Stores are complete (CPU) or fenced before block reuse (CUDA): free at once.
         return False, None
 
-    def _abandoned_wait_span(self, request, state: _RequestState | None, deferral: Deferral, end_ns: int) -> None:
-        """The span of a request that ended while its load was deferred (`ABANDONED_WAIT_SPAN`): no lookup or
-        load span tells that wait. Under the request's other spans (``state``: one admitted before, then
-        preempted, deferred on resuming) and sampled like them; else in the trace it came with."""
+    def _wait_span(self, request, state: _RequestState | None, deferral: Deferral, end_ns: int,
+                   outcome: str) -> None:
+        """The span of a wait for device KV room no lookup or load span tells (`DEFERRAL_WAIT_SPAN`): the
+        request ended waiting, or was resumed and admitted with nothing to load (``outcome``). Under the
+        request's other spans (``state``: one admitted before, then preempted, deferred on resuming) and
+        sampled like them; else in the trace it came with."""
         try:
             parent = state.trace_context if state is not None and state.trace_context is not None else \
                 self.tracing.parent_from_trace_headers(getattr(request, "trace_headers", None))
             if self.tracing.may_record(parent):
-                self.tracing.record(ABANDONED_WAIT_SPAN, parent, deferral.first_ns, end_ns,
+                self.tracing.record(DEFERRAL_WAIT_SPAN, parent, deferral.first_ns, end_ns,
                                     (request.request_id, deferral.load_tokens,
-                                     *_deferral_values(deferral, end_ns)))
-        except Exception:  # the request's end must go on (`telemetry_failed`)
-            telemetry_failed("the span of a request that ended waiting for device KV room")
+                                     *_deferral_values(deferral, end_ns), outcome))
+        except Exception:  # the request's end (or its scheduling) must go on (`telemetry_failed`)
+            telemetry_failed("the span of a wait for device KV room")
             self.tracing.record_failed()
 
     def reset_cache(self) -> bool:

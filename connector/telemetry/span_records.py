@@ -81,14 +81,18 @@ DEFERRAL_ATTRIBUTES = (
     ("kvscope.deferred.wait_us", int))  # from the first of them to this span's start
 DEFERRED_LOOKUP_SPAN = RecordKind(7, LOOKUP_SPAN.name, LOOKUP_SPAN.attributes + DEFERRAL_ATTRIBUTES)
 DEFERRED_LOAD_SPAN = RecordKind(8, LOAD_SPAN.name, LOAD_SPAN.attributes + DEFERRAL_ATTRIBUTES)
-# A request that ended (a client gave up) while kvscope deferred its load: no lookup or load span tells its
-# wait, as vLLM never admitted it (nor counted its lookup), so this span does; it spans the wait itself.
-ABANDONED_WAIT_SPAN = RecordKind(9, "kvscope.deferral", (
+# A wait for device KV room that no lookup or load span tells, as the span itself. Either the request ended
+# (a client gave up) while kvscope deferred its load: vLLM never admitted it (nor counted its lookup). Or,
+# resumed after preemption (its lookups get no span: vLLM counts them apart), vLLM admitted it with nothing
+# to load (its hit left the tier, or vLLM's device cache covered it): no load span follows.
+DEFERRAL_OUTCOMES = ("ended", "admitted")
+DEFERRAL_WAIT_SPAN = RecordKind(9, "kvscope.deferral", (
     ("kvscope.request.id", str),
-    ("kvscope.tokens.external", int),  # the tokens its load would have brought (at its last lookup)
-    *DEFERRAL_ATTRIBUTES))  # the wait: the span's own length
+    ("kvscope.tokens.external", int),  # the tokens its load would have brought (at its last deferred lookup)
+    *DEFERRAL_ATTRIBUTES,  # the wait: the span's own length
+    ("kvscope.deferred.outcome", str)))  # how the wait ended: `DEFERRAL_OUTCOMES`
 KINDS = (GENERIC_SPAN, LOOKUP_SPAN, LOAD_SPAN, SCAN_SPAN, STORE_SPAN, COPY_SPAN, FAILED_COPY_SPAN,
-         DEFERRED_LOOKUP_SPAN, DEFERRED_LOAD_SPAN, ABANDONED_WAIT_SPAN)  # by code
+         DEFERRED_LOOKUP_SPAN, DEFERRED_LOAD_SPAN, DEFERRAL_WAIT_SPAN)  # by code
 # A resource attribute of every kvscope span: the engine that recorded it, as vLLM's metrics label it
 # (`engine`: vLLM's data-parallel index). Each engine has its own host tier.
 ENGINE_RESOURCE_ATTRIBUTE = "kvscope.engine"

@@ -8,6 +8,7 @@ from connector.miss_reasons import miss_reasons_explained
 from dashboard.traces.schema import (
     COPY,
     DEFERRAL,
+    DEFERRAL_OUTCOME,
     LOAD,
     LOOKUP,
     REQUEST_KEY,
@@ -70,7 +71,10 @@ DEFERRAL_DEFINITION = (
     "has a `kvscope.deferral` span of its own instead, which is the wait itself: from its first deferred lookup to "
     "its end ('ended waiting', with the same two attributes). Unless vLLM had admitted it before a preemption, it "
     "has no other span: vLLM never counted its lookup (tokens queried and hit empty, out of the hit rate) and it "
-    "loaded nothing; its external tokens are those its load would have brought."
+    "loaded nothing; its external tokens are those its load would have brought. A request resumed after a "
+    "preemption, deferred, and then admitted with nothing to load (its hit had left the tier, or vLLM's device "
+    "cache covered it) has such a span too, to the lookup vLLM admitted it on (`kvscope.deferred.outcome` "
+    "\"admitted\"): its wait counts, but it did not end waiting."
 )
 LOAD_FAILED_DEFINITION = (
     "A load failed when one of its copy spans has status ERROR (a worker could not load: vLLM "
@@ -124,23 +128,24 @@ def requests_table(spans: pd.DataFrame, vllm: pd.DataFrame | None = None) -> pd.
     copy span, and whether one failed (`LOAD_FAILED_DEFINITION`) over all its loads; bytes from the copies of
     its loads and stores; how often and how long kvscope deferred its load for device KV room, summed over its
     lookups, loads and deferral spans (`DEFERRAL_DEFINITION`: NA when no span says it was deferred), and whether it
-    ended waiting (a `kvscope.deferral` span: a request vLLM never admitted has no other, so its tokens queried and
-    hit stay NA and its external tokens are that span's). Missing parts (no load for a miss, no copy spans
-    recorded) are NA. `request` labels the row: the request id, with the end of its trace id
+    ended waiting (a `kvscope.deferral` span not marked "admitted": a request vLLM never admitted has no other, so
+    its tokens queried and hit stay NA and its external tokens are that span's). Missing parts (no load for a miss,
+    no copy spans recorded) are NA. `request` labels the row: the request id, with the end of its trace id
     (`request_labels`) where the id is another request's too (two runs read together). With `vllm` (the reader's
     `vllm_requests`), each request's vLLM latencies where vLLM's request span joins it (`vllm_join`).
     """
     lookups = spans[spans["name"] == LOOKUP].sort_values("start_ns", kind="stable")  # `.last()` is the latest
     loads = spans[spans["name"] == LOAD].sort_values("start_ns", kind="stable")
-    ended = spans[spans["name"] == DEFERRAL].sort_values("start_ns", kind="stable")  # ended waiting: maybe no other
-    if lookups.empty and loads.empty and ended.empty:
+    waits = spans[spans["name"] == DEFERRAL].sort_values("start_ns", kind="stable")  # maybe no other span
+    ended = waits[~waits["attributes"].map(_admitted).astype(bool)]  # ended waiting (the rest: admitted, no load)
+    if lookups.empty and loads.empty and waits.empty:
         return with_vllm_columns(_empty_requests(), None)[list(REQUEST_COLUMNS)]
 
     by_lookup = lookups.groupby(REQUEST_KEY, sort=False)
     first_load = loads.drop_duplicates(REQUEST_KEY, keep="first").set_index(REQUEST_KEY)
     by_end = ended.groupby(REQUEST_KEY, sort=False)
     looked_up_or_loaded = by_lookup.size().index.append(first_load.index.difference(by_lookup.size().index))
-    ended_ids = ended.drop_duplicates(REQUEST_KEY).set_index(REQUEST_KEY).index  # a MultiIndex, even empty
+    ended_ids = waits.drop_duplicates(REQUEST_KEY).set_index(REQUEST_KEY).index  # a MultiIndex, even empty
     ids = looked_up_or_loaded.append(ended_ids.difference(looked_up_or_loaded))
     out = pd.DataFrame(index=ids)
     out["arrival_ns"] = _arrivals(spans, by_lookup, first_load, ids)
@@ -155,7 +160,8 @@ def requests_table(spans: pd.DataFrame, vllm: pd.DataFrame | None = None) -> pd.
                            .fillna(first_load["tokens_local"].reindex(ids)))
     # the engine (vLLM's data-parallel index) that looked it up, else loaded it, else deferred it; NA in older files
     out["engine"] = (by_lookup["engine"].first().reindex(ids).astype("Int64")
-                     .fillna(first_load["engine"].reindex(ids)).fillna(by_end["engine"].first().reindex(ids)))
+                     .fillna(first_load["engine"].reindex(ids))
+                     .fillna(waits.groupby(REQUEST_KEY, sort=False)["engine"].first().reindex(ids)))
     out["lookups"] = by_lookup.size().reindex(ids).fillna(0).astype("int64")
     out["miss_reason"] = by_lookup["miss_reason"].last().reindex(ids)  # its last lookup's (`MISS_REASON_DEFINITION`)
     # NA unless a span says it was deferred (`DEFERRAL_DEFINITION`): older files cannot tell "not deferred"
@@ -191,6 +197,11 @@ def requests_table(spans: pd.DataFrame, vllm: pd.DataFrame | None = None) -> pd.
 
 # The spans that tell a wait for device KV room: before a lookup's or load's start, or the deferral span itself
 _TELL_WAITS = [LOOKUP, LOAD, DEFERRAL]
+
+
+def _admitted(attributes) -> bool:
+    """A `kvscope.deferral` span's wait ended in an admission with nothing to load, not the request's end."""
+    return isinstance(attributes, dict) and attributes.get(DEFERRAL_OUTCOME) == "admitted"
 
 
 def _arrivals(spans: pd.DataFrame, by_lookup, first_load: pd.DataFrame, ids: pd.MultiIndex) -> pd.Series:

@@ -23,9 +23,12 @@ LOAD = "kvscope.load"
 SCAN = "kvscope.group.scan"
 COPY = "kvscope.group.copy"
 STORE = "kvscope.store"
-# A request that ended (aborted) while kvscope deferred its load for device KV room: the span is its wait, the
-# only span of a request vLLM never admitted (`DEFERRAL_DEFINITION`). Newer files only.
+# A wait for device KV room that no lookup or load span tells: the span is the wait (`DEFERRAL_DEFINITION`). The
+# request ended (aborted) while kvscope deferred its load, the only span of a request vLLM never admitted; or,
+# resumed after a preemption, vLLM admitted it with nothing to load (`DEFERRAL_OUTCOME` "admitted"; files
+# written before the attribute have only the first kind). Newer files only.
 DEFERRAL = "kvscope.deferral"
+DEFERRAL_OUTCOME = "kvscope.deferred.outcome"  # kept in the `attributes` dict
 SPAN_NAMES = (LOOKUP, LOAD, SCAN, COPY, STORE, DEFERRAL)
 
 GROUP_KINDS = ("full_attention", "sliding_window", "mamba")

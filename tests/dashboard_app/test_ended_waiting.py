@@ -20,10 +20,13 @@ ENDED = "ended_waiting"
 
 
 def deferral(rid: str, lookups: int, wait_us: int, *, external: int = 128, start: int = T,
-             engine: int | None = None, **kw) -> dict:
-    """The span of a request that ended waiting: from its first deferred lookup (`start`) to its end."""
+             engine: int | None = None, outcome: str | None = None, **kw) -> dict:
+    """The span of a request that ended waiting: from its first deferred lookup (`start`) to its end. With
+    `outcome` "admitted": resumed after a preemption, then admitted with nothing to load."""
     attrs = {"kvscope.request.id": rid, "kvscope.tokens.external": external, "kvscope.deferred.lookups": lookups,
              "kvscope.deferred.wait_us": wait_us}
+    if outcome is not None:
+        attrs["kvscope.deferred.outcome"] = outcome
     if engine is not None:
         attrs["kvscope.engine"] = engine
     return span(traces.DEFERRAL, attrs, start=start, end=start + 1000 * wait_us, **kw)
@@ -73,6 +76,34 @@ def test_one_admitted_before_a_preemption_sums_its_waits_and_keeps_its_hit_and_f
     w = requests_by_id(ended).loc["w"]
     assert w[[*DEFERRAL_COLUMNS, ENDED]].tolist() == [2, 4.0, True]
     assert w[["tokens_queried", "tokens_hit", "tokens_external", "lookups", "loads"]].tolist() == [100, 64, 16, 1, 1]
+
+
+def test_a_resumed_request_admitted_with_nothing_to_load_sums_its_wait_but_did_not_end_waiting(tmp_path):
+    """a: looked up and loaded, preempted, deferred on resuming, then admitted with nothing to load (its hit had
+    left the tier): its `kvscope.deferral` span says "admitted". Its wait counts; it did not end waiting, and its
+    external tokens stay its load's. z: the same span saying "ended" (as every older file's says nothing)."""
+    path = write(tmp_path, line(
+        lookup("a", trace="12" * 16, span_id="07" * 8, start=T),
+        load("a", trace="12" * 16, span_id="08" * 8, parent="07" * 8, start=T + MS),
+        deferral("a", 3, 6_000, external=128, trace="12" * 16, span_id="0d" * 8, parent="07" * 8,
+                 start=T + 30 * MS, outcome="admitted"),
+        deferral("z", 2, 2_000, external=64, trace="34" * 16, span_id="0e" * 8, start=T + 40 * MS,
+                 outcome="ended")))
+    read = traces.read_trace_files([path])
+    assert read.problems == []
+    requests = requests_by_id(read)
+    assert requests[ENDED].to_dict() == {"a": False, "z": True}
+    a = requests.loc["a"]
+    assert a[[*DEFERRAL_COLUMNS, "tokens_external", "lookups", "loads"]].tolist() == [3, 6.0, 16, 1, 1]
+    text = widgets.deferral_text(a)
+    assert text.startswith("kvscope deferred its load 3 times (6.00 ms) for device KV room: the loads admitted")
+    assert "ended" not in text
+    assert requests.loc["z", [*DEFERRAL_COLUMNS, "tokens_external"]].tolist() == [2, 2.0, 64]
+    numbers = traces.overview_numbers(traces.requests_table(read.spans), read.spans)
+    assert (numbers["requests_deferred"], numbers["requests_ended_waiting"]) == (2, 1)
+    rows = traces.waterfall_rows(read.spans, traces.requests_table(read.spans), "a")
+    assert rows["row"].tolist() == [WAIT, "lookup", "load"]
+    assert rows[["start_ms", "end_ms"]].values.tolist()[0] == [30.0, 36.0]
 
 
 def test_a_request_that_ended_waiting_arrived_at_its_span_start(ended):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from connector.telemetry.span_records import (
-    ABANDONED_WAIT_SPAN,
+    DEFERRAL_WAIT_SPAN,
     COPY_SPAN,
     DEFERRED_LOAD_SPAN,
     DEFERRED_LOOKUP_SPAN,
@@ -40,9 +40,11 @@ def test_span_names_and_attribute_keys_are_the_contracts():
     deferral = ("kvscope.deferred.lookups", "kvscope.deferred.wait_us")
     assert (DEFERRED_LOOKUP_SPAN.name, DEFERRED_LOOKUP_SPAN.keys) == (LOOKUP_SPAN.name, LOOKUP_SPAN.keys + deferral)
     assert (DEFERRED_LOAD_SPAN.name, DEFERRED_LOAD_SPAN.keys) == (LOAD_SPAN.name, LOAD_SPAN.keys + deferral)
-    # a request that ended while its load was deferred: a span of its own, the wait (beyond DESIGN §2)
-    assert (ABANDONED_WAIT_SPAN.name, ABANDONED_WAIT_SPAN.keys) == (
-        "kvscope.deferral", ("kvscope.request.id", "kvscope.tokens.external") + deferral)
+    # a wait no lookup or load span tells (the request ended waiting, or was resumed and admitted with nothing to
+    # load): a span of its own, the wait (beyond DESIGN §2)
+    assert (DEFERRAL_WAIT_SPAN.name, DEFERRAL_WAIT_SPAN.keys) == (
+        "kvscope.deferral",
+        ("kvscope.request.id", "kvscope.tokens.external") + deferral + ("kvscope.deferred.outcome",))
     assert [kind.code for kind in KINDS] == list(range(len(KINDS))) and LOAD_PLAN not in range(len(KINDS))
 
 

@@ -143,7 +143,7 @@ def test_record_encoder_writes_exactly_what_the_sdk_encoder_writes(tmp_path):
 
     from connector import __version__
     from connector.telemetry.span_records import (
-        ABANDONED_WAIT_SPAN,
+        DEFERRAL_WAIT_SPAN,
         COPY_SPAN,
         DEFERRED_LOOKUP_SPAN,
         FAILED_COPY_SPAN,
@@ -194,7 +194,7 @@ def test_record_encoder_writes_exactly_what_the_sdk_encoder_writes(tmp_path):
     no_state = tracing.context_from_trace_headers({"traceparent": headers["traceparent"]})
     tracing.record(LOOKUP_SPAN, no_state, 32, 33, ("r3", 1, 0, "new", 0))
     tracing.record(DEFERRED_LOOKUP_SPAN, None, 34, 35, ("r5", 64, 0, "evicted", 0, 3, 12_400))  # its hit gone
-    tracing.record(ABANDONED_WAIT_SPAN, upstream, 36, 39_000, ("r8", 96, 4, 38))  # aborted while deferred
+    tracing.record(DEFERRAL_WAIT_SPAN, upstream, 36, 39_000, ("r8", 96, 4, 38, "ended"))  # aborted while deferred
     # compound load records (one per load: lookup, scans and load), under a local and a remote parent
     scans = [(41, 42, 0, "sliding_window", 8, 3, 2, 5), (42, 43, 1, "full_attention", 8, 0, 2, 6)]
     tracing.end_load(tracing.open_span(None, 40), 40, 44, (odd_id, 16, 32, 2, scans, None))

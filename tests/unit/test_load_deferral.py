@@ -193,7 +193,8 @@ def test_a_request_aborted_while_its_load_waited_tells_its_wait_in_a_span_and_th
     (span,) = [span for span in exporter.get_finished_spans() if span.name == "kvscope.deferral"]
     assert dict(span.attributes) == {"kvscope.request.id": "second", "kvscope.tokens.external": 128,
                                      "kvscope.deferred.lookups": 2,
-                                     "kvscope.deferred.wait_us": (span.end_time - span.start_time) // 1000}
+                                     "kvscope.deferred.wait_us": (span.end_time - span.start_time) // 1000,
+                                     "kvscope.deferred.outcome": "ended"}
     assert before <= span.start_time < span.start_time + 4_000_000 <= span.end_time <= after
     assert int(wait_s * 1e6) == span.attributes["kvscope.deferred.wait_us"]
     assert (span.context.trace_id, span.parent.span_id) == (0x0AF7651916CD43DD8448EB211C80319C, 0xB7AD6B7169203331)
@@ -220,6 +221,42 @@ def test_a_resumed_request_aborted_while_deferred_has_its_wait_span_under_its_fi
     (lookup,) = [span for span in spans if span.name == "kvscope.lookup"]
     (wait,) = [span for span in spans if span.name == "kvscope.deferral"]
     assert (wait.context.trace_id, wait.parent.span_id) == (lookup.context.trace_id, lookup.context.span_id)
+
+
+def test_a_resumed_request_deferred_then_admitted_with_nothing_to_load_tells_its_wait_in_a_span():
+    """Admitted with a load, preempted, deferred on resuming, then admitted with nothing to load (its hit left
+    the tier meanwhile). Its lookups have no span (vLLM counts a resumed request's apart) and no load follows:
+    a `kvscope.deferral` span, outcome "admitted", is the wait the histogram observed, under its first lookup."""
+    tracing, exporter = in_memory_tracing()
+    tight = _scheduler(48, tracing)
+    _stored(tight, (0, "h3"), (1, "h3"), (0, "h7"), (1, "h7"))
+    first = _state("first", 192).request
+    _admit_with_load(tight, first, 128)
+    _ran(tight, "first")
+    _admit_with_load(tight, _state("second", 192).request, 128)  # its load not yet run
+    first.num_preemptions = 1
+    before = time.time_ns()
+    for _ in range(2):
+        assert tight.get_num_new_matched_tokens(first, 0) == (None, False)
+        time.sleep(0.002)
+    first.block_hashes = [f"x{i}" for i in range(12)]  # as if its blocks had left the tier
+    assert tight.get_num_new_matched_tokens(first, 0) == (0, False)
+    tight.update_state_after_alloc(first, SimpleNamespace(get_block_ids=lambda: _ids(0, 16)), 0)
+    after = time.time_ns()
+    spans = [span for span in exporter.get_finished_spans() if span.attributes.get("kvscope.request.id") == "first"]
+    (lookup,) = [span for span in spans if span.name == "kvscope.lookup"]  # its first scheduling's
+    (wait,) = [span for span in spans if span.name == "kvscope.deferral"]
+    assert dict(wait.attributes) == {"kvscope.request.id": "first", "kvscope.tokens.external": 128,
+                                     "kvscope.deferred.lookups": 2,
+                                     "kvscope.deferred.wait_us": (wait.end_time - wait.start_time) // 1000,
+                                     "kvscope.deferred.outcome": "admitted"}
+    assert before <= wait.start_time < wait.start_time + 4_000_000 <= wait.end_time <= after
+    assert (wait.context.trace_id, wait.parent.span_id) == (lookup.context.trace_id, lookup.context.span_id)
+    (wait_s,) = tight.take_stats().data["load_deferral_wait_s"]
+    assert int(wait_s * 1e6) == wait.attributes["kvscope.deferred.wait_us"]  # the span and the histogram agree
+    # admitted again later (preempted once more, nothing deferred): no other such span
+    tight.update_state_after_alloc(first, SimpleNamespace(get_block_ids=lambda: _ids(0, 16)), 0)
+    assert len([span for span in exporter.get_finished_spans() if span.name == "kvscope.deferral"]) == 1
 
 
 def test_an_aborted_deferred_request_sampling_dropped_gets_no_span():
