@@ -49,7 +49,8 @@ def result_of():
 @pytest.mark.parametrize("seed", [_seed_param(seed) for seed in SEEDS])
 def test_a_random_workload_reads_the_kv_it_wrote_finishes_and_leaks_nothing(result_of, seed):
     """No forward reads wrong KV, every request ends with all its tokens, the host tier holds nothing
-    after, and none meets vLLM's known admission stall (kvscope's load admission keeps vLLM out of it)."""
+    after, the trace file's spans tell what the stats count (`span_agreement`), and none meets vLLM's
+    known admission stall (kvscope's load admission keeps vLLM out of it)."""
     result = result_of(seed)
     shown = "\n".join(result.violations[:10])
     assert not result.violations, f"{len(result.violations)} blocks read wrong KV:\n{shown}"

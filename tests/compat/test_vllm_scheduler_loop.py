@@ -534,8 +534,8 @@ def test_a_kvscope_copy_into_a_block_vllms_cache_then_serves_is_never_taken_for_
 
     real_engine = workload_fuzz._engine
 
-    def engine_with_a_stray_load(config):
-        engine = real_engine(config)
+    def engine_with_a_stray_load(config, trace_file=None):
+        engine = real_engine(config, trace_file)
         worker, seen = engine.workers[0]._worker, []
 
         def stray_load():

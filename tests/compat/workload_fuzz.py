@@ -276,16 +276,18 @@ class _Stop(Exception):
     """The plan cannot go on (the reason is already in the result)."""
 
 
-def execute(plan: dict) -> WorkloadResult:
-    """Replay `plan` on a fresh engine. Unexpected errors (from kvscope, vLLM or the fake forward) propagate."""
-    with _played(plan) as replay:
+def execute(plan: dict, traced: bool = True) -> WorkloadResult:
+    """Replay `plan` on a fresh engine; `traced`: with a trace file, whose spans must agree with kvscope's stats.
+    Unexpected errors (from kvscope, vLLM or the fake forward) propagate."""
+    with tempfile.TemporaryDirectory(prefix="kvscope-fuzz-trace-") as trace_dir, \
+            _played(plan, Path(trace_dir) / "spans.jsonl" if traced else None) as replay:
         return replay.finish()
 
 
 @contextmanager
-def _played(plan: dict) -> Iterator[_Replay]:
+def _played(plan: dict, trace_file: Path | None = None) -> Iterator[_Replay]:
     """`plan`'s rounds run on a fresh engine, which is shut down when the block ends."""
-    replay = _Replay(plan)
+    replay = _Replay(plan, trace_file)
     try:
         try:
             replay.rounds()
@@ -299,9 +301,9 @@ def _played(plan: dict) -> Iterator[_Replay]:
 class _Replay:
     """One plan on one engine: its requests, aborts and resets, round by round."""
 
-    def __init__(self, plan: dict):
-        self.plan, self.result = plan, WorkloadResult()
-        self.engine = _engine(plan["config"])
+    def __init__(self, plan: dict, trace_file: Path | None = None):
+        self.plan, self.result, self.trace_file = plan, WorkloadResult(), trace_file
+        self.engine = _engine(plan["config"], trace_file)
         self.added: dict[str, int] = {}  # req id -> tokens it must end with (prompt and output)
         self.aborted: set[str] = set()
         self.schedulings: dict[str, int] = {}
@@ -398,7 +400,7 @@ class _Replay:
                                    or _same_without_kvscope_hits(self.plan, self.engine))
         if not result.failure:
             result.leaks = (self.engine.host_tier_leaks() + self.engine.kv_event_mismatches()
-                            + self.engine.telemetry_mismatches())
+                            + self.engine.telemetry_mismatches() + self.span_mismatches())
         for name in ("steps", "checked_blocks", "checked_loaded_blocks", "external_hit_tokens", "drafts_rejected",
                      "checkpoint_clobbers", "clobbered_stored"):
             setattr(result, name, getattr(stats, name))
@@ -408,8 +410,20 @@ class _Replay:
         result.preemptions, result.failed_loads = len(stats.resumed), len(stats.failed_recving)
         return result
 
+    def span_mismatches(self) -> list[str]:
+        """Where the trace file's spans disagree with kvscope's stats (`span_agreement`); none untraced."""
+        from tests.compat.span_agreement import span_stat_mismatches, trace_file_attributes
 
-def _engine(config: dict):
+        if self.trace_file is None:
+            return []
+        for connector in [self.engine.scheduler.get_kv_connector(), *self.engine.workers]:
+            if not connector.tracing.force_flush():
+                return ["telemetry: the spans could not be flushed to the trace file"]
+        data = self.engine.stats.connector.data if self.engine.stats.connector is not None else {}
+        return span_stat_mismatches(trace_file_attributes(self.trace_file), data)
+
+
+def _engine(config: dict, trace_file: Path | None = None):
     from connector.tiny_models import build_model
     from tests.compat.model_free import LateReadingStores, MambaAlign, ModelFreeEngine
 
@@ -424,6 +438,8 @@ def _engine(config: dict):
     extra = {"cpu_bytes": config["cpu_bytes"], "block_size": config["block_size"]}
     if "mamba_decode_states" in config:
         extra["mamba_decode_states"] = config["mamba_decode_states"]
+    if trace_file is not None:
+        extra["trace_file"] = str(trace_file)
     # plans without it (every profile's but sparse-windows') keep every window block, as when they were drawn
     options["window_retention"] = config.get("window_retention")
     engine = ModelFreeEngine(build_model("gemma3", window=window), extra, window=window,

@@ -1,0 +1,71 @@
+"""kvscope's spans against its own stats, for one run: telemetry that disagrees with itself is a bug.
+
+The stats are what vLLM hands its stat loggers (`model_free.LoopStats.connector`, summed as the front end
+sums them), the spans what the trace file holds once every tracing is flushed. Every span is sampled
+(`trace_sample_ratio` 1.0) and none dropped, or the totals cannot agree and the first problem says so.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable
+
+from connector.telemetry.metrics import copy_key, group_key
+from connector.telemetry.testing import proto_span_attributes, trace_file_spans
+
+
+def trace_file_attributes(path) -> list[tuple[str, dict]]:
+    """Each span of the trace file at `path`: (name, attributes)."""
+    return [(span.name, proto_span_attributes(span)) for span in trace_file_spans(path)]
+
+
+def span_stat_mismatches(spans: Iterable[tuple[str, dict]], data: dict) -> list[str]:
+    """Where the spans' attribute totals and the stats `data` (`KVScopeStats.data`) disagree; empty when they
+    agree. Lookups: tokens queried and hit. Scans, group by group: blocks scanned and null blocks skipped; their
+    pending blocks, the blocks loaded or failed. Copies, group by group and direction: blocks and bytes. Waits
+    for device KV room: one span tells each wait the histogram observed, never shorter (a load span's wait
+    runs on to the load's start)."""
+    dropped = sum(data.get("dropped_trace_records", {}).values())
+    if dropped:
+        return [f"telemetry: {dropped} trace records dropped, spans cannot agree with the stats"]
+    totals: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    waits_us = []
+    for name, attrs in spans:
+        if name == "kvscope.lookup":
+            totals["lookup_tokens"][""] += attrs["kvscope.tokens.queried"]
+            totals["hit_tokens"][""] += attrs["kvscope.tokens.hit"]
+        elif name == "kvscope.group.scan":
+            key = group_key(attrs["kvscope.group.index"], attrs["kvscope.group.kind"])
+            totals["scan_blocks"][key] += attrs["kvscope.group.blocks.total"]
+            totals["null_blocks_skipped"][key] += attrs["kvscope.group.blocks.null_skipped"]
+            totals["pending_blocks"][""] += attrs["kvscope.group.blocks.pending"]
+        elif name == "kvscope.group.copy":
+            key = copy_key(attrs["kvscope.group.index"], attrs["kvscope.group.kind"], attrs["kvscope.copy.direction"])
+            totals["copy_blocks"][key] += attrs["kvscope.copy.blocks"]
+            totals["copy_bytes"][key] += attrs["kvscope.copy.bytes"]
+        if "kvscope.deferred.wait_us" in attrs:
+            waits_us.append(attrs["kvscope.deferred.wait_us"])
+    stats = {
+        "lookup_tokens": {"": data.get("lookup_tokens", 0)},
+        "hit_tokens": {"": data.get("hit_tokens", 0)},
+        "scan_blocks": data.get("scan_blocks", {}),
+        "null_blocks_skipped": data.get("null_blocks_skipped", {}),
+        "pending_blocks": {"": sum(data.get("loaded_blocks", {}).values()) + data.get("load_failures", 0)},
+        "copy_blocks": data.get("copy_blocks", {}),
+        "copy_bytes": data.get("copy_bytes", {}),
+    }
+    problems = []
+    for what, counted in stats.items():
+        told = {key: n for key, n in totals[what].items() if n}
+        counted = {key: n for key, n in counted.items() if n}
+        if told != counted:
+            problems.append(f"telemetry: {what} in the spans {dict(sorted(told.items()))}, "
+                            f"in the stats {dict(sorted(counted.items()))}")
+    observed = data.get("load_deferral_wait_s", [])
+    if len(waits_us) != len(observed):
+        problems.append(f"telemetry: {len(waits_us)} spans tell a wait for device KV room, "
+                        f"the histogram observed {len(observed)}")
+    elif sum(observed) * 1e6 > sum(waits_us) + len(waits_us):  # each span's wait is truncated to the microsecond
+        problems.append(f"telemetry: the spans' waits for device KV room sum to {sum(waits_us)} µs, "
+                        f"the histogram's to {sum(observed) * 1e6:.0f} µs")
+    return problems

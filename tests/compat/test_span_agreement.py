@@ -1,0 +1,86 @@
+"""`span_agreement`: a run's spans against kvscope's stats, on hand-made spans and stats (the random workloads
+replay it on real trace files: `workload_fuzz.execute`)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.compat.span_agreement import span_stat_mismatches
+
+
+def _run() -> tuple[list[tuple[str, dict]], dict]:
+    """One lookup that loaded 2 blocks into each of two groups on two workers, after a deferral; one that
+    missed; one request that ended waiting for device KV room; the stats of the same."""
+    spans = [
+        ("kvscope.lookup", {"kvscope.tokens.queried": 100, "kvscope.tokens.hit": 64,
+                            "kvscope.deferred.lookups": 2, "kvscope.deferred.wait_us": 1500}),
+        ("kvscope.lookup", {"kvscope.tokens.queried": 40, "kvscope.tokens.hit": 0}),
+        ("kvscope.load", {"kvscope.tokens.external": 64}),
+        ("kvscope.group.scan", {"kvscope.group.index": 0, "kvscope.group.kind": "sliding_window",
+                                "kvscope.group.blocks.total": 6, "kvscope.group.blocks.null_skipped": 4,
+                                "kvscope.group.blocks.pending": 2}),
+        ("kvscope.group.scan", {"kvscope.group.index": 1, "kvscope.group.kind": "full_attention",
+                                "kvscope.group.blocks.total": 6, "kvscope.group.blocks.null_skipped": 0,
+                                "kvscope.group.blocks.pending": 2}),
+        *[("kvscope.group.copy", {"kvscope.group.index": g, "kvscope.group.kind": kind,
+                                  "kvscope.copy.direction": "load", "kvscope.copy.blocks": 2,
+                                  "kvscope.copy.bytes": 4096, "kvscope.worker.rank": rank})
+          for g, kind in ((0, "sliding_window"), (1, "full_attention")) for rank in (0, 1)],
+        ("kvscope.deferral", {"kvscope.deferred.lookups": 3, "kvscope.deferred.wait_us": 2000,
+                              "kvscope.deferred.outcome": "ended"}),
+    ]
+    data = {"lookup_tokens": 140, "hit_tokens": 64,
+            "scan_blocks": {"0|sliding_window": 6, "1|full_attention": 6},
+            "null_blocks_skipped": {"0|sliding_window": 4, "1|full_attention": 0},
+            "loaded_blocks": {"0|sliding_window": 2, "1|full_attention": 2},
+            "copy_blocks": {"0|sliding_window|load": 4, "1|full_attention|load": 4},
+            "copy_bytes": {"0|sliding_window|load": 8192, "1|full_attention|load": 8192},
+            "deferred_loads": 2, "load_deferral_wait_s": [0.0015, 0.002],
+            "dropped_trace_records": {"sink_failed": 0}}
+    return spans, data
+
+
+def test_a_run_whose_spans_tell_what_its_stats_count_agrees():
+    assert span_stat_mismatches(*_run()) == []
+
+
+def test_a_failed_load_counts_its_scans_pending_blocks_as_failures():
+    spans, data = _run()
+    data["loaded_blocks"] = {"0|sliding_window": 2}
+    data["load_failures"] = 2
+    assert span_stat_mismatches(spans, data) == []
+
+
+def _changed(change) -> list[str]:
+    spans, data = _run()
+    change(spans, data)
+    return span_stat_mismatches(spans, data)
+
+
+@pytest.mark.parametrize(("change", "said"), [
+    (lambda spans, data: data.update(hit_tokens=63), "hit_tokens in the spans {'': 64}, in the stats {'': 63}"),
+    (lambda spans, data: spans.pop(1), "lookup_tokens in the spans {'': 100}, in the stats {'': 140}"),
+    # the same blocks counted under the other group
+    (lambda spans, data: data.update(scan_blocks={"0|sliding_window": 12}), "scan_blocks"),
+    (lambda spans, data: data["null_blocks_skipped"].update({"0|sliding_window": 3}), "null_blocks_skipped"),
+    (lambda spans, data: data.update(loaded_blocks={"0|sliding_window": 2}), "pending_blocks"),
+    (lambda spans, data: data["copy_blocks"].update({"0|sliding_window|load": 3}), "copy_blocks"),
+    (lambda spans, data: data["copy_bytes"].update({"1|full_attention|load": 8000}), "copy_bytes"),
+    (lambda spans, data: spans.pop(), "1 spans tell a wait for device KV room, the histogram observed 2"),
+    (lambda spans, data: data["load_deferral_wait_s"].append(0.001), "the histogram observed 3"),
+    (lambda spans, data: data.update(load_deferral_wait_s=[0.0015, 0.0021]), "the spans' waits for device KV room"),
+    (lambda spans, data: data.update(dropped_trace_records={"helper_lost": 3}), "3 trace records dropped"),
+])
+def test_each_disagreement_is_told(change, said):
+    problems = _changed(change)
+    assert len(problems) == 1 and said in problems[0], problems
+
+
+def test_a_worker_copy_untold_is_told_by_blocks_and_bytes():
+    problems = _changed(lambda spans, data: spans.pop(5))
+    assert [p.split(" in the spans")[0] for p in problems] == ["telemetry: copy_blocks", "telemetry: copy_bytes"]
+
+
+def test_a_wait_the_spans_tell_longer_agrees():
+    """A load span's wait runs on to the load's start, past the lookup that ended the histogram's."""
+    assert _changed(lambda spans, data: data.update(load_deferral_wait_s=[0.0012, 0.002])) == []
