@@ -3,6 +3,7 @@
 The stats are what vLLM hands its stat loggers (`model_free.LoopStats.connector`, summed as the front end
 sums them), the spans what the trace file holds once every tracing is flushed. Every span is sampled
 (`trace_sample_ratio` 1.0) and none dropped, or the totals cannot agree and the first problem says so.
+The replay app reads the same file (`replay_app_mismatches`): what it shows must be the same run.
 """
 
 from __future__ import annotations
@@ -68,4 +69,22 @@ def span_stat_mismatches(spans: Iterable[tuple[str, dict]], data: dict) -> list[
     elif sum(observed) * 1e6 > sum(waits_us) + len(waits_us):  # each span's wait is truncated to the microsecond
         problems.append(f"telemetry: the spans' waits for device KV room sum to {sum(waits_us)} µs, "
                         f"the histogram's to {sum(observed) * 1e6:.0f} µs")
+    return problems
+
+
+def replay_app_mismatches(path, data: dict) -> list[str]:
+    """Where the replay app, reading the trace file at `path`, shows another run than the stats `data` count:
+    problems reading it, requests' tokens queried and hit, loads without a copy span."""
+    from dashboard import traces
+
+    read = traces.read_trace_files([path])
+    problems = [f"replay app: {problem}" for problem in read.problems[:5]]
+    requests = traces.requests_table(read.spans)
+    for column, key in (("tokens_queried", "lookup_tokens"), ("tokens_hit", "hit_tokens")):
+        shown, counted = int(requests[column].sum()), data.get(key, 0)
+        if shown != counted:
+            problems.append(f"replay app: {column} sum to {shown}, the stats count {key} {counted}")
+    uncopied = int(requests["loads_without_copies"].sum())
+    if uncopied:
+        problems.append(f"replay app: {uncopied} loads without a copy span")
     return problems

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.compat.span_agreement import span_stat_mismatches
+from tests.compat import workload_fuzz
+from tests.compat.span_agreement import replay_app_mismatches, span_stat_mismatches, trace_file_attributes
 
 
 def _run() -> tuple[list[tuple[str, dict]], dict]:
@@ -84,3 +85,24 @@ def test_a_worker_copy_untold_is_told_by_blocks_and_bytes():
 def test_a_wait_the_spans_tell_longer_agrees():
     """A load span's wait runs on to the load's start, past the lookup that ended the histogram's."""
     assert _changed(lambda spans, data: data.update(load_deferral_wait_s=[0.0012, 0.002])) == []
+
+
+def test_a_random_workloads_trace_file_agrees_with_its_stats_and_the_replay_app_shows_the_same_run(tmp_path):
+    """Seed 55 ("fast": it loads from the host tier, on two workers) on a real trace file; the
+    same file against stats one hit token off, and against a copy span gone."""
+    trace_file = tmp_path / "spans.jsonl"
+    with workload_fuzz._played(workload_fuzz.make_plan(55, "fast"), trace_file) as replay:
+        result = replay.finish()
+    assert result.verdict == "ok" and result.external_hit_tokens > 0, (result.leaks, result.unfinished)
+    data = dict(replay.engine.stats.connector.data)
+    spans = trace_file_attributes(trace_file)
+    assert span_stat_mismatches(spans, data) == replay_app_mismatches(trace_file, data) == []
+    off = {**data, "hit_tokens": data["hit_tokens"] + 1}
+    assert "hit_tokens in the spans" in span_stat_mismatches(spans, off)[0]
+    assert replay_app_mismatches(trace_file, off) == [
+        f"replay app: tokens_hit sum to {data['hit_tokens']}, the stats count hit_tokens {data['hit_tokens'] + 1}"]
+    lines = trace_file.read_text().splitlines()
+    without_copies = [line for line in lines if '"kvscope.group.copy"' not in line]
+    assert len(without_copies) < len(lines)  # (a line holds one batch of spans)
+    trace_file.write_text("\n".join(without_copies) + "\n")
+    assert "loads without a copy span" in replay_app_mismatches(trace_file, data)[-1]

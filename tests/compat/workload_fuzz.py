@@ -411,8 +411,9 @@ class _Replay:
         return result
 
     def span_mismatches(self) -> list[str]:
-        """Where the trace file's spans disagree with kvscope's stats (`span_agreement`); none untraced."""
-        from tests.compat.span_agreement import span_stat_mismatches, trace_file_attributes
+        """Where the trace file's spans, or the replay app reading it, disagree with kvscope's stats
+        (`span_agreement`); none untraced."""
+        from tests.compat.span_agreement import replay_app_mismatches, span_stat_mismatches, trace_file_attributes
 
         if self.trace_file is None:
             return []
@@ -420,7 +421,8 @@ class _Replay:
             if not connector.tracing.force_flush():
                 return ["telemetry: the spans could not be flushed to the trace file"]
         data = self.engine.stats.connector.data if self.engine.stats.connector is not None else {}
-        return span_stat_mismatches(trace_file_attributes(self.trace_file), data)
+        return (span_stat_mismatches(trace_file_attributes(self.trace_file), data)
+                + replay_app_mismatches(self.trace_file, data))
 
 
 def _engine(config: dict, trace_file: Path | None = None):
