@@ -26,7 +26,8 @@ from .prefix_recency import finished_prefix_keys
 from .state_blocks import StateBlocks
 from .telemetry.failures import telemetry_failed
 from .telemetry.metrics import KVScopeStats
-from .telemetry.span_records import DEFERRAL_WAIT_SPAN, DEFERRED_LOOKUP_SPAN, LOOKUP_SPAN, STORE_SPAN
+from .telemetry.span_records import (DEFERRAL_WAIT_SPAN, DEFERRED_LOOKUP_SPAN, LOOKUP_SPAN, STORE_SPAN, WAIT_ADMITTED,
+                                     WAIT_ENDED)
 from .telemetry.tracing import KVScopeTracing, SpanRef
 
 logger = logging.getLogger(__name__)
@@ -299,7 +300,7 @@ class KVScopeScheduler:
             if not first_scheduled and lookup is not None and lookup.deferred is not None and self.tracing.enabled:
                 # Resumed, deferred, then admitted with nothing to load: neither a lookup span nor a load
                 # span tells its wait, which the histogram observed above.
-                self._wait_span(request, state, lookup.deferred, lookup.start_ns, "admitted")
+                self._wait_span(request, state, lookup.deferred, lookup.start_ns, WAIT_ADMITTED)
             if self._store_sources and request.num_computed_tokens == 0:  # admitted afresh: new blocks
                 self._allocated_unplanned.append((req_id, blocks, lookup.local_tokens if lookup is not None else 0))
             return
@@ -826,7 +827,7 @@ class KVScopeScheduler:
             end_ns = time.time_ns()
             self._deferral_waits_ns.append(max(0, end_ns - deferral.first_ns))
             if self.tracing.enabled:
-                self._wait_span(request, state, deferral, end_ns, "ended")
+                self._wait_span(request, state, deferral, end_ns, WAIT_ENDED)
         if state is not None:
             # Its prefix was used last: its stores went in head first, so this puts the head last in line
             self._touch_prefix(self._offload_hashes(request), state.load_job.keys if state.load_job else [])

@@ -85,7 +85,7 @@ DEFERRED_LOAD_SPAN = RecordKind(8, LOAD_SPAN.name, LOAD_SPAN.attributes + DEFERR
 # (a client gave up) while kvscope deferred its load: vLLM never admitted it (nor counted its lookup). Or,
 # resumed after preemption (its lookups get no span: vLLM counts them apart), vLLM admitted it with nothing
 # to load (its hit left the tier, or vLLM's device cache covered it): no load span follows.
-DEFERRAL_OUTCOMES = ("ended", "admitted")
+WAIT_ENDED, WAIT_ADMITTED = DEFERRAL_OUTCOMES = ("ended", "admitted")
 DEFERRAL_WAIT_SPAN = RecordKind(9, "kvscope.deferral", (
     ("kvscope.request.id", str),
     ("kvscope.tokens.external", int),  # the tokens its load would have brought (at its last deferred lookup)

@@ -201,7 +201,7 @@ _TELL_WAITS = [LOOKUP, LOAD, DEFERRAL]
 
 def _admitted(attributes) -> bool:
     """A `kvscope.deferral` span's wait ended in an admission with nothing to load, not the request's end."""
-    return isinstance(attributes, dict) and attributes.get(DEFERRAL_OUTCOME) == "admitted"
+    return isinstance(attributes, dict) and attributes.get(DEFERRAL_OUTCOME) == "admitted"  # `WAIT_ADMITTED`
 
 
 def _arrivals(spans: pd.DataFrame, by_lookup, first_load: pd.DataFrame, ids: pd.MultiIndex) -> pd.Series:
