@@ -204,17 +204,24 @@ def test_a_request_aborted_while_its_load_waited_tells_its_wait_in_a_span_and_th
     assert len([span for span in exporter.get_finished_spans() if span.name == "kvscope.deferral"]) == 1
 
 
-def test_a_resumed_request_aborted_while_deferred_has_its_wait_span_under_its_first_lookup():
-    """Admitted with a load, preempted, deferred on resuming, then aborted: its wait span joins the trace its
-    lookup rooted (no traceparent), as its load span did, rather than starting a trace of its own."""
+def _preempted_while_a_load_waits():
+    """A traced scheduler in which "first" loaded and ran, "second" was admitted with a load not yet run, and
+    "first" was then preempted: resuming, its load would not fit beside second's."""
     tracing, exporter = in_memory_tracing()
     tight = _scheduler(48, tracing)
     _stored(tight, (0, "h3"), (1, "h3"), (0, "h7"), (1, "h7"))
     first = _state("first", 192).request
     _admit_with_load(tight, first, 128)
     _ran(tight, "first")
-    _admit_with_load(tight, _state("second", 192).request, 128)  # its load not yet run
+    _admit_with_load(tight, _state("second", 192).request, 128)
     first.num_preemptions = 1
+    return tight, exporter, first
+
+
+def test_a_resumed_request_aborted_while_deferred_has_its_wait_span_under_its_first_lookup():
+    """Admitted with a load, preempted, deferred on resuming, then aborted: its wait span joins the trace its
+    lookup rooted (no traceparent), as its load span did, rather than starting a trace of its own."""
+    tight, exporter, first = _preempted_while_a_load_waits()
     assert tight.get_num_new_matched_tokens(first, 0) == (None, False)
     tight.request_finished(first)
     spans = [span for span in exporter.get_finished_spans() if span.attributes.get("kvscope.request.id") == "first"]
@@ -227,14 +234,7 @@ def test_a_resumed_request_deferred_then_admitted_with_nothing_to_load_tells_its
     """Admitted with a load, preempted, deferred on resuming, then admitted with nothing to load (its hit left
     the tier meanwhile). Its lookups have no span (vLLM counts a resumed request's apart) and no load follows:
     a `kvscope.deferral` span, outcome "admitted", is the wait the histogram observed, under its first lookup."""
-    tracing, exporter = in_memory_tracing()
-    tight = _scheduler(48, tracing)
-    _stored(tight, (0, "h3"), (1, "h3"), (0, "h7"), (1, "h7"))
-    first = _state("first", 192).request
-    _admit_with_load(tight, first, 128)
-    _ran(tight, "first")
-    _admit_with_load(tight, _state("second", 192).request, 128)  # its load not yet run
-    first.num_preemptions = 1
+    tight, exporter, first = _preempted_while_a_load_waits()
     before = time.time_ns()
     for _ in range(2):
         assert tight.get_num_new_matched_tokens(first, 0) == (None, False)
