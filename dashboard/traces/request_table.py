@@ -145,8 +145,8 @@ def requests_table(spans: pd.DataFrame, vllm: pd.DataFrame | None = None) -> pd.
     first_load = loads.drop_duplicates(REQUEST_KEY, keep="first").set_index(REQUEST_KEY)
     by_end = ended.groupby(REQUEST_KEY, sort=False)
     looked_up_or_loaded = by_lookup.size().index.append(first_load.index.difference(by_lookup.size().index))
-    ended_ids = waits.drop_duplicates(REQUEST_KEY).set_index(REQUEST_KEY).index  # a MultiIndex, even empty
-    ids = looked_up_or_loaded.append(ended_ids.difference(looked_up_or_loaded))
+    waited_ids = waits.drop_duplicates(REQUEST_KEY).set_index(REQUEST_KEY).index  # a MultiIndex, even empty
+    ids = looked_up_or_loaded.append(waited_ids.difference(looked_up_or_loaded))
     out = pd.DataFrame(index=ids)
     out["arrival_ns"] = _arrivals(spans, by_lookup, first_load, ids)
     for col in ("tokens_queried", "tokens_hit"):

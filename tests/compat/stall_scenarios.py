@@ -4,6 +4,8 @@ headroom") and kvscope's load admission defers loads instead, and the storing ro
 
 from __future__ import annotations
 
+import os
+
 from tests.compat.model_free import ModelFreeEngine, true_token
 
 WINDOW = 64  # tokens: prompts of 450-750 tokens reach far past it
@@ -26,8 +28,7 @@ def store_round(engine: ModelFreeEngine, prompts, max_tokens: int = 2) -> int:
 
 
 def _longest_shared_prefix(prompt, earlier) -> int:
-    return max((next((i for i, (a, b) in enumerate(zip(prompt, other)) if a != b), min(len(prompt), len(other)))
-                for other in earlier), default=0)
+    return max((len(os.path.commonprefix([prompt, other])) for other in earlier), default=0)
 
 
 def three_loads_past_their_reserve(model_path, engine_args: dict | None = None,

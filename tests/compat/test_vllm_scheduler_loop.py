@@ -46,19 +46,18 @@ def model_path() -> str:
     return build_model("gemma3", window=WINDOW)
 
 
-def _two_rounds(model_path: str, block_size: int, max_num_batched_tokens: int, num_blocks: int = 1200,
-                max_tokens: int = 2, workers: int = 1, failing_rank: int | None = None,
-                async_scheduling: bool = False, runner: str = "v1", parallel_overrides: dict | None = None):
+def _two_rounds(*args, **kwargs):
+    """`_two_rounds_and_round0_hits`'s stats."""
+    return _two_rounds_and_round0_hits(*args, **kwargs)[0]
+
+
+def _two_rounds_and_round0_hits(model_path: str, block_size: int, max_num_batched_tokens: int, num_blocks: int = 1200,
+                                max_tokens: int = 2, workers: int = 1, failing_rank: int | None = None,
+                                async_scheduling: bool = False, runner: str = "v1",
+                                parallel_overrides: dict | None = None):
     """Round 0 computes and stores; the device prefix cache is reset; round 1 sends the same prompts
-    (with every load on `failing_rank` failing, when given)."""
-    return _two_rounds_and_round0_hits(model_path, block_size, max_num_batched_tokens, num_blocks, max_tokens,
-                                       workers, failing_rank, async_scheduling, runner, parallel_overrides)[0]
-
-
-def _two_rounds_and_round0_hits(model_path, block_size, max_num_batched_tokens, num_blocks=1200, max_tokens=2,
-                                workers=1, failing_rank=None, async_scheduling=False, runner="v1",
-                                parallel_overrides=None):
-    """`_two_rounds`, and round 0's host hit tokens (`store_round`)."""
+    (with every load on `failing_rank` failing, when given). The stats, and round 0's host hit tokens
+    (`store_round`)."""
     engine = ModelFreeEngine(model_path, {"cpu_bytes": 64 << 20, "block_size": block_size}, window=WINDOW,
                              num_blocks=num_blocks, max_num_batched_tokens=max_num_batched_tokens, workers=workers,
                              async_scheduling=async_scheduling, runner=runner,
