@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from tests.compat import workload_fuzz
-from tests.compat.span_agreement import replay_app_mismatches, span_stat_mismatches, trace_file_attributes
+from tests.compat.span_agreement import (prometheus_stats, replay_app_mismatches, span_stat_mismatches,
+                                         trace_file_attributes)
 
 
 def _run() -> tuple[list[tuple[str, dict]], dict]:
@@ -36,6 +37,7 @@ def _run() -> tuple[list[tuple[str, dict]], dict]:
             "loaded_blocks": {"0|sliding_window": 2, "1|full_attention": 2},
             "copy_blocks": {"0|sliding_window|load": 4, "1|full_attention|load": 4},
             "copy_bytes": {"0|sliding_window|load": 8192, "1|full_attention|load": 8192},
+            "load_bytes": {"0|sliding_window": 8192, "1|full_attention": 8192},
             "deferred_loads": 2, "load_deferral_wait_s": [0.0015, 0.002],
             "dropped_trace_records": {"sink_failed": 0}}
     return spans, data
@@ -85,6 +87,51 @@ def test_a_worker_copy_untold_is_told_by_blocks_and_bytes():
 def test_a_wait_the_spans_tell_longer_agrees():
     """A load span's wait runs on to the load's start, past the lookup that ended the histogram's."""
     assert _changed(lambda spans, data: data.update(load_deferral_wait_s=[0.0012, 0.002])) == []
+
+
+def _through_prometheus(data: dict, engines: int = 2) -> dict:
+    """`data` observed by kvscope's Prometheus metrics in a registry of their own, split over ``engines`` engines
+    as vLLM's front end would observe each engine's payload, and read back."""
+    from prometheus_client import CollectorRegistry
+
+    from connector.telemetry.metrics import KVScopeStats
+    from connector.telemetry.testing import build_prom_metrics
+
+    registry = CollectorRegistry()
+    metrics = build_prom_metrics(registry, engines=engines)
+    metrics.observe(data, engine_idx=0)
+    metrics.observe(KVScopeStats().data, engine_idx=1)  # an engine with nothing to tell: its zeros
+    return prometheus_stats(registry)
+
+
+def test_stats_read_back_from_prometheus_agree_with_the_spans_but_for_copied_blocks_no_metric_counts():
+    spans, data = _run()
+    stats = _through_prometheus(data)
+    assert stats["copy_blocks"] is None
+    assert (stats["load_deferral_wait_s_count"], stats["load_deferral_wait_s_sum"]) == (2, pytest.approx(0.0035))
+    assert span_stat_mismatches(spans, stats) == []
+    spans[5][1]["kvscope.copy.blocks"] = 1  # blocks no metric counts: not compared
+    assert span_stat_mismatches(spans, stats) == []
+
+
+@pytest.mark.parametrize(("change", "said"), [
+    (lambda data: data.update(hit_tokens=63), "hit_tokens in the spans {'': 64}, in the stats {'': 63}"),
+    (lambda data: data["null_blocks_skipped"].update({"0|sliding_window": 3}), "null_blocks_skipped"),
+    (lambda data: data.update(loaded_blocks={"0|sliding_window": 2}), "pending_blocks"),
+    (lambda data: data["copy_bytes"].update({"1|full_attention|load": 8000}),
+     "copy_bytes in the spans {'0|sliding_window|load': 8192, '1|full_attention|load': 8192}, in the stats "
+     "{'0|sliding_window|load': 8192, '1|full_attention|load': 8000}"),
+    (lambda data: data["load_deferral_wait_s"].append(0.001), "the histogram observed 3"),
+    (lambda data: data.update(load_deferral_wait_s=[0.0015, 0.0021]), "the spans' waits for device KV room"),
+    (lambda data: data.update(dropped_trace_records={"helper_lost": 3}), "3 trace records dropped"),
+])
+def test_each_disagreement_with_the_stats_read_back_from_prometheus_is_told(change, said):
+    """Bytes reach Prometheus through kvscope_load_bytes_total (`record_copy` counts both)."""
+    spans, data = _run()
+    change(data)
+    data["load_bytes"] = {key.rsplit("|", 1)[0]: n for key, n in data["copy_bytes"].items()}
+    problems = span_stat_mismatches(spans, _through_prometheus(data))
+    assert len(problems) == 1 and said in problems[0], problems
 
 
 def test_a_random_workloads_trace_file_agrees_with_its_stats_and_the_replay_app_shows_the_same_run(tmp_path):

@@ -23,9 +23,10 @@ default vLLM keeps those only at prompt ends and recomputes by prefill what kvsc
 steps (seed 4099). Where a Qwen3-Next plan stored the Mamba states decode steps left and kvscope's engine run again
 without them (`mamba_decode_states` false) agrees with the baseline, the seed is `decode_state` (the recurrent
 kernel's state against a prefill's chunked one, in bf16: seed 4048). kvscope's hit and looked-up tokens must
-equal vLLM's external prefix-cache hits and queries, every load must write only device blocks the loading
-request alone holds, and once every request is done it must hold no host block, job or request state
-(`connector_leaks`).
+equal vLLM's external prefix-cache hits and queries, its trace file's spans must tell what its metrics count
+and the replay app reading that file show the same run (`span_agreement`), every load must write only device
+blocks the loading request alone holds, and once every request is done it must hold no host block, job or
+request state (`connector_leaks`).
 
     python -m tests.engine.engine_fuzz --seeds 0:100 --minutes 60 --out repros/
     python -m tests.engine.engine_fuzz --replay repros/seed-17.json
@@ -245,10 +246,13 @@ def _generate(llm, round_index: int, prompts: list[list[int]], max_tokens: int,
     return result
 
 
-def _connector_problems(llm) -> list[str]:
-    """kvscope's telemetry against vLLM's counters and itself, and what it still holds with every
+def _connector_problems(llm, trace_file: str) -> list[str]:
+    """kvscope's telemetry against vLLM's counters and itself (its metrics against the spans of its
+    ``trace_file`` and the replay app reading it: `span_agreement`), and what it still holds with every
     request done (`connector_leaks`)."""
     from connector.engine_runner import get_scheduler_connector, get_worker_connector, metric_values
+    from tests.compat.span_agreement import (prometheus_stats, replay_app_mismatches, span_stat_mismatches,
+                                             trace_file_attributes)
     from tests.engine.scenario import _kvscope, kvscope_samples
 
     scheduler = llm.llm_engine.engine_core.engine_core.scheduler
@@ -274,9 +278,15 @@ def _connector_problems(llm) -> list[str]:
     deferred = ours.get("kvscope_deferred_loads_total", 0.0)
     if waits > deferred:
         problems.append(f"telemetry: {waits:.0f} deferral waits observed, {deferred:.0f} loads deferred")
-    sched = _kvscope(get_scheduler_connector(llm))._scheduler
-    workers = [_kvscope(get_worker_connector())]
-    return problems + [f"leak: {leak}" for leak in connector_leaks(sched, scheduler.requests, workers)]
+    connectors = [_kvscope(get_scheduler_connector(llm)), _kvscope(get_worker_connector())]
+    if all(connector.tracing.force_flush() for connector in connectors):
+        stats = prometheus_stats()
+        problems += (span_stat_mismatches(trace_file_attributes(trace_file), stats)
+                     + replay_app_mismatches(trace_file, stats))
+    else:
+        problems.append("telemetry: the spans could not be flushed to the trace file")
+    leaks = connector_leaks(connectors[0]._scheduler, scheduler.requests, connectors[1:])
+    return problems + [f"leak: {leak}" for leak in leaks]
 
 
 def load_destination_problem(group: int, block_ids: list[int], req_to_blocks: dict, loading: str) -> str | None:
@@ -357,6 +367,12 @@ def run_engine(plan: dict, with_connector: bool, corrupt_host: bool = False) -> 
     from connector.tiny_models import build_model
 
     engine_env()
+    # kvscope's engine always traces (to a file of the plan's, or one of its own): its spans must tell what
+    # its metrics count (`_connector_problems`)
+    trace_dir = None
+    if with_connector and "trace_file" not in plan["extra"]:
+        trace_dir = tempfile.TemporaryDirectory(prefix="kvscope-engine-fuzz-trace-")
+        plan = {**plan, "extra": {**plan["extra"], "trace_file": str(Path(trace_dir.name) / "spans.jsonl")}}
     model = build_model(plan["model"], window=plan["window"], attention_scale=plan.get("attention_scale", 1.0))
     llm = make_llm(model, plan["extra"] if with_connector else None, connector=with_connector, **plan["llm_kwargs"])
     foreign_writes = _watch_load_destinations(llm) if with_connector else []
@@ -383,7 +399,7 @@ def run_engine(plan: dict, with_connector: bool, corrupt_host: bool = False) -> 
         from connector.engine_runner import metric_values
         from tests.engine.scenario import kvscope_samples
 
-        result["problems"] = foreign_writes[:5] + _connector_problems(llm)
+        result["problems"] = foreign_writes[:5] + _connector_problems(llm, plan["extra"]["trace_file"])
         counts = metric_values(llm)
         result["external_hit_tokens"] = counts.get("vllm:external_prefix_cache_hits", 0.0)
         result["preemptions"] = counts.get("vllm:num_preemptions", 0.0)
@@ -392,6 +408,8 @@ def run_engine(plan: dict, with_connector: bool, corrupt_host: bool = False) -> 
         result["deferred_loads"] = samples.get("kvscope_deferred_loads_total", 0.0)
         result["deferral_waits"] = samples.get("kvscope_load_deferral_wait_seconds_count", 0.0)  # admitted ones
         result["deferral_wait_s"] = samples.get("kvscope_load_deferral_wait_seconds_sum", 0.0)
+    if trace_dir is not None:
+        trace_dir.cleanup()
     return result
 
 
