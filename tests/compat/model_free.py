@@ -232,7 +232,7 @@ class ModelFreeEngine:
             # `get_kv_cache_configs` copies into the KV cache config (a hand-made one would keep the dataclass's
             # None); 0, the engine's default, only those a later request can resume at (prompt ends,
             # shared-prefix junctions); a multiple of the block size, those too; None, every one (the
-            # model-free fuzz's profiles but sparse-windows, drawn when that was the default here)
+            # model-free fuzz's profiles but sparse-windows and tight-sparse, drawn when that was the default here)
             if window_retention == "engine":
                 window_retention = self.vllm_config.cache_config.prefix_cache_retention_interval
             self.vllm_config.cache_config.prefix_cache_retention_interval = window_retention

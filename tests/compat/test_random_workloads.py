@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import pytest
 
+from tests.compat import workload_fuzz
 from tests.compat.model_free import without_load_admission
+from tests.compat.span_agreement import trace_file_attributes
 from tests.compat.workload_fuzz import execute, make_plan, missing_feature
 
 SEEDS = [
@@ -201,6 +203,22 @@ def test_the_tight_profile_preempts_and_defers_loads_and_reads_what_it_wrote(see
     assert result.preemptions > 0 and result.deferred_loads > 0 and result.checked_loaded_blocks > 0
 
 
+# "tight-sparse": vLLM's default window retention in a small device cache; each seed ends a request while kvscope
+# defers its load (a `kvscope.deferral` span, outcome "ended", agreeing with the histogram)
+TIGHT_SPARSE_SEEDS = [293, 406]
+
+
+@pytest.mark.parametrize("seed", [pytest.param(seed, id=f"seed{seed}") for seed in TIGHT_SPARSE_SEEDS])
+def test_the_tight_sparse_profile_defers_loads_with_vllms_default_retention_and_reads_what_it_wrote(seed):
+    plan = make_plan(seed, "tight-sparse")
+    assert plan["config"]["num_blocks"] <= 200 and plan["config"]["window_retention"] == 0
+    if reason := missing_feature(plan):
+        pytest.skip(reason)
+    result = execute(plan)
+    assert result.verdict == "ok", (result.violations[:6], result.unfinished[:6], result.leaks[:6])
+    assert result.deferred_loads > 0 and result.aborts > 0 and result.checked_loaded_blocks > 0
+
+
 def test_a_tight_seed_that_aborts_a_request_while_its_load_is_deferred_observes_its_wait():
     """Seed 54 aborts a request at a pause while kvscope defers its load: its wait is observed as every
     other deferred load's (`telemetry_mismatches`: as many waits as deferred loads; found failing with
@@ -208,3 +226,22 @@ def test_a_tight_seed_that_aborts_a_request_while_its_load_is_deferred_observes_
     result = execute(make_plan(54, "tight"))
     assert result.verdict == "ok", (result.violations[:6], result.unfinished[:6], result.leaks[:6])
     assert result.deferred_loads >= 2 and result.aborts > 0
+
+
+def test_a_tight_seed_that_admits_a_resumed_request_with_nothing_to_load_tells_its_wait_in_a_span(tmp_path):
+    """Seed 410 (a Mamba hybrid, a 100-block device cache, a host tier that evicts): request k0-6, resumed after
+    a preemption, has its 384-token load deferred for device KV room; vLLM then finds no device blocks for it
+    for two steps, in which its hit is evicted from the host tier, and admits it with nothing to load. No
+    lookup span tells a resumed request's wait, and no load span follows: a `kvscope.deferral` span with
+    outcome "admitted" does, and the spans agree with the stats (`span_agreement`, in the verdict)."""
+    trace_file = tmp_path / "spans.jsonl"
+    plan = make_plan(410, "tight")
+    if reason := missing_feature(plan):
+        pytest.skip(reason)
+    with workload_fuzz._played(plan, trace_file) as replay:
+        result = replay.finish()
+    assert result.verdict == "ok", (result.violations[:6], result.unfinished[:6], result.leaks[:6])
+    waits = [attrs for name, attrs in trace_file_attributes(trace_file) if name == "kvscope.deferral"]
+    assert [(w["kvscope.request.id"], w["kvscope.deferred.outcome"], w["kvscope.tokens.external"]) for w in waits] \
+        == [("k0-6", "admitted", 384)]
+    assert result.preemptions > 0 and result.evictions > 0

@@ -64,6 +64,10 @@ PROFILES = {
     # as far as the host tier's, where here kvscope serves what the device dropped
     "sparse-windows": {"mamba": 0.15, "two_workers": 0.25, "spec": 0.3, "fail_loads": 0.12, "late": 0.15,
                        "window_retentions": (0, 0, 64, 256)},
+    # "tight" with "sparse-windows"' retention: preempted requests find fewer window blocks in vLLM's device cache
+    # and more of their prompt in the host tier (a Mamba plan is "tight"'s own: its state retention is drawn apart)
+    "tight-sparse": {"mamba": 0.15, "two_workers": 0.25, "spec": 0.3, "fail_loads": 0.12, "late": 0.15,
+                     "device_blocks": (100, 120, 150, 200), "window_retentions": (0, 0, 64, 256)},
 }
 
 
@@ -442,7 +446,8 @@ def _engine(config: dict, trace_file: Path | None = None):
         extra["mamba_decode_states"] = config["mamba_decode_states"]
     if trace_file is not None:
         extra["trace_file"] = str(trace_file)
-    # plans without it (every profile's but sparse-windows') keep every window block, as when they were drawn
+    # plans without it (every profile's but sparse-windows' and tight-sparse') keep every window block, as when
+    # they were drawn
     options["window_retention"] = config.get("window_retention")
     engine = ModelFreeEngine(build_model("gemma3", window=window), extra, window=window,
                              num_blocks=config["num_blocks"], max_num_batched_tokens=config["max_num_batched_tokens"],
