@@ -203,8 +203,8 @@ def test_the_tight_profile_preempts_and_defers_loads_and_reads_what_it_wrote(see
     assert result.preemptions > 0 and result.deferred_loads > 0 and result.checked_loaded_blocks > 0
 
 
-# "tight-sparse": vLLM's default window retention in a small device cache; each seed ends a request while kvscope
-# defers its load (a `kvscope.deferral` span, outcome "ended", agreeing with the histogram)
+# "tight-sparse": vLLM's default window retention in a small device cache; each seed defers loads and aborts
+# requests (found ending a request while kvscope deferred its load)
 TIGHT_SPARSE_SEEDS = [293, 406]
 
 

@@ -64,11 +64,10 @@ PROFILES = {
     # as far as the host tier's, where here kvscope serves what the device dropped
     "sparse-windows": {"mamba": 0.15, "two_workers": 0.25, "spec": 0.3, "fail_loads": 0.12, "late": 0.15,
                        "window_retentions": (0, 0, 64, 256)},
-    # "tight" with "sparse-windows"' retention: vLLM's default in a small device cache (a Mamba plan is "tight"'s
-    # own: its state retention is drawn apart)
-    "tight-sparse": {"mamba": 0.15, "two_workers": 0.25, "spec": 0.3, "fail_loads": 0.12, "late": 0.15,
-                     "device_blocks": (100, 120, 150, 200), "window_retentions": (0, 0, 64, 256)},
 }
+# "tight" with "sparse-windows"' retention: vLLM's default in a small device cache (a Mamba plan is "tight"'s own:
+# its state retention is drawn apart)
+PROFILES["tight-sparse"] = {**PROFILES["tight"], "window_retentions": PROFILES["sparse-windows"]["window_retentions"]}
 
 
 # ----------------------------------------------------------------------------- plans (pure data)
