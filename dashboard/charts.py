@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import altair as alt
 import pandas as pd
 
@@ -44,13 +46,35 @@ def hit_rate_over_time(frame: pd.DataFrame, bucket_s: float) -> alt.Chart:
     )
 
 
+# Below this many milliseconds (1 µs) the latency axis is linear, above it logarithmic: a 0 ms copy still draws.
+_LATENCY_LINEAR_BELOW_MS = 0.001
+
+
+def latency_ticks(ms: pd.Series) -> list[float]:
+    """Decades (1 µs, 10 µs, ... in ms) from the one at or below the smallest positive value to the one at or
+    above the largest: a log axis's own ticks crowd or vanish over a few decades."""
+    positive = ms[ms > 0]
+    if positive.empty:
+        return [0.0, _LATENCY_LINEAR_BELOW_MS]
+    low = max(math.floor(math.log10(positive.min())), round(math.log10(_LATENCY_LINEAR_BELOW_MS)))
+    high = max(math.ceil(math.log10(positive.max())), low + 1)
+    return [10.0 ** k for k in range(low, high + 1)]
+
+
 def latency_distribution(frame: pd.DataFrame) -> alt.Chart:
-    """Box plot (min to max whiskers) of request load times and of load copy durations per group."""
+    """Box plot (min to max whiskers) of request load times and of load copy durations per group, on a
+    logarithmic axis: copies take microseconds where a request's load, which waits for the engine step that
+    runs its copies, can take tens of milliseconds, and a linear axis would draw the copies as one line at 0."""
+    ticks = latency_ticks(frame["ms"]) if len(frame) else [0.0, _LATENCY_LINEAR_BELOW_MS]
+    # from 0 (the axis's linear part) where a value lies below the first tick: 0 ms, or under 1 µs
+    low = 0.0 if not len(frame) or frame["ms"].min() < ticks[0] else ticks[0]
     return (
         alt.Chart(frame)
         .mark_boxplot(extent="min-max", size=22)
         .encode(
-            x=alt.X("ms:Q", title="milliseconds"),
+            x=alt.X("ms:Q", title="milliseconds (log)",
+                    scale=alt.Scale(type="symlog", constant=_LATENCY_LINEAR_BELOW_MS, domain=[low, ticks[-1]]),
+                    axis=alt.Axis(values=ticks, format=".3~r")),
             y=alt.Y("series:N", title=None, sort=["request load"], axis=alt.Axis(labelLimit=260)),
             color=alt.value("#4c78a8"),
         )
@@ -140,7 +164,8 @@ def byte_unit(n_bytes: float) -> tuple[str, float]:
 
 def replay_traffic(timeline: pd.DataFrame, step: int) -> alt.Chart:
     """Cumulative bytes copied to and from the host tier, in the unit of the whole replay's total (the axis
-    keeps its unit while the replay runs), drawn through at most `replay_points`' limit of the steps so far."""
+    keeps its unit and its range, 0 to that total, while the replay runs), drawn through at most
+    `replay_points`' limit of the steps so far."""
     # cumulative, so each run's lowest and highest are its first and last: ask for no extremes, and get
     # three times the runs (a finer staircase) within the same limit
     seen = replay_points(timeline, step, [])
@@ -148,14 +173,16 @@ def replay_traffic(timeline: pd.DataFrame, step: int) -> alt.Chart:
                      var_name="direction", value_name="bytes")
     long["direction"] = long["direction"].map({"cum_bytes_loaded": "load", "cum_bytes_stored": "store"})
     total = timeline[["cum_bytes_loaded", "cum_bytes_stored"]].max().max() if len(timeline) else 0
-    unit, size = byte_unit(float(total) if pd.notna(total) else 0.0)
+    total = float(total) if pd.notna(total) else 0.0
+    unit, size = byte_unit(total)
     long["amount"] = long["bytes"] / size
     return (
         alt.Chart(long)
         .mark_line(interpolate="step-after", point=alt.OverlayMarkDef(size=24))
         .encode(
             x=alt.X("step:Q", title="requests arrived", scale=alt.Scale(domain=[1, max(len(timeline), 2)])),
-            y=alt.Y("amount:Q", title=f"host traffic ({unit})", scale=alt.Scale(domainMin=0)),
+            # the whole replay's total from the first step: the axis stays put while the replay plays
+            y=alt.Y("amount:Q", title=f"host traffic ({unit})", scale=alt.Scale(domain=[0, total / size or 1])),
             color=alt.Color("direction:N", scale=DIRECTION_COLORS,
                             legend=alt.Legend(orient="right", title=None)),
             tooltip=["step:Q", "direction:N", alt.Tooltip("amount:Q", title=unit, format=".3f")],

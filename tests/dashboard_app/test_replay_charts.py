@@ -60,3 +60,34 @@ def test_the_traffic_axis_keeps_the_unit_of_the_whole_replay_from_its_first_step
     """At step 1 under 3 MB had been loaded, but the replay loads 18 GB in all: the axis reads GB from the start
     (a unit changing while the replay plays would make the line jump)."""
     assert charts.replay_traffic(long_timeline, 1).to_dict()["encoding"]["y"]["title"] == "host traffic (GB)"
+
+
+def test_the_traffic_axis_spans_the_whole_replays_total_from_its_first_step(long_timeline):
+    """The axis does not grow with the line while the replay plays, and at a first step with nothing copied
+    it does not collapse to 0..0 (it read 0.000000)."""
+    total = long_timeline[["cum_bytes_loaded", "cum_bytes_stored"]].max().max()
+    unit, size = charts.byte_unit(total)
+    for step in (1, 5_000, 10_000):
+        scale = charts.replay_traffic(long_timeline, step).to_dict()["encoding"]["y"]["scale"]
+        assert scale["domain"] == pytest.approx([0, total / size])
+    nothing = long_timeline.assign(cum_bytes_loaded=0, cum_bytes_stored=0)
+    assert charts.replay_traffic(nothing, 1).to_dict()["encoding"]["y"]["scale"]["domain"] == [0, 1]
+
+
+def test_the_load_latency_axis_is_logarithmic_over_the_decades_the_values_span():
+    """Copies of 13-84 µs beside a request load of 59 ms (it waited for the engine step that ran its copies): a
+    linear axis to 60 ms drew the copies as one line at 0. Decade ticks from 10 µs to 100 ms, linear below 1 µs."""
+    frame = pd.DataFrame({"series": ["request load", "request load", "copy g0", "copy g0"],
+                          "ms": [0.83, 59.17, 0.013, 0.084]})
+    x = charts.latency_distribution(frame).to_dict()["encoding"]["x"]
+    assert x["scale"] == {"type": "symlog", "constant": 0.001, "domain": pytest.approx([0.01, 100])}
+    assert x["axis"]["values"] == pytest.approx([0.01, 0.1, 1, 10, 100])
+    # a copy timed at 0 ms (a coarse clock) still draws: the axis starts at 0, its linear part
+    with_zero = charts.latency_distribution(pd.concat([frame, pd.DataFrame({"series": ["copy g0"], "ms": [0.0]})]))
+    assert with_zero.to_dict()["encoding"]["x"]["scale"]["domain"] == pytest.approx([0, 100])
+    assert charts.latency_ticks(pd.Series([0.0])) == [0.0, 0.001]
+    assert charts.latency_ticks(pd.Series([1e-5, 2.0])) == pytest.approx([0.001, 0.01, 0.1, 1, 10])  # not below 1 µs
+    tiny = pd.DataFrame({"series": ["copy g0", "copy g0"], "ms": [1e-5, 2.0]})
+    assert charts.latency_distribution(tiny).to_dict()["encoding"]["x"]["scale"]["domain"] == pytest.approx([0, 10])
+    assert charts.latency_ticks(pd.Series([3.0])) == pytest.approx([1, 10])
+    charts.latency_distribution(frame.iloc[:0]).to_dict()  # no loads: an empty chart, no error
