@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import math
 import os
 from collections.abc import Mapping, Sequence
@@ -266,7 +267,7 @@ def parse_config(extra: Mapping[str, Any] | None) -> KVScopeConfig:
     if unknown:
         problems.append(
             "kv_connector_extra_config has unknown key(s) "
-            + ", ".join(f"{k}={extra[k]!r}" for k in unknown)
+            + ", ".join(f"{k}={extra[k]!r}{_did_you_mean(k)}" for k in unknown)
             + "; accepted keys: "
             + ", ".join(f"{k} ({v})" for k, v in _ACCEPTED.items())
         )
@@ -304,3 +305,9 @@ def parse_config(extra: Mapping[str, Any] | None) -> KVScopeConfig:
         metrics_port=port,
         mamba_decode_states=decode_states,
     )
+
+
+def _did_you_mean(key) -> str:
+    """`` (did you mean block_size?)`` for a misspelt accepted key (``blok_size``, ``Block-Size``), else ``""``."""
+    close = difflib.get_close_matches(str(key).lower().replace("-", "_"), list(_ACCEPTED), n=1, cutoff=0.75)
+    return f" (did you mean {close[0]}?)" if close else ""

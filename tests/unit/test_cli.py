@@ -133,8 +133,8 @@ def test_check_passes_a_good_config_and_says_what_the_engine_will_run_with(tmp_p
 
 
 @pytest.mark.parametrize("text, said", [
-    (_transfer(cpu_byte=1 << 30), "kv_connector_extra_config has unknown key(s) cpu_byte=1073741824; accepted keys: "
-                                  "cpu_bytes"),
+    (_transfer(cpu_byte=1 << 30), "kv_connector_extra_config has unknown key(s) cpu_byte=1073741824 (did you mean "
+                                  "cpu_bytes?); accepted keys: cpu_bytes"),
     (_transfer(cpu_bytes=-1), "kv_connector_extra_config.cpu_bytes=-1 is not accepted"),
     (_transfer(cpu_bytes=1, trace_sample_ratio=2), "trace_sample_ratio=2 is not accepted"),
     ('{"kv_connector": "KVScopeConnector", "kv_role": "kv_both", "kv_conector_extra_config": {}}',

@@ -440,7 +440,18 @@ def test_available_memory_is_the_kernels_memavailable_in_bytes():
 def test_an_unknown_keys_value_is_shown_as_written():
     """A quoted string is shown quoted, as in the JSON: '8G', not 8G."""
     message = _error({"cpu_bytes": GIB, "trace_fiel": "/tmp/t.jsonl", "blocksize": "8"})
-    assert "blocksize='8', trace_fiel='/tmp/t.jsonl'" in message
+    assert "blocksize='8' (did you mean block_size?), trace_fiel='/tmp/t.jsonl' (did you mean trace_file?)" in message
+
+
+def test_a_misspelt_key_is_given_the_accepted_key_it_is_closest_to_and_a_foreign_one_none():
+    """An operator who wrote blok_size, cpu-bytes or TRACE_FILE meant an accepted key; colour meant none."""
+    message = _error({"cpu-bytes": GIB, "blok_size": 32, "TRACE_FILE": "t.jsonl", "colour": "red",
+                      "sample_ratio": 0.5})
+    assert "blok_size=32 (did you mean block_size?)" in message
+    assert "cpu-bytes=1073741824 (did you mean cpu_bytes?)" in message
+    assert "TRACE_FILE='t.jsonl' (did you mean trace_file?)" in message
+    assert "colour='red', " in message  # nothing close: no guess
+    assert "sample_ratio=0.5 (did you mean trace_sample_ratio?)" in message
 
 
 def test_available_memory_is_a_whole_number_of_kib_as_the_kernel_counts_it():
