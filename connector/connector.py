@@ -113,6 +113,7 @@ class KVScopeConnector(KVConnectorBase_V1, SupportsHMA):
                 eagle_groups=eagle_proof_groups(vllm_config, kv_cache_config, layouts),
                 host_events=_host_tier_events(vllm_config, kv_cache_config, layouts, block_size, hash_block_size),
                 mamba_decode_states=self.config.mamba_decode_states,
+                engine=engine,
             )
         else:
             self._worker = KVScopeWorker(

@@ -123,6 +123,7 @@ class KVScopeScheduler:
         eagle_groups: frozenset[int] = frozenset(),
         host_events=None,
         mamba_decode_states: bool = False,
+        engine: int = 0,
     ):
         self.layouts = layouts
         # Groups whose hits must prove their next token (EAGLE drafters' KV): `find_hit_tokens`
@@ -140,6 +141,7 @@ class KVScopeScheduler:
             self.stores.describe = host_events.describe
         self.slot_bytes = slot_bytes
         self.capacity_bytes = num_slots * slot_bytes
+        self.engine = engine  # this data-parallel engine's index: its host tier's usage is its own
         self.world_size = world_size
         self.tracing = tracing
         self._kv_cache_manager = kv_cache_manager_getter
@@ -813,7 +815,7 @@ class KVScopeScheduler:
         if evicted:
             self._stats.record_evictions(evicted)
             self._evicted_reported = self.index.evicted_total
-        self._stats.set_host_usage(self.index.used_slots * self.slot_bytes, self.capacity_bytes)
+        self._stats.set_host_usage(self.index.used_slots * self.slot_bytes, self.capacity_bytes, self.engine)
 
     # -- request end / cache reset --
     def request_finished(self, request) -> tuple[bool, None]:

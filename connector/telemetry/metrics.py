@@ -26,6 +26,8 @@ scheduler and msgpack-encoded by vLLM towards the front end)::
       "request_load_duration_s": [float, ...],
       "load_deferral_wait_s": [float, ...],
       "host_used_bytes": int, "host_capacity_bytes": int,     # gauges
+      "host_engine": int,                                     # the engine whose tier the gauges describe
+      "host_usage_by_engine": {"<engine>": [used, capacity]}, # only where engines' payloads were aggregated
     }
 
 Keys appear when first recorded, except the per-group series: the scheduler's first payload names
@@ -35,7 +37,9 @@ within the step, and vLLM merges the workers' first payload with the scheduler's
 and store copy of the engine's first step arrive with the zeros and are lost to ``rate()`` (on CUDA
 the copies end after the step and arrive later). Aggregation sums counters, concatenates
 observations and keeps the *latest* gauge value (the payload aggregated in, ``other``, is the newer one in vLLM's order;
-only the host tier's owner reports the gauges, so there is nothing to combine).
+only the host tier's owner reports the gauges, so there is nothing to combine), per engine: vLLM's aggregated
+log of several data-parallel engines (``--aggregate-engine-logging``) aggregates every engine's payloads into
+one, and each engine has a tier of its own, so ``reduce`` sums the engines' latest values.
 
 Which call feeds which contract metric (each metric has exactly one source):
 
@@ -103,7 +107,7 @@ _COPY_COUNTERS = ("copy_blocks", "copy_bytes")
 _GROUP_OBSERVATIONS = ("scan_duration_s",)
 _COPY_OBSERVATIONS = ("copy_duration_s",)
 _OBSERVATIONS = ("request_load_duration_s", "load_deferral_wait_s")
-_GAUGES = ("host_used_bytes", "host_capacity_bytes")
+_GAUGES = ("host_used_bytes", "host_capacity_bytes", "host_engine")
 _KEYED_COUNTERS = _GROUP_COUNTERS + _COPY_COUNTERS + ("missed_tokens", "dropped_trace_records")
 _KEYED_OBSERVATIONS = _GROUP_OBSERVATIONS + _COPY_OBSERVATIONS
 
@@ -214,10 +218,12 @@ class KVScopeStats(KVConnectorStats):
         (`KVScopeTracing.take_lost_records`, `span_batcher.LOSS_REASONS`)."""
         self._inc_keyed("dropped_trace_records", reason, n)
 
-    def set_host_usage(self, used_bytes: int, capacity_bytes: int) -> None:
-        """Host tier occupancy (gauges). Set it when it changed: a set gauge makes the stats non-empty."""
+    def set_host_usage(self, used_bytes: int, capacity_bytes: int, engine: int = 0) -> None:
+        """Host tier occupancy (gauges) of data-parallel engine ``engine``'s tier. Set it when it changed: a
+        set gauge makes the stats non-empty."""
         self.data["host_used_bytes"] = int(used_bytes)
         self.data["host_capacity_bytes"] = int(capacity_bytes)
+        self.data["host_engine"] = int(engine)
 
     # ------------------------------------------------------------------ KVConnectorStats API
     def reset(self) -> None:
@@ -242,6 +248,7 @@ class KVScopeStats(KVConnectorStats):
         if other is None or other.is_empty():
             return self
         data = self.data
+        self._keep_host_usage_by_engine(other.data)
         for key, value in other.data.items():
             if key in _COUNTERS:
                 data[key] = data.get(key, 0) + value
@@ -257,8 +264,32 @@ class KVScopeStats(KVConnectorStats):
                 data.setdefault(key, []).extend(value)
             elif key in _GAUGES:
                 data[key] = value
+            elif key == "host_usage_by_engine":
+                pass  # merged above
             # Unknown keys (a newer or older payload) are dropped rather than failing the engine.
         return self
+
+    def _keep_host_usage_by_engine(self, newer: Mapping[str, Any]) -> None:
+        """Before ``newer``'s gauges replace these: where the two payloads' tiers are another engine's (or
+        engines' were aggregated before), each engine's latest usage, for ``reduce`` to sum."""
+        data = self.data
+        by_engine = data.get("host_usage_by_engine")
+        newer_by_engine = newer.get("host_usage_by_engine")
+        if "host_used_bytes" not in newer and newer_by_engine is None:
+            return
+        if by_engine is None:
+            if newer_by_engine is None and (
+                    "host_used_bytes" not in data or data.get("host_engine", 0) == newer.get("host_engine", 0)):
+                return  # one engine: the latest gauge is the whole story
+            by_engine = data["host_usage_by_engine"] = {}
+            if "host_used_bytes" in data:
+                by_engine[str(data.get("host_engine", 0))] = [data["host_used_bytes"],
+                                                              data.get("host_capacity_bytes", 0)]
+        if newer_by_engine is not None:
+            by_engine.update(newer_by_engine)
+        if "host_used_bytes" in newer:
+            by_engine[str(newer.get("host_engine", 0))] = [newer["host_used_bytes"],
+                                                           newer.get("host_capacity_bytes", 0)]
 
     def reduce(self) -> dict[str, int | float]:
         """Summary for vLLM's periodic "KV Transfer metrics" log line."""
@@ -304,7 +335,12 @@ class KVScopeStats(KVConnectorStats):
         for key in ("evicted_blocks", "load_failures", "deferred_loads"):
             if key in d:
                 out[key] = d[key]
-        if "host_used_bytes" in d:
+        by_engine = d.get("host_usage_by_engine")
+        if by_engine:  # several engines' tiers: each engine's latest, summed
+            out["host_used_gb"] = _gb(sum(used for used, _ in by_engine.values()))
+            out["host_capacity_gb"] = _gb(sum(capacity for _, capacity in by_engine.values()))
+            out["host_engines"] = len(by_engine)
+        elif "host_used_bytes" in d:
             out["host_used_gb"] = _gb(d["host_used_bytes"])
             out["host_capacity_gb"] = _gb(d.get("host_capacity_bytes", 0))
         return out

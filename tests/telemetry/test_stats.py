@@ -237,7 +237,7 @@ def test_hit_tokens_never_exceed_lookup_tokens(lookups):
 _SAMPLE_ARGUMENTS = {
     "group": 1, "kind": "sliding_window", "direction": "store", "blocks": 3, "nbytes": 3072, "duration_s": 0.002,
     "queried_tokens": 64, "hit_tokens": 32, "reason": "evicted", "tokens": 32, "blocks_total": 8, "null_skipped": 5,
-    "n": 2, "durations_s": [1e-6, 2e-6], "used_bytes": 1024, "capacity_bytes": 4096, "wait_s": 0.04,
+    "n": 2, "durations_s": [1e-6, 2e-6], "used_bytes": 1024, "capacity_bytes": 4096, "engine": 2, "wait_s": 0.04,
     "groups": [(0, "full_attention"), (1, "sliding_window")],
 }
 
@@ -276,3 +276,58 @@ def test_a_copy_that_could_not_be_timed_counts_its_blocks_and_bytes_with_no_dura
     s.record_copy(0, "full_attention", "load", blocks=2, nbytes=2048, duration_s=None)
     assert s.data == {"copy_blocks": {"0|full_attention|load": 2}, "copy_bytes": {"0|full_attention|load": 2048},
                       "load_bytes": {"0|full_attention": 2048}}
+
+
+def _usage(used: int, capacity: int, engine: int) -> dict:
+    stats = KVScopeStats()
+    stats.set_host_usage(used, capacity, engine)
+    stats.record_lookup(10, 5)
+    return stats.data
+
+
+def test_vllms_aggregated_log_of_two_engines_sums_their_tiers_latest_usage():
+    """`--aggregate-engine-logging` under data parallelism: vLLM's one `KVConnectorLogging` aggregates every
+    engine's payloads into one, and each engine has a tier of its own. Its line said the usage of whichever
+    engine reported last (1 of 3 GB here), not the 3 GB the engines' tiers hold."""
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorLogging
+
+    gb = 10**9
+    logging_ = KVConnectorLogging(KVTransferConfig(kv_connector="KVScopeConnector", kv_role="kv_both",
+                                                   kv_connector_module_path="connector"))
+    for payload in (_usage(1 * gb, 4 * gb, 0), _usage(5 * gb, 4 * gb, 1),   # engine 1 reports twice:
+                    _usage(2 * gb, 4 * gb, 1), _usage(1 * gb, 4 * gb, 0)):  # its latest counts
+        logging_.observe(payload)
+    lines = []
+    logging_.log(lambda fmt, *args: lines.append(fmt % args))
+    (line,) = lines
+    assert "host_used_gb=3.0, host_capacity_gb=8.0, host_engines=2" in line
+    assert "lookup_tokens=40" in line
+
+
+def test_one_engines_payloads_keep_its_latest_usage_and_no_table_of_engines():
+    one = KVScopeStats(data=_usage(1_000, 4_000, 3))
+    one.aggregate(KVScopeStats(data=_usage(2_000, 4_000, 3)))
+    assert "host_usage_by_engine" not in one.data
+    assert one.data["host_used_bytes"] == 2_000 and one.reduce()["host_used_gb"] == 2e-6  # not 3,000 bytes
+    assert "host_engines" not in one.reduce()
+    # payloads without usage (a worker's, an interval with no change) leave it alone
+    one.aggregate(KVScopeStats(data={"lookup_tokens": 1}))
+    assert one.data["host_used_bytes"] == 2_000 and "host_usage_by_engine" not in one.data
+
+
+def test_aggregates_of_engines_merge_each_engines_latest_usage():
+    """An aggregate of engines 0 and 1 aggregated with engine 1's newer payload, then with an aggregate of
+    engines 1 and 2 (the order vLLM gives): every engine once, with its latest usage."""
+    a = KVScopeStats(data=_usage(100, 1_000, 0)).aggregate(KVScopeStats(data=_usage(200, 1_000, 1)))
+    a.aggregate(KVScopeStats(data=_usage(250, 1_000, 1)))
+    b = KVScopeStats(data=_usage(300, 1_000, 1)).aggregate(KVScopeStats(data=_usage(400, 1_000, 2)))
+    a.aggregate(b)
+    assert a.data["host_usage_by_engine"] == {"0": [100, 1_000], "1": [300, 1_000], "2": [400, 1_000]}
+    assert a.reduce()["host_used_gb"] == 8e-7  # 100 + 300 + 400 bytes
+    assert a.reduce()["host_engines"] == 3
+    # an engine's usage that arrives first in a payload without one of its own, then others'
+    first = KVScopeStats(data={"lookup_tokens": 1}).aggregate(KVScopeStats(data=_usage(100, 1_000, 0)))
+    first.aggregate(KVScopeStats(data=_usage(200, 1_000, 1)))
+    assert first.data["host_usage_by_engine"] == {"0": [100, 1_000], "1": [200, 1_000]}
+    msgspec.msgpack.decode(msgspec.msgpack.encode(a.data))  # still a payload vLLM can send

@@ -1124,6 +1124,10 @@ def test_the_host_tier_gauges_carry_the_bytes_of_its_slots():
     sched._update_capacity_stats()
     data = sched.take_stats().data
     assert data["host_capacity_bytes"] == 16 * 1024 and data["host_used_bytes"] == 2 * 1024
+    assert data["host_engine"] == 0
+    sched.engine = 3  # the connector gives it its data-parallel engine: the tier described is that engine's
+    sched._update_capacity_stats()
+    assert sched.take_stats().data["host_engine"] == 3
 
 
 def test_every_step_reports_the_host_tier_usage_and_its_new_evictions():
