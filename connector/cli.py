@@ -1,4 +1,4 @@
-"""`kvscope` command: demo, dashboard, bench, check."""
+"""`kvscope` command: demo, dashboard, summary, bench, check."""
 
 from __future__ import annotations
 
@@ -109,6 +109,28 @@ def dashboard(args) -> int:
     # "--") means `--theme.base=dark`, as `--streamlit-option=--theme.base=dark` does
     options = [o if o.startswith("-") else "--" + o for o in args.streamlit_option]
     return launch(args.paths, streamlit_args + options)
+
+
+def summary(args) -> int:
+    import importlib.util
+    import os
+
+    if importlib.util.find_spec("pandas") is None:
+        print("kvscope summary: pandas is not installed; install the dashboard extra: pip install -e '.[dashboard]'",
+              file=sys.stderr)
+        return 1
+    from dashboard.summary import as_json, as_text, summarize, why_empty
+
+    missing = [p for p in args.paths if not os.path.exists(p)]
+    if missing:
+        print(f"kvscope summary: no such trace file or directory: {', '.join(missing)}", file=sys.stderr)
+        return 2
+    found = summarize(args.paths, os.environ, slowest=args.slowest)
+    if not found.has_requests:
+        print(f"kvscope summary: {why_empty(found)}", file=sys.stderr)
+        return 2
+    sys.stdout.write(as_json(found) if args.json else as_text(found))
+    return 0
 
 
 def _demo_problem(args, extra: dict) -> str | None:
@@ -231,6 +253,14 @@ def main(argv: list[str] | None = None) -> int:
                    help="passed to `streamlit run`, e.g. --streamlit-option theme.base=dark or "
                         "--streamlit-option=--theme.base=dark (repeatable)")
     s.set_defaults(func=dashboard)
+    r = sub.add_parser("summary", help="the replay app's Overview of trace files, as text or JSON",
+                       description="Reads trace files as the replay app does and prints its Overview: hit rate, "
+                                   "load time quantiles, why lookups missed, KV groups, load latency, slowest "
+                                   "loads. Exits 2 when the files hold no kvscope request.")
+    r.add_argument("paths", nargs="*", help="trace files or folders of them (default: $KVSCOPE_TRACE_FILES)")
+    r.add_argument("--json", action="store_true", help="one JSON document instead of text")
+    r.add_argument("--slowest", type=_at_least(0), default=5, help="how many of the slowest loads to list")
+    r.set_defaults(func=summary)
     c = sub.add_parser("check", help="check a --kv-transfer-config before vllm serve loads a model with it")
     c.add_argument("kv_transfer_config", help="the JSON given to vllm serve --kv-transfer-config")
     # vllm serve's own flags, as given to it: what start-up checks without the model

@@ -51,6 +51,21 @@ def raw_spans(path: Path) -> list[dict]:
     return out
 
 
+def two_engine_copy(folder: Path) -> Path:
+    """The two-rounds fixture as two data-parallel engines wrote it: every other line's resources name engine 1
+    (`kvscope.engine`), the rest engine 0."""
+    path = folder / "two_engines.jsonl"
+    lines = []
+    for i, text in enumerate(TWO_ROUNDS.read_text().splitlines()):
+        doc = json.loads(text)
+        for rs in doc["resourceSpans"]:
+            rs.setdefault("resource", {}).setdefault("attributes", []).append(
+                {"key": "kvscope.engine", "value": {"intValue": str(i % 2)}})
+        lines.append(json.dumps(doc))
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
 def nearest_rank(values, percent: float) -> float:
     """The nearest-rank percentile: the smallest value with at least `percent` % of the values at or below it
     (a value that occurred, as the app shows)."""

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from .browser import chromium, find_browser, page_errors, streamlit_server, wait_rendered
-from .conftest import MALFORMED, TWO_ROUNDS
+from .conftest import MALFORMED, TWO_ROUNDS, two_engine_copy
 from .vllm_traces import vllm_spans_of
 
 pytestmark = [
@@ -153,19 +153,9 @@ def test_every_page_renders_without_errors(fake_prometheus, screenshot_dir, caps
 def test_several_engines_show_a_table_by_engine_and_an_engine_filter(tmp_path):
     """Data parallelism in the browser: the fixture's lines split between two engines (each line's
     resource names one), the Overview's table by engine and the Requests page's engine column."""
-    import json
-
     from selenium.webdriver.common.by import By
 
-    dp_file = tmp_path / "two_engines.jsonl"
-    lines = []
-    for i, text in enumerate(TWO_ROUNDS.read_text().splitlines()):
-        doc = json.loads(text)
-        for rs in doc["resourceSpans"]:
-            rs.setdefault("resource", {}).setdefault("attributes", []).append(
-                {"key": "kvscope.engine", "value": {"intValue": str(i % 2)}})
-        lines.append(json.dumps(doc))
-    dp_file.write_text("\n".join(lines) + "\n")
+    dp_file = two_engine_copy(tmp_path)
     with streamlit_server([str(dp_file)]) as base, chromium() as driver:
         driver.get(base)
         wait_rendered(driver, "Overview")

@@ -1,0 +1,132 @@
+"""`kvscope summary`: the Overview's figures in a terminal, checked against an independent reading of the fixture
+traces (`Expected`), and its answers when there is nothing to summarize."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from connector.cli import main
+from dashboard import formatting, summary
+
+from .conftest import MALFORMED, TWO_ROUNDS, raw_spans, two_engine_copy
+
+
+def _run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(["summary", *argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_the_text_tells_the_hit_rate_load_times_and_bytes_of_the_fixture(capsys, expected):
+    code, out, err = _run(capsys, str(TWO_ROUNDS))
+    assert code == 0 and not err
+    queried = sum(s["tokens.queried"] for s in expected.lookups)
+    hit = sum(s["tokens.hit"] for s in expected.lookups)
+    assert out.startswith(f"{len(expected.lookups)} traced requests over ")
+    assert (f"token hit rate  {formatting.percent(expected.hit_rate)} ({formatting.count(hit)} of "
+            f"{formatting.count(queried)} tokens queried") in out
+    p50, p95, p99 = (formatting.millis(q) for q in expected.load_quantiles)
+    assert f"load time       p50 {p50}, p95 {p95}, p99 {p99} ({len(expected.loads)} timed)" in out
+    assert (f"loaded {formatting.data_size(expected.bytes['load'])}, "
+            f"stored {formatting.data_size(expected.bytes['store'])}") in out
+    for title in ("why the host tier served no more:", "KV groups:", "load latency:", "slowest loads:"):
+        assert title in out
+    slowest = max(expected.load_ms, key=expected.load_ms.get)
+    table = out.split("slowest loads:\n", 1)[1].splitlines()
+    assert slowest[:8] in table[1] and f"{expected.load_ms[slowest]:.3f}" in table[1]  # the slowest first
+    assert len(table) == 1 + 5  # heading, --slowest's default of 5
+
+
+def test_the_json_holds_the_same_figures_and_no_nan(capsys, expected):
+    code, out, _ = _run(capsys, "--json", "--slowest", "2", str(TWO_ROUNDS))
+    assert code == 0
+    document = json.loads(out)  # strict JSON: NaN would not parse as a value a script could use
+    numbers = document["numbers"]
+    assert numbers["hit_rate"] == pytest.approx(expected.hit_rate)
+    assert [numbers[f"load_p{p}_ms"] for p in (50, 95, 99)] == pytest.approx(expected.load_quantiles)
+    assert (numbers["bytes_loaded"], numbers["bytes_stored"]) == (expected.bytes["load"], expected.bytes["store"])
+    assert numbers["deferral_wait_p50_ms"] is None  # no request deferred: unknown, not NaN
+    assert [row["load_ms"] for row in document["slowest_loads"]] == pytest.approx(
+        sorted(expected.load_ms.values(), reverse=True)[:2])
+    assert {row["group"] for row in document["groups"]} == {"g0 sliding_window", "g1 full_attention"}
+    assert document["files"] == [str(TWO_ROUNDS)] and document["problems"] == []
+
+
+def test_lines_it_could_not_read_are_named_and_the_rest_summarized(capsys):
+    code, out, _ = _run(capsys, str(MALFORMED))
+    assert code == 0
+    assert "problem(s) while reading, everything else shown: " in out
+    readable = {s["request.id"] for s in raw_spans(MALFORMED) if s["name"] == "kvscope.lookup"}
+    assert out.startswith(f"{len(readable)} traced requests")
+
+
+@pytest.mark.parametrize("setup, said", [
+    (lambda tmp: [str(tmp / "missing.jsonl")], "no such trace file or directory"),
+    (lambda tmp: [], "no trace files: give their paths"),
+    (lambda tmp: (tmp / "notes.txt").write_text("x") and [str(tmp)], "holds no trace files (only notes.txt"),
+    (lambda tmp: (tmp / "t.jsonl").write_text('{"resourceSpans": []}\n') and [str(tmp / "t.jsonl")],
+     "the trace files hold no kvscope lookup or load spans: "),
+    (lambda tmp: (tmp / "t.jsonl").write_text("not json\n") and [str(tmp / "t.jsonl")],
+     "hold no kvscope lookup or load spans that could be read: "),
+    (lambda tmp: (tmp / "t.jsonl").write_text("not json\n") and [str(tmp / "t.jsonl")],
+     "(t.jsonl line 1 (not JSON"),
+])
+def test_nothing_to_summarize_exits_2_saying_why(capsys, tmp_path, monkeypatch, setup, said):
+    monkeypatch.delenv("KVSCOPE_TRACE_FILES", raising=False)
+    code, out, err = _run(capsys, *setup(tmp_path))
+    assert code == 2 and not out
+    assert said in err
+
+
+def test_the_paths_default_to_kvscope_trace_files(capsys, monkeypatch, expected):
+    monkeypatch.setenv("KVSCOPE_TRACE_FILES", str(TWO_ROUNDS))
+    code, out, _ = _run(capsys)
+    assert code == 0 and out.startswith(f"{len(expected.lookups)} traced requests")
+
+
+def test_plain_turns_numpy_and_missing_values_into_json_values():
+    import numpy as np
+    import pandas as pd
+
+    assert [summary._plain(v) for v in (np.int64(3), np.float32(0.5), np.bool_(True), float("nan"), pd.NA,
+                                        None, "g0")] == [3, 0.5, True, None, None, None, "g0"]
+
+
+def test_spans_read_twice_count_once_and_are_no_problem(capsys, tmp_path, expected):
+    """A Collector's copy beside the connector's own file: every span twice, counted once, nothing skipped."""
+    copy = tmp_path / "collector-copy.jsonl"
+    copy.write_text(TWO_ROUNDS.read_text())
+    code, out, _ = _run(capsys, str(TWO_ROUNDS), str(copy))
+    assert code == 0 and "problem(s)" not in out
+    assert out.startswith(f"{len(expected.lookups)} traced requests over ") and "from 2 file(s)" in out
+
+
+def test_each_quantile_and_warning_is_told_in_its_place():
+    """The fixture's p95 and p99 are one load (10 loads, nearest rank): distinct numbers here, and every warning."""
+    import dataclasses
+
+    base = summary.summarize([str(TWO_ROUNDS)], {})
+    numbers = {**base.numbers, "load_p50_ms": 1.0, "load_p95_ms": 2.5, "load_p99_ms": 7.25, "requests_load_failed": 2,
+               "loads_without_copies": 3, "loads": 9, "copies_without_owner": 4, "requests_deferred": 5,
+               "deferral_wait_p50_ms": 12.0, "deferral_wait_max_ms": 40.0, "requests_ended_waiting": 1}
+    text = summary.as_text(dataclasses.replace(base, numbers=numbers))
+    assert "load time       p50 1.00 ms, p95 2.50 ms, p99 7.25 ms" in text
+    assert "warning: 2 request(s) had a load that failed on a worker" in text
+    assert "warning: 3 of 9 loads have no copy spans" in text
+    assert "warning: 4 copy span(s) belong to no load or store" in text
+    assert "warning: 5 request(s) waited for device KV room: 12.00 ms median, at most 40.00 ms; 1 ended waiting" in text
+    assert "warning" not in summary.as_text(base)
+
+
+def test_two_engines_get_a_table_by_engine(capsys, tmp_path):
+    """Data parallelism: every other line of the fixture from engine 1."""
+    dp_file = two_engine_copy(tmp_path)
+    code, out, _ = _run(capsys, "--json", str(dp_file))
+    rows = json.loads(out)["by_engine"]
+    assert code == 0 and [r["engine"] for r in rows] == [0, 1] and sum(r["requests"] for r in rows) == 20
+    _, text, _ = _run(capsys, str(dp_file))
+    assert "\nby engine:\n" in text
+    _, single, _ = _run(capsys, str(TWO_ROUNDS))
+    assert "by engine" not in single  # one engine: no table
