@@ -121,7 +121,8 @@ def as_json(summary: Summary) -> str:
 
 
 def _problems(summary: Summary) -> list:
-    return [p for p in summary.read.problems if p.reason != traces.DUPLICATE_SPAN]  # a span read twice counts once
+    """What the reader skipped; not spans read twice, which count once."""
+    return [p for p in summary.read.problems if p.reason != traces.DUPLICATE_SPAN]
 
 
 def _warnings(n: dict) -> list[str]:
@@ -145,6 +146,9 @@ def _warnings(n: dict) -> list[str]:
 
 
 def _table(frame: pd.DataFrame, columns: Mapping[str, str]) -> str:
+    """``frame``'s ``columns`` under their headings, each formatted as the app's column of that name is (by its
+    name's convention: ``bytes_*`` sizes, ``*share`` percentages, ``*_ms``/``*_s``/GB/s three decimals), unknown
+    values as –."""
     shown = frame[[c for c in columns if c in frame.columns]].copy()
     for name in shown.columns:
         if name.startswith("bytes"):
