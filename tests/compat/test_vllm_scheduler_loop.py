@@ -1367,7 +1367,8 @@ def test_a_bad_config_stops_vllm_while_it_builds_its_config_on_gpus(model_path):
 
     with mock.patch.object(CUDAGraphMode, "has_full_cudagraphs", lambda self: True), \
             mock.patch.object(type(current_platform), "support_static_graph_mode", classmethod(lambda cls: True)):
-        with pytest.raises(ValueError, match=r"unknown key\(s\) cpu_byte=67108864; accepted keys: cpu_bytes"):
+        with pytest.raises(ValueError, match=r"unknown key\(s\) cpu_byte=67108864 \(did you mean cpu_bytes\?\); "
+                                             r"accepted keys: cpu_bytes"):
             config({"cpu_byte": 64 << 20})
         with pytest.raises(ValueError, match="trace_sample_ratio=1.5 is not accepted"):
             config({"cpu_bytes": 64 << 20, "trace_sample_ratio": 1.5})
