@@ -77,7 +77,8 @@ def demo(args) -> int:
           f"{sched.index.evicted_total} evicted")
     if args.trace_file:
         get_scheduler_connector(llm).tracing.force_flush()
-        print(f"trace file: {args.trace_file} (replay: kvscope dashboard {args.trace_file})")
+        print(f"trace file: {args.trace_file} (replay: kvscope dashboard {args.trace_file}; in this terminal: "
+              f"kvscope summary {args.trace_file})")
     return 0 if all(same for *_, same in rows) else 1
 
 

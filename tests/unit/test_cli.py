@@ -768,7 +768,7 @@ def test_the_demo_prints_each_rounds_host_tier_hits_and_each_groups_loads(monkey
     assert "group 0 sliding_window  loaded      0  scanned     30" in out
     assert "group 1 full_attention  loaded     12  scanned      0" in out  # both engines' blocks
     assert "host tier: 12/64 slots used, 3 evicted" in out
-    assert f"trace file: {trace} (replay: kvscope dashboard {trace})" in out
+    assert f"trace file: {trace} (replay: kvscope dashboard {trace}; in this terminal: kvscope summary {trace})" in out
 
 
 def test_the_demo_fails_when_a_rounds_outputs_differ_from_round_0s(monkeypatch, capsys):
