@@ -122,11 +122,12 @@ def summary(args) -> int:
         return 1
     from dashboard.summary import as_json, as_text, summarize, why_empty
 
-    missing = [p for p in args.paths if not os.path.exists(p)]
+    paths = [p for p in args.paths if p.strip()]  # a blank argument (an unset shell variable) is none
+    missing = [p for p in paths if not os.path.exists(p)]
     if missing:
         print(f"kvscope summary: no such trace file or directory: {', '.join(missing)}", file=sys.stderr)
         return 2
-    found = summarize(args.paths, os.environ, slowest=args.slowest)
+    found = summarize(paths, os.environ, slowest=args.slowest)
     if not found.has_requests:
         print(f"kvscope summary: {why_empty(found)}", file=sys.stderr)
         return 2

@@ -22,6 +22,9 @@ _LATENCY_COLUMNS = {"scope": "scope", "count": "count", "p50_ms": "p50 (ms)", "p
                     "p99_ms": "p99 (ms)", "max_ms": "max (ms)"}
 _MISSES_COLUMNS = {"miss_reason": "reason", "lookups": "lookups", "tokens_not_served": "tokens not served",
                    "share": "share"}
+_ENGINE_COLUMNS = {"engine": "engine", "requests": "requests", "tokens_queried": "tokens queried",
+                   "tokens_hit": "tokens hit", "hit_rate": "hit rate", "requests_load_failed": "failed loads",
+                   "load_p50_ms": "load p50 (ms)", "load_p95_ms": "load p95 (ms)"}
 _SLOWEST_COLUMNS = {"request": "request", "t_s": "arrival (s)", "load_ms": "load time (ms)",
                     "tokens_loaded": "tokens loaded", "bytes_loaded": "bytes loaded", "trace_id": "trace"}
 
@@ -94,7 +97,7 @@ def as_text(summary: Summary) -> str:
     ]
     out += [f"warning: {text}" for text in _warnings(n)]
     for title, frame, columns in (
-            ("by engine", summary.engines, {c: c.replace("_", " ") for c in traces.ENGINE_COLUMNS}),
+            ("by engine", summary.engines, _ENGINE_COLUMNS),
             ("why the host tier served no more", summary.misses, _MISSES_COLUMNS),
             ("KV groups", summary.groups, _GROUP_COLUMNS),
             ("load latency", summary.latency, _LATENCY_COLUMNS),
@@ -109,7 +112,8 @@ def as_json(summary: Summary) -> str:
     document = {
         "files": summary.read.files,
         "problems": [{"file": p.file, "line": p.line, "reason": p.reason, "spans_skipped": p.spans}
-                     for p in summary.read.problems],
+                     for p in _problems(summary)],
+        "spans_read_twice": sum(p.spans or 0 for p in summary.read.problems if p.reason == traces.DUPLICATE_SPAN),
         "numbers": {key: _plain(value) for key, value in summary.numbers.items()},
         "by_engine": _records(summary.engines),
         "misses_by_reason": _records(summary.misses),
@@ -147,13 +151,13 @@ def _warnings(n: dict) -> list[str]:
 
 def _table(frame: pd.DataFrame, columns: Mapping[str, str]) -> str:
     """``frame``'s ``columns`` under their headings, each formatted as the app's column of that name is (by its
-    name's convention: ``bytes_*`` sizes, ``*share`` percentages, ``*_ms``/``*_s``/GB/s three decimals), unknown
-    values as –."""
+    name's convention: ``bytes_*`` sizes, ``*share`` and ``*rate`` percentages, ``*_ms``/``*_s``/GB/s three
+    decimals), unknown values as –."""
     shown = frame[[c for c in columns if c in frame.columns]].copy()
     for name in shown.columns:
         if name.startswith("bytes"):
             shown[name] = shown[name].map(formatting.data_size)
-        elif name.endswith("share"):
+        elif name.endswith(("share", "rate")):
             shown[name] = shown[name].map(formatting.percent)
         elif name.endswith(("_ms", "_s", "gb_per_s")):
             shown[name] = shown[name].map(lambda v: "–" if pd.isna(v) else f"{v:.3f}")

@@ -39,7 +39,8 @@ the copies end after the step and arrive later). Aggregation sums counters, conc
 observations and keeps the *latest* gauge value (the payload aggregated in, ``other``, is the newer one in vLLM's order;
 only the host tier's owner reports the gauges, so there is nothing to combine), per engine: vLLM's aggregated
 log of several data-parallel engines (``--aggregate-engine-logging``) aggregates every engine's payloads into
-one, and each engine has a tier of its own, so ``reduce`` sums the engines' latest values.
+one, and each engine has a tier of its own, so ``reduce`` sums the latest values of the engines that reported
+in the log's interval (an engine idle all interval sends nothing) and says how many they were.
 
 Which call feeds which contract metric (each metric has exactly one source):
 
@@ -343,6 +344,9 @@ class KVScopeStats(KVConnectorStats):
         elif "host_used_bytes" in d:
             out["host_used_gb"] = _gb(d["host_used_bytes"])
             out["host_capacity_gb"] = _gb(d.get("host_capacity_bytes", 0))
+            # how many engines' tiers the figures cover: an aggregated log of several engines where only one
+            # stepped in the interval (an idle engine sends nothing) reads 1, not their number
+            out["host_engines"] = 1
         return out
 
     # ------------------------------------------------------------------ internals

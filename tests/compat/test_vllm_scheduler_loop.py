@@ -1536,6 +1536,23 @@ def test_the_tokens_a_drafter_may_prefill_again_are_not_final(model_path):
         connector.shutdown()
 
 
+def test_the_scheduler_reports_its_host_tier_as_its_data_parallel_engines(model_path):
+    """Engine 1 of two data-parallel engines (vLLM sets `data_parallel_index` in each engine process): its stats
+    name engine 1's tier, so vLLM's aggregated log of both engines adds the two tiers up."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from connector import KVScopeConnector
+    from tests.compat.model_free import _kv_cache_config
+
+    config = _connector_config(model_path, {"cpu_bytes": 64 << 20})
+    for index, engine in ((None, 0), (1, 1)):
+        config.parallel_config.data_parallel_index = index
+        connector = KVScopeConnector(config, KVConnectorRole.SCHEDULER, _kv_cache_config(64, WINDOW))
+        connector._scheduler._update_capacity_stats()
+        assert connector._scheduler.take_stats().data["host_engine"] == engine
+        connector.shutdown()
+
+
 def test_a_job_waits_for_every_worker_of_its_engine_not_only_this_hosts(model_path):
     """A job is done when all of its engine's workers reported it, wherever they run: counting only this
     host's (tensor parallelism over two nodes), a load would be done when half its workers had copied,

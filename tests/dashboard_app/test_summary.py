@@ -65,6 +65,7 @@ def test_lines_it_could_not_read_are_named_and_the_rest_summarized(capsys):
 @pytest.mark.parametrize("setup, said", [
     (lambda tmp: [str(tmp / "missing.jsonl")], "no such trace file or directory"),
     (lambda tmp: [], "no trace files: give their paths"),
+    (lambda tmp: [" "], "no trace files: give their paths"),  # a blank argument is none
     (lambda tmp: (tmp / "notes.txt").write_text("x") and [str(tmp)], "holds no trace files (only notes.txt"),
     (lambda tmp: (tmp / "t.jsonl").write_text('{"resourceSpans": []}\n') and [str(tmp / "t.jsonl")],
      "the trace files hold no kvscope lookup or load spans: "),
@@ -101,6 +102,10 @@ def test_spans_read_twice_count_once_and_are_no_problem(capsys, tmp_path, expect
     code, out, _ = _run(capsys, str(TWO_ROUNDS), str(copy))
     assert code == 0 and "problem(s)" not in out
     assert out.startswith(f"{len(expected.lookups)} traced requests over ") and "from 2 file(s)" in out
+    _, as_json, _ = _run(capsys, "--json", str(TWO_ROUNDS), str(copy))
+    document = json.loads(as_json)
+    assert document["problems"] == [] and document["spans_read_twice"] == len(expected.spans)
+    assert document["numbers"]["requests"] == len(expected.lookups)
 
 
 def test_each_quantile_and_warning_is_told_in_its_place():
@@ -127,6 +132,10 @@ def test_two_engines_get_a_table_by_engine(capsys, tmp_path):
     rows = json.loads(out)["by_engine"]
     assert code == 0 and [r["engine"] for r in rows] == [0, 1] and sum(r["requests"] for r in rows) == 20
     _, text, _ = _run(capsys, str(dp_file))
-    assert "\nby engine:\n" in text
+    table = text.split("\nby engine:\n", 1)[1].split("\n\n", 1)[0].splitlines()
+    assert table[0].split() == ["engine", "requests", "tokens", "queried", "tokens", "hit", "hit", "rate", "failed",
+                                "loads", "load", "p50", "(ms)", "load", "p95", "(ms)"]
+    for row, by_engine in zip(table[1:], rows, strict=True):  # the hit rate as a percentage, as the app shows it
+        assert formatting.percent(by_engine["hit_rate"]) in row.split()
     _, single, _ = _run(capsys, str(TWO_ROUNDS))
     assert "by engine" not in single  # one engine: no table

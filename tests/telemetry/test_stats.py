@@ -173,7 +173,7 @@ def test_reduce_reports_missed_tokens_per_reason_and_host_usage():
     s.record_missed("tail", 4)
     s.set_host_usage(used_bytes=3_000_000, capacity_bytes=4_000_000_000)
     assert s.reduce() == {"missed_tokens_evicted": 32, "missed_tokens_tail": 4,
-                          "host_used_gb": 0.003, "host_capacity_gb": 4.0}
+                          "host_used_gb": 0.003, "host_capacity_gb": 4.0, "host_engines": 1}
 
 
 def test_reduce_averages_every_observation():
@@ -303,6 +303,10 @@ def test_vllms_aggregated_log_of_two_engines_sums_their_tiers_latest_usage():
     (line,) = lines
     assert "host_used_gb=3.0, host_capacity_gb=8.0, host_engines=2" in line
     assert "lookup_tokens=40" in line
+    # the next interval, engine 1 idle (it sends nothing): the line says it covers one engine's tier
+    logging_.observe(_usage(1 * gb, 4 * gb, 0))
+    logging_.log(lambda fmt, *args: lines.append(fmt % args))
+    assert "host_used_gb=1.0, host_capacity_gb=4.0, host_engines=1" in lines[-1]
 
 
 def test_one_engines_payloads_keep_its_latest_usage_and_no_table_of_engines():
@@ -310,7 +314,7 @@ def test_one_engines_payloads_keep_its_latest_usage_and_no_table_of_engines():
     one.aggregate(KVScopeStats(data=_usage(2_000, 4_000, 3)))
     assert "host_usage_by_engine" not in one.data
     assert one.data["host_used_bytes"] == 2_000 and one.reduce()["host_used_gb"] == 2e-6  # not 3,000 bytes
-    assert "host_engines" not in one.reduce()
+    assert one.reduce()["host_engines"] == 1
     # payloads without usage (a worker's, an interval with no change) leave it alone
     one.aggregate(KVScopeStats(data={"lookup_tokens": 1}))
     assert one.data["host_used_bytes"] == 2_000 and "host_usage_by_engine" not in one.data
@@ -330,4 +334,6 @@ def test_aggregates_of_engines_merge_each_engines_latest_usage():
     first = KVScopeStats(data={"lookup_tokens": 1}).aggregate(KVScopeStats(data=_usage(100, 1_000, 0)))
     first.aggregate(KVScopeStats(data=_usage(200, 1_000, 1)))
     assert first.data["host_usage_by_engine"] == {"0": [100, 1_000], "1": [200, 1_000]}
-    msgspec.msgpack.decode(msgspec.msgpack.encode(a.data))  # still a payload vLLM can send
+    # what crosses from the engine process to the front end: the engine's index with its gauges
+    sent = msgspec.msgpack.decode(msgspec.msgpack.encode(_usage(100, 1_000, 2)))
+    assert (sent["host_engine"], sent["host_used_bytes"]) == (2, 100)
