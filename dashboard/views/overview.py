@@ -139,7 +139,7 @@ st.dataframe(
     },
 )
 
-left, right = st.columns(2)
+left, right = st.columns([3, 2])  # the latency table has six columns; the throughput chart fits in less
 with left:
     st.subheader("Load latency")
     st.altair_chart(charts.latency_distribution(traces.load_latency_distribution(spans, requests)), width="stretch")
