@@ -93,7 +93,8 @@ def as_text(summary: Summary) -> str:
         "requests with a hit)",
         f"load time       p50 {formatting.millis(n['load_p50_ms'])}, p95 {formatting.millis(n['load_p95_ms'])}, "
         f"p99 {formatting.millis(n['load_p99_ms'])} ({formatting.count(n['loads_timed'])} timed)",
-        f"host traffic    loaded {formatting.data_size(n['bytes_loaded'])}, stored {formatting.data_size(n['bytes_stored'])}",
+        f"host traffic    loaded {formatting.data_size(n['bytes_loaded'])}, "
+        f"stored {formatting.data_size(n['bytes_stored'])}",
     ]
     out += [f"warning: {text}" for text in _warnings(n)]
     for title, frame, columns in (
