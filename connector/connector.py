@@ -162,6 +162,9 @@ class KVScopeConnector(KVConnectorBase_V1, SupportsHMA):
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
         return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
+    def may_load_async(self, request) -> bool:
+        return self._scheduler.may_load_async(request)
+
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
         self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 

@@ -140,6 +140,23 @@ def past_kept_tokens(miss: Miss, kept_tokens: int) -> Miss:
     return Miss(by_reason[0][0] if by_reason else TAIL, tuple(by_reason), max(0, miss.tail_tokens - kept_tokens))
 
 
+def missed_tokens_by_reason(queried: int, hit: int, found: int, miss: Miss) -> list[tuple[str, int]]:
+    """How the ``queried - hit`` tokens vLLM counted as looked up and not served split by reason: what
+    vLLM did not take of the ``found`` hit (`NOT_TAKEN`), then ``miss``'s blocks past it, and `TAIL` the
+    rest. ``queried`` is vLLM's count when it schedules the request, which may differ from the lookup's
+    (not ``miss.tail_tokens``): each reason is capped by what is left, so they always add up."""
+    left = max(0, queried - hit)
+    not_taken = min(left, max(0, found - hit))
+    split = [(NOT_TAKEN, not_taken)]
+    left -= not_taken
+    for reason, tokens in miss.by_reason:
+        tokens = min(tokens, left)
+        split.append((reason, tokens))
+        left -= tokens
+    split.append((TAIL, left))
+    return split
+
+
 def _block_reason(ordered_layouts, absences, num_attention: int, proving, k: int, why_absent: WhyAbsent) -> str:
     """Why offloaded block ``k`` was not served: the reason of the first group lacking it (``absences``,
     one per group; a Mamba state never stored where attention groups held the block: `NO_STATE`), but

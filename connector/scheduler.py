@@ -18,7 +18,8 @@ from .host_store import HostIndex
 from .load_admission import Deferral, LoadAdmission
 from .lookup import find_hit_tokens
 from .metadata import LOAD, STORE, GroupTransfer, KVScopeMetadata, KVScopeWorkerMetadata, TransferJob
-from .miss_reasons import NOT_TAKEN, TAIL, Miss, barred_from_hit, lookup_miss, miss_order, past_kept_tokens
+from .miss_reasons import (NOT_TAKEN, Miss, barred_from_hit, lookup_miss, miss_order, missed_tokens_by_reason,
+                           past_kept_tokens)
 from .offload_keys import OffloadKeys
 from .piecewise_stores import Filling, PiecewiseStores
 from .planning import NULL_BLOCK_ID, GroupScan, scan_group
@@ -50,6 +51,23 @@ def _window_admission_caps(kv_cache_manager, layouts: list[GroupLayout]) -> dict
             if type(cap) is int and cap > 0:
                 caps[layout.index] = cap
     return caps
+
+
+def _takes_no_external_kv(request) -> bool:
+    """Whether vLLM takes none of a connector's hit for the request, whatever it is (prompt logprobs):
+    kvscope then defers nothing for it. 0.34's `skip_reading_external_kv`, 0.32's and 0.33's
+    `skip_reading_prefix_cache`."""
+    skips = getattr(request, "skip_reading_external_kv", None)
+    return bool(getattr(request, "skip_reading_prefix_cache", False) if skips is None else skips)
+
+
+def _barred_after_failed_load(state: _RequestState, request) -> bool:
+    """Whether a request whose load failed must still recompute rather than load. It may load again once
+    preempted (vLLM dropped the failed load's reserve with its blocks), or at a streaming session's next
+    turn (its prefill, recomputed, finished: vLLM dropped the reserve then; a retry right after the
+    failure starts from 0 tokens)."""
+    return not (getattr(request, "num_preemptions", 0) > state.load_failed_preemptions
+                or request.num_computed_tokens > 0)
 
 
 def _deferral_values(deferral: Deferral, wait_end_ns: int) -> tuple[int, int]:
@@ -191,12 +209,7 @@ class KVScopeScheduler:
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         start = time.time_ns()
         state = self._requests.get(request.request_id)
-        if state is not None and state.load_failed and (
-                getattr(request, "num_preemptions", 0) > state.load_failed_preemptions
-                or request.num_computed_tokens > 0):
-            # Preempted since (vLLM dropped the failed load's reserve with its blocks), or a streaming
-            # session's next turn (its prefill, recomputed, finished: vLLM dropped the reserve then; a
-            # retry right after the failure starts from 0 tokens): it may load again
+        if state is not None and state.load_failed and not _barred_after_failed_load(state, request):
             state.load_failed = False
         if state is not None and state.load_failed:
             # Recompute, do not load again: vLLM (0.32 to 0.34) keeps the in-flight reserve of a request
@@ -223,10 +236,28 @@ class KVScopeScheduler:
         # before vLLM's mamba preprocessing, which a synchronous load would miss.
         return external, external > 0
 
+    def may_load_async(self, request) -> bool:
+        """Whether the request's lookup may find a load (vLLM 0.34's `--max-num-inflight-kv-loads`: such
+        a request may start its load while the running batch is full). Asked as the request enters a
+        waiting queue, of the host tier and vLLM's device prefix cache as they stand then: a hit gone by
+        the lookup is a false positive, which holds back the loads queued behind it until a running slot
+        frees; a hit stored since is a false negative, which loads once a slot frees, as without the option."""
+        if _takes_no_external_kv(request):
+            return False
+        state = self._requests.get(request.request_id)
+        if state is not None and state.load_failed and _barred_after_failed_load(state, request):
+            return False
+        manager = self._kv_cache_manager()
+        probe = getattr(manager, "get_num_cached_tokens", None)  # (vLLM 0.34, which alone asks this)
+        local = probe(request) if probe is not None else 0
+        # (a host hit is whole offload blocks: one past this bound is past vLLM's block-aligned local hit too)
+        local -= local % self.block_size
+        return self._hit_tokens(request, local, self._offload_hashes(request)) > 0
+
     def _load_may_start(self, request, lookup_start_ns: int, load_tokens: int) -> bool:
         """Whether the request's load may start beside the loads vLLM has not yet run (`load_admission`)."""
         admission = self.admission
-        if not admission.waiting_loads:
+        if not admission.waiting_loads or _takes_no_external_kv(request):  # (vLLM would load nothing for it)
             return True
         manager = self._kv_cache_manager()
         usable = manager.block_pool.num_gpu_blocks - 1  # less the null block
@@ -876,7 +907,10 @@ class KVScopeScheduler:
             if state.request.num_computed_tokens > 0:
                 state.stores_stopped = True
         self.index.clear()
-        self._update_capacity_stats()  # the reset's own stats carry the emptied tier (out with the next step)
+        try:  # the reset's own stats carry the emptied tier (out with the next step)
+            self._update_capacity_stats()
+        except Exception:  # the tier is reset: vLLM must hear so (`telemetry_failed`)
+            telemetry_failed("the host tier's stats after a reset")
         return True
 
     def take_events(self) -> list | tuple:
@@ -901,19 +935,8 @@ class KVScopeScheduler:
         record_missed = self._stats.record_missed
         for queried, hit, lookup in lookups:
             self._stats.record_lookup(queried, hit)
-            # What was not served, by reason: what vLLM did not take of the hit found, then the blocks
-            # past the hit; the tail takes the rest (not `miss.tail_tokens`: queried is counted now, when
-            # vLLM schedules the request, and may differ from the lookup's), so the reasons always add up
-            # to queried - hit.
-            left = max(0, queried - hit)
-            not_taken = min(left, max(0, lookup.external_tokens - hit))
-            record_missed(NOT_TAKEN, not_taken)
-            left -= not_taken
-            for reason, tokens in lookup.miss.by_reason:
-                tokens = min(tokens, left)
+            for reason, tokens in missed_tokens_by_reason(queried, hit, lookup.external_tokens, lookup.miss):
                 record_missed(reason, tokens)
-                left -= tokens
-            record_missed(TAIL, left)
         for layout, log in zip(self.layouts, scan_logs):
             if log:
                 self._stats.record_scans(layout.index, layout.kind.value, sum(entry[1] for entry in log),

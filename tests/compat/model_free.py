@@ -188,7 +188,7 @@ class ModelFreeEngine:
         args = EngineArgs(
             model=model_path, skip_tokenizer_init=True, enable_prefix_caching=True, block_size=BLOCK,
             max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens,
-            enable_chunked_prefill=True, max_num_seqs=16, tensor_parallel_size=workers,
+            enable_chunked_prefill=True, tensor_parallel_size=workers,
             kv_transfer_config=KVTransferConfig(kv_connector="KVScopeConnector", kv_connector_module_path="connector",
                                                 kv_role="kv_both", kv_connector_extra_config=extra_config),
             # vLLM's KV cache events (its device blocks', kvscope's host tier's): `published_events`
@@ -196,7 +196,8 @@ class ModelFreeEngine:
             # vLLM schedules `spec_tokens` drafts per decode step; the drafter here is `propose_drafts`
             speculative_config={"method": "ngram", "num_speculative_tokens": spec_tokens,
                                 "prompt_lookup_max": 2, "prompt_lookup_min": 1} if spec_tokens else None,
-            **(engine_args or {}),  # more of vLLM's engine arguments, as `vllm serve` flags give them
+            # more of vLLM's engine arguments, as `vllm serve` flags give them
+            **{"max_num_seqs": 16, **(engine_args or {})},
         )
         self.vllm_config = create_engine_config(args)
         for name, value in (parallel_overrides or {}).items():  # a launcher this machine cannot start

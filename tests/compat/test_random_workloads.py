@@ -219,6 +219,22 @@ def test_the_tight_sparse_profile_defers_loads_with_vllms_default_retention_and_
     assert result.deferred_loads > 0 and result.aborts > 0 and result.checked_loaded_blocks > 0
 
 
+# "inflight-loads": vLLM 0.34's `--max-num-inflight-kv-loads` with a running batch of a few requests; each seed
+# plans a load while the batch is full (kvscope's `may_load_async`)
+INFLIGHT_SEEDS = [19, 30, 73]
+
+
+@pytest.mark.parametrize("seed", [pytest.param(seed, id=f"seed{seed}") for seed in INFLIGHT_SEEDS])
+def test_the_inflight_loads_profile_starts_loads_beside_a_full_batch_and_reads_what_it_wrote(seed):
+    plan = make_plan(seed, "inflight-loads")
+    assert plan["config"]["engine_args"]["max_num_inflight_kv_loads"] >= 1
+    if reason := missing_feature(plan):
+        pytest.skip(reason)
+    result = execute(plan)
+    assert result.verdict == "ok", (result.violations[:6], result.unfinished[:6], result.leaks[:6])
+    assert result.loads_beside_full_batch > 0 and result.checked_loaded_blocks > 0
+
+
 def test_a_tight_seed_that_aborts_a_request_while_its_load_is_deferred_observes_its_wait():
     """Seed 54 aborts a request at a pause while kvscope defers its load: its wait is observed as every
     other deferred load's (`telemetry_mismatches`: as many waits as deferred loads; found failing with

@@ -399,6 +399,81 @@ def test_one_async_load_in_flight_avoids_both_known_stalls(model_path, monkeypat
         assert engine.stats.external_hit_tokens > 0 and not engine.stats.failed_recving
 
 
+def _load_beside_a_full_batch(model_path, may_load_async: bool | None = None) -> tuple[int, list, ModelFreeEngine]:
+    """Round 0 stores a 448-token prompt; two requests then fill the running batch (`max_num_seqs` 2)
+    with 24 decode steps each; C, that prompt and more, arrives. vLLM 0.34 with
+    `--max-num-inflight-kv-loads 1`. Returns the step C's load was planned at (0 for none), the
+    running requests then, and the engine, run to its end. `may_load_async`: kvscope's answer replaced."""
+    engine = ModelFreeEngine(model_path, {"cpu_bytes": 64 << 20, "block_size": 64}, window=WINDOW, num_blocks=400,
+                             max_num_batched_tokens=512,
+                             engine_args={"max_num_seqs": 2, "max_num_inflight_kv_loads": 1})
+    if may_load_async is not None:
+        engine.scheduler.connector.may_load_async = lambda request: may_load_async
+    shared = [(31 * i + 3) % 509 + 1 for i in range(448)]
+    store_round(engine, [shared + [7, 8, 9]])
+    for j in range(2):
+        engine.add(f"busy-{j}", [(13 * i + 7 * j + 2) % 509 + 1 for i in range(90)], 24)
+    engine.run(pause_after=3)
+    assert len(engine.scheduler.running) == 2
+    engine.add("C", shared + [(11 * i + 5) % 509 + 1 for i in range(40)], 2)
+    planned: list = []
+
+    def note_load(out) -> None:
+        if not planned and any(job.req_id == "C" for job in out.kv_connector_metadata.loads):
+            planned.extend([engine.stats.steps, sorted(r.request_id for r in engine.scheduler.running)])
+
+    engine.run(max_steps=300, on_scheduled=note_load)
+    return (planned or [0, []])[0], (planned or [0, []])[1], engine
+
+
+@_INFLIGHT_KV_LOADS
+def test_a_host_tier_load_starts_while_the_running_batch_is_full(model_path):
+    """vLLM 0.34 starts an async load beside a full running batch for a request its connector says
+    `may_load_async`: kvscope says so where the host tier holds more of the prompt than the device's
+    prefix cache. C's load starts while both busy requests run (it waited for one to finish with the
+    answer left at vLLM's default); the forward reads what it loaded, and the tier served C alike."""
+    step, running, engine = _load_beside_a_full_batch(model_path)
+    assert running == ["busy-0", "busy-1"], (step, running)
+    assert engine.host_tier_leaks() == []
+    _assert_no_violations(engine.stats)
+    hits = engine.stats.external_hit_tokens
+    assert hits == 448, hits  # C's shared prompt, 7 offload blocks (round 0 and the busy ones load nothing)
+
+    default_step, default_running, default = _load_beside_a_full_batch(model_path, may_load_async=False)
+    assert default_step > step and len(default_running) < 2, (default_step, default_running)
+    _assert_no_violations(default.stats)
+    assert default.stats.external_hit_tokens == hits
+    for each in (engine, default):
+        each.shutdown()
+
+
+@_INFLIGHT_KV_LOADS
+def test_may_load_async_says_no_where_nothing_would_load(model_path):
+    """No async slot for a request the tier cannot serve past the device's prefix cache: a prompt
+    never stored, one the device cache holds as far as the tier does, one asking for prompt
+    logprobs (vLLM then reads no cache)."""
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    engine = ModelFreeEngine(model_path, {"cpu_bytes": 64 << 20, "block_size": 64}, window=WINDOW, num_blocks=400,
+                             max_num_batched_tokens=512, engine_args={"max_num_inflight_kv_loads": 1})
+    shared = [(31 * i + 3) % 509 + 1 for i in range(448)]
+    store_round(engine, [shared + [7, 8, 9]])
+    connector = engine.scheduler.connector
+
+    def request(req_id, prompt, **params):
+        return Request(req_id, prompt, SamplingParams(max_tokens=2, **params), None,
+                       block_hasher=engine._block_hasher)
+
+    assert connector.may_load_async(request("hit", shared + [1, 2]))
+    assert not connector.may_load_async(request("new", [(5 * i + 1) % 509 + 1 for i in range(448)]))
+    assert not connector.may_load_async(request("logprobs", shared + [1, 2], prompt_logprobs=1))
+    engine.add("again", shared + [7, 8, 9], 2)  # computed on the device again: its cache now holds it
+    engine.run()
+    assert not connector.may_load_async(request("device", shared + [1, 2]))
+    engine.shutdown()
+
+
 def test_known_vllm_gap_mamba_align_at_a_shared_prefix_junction_with_drafts():
     """vLLM (0.32, 0.33), align mode, hash blocks (16) finer than Mamba blocks (64), MTP drafts and
     `enable_mamba_shared_prefix_checkpoint`: Z's first chunk stops at a shared-prefix junction inside a

@@ -68,6 +68,9 @@ PROFILES = {
 # "tight" with "sparse-windows"' retention: vLLM's default in a small device cache (a Mamba plan is "tight"'s own:
 # its state retention is drawn apart)
 PROFILES["tight-sparse"] = {**PROFILES["tight"], "window_retentions": PROFILES["sparse-windows"]["window_retentions"]}
+# "tight-sparse" under vLLM 0.34's `--max-num-inflight-kv-loads` (drawn last), with a running batch of a few
+# requests: loads kvscope says `may_load_async` for start while the batch is full
+PROFILES["inflight-loads"] = {**PROFILES["tight-sparse"], "inflight_loads": (1, 1, 2, 4), "max_num_seqs": (2, 3, 4, 16)}
 
 
 # ----------------------------------------------------------------------------- plans (pure data)
@@ -134,6 +137,9 @@ def _config(r: random.Random, odds: dict) -> dict:
         config["mamba_decode_states"] = not odds.get("prefill_states", False)
     elif "window_retentions" in odds:
         config["window_retention"] = r.choice(odds["window_retentions"])
+    if "inflight_loads" in odds:
+        config["engine_args"] = {"max_num_inflight_kv_loads": r.choice(odds["inflight_loads"]),
+                                 "max_num_seqs": r.choice(odds["max_num_seqs"])}
     return config
 
 
@@ -217,7 +223,7 @@ def prompt_tokens(plan_seed: int, prompt: list) -> list[int]:
 
 def missing_feature(plan: dict) -> str | None:
     """Why the installed vLLM cannot replay `plan`, or None."""
-    from vllm.config import CacheConfig
+    from vllm.config import CacheConfig, SchedulerConfig
     from vllm.v1.worker.gpu.kv_connector import ActiveKVConnector
 
     if plan["config"]["runner"] == "v2-spec" and \
@@ -226,6 +232,9 @@ def missing_feature(plan: dict) -> str | None:
     if plan["config"].get("mamba", {}).get("shared_prefix_checkpoint") and \
             "enable_mamba_shared_prefix_checkpoint" not in CacheConfig.__dataclass_fields__:
         return "this vLLM has no enable_mamba_shared_prefix_checkpoint"
+    if "max_num_inflight_kv_loads" in plan["config"].get("engine_args", {}) and \
+            "max_num_inflight_kv_loads" not in SchedulerConfig.__dataclass_fields__:
+        return "this vLLM has no --max-num-inflight-kv-loads (0.34 on)"
     return None
 
 
@@ -257,6 +266,8 @@ class WorkloadResult:
     clobbered_stored: int = 0  # kvscope store jobs reading such a block (`model_free.LoopStats`)
     loads_after_stores: int = 0  # late copies: loads that waited for the stores in flight (`waits_for_stores`)
     deferred_loads: int = 0  # loads kvscope deferred for device KV room (`load_admission`)
+    # loads planned while the running batch was full (vLLM 0.34's `--max-num-inflight-kv-loads`, `may_load_async`)
+    loads_beside_full_batch: int = 0
 
     @property
     def failure(self) -> str | None:
@@ -367,6 +378,9 @@ class _Replay:
     def on_scheduled(self, out) -> None:
         """Aborts due at this scheduling: where a client's abort lands, before the workers see the step."""
         loading = {job.req_id for job in getattr(out.kv_connector_metadata, "loads", ())}
+        scheduler = self.engine.scheduler
+        if loading and len(scheduler.running) >= scheduler.scheduler_config.max_num_seqs:
+            self.result.loads_beside_full_batch += len(loading)
         for rid in set(out.num_scheduled_tokens) | loading:
             self.schedulings[rid] = self.schedulings.get(rid, 0) + 1
         due = [rid for rid, t in self.triggers.items() if rid not in self.aborted and (
@@ -451,7 +465,8 @@ def _engine(config: dict, trace_file: Path | None = None):
     engine = ModelFreeEngine(build_model("gemma3", window=window), extra, window=window,
                              num_blocks=config["num_blocks"], max_num_batched_tokens=config["max_num_batched_tokens"],
                              workers=config["workers"], async_scheduling=config["async_scheduling"],
-                             runner=config["runner"], kv_events=True, **options)
+                             runner=config["runner"], kv_events=True, engine_args=config.get("engine_args"),
+                             **options)
     engine.late_copies = []
     if "late" in config:
         fence = _cuda_store_fence(engine, engine.runner)  # "v1" is the CPU runner on vLLM 0.34

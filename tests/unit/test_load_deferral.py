@@ -68,6 +68,25 @@ def test_a_request_with_nothing_to_load_never_waits():
     assert tight.get_num_new_matched_tokens(miss, 0) == (0, False)
 
 
+def test_a_request_vllm_takes_no_hit_from_is_never_deferred():
+    """vLLM takes none of a connector's hit for a request asking for prompt logprobs (0.32's and 0.33's
+    `skip_reading_prefix_cache`, 0.34's `skip_reading_external_kv`): its lookup answers at once (the hit
+    counted as not taken) instead of waiting for loads it would not add to, or holding back the loads
+    behind it. A request of the same prompt without the flag still waits."""
+    for flag in ("skip_reading_prefix_cache", "skip_reading_external_kv"):
+        tight, _ = _tier_with_a_prefix()
+        _admit_with_load(tight, _state("first", 192).request, 128)
+        tight.take_stats()
+        logprobs = _state("logprobs", 192).request
+        setattr(logprobs, flag, True)
+        assert tight.get_num_new_matched_tokens(logprobs, 0) == (128, True), flag
+        assert _deferred_loads(tight) is None
+        ordinary = _state("ordinary", 192).request
+        setattr(ordinary, flag, False)
+        assert tight.get_num_new_matched_tokens(ordinary, 0) == (None, False), flag
+        assert _deferred_loads(tight) == 1
+
+
 def test_a_load_aborted_before_it_ran_makes_room():
     tight, _ = _tier_with_a_prefix()
     first = _state("first", 192).request

@@ -13,6 +13,7 @@ from connector.miss_reasons import (
     LOAD_FAILED,
     NEW,
     NO_STATE,
+    NOT_TAKEN,
     OTHER_BLOCKS,
     RESET,
     STORING,
@@ -21,6 +22,7 @@ from connector.miss_reasons import (
     barred_from_hit,
     lookup_miss,
     miss_order,
+    missed_tokens_by_reason,
     past_kept_tokens,
 )
 
@@ -222,3 +224,24 @@ def test_a_lookup_barred_from_its_hit_counts_that_hit_as_load_failed_before_its_
     miss = Miss(DROPPED, ((DROPPED, 64), (NEW, 64)), 64)
     assert barred_from_hit(miss, 128) == Miss(LOAD_FAILED, ((LOAD_FAILED, 128), (DROPPED, 64), (NEW, 64)), 64)
     assert barred_from_hit(miss, 0) is miss  # nothing held: the lookup's own reasons
+
+
+def test_missed_tokens_split_what_vllm_did_not_take_then_the_blocks_past_the_hit_then_the_tail():
+    miss = Miss(EVICTED, ((EVICTED, 128), (NEW, 64)), 30)
+    # found 256, vLLM took 192 (its device hit ended inside a block): 64 not taken, then the blocks, the tail
+    assert missed_tokens_by_reason(500, 192, 256, miss) == [(NOT_TAKEN, 64), (EVICTED, 128), (NEW, 64), (TAIL, 52)]
+    # vLLM's count smaller than the lookup's: the reasons are capped by what is left, in order
+    assert missed_tokens_by_reason(300, 192, 256, miss) == [(NOT_TAKEN, 64), (EVICTED, 44), (NEW, 0), (TAIL, 0)]
+    assert missed_tokens_by_reason(100, 100, 0, miss) == [(NOT_TAKEN, 0), (EVICTED, 0), (NEW, 0), (TAIL, 0)]
+
+
+@given(queried=st.integers(0, 5000), hit=st.integers(0, 5000), found=st.integers(0, 5000),
+       blocks=st.lists(st.tuples(st.sampled_from([NEW, EVICTED, DROPPED, STORING]), st.integers(0, 2000)),
+                       max_size=5))
+def test_missed_tokens_always_add_up_to_queried_less_hit_none_negative(queried, hit, found, blocks):
+    """`kvscope_missed_tokens_total` summed over reasons is `lookup_tokens - hit_tokens` (telemetry that
+    disagrees with itself is a bug), whatever vLLM counted against what the lookup saw."""
+    split = missed_tokens_by_reason(queried, hit, found, Miss(TAIL, tuple(blocks), 0))
+    assert sum(tokens for _, tokens in split) == max(0, queried - hit)
+    assert all(tokens >= 0 for _, tokens in split)
+    assert [reason for reason, _ in split] == [NOT_TAKEN] + [reason for reason, _ in blocks] + [TAIL]

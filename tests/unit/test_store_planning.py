@@ -1176,6 +1176,20 @@ def test_a_cache_reset_tells_vllm_it_succeeded():
     assert sched.reset_cache() is True
 
 
+def test_a_cache_reset_whose_stats_fail_still_resets_and_says_so(monkeypatch):
+    """A fault in the stats a reset updates (`telemetry_failed`) must not reach vLLM's reset, which has
+    emptied the tier by then: the reset still reports success, and nothing stored before it loads."""
+    sched, manager = _scheduler()
+    _stored(sched, (0, "h3"), (1, "h3"))
+
+    def failing_usage(*args):
+        raise RuntimeError("injected telemetry fault")
+
+    monkeypatch.setattr(sched._stats, "set_host_usage", failing_usage)
+    assert sched.reset_cache() is True
+    assert not sched.index.is_ready((0, "h3")) and not sched.index.is_ready((1, "h3"))
+
+
 def test_a_report_of_a_job_the_scheduler_does_not_know_is_ignored():
     sched, manager = _scheduler()
     job = _pending_store(sched, manager)
