@@ -57,7 +57,8 @@ except Exception as exc:  # the reader reports bad input as problems (file, line
     st.stop()
 with st.sidebar:
     for path in paths:
-        st.caption(f":material/description: {Path(path).name}", help=path)
+        shown = formatting.printable_path(path)  # a file name need not be UTF-8
+        st.caption(f":material/description: {Path(shown).name}", help=shown)
     for note in given.empty_folders:
         st.caption(f":material/folder_off: {note}")
     read = loaded.traces

@@ -6,6 +6,7 @@ pages call `current()` or `require_requests()`.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -40,10 +41,11 @@ class Loaded:
 
 
 @st.cache_data(max_entries=4, show_spinner="Reading trace files…")
-def _read(path_keys: tuple[tuple[str, int, int], ...], upload_keys: tuple[str, ...],
-          _uploads: tuple[traces.TraceSource, ...]) -> Loaded:
-    # path_keys and upload_keys are the cache key (path, mtime, size / upload id); _uploads is not hashed.
-    read = traces.read_trace_files([p for p, _, _ in path_keys] + list(_uploads))
+def _read(path_keys: tuple[tuple[bytes, int, int], ...], upload_keys: tuple[str, ...],
+          _paths: tuple[str, ...], _uploads: tuple[traces.TraceSource, ...]) -> Loaded:
+    # path_keys and upload_keys are the cache key (path as bytes: a file name need not be UTF-8, mtime, size /
+    # upload id); _paths and _uploads are not hashed.
+    read = traces.read_trace_files(list(_paths) + list(_uploads))
     return Loaded(traces=read, requests=traces.requests_table(read.spans, read.vllm_requests))
 
 
@@ -51,7 +53,8 @@ def load(paths: Sequence[str], uploads: Sequence, empty_folders: Sequence[str] =
     """Read `paths` and the uploaded files (Streamlit `UploadedFile`s), cached; `empty_folders`: what the folders
     given that held no trace file held (`sources.TracePaths`), for the pages to say."""
     upload_sources = tuple(traces.TraceSource(f"upload: {u.name}", u.getvalue()) for u in uploads)
-    loaded = _read(tuple(sources.file_key(p) for p in paths), tuple(u.file_id for u in uploads), upload_sources)
+    keys = tuple((os.fsencode(p), mtime, size) for p, mtime, size in map(sources.file_key, paths))
+    loaded = _read(keys, tuple(u.file_id for u in uploads), tuple(paths), upload_sources)
     st.session_state[_SESSION_KEY] = loaded
     st.session_state[_EMPTY_FOLDERS_KEY] = list(empty_folders)
     return loaded

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 
 MISSING = "–"
 
@@ -65,3 +66,9 @@ def names(values, limit: int = 5) -> str:
     values = [str(v) for v in values]
     more = f" and {len(values) - limit} more" if len(values) > limit else ""
     return ", ".join(values[:limit]) + more
+
+
+def printable_path(path: str) -> str:
+    """A path as text any terminal or page can show: the bytes of a name that are not UTF-8 as ``\\xff``
+    (as ``ls -b`` shows them), not the surrogates Python decodes them to."""
+    return os.fsencode(path).decode("utf-8", "backslashreplace")

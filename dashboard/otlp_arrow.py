@@ -25,6 +25,14 @@ except ImportError:  # pragma: no cover - pyarrow comes with streamlit
     pa = None
 
 KNOWN_KEYS = list(schema.ATTRIBUTE_COLUMNS)
+# Arrow's JSON parser and its kernels recurse per level of nesting: a line some thousand levels deep overflows the
+# C stack (a segfault, no exception). OTLP spans nest about a dozen levels; the line decoder takes the rest.
+MAX_NESTING = 64
+_NOT_STRUCTURAL = bytes(c for c in range(256) if c not in b'{}[]"\n')
+_STEP = np.zeros(256, dtype=np.int8)
+_STEP[[ord("{"), ord("[")]] = 1
+_STEP[[ord("}"), ord("]")]] = -1
+_QUOTE, _NEWLINE = ord('"'), ord("\n")
 
 
 class _Declined(Exception):
@@ -36,6 +44,8 @@ def decode(data: bytes, label: str, lines: list[bytes]) -> reader.DecodedSpans |
     if pa is None:
         return None
     if not _is_utf8(data):  # Arrow lets such bytes pass where it converts nothing; the line decoder skips the line
+        return None
+    if nesting_depth(data) > MAX_NESTING:
         return None
     line_numbers = np.array([i for i, raw in enumerate(lines, 1) if raw.strip()], dtype=np.int64)
     if not len(line_numbers):
@@ -51,6 +61,37 @@ def decode(data: bytes, label: str, lines: list[bytes]) -> reader.DecodedSpans |
         return _unnest(table, label, line_numbers)
     except (_Declined, pa.ArrowException, KeyError, TypeError, ValueError, IndexError):
         return None
+
+
+def nesting_depth(data: bytes) -> int:
+    """The deepest nesting of objects and arrays on any line, brackets inside strings left out: exact for
+    lines of JSON (a line that is not JSON fails Arrow's parse anyway)."""
+    if b"\\" in data:  # an escaped backslash, then an escaped quote (one inside its string) go first
+        data = data.replace(b"\\\\", b"").replace(b'\\"', b"")
+    kept = np.frombuffer(data.translate(None, _NOT_STRUCTURAL), dtype=np.uint8)  # brackets, quotes, newlines
+    quotes = kept == _QUOTE
+    in_string = np.cumsum(quotes, dtype=np.int32) & 1  # an odd count of quotes so far
+    step = _STEP[kept]
+    step[in_string.astype(bool)] = 0
+    depth = np.cumsum(step, dtype=np.int32)
+    ends = np.flatnonzero(kept == _NEWLINE)
+    if not (depth[ends].any() or in_string[ends].any()):
+        return int(depth.max(initial=0))  # every line ended where it began: one running count serves them all
+    return _per_line_depth(kept, quotes, ends)
+
+
+def _per_line_depth(kept: np.ndarray, quotes: np.ndarray, ends: np.ndarray) -> int:
+    """`nesting_depth` where some line is cut short or unbalanced: every count starts again at each line."""
+
+    def per_line(steps: np.ndarray) -> np.ndarray:
+        total = np.cumsum(steps, dtype=np.int32)
+        restart = np.zeros(len(total), dtype=np.int32)
+        restart[ends] = np.diff(total[ends], prepend=0)
+        return total - np.cumsum(restart, dtype=np.int32)
+
+    step = _STEP[kept]
+    step[(per_line(quotes) & 1).astype(bool)] = 0
+    return int(per_line(step).max(initial=0))
 
 
 def _is_utf8(data: bytes) -> bool:

@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dashboard.formatting import names
+from dashboard.formatting import names, printable_path
 
 ENV_VAR = "KVSCOPE_TRACE_FILES"
 # JSON lines (gzip too), and the Collector's zstd and protobuf files (`traces.collector_files`)
@@ -31,11 +31,15 @@ def trace_paths(argv: Sequence[str], environ: Mapping[str, str]) -> TracePaths:
     empty: list[str] = []
     for path in given:
         if os.path.isdir(path):
-            inside = sorted(Path(path).iterdir())
+            try:
+                inside = sorted(Path(path).iterdir())
+            except OSError as exc:
+                empty.append(f"The folder {printable_path(path)} cannot be read ({exc.strerror or exc}).")
+                continue
             found = [str(p) for p in inside if p.name.endswith(TRACE_SUFFIXES)]
             out += found
             if not found:
-                empty.append(_no_trace_files(path, [p.name for p in inside]))
+                empty.append(_no_trace_files(printable_path(path), [printable_path(p.name) for p in inside]))
         else:
             out.append(path)
     return TracePaths(out, empty)

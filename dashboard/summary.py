@@ -96,6 +96,7 @@ def as_text(summary: Summary) -> str:
         f"host traffic    loaded {formatting.data_size(n['bytes_loaded'])}, "
         f"stored {formatting.data_size(n['bytes_stored'])}",
     ]
+    out += [f"note: {text}" for text in summary.empty_folders]  # (folders given beside the files read)
     out += [f"warning: {text}" for text in _warnings(n)]
     for title, frame, columns in (
             ("by engine", summary.engines, _ENGINE_COLUMNS),
@@ -114,6 +115,7 @@ def as_json(summary: Summary) -> str:
         "files": summary.read.files,
         "problems": [{"file": p.file, "line": p.line, "reason": p.reason, "spans_skipped": p.spans}
                      for p in _problems(summary)],
+        "empty_folders": summary.empty_folders,
         "spans_read_twice": sum(p.spans or 0 for p in summary.read.problems if p.reason == traces.DUPLICATE_SPAN),
         "numbers": {key: _plain(value) for key, value in summary.numbers.items()},
         "by_engine": _records(summary.engines),

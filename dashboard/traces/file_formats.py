@@ -48,6 +48,15 @@ def as_json_lines(label: str, data: bytes) -> tuple[bytes | None, list[Problem]]
         if found:  # cut short: complete lines (or messages) only
             data = data if is_length_prefixed(data) else data[: data.rfind(b"\n") + 1]
             stopped_early = True
+    if data.startswith(b"\xef\xbb\xbf"):  # a UTF-8 BOM (Windows editors): before a document's "{" too
+        data = data[3:]
+    elif data.startswith((b"\xff\xfe", b"\xfe\xff")):  # UTF-16 with its BOM: Windows PowerShell 5's `>` writes it
+        try:
+            data = data.decode("utf-16").encode("utf-8")
+        except UnicodeDecodeError as exc:
+            return None, problems + [Problem(label, 0, f"UTF-16 text that does not decode ({exc.reason} at byte "
+                                                       f"{exc.start}); expected UTF-8", spans=None)]
+        problems.append(Problem(label, 0, "UTF-16 text, read as such (kvscope writes UTF-8)"))
     if is_length_prefixed(data):
         lines, found = messages_as_json_lines(label, data)
         return lines, problems + found

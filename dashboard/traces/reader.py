@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from dashboard.formatting import printable_path
 from dashboard.traces.file_formats import as_json_lines
 from dashboard.traces.json_numbers import json_integer
 from dashboard.traces.owners import CLOCK_TOLERANCE_NS, owner_keys, starts_before_owner
@@ -116,8 +117,9 @@ def read_trace_files(sources: Iterable[str | os.PathLike[str] | TraceSource]) ->
         if isinstance(source, TraceSource):
             label, data = source.name, source.data
         else:
-            label = os.fspath(source)
-            resolved = Path(label).resolve()
+            path = os.fspath(source)
+            label = printable_path(path)  # a file name need not be UTF-8: messages and pages show it escaped
+            resolved = Path(path).resolve()
             if resolved in first_label:
                 first, was_read = first_label[resolved]
                 problems.append(Problem(label, 0, f"the same file as {first}: "
@@ -125,7 +127,7 @@ def read_trace_files(sources: Iterable[str | os.PathLike[str] | TraceSource]) ->
                 continue
             first_label[resolved] = (label, False)
             try:
-                data = Path(label).read_bytes()
+                data = Path(path).read_bytes()
             except OSError as exc:
                 files.append(label)
                 problems.append(Problem(label, 0, f"cannot read file: {exc.strerror or exc}", spans=None))
@@ -142,7 +144,7 @@ def read_trace_files(sources: Iterable[str | os.PathLike[str] | TraceSource]) ->
             problems.append(Problem(label, 0, "empty file: it holds no lines"))
         frame, rejected = _validated_frame(decoded, label)
         frames.append(frame)
-        problems += decoded.problems + rejected
+        problems += decoded.problems + rejected + _early_times(frame, label)
         lines += decoded.lines
         other += decoded.other_spans
     spans, duplicates = _combine(frames)
@@ -150,6 +152,20 @@ def read_trace_files(sources: Iterable[str | os.PathLike[str] | TraceSource]) ->
     problems = sorted(problems + duplicates, key=lambda p: (order.get(p.file, len(order)), p.line))
     return Traces(spans=spans, problems=problems, files=files, lines=lines, other_spans=other,
                   vllm_requests=combine_vllm_requests(vllm_frames), vllm_spans_read=sum(map(len, vllm_frames)))
+
+
+# 2000-01-01 in ns since the epoch: span times before it are no clock's now, but a clock set wrong or times in
+# another unit (µs, s)
+PLAUSIBLE_SINCE_NS = 946_684_800 * 10**9
+
+
+def _early_times(frame: pd.DataFrame, label: str) -> list[Problem]:
+    """A note where spans start before 2000: read all the same, but they stretch every time axis."""
+    early = int((frame["start_ns"] < PLAUSIBLE_SINCE_NS).sum()) if len(frame) else 0
+    if not early:
+        return []
+    return [Problem(label, 0, f"{early} span(s) start before 2000-01-01: a clock set wrong, or times not in "
+                              "nanoseconds since the epoch (microseconds? seconds?); read all the same")]
 
 
 def decode_spans(label: str, data: bytes) -> DecodedSpans:
@@ -200,8 +216,10 @@ def decode_lines(label: str, lines: Sequence[bytes]) -> DecodedSpans:
                 problems.append(Problem(label, lineno, INCOMPLETE_LAST_LINE, spans=None))
             elif isinstance(exc, json.JSONDecodeError):
                 problems.append(Problem(label, lineno, f"not JSON: {exc.msg} (column {exc.colno})", spans=None))
-            else:  # UnicodeDecodeError
+            elif isinstance(exc, UnicodeDecodeError):
                 problems.append(Problem(label, lineno, f"not UTF-8 text: {_short(exc)}", spans=None))
+            else:  # e.g. an integer of more than 4300 digits
+                problems.append(Problem(label, lineno, f"not JSON that can be read: {_short(exc)}", spans=None))
             continue
         except RecursionError:
             problems.append(Problem(label, lineno, "JSON nested too deeply to be an OTLP trace export", spans=None))
@@ -259,17 +277,28 @@ def _parse_export(resource_spans: list, label: str, lineno: int,
     rows: list[tuple] = []
     other = 0
     bad: Counter[str] = Counter()
+    lost: list[Problem] = []  # a resource or scope not in OTLP's shape: its spans (how many unknown), not the line's
     for i, rs in enumerate(_list_at(resource_spans, "resourceSpans")):
-        rs = _object_at(rs, f"resourceSpans[{i}]")
-        # "instrumentationLibrarySpans" is the pre-1.0 OTLP name some old Collectors still write.
-        legacy = not rs.get("scopeSpans") and "instrumentationLibrarySpans" in rs
-        field = "instrumentationLibrarySpans" if legacy else "scopeSpans"
-        inherited = _resource_attributes(rs)
-        for j, ss in enumerate(_list_at(rs.get(field), f"resourceSpans[{i}].{field}")):
+        try:
+            rs = _object_at(rs, f"resourceSpans[{i}]")
+            # "instrumentationLibrarySpans" is the pre-1.0 OTLP name some old Collectors still write.
+            legacy = not rs.get("scopeSpans") and "instrumentationLibrarySpans" in rs
+            field = "instrumentationLibrarySpans" if legacy else "scopeSpans"
+            inherited = _resource_attributes(rs)
+            scopes = list(enumerate(_list_at(rs.get(field), f"resourceSpans[{i}].{field}")))
+        except (AttributeError, TypeError, KeyError, ValueError) as exc:
+            lost.append(Problem(label, lineno, f"not an OTLP trace export: {_short(exc)}", spans=None))
+            continue
+        for j, ss in scopes:
             where = f"resourceSpans[{i}].{field}[{j}]"
-            ss = _object_at(ss, where)
-            scope = _object_at(ss.get("scope") or ss.get("instrumentationLibrary"), f"{where}.scope", optional=True)
-            spans = _list_at(ss.get("spans"), f"{where}.spans")
+            try:
+                ss = _object_at(ss, where)
+                scope = _object_at(ss.get("scope") or ss.get("instrumentationLibrary"), f"{where}.scope",
+                                   optional=True)
+                spans = _list_at(ss.get("spans"), f"{where}.spans")
+            except (AttributeError, TypeError, KeyError, ValueError) as exc:
+                lost.append(Problem(label, lineno, f"not an OTLP trace export: {_short(exc)}", spans=None))
+                continue
             if scope.get("name") == SCOPE_NAME and not supported_version(scope.get("version")):
                 n = sum(1 for s in spans if _is_kvscope(s))
                 other += len(spans) - n
@@ -295,7 +324,9 @@ def _parse_export(resource_spans: list, label: str, lineno: int,
                             raise _Malformed("an attribute has no key")
                         value = _object_at(a.get("value"), f"the value of attribute {a['key']!r}", optional=True)
                         # {"intValue": "128"}: the one entry; unset: OTLP/JSON writes {} or null, or leaves it out
-                        attrs[a["key"]] = _one_value(value, a["key"])
+                        if not isinstance(a["key"], str):
+                            raise _Malformed(f"an attribute key is {_json_type(a['key'])}, expected a string")
+                        attrs[a["key"]] = without_nulls(_one_value(value, a["key"]))
                     for key, value in inherited:
                         if key not in attrs:
                             attrs[key] = _one_value(_object_at(value, f"the value of resource attribute {key!r}",
@@ -316,7 +347,9 @@ def _parse_export(resource_spans: list, label: str, lineno: int,
                     bad[f"{name} span without {exc.args[0]}"] += 1
                 except (AttributeError, TypeError, ValueError, OverflowError) as exc:
                     bad[f"malformed {name} span: {_short(exc)}"] += 1
-    problems = [Problem(label, lineno, reason, n) for reason, n in bad.items()]
+                except RecursionError:
+                    bad[f"malformed {name} span: an attribute value nested too deeply"] += 1
+    problems = lost + [Problem(label, lineno, reason, n) for reason, n in bad.items()]
     return rows, other, problems
 
 
@@ -471,7 +504,7 @@ def _columns_from_rows(rows: list[tuple], problems: list[Problem], other: int, l
             values[key] = out
             invalid[key] = np.zeros(n, dtype=bool)
     known = ATTRIBUTE_COLUMNS.keys()
-    extras = [{k: without_nulls(v) for k, v in a.items() if k not in known} or None for a in attrs_list]
+    extras = [{k: v for k, v in a.items() if k not in known} or None for a in attrs_list]  # without nulls already
     return DecodedSpans(
         trace_id=base[0],
         span_id=base[1],

@@ -432,7 +432,9 @@ def test_times_and_status_codes_as_json_numbers_load_as_protobuf_reads_them(tmp_
 def test_span_times_at_the_ends_of_int64_load(tmp_path, decoder):
     path = write(tmp_path, line(lookup("r1", span_id="11" * 8, start=1, end=(1 << 63) - 1)))
     read = traces.read_trace_files([path])
-    assert read.problems == [] and (read.spans["start_ns"][0], read.spans["end_ns"][0]) == (1, (1 << 63) - 1)
+    assert (read.spans["start_ns"][0], read.spans["end_ns"][0]) == (1, (1 << 63) - 1)
+    assert [(p.line, p.spans, p.reason.split(":")[0]) for p in read.problems] == [
+        (0, 0, "1 span(s) start before 2000-01-01")]  # read, and said
 
 
 @pytest.mark.parametrize("field", ["startTimeUnixNano", "endTimeUnixNano"])
@@ -1494,7 +1496,8 @@ def test_a_time_that_is_a_negative_or_boolean_json_value_skips_its_span(tmp_path
     spans = [bad]
     if not isinstance(start, bool):  # a good span beside it, with its times as JSON numbers too
         spans.append(lookup("r1", span_id="11" * 8))
-        spans[1]["startTimeUnixNano"], spans[1]["endTimeUnixNano"] = 500, 1000
+        spans[1]["startTimeUnixNano"] = 1_700_000_000_000_000_500
+        spans[1]["endTimeUnixNano"] = 1_700_000_000_000_001_000
     read = traces.read_trace_files([write(tmp_path, line(*spans))])
     assert list(read.spans["request_id"]) == (["r1"] if len(spans) == 2 else [])
     assert [(p.line, p.spans, p.reason) for p in read.problems] == [(1, 1, "malformed kvscope.lookup span: " + reason)]
