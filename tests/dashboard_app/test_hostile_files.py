@@ -23,13 +23,17 @@ GOOD_LINES = TWO_ROUNDS.read_bytes().splitlines()
 GOOD_SPANS = len(read_trace_files([TWO_ROUNDS]).spans)
 
 
-def _with_nested_attribute(levels: int) -> bytes:
-    """The fixture's first line with an attribute ``levels`` arrays deep added to its first span."""
+def _with_nested_attribute(levels: int, hidden: bool = False) -> bytes:
+    """The fixture's first line with an attribute ``levels`` arrays deep added to its first span; ``hidden``: after
+    a string of closing brackets, which a count of every bracket takes for the ends of that depth."""
     export = json.loads(GOOD_LINES[0])
     value: dict = {"intValue": "1"}
     for _ in range(levels):
         value = {"arrayValue": {"values": [value]}}
-    export["resourceSpans"][0]["scopeSpans"][0]["spans"][0]["attributes"].append({"key": "deep", "value": value})
+    attributes = export["resourceSpans"][0]["scopeSpans"][0]["spans"][0]["attributes"]
+    if hidden:
+        attributes.append({"key": "closing", "value": {"stringValue": "]" * 3 * levels}})
+    attributes.append({"key": "deep", "value": value})
     limit = sys.getrecursionlimit()
     sys.setrecursionlimit(max(limit, 10 * levels))
     try:
@@ -46,6 +50,7 @@ def _summary(*argv: str, env: dict | None = None) -> subprocess.CompletedProcess
 
 @pytest.mark.parametrize("deep_line", [
     pytest.param(lambda: _with_nested_attribute(1000), id="an attribute 1000 arrays deep"),
+    pytest.param(lambda: _with_nested_attribute(1000, hidden=True), id="the same after a string of 3000 ]"),
     pytest.param(lambda: b'{"a":' * 20000 + b"1" + b"}" * 20000, id="20000 nested objects"),
 ])
 def test_a_line_nested_past_a_parsers_stack_is_a_problem_not_a_crash(tmp_path, deep_line):
@@ -81,6 +86,21 @@ def test_the_nesting_scan_is_exact_for_json_lines_whatever_their_strings_hold(va
     assert otlp_arrow.nesting_depth(b"\n".join([line] * (copies + 1)) + b"\n") == depth
     cut = b'{"a":[[["x' + b"\n"  # unbalanced, and inside a string
     assert otlp_arrow.nesting_depth(cut + line + b"\n") == max(depth, 4)
+    # the quick count of every bracket: never shallower unless strings hold closing ones, exact without brackets
+    strings = "".join(_strings(value))
+    opening, closing = any(c in strings for c in "[{"), any(c in strings for c in "]}")
+    quick = otlp_arrow.bracket_depth(b"\n".join([line] * (copies + 1)) + b"\n")
+    assert quick >= depth or closing
+    assert quick == depth or opening or closing
+    assert otlp_arrow.bracket_depth(cut + line + b"\n") >= max(depth, 4) or closing
+
+
+def _strings(value) -> list[str]:
+    if isinstance(value, list):
+        return [text for item in value for text in _strings(item)]
+    if isinstance(value, dict):
+        return list(value) + [text for item in value.values() for text in _strings(item)]
+    return [value] if isinstance(value, str) else []
 
 
 def _depth(value) -> int:
