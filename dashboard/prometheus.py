@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from dataclasses import dataclass
 
 import pandas as pd
 import requests
+import urllib3
 
 HIT_RATE_QUERY = "sum(rate(kvscope_hit_tokens_total[{window}])) / sum(rate(kvscope_lookup_tokens_total[{window}]))"
 LOAD_QUANTILE_QUERY = (
@@ -19,6 +21,8 @@ LOAD_QUANTILE_QUERY = (
 QUANTILES = (0.5, 0.95, 0.99)
 RANGES_S = {"15 minutes": 900, "1 hour": 3600, "6 hours": 6 * 3600, "24 hours": 86400}
 MAX_POINTS = 240  # per series
+MAX_ANSWER_BYTES = 16 << 20  # an answer of one series of MAX_POINTS points is a few kB
+FETCH_BUDGET_S = 10.0  # the page's queries together: it waits no longer, however slowly a server answers
 
 
 class PrometheusError(Exception):
@@ -52,8 +56,9 @@ def fetch_live(base_url: str, range_s: float, now: float, *, timeout: float = 5.
         queries[f"p{round(q * 100)}"] = LOAD_QUANTILE_QUERY.format(q=q, window=window)
     start, end = now - range_s, now
     frames = {}
+    deadline = time.monotonic() + FETCH_BUDGET_S
     for name, query in queries.items():
-        result = query_range(base_url, query, start, end, step, timeout=timeout, session=session)
+        result = query_range(base_url, query, start, end, step, timeout=timeout, session=session, deadline=deadline)
         try:
             frames[name] = matrix_to_frame(result, name)
         except PrometheusError as exc:
@@ -63,15 +68,25 @@ def fetch_live(base_url: str, range_s: float, now: float, *, timeout: float = 5.
 
 
 def query_range(base_url: str, query: str, start: float, end: float, step: int, *, timeout: float = 5.0,
-                session: requests.Session | None = None) -> list[dict]:
-    """The `result` list of a range query (a matrix), or PrometheusError with a readable reason."""
+                session: requests.Session | None = None, deadline: float | None = None) -> list[dict]:
+    """The `result` list of a range query (a matrix), or PrometheusError with a readable reason. `timeout`
+    bounds each wait for the server, `deadline` (`time.monotonic()`; default: two timeouts from now) the whole
+    answer: a server sending it a byte at a time never times out a wait."""
     base = base_url.strip().rstrip("/")
-    if not base.startswith(("http://", "https://")):
+    if not base.lower().startswith(("http://", "https://")):
         raise PrometheusError(f"{base_url!r} is not an HTTP URL: enter one like http://localhost:9090")
+    if "?" in base or "#" in base:  # (a page of Prometheus' UI pasted in)
+        raise PrometheusError(f"{base_url!r} has a query or fragment: enter the server's base URL, like "
+                              "http://localhost:9090 (with its --web.route-prefix path, if it has one)")
     url = f"{base}/api/v1/query_range"
     params = {"query": query, "start": f"{start:.3f}", "end": f"{end:.3f}", "step": str(step)}
+    deadline = time.monotonic() + 2 * timeout if deadline is None else deadline
     try:
-        response = (session or requests).get(url, params=params, timeout=timeout)
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise requests.Timeout()
+        response = (session or requests).get(url, params=params, timeout=min(timeout, left), stream=True)
+        content = _read_capped(response, deadline)
     except (requests.exceptions.InvalidURL, ValueError) as exc:  # ValueError: urllib3's LocationParseError, idna's
         raise PrometheusError(
             f"{base!r} is not a valid URL ({_short(str(exc))}): enter one like http://localhost:9090") from exc
@@ -80,11 +95,13 @@ def query_range(base_url: str, query: str, start: float, end: float, step: int, 
             f"Could not reach Prometheus at {base}: {_reason(exc)}. Check the URL and that Prometheus is "
             "running and reachable from the machine that runs this dashboard."
         ) from exc
+    if content is None:
+        raise PrometheusError(f"{url} sent more than {MAX_ANSWER_BYTES >> 20} MB: is {base} a Prometheus server?")
     try:
-        body = response.json()
-    except ValueError:
+        body = json.loads(content)
+    except (ValueError, RecursionError):  # RecursionError: nested deeper than Python's parser goes
         body = None
-    if not isinstance(body, dict):
+    if not isinstance(body, dict) or body.get("status") not in ("success", "error"):  # (vLLM's {"detail": ...})
         raise PrometheusError(
             f"{url} answered HTTP {response.status_code} without a Prometheus API response: is {base} a "
             "Prometheus server (not vLLM's /metrics endpoint)?"
@@ -103,6 +120,31 @@ def query_range(base_url: str, query: str, start: float, end: float, step: int, 
         raise PrometheusError(f"Prometheus at {base} answered a matrix whose result is {_short(json.dumps(result))}, "
                               "not a list of series")
     return result or []
+
+
+def _read_capped(response, deadline: float) -> bytes | None:
+    """The answer's body, None past MAX_ANSWER_BYTES; requests.Timeout past ``deadline``. Read as it comes
+    (`read1`: what has arrived, up to 64 kB), so that the deadline is checked however slowly it comes."""
+    chunks, size = [], 0
+    try:
+        while chunk := response.raw.read1(1 << 16, decode_content=True):
+            size += len(chunk)
+            if size > MAX_ANSWER_BYTES:
+                return None
+            if time.monotonic() > deadline:
+                raise requests.Timeout()
+            chunks.append(chunk)
+    except requests.RequestException:  # (an OSError: not to be taken for one below)
+        raise
+    except urllib3.exceptions.ReadTimeoutError as exc:  # (as requests names urllib3's errors)
+        raise requests.Timeout(exc) from exc
+    except urllib3.exceptions.DecodeError as exc:
+        raise requests.exceptions.ContentDecodingError(exc) from exc
+    except (urllib3.exceptions.HTTPError, OSError) as exc:
+        raise requests.ConnectionError(exc) from exc
+    finally:
+        response.close()
+    return b"".join(chunks)
 
 
 def _reason(exc: requests.RequestException) -> str:

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import io
+import json
 import math
 import re
 import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -45,8 +50,10 @@ class _Answering:
     def __init__(self, body, status_code: int = 200):
         self.body, self.status_code = body, status_code
 
-    def get(self, url, params, timeout):
-        return SimpleNamespace(status_code=self.status_code, json=lambda: self.body)
+    def get(self, url, params, timeout, stream):
+        body = io.BytesIO(json.dumps(self.body).encode())
+        raw = SimpleNamespace(read1=lambda size, decode_content: body.read1(size))
+        return SimpleNamespace(status_code=self.status_code, raw=raw, close=lambda: None)
 
 
 def _matrix(values) -> dict:
@@ -228,3 +235,83 @@ def test_an_http_error_is_an_error_whatever_its_body_says():
     with pytest.raises(prometheus.PrometheusError, match=r"rejected the query \(HTTP 503"):
         prometheus.query_range("http://prometheus:9090", "up", 0, 60, 15,
                                session=_Answering(_matrix([[1, "0.5"]]), status_code=503))
+
+
+class _Misbehaving(BaseHTTPRequestHandler):
+    """Answers every GET as `how` says: "dribble" (a valid answer a byte every 0.2 s), "huge" (a valid answer of
+    200 kB), "deep" (JSON nested 100,000 deep), "vllm" (vLLM's own 404 for a path it lacks)."""
+
+    how = "dribble"
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server API
+        body = {"dribble": json.dumps(_matrix([[1, "0.5"]])).encode(),
+                "huge": json.dumps(_matrix([[i, "0.5"] for i in range(12_000)])).encode(),
+                "deep": b"[" * 100_000 + b"]" * 100_000,
+                "vllm": b'{"detail":"Not Found"}'}[self.how]
+        self.send_response(404 if self.how == "vllm" else 200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if self.how != "dribble":
+            self.wfile.write(body)
+            return
+        for byte in body:
+            try:
+                self.wfile.write(bytes([byte]))
+                self.wfile.flush()
+            except OSError:  # the client gave up
+                return
+            time.sleep(0.2)
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+@pytest.fixture
+def misbehaving():
+    """(base URL, the handler class whose `how` picks the misbehaviour)."""
+    handler = type("Handler", (_Misbehaving,), {})
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", handler
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_server_answering_a_byte_at_a_time_is_given_up_on_within_the_budget(misbehaving, monkeypatch):
+    """Each byte came well within the 5 s a wait may take: the four queries took minutes, the page with them."""
+    url, handler = misbehaving
+    monkeypatch.setattr(prometheus, "FETCH_BUDGET_S", 1.5)
+    started = time.monotonic()
+    with pytest.raises(prometheus.PrometheusError, match="no answer in time"):
+        prometheus.fetch_live(url, 900, now=1_700_000_000)
+    assert time.monotonic() - started < 4
+
+
+def test_an_answer_too_large_to_be_prometheus_is_refused_unread(misbehaving, monkeypatch):
+    url, handler = misbehaving
+    handler.how = "huge"
+    monkeypatch.setattr(prometheus, "MAX_ANSWER_BYTES", 100_000)
+    with pytest.raises(prometheus.PrometheusError, match=r"sent more than 0 MB: is http://127.0.0.1:\d+ a Prometheus"):
+        prometheus.query_range(url, "up", 0, 60, 15)
+    monkeypatch.setattr(prometheus, "MAX_ANSWER_BYTES", 16 << 20)
+    assert len(prometheus.query_range(url, "up", 0, 60, 15)[0]["values"]) == 12_000  # the same, under the cap
+
+
+@pytest.mark.parametrize("how", ["deep", "vllm"])
+def test_json_that_is_no_prometheus_answer_asks_whether_it_is_prometheus(misbehaving, how):
+    """vLLM's base URL answers {"detail": "Not Found"}: it was called a rejected query with no reason given; JSON
+    nested past Python's parser raised out of the page."""
+    url, handler = misbehaving
+    handler.how = how
+    with pytest.raises(prometheus.PrometheusError, match=r"without a Prometheus API response: is .* a Prometheus"):
+        prometheus.query_range(url, "up", 0, 60, 15)
+
+
+def test_a_prometheus_url_with_a_query_is_refused_and_an_upper_case_scheme_taken(fake_prometheus):
+    with pytest.raises(prometheus.PrometheusError, match="has a query or fragment: enter the server's base URL"):
+        prometheus.query_range(f"{fake_prometheus}/graph?g0.expr=up", "up", 0, 60, 15)
+    live = prometheus.fetch_live(fake_prometheus.replace("http://", "HTTP://"), 900, now=1_700_000_000)
+    assert live.hit_rate["value"].tolist() == [0.25, 0.5, 0.75]
