@@ -141,10 +141,16 @@ def _writable_file(key: str, value: Any) -> str:
     if value.strip().lower() in _SWITCH_WORDS:
         raise ConfigError(f"kv_connector_extra_config.{key}={value!r} is not accepted: it reads as a switch, not a "
                           f"file name (for no file, leave {key} out); expected {_ACCEPTED[key]}")
-    if value.endswith(("/", os.sep)):
+    if value != value.strip():  # " /tmp/t.jsonl" would be a folder " " in the working directory
+        raise ConfigError(f"kv_connector_extra_config.{key}={value!r} is not accepted: it starts or ends with "
+                          f"white space; expected {_ACCEPTED[key]}")
+    if value.endswith(("/", os.sep)) or os.path.basename(value) in (".", ".."):
         raise ConfigError(f"kv_connector_extra_config.{key}={value!r} is not accepted: it names a folder; "
                           f"expected {_ACCEPTED[key]}")
     path = os.path.expanduser(value)
+    if path.startswith("~"):  # ~user of no such user: it would be a folder "~user" in the working directory
+        raise ConfigError(f"kv_connector_extra_config.{key}={value!r} is not accepted: "
+                          f"{path.split(os.sep, 1)[0]} names no user's home here; expected {_ACCEPTED[key]}")
     existing = os.path.dirname(os.path.abspath(path))  # missing folders are made at the first write
     while not os.path.exists(existing):
         existing = os.path.dirname(existing)

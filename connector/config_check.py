@@ -68,9 +68,16 @@ class EngineShape:
         from vllm.config import ParallelConfig
 
         try:
-            return ParallelConfig(**fields)
+            parallel = ParallelConfig(**fields)
+            # what vLLM's engine start reads of it next (`nnodes_within_dp` raises; the multiprocessing
+            # executor asserts one replica's ranks split evenly over its nodes), before the model loads
+            nodes = parallel.nnodes_within_dp
+            if parallel.distributed_executor_backend == "mp" and parallel.world_size % nodes:
+                raise ValueError(f"world_size ({parallel.world_size}) must be divisible by the nodes one "
+                                 f"data-parallel replica spans ({nodes} of --nnodes {self.nnodes})")
         except (ValidationError, ValueError) as exc:
             raise ConfigError(f"vLLM refuses these parallel flags: {exc}") from None
+        return parallel
 
     def _data_parallel_size_local(self) -> int:
         if self.data_parallel_size_local is not None:
@@ -104,9 +111,10 @@ def check_transfer_config(text: str, engine: EngineShape = EngineShape(),
                                 available_memory_bytes())
     if crowded:
         result.warnings.append(crowded)
-    if config.metrics_port is not None and not _port_free(config.metrics_port):
-        result.warnings.append(f"metrics_port {config.metrics_port} is in use on this host now: an engine started "
-                               "here would be refused")
+    port_problem = None if config.metrics_port is None else _port_problem(config.metrics_port)
+    if port_problem:
+        why = "is in use on this host now" if port_problem == "in use" else f"cannot be bound here ({port_problem})"
+        result.warnings.append(f"metrics_port {config.metrics_port} {why}: an engine started here would be refused")
     environment = env if env is not None else os.environ
     # vLLM's own test, to the letter (0.32 to 0.34): it refuses any KV connector then
     if "expandable_segments:True" in environment.get("PYTORCH_CUDA_ALLOC_CONF", ""):
@@ -129,16 +137,18 @@ def check_transfer_config(text: str, engine: EngineShape = EngineShape(),
     return result
 
 
-def _port_free(port: int) -> bool:
+def _port_problem(port: int) -> str | None:
+    """Why this process cannot bind ``port`` now ("in use", "Permission denied" for a privileged port), or None."""
+    import errno
     import socket
 
     with socket.socket() as probe:  # as serve_metrics_port's server binds it (http.server reuses addresses)
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             probe.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
+        except OSError as exc:
+            return "in use" if exc.errno == errno.EADDRINUSE else (exc.strerror or str(exc))
+    return None
 
 
 def _otlp_export(env: Mapping[str, str], warnings: list[str]) -> str | None:

@@ -8,9 +8,10 @@ Header values are never quoted back: they often hold credentials.
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Mapping
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 OTLP_PROTOCOLS = ("grpc", "http/protobuf")
 # How a span under a sampled remote parent (an upstream `traceparent`, or the scheduler's carrier on a
@@ -33,6 +34,8 @@ _HOST_PORT = re.compile(r"(?:[A-Za-z0-9_](?:[A-Za-z0-9_.-]*[A-Za-z0-9_])?|\[[0-9
 _URL_SCHEMES = {"grpc": ("http", "https", "grpc"), "http/protobuf": ("http", "https")}
 # gRPC name-resolution targets the gRPC exporter hands to gRPC as they are (unix:///path, dns:///host:port)
 _GRPC_TARGET_SCHEMES = ("unix", "unix-abstract", "dns", "ipv4", "ipv6")
+# A header name the HTTP and gRPC exporters can send (an HTTP token)
+_HEADER_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")  # an HTTP token
 
 
 def _first_set(env: Mapping[str, str], *names: str) -> tuple[str, str | None]:
@@ -60,6 +63,16 @@ def check_otlp_env(env: Mapping[str, str]) -> None:
         _check_endpoint(name, endpoint, protocol)
     for name in ("OTEL_EXPORTER_OTLP_HEADERS", "OTEL_EXPORTER_OTLP_TRACES_HEADERS"):
         _check_headers(name, env.get(name))
+    for name in ("OTEL_EXPORTER_OTLP_TRACES_INSECURE", "OTEL_EXPORTER_OTLP_INSECURE"):
+        raw = env.get(name)  # kvscope takes TLS only for "false": "0", "no" or "flase" would send in plaintext
+        if raw and raw.strip().lower() not in ("true", "false"):
+            raise ValueError(f"{name}={raw!r} is not accepted: expected true (plaintext gRPC) or false (TLS)")
+    for kind in ("CERTIFICATE", "CLIENT_KEY", "CLIENT_CERTIFICATE"):
+        for name in (f"OTEL_EXPORTER_OTLP_TRACES_{kind}", f"OTEL_EXPORTER_OTLP_{kind}"):
+            path = env.get(name)  # the exporters read it themselves: a missing one is dropped (gRPC: with a
+            if path and not (os.path.isfile(path) and os.access(path, os.R_OK)):  # logged traceback)
+                raise ValueError(f"{name}={path!r} is not accepted: no readable file there; expected the path "
+                                 "of a PEM file")
 
 
 def _check_endpoint(name: str, endpoint: str, protocol: str) -> None:
@@ -101,10 +114,15 @@ def _check_endpoint(name: str, endpoint: str, protocol: str) -> None:
 
 def _check_headers(name: str, raw: str | None) -> None:
     for position, item in enumerate((raw or "").split(","), 1):
-        key, sep, _ = item.partition("=")
+        key, sep, value = item.partition("=")
         if item.strip() and not (sep and key.strip()):
             raise ValueError(f"{name}: its entry {position} is not key=value (the value is not shown: it may "
                              "be a credential); expected key=value pairs separated by commas, percent-encoded")
+        if item.strip() and (not _HEADER_NAME.fullmatch(unquote(key.strip())) or
+                             any(c in unquote(value.strip()) for c in "\r\n\0")):
+            raise ValueError(f"{name}: its entry {position} has a header name or value no HTTP or gRPC request "
+                             "can carry (the value is not shown: it may be a credential); expected a name of "
+                             "letters, digits and !#$%&'*+-.^_`|~, and a value without line breaks")
 
 
 def exporter_warnings(env: Mapping[str, str]) -> list[str]:

@@ -310,8 +310,11 @@ def _parse_kv_list(raw: str | None) -> dict[str, str]:
 
 
 def _headers(env: Mapping[str, str]) -> dict[str, str]:
-    headers = _parse_kv_list(env.get("OTEL_EXPORTER_OTLP_HEADERS"))
-    headers.update(_parse_kv_list(env.get("OTEL_EXPORTER_OTLP_TRACES_HEADERS")))
+    # Header names are case-insensitive, and gRPC refuses an upper-case metadata key ("Invalid metadata",
+    # every export): lower-cased, as the SDK's own parse_env_headers does
+    headers = {}
+    for name in ("OTEL_EXPORTER_OTLP_HEADERS", "OTEL_EXPORTER_OTLP_TRACES_HEADERS"):
+        headers.update({key.lower(): value for key, value in _parse_kv_list(env.get(name)).items()})
     return headers
 
 

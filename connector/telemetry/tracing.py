@@ -447,9 +447,10 @@ class KVScopeTracing:
 def export_mode(env: Mapping[str, str]) -> str:
     """Where spans are encoded and exported (``KVSCOPE_TRACE_EXPORT``): "process" or "thread";
     raises ``ValueError`` naming the accepted values."""
-    mode = (env.get(EXPORT_MODE_VARIABLE) or "process").strip().lower()
+    raw = env.get(EXPORT_MODE_VARIABLE)
+    mode = (raw or "process").strip().lower()
     if mode not in ("process", "thread"):
-        raise ValueError(f"{EXPORT_MODE_VARIABLE}={mode!r} is invalid: accepted are 'process' "
+        raise ValueError(f"{EXPORT_MODE_VARIABLE}={raw!r} is invalid: accepted are 'process' "
                          "(spans are encoded in a helper process, the default) and 'thread'")
     return mode
 

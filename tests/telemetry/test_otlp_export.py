@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
+from contextlib import contextmanager
 
 import pytest
 
@@ -140,21 +141,21 @@ def test_an_exporter_that_raises_while_shutting_down_never_stops_the_engines_shu
     assert Raising.calls == 1
 
 
-@pytest.mark.parametrize("form", ["grpc://127.0.0.1:{port}", "127.0.0.1:{port}", "unix://{socket}",
-                                  "UNIX://{socket}"])
-def test_a_load_reaches_a_grpc_collector_at_each_endpoint_form_the_exporter_takes(tmp_path, form):
-    """`grpc://host:4317` is vLLM's OpenTelemetry example's form (vLLM passes it to its engine
-    processes); a check once refused it, and gRPC targets, at start-up. gRPC reads a target's scheme in
-    any case."""
+@contextmanager
+def _grpc_collector(tmp_path):
+    """A real OTLP gRPC trace receiver on a TCP port and a unix socket: (port, socket, the names of the spans it
+    received, the metadata of each export)."""
     from concurrent import futures
 
     import grpc
     from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
     received: list[str] = []
+    metadata: list[dict] = []
 
     class Collector(trace_service_pb2_grpc.TraceServiceServicer):
         def Export(self, request, context):
+            metadata.append(dict(context.invocation_metadata()))
             received.extend(span.name for rs in request.resource_spans for ss in rs.scope_spans for span in ss.spans)
             return trace_service_pb2.ExportTraceServiceResponse()
 
@@ -164,9 +165,14 @@ def test_a_load_reaches_a_grpc_collector_at_each_endpoint_form_the_exporter_take
     port = server.add_insecure_port("127.0.0.1:0")
     server.add_insecure_port(f"unix://{socket}")
     server.start()
-    env = {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": form.format(port=port, socket=socket),
-           "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "grpc", EXPORT_MODE_VARIABLE: "thread"}
-    tracing = KVScopeTracing.from_config(None, 1.0, env=env)
+    try:
+        yield port, socket, received, metadata
+    finally:
+        server.stop(0)
+
+
+def _export_one_load(env: dict) -> None:
+    tracing = KVScopeTracing.from_config(None, 1.0, env={**env, EXPORT_MODE_VARIABLE: "thread"})
     try:
         sched = make_scheduler(tracing)
         request = make_request("r1", 200)
@@ -175,5 +181,26 @@ def test_a_load_reaches_a_grpc_collector_at_each_endpoint_form_the_exporter_take
         assert tracing.force_flush(10_000)
     finally:
         tracing.shutdown()
-        server.stop(0)
+
+
+@pytest.mark.parametrize("form", ["grpc://127.0.0.1:{port}", "127.0.0.1:{port}", "unix://{socket}",
+                                  "UNIX://{socket}"])
+def test_a_load_reaches_a_grpc_collector_at_each_endpoint_form_the_exporter_takes(tmp_path, form):
+    """`grpc://host:4317` is vLLM's OpenTelemetry example's form (vLLM passes it to its engine
+    processes); a check once refused it, and gRPC targets, at start-up. gRPC reads a target's scheme in
+    any case."""
+    with _grpc_collector(tmp_path) as (port, socket, received, _):
+        _export_one_load({"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": form.format(port=port, socket=socket),
+                          "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "grpc"})
     assert sorted(set(received)) == ["kvscope.group.scan", "kvscope.load", "kvscope.lookup"]
+
+
+def test_an_authorization_header_written_with_capitals_reaches_a_grpc_collector(tmp_path):
+    """gRPC refuses upper-case metadata keys ("Invalid metadata", every export failed) where `kvscope check`
+    said ok: header names are sent lower-cased, as the SDK's own parser does (HTTP's are case-insensitive)."""
+    with _grpc_collector(tmp_path) as (port, _, received, metadata):
+        _export_one_load({"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": f"http://127.0.0.1:{port}",
+                          "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "grpc",
+                          "OTEL_EXPORTER_OTLP_HEADERS": "Authorization=Bearer%20abc,X-Tenant=t1"})
+    assert sorted(set(received)) == ["kvscope.group.scan", "kvscope.load", "kvscope.lookup"]
+    assert {(m["authorization"], m["x-tenant"]) for m in metadata} == {("Bearer abc", "t1")}

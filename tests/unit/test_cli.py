@@ -215,6 +215,10 @@ def test_check_accepts_the_engines_kvscope_runs_on(capsys):
 @pytest.mark.parametrize("flags, said", [
     (["--distributed-executor-backend", "ray", "-tp", "2", "--nnodes", "2"], "nnodes > 1 can only be set when"),
     (["-dp", "2", "-dpl", "4"], "data_parallel_size_local (4) must be <= data_parallel_size (2)"),
+    # what vLLM's engine start reads next: the nodes a replica spans, and its ranks split evenly over them
+    (["-dp", "3", "--nnodes", "2"], "nnodes (2) must be divisible by"),
+    (["-tp", "3", "--nnodes", "2"], "world_size (3) must be divisible by the nodes one data-parallel replica spans"),
+    (["-tp", "2", "--nnodes", "4"], "world_size (2) must be divisible by the nodes one data-parallel replica spans"),
 ])
 def test_check_runs_vllms_own_validation_of_the_parallel_flags(flags, said, capsys):
     assert cli.main(["check", *flags, _transfer(cpu_bytes=1 << 20)]) == 2
@@ -422,6 +426,17 @@ def test_check_of_the_json_alone_is_for_an_engine_of_one_worker(monkeypatch):
     ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4317", "OTEL_TRACES_SAMPLER": "traceidratio",
       "OTEL_TRACES_SAMPLER_ARG": "-0.5"},
      "OTEL_TRACES_SAMPLER_ARG='-0.5' is not accepted for traceidratio: expected a number from 0 to 1"),
+    # the SDK takes anything but "true" for TLS where kvscope took all but "false" for plaintext (credentials too)
+    ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4317", "OTEL_EXPORTER_OTLP_INSECURE": "no"},
+     "OTEL_EXPORTER_OTLP_INSECURE='no' is not accepted: expected true (plaintext gRPC) or false (TLS)"),
+    # a missing certificate: the gRPC exporter logged a traceback and fell back to the default ones
+    ({"OTEL_EXPORTER_OTLP_ENDPOINT": "https://c:4317", "OTEL_EXPORTER_OTLP_CERTIFICATE": "/nonexistent.pem"},
+     "OTEL_EXPORTER_OTLP_CERTIFICATE='/nonexistent.pem' is not accepted: no readable file there"),
+    # header names no request can carry: every export failed
+    ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4317", "OTEL_EXPORTER_OTLP_HEADERS": "bad key=secret-token"},
+     "OTEL_EXPORTER_OTLP_HEADERS: its entry 1 has a header name or value no HTTP or gRPC request can carry"),
+    ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4317", "OTEL_EXPORTER_OTLP_TRACES_HEADERS": "a=1,k=secret-token%0D%0A"},
+     "OTEL_EXPORTER_OTLP_TRACES_HEADERS: its entry 2 has a header name or value no HTTP or gRPC request"),
 ])
 def test_otel_variables_kvscope_would_act_on_wrongly_are_refused_naming_them(monkeypatch, capsys, env, said):
     """A mistyped protocol sent HTTP to a gRPC port, an endpoint that is no URL lost every span at the
@@ -897,3 +912,28 @@ def test_the_replicas_on_each_node_are_derived_as_vllm_serve_derives_them():
                          (dict(tensor_parallel_size=2, data_parallel_size=4, nnodes=2), 2),
                          (dict(data_parallel_size=8, nnodes=2), 4), (dict(data_parallel_size=3), 3)):
         assert EngineShape(**shape).parallel_config().data_parallel_size_local == local, shape
+
+
+def test_a_metrics_port_that_cannot_be_bound_is_said_with_the_systems_reason(monkeypatch, capsys):
+    """(Faked: as root, which CI is, every port binds.) A privileged port was called "in use"."""
+    import errno
+    import socket
+
+    real_bind = socket.socket.bind
+
+    def bind(self, address):
+        if address[1] == 80:
+            raise PermissionError(errno.EACCES, "Permission denied")
+        return real_bind(self, address)
+
+    monkeypatch.setattr(socket.socket, "bind", bind)
+    assert cli.main(["check", _transfer(cpu_bytes=1 << 20, metrics_port=80)]) == 0
+    assert "metrics_port 80 cannot be bound here (Permission denied)" in capsys.readouterr().err
+
+
+def test_the_export_mode_error_shows_the_value_as_set():
+    from connector.telemetry.tracing import EXPORT_MODE_VARIABLE, export_mode
+
+    with pytest.raises(ValueError, match=r"KVSCOPE_TRACE_EXPORT=' Threads ' is invalid"):
+        export_mode({EXPORT_MODE_VARIABLE: " Threads "})
+    assert export_mode({EXPORT_MODE_VARIABLE: " Thread "}) == "thread"

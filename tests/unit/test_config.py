@@ -250,6 +250,20 @@ def test_bad_trace_file(value):
     _assert_names(_error({"cpu_bytes": 1, "trace_file": value}), "trace_file", value)
 
 
+@pytest.mark.parametrize("name, said", [
+    ("new.jsonl/.", "it names a folder"), ("newdir/..", "it names a folder"),
+    (" {dir}/t.jsonl", "it starts or ends with white space"), ("{dir}/t.jsonl\n", "it starts or ends with white space"),
+    ("~nosuchuser_kvscope/t.jsonl", "~nosuchuser_kvscope names no user's home here"),
+])
+def test_a_trace_file_that_would_lose_its_spans_or_land_elsewhere_is_refused(tmp_path, name, said):
+    """Accepted before: "x/." failed at the first write (every span lost), " /tmp/t.jsonl" wrote a folder " " in the
+    working directory, "~nosuchuser/t.jsonl" a folder "~nosuchuser"."""
+    value = name.format(dir=tmp_path) if "{dir}" in name else (name if name.startswith("~") else f"{tmp_path}/{name}")
+    message = _error({"cpu_bytes": 1, "trace_file": value})
+    _assert_names(message, "trace_file", value)
+    assert said in message, message
+
+
 def test_a_trace_file_that_cannot_be_written_stops_start_up(tmp_path):
     """A folder, or a path through a file: said at start-up, naming the key, not by a warning when
     the first spans are lost."""
