@@ -26,10 +26,11 @@ except ImportError:  # pragma: no cover - pyarrow comes with streamlit
 
 KNOWN_KEYS = list(schema.ATTRIBUTE_COLUMNS)
 # Arrow's JSON parser and its kernels recurse per level of nesting: a line some thousand levels deep overflows the
-# C stack (a segfault, no exception). OTLP spans nest about a dozen levels; the line decoder takes the rest.
+# C stack (a segfault, no exception). OTLP spans nest about a dozen levels; the line decoder takes the rest. The
+# depth is counted outside strings (`nesting_depth`): brackets inside them could hide a line's depth from a count of
+# every bracket, at any depth.
 MAX_NESTING = 64
 _NOT_STRUCTURAL = bytes(c for c in range(256) if c not in b'{}[]"\n')
-_NOT_BRACKET = bytes(c for c in range(256) if c not in b"{}[]\n")
 _STEP = np.zeros(256, dtype=np.int8)
 _STEP[[ord("{"), ord("[")]] = 1
 _STEP[[ord("}"), ord("]")]] = -1
@@ -46,7 +47,7 @@ def decode(data: bytes, label: str, lines: list[bytes]) -> reader.DecodedSpans |
         return None
     if not _is_utf8(data):  # Arrow lets such bytes pass where it converts nothing; the line decoder skips the line
         return None
-    if bracket_depth(data) > MAX_NESTING and nesting_depth(data) > MAX_NESTING:
+    if nesting_depth(data) > MAX_NESTING:
         return None
     line_numbers = np.array([i for i, raw in enumerate(lines, 1) if raw.strip()], dtype=np.int64)
     if not len(line_numbers):
@@ -57,35 +58,11 @@ def decode(data: bytes, label: str, lines: list[bytes]) -> reader.DecodedSpans |
             pa.BufferReader(data),
             read_options=pj.ReadOptions(block_size=max(1 << 20, longest + 64)),
         )
-        if table.num_rows != len(line_numbers) or _type_depth(table.schema) > MAX_NESTING:
-            return None  # (the types: a line whose strings hold closing brackets can hide its depth from the count)
+        if table.num_rows != len(line_numbers):
+            return None
         return _unnest(table, label, line_numbers)
     except (_Declined, pa.ArrowException, KeyError, TypeError, ValueError, IndexError):
         return None
-
-
-def bracket_depth(data: bytes) -> int:
-    """`nesting_depth` counting the brackets inside strings too, at a fifth of its cost: never shallower than
-    it for lines of JSON, unless their strings hold closing brackets (then Arrow's types tell, `_type_depth`)."""
-    kept = np.frombuffer(data.translate(None, _NOT_BRACKET), dtype=np.uint8)  # brackets and newlines
-    depth = np.cumsum(_STEP[kept], dtype=np.int32)
-    ends = np.flatnonzero(kept == _NEWLINE)
-    if not depth[ends].any():
-        return int(depth.max(initial=0))  # every line ended where it began: one running count serves them all
-    return _per_line_depth(kept, np.zeros(len(kept), dtype=bool), ends)
-
-
-def _type_depth(schema) -> int:
-    """How deep Arrow's parsed columns nest (structs and lists), counted without recursing."""
-    deepest, stack = 0, [(field.type, 1) for field in schema]
-    while stack:
-        kind, depth = stack.pop()
-        deepest = max(deepest, depth)
-        if pa.types.is_struct(kind):
-            stack += [(kind.field(i).type, depth + 1) for i in range(kind.num_fields)]
-        elif pa.types.is_list(kind) or pa.types.is_large_list(kind):
-            stack.append((kind.value_type, depth + 1))
-    return deepest
 
 
 def nesting_depth(data: bytes) -> int:

@@ -63,16 +63,35 @@ def check_otlp_env(env: Mapping[str, str]) -> None:
         _check_endpoint(name, endpoint, protocol)
     for name in ("OTEL_EXPORTER_OTLP_HEADERS", "OTEL_EXPORTER_OTLP_TRACES_HEADERS"):
         _check_headers(name, env.get(name))
-    for name in ("OTEL_EXPORTER_OTLP_TRACES_INSECURE", "OTEL_EXPORTER_OTLP_INSECURE"):
-        raw = env.get(name)  # kvscope takes TLS only for "false": "0", "no" or "flase" would send in plaintext
-        if raw and raw.strip().lower() not in ("true", "false"):
-            raise ValueError(f"{name}={raw!r} is not accepted: expected true (plaintext gRPC) or false (TLS)")
+    if _uses_tls(env, protocol, endpoint):
+        _check_tls_files(env, protocol)
+
+
+def _uses_tls(env: Mapping[str, str], protocol: str, endpoint: str | None) -> bool:
+    """Whether the exporter `sinks.build_otlp_exporter` builds speaks TLS: an https:// endpoint, or for gRPC
+    ``OTEL_EXPORTER_OTLP_[TRACES_]INSECURE=false`` (the HTTP exporter does not read it)."""
+    https = (endpoint or "").strip().lower().startswith("https://")
+    if protocol != "grpc":
+        return https
+    name, flag = _first_set(env, "OTEL_EXPORTER_OTLP_TRACES_INSECURE", "OTEL_EXPORTER_OTLP_INSECURE")
+    if flag is not None and flag.strip().lower() not in ("true", "false"):  # "0", "no", "flase": plaintext before
+        raise ValueError(f"{name}={flag!r} is not accepted: expected true (plaintext gRPC) or false (TLS)")
+    return https or (flag or "").strip().lower() == "false"
+
+
+def _check_tls_files(env: Mapping[str, str], protocol: str) -> None:
+    """The certificate and key files the exporter reads itself (the traces variable where set, else the general
+    one), where a missing one is dropped (gRPC: with a logged traceback, and the default certificates used).
+    gRPC reads each as a file; the HTTP exporter hands the certificate to requests, which takes a folder of them."""
     for kind in ("CERTIFICATE", "CLIENT_KEY", "CLIENT_CERTIFICATE"):
-        for name in (f"OTEL_EXPORTER_OTLP_TRACES_{kind}", f"OTEL_EXPORTER_OTLP_{kind}"):
-            path = env.get(name)  # the exporters read it themselves: a missing one is dropped (gRPC: with a
-            if path and not (os.path.isfile(path) and os.access(path, os.R_OK)):  # logged traceback)
-                raise ValueError(f"{name}={path!r} is not accepted: no readable file there; expected the path "
-                                 "of a PEM file")
+        name, path = _first_set(env, f"OTEL_EXPORTER_OTLP_TRACES_{kind}", f"OTEL_EXPORTER_OTLP_{kind}")
+        if path is None:
+            continue
+        folder_too = protocol != "grpc" and kind == "CERTIFICATE"
+        if not (os.access(path, os.R_OK) and (os.path.isfile(path) or folder_too and os.path.isdir(path))):
+            what = "file or folder" if folder_too else "file"
+            raise ValueError(f"{name}={path!r} is not accepted: no readable {what} there; expected the path of a "
+                             "PEM file")
 
 
 def _check_endpoint(name: str, endpoint: str, protocol: str) -> None:

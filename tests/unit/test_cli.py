@@ -937,3 +937,27 @@ def test_the_export_mode_error_shows_the_value_as_set():
     with pytest.raises(ValueError, match=r"KVSCOPE_TRACE_EXPORT=' Threads ' is invalid"):
         export_mode({EXPORT_MODE_VARIABLE: " Threads "})
     assert export_mode({EXPORT_MODE_VARIABLE: " Thread "}) == "thread"
+
+
+def test_tls_settings_the_exporter_reads_are_checked_and_no_others(tmp_path):
+    """What the exporter kvscope builds would read: INSECURE for gRPC only (the HTTP exporter never reads it), the
+    traces certificate where set (the general one then unread), certificates only where TLS is spoken, and a
+    folder of CA certificates for HTTP (requests takes one, gRPC reads a file)."""
+    from connector.telemetry.otel_env import check_otlp_env
+
+    pem = tmp_path / "ca.pem"
+    pem.write_text("-----BEGIN CERTIFICATE-----\n")
+    http = {"OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf", "OTEL_EXPORTER_OTLP_ENDPOINT": "https://c:4318"}
+    grpc = {"OTEL_EXPORTER_OTLP_PROTOCOL": "grpc", "OTEL_EXPORTER_OTLP_ENDPOINT": "https://c:4317"}
+    check_otlp_env({**http, "OTEL_EXPORTER_OTLP_INSECURE": "1"})
+    check_otlp_env({**http, "OTEL_EXPORTER_OTLP_CERTIFICATE": str(tmp_path)})
+    check_otlp_env({**grpc, "OTEL_EXPORTER_OTLP_TRACES_CERTIFICATE": str(pem),
+                    "OTEL_EXPORTER_OTLP_CERTIFICATE": "/old/stale.pem"})
+    check_otlp_env({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4317", "OTEL_EXPORTER_OTLP_CERTIFICATE": "/none.pem"})
+    with pytest.raises(ValueError, match="OTEL_EXPORTER_OTLP_CERTIFICATE=.* no readable file there"):
+        check_otlp_env({**grpc, "OTEL_EXPORTER_OTLP_CERTIFICATE": str(tmp_path)})
+    with pytest.raises(ValueError, match="OTEL_EXPORTER_OTLP_TRACES_CLIENT_KEY='/none.key' .* no readable file"):
+        check_otlp_env({**http, "OTEL_EXPORTER_OTLP_TRACES_CLIENT_KEY": "/none.key"})
+    with pytest.raises(ValueError, match="OTEL_EXPORTER_OTLP_TRACES_INSECURE='flase' is not accepted"):
+        check_otlp_env({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4317", "OTEL_EXPORTER_OTLP_TRACES_INSECURE": "flase",
+                        "OTEL_EXPORTER_OTLP_INSECURE": "true"})
