@@ -266,7 +266,8 @@ class WorkloadResult:
     clobbered_stored: int = 0  # kvscope store jobs reading such a block (`model_free.LoopStats`)
     loads_after_stores: int = 0  # late copies: loads that waited for the stores in flight (`waits_for_stores`)
     deferred_loads: int = 0  # loads kvscope deferred for device KV room (`load_admission`)
-    # loads planned while the running batch was full (vLLM 0.34's `--max-num-inflight-kv-loads`, `may_load_async`)
+    # loads planned in a step that began with the running batch full (vLLM 0.34's `--max-num-inflight-kv-loads`,
+    # `may_load_async`)
     loads_beside_full_batch: int = 0
 
     @property
@@ -322,6 +323,17 @@ class _Replay:
         self.aborted: set[str] = set()
         self.schedulings: dict[str, int] = {}
         self.triggers: dict[str, dict] = {}  # req id -> its `abort_on_schedule` entry
+        # the requests running as the step's scheduling began: a load planned while they fill the batch started
+        # beside it (`loads_beside_full_batch`), not in a slot that was free
+        self.running_before = 0
+        scheduler = self.engine.scheduler
+        schedule = scheduler.schedule
+
+        def noted_schedule():
+            self.running_before = len(scheduler.running)
+            return schedule()
+
+        scheduler.schedule = noted_schedule
 
     def rounds(self) -> None:
         engine, fail_loads = self.engine, self.plan["config"].get("fail_loads")
@@ -378,8 +390,7 @@ class _Replay:
     def on_scheduled(self, out) -> None:
         """Aborts due at this scheduling: where a client's abort lands, before the workers see the step."""
         loading = {job.req_id for job in getattr(out.kv_connector_metadata, "loads", ())}
-        scheduler = self.engine.scheduler
-        if loading and len(scheduler.running) >= scheduler.scheduler_config.max_num_seqs:
+        if loading and self.running_before >= self.engine.scheduler.scheduler_config.max_num_seqs:
             self.result.loads_beside_full_batch += len(loading)
         for rid in set(out.num_scheduled_tokens) | loading:
             self.schedulings[rid] = self.schedulings.get(rid, 0) + 1
