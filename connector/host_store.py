@@ -29,8 +29,9 @@ class _Entry:
     slot: int
     ready: bool = False  # the store that fills the slot has completed on every worker
     pins: int = 0
-    # forgotten by `clear` while a load still read it: never ready again, freed when unpinned
-    stale: bool = False
+    # forgotten (`drop`, `clear`) while a load still read it, and why (a `miss_reasons` reason):
+    # never ready again, freed when unpinned
+    stale: str | None = None
 
 
 class HostIndex:
@@ -80,7 +81,7 @@ class HostIndex:
             return self._gone.get(key, NEW)
         if entry.ready:
             return None
-        return RESET if entry.stale else STORING
+        return entry.stale or STORING
 
     def contains(self, key: Key) -> bool:
         return key in self._entries
@@ -115,7 +116,7 @@ class HostIndex:
             if entry.stale and entry.pins == 0:
                 del self._entries[key]
                 self._free.append(entry.slot)
-                self._remember_gone(key, RESET)
+                self._remember_gone(key, entry.stale)
 
     # -- stores --
     def reserve_for_store(self, key: Key) -> int | None:
@@ -157,27 +158,28 @@ class HostIndex:
             self._free.append(entry.slot)
 
     def drop(self, keys: Iterable[Key], reason: str = DROPPED) -> int:
-        """Forget unpinned entries (lost host data); returns how many were dropped."""
+        """Forget stored entries (lost host data); returns how many were freed now. One a load still
+        reads is never found again and frees its slot once unpinned. Slots reserved for stores stay
+        with them: their owners complete or abort them."""
         dropped = 0
         for key in list(keys):
             entry = self._entries.get(key)
-            if entry is not None and entry.pins == 0:
+            if entry is None:
+                continue
+            if entry.pins == 0:
                 del self._entries[key]
                 self._free.append(entry.slot)
                 dropped += 1
                 if entry.ready:
                     self._removed(key, reason)
+            elif entry.ready:  # read by a load: not found again, its slot freed by the last unpin
+                entry.ready, entry.stale = False, reason
+                self._removed(key, None)  # still here, stale (`why_absent`); remembered once freed
         return dropped
 
     def clear(self) -> None:
-        """Forget every stored block (vLLM resets its caches, e.g. after a weight update): unpinned
-        entries at once; one a load still reads is never found again and frees its slot once
-        unpinned. Slots reserved for stores stay with them: their owners abort them."""
+        """Forget every stored block (vLLM resets its caches, e.g. after a weight update)."""
         self.drop(list(self._entries), RESET)
-        for key, entry in self._entries.items():  # pinned: a load's (ready) or a store's
-            if entry.ready:
-                entry.ready, entry.stale = False, True
-                self._removed(key, None)  # still here, stale (`why_absent`); remembered once freed
 
     def _evict_one(self) -> int | None:
         if self._none_evictable_at == self._releases:

@@ -282,14 +282,22 @@ def test_rekey_refuses_a_present_key_and_ready_entries():
 # --- drop / clear -------------------------------------------------------------------------------
 
 
-def test_drop_only_unpinned():
+def test_drop_frees_unpinned_slots_and_forgets_one_a_load_reads_once_it_is_unpinned():
+    """A dropped block is lost host data: one another load still reads must not be found by a later
+    lookup (the retry would load it again), though its slot stays with that load until unpinned."""
     index = _filled(4, ["a", "b", "c"])
     index.pin_for_load("b")
-    index.reserve_for_store("p")  # pending: pinned
+    index.reserve_for_store("p")  # pending: pinned, its owner completes or aborts it
     assert index.drop(["a", "b", "p", "zz"]) == 1
     assert not index.contains("a")
     assert index.contains("b") and index.contains("p") and index.contains("c")
+    assert not index.is_ready("b") and index.pin_for_load("b") is None
+    assert index.why_absent("b") == "dropped" and index.why_absent("p") == "storing"
     assert index.used_slots == 3
+    index.unpin("b")
+    assert not index.contains("b") and index.used_slots == 2 and index.why_absent("b") == "dropped"
+    index.complete_store("p")
+    assert index.is_ready("p")
     assert index.evicted_total == 0  # drops are not evictions
 
 
@@ -463,7 +471,7 @@ class HostIndexMachine(RuleBasedStateMachine):
         super().__init__()
         self.n = 0
         self.index: HostIndex | None = None
-        self.model: dict = {}  # key -> [slot, ready, pins, stale]
+        self.model: dict = {}  # key -> [slot, ready, pins, stale: why it left while a load read it, or None]
         self.order: list = []  # LRU, oldest first
         self.evicted = 0
         self.ever_completed: set = set()
@@ -514,7 +522,7 @@ class HostIndexMachine(RuleBasedStateMachine):
             self.evicted += 1
             self._left(victim, "evicted")
         assert 0 <= slot < self.n
-        self.model[key] = [slot, False, 1, False]
+        self.model[key] = [slot, False, 1, None]
         self.order.append(key)
         for k, s in pinned_before.items():  # pinned entries survive, in their slots
             assert self.index.contains(k) and k in self.model and self.model[k][0] == s
@@ -574,10 +582,10 @@ class HostIndexMachine(RuleBasedStateMachine):
         self.index.unpin(key)
         if key in self.model and self.model[key][2] > 0:
             self.model[key][2] -= 1
-            if self.model[key][3] and self.model[key][2] == 0:  # forgotten by a clear: freed now
+            if self.model[key][3] and self.model[key][2] == 0:  # forgotten by a drop or clear: freed now
+                self._left(key, self.model[key][3])
                 del self.model[key]
                 self.order.remove(key)
-                self._left(key, "reset")
 
     @precondition(lambda self: self.index is not None)
     @rule(ks=st.lists(keys, max_size=4))
@@ -591,6 +599,8 @@ class HostIndexMachine(RuleBasedStateMachine):
                 del self.model[k]
                 self.order.remove(k)
                 expected += 1
+            elif k in self.model and self.model[k][1]:  # read by a load: forgotten, its slot kept until unpinned
+                self.model[k][1], self.model[k][3] = False, "dropped"
         assert dropped == expected
 
     @precondition(lambda self: self.index is not None)
@@ -605,7 +615,7 @@ class HostIndexMachine(RuleBasedStateMachine):
                 del self.model[k]
                 self.order.remove(k)
             elif self.model[k][1]:  # read by a load: forgotten, its slot kept until unpinned
-                self.model[k][1], self.model[k][3] = False, True
+                self.model[k][1], self.model[k][3] = False, "reset"
         assert all(self.index.contains(k) for k in pinned)
         assert not any(self.index.is_ready(k) for k in pinned)
 
@@ -632,7 +642,7 @@ class HostIndexMachine(RuleBasedStateMachine):
         for k in range(10):  # what a lookup missing the key is told (`miss_reasons`)
             if k in self.model:
                 _, ready, _, stale = self.model[k]
-                expected = None if ready else "reset" if stale else "storing"
+                expected = None if ready else stale or "storing"
             else:
                 expected = self.gone.get(k, "new")
             assert index.why_absent(k) == expected, k

@@ -632,6 +632,27 @@ def test_a_load_failed_in_its_copy_forgets_the_host_blocks_it_read():
     assert not sched.index.contains((0, "h3")) and not sched.index.contains((1, "h3"))
 
 
+def test_a_load_failed_in_its_copy_forgets_the_host_blocks_another_load_still_reads():
+    """Two requests load the same host blocks and one copy fails: no later lookup finds those blocks,
+    though the other load still reads them; their slots are freed once it reports."""
+    sched, manager = _scheduler()
+    _stored(sched, (0, "h3"), (1, "h3"))
+    jobs = []
+    for rid in ("failing", "reading"):
+        request = _state(rid, 256).request
+        assert sched.get_num_new_matched_tokens(request, 0) == (64, True)
+        sched.update_state_after_alloc(request, SimpleNamespace(get_block_ids=lambda: _ids(0, 16)), 64)
+        (job,) = sched.build_connector_meta(_output()).loads
+        jobs.append(job)
+    used = sched.index.used_slots
+    _report(sched, jobs[0], failed=True)
+    assert sched.get_num_new_matched_tokens(_state("later", 256).request, 0) == (0, False)
+    assert sched.index.used_slots == used  # the other load's copy may still read them
+    _report(sched, jobs[1])
+    assert sched.index.used_slots == used - 2
+    assert not sched.index.contains((0, "h3")) and not sched.index.contains((1, "h3"))
+
+
 def test_a_load_names_only_the_groups_it_writes_blocks_into():
     """A group with no block to load in the hit's range (vLLM gave a Mamba group only null blocks there, as
     in `test_planning`'s review case c) gets no copy: workers would time an empty copy and trace its span."""
