@@ -50,13 +50,13 @@ def as_json_lines(label: str, data: bytes) -> tuple[bytes | None, list[Problem]]
             stopped_early = True
     if data.startswith(b"\xef\xbb\xbf"):  # a UTF-8 BOM (Windows editors): before a document's "{" too
         data = data[3:]
-    elif data.startswith((b"\xff\xfe", b"\xfe\xff")):  # UTF-16 with its BOM: Windows PowerShell 5's `>` writes it
+    elif (encoding := _bom_encoding(data)) and not is_length_prefixed(data):  # PowerShell 5's `>` writes UTF-16
         try:
-            data = data.decode("utf-16").encode("utf-8")
+            data = data.decode(encoding).encode("utf-8")
         except UnicodeDecodeError as exc:
-            return None, problems + [Problem(label, 0, f"UTF-16 text that does not decode ({exc.reason} at byte "
-                                                       f"{exc.start}); expected UTF-8", spans=None)]
-        problems.append(Problem(label, 0, "UTF-16 text, read as such (kvscope writes UTF-8)"))
+            return None, problems + [Problem(label, 0, f"{encoding.upper()} text that does not decode ({exc.reason} "
+                                                       f"at byte {exc.start}); expected UTF-8", spans=None)]
+        problems.append(Problem(label, 0, f"{encoding.upper()} text, read as such (kvscope writes UTF-8)"))
     if is_length_prefixed(data):
         lines, found = messages_as_json_lines(label, data)
         return lines, problems + found
@@ -79,6 +79,16 @@ def as_json_lines(label: str, data: bytes) -> tuple[bytes | None, list[Problem]]
         else:  # one JSON document over many lines: read it as one line
             return json.dumps(document).encode(), problems
     return data, problems
+
+
+def _bom_encoding(data: bytes) -> str | None:
+    """The UTF-16 or UTF-32 encoding a byte-order mark names; UTF-32's first (its little-endian mark
+    begins with UTF-16's). A Collector message 65,279 bytes long begins as UTF-32's big-endian mark."""
+    if data.startswith((b"\xff\xfe\x00\x00", b"\x00\x00\xfe\xff")):
+        return "utf-32"
+    if data.startswith((b"\xff\xfe", b"\xfe\xff")):
+        return "utf-16"
+    return None
 
 
 def _is_json_line(line: bytes) -> bool:

@@ -130,6 +130,25 @@ def test_json_lines_are_never_taken_for_length_prefixed_messages():
     assert collector_files.is_length_prefixed(FORMATS["json+zstd"]())
 
 
+def test_a_message_whose_length_reads_as_a_byte_order_mark_is_read_as_a_message(tmp_path):
+    """A first message 65,279 bytes long begins 00 00 FE FF: UTF-32's big-endian byte-order mark."""
+    document = json.loads(LINES[0])
+    span = document["resourceSpans"][0]["scopeSpans"][0]["spans"][0]
+    padding = {"key": "padding", "value": {"stringValue": ""}}
+    span.setdefault("attributes", []).append(padding)
+    size = 0
+    for _ in range(4):  # the length prefixes around the padding grow with it
+        size += 0xFEFF - len(as_protobuf(json.dumps(document).encode()))
+        padding["value"]["stringValue"] = "x" * size
+    message = as_protobuf(json.dumps(document).encode())
+    assert len(message) == 0xFEFF
+    path = tmp_path / "collector.bin"
+    path.write_bytes(length_prefixed([message, as_protobuf(LINES[1])]))
+    assert path.read_bytes()[:4] == b"\x00\x00\xfe\xff"
+    read = traces.read_trace_files([path])
+    assert read.problems == [] and sorted(set(read.spans["source_line"])) == [1, 2]
+
+
 def test_a_single_zstd_frame_cut_short_keeps_the_lines_it_holds(tmp_path):
     """`zstd FILE` on a trace file makes one frame: cut short, the lines it had given are still read (as gzip's).
     The trace's lines come first, then 2 MB of blank lines (random blanks and tabs, which the reader skips

@@ -180,16 +180,18 @@ def test_the_app_reads_a_folder_holding_a_file_name_that_is_not_utf8(tmp_path, m
     assert any("caf\\xff.jsonl" in caption.value for caption in at.sidebar.caption)
 
 
-@pytest.mark.parametrize("encoding", ["utf-16", "utf-16-be"])
-def test_a_utf16_file_is_read_and_said_to_be_utf16(tmp_path, encoding):
-    """What Windows PowerShell 5's `>` writes (with its byte-order mark): every line was "not JSON"."""
+@pytest.mark.parametrize("encoding, bom", [("utf-16-le", b"\xff\xfe"), ("utf-16-be", b"\xfe\xff"),
+                                           ("utf-32-le", b"\xff\xfe\x00\x00"), ("utf-32-be", b"\x00\x00\xfe\xff")])
+def test_a_utf16_or_utf32_file_is_read_and_said_to_be_so(tmp_path, encoding, bom):
+    """What Windows PowerShell 5's `>` writes (UTF-16 with its byte-order mark): every line was "not JSON".
+    UTF-32's little-endian mark begins with UTF-16's: it was decoded as UTF-16, into nothing readable."""
     path = tmp_path / "t.jsonl"
-    text = TWO_ROUNDS.read_text()
-    path.write_bytes(text.encode(encoding) if encoding == "utf-16" else b"\xfe\xff" + text.encode(encoding))
+    path.write_bytes(bom + TWO_ROUNDS.read_text().encode(encoding))
     read = read_trace_files([path])
     assert len(read.spans) == GOOD_SPANS
+    name = encoding[:6].upper()
     assert [(p.line, p.reason, p.spans) for p in read.problems] == [
-        (0, "UTF-16 text, read as such (kvscope writes UTF-8)", 0)]
+        (0, f"{name} text, read as such (kvscope writes UTF-8)", 0)]
 
 
 def test_a_utf16_file_cut_mid_character_is_named(tmp_path):
