@@ -66,7 +66,8 @@ def fetch_live(base_url: str, range_s: float, now: float, *, timeout: float = 5.
         try:
             frames[name] = matrix_to_frame(result, name)
         except PrometheusError as exc:
-            raise PrometheusError(f"Prometheus at {base_url.strip().rstrip('/')} sent {exc}") from None
+            shown = _without_password(base_url.strip().rstrip("/"))
+            raise PrometheusError(f"Prometheus at {shown} sent {exc}") from None
     latency = pd.concat([frames[f"p{round(q * 100)}"] for q in QUANTILES], ignore_index=True)
     return LiveData(hit_rate=frames["hit rate"], load_latency=latency, queries=queries)
 
@@ -77,10 +78,12 @@ def query_range(base_url: str, query: str, start: float, end: float, step: int, 
     bounds each wait for the server, `deadline` (`time.monotonic()`; default: two timeouts from now) the whole
     answer: a server sending it a byte at a time never times out a wait."""
     base = base_url.strip().rstrip("/")
+    shown = _without_password(base)  # in messages: a password given in the URL is not
     if not base.lower().startswith(("http://", "https://")):
-        raise PrometheusError(f"{base_url!r} is not an HTTP URL: enter one like http://localhost:9090")
+        raise PrometheusError(f"{_without_password(base_url)!r} is not an HTTP URL: enter one like "
+                              "http://localhost:9090")
     if "?" in base or "#" in base:  # (a page of Prometheus' UI pasted in)
-        raise PrometheusError(f"{base_url!r} has a query or fragment: enter the server's base URL, like "
+        raise PrometheusError(f"{shown!r} has a query or fragment: enter the server's base URL, like "
                               "http://localhost:9090 (with its --web.route-prefix path, if it has one)")
     url = f"{base}/api/v1/query_range"
     params = {"query": query, "start": f"{start:.3f}", "end": f"{end:.3f}", "step": str(step)}
@@ -93,35 +96,33 @@ def query_range(base_url: str, query: str, start: float, end: float, step: int, 
         content = _read_capped(response, deadline)
     except (requests.exceptions.InvalidURL, ValueError) as exc:  # ValueError: urllib3's LocationParseError, idna's
         raise PrometheusError(
-            f"{base!r} is not a valid URL ({_short(str(exc))}): enter one like http://localhost:9090") from exc
+            f"{shown!r} is not a valid URL ({_short(str(exc))}): enter one like http://localhost:9090") from exc
     except requests.RequestException as exc:
         raise PrometheusError(
-            f"Could not reach Prometheus at {base}: {_reason(exc)}. Check the URL and that Prometheus is "
+            f"Could not reach Prometheus at {shown}: {_reason(exc)}. Check the URL and that Prometheus is "
             "running and reachable from the machine that runs this dashboard."
         ) from exc
     if content is None:
-        raise PrometheusError(f"{url} sent more than {MAX_ANSWER_BYTES >> 20} MB: is {base} a Prometheus server?")
+        raise PrometheusError(f"{shown}/api/v1/query_range sent more than {MAX_ANSWER_BYTES >> 20} MB: is {shown} a "
+                              "Prometheus server?")
     try:
         body = json.loads(content)
     except (ValueError, RecursionError):  # RecursionError: nested deeper than Python's parser goes
         body = None
     if not isinstance(body, dict) or body.get("status") not in ("success", "error"):  # (vLLM's {"detail": ...})
-        raise PrometheusError(
-            f"{url} answered HTTP {response.status_code} without a Prometheus API response: is {base} a "
-            "Prometheus server (not vLLM's /metrics endpoint)?"
-        )
+        raise PrometheusError(_not_prometheus(base, response))
     if response.status_code != 200 or body.get("status") != "success":
         raise PrometheusError(
-            f"Prometheus at {base} rejected the query (HTTP {response.status_code}, "
+            f"Prometheus at {shown} rejected the query (HTTP {response.status_code}, "
             f"{body.get('errorType', 'error')}): {body.get('error', 'no reason given')}"
         )
     data = body.get("data")
     kind = data.get("resultType") if isinstance(data, dict) else None
     if kind != "matrix":
-        raise PrometheusError(f"Prometheus at {base} answered a {kind!r}, not a matrix")
+        raise PrometheusError(f"Prometheus at {shown} answered a {kind!r}, not a matrix")
     result = data.get("result")
     if not isinstance(result, list | None):
-        raise PrometheusError(f"Prometheus at {base} answered a matrix whose result is {_short(json.dumps(result))}, "
+        raise PrometheusError(f"Prometheus at {shown} answered a matrix whose result is {_short(json.dumps(result))}, "
                               "not a list of series")
     return result or []
 
@@ -151,9 +152,42 @@ def _read_capped(response, deadline: float) -> bytes | None:
     return b"".join(chunks)
 
 
+def _not_prometheus(base: str, response) -> str:
+    """Why an answer that is no Prometheus API response came, as far as its HTTP status tells, and what to try."""
+    shown, status = _without_password(base), response.status_code
+    said = f"{shown}/api/v1/query_range answered HTTP {status} without a Prometheus API response"
+    history = getattr(response, "history", None)
+    if history:  # (a login page, a proxy's front page)
+        said += f" after a redirect to {_short(_without_password(getattr(response, 'url', '') or '?'))}"
+    if status in (401, 407):
+        return (f"{said}: it asks for credentials. This page sends HTTP basic authentication given in the URL, like "
+                f"http://user:password@{shown.split('://', 1)[1]}, and no other kind")
+    if status == 403:
+        return f"{said}: access refused. Check that the credentials in the URL may read this Prometheus' API"
+    if status == 404:
+        return (f"{said}: there is no query API at that path. Enter Prometheus' base URL (with its "
+                "--web.route-prefix path, if it has one), not vLLM's")
+    if status in (502, 503, 504):
+        return (f"{said}: a proxy in front of it could not reach the server behind (is that Prometheus server "
+                "running?)")
+    return f"{said}: is {shown} a Prometheus server (not vLLM's /metrics endpoint)?"
+
+
+def _without_password(url: str) -> str:
+    """``url`` with the password of its user information (``user:password@``) masked, to be shown."""
+    scheme, sep, rest = url.partition("://")
+    authority, slash, path = rest.partition("/")
+    user, at, host = authority.rpartition("@")
+    if not at or ":" not in user:
+        return url
+    return f"{scheme}{sep}{user.split(':', 1)[0]}:***@{host}{slash}{path}"
+
+
 def _reason(exc: requests.RequestException) -> str:
     if isinstance(exc, requests.Timeout):
         return "no answer in time"
+    if isinstance(exc, requests.TooManyRedirects):  # (a login page sending the client round, a proxy's loop)
+        return "redirected in a loop"
     if isinstance(exc, requests.ConnectionError):
         return "connection failed"
     return type(exc).__name__

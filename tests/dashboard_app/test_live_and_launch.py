@@ -239,16 +239,33 @@ def test_an_http_error_is_an_error_whatever_its_body_says():
 
 class _Misbehaving(BaseHTTPRequestHandler):
     """Answers every GET as `how` says: "dribble" (a valid answer a byte every 0.2 s), "slow" (one after 0.6 s),
-    "huge" (a valid answer of
-    200 kB), "deep" (JSON nested 100,000 deep), "vllm" (vLLM's own 404 for a path it lacks)."""
+    "huge" (a valid answer of 200 kB), "deep" (JSON nested 100,000 deep), "vllm" (vLLM's own 404 for a path it
+    lacks), "basic auth" (a valid answer to user:secret only, else 401 as Prometheus' web config answers),
+    "forbidden" (403), "bad gateway" (a proxy's 502 page), "loop" (a redirect to itself), "login" (a redirect
+    to a login page)."""
 
     how = "dribble"
+    _PAGES = {"forbidden": (403, b"Forbidden\n"), "bad gateway": (502, b"<html>502 Bad Gateway</html>"),
+              "login page": (200, b"<html><form>Sign in</form></html>")}
 
     def do_GET(self) -> None:  # noqa: N802 - http.server API
-        if self.how == "slow":
+        how = "login page" if self.path == "/login" else self.how
+        if how in ("loop", "login"):
+            self.send_response(302)
+            self.send_header("Location", self.path if how == "loop" else "/login")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        if how == "basic auth" and self.headers.get("Authorization") != "Basic dXNlcjpzZWNyZXQ=":  # user:secret
+            self._send(401, b"Unauthorized\n", ("WWW-Authenticate", 'Basic realm="prometheus"'))
+            return
+        if how in self._PAGES:
+            self._send(*self._PAGES[how])
+            return
+        if how == "slow":
             time.sleep(0.6)
         answer = json.dumps(_matrix([[1, "0.5"]])).encode()
-        body = {"dribble": answer, "slow": answer,
+        body = {"dribble": answer, "slow": answer, "basic auth": answer,
                 "huge": json.dumps(_matrix([[i, "0.5"] for i in range(12_000)])).encode(),
                 "deep": b"[" * 100_000 + b"]" * 100_000,
                 "vllm": b'{"detail":"Not Found"}'}[self.how]
@@ -266,6 +283,14 @@ class _Misbehaving(BaseHTTPRequestHandler):
             except OSError:  # the client gave up
                 return
             time.sleep(0.2)
+
+    def _send(self, status: int, body: bytes, *header: tuple[str, str]) -> None:
+        self.send_response(status)
+        for name, value in header:
+            self.send_header(name, value)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
 
     def log_message(self, *args) -> None:
         pass
@@ -314,14 +339,43 @@ def test_an_answer_too_large_to_be_prometheus_is_refused_unread(misbehaving, mon
     assert len(prometheus.query_range(url, "up", 0, 60, 15)[0]["values"]) == 12_000  # the same, under the cap
 
 
-@pytest.mark.parametrize("how", ["deep", "vllm"])
-def test_json_that_is_no_prometheus_answer_asks_whether_it_is_prometheus(misbehaving, how):
-    """vLLM's base URL answers {"detail": "Not Found"}: it was called a rejected query with no reason given; JSON
-    nested past Python's parser raised out of the page."""
+def test_json_that_is_no_prometheus_answer_asks_whether_it_is_prometheus(misbehaving):
+    """JSON nested past Python's parser raised out of the page."""
+    url, handler = misbehaving
+    handler.how = "deep"
+    with pytest.raises(prometheus.PrometheusError, match=r"HTTP 200 without a Prometheus API response: is .* a Prom"):
+        prometheus.query_range(url, "up", 0, 60, 15)
+
+
+@pytest.mark.parametrize(("how", "said"), [
+    ("vllm", r"HTTP 404 without a Prometheus API response: there is no query API at that path\. Enter Prometheus' "
+             r"base URL .*, not vLLM's"),
+    ("basic auth", r"HTTP 401 without a Prometheus API response: it asks for credentials\. This page sends HTTP "
+                   r"basic authentication given in the URL, like http://user:password@127\.0\.0\.1:\d+, and no"),
+    ("forbidden", r"HTTP 403 without a Prometheus API response: access refused"),
+    ("bad gateway", r"HTTP 502 without a Prometheus API response: a proxy in front of it could not reach the server"),
+    ("login", r"HTTP 200 without a Prometheus API response after a redirect to http://127\.0\.0\.1:\d+/login: is "),
+    ("loop", r"Could not reach Prometheus at http://127\.0\.0\.1:\d+: redirected in a loop\."),
+])
+def test_an_answer_from_no_prometheus_api_says_what_its_status_tells(misbehaving, how, said):
+    """vLLM's base URL answers {"detail": "Not Found"}, Prometheus' basic auth a text 401, a proxy an HTML page: each
+    was "is it a Prometheus server?", which sent the user to check the wrong thing."""
     url, handler = misbehaving
     handler.how = how
-    with pytest.raises(prometheus.PrometheusError, match=r"without a Prometheus API response: is .* a Prometheus"):
+    with pytest.raises(prometheus.PrometheusError, match=said):
         prometheus.query_range(url, "up", 0, 60, 15)
+
+
+def test_credentials_in_the_url_are_sent_and_its_password_is_never_shown(misbehaving):
+    url, handler = misbehaving
+    handler.how = "basic auth"
+    with_secret = url.replace("http://", "http://user:secret@")
+    assert prometheus.query_range(with_secret, "up", 0, 60, 15)[0]["values"] == [[1, "0.5"]]
+    for wrong in (url.replace("http://", "http://user:wrong@"), with_secret.replace("127.0.0.1", "127.0.0.1:1")):
+        with pytest.raises(prometheus.PrometheusError) as raised:
+            prometheus.query_range(wrong, "up", 0, 60, 15)
+        assert "http://user:***@127.0.0.1:" in str(raised.value)
+        assert "wrong" not in str(raised.value) and "secret" not in str(raised.value)
 
 
 def test_a_prometheus_url_with_a_query_is_refused_and_an_upper_case_scheme_taken(fake_prometheus):
