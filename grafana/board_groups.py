@@ -7,7 +7,7 @@ group per row so their different behaviour is visible side by side. One function
 
 from __future__ import annotations
 
-from grafana_foundation_sdk.models.dashboard import DynamicConfigValue
+from grafana_foundation_sdk.models.dashboard import DynamicConfigValue, VariableSort
 
 import panels_common as pc
 from panels_common import sel
@@ -30,6 +30,7 @@ def group_variable():
     return pc.label_variable(
         "group", "KV group", f"kvscope_scan_blocks_total{sel()}",
         "KV cache group index as the connector numbers them (vLLM's kv_cache_groups order).",
+        sort=VariableSort.NUMERICAL_ASC,
     )
 
 

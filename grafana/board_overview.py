@@ -100,7 +100,7 @@ def evicted_miss_share_stat():
         pc.queries((f"sum(kvscope:missed_tokens:rate5m{sel(evicted)}) / "
                     f"(sum(kvscope:lookup_tokens:rate5m{sel()}) > 0)", "evicted")),
         "percentunit",
-        [(None, "green"), (0.05, "orange"), (0.2, "red")],
+        [(None, "green"), (0.05, "orange"), (0.1, "red")],  # red from KVScopeHostTierTooSmall's threshold
     )
 
 

@@ -23,7 +23,7 @@ TAG = "kvscope"
 DATASOURCE = dashboard_m.DataSourceRef(type_val="prometheus", uid="${datasource}")
 
 # Label filter shared by every query: vLLM adds model_name and engine to all of its metrics, and
-# Prometheus adds instance (the scrape target: one vLLM server; every server's first engine is 0).
+# Prometheus adds instance (the scrape target: one vLLM server; engines of several servers share indices).
 ENGINE_SELECTOR = 'model_name=~"$model_name", instance=~"$instance", engine=~"$engine"'
 
 # Grid: 24 columns wide.
@@ -178,8 +178,10 @@ def datasource_variable() -> dashboard_b.DatasourceVariable:
     )
 
 
-def label_variable(name: str, label: str, metric_selector: str, description: str) -> dashboard_b.QueryVariable:
-    """A multi-value variable over the values of `name` in `metric_selector`; All means `.*`."""
+def label_variable(name: str, label: str, metric_selector: str, description: str,
+                   sort: dashboard_m.VariableSort = dashboard_m.VariableSort.ALPHABETICAL_ASC) -> dashboard_b.QueryVariable:
+    """A multi-value variable over the values of `name` in `metric_selector`; All means `.*`. Indices
+    (engine, group) sort as numbers: alphabetically engine 10 came before 2, and so did its repeated row."""
     return (
         dashboard_b.QueryVariable(name)
         .label(label)
@@ -187,7 +189,7 @@ def label_variable(name: str, label: str, metric_selector: str, description: str
         .datasource(DATASOURCE)
         .query(f"label_values({metric_selector}, {name})")
         .refresh(dashboard_m.VariableRefresh.ON_TIME_RANGE_CHANGED)
-        .sort(dashboard_m.VariableSort.ALPHABETICAL_ASC)
+        .sort(sort)
         .multi(True)
         .include_all(True)
         .all_value(".*")
@@ -206,12 +208,15 @@ def engine_variables() -> list[dashboard_b.QueryVariable]:
         ),
         label_variable(
             "instance", "Instance", 'kvscope_lookup_tokens_total{model_name=~"$model_name"}',
-            "The scrape target: one vLLM server. Replicas of a model each have an engine 0; pick one "
-            "instance and one engine to see the numbers an alert on them uses.",
+            "The scrape target: one vLLM server. Replicas of a model have engines of the same index; pick "
+            "one instance and one engine to see the numbers an alert on them uses.",
         ),
         label_variable(
             "engine", "Engine", 'kvscope_lookup_tokens_total{model_name=~"$model_name", instance=~"$instance"}',
-            "vLLM's engine label (engine core index within one server; several with data parallelism).",
+            "vLLM's engine label (engine core index; several with data parallelism, numbered from the "
+            "server's first data-parallel rank: 0 on one server, its own ranks behind an external or hybrid "
+            "load balancer).",
+            sort=dashboard_m.VariableSort.NUMERICAL_ASC,
         ),
     ]
 

@@ -246,21 +246,25 @@ def _steps(panel):
     return [(s["value"], s["color"]) for s in panel["fieldConfig"]["defaults"]["thresholds"]["steps"]]
 
 
-def test_the_load_p99_stat_turns_red_where_its_alert_fires():
-    """The stat's description and the README say red is KVScopeLoadLatencyHigh's threshold."""
+@pytest.mark.parametrize(("stat", "alert", "condition"), [
+    ("Request load latency p99 (5m)", "KVScopeLoadLatencyHigh", r"kvscope:request_load_duration_seconds:p99_rate5m > "),
+    ("Missed because evicted (5m)", "KVScopeHostTierTooSmall", r"kvscope:evicted_miss_ratio:rate5m > "),
+])
+def test_a_stat_turns_red_where_its_alert_fires(stat, alert, condition):
+    """The load p99 stat's description and the README say red is KVScopeLoadLatencyHigh's threshold; the
+    evicted share was orange while KVScopeHostTierTooSmall fired (red at 0.2, the alert at 0.1)."""
     alerts = yaml.safe_load((RULES_DIR / "kvscope-alerts.yaml").read_text())["groups"][0]["rules"]
-    (expr,) = [a["expr"] for a in alerts if a.get("alert") == "KVScopeLoadLatencyHigh"]
-    threshold = float(re.fullmatch(r"kvscope:request_load_duration_seconds:p99_rate5m > ([0-9.]+)", expr.strip())[1])
-    steps = _steps(_panels("kvscope-overview")["Request load latency p99 (5m)"])
-    assert steps[-1] == (threshold, "red")
+    (expr,) = [a["expr"] for a in alerts if a.get("alert") == alert]
+    threshold = float(re.match(condition + r"([0-9.]+)", expr.strip())[1])
+    assert _steps(_panels("kvscope-overview")[stat])[-1] == (threshold, "red")
 
 
 # Every stat's colours, as the panel descriptions and the README explain them: a hit rate under 20% is
-# poor, over 50% good; evicted misses above a few percent mean a tier too small; the load p99 is red at
-# its alert's threshold; load failures and dropped records should be 0, so one is already a colour.
+# poor, over 50% good; evicted misses above a few percent mean a tier too small (red at its alert's
+# threshold); the load p99 is red at its alert's threshold; load failures and dropped records should be 0, so one is already a colour.
 STAT_STEPS = {
     "Token hit rate (5m)": [(None, "red"), (0.2, "orange"), (0.5, "green")],
-    "Missed because evicted (5m)": [(None, "green"), (0.05, "orange"), (0.2, "red")],
+    "Missed because evicted (5m)": [(None, "green"), (0.05, "orange"), (0.1, "red")],
     "Request load latency p99 (5m)": [(None, "green"), (0.25, "orange"), (0.5, "red")],
     "Host tier usage (fullest)": [(None, "green"), (0.85, "orange"), (0.95, "red")],
     "Load failures in range": [(None, "green"), (1, "red")],
