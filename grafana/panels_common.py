@@ -178,8 +178,10 @@ def datasource_variable() -> dashboard_b.DatasourceVariable:
     )
 
 
-def label_variable(name: str, label: str, metric_selector: str, description: str,
-                   sort: dashboard_m.VariableSort = dashboard_m.VariableSort.ALPHABETICAL_ASC) -> dashboard_b.QueryVariable:
+def label_variable(
+    name: str, label: str, metric_selector: str, description: str,
+    sort: dashboard_m.VariableSort = dashboard_m.VariableSort.ALPHABETICAL_ASC,
+) -> dashboard_b.QueryVariable:
     """A multi-value variable over the values of `name` in `metric_selector`; All means `.*`. Indices
     (engine, group) sort as numbers: alphabetically engine 10 came before 2, and so did its repeated row."""
     return (

@@ -261,7 +261,8 @@ def test_a_stat_turns_red_where_its_alert_fires(stat, alert, condition):
 
 # Every stat's colours, as the panel descriptions and the README explain them: a hit rate under 20% is
 # poor, over 50% good; evicted misses above a few percent mean a tier too small (red at its alert's
-# threshold); the load p99 is red at its alert's threshold; load failures and dropped records should be 0, so one is already a colour.
+# threshold); the load p99 is red at its alert's threshold; load failures and dropped records should be 0,
+# so one is already a colour.
 STAT_STEPS = {
     "Token hit rate (5m)": [(None, "red"), (0.2, "orange"), (0.5, "green")],
     "Missed because evicted (5m)": [(None, "green"), (0.05, "orange"), (0.1, "red")],
