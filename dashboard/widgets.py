@@ -8,6 +8,7 @@ import streamlit as st
 from dashboard import charts, formatting, traces
 
 OPEN_REQUEST = "open_request"  # session state: (trace id, request id) for the Requests page to show
+OPEN_REASON = "open_reason"  # session state: a miss reason whose requests the Requests page lists
 
 WATERFALL_TABLE_COLUMNS = {
     "row": st.column_config.TextColumn("span"),

@@ -13,12 +13,16 @@ from dashboard.traces.schema import copies_of
 
 
 def top_slow_loads(requests: pd.DataFrame, n: int = 10) -> pd.DataFrame:
-    """The `n` requests with the longest load time, with the tokens of the loads it sums and the bytes every
-    load copied (a load that failed on one worker: what the others copied)."""
+    """The `n` requests with the longest load time, split into copying and the wait before it, with the
+    tokens of the loads it sums and the bytes every load copied (a load that failed on one worker: what the
+    others copied)."""
     timed = requests[requests["load_ms"].notna()]
-    return timed.nlargest(n, "load_ms")[
-        ["request", "t_s", "load_ms", "tokens_loaded", "bytes_loaded", "request_id", "trace_id"]
+    slowest = timed.nlargest(n, "load_ms")[
+        ["request", "t_s", "load_ms", "load_copy_ms", "tokens_loaded", "bytes_loaded", "request_id", "trace_id"]
     ].reset_index(drop=True)
+    # where the time went: copying, or before the first copy (the engine step that starts it)
+    slowest.insert(4, "load_wait_ms", (slowest["load_ms"] - slowest["load_copy_ms"]).clip(lower=0.0))
+    return slowest
 
 
 def request_numbers(requests: pd.DataFrame) -> dict[str, float]:
@@ -63,7 +67,9 @@ def overview_numbers(requests: pd.DataFrame, spans: pd.DataFrame) -> dict[str, f
         # context, or the scheduler's file missing): in the byte totals, in no request's. A copy without
         # parent (a store traced in its own trace) is not one of them.
         "copies_without_owner": int((copies["owner_key"].isna() & (copies["parent_span_id"] != "")).sum()),
-        "bytes_loaded": int(by_dir.get("load", 0)),
+        # unknown (NaN) where loads ran and no load copy is in the files (the workers' file missing): not 0 B
+        "bytes_loaded": (math.nan if "load" not in by_dir and (loads["copies"] == 0).any()
+                         else int(by_dir.get("load", 0))),
         "bytes_stored": int(by_dir.get("store", 0)),
         "spans": int(len(spans)),
         "duration_s": (int(end) - int(start)) / 1e9,

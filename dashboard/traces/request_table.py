@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import pandas as pd
 
 from connector.miss_reasons import miss_reasons_explained
@@ -38,8 +40,9 @@ MISS_REASON_DEFINITION = (
 )
 # One request's `miss_reason`, as the request view says it (what its hit stopped at)
 MISS_REASON_TEXT = {
-    "new": "the offloaded block after its hit was never stored (or left the tier longer ago than the tier "
-           "remembers): a first sight of that prefix",
+    "new": "the offloaded block after its hit was never stored, or left the tier longer ago than the tier "
+           "remembers (as many blocks as it holds): a first sight of that prefix, or, where the tier evicts "
+           "many times its size, an eviction too old to be told apart",
     "evicted": "the offloaded block after its hit had been evicted to make room: a larger tier would have "
                "served it (raise cpu_bytes)",
     "dropped": "the offloaded block after its hit was dropped after a load from it failed",
@@ -319,13 +322,17 @@ def of_engine(requests: pd.DataFrame, spans: pd.DataFrame, engine: int) -> tuple
             spans[(spans["engine"] == engine).fillna(False).astype(bool)])
 
 
-def search_requests(requests: pd.DataFrame, text: str, show: str = "all", engine: int | None = None) -> pd.DataFrame:
+def search_requests(requests: pd.DataFrame, text: str, show: str = "all", engine: int | None = None,
+                    reasons: Collection[str] = ()) -> pd.DataFrame:
     """Requests whose label, id or trace id contains `text` (case-insensitive), and of the kind `show` names
     (`REQUEST_FILTERS`): "hits or loads" (a request resumed after preemption can load what it stored
     itself, with no hit; one that ended waiting for device KV room had a hit to load, never counted), "misses"
     (the others) or "failed loads"; with `engine`, those of that engine only
-    (each engine has a host tier of its own: a prefix another engine stored is a miss on this one)."""
+    (each engine has a host tier of its own: a prefix another engine stored is a miss on this one); with
+    `reasons`, those whose hit stopped for one of them (`miss_reason`: a partial hit's too)."""
     out = requests
+    if reasons:
+        out = out[out["miss_reason"].isin(list(reasons)).fillna(False).astype(bool)]
     if engine is not None:
         out = out[(out["engine"] == engine).fillna(False).astype(bool)]
     text = text.strip().lower()

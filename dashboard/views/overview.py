@@ -48,7 +48,8 @@ row = st.columns(5)
 row[0].metric("Load time p50", formatting.millis(numbers["load_p50_ms"]), help=traces.LOAD_TIME_DEFINITION)
 row[1].metric("Load time p95", formatting.millis(numbers["load_p95_ms"]), help=traces.LOAD_TIME_DEFINITION)
 row[2].metric("Load time p99", formatting.millis(numbers["load_p99_ms"]), help=traces.LOAD_TIME_DEFINITION)
-row[3].metric("Loaded from host", formatting.data_size(numbers["bytes_loaded"]), help="Σ copy.bytes of load copies")
+row[3].metric("Loaded from host", formatting.data_size(numbers["bytes_loaded"]),
+              help="Σ copy.bytes of load copies; unknown where loads ran but no load copy is in the files")
 row[4].metric("Stored to host", formatting.data_size(numbers["bytes_stored"]), help="Σ copy.bytes of store copies")
 
 if len(traces.engines_of(requests)) > 1:  # data parallelism: each engine has a host tier of its own
@@ -79,9 +80,15 @@ st.altair_chart(charts.hit_rate_over_time(over_time, bucket_s), width="stretch")
 misses = traces.misses_by_reason(spans)
 if not misses.empty:  # trace files that record why each lookup missed
     st.subheader("Why the host tier served no more", help=traces.MISS_REASON_DEFINITION)
-    st.caption(traces.MISSES_DEFINITION + " 'evicted': a larger tier would have served them.")
-    st.dataframe(
+    st.caption(traces.MISSES_DEFINITION + " 'evicted': a larger tier would have served at least the block where "
+               "the hit stopped. 'new' counts blocks evicted longer ago than the tier remembers (as many blocks as "
+               "it holds) too: where the tier evicts many times its size, some of those were evictions.")
+    st.caption("Select a row to list its requests on the Requests page.")
+    picked_reason = st.dataframe(
         misses,
+        key="miss_reasons",
+        on_select="rerun",
+        selection_mode="single-row",
         hide_index=True,
         width="stretch",
         placeholder="–",
@@ -93,6 +100,9 @@ if not misses.empty:  # trace files that record why each lookup missed
             "share": st.column_config.NumberColumn("share", format="percent"),
         },
     )
+    if picked_reason.selection.rows:
+        st.session_state[widgets.OPEN_REASON] = misses.iloc[picked_reason.selection.rows[0]]["miss_reason"]
+        st.switch_page("views/request_explorer.py")
 
 by_outcome = traces.vllm_latency_by_outcome(requests)
 if not by_outcome.empty:  # vLLM's own request spans were read: does loading from the host tier cut TTFT?
@@ -171,10 +181,18 @@ picked = st.dataframe(
     hide_index=True,
     placeholder="–",
     width="stretch",
-    column_order=["request", "t_s", "load_ms", "tokens_loaded", "bytes_loaded", "trace_id"],
+    column_order=["request", "t_s", "load_ms", "load_copy_ms", "load_wait_ms", "tokens_loaded", "bytes_loaded",
+                  "trace_id"],
     column_config={
         "t_s": st.column_config.NumberColumn("arrival (s)", format="%.3f"),
-        "load_ms": st.column_config.NumberColumn("load time (ms)", format="%.3f"),
+        "load_ms": st.column_config.NumberColumn("load time (ms)", format="%.3f", help=traces.LOAD_TIME_DEFINITION),
+        "load_copy_ms": st.column_config.NumberColumn(
+            "copying (ms)", format="%.3f", help="From its first copy's start to its last copy's end (every worker "
+            "and group, summed over its loads)"),
+        "load_wait_ms": st.column_config.NumberColumn(
+            "before the copies (ms)", format="%.3f", help="Load time less copying: planning, then waiting for a "
+            "worker to run the engine step that starts the copies (a long step before it, or copies queued ahead). "
+            "Long waits with short copies: the engine was busy, not the host tier"),
         "tokens_loaded": st.column_config.NumberColumn(
             "tokens loaded", help="Σ kvscope.tokens.external over the request's loads that did not fail: the "
             "loads its load time sums (a request resumed after preemption loads again)"),

@@ -15,6 +15,12 @@ opened = st.session_state.pop(widgets.OPEN_REQUEST, None)  # (trace id, request 
 if opened is not None:  # show it: its id searched, whatever its kind
     st.session_state["request_search"] = opened[1]
     st.session_state["request_show"] = "all"
+    st.session_state["request_reasons"] = []
+reason = st.session_state.pop(widgets.OPEN_REASON, None)  # the Overview's row of a miss reason
+if reason is not None:  # its requests, whatever else was searched
+    st.session_state["request_search"] = ""
+    st.session_state["request_show"] = "all"
+    st.session_state["request_reasons"] = [reason]
 
 # Several engines (data parallelism): each has its own host tier, so which one served a request matters
 engines = traces.engines_of(requests)
@@ -26,7 +32,12 @@ if pick_engine:
     engine = pick_engine[0].selectbox("Engine", [None, *engines], key="request_engine",
                                       format_func=lambda e: "all" if e is None else str(e),
                                       help="vLLM's data-parallel engine; each has its own host tier")
-shown = traces.search_requests(requests, text, show=kind, engine=engine).reset_index(drop=True)
+reasons_seen = sorted(requests["miss_reason"].dropna().unique())
+picked_reasons = []
+if reasons_seen:  # trace files that record why each lookup's hit stopped
+    picked_reasons = st.multiselect("Served no more because", reasons_seen, key="request_reasons",
+                                    placeholder="any reason (or none recorded)", help=traces.MISS_REASON_DEFINITION)
+shown = traces.search_requests(requests, text, show=kind, engine=engine, reasons=picked_reasons).reset_index(drop=True)
 
 # The selection follows its request, not its row position, when the search or the filter changes the rows.
 keys = list(zip(shown["trace_id"], shown["request_id"]))

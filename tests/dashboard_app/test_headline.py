@@ -61,6 +61,16 @@ def test_a_failed_copy_moves_nothing_on_every_page_and_a_copy_of_no_load_is_coun
     assert groups["bytes"].tolist() == [4096, 0] and groups["failed"].tolist() == [False, True]
 
 
+def test_the_bytes_loaded_are_unknown_where_loads_ran_and_no_load_copy_is_in_the_files(tmp_path):
+    """The scheduler's file without the workers': "Loaded from host" said 0 B beside loads of thousands of tokens."""
+    spans = traces.read_trace_files([TWO_ROUNDS]).spans
+    scheduler_only = spans[spans["name"] != "kvscope.group.copy"]
+    numbers = traces.overview_numbers(traces.requests_table(scheduler_only), scheduler_only)
+    assert numbers["loads"] > 0 and numbers["loads_without_copies"] == numbers["loads"]
+    assert math.isnan(numbers["bytes_loaded"]) and numbers["bytes_stored"] == 0
+    assert traces.overview_numbers(traces.requests_table(spans), spans)["bytes_loaded"] > 0
+
+
 def test_overview_numbers_without_copies_or_spans(tmp_path):
     spans = traces.read_trace_files([write(tmp_path, line(lookup("r", start=T, end=T + 2_000_000_000)))]).spans
     numbers = traces.overview_numbers(traces.requests_table(spans), spans)

@@ -474,6 +474,22 @@ def test_slowest_load_opens_on_the_requests_page(monkeypatch):
     assert list(at.session_state["request_table"]["selection"]["rows"]) == [0]
 
 
+def test_a_miss_reason_opens_its_requests_on_the_requests_page(monkeypatch):
+    at = app(monkeypatch, TWO_ROUNDS)
+    at.session_state["request_search"] = "r2"  # searched before: the reason's requests are listed whatever it was
+    at.session_state["miss_reasons"] = {"selection": {"rows": [1]}}  # "tail" (the table lists "new" first)
+    at.run()
+    assert_ok(at)
+    assert at.title[0].value == "Requests"
+    assert at.multiselect(key="request_reasons").value == ["tail"]
+    assert at.text_input(key="request_search").value == ""
+    shown = at.dataframe[0].value
+    requests = traces.requests_table(traces.read_trace_files([TWO_ROUNDS]).spans)
+    assert len(shown) == (requests["miss_reason"] == "tail").sum() > 0 and set(shown["miss_reason"]) == {"tail"}
+    at.multiselect(key="request_reasons").set_value([]).run()
+    assert len(at.dataframe[0].value) == len(requests)
+
+
 def test_warnings_for_unparsed_lines_and_loads_without_copies(monkeypatch, tmp_path):
     path = tmp_path / "scheduler-only.jsonl"  # the worker's file (the copies) was not given, last line cut
     path.write_text(line(lookup("r1", span_id="11" * 8), load("r1", span_id="22" * 8, parent="11" * 8)) + "\n"

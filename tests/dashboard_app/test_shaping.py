@@ -227,6 +227,9 @@ def test_top_slow_loads(requests, expected):
     slowest = sorted(expected.load_ms.items(), key=lambda kv: -kv[1])[:3]
     assert top["request_id"].tolist() == [rid for rid, _ in slowest]
     assert top["request_id"].iloc[0] == "cmpl-r2-06"  # the fixture's slow copy
+    # where each load's time went: copying, and the rest before the first copy
+    assert (top["load_copy_ms"] + top["load_wait_ms"]).tolist() == pytest.approx(top["load_ms"].tolist())
+    assert (top["load_copy_ms"] > 0).all() and (top["load_wait_ms"] >= 0).all()
 
 
 def test_waterfall_of_a_hit(read, requests, expected):
@@ -318,6 +321,17 @@ def test_search(requests):
     assert len(shown) < len(requests)  # the misses are left out
     trace = requests["trace_id"].iloc[3]
     assert traces.search_requests(requests, trace[:12])["request_id"].tolist() == [requests["request_id"].iloc[3]]
+
+
+def test_search_by_the_reason_a_hit_stopped(requests):
+    """The Overview's reasons open the Requests page listing the requests whose hit stopped for one of them."""
+    new = traces.search_requests(requests, "", reasons=["new"])
+    assert len(new) == (requests["miss_reason"] == "new").sum() > 0 and set(new["miss_reason"]) == {"new"}
+    both = traces.search_requests(requests, "", reasons=("new", "tail"))
+    assert len(both) == requests["miss_reason"].isin(["new", "tail"]).sum() > len(new)
+    assert traces.search_requests(requests, "", reasons=["evicted"]).empty
+    assert len(traces.search_requests(requests, "", reasons=[])) == len(requests)  # none picked: every request
+    assert set(traces.search_requests(requests, "", show="hits or loads", reasons=["tail"])["miss_reason"]) == {"tail"}
 
 
 def test_every_lookup_counts_and_copies_join_their_load(tmp_path):
