@@ -144,15 +144,21 @@ def copy_throughput(spans: pd.DataFrame) -> pd.DataFrame:
 
 
 def group_summary(spans: pd.DataFrame, requests: pd.DataFrame) -> pd.DataFrame:
-    """One row per group for the overview: null skip, load copy latency and throughput."""
+    """One row per group for the overview: null skip, load copy latency and throughput. A group that only
+    stored (no load scanned it yet: a cold start) has its row too, with no loads."""
     skip = null_skip_by_group(spans)
-    if skip.empty:
+    tp = copy_throughput(spans)
+    groups = pd.concat([skip[GROUP_KEYS], tp[GROUP_KEYS]]).drop_duplicates()
+    if groups.empty:
         return pd.DataFrame(columns=["group", *GROUP_KEYS])
-    out = skip
+    groups = groups.astype({"group_index": "Int64"}).sort_values(GROUP_KEYS)
+    out = groups.merge(skip.astype({"group_index": "Int64"}), on=GROUP_KEYS, how="left")
+    counts = ["scans", "blocks_scanned", "blocks_null_skipped", "blocks_loaded"]
+    out[counts] = out[counts].fillna(0).astype("int64")  # a group no load scanned: none of each
     lat = load_latency_quantiles(spans, requests).iloc[1:]
     lat = lat.assign(group_index=lat["group_index"].astype("Int64"))
     out = out.merge(lat[[*GROUP_KEYS, "p50_ms", "p95_ms", "p99_ms"]], on=GROUP_KEYS, how="left")
-    tp = copy_throughput(spans)
+    tp = tp.astype({"group_index": "Int64"})
     for direction in DIRECTIONS:
         part = tp.loc[tp["direction"] == direction, [*GROUP_KEYS, "bytes", "gb_per_s"]]
         part = part.rename(columns={"bytes": f"bytes_{PAST_TENSE[direction]}", "gb_per_s": f"{direction}_gb_per_s"})

@@ -239,3 +239,20 @@ def test_a_copy_starting_before_its_load_keeps_its_duration(tmp_path):
     assert requests["load_ms"].isna().all() and requests["load_mistimed"].all()
     q = traces.load_latency_quantiles(spans, requests).set_index("scope").loc["copy g0 sliding_window"]
     assert q[["count", "max_ms"]].tolist() == [1, 2.0]
+
+
+def test_a_group_that_only_stored_has_its_row_with_no_loads(tmp_path):
+    """A cold start: every group stored, none loaded yet. The KV groups table said "empty" beside a copy
+    throughput chart of both groups' stores."""
+    owner = "03" * 8
+    path = write(tmp_path, line(
+        span("kvscope.store", {"kvscope.request.id": "r", "kvscope.groups": 2, "kvscope.blocks": 8},
+             trace=TRACE, span_id=owner, start=T),
+        group_copy("store", 1, 0, 4096, T + 100, T + 1100, owner=owner, n=1),
+        group_copy("store", 0, 0, 2048, T + 100, T + 2100, owner=owner, n=2)))
+    spans = traces.read_trace_files([path]).spans
+    summary = traces.group_summary(spans, traces.requests_table(spans))
+    assert summary["group"].tolist() == ["g0 sliding_window", "g1 full_attention"]
+    assert summary["scans"].tolist() == [0, 0] and summary["blocks_loaded"].tolist() == [0, 0]
+    assert summary["bytes_stored"].tolist() == [2048, 4096] and summary["bytes_loaded"].isna().all()
+    assert summary["null_skip_share"].isna().all() and summary["p50_ms"].isna().all()
