@@ -145,6 +145,7 @@ class CopyEngine:
         self._group_block_bytes = [sum(r.page for r in regions) for regions in self.groups]
         self._swap_blocks_batch = _batched_copy_op() if self.is_cuda else None
         self._clock: EventClock | None = None  # made on the first completed CUDA copy
+        self._stream_clash_logged = False
 
     def group_block_bytes(self, group: int) -> int:
         return self._group_block_bytes[group]
@@ -177,9 +178,12 @@ class CopyEngine:
 
     def _copy_cuda(self, regions, slots, subs, block_ids, to_device, nbytes, waits_for_stores) -> CopyResult:
         stream = self.load_stream if to_device else self.store_stream
+        compute = torch.cuda.current_stream(self.device)
+        if compute.cuda_stream == stream.cuda_stream and not self._stream_clash_logged:
+            self._log_stream_clash()
         # Stores read what this step's forward wrote; a load's destination blocks may still be
         # zeroed by compute vLLM queued earlier: both come after the compute stream's work so far.
-        stream.wait_stream(torch.cuda.current_stream(self.device))
+        stream.wait_stream(compute)
         if waits_for_stores:
             # A destination block is one an in-flight store still reads (freed when its request
             # finished, allocated again for this load).
@@ -191,6 +195,15 @@ class CopyEngine:
             keep_alive = self._enqueue(regions, slots, subs, block_ids, to_device)
             end.record(stream)
         return CopyResult(nbytes, len(block_ids), 0, 0, done_event=(start, end), keep_alive=keep_alive)
+
+    def _log_stream_clash(self) -> None:
+        """vLLM computes on a stream it took from torch's pool after this engine took its own (`own_stream`),
+        and the pool's round robin gave it a copy stream: still correct (one stream orders more), but the
+        forward then waits behind loads and the stores behind the forward. Said once."""
+        self._stream_clash_logged = True
+        logger.error("kvscope: vLLM's compute stream is one of kvscope's copy streams (torch's stream pool handed "
+                     "it out again): copies and the forward now wait for each other. Please report the model "
+                     "and vLLM version")
 
     def _enqueue(self, regions, slots, subs, block_ids, to_device):
         """Enqueue a copy on the current stream: one batched call when vLLM's op is there, else (or

@@ -11,6 +11,7 @@ import torch
 
 from .copy_engine import CopyEngine, CopyResult
 from .metadata import LOAD, STORE, KVScopeMetadata, KVScopeWorkerMetadata, TransferJob
+from .planning import NULL_BLOCK_ID
 from .telemetry.failures import telemetry_failed
 from .telemetry.metrics import KVScopeStats
 from .telemetry.span_records import COPY_SPAN, FAILED_COPY_SPAN
@@ -143,7 +144,8 @@ class KVScopeWorker:
 
     def _well_formed(self, job: TransferJob) -> bool:
         """Whether every slot of the job lies in this worker's host buffer, every piece in its slot
-        and every block in the KV cache, with one slot and piece per block of a known group. Never
+        and every block in the KV cache and not vLLM's null block (the placeholder of skipped positions,
+        which the planner skips), with one slot and piece per block of a known group. Never
         copy otherwise: on CUDA each is a raw address, and past a buffer it reads or writes another's
         memory. Nor when two copies of it write one place (`_targets_distinct`). Only a scheduler
         that sized its slots differently from this worker, or a scheduler bug, should get here
@@ -152,13 +154,13 @@ class KVScopeWorker:
         if all(0 <= p.group_index < len(factors) and len(p.slots) == len(p.subs) == len(p.block_ids)
                and (not p.slots or (0 <= min(p.slots) and max(p.slots) < n
                                     and 0 <= min(p.subs) and max(p.subs) < factors[p.group_index]
-                                    and 0 <= min(p.block_ids) and max(p.block_ids) < blocks))
+                                    and NULL_BLOCK_ID < min(p.block_ids) and max(p.block_ids) < blocks))
                for p in job.groups) and self._targets_distinct(job):
             return True
         if not self._range_logged:
             self._range_logged = True
             logger.error("kvscope: %s job %d for request %s addresses host slots, slot pieces or device blocks "
-                         "outside this worker's (%d slots, %d blocks), or one of them twice; it fails (a load "
+                         "outside this worker's (%d slots, %d blocks), vLLM's null block, or one of them twice; it fails (a load "
                          "is recomputed). Please report the model and its parallel configuration",
                          job.direction, job.job_id, job.req_id, n, blocks)
         return False

@@ -713,6 +713,23 @@ def test_a_job_with_one_slot_piece_out_of_range_among_good_ones_fails_without_co
     assert torch.equal(engine.host, host_before)
 
 
+def test_a_job_naming_vllms_null_block_fails_without_copying():
+    """Block 0 is vLLM's null block, the placeholder of every skipped position: a load into it would write
+    KV every sliding-window and Mamba group reads as padding, a store from it would offload padding under a
+    real key. The planner never names it (it skips nulls); the worker, the last guard, refuses it too."""
+    from connector.metadata import LOAD, STORE, GroupTransfer, KVScopeMetadata, TransferJob
+
+    engine, t0, _ = _shared_attention_engine(num_slots=4)
+    worker = _plain_worker(engine)
+    device_before, host_before = _block_bytes(t0, 0).clone(), engine.host.clone()
+    worker.start_load_kv(KVScopeMetadata(loads=[TransferJob(1, "a", LOAD, [
+        GroupTransfer(0, block_ids=[3, 0], slots=[1, 2], subs=[0, 0])])]))
+    worker.wait_for_save(KVScopeMetadata(stores=[TransferJob(2, "s", STORE, [
+        GroupTransfer(0, block_ids=[0, 4], slots=[1, 2], subs=[0, 0])])]))
+    assert worker.build_worker_meta().failed_jobs == {1: 1, 2: 1}
+    assert torch.equal(_block_bytes(t0, 0), device_before) and torch.equal(engine.host, host_before)
+
+
 @pytest.mark.parametrize("refusal", ["missing layer", "page too large"])
 def test_a_refused_layout_is_refused_before_the_host_tier_is_allocated_or_pinned(monkeypatch, refusal):
     """Pinning registers the whole host tier (seconds for tens of GB); a layout refused after it left

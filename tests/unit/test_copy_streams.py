@@ -115,6 +115,21 @@ def test_each_copy_waits_for_what_it_must(cuda_engine):
     assert log == [("load", "waits for", "compute")]
 
 
+def test_a_compute_stream_that_became_a_copy_stream_is_said_once(cuda_engine, monkeypatch, caplog):
+    """torch's stream pool (32 a priority, round robin) can hand vLLM's compute stream out after the engine
+    took its copy streams: the copies stay ordered (one stream), but the forward waits behind loads."""
+    engine, _, log = cuda_engine
+    with caplog.at_level("ERROR", logger="connector.copy_engine"):
+        engine.store(0, [1], [0], [3])
+        assert not caplog.records  # the compute stream is none of the copy streams
+        monkeypatch.setattr(copy_engine_module.torch.cuda, "current_stream",
+                            staticmethod(lambda device=None: engine.load_stream))
+        engine.load(0, [1], [0], [5])
+        engine.load(0, [1], [0], [6])
+    (record,) = caplog.records
+    assert "compute stream is one of kvscope's copy streams" in record.getMessage()
+
+
 def test_a_worker_load_waits_for_the_stores_only_when_its_job_says(cuda_engine):
     """The scheduler tells which loads write a block an unreported store reads
     (`TransferJob.waits_for_stores`); the others start without waiting for the stores in flight."""
@@ -383,7 +398,7 @@ def test_a_step_polls_each_copy_in_flight_once_not_once_per_later_job():
     worker = KVScopeWorker(None, SimpleNamespace(group_factors=[1, 1]), 1 << 20, ["full_attention"] * 2, 0,
                            KVScopeTracing.disabled())
     worker.engine = InFlightEngine()
-    jobs = [TransferJob(i, f"r{i}", STORE, [GroupTransfer(g, [2 * i + g], [2 * i + g], [0]) for g in (0, 1)])
+    jobs = [TransferJob(i, f"r{i}", STORE, [GroupTransfer(g, [2 * i + g + 1], [2 * i + g], [0]) for g in (0, 1)])
             for i in range(64)]
     worker.wait_for_save(KVScopeMetadata(stores=jobs))
     assert worker.engine.polls == 64  # one look at each job (its first copy not done)
