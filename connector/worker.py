@@ -160,8 +160,8 @@ class KVScopeWorker:
         if not self._range_logged:
             self._range_logged = True
             logger.error("kvscope: %s job %d for request %s addresses host slots, slot pieces or device blocks "
-                         "outside this worker's (%d slots, %d blocks), vLLM's null block, or one of them twice; it fails (a load "
-                         "is recomputed). Please report the model and its parallel configuration",
+                         "outside this worker's (%d slots, %d blocks), vLLM's null block, or one of them twice; it "
+                         "fails (a load is recomputed). Please report the model and its parallel configuration",
                          job.direction, job.job_id, job.req_id, n, blocks)
         return False
 
