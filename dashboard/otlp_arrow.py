@@ -326,7 +326,8 @@ def _attributes(attributes, keep: np.ndarray, total: int) -> tuple[dict[str, np.
 
 def _inherit_resource_attributes(rs_items, rs_of_span: np.ndarray, values: dict, invalid: dict) -> None:
     """Give each kept span the `schema.RESOURCE_ATTRIBUTES` of its resource (``rs_of_span``) where it has
-    none of its own, as the line decoder does; declines on a value that is not a plain number."""
+    none of its own, as the line decoder does; declines on a value not of its column's type (a plain
+    number, or a string)."""
     items, rs_of_item = _flatten(_field(_field(rs_items, "resource"), "attributes"))
     if items is None:
         return
@@ -344,6 +345,17 @@ def _inherit_resource_attributes(rs_items, rs_of_span: np.ndarray, values: dict,
         picked = value.take(pa.array(rows)) if value is not None else None
         if _holds_several(picked):
             raise _Declined(f"resource attribute {key} holding several values")
+        if not schema.ATTRIBUTE_COLUMNS[key][1]:  # a string
+            text = _field(picked, "stringValue")
+            got = (_as_numpy(_string_typed(text)) if text is not None and not pa.types.is_null(text.type)
+                   else np.full(len(rows), None, dtype=object))
+            if np.equal(got, None).any():
+                raise _Declined(f"non-string resource attribute {key}")
+            by_resource = np.full(len(rs_items), None, dtype=object)
+            by_resource[rs_of_item[rows]] = got
+            col = values[key]
+            values[key] = np.where(np.equal(col, None), by_resource[rs_of_span], col)
+            continue
         number = _numbers(picked, len(rows))
         if np.isnan(number).any():
             raise _Declined(f"non-numeric resource attribute {key}")

@@ -40,6 +40,8 @@ class Summary:
     slowest: pd.DataFrame
     engines: pd.DataFrame
     empty_folders: list[str] = field(default_factory=list)
+    # engine index (None: none named) -> processes its lookups came from, where several (`engines_run_apart`)
+    engines_run_apart: dict = field(default_factory=dict)
 
     @property
     def has_requests(self) -> bool:
@@ -60,7 +62,7 @@ def summarize(paths: Sequence[str], environ: Mapping[str, str], slowest: int = 5
     return Summary(read, requests, traces.overview_numbers(requests, spans), traces.misses_by_reason(spans),
                    traces.group_summary(spans, requests), traces.load_latency_quantiles(spans, requests),
                    traces.top_slow_loads(requests, slowest), engines if len(engines) > 1 else pd.DataFrame(),
-                   found.empty_folders)
+                   found.empty_folders, traces.engines_run_apart(spans))
 
 
 def why_empty(summary: Summary) -> str:
@@ -98,6 +100,8 @@ def as_text(summary: Summary) -> str:
     ]
     out += [f"note: {text}" for text in summary.empty_folders]  # (folders given beside the files read)
     out += [f"warning: {text}" for text in _warnings(n)]
+    if summary.engines_run_apart:
+        out.append(f"warning: {traces.engines_run_apart_note(summary.engines_run_apart)}")
     for title, frame, columns in (
             ("by engine", summary.engines, _ENGINE_COLUMNS),
             ("why the host tier served no more", summary.misses, _MISSES_COLUMNS),
@@ -119,6 +123,9 @@ def as_json(summary: Summary) -> str:
         "spans_read_twice": sum(p.spans or 0 for p in summary.read.problems if p.reason == traces.DUPLICATE_SPAN),
         "numbers": {key: _plain(value) for key, value in summary.numbers.items()},
         "by_engine": _records(summary.engines),
+        # engine index -> processes its lookups came from, where several ("none": files naming no engine)
+        "engines_run_apart": {("none" if engine is None else str(engine)): n
+                              for engine, n in summary.engines_run_apart.items()},
         "misses_by_reason": _records(summary.misses),
         "groups": _records(summary.groups),
         "load_latency": _records(summary.latency),

@@ -9,7 +9,7 @@ import pandas as pd
 
 from dashboard.traces.hit_rates import hit_rate
 from dashboard.traces.request_table import load_rows
-from dashboard.traces.schema import copies_of
+from dashboard.traces.schema import LOOKUP, copies_of
 
 
 def top_slow_loads(requests: pd.DataFrame, n: int = 10) -> pd.DataFrame:
@@ -95,3 +95,26 @@ def engine_summary(requests: pd.DataFrame) -> pd.DataFrame:
         numbers = request_numbers(of_engine)
         rows.append({"engine": int(engine), **{col: numbers[col] for col in ENGINE_COLUMNS[1:]}})
     return pd.DataFrame(rows, columns=list(ENGINE_COLUMNS))
+
+
+def engines_run_apart(spans: pd.DataFrame) -> dict[int | None, int]:
+    """Per engine index (None: files that name none) whose lookups came from more than one process
+    (`service.instance.id`, a UUID per process unless set), how many: separate servers or restarts of one,
+    each with a host tier of its own, that the numbers pool (`engines_run_apart_note`)."""
+    lookups = spans[(spans["name"] == LOOKUP) & spans["service_instance"].notna()]
+    if lookups.empty:
+        return {}
+    counts = lookups.groupby(lookups["engine"].astype("Int64"), dropna=False)["service_instance"].nunique()
+    return {(None if pd.isna(engine) else int(engine)): int(n) for engine, n in counts.items() if n > 1}
+
+
+def engines_run_apart_note(apart: dict[int | None, int]) -> str:
+    """What `engines_run_apart` found, said once for every engine it names; "" when none."""
+    if not apart:
+        return ""
+    said = "; ".join(f"{'no engine named' if engine is None else f'engine {engine}'}: {n} processes"
+                     for engine, n in sorted(apart.items(), key=lambda kv: (kv[0] is None, kv[0] or 0)))
+    return (f"These files hold lookups of one engine index from several processes ({said}; told apart by the "
+            "OpenTelemetry resource's service.instance.id): separate servers, or restarts of one, each with a "
+            "host tier of its own. The numbers here pool them: read each server's run apart (its own trace "
+            "file) to see one tier's story.")

@@ -14,6 +14,8 @@ import pandas as pd
 
 from connector.telemetry.span_records import ENGINE_RESOURCE_ATTRIBUTE
 
+SERVICE_INSTANCE_ATTRIBUTE = "service.instance.id"
+
 SCOPE_NAME = "kvscope"
 # Scope versions whose span schema this reader knows ("0.1" accepts 0.1, 0.1.0, 0.1.3.dev1, ...).
 SUPPORTED_SCOPE_VERSIONS = ("0.1",)
@@ -63,9 +65,13 @@ ATTRIBUTE_COLUMNS: dict[str, tuple[str, bool]] = {
     # A resource attribute (vLLM's data-parallel index): each decoder gives it to every span of its
     # resource (`RESOURCE_ATTRIBUTES`); NA in files written before kvscope recorded it.
     ENGINE_RESOURCE_ATTRIBUTE: ("engine", True),
+    # The OpenTelemetry SDK's id of the process that wrote the span (a UUID per process, unless
+    # OTEL_RESOURCE_ATTRIBUTES sets it): lookups of one engine index from several processes are separate
+    # servers or restarts, each with a host tier of its own. NA where the SDK did not set it.
+    SERVICE_INSTANCE_ATTRIBUTE: ("service_instance", False),
 }
 # Resource attributes read as if each span of the resource carried them (a span's own value wins).
-RESOURCE_ATTRIBUTES = (ENGINE_RESOURCE_ATTRIBUTE,)
+RESOURCE_ATTRIBUTES = (ENGINE_RESOURCE_ATTRIBUTE, SERVICE_INSTANCE_ATTRIBUTE)
 
 REQUIRED_ATTRIBUTES: dict[str, tuple[str, ...]] = {
     LOOKUP: ("kvscope.request.id", "kvscope.tokens.queried", "kvscope.tokens.hit"),

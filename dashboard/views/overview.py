@@ -20,6 +20,8 @@ if numbers["requests_load_failed"]:
     st.warning(f"{formatting.count(len(failed))} request(s) had a load that failed on a worker: vLLM recomputed "
                f"their tokens: {formatting.names(failed)}. The Requests page lists them ('failed loads').",
                icon=":material/error:")
+if run_apart := traces.engines_run_apart_note(traces.engines_run_apart(spans)):
+    st.warning(run_apart, icon=":material/warning:")
 if numbers["loads_without_copies"]:
     st.warning(f"{formatting.count(numbers['loads_without_copies'])} of {formatting.count(numbers['loads'])} loads "
                "have no copy spans: worker trace file missing or cut short, or their copies in another trace (see "

@@ -51,16 +51,18 @@ def raw_spans(path: Path) -> list[dict]:
     return out
 
 
-def two_engine_copy(folder: Path) -> Path:
+def two_engine_copy(folder: Path, key: str = "kvscope.engine") -> Path:
     """The two-rounds fixture as two data-parallel engines wrote it: every other line's resources name engine 1
-    (`kvscope.engine`), the rest engine 0."""
-    path = folder / "two_engines.jsonl"
+    (`kvscope.engine`), the rest engine 0. With ``key="service.instance.id"``: as two processes (servers, or
+    restarts of one) wrote it, each its own engine 0 ("p0", "p1")."""
+    path = folder / ("two_engines.jsonl" if key == "kvscope.engine" else "two_processes.jsonl")
     lines = []
     for i, text in enumerate(TWO_ROUNDS.read_text().splitlines()):
         doc = json.loads(text)
         for rs in doc["resourceSpans"]:
             rs.setdefault("resource", {}).setdefault("attributes", []).append(
-                {"key": "kvscope.engine", "value": {"intValue": str(i % 2)}})
+                {"key": key, "value": {"intValue": str(i % 2)} if key == "kvscope.engine" else
+                 {"stringValue": f"p{i % 2}"}})
         lines.append(json.dumps(doc))
     path.write_text("\n".join(lines) + "\n")
     return path

@@ -474,6 +474,16 @@ def test_slowest_load_opens_on_the_requests_page(monkeypatch):
     assert list(at.session_state["request_table"]["selection"]["rows"]) == [0]
 
 
+def test_the_overview_warns_of_lookups_from_several_processes(monkeypatch, tmp_path):
+    from .conftest import two_engine_copy
+
+    at = app(monkeypatch, two_engine_copy(tmp_path, key="service.instance.id"))
+    assert_ok(at)
+    assert any("lookups of one engine index from several processes" in w.value for w in at.warning)
+    at = app(monkeypatch, TWO_ROUNDS)
+    assert not any("several processes" in w.value for w in at.warning)
+
+
 def test_a_miss_reason_opens_its_requests_on_the_requests_page(monkeypatch):
     at = app(monkeypatch, TWO_ROUNDS)
     at.session_state["request_search"] = "r2"  # searched before: the reason's requests are listed whatever it was

@@ -881,6 +881,36 @@ def test_each_span_takes_the_engine_its_resource_names(tmp_path, decoder):
     assert list(engine_requests["request_id"]) == ["r2"] and list(engine_spans["request_id"]) == ["r2"]
 
 
+def _process_line(engine: int, instance: str | None, *spans: dict) -> str:
+    """`engine_line` whose resource also names its process (`service.instance.id`, as the OTel SDK writes it)."""
+    doc = json.loads(engine_line({"intValue": str(engine)}, *spans))
+    if instance is not None:
+        doc["resourceSpans"][0]["resource"]["attributes"].append(
+            {"key": "service.instance.id", "value": {"stringValue": instance}})
+    return json.dumps(doc)
+
+
+def test_lookups_of_one_engine_index_from_several_processes_are_told(tmp_path, decoder):
+    """Two servers' trace files read together (each engine 0), or one server restarted: each process had a host
+    tier of its own, and the app said nothing of it. The SDK's service.instance.id tells the processes apart."""
+    path = write(tmp_path,
+                 _process_line(0, "aaaa", lookup("r1", span_id="11" * 8), lookup("r2", span_id="12" * 8)),
+                 _process_line(0, "bbbb", lookup("r3", span_id="21" * 8, trace="12" * 16)),
+                 _process_line(1, "cccc", lookup("r4", span_id="31" * 8, trace="13" * 16)),
+                 _process_line(1, None, lookup("r5", span_id="41" * 8, trace="14" * 16)))
+    read = traces.read_trace_files([path])
+    assert read.problems == []
+    instance_of = {r: None if pd.isna(i) else i
+                   for r, i in zip(read.spans["request_id"], read.spans["service_instance"])}
+    assert instance_of == {"r1": "aaaa", "r2": "aaaa", "r3": "bbbb", "r4": "cccc", "r5": None}
+    assert traces.engines_run_apart(read.spans) == {0: 2}  # engine 1's second resource names no process
+    note = traces.engines_run_apart_note({0: 2, None: 3})
+    assert "(engine 0: 2 processes; no engine named: 3 processes;" in note and "host tier of its own" in note
+    assert traces.engines_run_apart_note({}) == ""
+    one = write(tmp_path, _process_line(0, "aaaa", lookup("r1", span_id="11" * 8)), name="one.jsonl")
+    assert traces.engines_run_apart(traces.read_trace_files([one]).spans) == {}
+
+
 def test_a_spans_own_engine_wins_over_its_resources_in_the_arrow_decoder_too(tmp_path):
     """The test above writes one engine as text and one as a JSON number, which the Arrow decoder declines: here
     both are text, so the Arrow decoder reads the file, and a span's own engine wins there too."""

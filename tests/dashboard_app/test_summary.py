@@ -125,6 +125,18 @@ def test_each_quantile_and_warning_is_told_in_its_place():
     assert "warning" not in summary.as_text(base)
 
 
+def test_lookups_from_two_processes_of_one_engine_index_are_warned_of(capsys, tmp_path):
+    """Two servers' files read together, each its engine 0: two host tiers, pooled in every number."""
+    path = two_engine_copy(tmp_path, key="service.instance.id")
+    code, out, _ = _run(capsys, "--json", str(path))
+    assert code == 0 and json.loads(out)["engines_run_apart"] == {"none": 2}
+    _, text, _ = _run(capsys, str(path))
+    assert "warning: These files hold lookups of one engine index from several processes (no engine named: " \
+           "2 processes;" in text
+    _, out, _ = _run(capsys, "--json", str(TWO_ROUNDS))
+    assert json.loads(out)["engines_run_apart"] == {}
+
+
 def test_two_engines_get_a_table_by_engine(capsys, tmp_path):
     """Data parallelism: every other line of the fixture from engine 1."""
     dp_file = two_engine_copy(tmp_path)
