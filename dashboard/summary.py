@@ -110,6 +110,8 @@ def as_text(summary: Summary) -> str:
             ("slowest loads", summary.slowest, _SLOWEST_COLUMNS)):
         if not frame.empty:
             out += ["", f"{title}:", _table(frame, columns)]
+            if frame is summary.misses:  # its tokens are not kvscope_missed_tokens_total's split: say how
+                out.append(traces.MISSES_DEFINITION)
     return "\n".join(out) + "\n"
 
 

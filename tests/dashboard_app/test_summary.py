@@ -8,7 +8,7 @@ import json
 import pytest
 
 from connector.cli import main
-from dashboard import formatting, summary
+from dashboard import formatting, summary, traces
 
 from .conftest import MALFORMED, TWO_ROUNDS, raw_spans, two_engine_copy
 
@@ -33,6 +33,9 @@ def test_the_text_tells_the_hit_rate_load_times_and_bytes_of_the_fixture(capsys,
             f"stored {formatting.data_size(expected.bytes['store'])}") in out
     for title in ("why the host tier served no more:", "KV groups:", "load latency:", "slowest loads:"):
         assert title in out
+    # the reasons' tokens are each lookup's whole shortfall, not the metric's block-by-block split: said under them
+    assert out.split("why the host tier served no more:\n", 1)[1].split("\n\n", 1)[0].endswith(
+        traces.MISSES_DEFINITION)
     slowest = max(expected.load_ms, key=expected.load_ms.get)
     table = out.split("slowest loads:\n", 1)[1].splitlines()
     assert slowest[:8] in table[1] and f"{expected.load_ms[slowest]:.3f}" in table[1]  # the slowest first
