@@ -76,7 +76,18 @@ def query_range(base_url: str, query: str, start: float, end: float, step: int, 
                 session: requests.Session | None = None, deadline: float | None = None) -> list[dict]:
     """The `result` list of a range query (a matrix), or PrometheusError with a readable reason. `timeout`
     bounds each wait for the server, `deadline` (`time.monotonic()`; default: two timeouts from now) the whole
-    answer: a server sending it a byte at a time never times out a wait."""
+    answer: a server sending it a byte at a time never times out a wait. A password in the URL is in no
+    message (an error's own text, urllib3's, may quote the URL whole)."""
+    try:
+        return _query_range(base_url, query, start, end, step, timeout, session, deadline)
+    except PrometheusError as exc:
+        said = f":{_password(base_url)}@"
+        if said != ":@" and said in str(exc):  # as URLs quote it (a bare short password would match words)
+            raise PrometheusError(str(exc).replace(said, ":***@")) from None
+        raise
+
+
+def _query_range(base_url, query, start, end, step, timeout, session, deadline) -> list[dict]:
     base = base_url.strip().rstrip("/")
     shown = _without_password(base)  # in messages: a password given in the URL is not
     if not base.lower().startswith(("http://", "https://")):
@@ -160,8 +171,8 @@ def _not_prometheus(base: str, response) -> str:
     if history:  # (a login page, a proxy's front page)
         said += f" after a redirect to {_short(_without_password(getattr(response, 'url', '') or '?'))}"
     if status in (401, 407):
-        return (f"{said}: it asks for credentials. This page sends HTTP basic authentication given in the URL, like "
-                f"http://user:password@{shown.split('://', 1)[1]}, and no other kind")
+        return (f"{said}: it asks for credentials (or refused the ones given). This page sends HTTP basic "
+                f"authentication given in the URL, like {_with_credentials(base)}, and no other kind")
     if status == 403:
         return f"{said}: access refused. Check that the credentials in the URL may read this Prometheus' API"
     if status == 404:
@@ -174,13 +185,30 @@ def _not_prometheus(base: str, response) -> str:
 
 
 def _without_password(url: str) -> str:
-    """``url`` with the password of its user information (``user:password@``) masked, to be shown."""
+    """``url`` with the password of its user information (``user:password@``) masked, to be shown; a URL
+    without its scheme (``user:password@host:9090``) too."""
     scheme, sep, rest = url.partition("://")
+    if not sep:
+        scheme, rest = "", url
     authority, slash, path = rest.partition("/")
     user, at, host = authority.rpartition("@")
     if not at or ":" not in user:
         return url
     return f"{scheme}{sep}{user.split(':', 1)[0]}:***@{host}{slash}{path}"
+
+
+def _password(url: str) -> str:
+    """The password of ``url``'s user information, "" when it has none."""
+    rest = url.strip().partition("://")[2] or url.strip()
+    user, at, _ = rest.partition("/")[0].rpartition("@")
+    return user.partition(":")[2] if at else ""
+
+
+def _with_credentials(base: str) -> str:
+    """``base`` as it would carry basic-auth credentials: ``scheme://user:password@host[:port][/path]``."""
+    scheme, _, rest = base.partition("://")
+    authority, slash, path = rest.partition("/")
+    return f"{scheme}://user:password@{authority.rpartition('@')[2]}{slash}{path}"
 
 
 def _reason(exc: requests.RequestException) -> str:

@@ -350,7 +350,8 @@ def test_json_that_is_no_prometheus_answer_asks_whether_it_is_prometheus(misbeha
 @pytest.mark.parametrize(("how", "said"), [
     ("vllm", r"HTTP 404 without a Prometheus API response: there is no query API at that path\. Enter Prometheus' "
              r"base URL .*, not vLLM's"),
-    ("basic auth", r"HTTP 401 without a Prometheus API response: it asks for credentials\. This page sends HTTP "
+    ("basic auth", r"HTTP 401 without a Prometheus API response: it asks for credentials \(or refused the ones "
+                   r"given\)\. This page sends HTTP "
                    r"basic authentication given in the URL, like http://user:password@127\.0\.0\.1:\d+, and no"),
     ("forbidden", r"HTTP 403 without a Prometheus API response: access refused"),
     ("bad gateway", r"HTTP 502 without a Prometheus API response: a proxy in front of it could not reach the server"),
@@ -371,11 +372,20 @@ def test_credentials_in_the_url_are_sent_and_its_password_is_never_shown(misbeha
     handler.how = "basic auth"
     with_secret = url.replace("http://", "http://user:secret@")
     assert prometheus.query_range(with_secret, "up", 0, 60, 15)[0]["values"] == [[1, "0.5"]]
-    for wrong in (url.replace("http://", "http://user:wrong@"), with_secret.replace("127.0.0.1", "127.0.0.1:1")):
+    port = url.rsplit(":", 1)[1]
+    for wrong, said in [
+        (url.replace("http://", "http://user:wrong@"), "like http://user:password@127.0.0.1:"),  # a 401
+        (with_secret.replace("127.0.0.1", "127.0.0.1:1"), "http://user:***@127.0.0.1:1:"),  # no valid URL
+        (with_secret.replace(port, "99999"), "http://user:***@127.0.0.1:99999"),  # urllib3 quotes the URL
+        (with_secret.replace("http://", ""), "'user:***@127.0.0.1:"),  # no scheme
+    ]:
         with pytest.raises(prometheus.PrometheusError) as raised:
-            prometheus.query_range(wrong, "up", 0, 60, 15)
-        assert "http://user:***@127.0.0.1:" in str(raised.value)
-        assert "wrong" not in str(raised.value) and "secret" not in str(raised.value)
+            prometheus.query_range(wrong, "up", 0, 60, 15, timeout=2)
+        assert said in str(raised.value)
+        assert "wrong" not in str(raised.value) and "secret" not in str(raised.value), str(raised.value)
+    # the hint keeps the scheme and drops the credentials given (it doubled them: user:password@alice:***@host)
+    said = prometheus._not_prometheus("https://alice:wrong@prom:9090/p", SimpleNamespace(status_code=401))
+    assert "like https://user:password@prom:9090/p, and no other kind" in said and "wrong" not in said
 
 
 def test_a_prometheus_url_with_a_query_is_refused_and_an_upper_case_scheme_taken(fake_prometheus):
