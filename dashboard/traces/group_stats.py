@@ -12,6 +12,9 @@ from dashboard.traces.schema import (
     COPY,
     DIRECTIONS,
     GROUP_KEYS,
+    LOAD,
+    LOOKUP,
+    STORE,
     PAST_TENSE,
     STATUS_ERROR,
     copies_of,
@@ -145,7 +148,8 @@ def copy_throughput(spans: pd.DataFrame) -> pd.DataFrame:
 
 def group_summary(spans: pd.DataFrame, requests: pd.DataFrame) -> pd.DataFrame:
     """One row per group for the overview: null skip, load copy latency and throughput. A group that only
-    stored (no load scanned it yet: a cold start) has its row too, with no loads."""
+    stored (no load scanned it yet: a cold start) has its row too, with no loads; where the files hold no
+    scheduler span (only the workers' file read) its load counts are unknown, not 0."""
     skip = null_skip_by_group(spans)
     tp = copy_throughput(spans)
     groups = pd.concat([skip[GROUP_KEYS], tp[GROUP_KEYS]]).drop_duplicates()
@@ -154,7 +158,10 @@ def group_summary(spans: pd.DataFrame, requests: pd.DataFrame) -> pd.DataFrame:
     groups = groups.astype({"group_index": "Int64"}).sort_values(GROUP_KEYS)
     out = groups.merge(skip.astype({"group_index": "Int64"}), on=GROUP_KEYS, how="left")
     counts = ["scans", "blocks_scanned", "blocks_null_skipped", "blocks_loaded"]
-    out[counts] = out[counts].fillna(0).astype("int64")  # a group no load scanned: none of each
+    # a group no load scanned, where the scheduler's spans are in the files (a cold start): none of each; with
+    # the workers' file alone, unknown
+    scheduler_read = spans["name"].isin([LOOKUP, LOAD, STORE]).any()
+    out[counts] = out[counts].fillna(0).astype("int64") if scheduler_read else out[counts].astype("Int64")
     lat = load_latency_quantiles(spans, requests).iloc[1:]
     lat = lat.assign(group_index=lat["group_index"].astype("Int64"))
     out = out.merge(lat[[*GROUP_KEYS, "p50_ms", "p95_ms", "p99_ms"]], on=GROUP_KEYS, how="left")

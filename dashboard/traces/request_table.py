@@ -96,6 +96,7 @@ REQUEST_COLUMNS = (
     "tokens_hit",
     "hit_rate",
     "miss_reason",
+    "miss_reasons",
     "deferred_lookups",
     "deferred_wait_ms",
     "ended_waiting",
@@ -167,6 +168,11 @@ def requests_table(spans: pd.DataFrame, vllm: pd.DataFrame | None = None) -> pd.
                      .fillna(waits.groupby(REQUEST_KEY, sort=False)["engine"].first().reindex(ids)))
     out["lookups"] = by_lookup.size().reindex(ids).fillna(0).astype("int64")
     out["miss_reason"] = by_lookup["miss_reason"].last().reindex(ids)  # its last lookup's (`MISS_REASON_DEFINITION`)
+    # every lookup's, distinct, "|"-joined: the Overview counts reasons by lookup, and its row of one opens the
+    # requests with a lookup that stopped for it (`search_requests`), an earlier lookup's too
+    reasons = lookups.loc[lookups["miss_reason"].notna(), [*REQUEST_KEY, "miss_reason"]].drop_duplicates()
+    out["miss_reasons"] = (reasons.groupby(REQUEST_KEY, sort=False)["miss_reason"].agg("|".join).reindex(ids)
+                           if not reasons.empty else pd.Series(pd.NA, index=ids, dtype=object))
     # NA unless a span says it was deferred (`DEFERRAL_DEFINITION`): older files cannot tell "not deferred"
     by_deferral = spans[spans["name"].isin(_TELL_WAITS)].groupby(REQUEST_KEY, sort=False)
     out["deferred_lookups"] = by_deferral["deferred_lookups"].sum(min_count=1).reindex(ids).astype("Int64")
@@ -322,6 +328,12 @@ def of_engine(requests: pd.DataFrame, spans: pd.DataFrame, engine: int) -> tuple
             spans[(spans["engine"] == engine).fillna(False).astype(bool)])
 
 
+def miss_reasons_of(requests: pd.DataFrame) -> list[str]:
+    """Every reason a lookup of ``requests`` stopped for (`search_requests`' ``reasons``), sorted."""
+    said = requests["miss_reasons"].dropna().astype(str)
+    return sorted({reason for joined in said for reason in joined.split("|")})
+
+
 def search_requests(requests: pd.DataFrame, text: str, show: str = "all", engine: int | None = None,
                     reasons: Collection[str] = ()) -> pd.DataFrame:
     """Requests whose label, id or trace id contains `text` (case-insensitive), and of the kind `show` names
@@ -329,10 +341,11 @@ def search_requests(requests: pd.DataFrame, text: str, show: str = "all", engine
     itself, with no hit; one that ended waiting for device KV room had a hit to load, never counted), "misses"
     (the others) or "failed loads"; with `engine`, those of that engine only
     (each engine has a host tier of its own: a prefix another engine stored is a miss on this one); with
-    `reasons`, those whose hit stopped for one of them (`miss_reason`: a partial hit's too)."""
+    `reasons`, those with a lookup whose hit stopped for one of them (`miss_reasons`: a partial hit's too)."""
     out = requests
     if reasons:
-        out = out[out["miss_reason"].isin(list(reasons)).fillna(False).astype(bool)]
+        said = out["miss_reasons"].fillna("").astype(str).str.split("|")
+        out = out[said.map(lambda of_request: not set(reasons).isdisjoint(of_request)).astype(bool)]
     if engine is not None:
         out = out[(out["engine"] == engine).fillna(False).astype(bool)]
     text = text.strip().lower()

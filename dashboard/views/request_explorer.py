@@ -32,11 +32,13 @@ if pick_engine:
     engine = pick_engine[0].selectbox("Engine", [None, *engines], key="request_engine",
                                       format_func=lambda e: "all" if e is None else str(e),
                                       help="vLLM's data-parallel engine; each has its own host tier")
-reasons_seen = sorted(requests["miss_reason"].dropna().unique())
+reasons_seen = traces.miss_reasons_of(requests)
 picked_reasons = []
 if reasons_seen:  # trace files that record why each lookup's hit stopped
-    picked_reasons = st.multiselect("Served no more because", reasons_seen, key="request_reasons",
-                                    placeholder="any reason (or none recorded)", help=traces.MISS_REASON_DEFINITION)
+    picked_reasons = st.multiselect(
+        "Served no more because", reasons_seen, key="request_reasons", placeholder="any reason (or none recorded)",
+        help="Requests with a lookup whose hit stopped for one of these (an earlier lookup's too, as the Overview "
+             "counts them). " + traces.MISS_REASON_DEFINITION)
 shown = traces.search_requests(requests, text, show=kind, engine=engine, reasons=picked_reasons).reset_index(drop=True)
 
 # The selection follows its request, not its row position, when the search or the filter changes the rows.

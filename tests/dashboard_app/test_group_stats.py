@@ -6,6 +6,7 @@ import pandas as pd
 
 from dashboard import traces
 
+from .conftest import TWO_ROUNDS
 from .test_group_copies import group_copy
 from .test_joins import load
 from .test_reader import line, lookup, span, write
@@ -256,3 +257,13 @@ def test_a_group_that_only_stored_has_its_row_with_no_loads(tmp_path):
     assert summary["scans"].tolist() == [0, 0] and summary["blocks_loaded"].tolist() == [0, 0]
     assert summary["bytes_stored"].tolist() == [2048, 4096] and summary["bytes_loaded"].isna().all()
     assert summary["null_skip_share"].isna().all() and summary["p50_ms"].isna().all()
+
+
+def test_with_the_workers_file_alone_a_groups_load_counts_are_unknown_not_zero():
+    """Copies only (the scheduler's file not given): the groups' rows showed 0 loads beside megabytes loaded."""
+    spans = traces.read_trace_files([TWO_ROUNDS]).spans
+    copies = spans[spans["name"] == "kvscope.group.copy"]
+    summary = traces.group_summary(copies, traces.requests_table(copies))
+    assert len(summary) == 2 and (summary["bytes_loaded"] > 0).all()
+    for col in ("scans", "blocks_scanned", "blocks_null_skipped", "blocks_loaded"):
+        assert summary[col].isna().all(), col

@@ -474,6 +474,30 @@ def test_slowest_load_opens_on_the_requests_page(monkeypatch):
     assert list(at.session_state["request_table"]["selection"]["rows"]) == [0]
 
 
+def test_a_miss_reason_of_an_earlier_lookup_lists_its_request(monkeypatch, tmp_path):
+    """The Overview counts reasons by lookup, a request's column shows its last lookup's: a reason only an
+    earlier lookup had was no option of the filter, which Streamlit then dropped, listing every request."""
+    def missed(rid, reason, span_id, trace, start=1_700_000_000_000_000_000):
+        sp = lookup(rid, 100, 0, span_id=span_id, trace=trace, start=start)
+        sp["attributes"].append({"key": "kvscope.miss.reason", "value": {"stringValue": reason}})
+        return sp
+
+    path = tmp_path / "reasons.jsonl"
+    path.write_text(line(missed("r1", "storing", "11" * 8, "a1" * 16),
+                         missed("r1", "evicted", "12" * 8, "a1" * 16, start=1_700_000_000_000_000_010),
+                         missed("r2", "evicted", "21" * 8, "a2" * 16), missed("r3", "evicted", "31" * 8, "a3" * 16))
+                    + "\n")
+    misses = traces.misses_by_reason(traces.read_trace_files([path]).spans)
+    assert misses["miss_reason"].tolist() == ["evicted", "storing"]
+    at = app(monkeypatch, path)
+    at.session_state["miss_reasons"] = {"selection": {"rows": [1]}}
+    at.run()
+    assert_ok(at)
+    assert at.title[0].value == "Requests"
+    assert at.multiselect(key="request_reasons").value == ["storing"]
+    assert at.dataframe[0].value["request_id"].tolist() == ["r1"]
+
+
 def test_the_overview_warns_of_lookups_from_several_processes(monkeypatch, tmp_path):
     from .conftest import two_engine_copy
 
