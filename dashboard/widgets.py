@@ -66,8 +66,8 @@ def request_waterfall(spans: pd.DataFrame, requests: pd.DataFrame, request: pd.S
                  width="stretch", placeholder="–", key=f"{key}_table")
 
 
-def request_numbers(request: pd.Series) -> None:
-    """The headline numbers of one request."""
+def request_numbers(request: pd.Series, spans: pd.DataFrame | None = None) -> None:
+    """The headline numbers of one request; with the ``spans`` read, what its first load waited for."""
     cols = st.columns(4)
     cols[0].metric("Tokens hit / queried", f"{formatting.count(request['tokens_hit'])} / "
                    f"{formatting.count(request['tokens_queried'])}")
@@ -80,6 +80,9 @@ def request_numbers(request: pd.Series) -> None:
                    f"its last copy's end, every worker and group) and {formatting.millis(waited)} before the "
                    "first copy started: planning, then waiting for a worker to run the engine step that starts "
                    "it (a long step before it, or copies queued ahead, delay it).")
+        wait = traces.load_wait(spans, request["trace_id"], request["request_id"]) if spans is not None else None
+        if wait is not None:
+            st.caption(traces.load_wait_text(wait))
     local = request["tokens_local"]
     if pd.notna(local) and local > 0:
         st.caption(f"vLLM's device prefix cache had its first {formatting.count(local)} tokens: the host tier was "

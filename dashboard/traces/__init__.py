@@ -47,6 +47,7 @@ from dashboard.traces.hit_rates import (
     misses_by_reason,
     pick_bucket_seconds,
 )
+from dashboard.traces.load_waits import LoadWait, load_wait, load_wait_text
 from dashboard.traces.problems import DUPLICATE_SPAN, Problem, problem_lines, problems_frame
 from dashboard.traces.reader import (
     DecodedSpans,
@@ -118,7 +119,8 @@ __all__ = [
     "decode_lines", "decode_spans", "engine_summary", "engines_of", "engines_run_apart", "engines_run_apart_note",
     "find_request", "group_label", "group_summary",
     "hit_rate",
-    "hit_rate_over_time", "load_latency_distribution", "miss_reasons_of", "misses_by_reason",
+    "hit_rate_over_time", "load_latency_distribution", "LoadWait", "load_wait", "load_wait_text", "miss_reasons_of",
+    "misses_by_reason",
     "load_rows", "load_latency_quantiles", "null_skip_by_group",
     "of_engine", "overview_numbers", "pick_bucket_seconds", "request_numbers", "problem_lines", "problems_frame",
     "read_trace_files",

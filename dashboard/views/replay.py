@@ -72,7 +72,7 @@ def player() -> None:
     right.altair_chart(charts.replay_traffic(timeline, state["step"]), width="stretch")
 
     st.subheader(f"Request `{state['request']}` at {state['t_s']:.3f} s")
-    widgets.request_numbers(request)
+    widgets.request_numbers(request, spans)
     widgets.request_waterfall(spans, requests, request, key="replay_waterfall", vllm=loaded.vllm)
 
     st.subheader("Arrived so far")

@@ -115,6 +115,6 @@ request = shown.iloc[0 if row is None else row]
 st.subheader(f"Request `{request['request']}`")
 st.caption(f"trace `{request['trace_id']}` · arrived at {request['arrival']:%Y-%m-%d %H:%M:%S.%f} UTC"
            + ("" if row is not None or len(shown) == 1 else " · the first row is shown until you select one"))
-widgets.request_numbers(request)
+widgets.request_numbers(request, spans)
 widgets.request_waterfall(spans, requests, request, key="request_waterfall", vllm=loaded.vllm)
 widgets.group_copy_tables(spans, request, key="request_group_copies")

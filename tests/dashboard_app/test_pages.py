@@ -472,6 +472,10 @@ def test_slowest_load_opens_on_the_requests_page(monkeypatch):
     assert at.subheader[0].value == "Request `cmpl-r2-06`"
     assert at.text_input(key="request_search").value == "cmpl-r2-06"
     assert list(at.session_state["request_table"]["selection"]["rows"]) == [0]
+    # what its load waited for before its first copy, told from the workers' copies
+    spans = traces.read_trace_files([TWO_ROUNDS]).spans
+    wait = traces.load_wait(spans, at.session_state["request_table_keys"][0][0], "cmpl-r2-06")
+    assert traces.load_wait_text(wait) in [c.value for c in at.caption]
 
 
 def test_a_miss_reason_of_an_earlier_lookup_lists_its_request(monkeypatch, tmp_path):

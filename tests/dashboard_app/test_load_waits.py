@@ -1,0 +1,64 @@
+"""What a load waited for before its first copy (`load_waits`): other requests' copies on its workers, or none."""
+
+from __future__ import annotations
+
+import pytest
+
+from dashboard import traces
+
+from .test_group_copies import group_copy
+from .test_joins import load
+from .test_reader import line, write
+
+T = 1_700_000_000_000_000_000
+MS = 1_000_000
+TRACE = "ab" * 16
+
+
+def _load(rid: str, owner: str, trace: str, start: int) -> dict:
+    return load(rid, span_id=owner, trace=trace, start=start, end=start + 20 * MS)
+
+
+def _copy(direction, rank, start_ms, end_ms, owner, n, rid, trace):
+    sp = group_copy(direction, 0, rank, 100, T + start_ms * MS, T + end_ms * MS, owner=owner, rid=rid, n=n)
+    sp["traceId"] = trace
+    return sp
+
+
+def test_a_load_that_waited_behind_other_requests_copies_on_its_worker(tmp_path):
+    """Planned at 0 ms, its first copy at 10 ms; meanwhile another load's copy (2-6 ms) and a store's (5-8 ms)
+    ran on rank 0: busy 6 ms of the 10 (their union). A copy on rank 1, which this load does not use, and
+    one after its first copy are not counted."""
+    mine, other_load, other_store = "01" * 8, "02" * 8, "03" * 8
+    path = write(tmp_path, line(
+        _load("r", mine, TRACE, T),
+        _copy("load", 0, 10, 12, mine, 1, "r", TRACE),
+        _load("o", other_load, "cd" * 16, T - 5 * MS),
+        _copy("load", 0, 2, 6, other_load, 2, "o", "cd" * 16),
+        _copy("store", 0, 5, 8, other_store, 3, "s", "ef" * 16),
+        _copy("load", 1, 1, 9, other_load, 4, "o", "cd" * 16),
+        _copy("store", 0, 11, 13, other_store, 5, "s", "ef" * 16)))
+    spans = traces.read_trace_files([path]).spans
+    wait = traces.load_wait(spans, TRACE, "r")
+    assert wait == traces.LoadWait(wait_ms=10.0, loads=1, stores=1, busy_ms=6.0)
+    assert traces.load_wait_text(wait).startswith("Before its first copy its workers copied for other requests "
+                                                  "6.000 ms of the 10.000 ms (1 load and 1 store copies)")
+
+
+def test_a_load_nothing_ran_before_says_the_step_came_late(tmp_path):
+    mine = "01" * 8
+    path = write(tmp_path, line(_load("r", mine, TRACE, T), _copy("load", 0, 4, 5, mine, 1, "r", TRACE)))
+    spans = traces.read_trace_files([path]).spans
+    wait = traces.load_wait(spans, TRACE, "r")
+    assert wait == traces.LoadWait(wait_ms=4.0, loads=0, stores=0, busy_ms=0.0)
+    assert "the engine step that starts it came late" in traces.load_wait_text(wait)
+
+
+@pytest.mark.parametrize("case", ["no load", "no copy", "copy before its planning"])
+def test_no_wait_is_told_without_a_timed_copy_after_the_planning(tmp_path, case):
+    mine = "01" * 8
+    spans = [_load("r", mine, TRACE, T)] if case != "no load" else []
+    if case == "copy before its planning":  # another clock's copy
+        spans.append(_copy("load", 0, -3, -2, mine, 1, "r", TRACE))
+    path = write(tmp_path, line(*spans, _copy("store", 0, 1, 2, "09" * 8, 2, "s", "ef" * 16)))
+    assert traces.load_wait(traces.read_trace_files([path]).spans, TRACE, "r") is None
