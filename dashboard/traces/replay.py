@@ -45,6 +45,14 @@ def replay_timeline(requests: pd.DataFrame, spans: pd.DataFrame) -> pd.DataFrame
     return out[list(REPLAY_COLUMNS)]
 
 
+def next_miss(timeline: pd.DataFrame, step: int) -> int | None:
+    """The first step after `step` whose request the host tier served nothing of (it queried tokens, hit none);
+    None when no later one did."""
+    later = timeline[(timeline["step"] > step) & (timeline["tokens_queried"].fillna(0) > 0)
+                     & (timeline["tokens_hit"].fillna(0) == 0)]
+    return int(later["step"].iloc[0]) if len(later) else None
+
+
 def replay_state(timeline: pd.DataFrame, step: int) -> dict[str, Any]:
     """The state after `step` requests (1-based, clamped to the timeline)."""
     if timeline.empty:

@@ -29,6 +29,14 @@ def move(delta: int) -> None:
     st.session_state.replay_step = min(max(st.session_state.replay_step + delta, 1), last)
 
 
+def to_next_miss() -> None:
+    found = traces.next_miss(timeline, st.session_state.replay_step)
+    if found is None:
+        st.toast("No request after this one missed the host tier.", icon=":material/info:")
+    else:
+        st.session_state.replay_step = found
+
+
 def toggle_play() -> None:
     playing = not st.session_state.replay_playing
     if playing and st.session_state.replay_step >= last:
@@ -36,14 +44,16 @@ def toggle_play() -> None:
     st.session_state.replay_playing = playing
 
 
-controls = st.columns([1, 1, 1, 1, 3], vertical_alignment="bottom")
+controls = st.columns([1, 1, 1, 1, 1, 3], vertical_alignment="bottom")
 controls[0].button("Start", icon=":material/first_page:", on_click=move, args=(-last,), width="stretch")
 controls[1].button("Back", icon=":material/chevron_left:", on_click=move, args=(-1,), width="stretch")
 controls[2].button("Pause" if st.session_state.replay_playing else "Play", key="replay_play",
                    icon=":material/pause:" if st.session_state.replay_playing else ":material/play_arrow:",
                    on_click=toggle_play, type="primary", width="stretch")
 controls[3].button("Step", icon=":material/chevron_right:", on_click=move, args=(1,), width="stretch")
-seconds_per_step = controls[4].select_slider("Seconds per step while playing", options=[0.25, 0.5, 1.0, 2.0],
+controls[4].button("Next miss", icon=":material/skip_next:", on_click=to_next_miss, key="replay_next_miss",
+                   width="stretch", help="The next request the host tier served nothing of (it hit no token)")
+seconds_per_step = controls[5].select_slider("Seconds per step while playing", options=[0.25, 0.5, 1.0, 2.0],
                                              value=0.5, key="replay_speed")
 
 

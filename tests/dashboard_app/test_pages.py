@@ -252,6 +252,25 @@ def test_replay_steps_and_cumulative_state(monkeypatch, expected):
     assert metrics(at)["Request"] == "1 of 20"
 
 
+def test_replay_jumps_to_the_next_request_that_missed(monkeypatch):
+    """Replaying request by request to find the misses was one click per request."""
+    at = app(monkeypatch, TWO_ROUNDS)
+    at.switch_page("views/replay.py").run()
+    timeline = traces.replay_timeline(*(lambda r: (traces.requests_table(r.spans), r.spans))(
+        traces.read_trace_files([TWO_ROUNDS])))
+    missed = timeline.loc[(timeline["tokens_queried"] > 0) & (timeline["tokens_hit"].fillna(0) == 0), "step"].tolist()
+    assert 1 in missed and 2 in missed and len(missed) < len(timeline)  # round 1 misses, round 2 hits
+    at.slider(key="replay_step").set_value(missed[1]).run()
+    at.button(key="replay_next_miss").click().run()
+    assert_ok(at)
+    assert metrics(at)["Request"] == f"{missed[2]} of 20"
+    at.slider(key="replay_step").set_value(missed[-1]).run()
+    at.button(key="replay_next_miss").click().run()
+    assert metrics(at)["Request"] == f"{missed[-1]} of 20"  # none after the last: it stays, and says so
+    assert [t.value for t in at.toast] == ["No request after this one missed the host tier."]
+    assert traces.next_miss(timeline, missed[-1]) is None and traces.next_miss(timeline, 0) == missed[0]
+
+
 def test_replay_play_advances_and_stops_at_the_end(monkeypatch):
     at = app(monkeypatch, TWO_ROUNDS)
     at.switch_page("views/replay.py").run()
