@@ -154,7 +154,14 @@ st.dataframe(
 left, right = st.columns([3, 2])  # the latency table has six columns; the throughput chart fits in less
 with left:
     st.subheader("Load latency")
-    st.altair_chart(charts.latency_distribution(traces.load_latency_distribution(spans, requests)), width="stretch")
+    latencies = traces.load_latency_distribution(spans, requests)
+    if latencies.empty:  # an empty chart reads as "the chart broke", not "nothing loaded"
+        loads = int((spans["name"] == traces.LOAD).sum())
+        st.info(f"None of the {formatting.count(loads)} loads in these traces has a time: their copy spans are not "
+                "in them (see Load time in the Definitions)." if loads else
+                "No loads in these traces: the host tier served no request.")
+    else:
+        st.altair_chart(charts.latency_distribution(latencies), width="stretch")
     st.dataframe(
         traces.load_latency_quantiles(spans, requests),
         hide_index=True,

@@ -892,6 +892,22 @@ def test_overview_counts_loads_without_copies_among_all_its_loads_and_says_when_
     assert "No kvscope.group.copy spans in these traces." in [i.value for i in at.info]
 
 
+def test_overview_says_why_it_draws_no_load_latency_chart(monkeypatch, tmp_path):
+    """Lookups that hit nothing: an empty chart would read as a broken one."""
+    misses = tmp_path / "misses.jsonl"
+    misses.write_text(line(lookup("r1", span_id="11" * 8), lookup("r2", span_id="22" * 8)) + "\n")
+    at = app(monkeypatch, misses)
+    assert_ok(at)
+    assert "No loads in these traces: the host tier served no request." in [i.value for i in at.info]
+    uncopied = tmp_path / "uncopied.jsonl"
+    uncopied.write_text(line(lookup("r1", span_id="11" * 8), load("r1", span_id="22" * 8, parent="11" * 8)) + "\n")
+    at = app(monkeypatch, uncopied)
+    assert_ok(at)
+    assert ("None of the 1 loads in these traces has a time: their copy spans are not in them (see Load time in the "
+            "Definitions).") in [i.value for i in at.info]
+    assert len(at.get("vega_lite_chart")) == 1  # hit rate over time only: no latency chart, no copies
+
+
 def test_overview_load_time_quantiles_are_each_their_own(monkeypatch, tmp_path):
     """21 loads of 1 to 21 ms: nearest-rank p50, p95 and p99 are 11, 20 and 21 ms (with 20 loads or fewer p95 and
     p99 are the same load). The Definitions list the definitions, and the hit rate chart's buckets are 50 ms wide
