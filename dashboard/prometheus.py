@@ -184,31 +184,44 @@ def _not_prometheus(base: str, response) -> str:
     return f"{said}: is {shown} a Prometheus server (not vLLM's /metrics endpoint)?"
 
 
+@dataclass(frozen=True)
+class _UrlParts:
+    """A URL taken apart as typed, a scheme-less ``user:password@host:9090/path`` too (urllib's `urlsplit` reads
+    ``user`` as the scheme there)."""
+
+    scheme: str  # with its "://", "" when the URL has none
+    user: str
+    password: str  # "" when the user information has none
+    has_password: bool
+    host: str  # host[:port]
+    path: str  # with its leading "/", "" when there is none
+
+    @classmethod
+    def of(cls, url: str) -> _UrlParts:
+        scheme, sep, rest = url.partition("://")
+        if not sep:
+            scheme, rest = "", url
+        authority, slash, path = rest.partition("/")
+        user_info, _, host = authority.rpartition("@")
+        user, colon, password = user_info.partition(":")
+        return cls(scheme + sep, user, password, bool(colon), host, slash + path)
+
+
 def _without_password(url: str) -> str:
-    """``url`` with the password of its user information (``user:password@``) masked, to be shown; a URL
-    without its scheme (``user:password@host:9090``) too."""
-    scheme, sep, rest = url.partition("://")
-    if not sep:
-        scheme, rest = "", url
-    authority, slash, path = rest.partition("/")
-    user, at, host = authority.rpartition("@")
-    if not at or ":" not in user:
-        return url
-    return f"{scheme}{sep}{user.split(':', 1)[0]}:***@{host}{slash}{path}"
+    """``url`` with the password of its user information (``user:password@``) masked, to be shown."""
+    parts = _UrlParts.of(url)
+    return f"{parts.scheme}{parts.user}:***@{parts.host}{parts.path}" if parts.has_password else url
 
 
 def _password(url: str) -> str:
     """The password of ``url``'s user information, "" when it has none."""
-    rest = url.strip().partition("://")[2] or url.strip()
-    user, at, _ = rest.partition("/")[0].rpartition("@")
-    return user.partition(":")[2] if at else ""
+    return _UrlParts.of(url.strip()).password
 
 
 def _with_credentials(base: str) -> str:
     """``base`` as it would carry basic-auth credentials: ``scheme://user:password@host[:port][/path]``."""
-    scheme, _, rest = base.partition("://")
-    authority, slash, path = rest.partition("/")
-    return f"{scheme}://user:password@{authority.rpartition('@')[2]}{slash}{path}"
+    parts = _UrlParts.of(base)
+    return f"{parts.scheme}user:password@{parts.host}{parts.path}"
 
 
 def _reason(exc: requests.RequestException) -> str:
