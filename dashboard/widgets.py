@@ -75,11 +75,10 @@ def request_numbers(request: pd.Series, spans: pd.DataFrame | None = None) -> No
     cols[2].metric("Load time", formatting.millis(request["load_ms"]), help=traces.LOAD_TIME_DEFINITION)
     cols[3].metric("Loaded from host", formatting.data_size(request["bytes_loaded"]))
     if pd.notna(request["load_ms"]) and pd.notna(request["load_copy_ms"]):  # where its load time went
-        waited = max(0.0, request["load_ms"] - request["load_copy_ms"])
         st.caption(f"Load time: {formatting.millis(request['load_copy_ms'])} copying (its first copy's start to "
-                   f"its last copy's end, every worker and group) and {formatting.millis(waited)} before the "
-                   "first copy started: planning, then waiting for a worker to run the engine step that starts "
-                   "it (a long step before it, or copies queued ahead, delay it).")
+                   f"its last copy's end, every worker and group) and {formatting.millis(request['load_wait_ms'])} "
+                   "before the first copy started: planning, then waiting for a worker to run the engine step that "
+                   "starts it (a long step before it, or copies queued ahead, delay it).")
         wait = traces.load_wait(spans, request["trace_id"], request["request_id"]) if spans is not None else None
         if wait is not None:
             st.caption(traces.load_wait_text(wait))

@@ -17,12 +17,10 @@ def top_slow_loads(requests: pd.DataFrame, n: int = 10) -> pd.DataFrame:
     tokens of the loads it sums and the bytes every load copied (a load that failed on one worker: what the
     others copied)."""
     timed = requests[requests["load_ms"].notna()]
-    slowest = timed.nlargest(n, "load_ms")[
-        ["request", "t_s", "load_ms", "load_copy_ms", "tokens_loaded", "bytes_loaded", "request_id", "trace_id"]
+    return timed.nlargest(n, "load_ms")[
+        ["request", "t_s", "load_ms", "load_copy_ms", "load_wait_ms", "tokens_loaded", "bytes_loaded", "request_id",
+         "trace_id"]
     ].reset_index(drop=True)
-    # where the time went: copying, or before the first copy (the engine step that starts it)
-    slowest.insert(4, "load_wait_ms", (slowest["load_ms"] - slowest["load_copy_ms"]).clip(lower=0.0))
-    return slowest
 
 
 def request_numbers(requests: pd.DataFrame) -> dict[str, float]:

@@ -106,6 +106,7 @@ REQUEST_COLUMNS = (
     "groups",
     "load_ms",
     "load_copy_ms",
+    "load_wait_ms",
     "loads",
     "loads_without_copies",
     "load_failed",
@@ -189,6 +190,8 @@ def requests_table(spans: pd.DataFrame, vllm: pd.DataFrame | None = None) -> pd.
     out["loads_without_copies"] = uncopied.reindex(ids).fillna(0).astype("int64")  # each one warned of
     out["load_ms"] = _sum_unless_unknown(loads, "load_ms").reindex(ids).astype(float)
     out["load_copy_ms"] = _sum_unless_unknown(loads, "copy_ms").reindex(ids).astype(float)  # NA where load_ms is
+    # before the first copy: planning, then the engine step that starts the copies (clipped: clocks of workers)
+    out["load_wait_ms"] = (out["load_ms"] - out["load_copy_ms"]).clip(lower=0.0)
     # the tokens of the loads its load time sums (a resumed request loads again), beside that time
     tokens_loaded = loads[~loads["failed"]].groupby(REQUEST_KEY, sort=False)["tokens_external"].sum()
     out["tokens_loaded"] = tokens_loaded.reindex(ids).astype("Int64")
@@ -301,7 +304,7 @@ def _empty_requests() -> pd.DataFrame:
     for col in ("engine", "tokens_queried", "tokens_hit", "tokens_local", "tokens_external", "tokens_loaded",
                 "groups", "bytes_loaded", "bytes_stored", "deferred_lookups"):
         frame[col] = frame[col].astype("Int64")
-    for col in ("hit_rate", "load_ms", "load_copy_ms", "t_s", "deferred_wait_ms"):
+    for col in ("hit_rate", "load_ms", "load_copy_ms", "load_wait_ms", "t_s", "deferred_wait_ms"):
         frame[col] = frame[col].astype(float)
     frame["lookups"] = frame["lookups"].astype("int64")
     frame["loads_without_copies"] = frame["loads_without_copies"].astype("int64")

@@ -83,7 +83,8 @@ def test_a_requests_load_time_splits_into_copying_and_what_came_before(requests,
     for rid, copy_ms in expected.load_copy_ms.items():
         assert timed.loc[rid, "load_copy_ms"] == pytest.approx(copy_ms)
         assert 0 < timed.loc[rid, "load_copy_ms"] < timed.loc[rid, "load_ms"]
-    assert requests.loc[requests["load_ms"].isna(), "load_copy_ms"].isna().all()
+        assert timed.loc[rid, "load_wait_ms"] == pytest.approx(timed.loc[rid, "load_ms"] - copy_ms)
+    assert requests.loc[requests["load_ms"].isna(), ["load_copy_ms", "load_wait_ms"]].isna().all().all()
 
 
 def test_a_requests_device_hit_comes_from_its_lookup_even_without_a_load(tmp_path):
