@@ -102,16 +102,15 @@ def as_text(summary: Summary) -> str:
     out += [f"warning: {text}" for text in _warnings(n)]
     if summary.engines_run_apart:
         out.append(f"warning: {traces.engines_run_apart_note(summary.engines_run_apart)}")
-    for title, frame, columns in (
-            ("by engine", summary.engines, _ENGINE_COLUMNS),
-            ("why the host tier served no more", summary.misses, _MISSES_COLUMNS),
-            ("KV groups", summary.groups, _GROUP_COLUMNS),
-            ("load latency", summary.latency, _LATENCY_COLUMNS),
-            ("slowest loads", summary.slowest, _SLOWEST_COLUMNS)):
+    for title, frame, columns, footnote in (
+            ("by engine", summary.engines, _ENGINE_COLUMNS, None),
+            # its tokens are not kvscope_missed_tokens_total's split: say how
+            ("why the host tier served no more", summary.misses, _MISSES_COLUMNS, traces.MISSES_DEFINITION),
+            ("KV groups", summary.groups, _GROUP_COLUMNS, None),
+            ("load latency", summary.latency, _LATENCY_COLUMNS, None),
+            ("slowest loads", summary.slowest, _SLOWEST_COLUMNS, None)):
         if not frame.empty:
-            out += ["", f"{title}:", _table(frame, columns)]
-            if frame is summary.misses:  # its tokens are not kvscope_missed_tokens_total's split: say how
-                out.append(traces.MISSES_DEFINITION)
+            out += ["", f"{title}:", _table(frame, columns), *([footnote] if footnote else [])]
     return "\n".join(out) + "\n"
 
 
