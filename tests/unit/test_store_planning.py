@@ -568,6 +568,14 @@ def test_a_request_restarted_after_a_reset_stores_again_unless_it_reuses_device_
         assert job is not None and _pieces(job, 1) == [(list(range(200, 208)), [0, 1, 2, 3] * 2)]
 
 
+def _planned_load(sched, request):
+    """The load job planned for `request`, which hits the host tier's 64 tokens, given blocks 0-15."""
+    assert sched.get_num_new_matched_tokens(request, 0) == (64, True)
+    sched.update_state_after_alloc(request, SimpleNamespace(get_block_ids=lambda: _ids(0, 16)), 64)
+    (job,) = sched.build_connector_meta(_output()).loads
+    return job
+
+
 def _stored(sched, *keys):
     for key in keys:
         assert sched.index.reserve_for_store(key) is not None
@@ -639,11 +647,7 @@ def test_a_load_failed_in_its_copy_forgets_the_host_blocks_another_load_still_re
     _stored(sched, (0, "h3"), (1, "h3"))
     jobs = []
     for rid in ("failing", "reading"):
-        request = _state(rid, 256).request
-        assert sched.get_num_new_matched_tokens(request, 0) == (64, True)
-        sched.update_state_after_alloc(request, SimpleNamespace(get_block_ids=lambda: _ids(0, 16)), 64)
-        (job,) = sched.build_connector_meta(_output()).loads
-        jobs.append(job)
+        jobs.append(_planned_load(sched, _state(rid, 256).request))
     used = sched.index.used_slots
     _report(sched, jobs[0], failed=True)
     assert sched.get_num_new_matched_tokens(_state("later", 256).request, 0) == (0, False)
@@ -677,10 +681,7 @@ def test_a_load_whose_request_ended_first_counts_its_blocks_but_no_request_load_
     loads = []
     for rid in ("served", "aborted"):
         request = _state(rid, 256).request
-        assert sched.get_num_new_matched_tokens(request, 0) == (64, True)
-        sched.update_state_after_alloc(request, SimpleNamespace(get_block_ids=lambda: _ids(0, 16)), 64)
-        (job,) = sched.build_connector_meta(_output()).loads
-        loads.append((request, job))
+        loads.append((request, _planned_load(sched, request)))
     sched.request_finished(loads[1][0])
     for _, job in loads:
         _report(sched, job)
