@@ -89,8 +89,8 @@ def _engine_copy(engine: CopyEngine, direction: str, slots, subs, blocks):
 
     def run():
         result = copy(0, slots, subs, blocks)
-        if result.done_event is not None:
-            result.done_event[1].synchronize()
+        if result.pending_events is not None:
+            result.pending_events[1].synchronize()
     return run
 
 
@@ -131,8 +131,8 @@ def check_round_trip(engine: CopyEngine, blocks: list[int], slots: list[int]) ->
     subs = [0] * len(blocks)
     for copy, targets in ((engine.store, blocks), (engine.load, blocks[::-1])):
         result = copy(0, slots, subs, targets)
-        if result.done_event is not None:
-            result.done_event[1].synchronize()
+        if result.pending_events is not None:
+            result.pending_events[1].synchronize()
     if not torch.equal(view[blocks[::-1]], expected):
         raise AssertionError(f"copy engine round trip on {view.device} moved the wrong bytes")
 

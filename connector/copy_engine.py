@@ -7,9 +7,9 @@ same way. A host slot holds, for each layer of one group, `factor` consecutive p
 
 CPU backend: plain synchronous tensor copies. CUDA: pinned host memory (`host_memory`), a stream
 for loads and one for stores, events for completion and timing (`event_clock`), no device-wide
-synchronisation, and a whole job's blocks in one call of vLLM's own `swap_blocks_batch`
-(cuMemcpyBatchAsync on CUDA 12.8+) instead of a `copy_` per block and layer, several microseconds
-of host time each.
+synchronisation, and a group's blocks (every layer of it) in one call of vLLM's own
+`swap_blocks_batch` (cuMemcpyBatchAsync on CUDA 12.8+), one call per group of a job, instead of a
+`copy_` per block and layer, several microseconds of host time each.
 """
 
 from __future__ import annotations
@@ -74,7 +74,9 @@ class CopyResult:
     blocks: int
     start_ns: int | None  # wall clock (time.time_ns) of the measured copy interval; None: not measured
     end_ns: int | None
-    done_event: object | None = None  # CUDA event; None when already complete
+    # CUDA: its (start, end) events while the copy may run (times are 0 until `poll` reads them); None once
+    # complete, and on the CPU backend from the start
+    pending_events: object | None = None
     keep_alive: object | None = None  # what the device reads until the copy is done (pointer arrays)
 
 
@@ -194,7 +196,7 @@ class CopyEngine:
             start.record(stream)
             keep_alive = self._enqueue(regions, slots, subs, block_ids, to_device)
             end.record(stream)
-        return CopyResult(nbytes, len(block_ids), 0, 0, done_event=(start, end), keep_alive=keep_alive)
+        return CopyResult(nbytes, len(block_ids), 0, 0, pending_events=(start, end), keep_alive=keep_alive)
 
     def _log_stream_clash(self) -> None:
         """vLLM computes on a stream it took from torch's pool after this engine took its own (`own_stream`),
@@ -232,9 +234,9 @@ class CopyEngine:
     # -- CUDA completion --
     def poll(self, result: CopyResult) -> bool:
         """True once the copy is complete; fills the wall-clock interval from device events."""
-        if result.done_event is None:
+        if result.pending_events is None:
             return True
-        start, end = result.done_event
+        start, end = result.pending_events
         if not end.query():
             return False
         try:
@@ -245,7 +247,7 @@ class CopyEngine:
         except Exception:  # the copy is done: a clock that fails costs its interval, never the transfer
             telemetry_failed("a copy's device-event interval")
             result.start_ns = result.end_ns = None
-        result.done_event = result.keep_alive = None
+        result.pending_events = result.keep_alive = None
         return True
 
     def fence_compute_stream(self) -> None:

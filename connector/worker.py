@@ -19,6 +19,8 @@ from .telemetry.tracing import KVScopeTracing
 
 logger = logging.getLogger(__name__)
 
+FAIL_LOADS_VARIABLE = "KVSCOPE_TEST_FAIL_LOADS_ON_RANK"
+
 
 # Where a worker orders later compute after its stores (CUDA; CPU copies finish inside the step):
 FENCE_AT_ONCE = "at_once"  # right after the step's stores
@@ -58,9 +60,12 @@ class KVScopeWorker:
         self.lost_slots: set[int] = set()  # host data known to be gone (fault injection, errors)
         self._range_logged = False
         # Fault injection for tests of multi-worker runs, where no test can reach a worker object:
-        # KVSCOPE_FAIL_LOADS_ON_RANK=<rank> makes every load on that worker fail.
-        fail_rank = os.environ.get("KVSCOPE_FAIL_LOADS_ON_RANK")
+        # KVSCOPE_TEST_FAIL_LOADS_ON_RANK=<rank> makes every load on that worker fail (each is recomputed).
+        fail_rank = os.environ.get(FAIL_LOADS_VARIABLE)
         self.fail_all_loads = fail_rank is not None and fail_rank.strip() == str(rank)
+        if self.fail_all_loads:  # a test's variable left in a server's environment costs every load: say so
+            logger.warning("kvscope: %s=%s: every load on worker rank %d fails (a test's fault injection; unset it "
+                           "to load from the host tier)", FAIL_LOADS_VARIABLE, fail_rank, rank)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.engine = CopyEngine(kv_caches, self.kv_cache_config, self.slot_layout, self.num_slots)
@@ -71,7 +76,7 @@ class KVScopeWorker:
         for job in meta.loads:
             self._run(job)
         if meta.loads:
-            self._collect()  # once a call: after each job it polled every copy in flight, O(jobs²) a step
+            self._collect()  # once a call, not once a job: each collect polls every copy in flight
 
     def wait_for_save(self, meta: KVScopeMetadata) -> None:
         for job in meta.stores:

@@ -937,7 +937,7 @@ class LateReadingStores:
         from connector.copy_engine import CopyResult
 
         result = CopyResult(len(block_ids) * self.engine.group_block_bytes(group), len(block_ids), 0, 0,
-                            done_event="pending")
+                            pending_events="pending")
         self._pending[id(result)] = [result, (group, slots, subs, block_ids), self.steps]
         return result
 
@@ -958,13 +958,13 @@ class LateReadingStores:
             if entry[2] <= 0:
                 result, args, _ = entry
                 done = self._copy(*args, to_device=True)
-                result.start_ns, result.end_ns, result.done_event = done.start_ns, done.end_ns, None
+                result.start_ns, result.end_ns, result.pending_events = done.start_ns, done.end_ns, None
                 del self._loads[id(result)]
 
     def _read(self, entry) -> None:
         result, args, _ = entry
         done = self._copy(*args, to_device=False)
-        result.start_ns, result.end_ns, result.done_event = done.start_ns, done.end_ns, None
+        result.start_ns, result.end_ns, result.pending_events = done.start_ns, done.end_ns, None
         del self._pending[id(result)]
 
     def _read_all(self) -> None:
@@ -982,6 +982,6 @@ class LateReadingStores:
         from connector.copy_engine import CopyResult
 
         result = CopyResult(len(block_ids) * self.engine.group_block_bytes(group), len(block_ids), 0, 0,
-                            done_event="pending")
+                            pending_events="pending")
         self._loads[id(result)] = [result, (group, slots, subs, block_ids), self.load_steps]
         return result

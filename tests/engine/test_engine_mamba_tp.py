@@ -94,7 +94,7 @@ def test_tensor_parallel_two_workers_load_their_shards_of_the_mamba_state(scenar
 
 
 def test_failure_on_one_worker_fails_the_whole_load_and_recomputes(scenarios, gemma_tp2_baseline):
-    spec = {**TP2, "env": {**TP2["env"], "KVSCOPE_FAIL_LOADS_ON_RANK": "1"}}
+    spec = {**TP2, "env": {**TP2["env"], "KVSCOPE_TEST_FAIL_LOADS_ON_RANK": "1"}}
     result = scenarios.get("gemma3-tp2-rank1-fails", spec)
     assert result["kvscope"]["kvscope_load_failures_total"] > 0
     assert result["kvscope"].get("kvscope_loaded_blocks_total", 0) == 0  # never half-loaded

@@ -7,6 +7,8 @@ state tensors of different dtypes with padding at the end of each page.
 
 from __future__ import annotations
 
+import logging
+
 from types import SimpleNamespace
 
 import pytest
@@ -378,7 +380,7 @@ def test_copy_result_counts():
     assert isinstance(result, CopyResult)
     assert result.blocks == 4  # device blocks, not offload blocks
     assert result.nbytes == 4 * 2 * PAGE  # per device block: every layer's page
-    assert result.done_event is None and engine.poll(result)
+    assert result.pending_events is None and engine.poll(result)
     assert 0 < result.start_ns <= result.end_ns
 
     result = engine.load(1, [2], [0], [5])
@@ -651,18 +653,20 @@ def test_a_load_reading_a_lost_host_slot_fails_until_a_store_writes_that_slot_ag
 
 
 @pytest.mark.parametrize("value, rank, fails", [("1", 1, True), (" 1 ", 1, True), ("1", 0, False), ("", 0, False)])
-def test_the_fault_injection_variable_fails_the_loads_of_its_rank_only(monkeypatch, value, rank, fails):
+def test_the_fault_injection_variable_fails_the_loads_of_its_rank_only(monkeypatch, caplog, value, rank, fails):
     engine, _, _ = _shared_attention_engine(num_slots=4)
-    monkeypatch.setenv("KVSCOPE_FAIL_LOADS_ON_RANK", value)
-    assert _plain_worker(engine, rank=rank).fail_all_loads is fails
+    monkeypatch.setenv("KVSCOPE_TEST_FAIL_LOADS_ON_RANK", value)
+    with caplog.at_level(logging.WARNING, logger="connector.worker"):
+        assert _plain_worker(engine, rank=rank).fail_all_loads is fails
+    assert ("every load on worker rank" in caplog.text) is fails
 
 
 def test_the_fault_injection_fails_every_load_of_the_worker_without_copying_and_leaves_its_stores_alone(monkeypatch):
-    """KVSCOPE_FAIL_LOADS_ON_RANK stands for loads that fail on that worker (each is recomputed): none
+    """KVSCOPE_TEST_FAIL_LOADS_ON_RANK stands for loads that fail on that worker (each is recomputed): none
     copies anything into the KV cache; stores still copy and complete."""
     from connector.metadata import LOAD, STORE, GroupTransfer, KVScopeMetadata, TransferJob
 
-    monkeypatch.setenv("KVSCOPE_FAIL_LOADS_ON_RANK", "0")
+    monkeypatch.setenv("KVSCOPE_TEST_FAIL_LOADS_ON_RANK", "0")
     engine, t0, _ = _shared_attention_engine(num_slots=4)
     worker = _plain_worker(engine)
     worker.wait_for_save(KVScopeMetadata(stores=[TransferJob(1, "s", STORE, [GroupTransfer(0, [3], [1], [0])])]))

@@ -86,7 +86,7 @@ def test_store_then_load_round_trip_on_the_cuda_path(cuda_engine):
     engine, t0, log = cuda_engine
     before = _block_bytes(t0, 3).clone()
     stored = engine.store(0, [1], [0], [3])
-    assert stored.done_event is not None and engine.poll(stored) and stored.done_event is None
+    assert stored.pending_events is not None and engine.poll(stored) and stored.pending_events is None
     assert stored.end_ns >= stored.start_ns > 0  # the device interval, mapped to wall clock
     t0.view(torch.int8).zero_()
     loaded = engine.load(0, [1], [0], [5])
@@ -386,7 +386,7 @@ def test_a_step_polls_each_copy_in_flight_once_not_once_per_later_job():
         is_cuda, num_blocks, polls = True, 1 << 20, 0
 
         def store(self, group, slots, subs, block_ids):
-            return CopyResult(0, len(block_ids), 0, 0, done_event=object())
+            return CopyResult(0, len(block_ids), 0, 0, pending_events=object())
 
         def poll(self, copy):
             self.polls += 1
@@ -484,7 +484,7 @@ class _SlowCopies:
     def load(self, group, slots, subs, block_ids, waits_for_stores=True):
         from connector.copy_engine import CopyResult
 
-        return CopyResult(0, len(block_ids), 0, 0, done_event=object())
+        return CopyResult(0, len(block_ids), 0, 0, pending_events=object())
 
     def poll(self, copy):
         return self.done
@@ -517,10 +517,10 @@ class _CopiesDoneByGroup:
     def load(self, group, slots, subs, block_ids, waits_for_stores=True):
         from connector.copy_engine import CopyResult
 
-        return CopyResult(0, len(block_ids), 0, 0, done_event=group)
+        return CopyResult(0, len(block_ids), 0, 0, pending_events=group)
 
     def poll(self, copy):
-        return copy.done_event in self.done
+        return copy.pending_events in self.done
 
 
 def test_a_load_is_reported_only_once_the_copies_of_all_its_groups_are_done():
@@ -584,8 +584,8 @@ def test_a_copy_is_done_when_its_end_event_is_not_when_its_start_is(cuda_engine)
             return False
 
     stored = engine.store(0, [1], [0], [3])
-    stored.done_event = (_Event(), _Pending())
-    assert not engine.poll(stored) and stored.done_event is not None
+    stored.pending_events = (_Event(), _Pending())
+    assert not engine.poll(stored) and stored.pending_events is not None
 
 
 def test_a_copys_start_and_end_are_timing_events_recorded_on_its_own_stream(cuda_engine):
@@ -596,7 +596,7 @@ def test_a_copys_start_and_end_are_timing_events_recorded_on_its_own_stream(cuda
     stored = engine.store(0, [1], [0], [3])
     loaded = engine.load(0, [1], [0], [5])
     for copy, stream in ((stored, engine.store_stream), (loaded, engine.load_stream)):
-        start, end = copy.done_event
+        start, end = copy.pending_events
         assert start.timing and end.timing and start.stream is stream and end.stream is stream
         assert engine.poll(copy) and copy.end_ns >= copy.start_ns > 0
 
@@ -614,11 +614,11 @@ def test_copies_still_in_flight_at_shutdown_are_reported_once_the_device_is_sync
         is_cuda, num_blocks, device, done, closed = True, 16, "cuda:0", False, False
 
         def store(self, group, slots, subs, block_ids):
-            return CopyResult(64, len(block_ids), None, None, done_event=object())
+            return CopyResult(64, len(block_ids), None, None, pending_events=object())
 
         def poll(self, copy):
             if self.done:
-                copy.start_ns, copy.end_ns, copy.done_event = 1_000, 2_000, None
+                copy.start_ns, copy.end_ns, copy.pending_events = 1_000, 2_000, None
             return self.done
 
         def fence_compute_stream(self):
