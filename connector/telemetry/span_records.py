@@ -153,6 +153,36 @@ def expand_records(records) -> list[tuple]:
     return out
 
 
+def check_shape(record: tuple) -> None:
+    """Raise ValueError when ``record``'s values do not match its kind's attributes in number.
+
+    Values are positional: one too few fails a trace-file batch deep in its encoder, one too many is
+    dropped by the SDK path's `zip`, and a compound record's lookup of the wrong length is read as the
+    other lookup kind. Checked where records are handed over synchronously (tests), not on the hot path.
+    """
+    kind, values = record[KIND], record[VALUES]
+    if kind == GENERIC_SPAN.code:
+        return
+    if kind != LOAD_PLAN:
+        _check_count(KINDS[kind], len(values))
+        return
+    if len(values) not in (6, 6 + len(DEFERRAL_ATTRIBUTES)):
+        raise ValueError(f"a load record has {len(values)} values: expected 6, or 8 when deferred")
+    for scan in values[4]:
+        _check_count(SCAN_SPAN, len(scan) - 2)
+    lookup = values[5]
+    if lookup is not None and len(lookup) - 5 not in (_LOOKUP_VALUES, _LOOKUP_VALUES + len(DEFERRAL_ATTRIBUTES)):
+        raise ValueError(f"a load record's lookup has {len(lookup) - 5} values after its ids and times: expected "
+                         f"{_LOOKUP_VALUES} ({', '.join(LOOKUP_SPAN.keys[1:])}), with the deferral's 2 after them "
+                         "when deferred")
+
+
+def _check_count(kind: RecordKind, count: int) -> None:
+    if count != len(kind.attributes):
+        raise ValueError(f"a {kind.name} record has {count} values: expected {len(kind.attributes)} "
+                         f"({', '.join(kind.keys)})")
+
+
 def record_name(record: tuple) -> str:
     kind = record[KIND]
     return record[VALUES][0] if kind == GENERIC_SPAN.code else KINDS[kind].name

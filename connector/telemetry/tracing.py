@@ -68,7 +68,7 @@ from connector.telemetry.sinks import (
     truthy,
 )
 from connector.telemetry.span_batcher import RECORD_FAILED, SpanBatcher
-from connector.telemetry.span_records import GENERIC_SPAN, LOAD_PLAN, RecordKind
+from connector.telemetry.span_records import GENERIC_SPAN, LOAD_PLAN, RecordKind, check_shape
 
 logger = logging.getLogger(__name__)
 
@@ -463,6 +463,7 @@ class SyncRecordProcessor:
         self._exporter = exporter
 
     def on_end(self, record: tuple) -> None:
+        check_shape(record)  # a miscounted record fails here, in the test that made it
         self._exporter.export((record,))
 
     def hand_over(self) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from connector.telemetry.span_records import (
     DEFERRAL_WAIT_SPAN,
     COPY_SPAN,
@@ -14,6 +16,7 @@ from connector.telemetry.span_records import (
     LOOKUP_SPAN,
     SCAN_SPAN,
     STORE_SPAN,
+    check_shape,
     child_span_id,
     expand_records,
 )
@@ -85,6 +88,35 @@ def test_a_load_plan_expands_to_lookup_scans_and_load_in_the_order_they_ended():
     assert deferred[-1][0] == LOAD_SPAN.code
     resumed = expand_records([record[:8] + (("r1", 0, 192, 2, scans, None, 2, 700),)])  # its lookup has no span
     assert resumed[-1] == (DEFERRED_LOAD_SPAN.code, 0xABC, 99, 77, False, "v=1", 10, 14, ("r1", 0, 192, 2, 2, 700))
+
+
+def test_records_whose_values_do_not_match_their_kind_in_number_fail_their_check_naming_what_is_expected():
+    """Values are positional: a miscounted record fails a trace-file batch in its encoder, loses values on the SDK
+    path or, as a load's lookup, reads as the other lookup kind. The synchronous (test) path checks each."""
+    copy = (COPY_SPAN.code, 1, 2, 3, False, None, 0, 1, (0, "full_attention", "load", 2, 128, 0, "r1"))
+    scans = [(11, 12, 0, "sliding_window", 8, 3, 2, 5)]
+    lookup = (77, None, False, 5, 9, 200, 192, "evicted", 64)
+    load = (LOAD_PLAN, 0xABC, 99, 77, False, None, 10, 14, ("r1", 0, 192, 1, scans, lookup))
+    for good in (copy, load, load[:8] + (("r1", 0, 192, 1, scans, lookup + (4, 9000), 2, 700),)):
+        check_shape(good)
+    with pytest.raises(ValueError, match=r"a kvscope.group.copy record has 6 values: expected 7 \(kvscope.group"):
+        check_shape(copy[:8] + (copy[8][:-1],))
+    with pytest.raises(ValueError, match="a load record has 7 values: expected 6, or 8 when deferred"):
+        check_shape(load[:8] + (load[8] + (4,),))
+    with pytest.raises(ValueError, match="a kvscope.group.scan record has 5 values"):
+        check_shape(load[:8] + (("r1", 0, 192, 1, [scans[0][:-1]], lookup),))
+    with pytest.raises(ValueError, match="a load record's lookup has 5 values after its ids and times: expected 4"):
+        check_shape(load[:8] + (("r1", 0, 192, 1, scans, lookup + (4,)),))
+
+
+def test_the_synchronous_processor_refuses_a_miscounted_record_before_its_exporter_sees_it():
+    from connector.telemetry.testing import in_memory_tracing
+
+    tracing, exporter = in_memory_tracing()
+    copy = (COPY_SPAN.code, 1, 2, 3, False, None, 0, 1, (0, "full_attention", "load", 2, 128, 0))
+    with pytest.raises(ValueError, match="kvscope.group.copy record has 6 values"):
+        tracing._processor.on_end(copy)
+    assert not exporter.get_finished_spans()
 
 
 def test_a_clock_stepped_back_never_ends_a_lookup_or_scan_before_its_start():
