@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import yaml
 
@@ -107,3 +109,32 @@ def test_the_host_usage_stat_shows_the_fullest_tier(tmp_path):
     (tmp_path / "fullest.yaml").write_text(yaml.safe_dump(doc, sort_keys=False))
     result = run_promtool("test", "rules", "fullest.yaml", cwd=tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def _bucket_edges() -> dict[str, tuple[float, ...]]:
+    """Each contract histogram's bucket edges, by metric name without the `kvscope_` prefix."""
+    from connector.telemetry.metrics import METRICS
+
+    return {spec.name.removeprefix("kvscope_"): spec.buckets for spec in METRICS if spec.buckets}
+
+
+def test_a_quantile_alerts_threshold_is_a_bucket_edge_of_its_histogram():
+    """histogram_quantile interpolates inside a bucket: a threshold between two edges fires at a quantile that
+    depends on the interpolation, not on the loads. Changing the buckets must keep (or move) the threshold."""
+    edges, checked = _bucket_edges(), 0
+    for alert in _alerts():
+        match = re.fullmatch(r"kvscope:(\w+):p\d+_rate5m > ([\d.]+)", alert["expr"].strip())
+        if match:
+            metric, threshold = match[1], float(match[2])
+            assert threshold in edges[metric], (alert["alert"], threshold, edges[metric])
+            checked += 1
+    assert checked >= 2  # KVScopeLoadLatencyHigh, KVScopeLoadsWaitForDeviceKV
+
+
+@pytest.mark.parametrize("path", RULE_TEST_FILES, ids=lambda p: p.name)
+def test_rule_tests_give_histograms_only_their_real_bucket_edges(path):
+    """A rule test's made-up `le` values would pass against a histogram the connector never exports."""
+    edges = _bucket_edges()
+    for metric, le in re.findall(r'kvscope_(\w+)_bucket\{[^}]*le="([^"]+)"', path.read_text()):
+        if le != "+Inf":
+            assert float(le) in edges[metric], (metric, le, edges[metric])
