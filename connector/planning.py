@@ -124,6 +124,47 @@ def scan_group(
     return scan
 
 
+@dataclass(slots=True)
+class GatheredLoad:
+    """Every group's pending blocks of one load, gathered with the host blocks they receive."""
+
+    keys: list[tuple]  # the (group index, offload key) pairs pinned, in plan order
+    slots: list[tuple[GroupScan, list[int]]]  # per group with pending blocks: its scan, a host slot per block
+    loaded: list[tuple[int, int]]  # (group index, pending blocks) per such group
+    missing: bool  # a key was not in the tier (or past the request's keys): its blocks have slot -1
+
+
+def gather_load(scans: Sequence[GroupScan], offload_keys: Sequence, pin) -> GatheredLoad:
+    """The host slot of each pending device block of ``scans``, and the keys pinned for them.
+
+    ``offload_keys[k]`` is the key of the request's ``k``-th offload block in every group; ``pin(key)``
+    pins a ready host block for the load and gives its slot, None when it is not there. One pin per
+    offload block, its slot repeated for each of its pending device blocks. A load with a missing key
+    must fail (vLLM recomputes): its other blocks are still pinned and listed, so the caller unpins them.
+    """
+    keys: list[tuple] = []
+    gathered: list[tuple[GroupScan, list[int]]] = []
+    loaded: list[tuple[int, int]] = []
+    missing = False
+    num_keys = len(offload_keys)
+    for scan in scans:
+        if not scan.pending:
+            continue
+        slots: list[int] = []
+        for k, count in scan.runs:
+            key = (scan.group_index, offload_keys[k]) if k < num_keys else None
+            slot = pin(key) if key is not None else None
+            if slot is None:
+                missing = True
+                slot = -1
+            else:
+                keys.append(key)
+            slots += [slot] * count
+        gathered.append((scan, slots))
+        loaded.append((scan.group_index, scan.pending))
+    return GatheredLoad(keys, gathered, loaded, missing)
+
+
 def _count_leading_nulls(block_ids: Sequence[int], begin: int) -> int:
     n = 0
     while block_ids[begin + n] == NULL_BLOCK_ID:
@@ -154,7 +195,8 @@ def plan_load(
     """Plan the load of `num_external_tokens` after `num_local_tokens` for every group.
 
     The whole pure plan, as tests and `bench/planner_bench.py` check it. The scheduler runs the same
-    `scan_group` per group itself (`KVScopeScheduler._plan_load`), to time each group's scan apart."""
+    `scan_group` per group itself (`KVScopeScheduler._plan_load`), to time each group's scan apart, then
+    `gather_load`."""
     if len(layouts) != len(group_block_ids):
         raise ValueError(f"{len(layouts)} groups but {len(group_block_ids)} block lists")
     cached = num_local_tokens + num_external_tokens

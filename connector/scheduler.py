@@ -22,7 +22,7 @@ from .miss_reasons import (NOT_TAKEN, Miss, barred_from_hit, lookup_miss, miss_o
                            past_kept_tokens)
 from .offload_keys import OffloadKeys
 from .piecewise_stores import Filling, PiecewiseStores
-from .planning import NULL_BLOCK_ID, GroupScan, scan_group
+from .planning import NULL_BLOCK_ID, GroupScan, gather_load, scan_group
 from .prefix_recency import finished_prefix_keys
 from .state_blocks import StateBlocks
 from .telemetry.failures import telemetry_failed
@@ -442,27 +442,14 @@ class KVScopeScheduler:
             scans, scan_records = self._scan_groups_traced(group_block_ids, local, cached, load_start)
         else:
             scans = self._scan_groups(group_block_ids, local, cached, plan_ns)
-        hashes = self._offload_hashes(request)
         job_id = self._new_job_id()
-        job = state.load_job = _Job(direction=LOAD, req_id=req_id, keys=[], plan_ns=plan_ns)
-        parts, failed = [], fail
-        num_hashes = len(hashes)
-        pin = self.index.pin_for_load if not fail else _pin_nothing
-        for scan in scans:
-            if not scan.pending:
-                continue
-            slots: list[int] = []
-            for k, count in scan.runs:  # one pin per offload block, one slot per device block
-                key = (scan.group_index, hashes[k]) if k < num_hashes else None
-                slot = pin(key) if key is not None else None
-                if slot is None:
-                    failed = True
-                    slot = -1
-                else:
-                    job.keys.append(key)
-                slots += [slot] * count
-            parts.append(GroupTransfer(scan.group_index, scan.block_ids, slots, scan.sub_indices))
-            job.loaded.append((scan.group_index, scan.pending))
+        gathered = gather_load(scans, self._offload_hashes(request),
+                               self.index.pin_for_load if not fail else _pin_nothing)
+        job = state.load_job = _Job(direction=LOAD, req_id=req_id, keys=gathered.keys, plan_ns=plan_ns,
+                                    loaded=gathered.loaded)
+        parts = [GroupTransfer(scan.group_index, scan.block_ids, slots, scan.sub_indices)
+                 for scan, slots in gathered.slots]
+        failed = fail or gathered.missing
         # What it loads was used last, tail first: a prefix is evicted from its tail (here group by group,
         # for the hot path; the request's finish orders its prefix block by block across groups)
         self.index.touch(reversed(job.keys))

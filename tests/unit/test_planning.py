@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from connector import planning
 from connector.groups import GroupKind, GroupLayout
-from connector.planning import NULL_BLOCK_ID, LoadPlan, cdiv, plan_load, scan_group
+from connector.planning import NULL_BLOCK_ID, LoadPlan, cdiv, gather_load, plan_load, scan_group
 
 from .strategies import block_lists, hybrid_layouts, token_counts, vllm_null_mask
 
@@ -214,6 +214,40 @@ def test_hybrid_plan_gathers_groups_in_order():
     assert [s.null_skipped for s in plan.scans] == [0, 4, 3]
     assert plan.first_offload_index == 1
     assert plan.keys() == [(0, 1), (0, 2), (1, 2), (2, 2)]
+
+
+def test_a_hybrid_load_gathers_one_pin_per_offload_block_and_a_slot_per_device_block():
+    """`test_hybrid_plan_gathers_groups_in_order`'s plan, gathered: the host block of offload block k of a group
+    is keyed (group, key k); its slot serves each of its pending device blocks."""
+    layouts = [GroupLayout(0, FULL, 16), GroupLayout(1, SWA, 32, 100), GroupLayout(2, MAMBA, 64)]
+    full, swa, mamba = list(range(1, 27)), [N] * 8 + [101, 102, 103, 104, 105], [N, N, N, N, N, 201, 202]
+    plan = plan_load(layouts, [full, swa, mamba], 128, 256, 128)
+    slot_of = {(0, "h1"): 10, (0, "h2"): 11, (1, "h2"): 12, (2, "h2"): 13}
+    pinned = []
+    gathered = gather_load(plan.scans, ["h0", "h1", "h2", "h3"], lambda key: pinned.append(key) or slot_of[key])
+    assert gathered.keys == pinned == [(0, "h1"), (0, "h2"), (1, "h2"), (2, "h2")]
+    assert [(scan.group_index, slots) for scan, slots in gathered.slots] == [
+        (0, [10] * 8 + [11] * 8), (1, [12] * 4), (2, [13])]
+    assert gathered.loaded == [(0, 16), (1, 4), (2, 1)] and not gathered.missing
+
+
+def test_a_load_missing_a_host_block_is_gathered_failed_with_its_other_keys_pinned():
+    """A key no longer in the tier, or past the request's keys: slot -1, the load must fail, and the keys that
+    were pinned are listed so that the caller unpins them."""
+    layouts = [GroupLayout(0, FULL, 16)]
+    plan = plan_load(layouts, [list(range(1, 17))], 0, 256, 128)  # offload blocks 0 and 1
+    gone = gather_load(plan.scans, ["h0", "h1"], lambda key: None if key == (0, "h1") else 7)
+    assert gone.missing and gone.keys == [(0, "h0")]
+    assert gone.slots[0][1] == [7] * 8 + [-1] * 8
+    short = gather_load(plan.scans, ["h0"], lambda key: 7)  # the request has one key only
+    assert short.missing and short.keys == [(0, "h0")] and short.slots[0][1] == [7] * 8 + [-1] * 8
+
+
+def test_a_group_with_nothing_pending_is_not_gathered():
+    layouts = [GroupLayout(0, FULL, 16), GroupLayout(1, MAMBA, 64)]
+    plan = plan_load(layouts, [list(range(1, 9)), [N, N]], 0, 128, 128)
+    gathered = gather_load(plan.scans, ["h0"], lambda key: 3)
+    assert [scan.group_index for scan, _ in gathered.slots] == [0] and gathered.loaded == [(0, 8)]
 
 
 def test_mismatched_group_count_is_rejected():
