@@ -149,6 +149,9 @@ def _warnings(n: dict) -> list[str]:
     if n["loads_without_copies"]:
         said.append(f"{formatting.count(n['loads_without_copies'])} of {formatting.count(n['loads'])} loads have no "
                     "copy spans (a worker's trace file missing or cut short?): their load times are unknown")
+    if n["stores_without_copies"]:
+        said.append(f"{formatting.count(n['stores_without_copies'])} of {formatting.count(n['stores'])} stores have "
+                    "no copy spans (a worker's trace file missing or cut short?): their bytes are in no total")
     if n["copies_without_owner"]:
         said.append(f"{formatting.count(n['copies_without_owner'])} copy span(s) belong to no load or store in these "
                     "files")

@@ -74,14 +74,23 @@ def request_numbers(request: pd.Series, spans: pd.DataFrame | None = None) -> No
     cols[1].metric("Request hit rate", formatting.percent(request["hit_rate"]))
     cols[2].metric("Load time", formatting.millis(request["load_ms"]), help=traces.LOAD_TIME_DEFINITION)
     cols[3].metric("Loaded from host", formatting.data_size(request["bytes_loaded"]))
+    loads = int(request["loads"])
     if pd.notna(request["load_ms"]) and pd.notna(request["load_copy_ms"]):  # where its load time went
-        st.caption(f"Load time: {formatting.millis(request['load_copy_ms'])} copying (its first copy's start to "
-                   f"its last copy's end, every worker and group) and {formatting.millis(request['load_wait_ms'])} "
-                   "before the first copy started: planning, then waiting for a worker to run the engine step that "
-                   "starts it (a long step before it, or copies queued ahead, delay it).")
+        each = f", summed over its {loads} loads" if loads > 1 else ""
+        st.caption(f"Load time{each}: {formatting.millis(request['load_copy_ms'])} copying (a load's first copy's "
+                   f"start to its last copy's end, every worker and group) and "
+                   f"{formatting.millis(request['load_wait_ms'])} before the first copy started: planning, then "
+                   "waiting for a worker to run the engine step that starts it (a long step before it, or copies "
+                   "queued ahead, delay it).")
         wait = traces.load_wait(spans, request["trace_id"], request["request_id"]) if spans is not None else None
         if wait is not None:
-            st.caption(traces.load_wait_text(wait))
+            text = traces.load_wait_text(wait)
+            st.caption(f"Its first load: {text[0].lower()}{text[1:]}" if loads > 1 else text)
+    hit, loaded = request["tokens_hit"], request["tokens_loaded"]
+    if pd.notna(loaded) and loaded > (hit if pd.notna(hit) else 0):
+        st.caption(f"It loaded {formatting.count(loaded)} tokens from the host tier, more than its lookup hit: "
+                   "resumed after preemption, it was looked up again (vLLM counts that lookup apart: it has no "
+                   "span) and loaded its own stored blocks back.")
     local = request["tokens_local"]
     if pd.notna(local) and local > 0:
         st.caption(f"vLLM's device prefix cache had its first {formatting.count(local)} tokens: the host tier was "

@@ -9,7 +9,7 @@ import pandas as pd
 
 from dashboard.traces.hit_rates import hit_rate
 from dashboard.traces.request_table import load_rows
-from dashboard.traces.schema import LOOKUP, copies_of
+from dashboard.traces.schema import COPY, LOOKUP, STORE, copies_of
 
 
 def top_slow_loads(requests: pd.DataFrame, n: int = 10) -> pd.DataFrame:
@@ -57,6 +57,7 @@ def overview_numbers(requests: pd.DataFrame, spans: pd.DataFrame) -> dict[str, f
     loads = load_rows(spans)
     start = spans["start_ns"].min() if len(spans) else 0
     end = spans["end_ns"].max() if len(spans) else 0
+    stores_without_copies = _stores_without_copies(spans)
     return {
         **request_numbers(requests),
         "loads": int(len(loads)),
@@ -68,10 +69,24 @@ def overview_numbers(requests: pd.DataFrame, spans: pd.DataFrame) -> dict[str, f
         # unknown (NaN) where loads ran and no load copy is in the files (the workers' file missing): not 0 B
         "bytes_loaded": (math.nan if "load" not in by_dir and (loads["copies"] == 0).any()
                          else int(by_dir.get("load", 0))),
-        "bytes_stored": int(by_dir.get("store", 0)),
+        "stores": int((spans["name"] == STORE).sum()),
+        "stores_without_copies": stores_without_copies,
+        # unknown where stores ran and no store copy is in the files, as for loads
+        "bytes_stored": math.nan if "store" not in by_dir and stores_without_copies else int(by_dir.get("store", 0)),
         "spans": int(len(spans)),
         "duration_s": (int(end) - int(start)) / 1e9,
     }
+
+
+def _stores_without_copies(spans: pd.DataFrame) -> int:
+    """`kvscope.store` spans with no copy span (failed ones included) in the files: the workers' file missing.
+    0 where some store copies belong to no store (files of kvscope versions that traced a store's copies in a
+    trace of their own): those may be theirs."""
+    copied = spans.loc[(spans["name"] == COPY) & (spans["copy_direction"].astype(str) == "store"), "owner_key"]
+    if copied.isna().any():
+        return 0
+    stores = spans.loc[spans["name"] == STORE, "span_key"]
+    return int((~stores.isin(copied)).sum())
 
 
 ENGINE_COLUMNS = ("engine", "requests", "tokens_queried", "tokens_hit", "hit_rate", "requests_load_failed",

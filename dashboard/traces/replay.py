@@ -15,7 +15,7 @@ REPLAY_DEFINITION = (
 )
 
 
-REPLAY_COLUMNS = ("step", "request", "request_id", "trace_id", "t_s", "tokens_queried", "tokens_hit",
+REPLAY_COLUMNS = ("step", "request", "request_id", "trace_id", "t_s", "tokens_queried", "tokens_hit", "tokens_loaded",
                   "cum_tokens_queried", "cum_tokens_hit", "cum_hit_rate", "cum_bytes_loaded", "cum_bytes_stored")
 
 
@@ -32,6 +32,7 @@ def replay_timeline(requests: pd.DataFrame, spans: pd.DataFrame) -> pd.DataFrame
         "t_s": reqs["t_s"],
         "tokens_queried": reqs["tokens_queried"],
         "tokens_hit": reqs["tokens_hit"],
+        "tokens_loaded": reqs["tokens_loaded"],
     })
     out["cum_tokens_queried"] = reqs["tokens_queried"].fillna(0).astype("int64").cumsum()
     out["cum_tokens_hit"] = reqs["tokens_hit"].fillna(0).astype("int64").cumsum()
@@ -45,11 +46,17 @@ def replay_timeline(requests: pd.DataFrame, spans: pd.DataFrame) -> pd.DataFrame
     return out[list(REPLAY_COLUMNS)]
 
 
+NEXT_MISS_DEFINITION = ("The next request that queried the host tier and got nothing from it: no load of it "
+                        "completed (it hit no token, or its load failed and vLLM recomputed). A request resumed "
+                        "after preemption that loaded its own blocks back was served, whatever its first lookup hit.")
+
+
 def next_miss(timeline: pd.DataFrame, step: int) -> int | None:
-    """The first step after `step` whose request the host tier served nothing of (it queried tokens, hit none);
-    None when no later one did."""
+    """The first step after `step` whose request the host tier served nothing of (`NEXT_MISS_DEFINITION`); None
+    when no later one did. Not `tokens_hit == 0`: a failed load hit and served nothing, a resumed request's load
+    served tokens its first lookup did not hit."""
     later = timeline[(timeline["step"] > step) & (timeline["tokens_queried"].fillna(0) > 0)
-                     & (timeline["tokens_hit"].fillna(0) == 0)]
+                     & (timeline["tokens_loaded"].fillna(0) == 0)]
     return int(later["step"].iloc[0]) if len(later) else None
 
 

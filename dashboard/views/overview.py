@@ -26,6 +26,10 @@ if numbers["loads_without_copies"]:
     st.warning(f"{formatting.count(numbers['loads_without_copies'])} of {formatting.count(numbers['loads'])} loads "
                "have no copy spans: worker trace file missing or cut short, or their copies in another trace (see "
                "below)? Their load times are unknown, and their bytes in no request's row.", icon=":material/warning:")
+if numbers["stores_without_copies"]:
+    st.warning(f"{formatting.count(numbers['stores_without_copies'])} of {formatting.count(numbers['stores'])} stores "
+               "have no copy spans: worker trace file missing or cut short, or their copies in another trace? Their "
+               "bytes are in no total.", icon=":material/warning:")
 if numbers["copies_without_owner"]:
     st.warning(f"{formatting.count(numbers['copies_without_owner'])} copy span(s) belong to no load or store in "
                "these files: their parent is none of them (a worker that lost the request's trace id, or the "

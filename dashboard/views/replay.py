@@ -52,7 +52,7 @@ controls[2].button("Pause" if st.session_state.replay_playing else "Play", key="
                    on_click=toggle_play, type="primary", width="stretch")
 controls[3].button("Step", icon=":material/chevron_right:", on_click=move, args=(1,), width="stretch")
 controls[4].button("Next miss", icon=":material/skip_next:", on_click=to_next_miss, key="replay_next_miss",
-                   width="stretch", help="The next request the host tier served nothing of (it hit no token)")
+                   width="stretch", help=traces.NEXT_MISS_DEFINITION)
 seconds_per_step = controls[5].select_slider("Seconds per step while playing", options=[0.25, 0.5, 1.0, 2.0],
                                              value=0.5, key="replay_speed")
 

@@ -35,8 +35,8 @@ def test_overview_numbers_of_a_small_file(tmp_path):
         "hit_rate": 64 / 150, "loads_timed": 1, "load_p50_ms": 2.0, "load_p95_ms": 2.0, "load_p99_ms": 2.0,
         "requests_deferred": 0, "deferral_wait_p50_ms": pytest.approx(math.nan, nan_ok=True),
         "deferral_wait_max_ms": pytest.approx(math.nan, nan_ok=True), "requests_ended_waiting": 0,
-        "loads": 2, "loads_without_copies": 1, "copies_without_owner": 0, "bytes_loaded": 4096, "bytes_stored": 0,
-        "spans": 5, "duration_s": 1.500001}
+        "loads": 2, "loads_without_copies": 1, "copies_without_owner": 0, "bytes_loaded": 4096, "stores": 0,
+        "stores_without_copies": 0, "bytes_stored": 0, "spans": 5, "duration_s": 1.500001}
 
 
 def test_a_failed_copy_moves_nothing_on_every_page_and_a_copy_of_no_load_is_counted(tmp_path):
@@ -61,14 +61,17 @@ def test_a_failed_copy_moves_nothing_on_every_page_and_a_copy_of_no_load_is_coun
     assert groups["bytes"].tolist() == [4096, 0] and groups["failed"].tolist() == [False, True]
 
 
-def test_the_bytes_loaded_are_unknown_where_loads_ran_and_no_load_copy_is_in_the_files(tmp_path):
-    """The scheduler's file without the workers': "Loaded from host" said 0 B beside loads of thousands of tokens."""
+def test_the_bytes_moved_are_unknown_where_transfers_ran_and_none_of_their_copies_is_in_the_files(tmp_path):
+    """The scheduler's file without the workers': "Loaded from host" said 0 B beside loads of thousands of tokens,
+    and "Stored to host" 0 B beside its store spans."""
     spans = traces.read_trace_files([TWO_ROUNDS]).spans
     scheduler_only = spans[spans["name"] != "kvscope.group.copy"]
     numbers = traces.overview_numbers(traces.requests_table(scheduler_only), scheduler_only)
     assert numbers["loads"] > 0 and numbers["loads_without_copies"] == numbers["loads"]
-    assert math.isnan(numbers["bytes_loaded"]) and numbers["bytes_stored"] == 0
-    assert traces.overview_numbers(traces.requests_table(spans), spans)["bytes_loaded"] > 0
+    assert numbers["stores"] > 0 and numbers["stores_without_copies"] == numbers["stores"]
+    assert math.isnan(numbers["bytes_loaded"]) and math.isnan(numbers["bytes_stored"])
+    whole = traces.overview_numbers(traces.requests_table(spans), spans)
+    assert whole["bytes_loaded"] > 0 and whole["bytes_stored"] > 0 and whole["stores_without_copies"] == 0
 
 
 def test_overview_numbers_without_copies_or_spans(tmp_path):

@@ -41,8 +41,18 @@ def test_a_load_that_waited_behind_other_requests_copies_on_its_worker(tmp_path)
     spans = traces.read_trace_files([path]).spans
     wait = traces.load_wait(spans, TRACE, "r")
     assert wait == traces.LoadWait(wait_ms=10.0, loads=1, stores=1, busy_ms=6.0)
-    assert traces.load_wait_text(wait).startswith("Before its first copy its workers copied for other requests "
-                                                  "6.000 ms of the 10.000 ms (1 load and 1 store copies)")
+    assert traces.load_wait_text(wait) == ("Before its first copy its workers copied for other requests 6.000 ms of "
+                                           "the 10.000 ms (1 load and 1 store copies): copies queued ahead, or "
+                                           "sharing the copy engine, delayed it.")
+
+
+def test_other_copies_that_filled_little_of_the_wait_are_not_blamed_for_it():
+    """The review's request waited 18.05 ms and another request's copies ran 0.057 ms of it: the step came late."""
+    text = traces.load_wait_text(traces.LoadWait(wait_ms=18.047, loads=2, stores=0, busy_ms=0.057))
+    assert text == ("Before its first copy its workers copied for other requests 0.057 ms of the 18.047 ms (2 load "
+                    "and 0 store copies): most of the wait was for the engine step that starts it (a long step "
+                    "before it, or a busy scheduler), not for the host tier.")
+    assert "delayed it" in traces.load_wait_text(traces.LoadWait(wait_ms=10.0, loads=1, stores=0, busy_ms=5.0))
 
 
 def test_a_load_nothing_ran_before_says_the_step_came_late(tmp_path):

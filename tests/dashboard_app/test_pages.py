@@ -7,6 +7,7 @@ import re
 import sys
 from pathlib import Path
 
+import pandas as pd
 import pytest
 from streamlit.testing.v1 import AppTest
 
@@ -258,7 +259,7 @@ def test_replay_jumps_to_the_next_request_that_missed(monkeypatch):
     at.switch_page("views/replay.py").run()
     timeline = traces.replay_timeline(*(lambda r: (traces.requests_table(r.spans), r.spans))(
         traces.read_trace_files([TWO_ROUNDS])))
-    missed = timeline.loc[(timeline["tokens_queried"] > 0) & (timeline["tokens_hit"].fillna(0) == 0), "step"].tolist()
+    missed = timeline.loc[(timeline["tokens_queried"] > 0) & (timeline["tokens_loaded"].fillna(0) == 0), "step"].tolist()
     assert 1 in missed and 2 in missed and len(missed) < len(timeline)  # round 1 misses, round 2 hits
     at.slider(key="replay_step").set_value(missed[1]).run()
     at.button(key="replay_next_miss").click().run()
@@ -269,6 +270,17 @@ def test_replay_jumps_to_the_next_request_that_missed(monkeypatch):
     assert metrics(at)["Request"] == f"{missed[-1]} of 20"  # none after the last: it stays, and says so
     assert [t.value for t in at.toast] == ["No request after this one missed the host tier."]
     assert traces.next_miss(timeline, missed[-1]) is None and traces.next_miss(timeline, 0) == missed[0]
+
+
+def test_next_miss_is_a_request_the_tier_served_nothing_of_not_one_that_hit_nothing():
+    """A failed load hit tokens and served none (vLLM recomputed); a request resumed after preemption hit nothing
+    at its first lookup and loaded its own blocks back."""
+    timeline = pd.DataFrame({"step": [1, 2, 3, 4, 5], "tokens_queried": [64, 64, 64, 64, pd.NA],
+                             "tokens_hit": [64, 64, 0, 0, pd.NA],
+                             "tokens_loaded": pd.array([64, pd.NA, 48, pd.NA, pd.NA], dtype="Int64")})
+    assert traces.next_miss(timeline, 0) == 2  # its load failed
+    assert traces.next_miss(timeline, 2) == 4  # step 3 resumed and loaded; step 5 never queried the tier
+    assert traces.next_miss(timeline, 4) is None
 
 
 def test_replay_play_advances_and_stops_at_the_end(monkeypatch):
@@ -885,11 +897,14 @@ def test_overview_counts_loads_without_copies_among_all_its_loads_and_says_when_
     assert not at.exception
     assert at.warning[0].value.startswith("1 of 2 loads have no copy spans")
     scheduler_only = tmp_path / "scheduler-only.jsonl"
-    scheduler_only.write_text(line(lookup("r1", span_id="11" * 8), load("r1", span_id="22" * 8, parent="11" * 8))
-                              + "\n")
+    scheduler_only.write_text(line(lookup("r1", span_id="11" * 8), load("r1", span_id="22" * 8, parent="11" * 8),
+                                   store("r1", span_id="33" * 8)) + "\n")
     at = app(monkeypatch, scheduler_only)
     assert not at.exception
     assert "No kvscope.group.copy spans in these traces." in [i.value for i in at.info]
+    assert ("1 of 1 stores have no copy spans: worker trace file missing or cut short, or their copies in another "
+            "trace? Their bytes are in no total.") in [w.value for w in at.warning]
+    assert metrics(at)["Stored to host"] == "–"
 
 
 def test_overview_says_why_it_draws_no_load_latency_chart(monkeypatch, tmp_path):

@@ -115,3 +115,33 @@ def test_a_request_with_one_failed_load_among_others_is_a_failed_load(resumed):
         "mistimed": False, "uncopied": False, "summed": False, "failed": True}
     assert traces.search_requests(requests, "", show="failed loads")["request_id"].tolist() == ["failed"]
     assert traces.request_numbers(requests)["requests_load_failed"] == 1
+
+
+def test_the_request_view_says_a_load_time_of_several_loads_is_their_sum_and_whose_wait_it_explains(
+        monkeypatch, tmp_path):
+    """Its two loads copied 3 and 2 ms: "first copy's start to last copy's end" read as one span of 21 ms."""
+    at = app(monkeypatch, write(tmp_path, line(*_two_loads("summed", (0, 2)))))
+    at.switch_page("views/request_explorer.py").run()
+    assert_ok(at)
+    captions = [c.value for c in at.caption]
+    assert any(c.startswith("Load time, summed over its 2 loads: 5.00 ms copying (a load's first copy's start")
+               for c in captions), captions
+    assert any(c.startswith("Its first load: no other request's copy ran on its workers in the 0.000 ms")
+               for c in captions), captions
+
+
+def test_the_request_view_says_a_request_that_loaded_more_than_its_lookup_hit_was_resumed(monkeypatch, tmp_path):
+    """Preempted, it is looked up again without a span and loads its own blocks back: hit 0 of 100, 16 loaded."""
+    first = f"{0xA00:016x}"
+    resumed = [lookup("resumed", 100, 0, span_id=f"{0x900:016x}", trace=TRACE, start=T),
+               load("resumed", span_id=first, trace=TRACE, start=T + 20 * MS),
+               group_copy("load", 0, 0, 4096, T + 21 * MS, T + 22 * MS, owner=first, rid="resumed", n=0)]
+    at = app(monkeypatch, write(tmp_path, line(*resumed)))
+    at.switch_page("views/request_explorer.py").run()
+    assert_ok(at)
+    said = ("It loaded 16 tokens from the host tier, more than its lookup hit: resumed after preemption, it was "
+            "looked up again (vLLM counts that lookup apart: it has no span) and loaded its own stored blocks back.")
+    assert said in [c.value for c in at.caption]
+    at = app(monkeypatch, write(tmp_path, line(*_two_loads("summed", (0, 2)))))  # 32 loaded of a 64-token hit
+    at.switch_page("views/request_explorer.py").run()
+    assert said.split(":")[0] not in " ".join(c.value for c in at.caption)
