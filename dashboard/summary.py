@@ -16,7 +16,7 @@ from dashboard import formatting, sources, traces
 # The Overview's tables, by the columns a terminal has room for (name in the frame -> heading)
 _GROUP_COLUMNS = {"group": "group", "scans": "loads", "blocks_scanned": "scanned",
                   "blocks_null_skipped": "null skipped", "null_skip_share": "null-skip share",
-                  "blocks_loaded": "loaded", "bytes_loaded": "bytes loaded", "load_gb_per_s": "load GB/s",
+                  "blocks_loaded": "blocks loaded", "bytes_loaded": "bytes loaded", "load_gb_per_s": "load GB/s",
                   "bytes_stored": "bytes stored", "store_gb_per_s": "store GB/s"}
 _LATENCY_COLUMNS = {"scope": "scope", "count": "count", "p50_ms": "p50 (ms)", "p95_ms": "p95 (ms)",
                     "p99_ms": "p99 (ms)", "max_ms": "max (ms)"}
@@ -26,6 +26,7 @@ _ENGINE_COLUMNS = {"engine": "engine", "requests": "requests", "tokens_queried":
                    "tokens_hit": "tokens hit", "hit_rate": "hit rate", "requests_load_failed": "failed loads",
                    "load_p50_ms": "load p50 (ms)", "load_p95_ms": "load p95 (ms)"}
 _SLOWEST_COLUMNS = {"request": "request", "t_s": "arrival (s)", "load_ms": "load time (ms)",
+                    "load_copy_ms": "copying (ms)", "load_wait_ms": "before the copies (ms)",
                     "tokens_loaded": "tokens loaded", "bytes_loaded": "bytes loaded", "trace_id": "trace"}
 
 

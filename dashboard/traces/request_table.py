@@ -38,6 +38,13 @@ MISS_REASON_DEFINITION = (
     f"as kvscope_missed_tokens_total counts it: {miss_reasons_explained()}. Empty for trace files written before "
     "kvscope recorded it."
 )
+# The Overview's table counts reasons by lookup, not by request
+LOOKUP_MISS_REASON_DEFINITION = (
+    "Why the host tier served no more of a lookup's prompt (`kvscope.miss.reason`; every lookup counts: a request "
+    "whose load failed is looked up again, and counts again): the reason of the offloaded block right after the "
+    f"hit, as kvscope_missed_tokens_total counts it: {miss_reasons_explained()}. Empty for trace files written "
+    "before kvscope recorded it."
+)
 # One request's `miss_reason`, as the request view says it (what its hit stopped at)
 MISS_REASON_TEXT = {
     "new": "the offloaded block after its hit was never stored, or left the tier longer ago than the tier "

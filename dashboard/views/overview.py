@@ -85,7 +85,7 @@ st.altair_chart(charts.hit_rate_over_time(over_time, bucket_s), width="stretch")
 
 misses = traces.misses_by_reason(spans)
 if not misses.empty:  # trace files that record why each lookup missed
-    st.subheader("Why the host tier served no more", help=traces.MISS_REASON_DEFINITION)
+    st.subheader("Why the host tier served no more", help=traces.LOOKUP_MISS_REASON_DEFINITION)
     st.caption(traces.MISSES_DEFINITION + " 'evicted': a larger tier would have served at least the block where "
                "the hit stopped. 'new' counts blocks evicted longer ago than the tier remembers (as many blocks as "
                "it holds) too: where the tier evicts many times its size, some of those were evictions.")
@@ -155,15 +155,17 @@ st.dataframe(
     },
 )
 
+# Where no load has a time, the latency chart and the slowest loads say why instead of drawing nothing
+no_timed_loads = (f"None of the {formatting.count(numbers['loads'])} loads in these traces has a time: they failed "
+                  "(vLLM recomputed them), or their copy spans are not in these traces (see Load time in the "
+                  "Definitions)." if numbers["loads"] else "No loads in these traces: the host tier served no "
+                  "request.")
 left, right = st.columns([3, 2])  # the latency table has six columns; the throughput chart fits in less
 with left:
     st.subheader("Load latency")
     latencies = traces.load_latency_distribution(spans, requests)
     if latencies.empty:  # an empty chart reads as "the chart broke", not "nothing loaded"
-        loads = int((spans["name"] == traces.LOAD).sum())
-        st.info(f"None of the {formatting.count(loads)} loads in these traces has a time: their copy spans are not "
-                "in them (see Load time in the Definitions)." if loads else
-                "No loads in these traces: the host tier served no request.")
+        st.info(no_timed_loads)
     else:
         st.altair_chart(charts.latency_distribution(latencies), width="stretch")
     st.dataframe(
@@ -175,6 +177,9 @@ with left:
         column_config={col: st.column_config.NumberColumn(col.replace("_ms", " (ms)"), format="%.3f")
                        for col in ("p50_ms", "p95_ms", "p99_ms", "max_ms")},
     )
+    st.caption("Copy rows count each worker's copy span, as kvscope_copy_duration_seconds does: under tensor "
+               "parallelism a group's load counts once per worker. The KV groups table and a request's view time "
+               "a transfer by its slowest worker instead.")
 with right:
     st.subheader("Copy throughput", help=traces.COPY_THROUGHPUT_DEFINITION)
     throughput = traces.copy_throughput(spans)
@@ -184,41 +189,45 @@ with right:
         st.altair_chart(charts.copy_throughput(throughput), width="stretch")
 
 st.subheader("Slowest loads")
-st.caption("Select a row to open the request on the Requests page.")
 slowest = traces.top_slow_loads(requests, 10)
-picked = st.dataframe(
-    slowest,
-    key="slowest_loads",
-    on_select="rerun",
-    selection_mode="single-row",
-    hide_index=True,
-    placeholder="–",
-    width="stretch",
-    column_order=["request", "t_s", "load_ms", "load_copy_ms", "load_wait_ms", "tokens_loaded", "bytes_loaded",
-                  "trace_id"],
-    column_config={
-        "t_s": st.column_config.NumberColumn("arrival (s)", format="%.3f"),
-        "load_ms": st.column_config.NumberColumn("load time (ms)", format="%.3f", help=traces.LOAD_TIME_DEFINITION),
-        "load_copy_ms": st.column_config.NumberColumn(
-            "copying (ms)", format="%.3f", help="From its first copy's start to its last copy's end (every worker "
-            "and group, summed over its loads)"),
-        "load_wait_ms": st.column_config.NumberColumn(
-            "before the copies (ms)", format="%.3f", help="Load time less copying: planning, then waiting for a "
-            "worker to run the engine step that starts the copies (a long step before it, or copies queued ahead). "
-            "Long waits with short copies: the engine was busy, not the host tier"),
-        "tokens_loaded": st.column_config.NumberColumn(
-            "tokens loaded", help="Σ kvscope.tokens.external over the request's loads that did not fail: the "
-            "loads its load time sums (a request resumed after preemption loads again)"),
-        "bytes_loaded": st.column_config.NumberColumn(
-            "bytes loaded", format="bytes", help="Σ kvscope.copy.bytes of the copies into the device of all the "
-            "request's loads: a load that failed on one worker counts what the others copied"),
-        "trace_id": "trace",
-    },
-)
-if picked.selection.rows:
-    row = slowest.iloc[picked.selection.rows[0]]
-    st.session_state[widgets.OPEN_REQUEST] = (row["trace_id"], row["request_id"])
-    st.switch_page("views/request_explorer.py")
+if slowest.empty:
+    st.info(no_timed_loads)
+else:
+    st.caption("Select a row to open the request on the Requests page.")
+    picked = st.dataframe(
+        slowest,
+        key="slowest_loads",
+        on_select="rerun",
+        selection_mode="single-row",
+        hide_index=True,
+        placeholder="–",
+        width="stretch",
+        column_order=["request", "t_s", "load_ms", "load_copy_ms", "load_wait_ms", "tokens_loaded", "bytes_loaded",
+                      "trace_id"],
+        column_config={
+            "t_s": st.column_config.NumberColumn("arrival (s)", format="%.3f"),
+            "load_ms": st.column_config.NumberColumn("load time (ms)", format="%.3f",
+                                                     help=traces.LOAD_TIME_DEFINITION),
+            "load_copy_ms": st.column_config.NumberColumn(
+                "copying (ms)", format="%.3f", help="From its first copy's start to its last copy's end (every worker "
+                "and group, summed over its loads)"),
+            "load_wait_ms": st.column_config.NumberColumn(
+                "before the copies (ms)", format="%.3f", help="Load time less copying: planning, then waiting for a "
+                "worker to run the engine step that starts the copies (a long step before it, or copies queued "
+                "ahead). Long waits with short copies: the engine was busy, not the host tier"),
+            "tokens_loaded": st.column_config.NumberColumn(
+                "tokens loaded", help="Σ kvscope.tokens.external over the request's loads that did not fail: the "
+                "loads its load time sums (a request resumed after preemption loads again)"),
+            "bytes_loaded": st.column_config.NumberColumn(
+                "bytes loaded", format="bytes", help="Σ kvscope.copy.bytes of the copies into the device of all the "
+                "request's loads: a load that failed on one worker counts what the others copied"),
+            "trace_id": "trace",
+        },
+    )
+    if picked.selection.rows:
+        row = slowest.iloc[picked.selection.rows[0]]
+        st.session_state[widgets.OPEN_REQUEST] = (row["trace_id"], row["request_id"])
+        st.switch_page("views/request_explorer.py")
 
 with st.expander("Definitions"):
     for text in (traces.HIT_RATE_DEFINITION, traces.LOAD_TIME_DEFINITION, traces.LOAD_FAILED_DEFINITION,

@@ -40,6 +40,9 @@ if reasons_seen:  # trace files that record why each lookup's hit stopped
         help="Requests with a lookup whose hit stopped for one of these (an earlier lookup's too, as the Overview "
              "counts them). " + traces.MISS_REASON_DEFINITION)
 shown = traces.search_requests(requests, text, show=kind, engine=engine, reasons=picked_reasons).reset_index(drop=True)
+if picked_reasons:  # a row's column is its last lookup's reason: say why a row with another one is listed
+    st.caption("Listed: requests with any lookup stopped for a chosen reason. The 'served no more because' column "
+               "is a request's last lookup's (a request whose load failed is looked up again).")
 
 # The selection follows its request, not its row position, when the search or the filter changes the rows.
 keys = list(zip(shown["trace_id"], shown["request_id"]))
