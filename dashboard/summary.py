@@ -150,6 +150,9 @@ def _warnings(n: dict) -> list[str]:
     if n["loads_without_copies"]:
         said.append(f"{formatting.count(n['loads_without_copies'])} of {formatting.count(n['loads'])} loads have no "
                     "copy spans (a worker's trace file missing or cut short?): their load times are unknown")
+    if n["transfers_short_of_workers"]:
+        said.append(f"{formatting.count(n['transfers_short_of_workers'])} loads or stores have copy spans from fewer "
+                    f"workers than the others ({n['workers']}): their bytes and copy times are partial")
     if n["stores_without_copies"]:
         said.append(f"{formatting.count(n['stores_without_copies'])} of {formatting.count(n['stores'])} stores have "
                     "no copy spans (a worker's trace file missing or cut short?): their bytes are in no total")

@@ -71,11 +71,21 @@ def overview_numbers(requests: pd.DataFrame, spans: pd.DataFrame) -> dict[str, f
                          else int(by_dir.get("load", 0))),
         "stores": int((spans["name"] == STORE).sum()),
         "stores_without_copies": stores_without_copies,
+        **_transfers_short_of_workers(spans),
         # unknown where stores ran and no store copy is in the files, as for loads
         "bytes_stored": math.nan if "store" not in by_dir and stores_without_copies else int(by_dir.get("store", 0)),
         "spans": int(len(spans)),
         "duration_s": (int(end) - int(start)) / 1e9,
     }
+
+
+def _transfers_short_of_workers(spans: pd.DataFrame) -> dict[str, int]:
+    """Loads and stores with copy spans from fewer workers than the most any has (under tensor parallelism every
+    worker copies its share of each): a worker's trace file cut short. Their bytes and copy times are partial."""
+    copies = spans.loc[(spans["name"] == COPY) & spans["owner_key"].notna(), ["owner_key", "worker_rank"]]
+    ranks = copies.dropna(subset=["worker_rank"]).groupby("owner_key")["worker_rank"].nunique()
+    workers = int(ranks.max()) if len(ranks) else 0
+    return {"workers": workers, "transfers_short_of_workers": int((ranks < workers).sum())}
 
 
 def _stores_without_copies(spans: pd.DataFrame) -> int:

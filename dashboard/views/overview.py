@@ -26,6 +26,10 @@ if numbers["loads_without_copies"]:
     st.warning(f"{formatting.count(numbers['loads_without_copies'])} of {formatting.count(numbers['loads'])} loads "
                "have no copy spans: worker trace file missing or cut short, or their copies in another trace (see "
                "below)? Their load times are unknown, and their bytes in no request's row.", icon=":material/warning:")
+if numbers["transfers_short_of_workers"]:
+    st.warning(f"{formatting.count(numbers['transfers_short_of_workers'])} loads or stores have copy spans from "
+               f"fewer workers than the others ({numbers['workers']}): a worker's trace file cut short? Their bytes "
+               "and copy times are those of the workers read.", icon=":material/warning:")
 if numbers["stores_without_copies"]:
     st.warning(f"{formatting.count(numbers['stores_without_copies'])} of {formatting.count(numbers['stores'])} stores "
                "have no copy spans: worker trace file missing or cut short, or their copies in another trace? Their "

@@ -36,7 +36,8 @@ def test_overview_numbers_of_a_small_file(tmp_path):
         "requests_deferred": 0, "deferral_wait_p50_ms": pytest.approx(math.nan, nan_ok=True),
         "deferral_wait_max_ms": pytest.approx(math.nan, nan_ok=True), "requests_ended_waiting": 0,
         "loads": 2, "loads_without_copies": 1, "copies_without_owner": 0, "bytes_loaded": 4096, "stores": 0,
-        "stores_without_copies": 0, "bytes_stored": 0, "spans": 5, "duration_s": 1.500001}
+        "stores_without_copies": 0, "workers": 1, "transfers_short_of_workers": 0, "bytes_stored": 0, "spans": 5,
+        "duration_s": 1.500001}
 
 
 def test_a_failed_copy_moves_nothing_on_every_page_and_a_copy_of_no_load_is_counted(tmp_path):
@@ -141,3 +142,26 @@ def test_a_load_whose_only_copy_failed_is_not_a_load_without_copies(tmp_path):
     requests = traces.requests_table(spans)
     assert traces.overview_numbers(requests, spans)["loads_without_copies"] == 0
     assert requests["loads_without_copies"].tolist() == [0] and requests["load_failed"].tolist() == [True]
+
+
+def test_loads_with_copies_from_fewer_workers_than_the_others_are_counted_and_warned_of(tmp_path, monkeypatch):
+    """Tensor parallelism 2, rank 1's file cut short: the last load has rank 0's copies only, and its bytes and
+    copy time were shown as the whole with no word (the review's request 22 showed "workers 1")."""
+    spans = []
+    for i in range(3):
+        owner = f"{0x100 + i:016x}"
+        spans.append(load(f"r{i}", span_id=owner, trace=TRACE, start=T + i * 10_000_000))
+        for rank in (0, 1) if i < 2 else (0,):
+            spans.append(group_copy("load", 1, rank, 4096, T + i * 10_000_000, T + i * 10_000_000 + 1_000_000,
+                                    owner=owner, rid=f"r{i}", n=2 * i + rank))
+    path = write(tmp_path, line(*spans))
+    read = traces.read_trace_files([path]).spans
+    numbers = traces.overview_numbers(traces.requests_table(read), read)
+    assert (numbers["workers"], numbers["transfers_short_of_workers"]) == (2, 1)
+    whole = read[~((read["name"] == "kvscope.group.copy") & (read["worker_rank"] == 1))]  # TP=1: one rank everywhere
+    assert traces.overview_numbers(traces.requests_table(whole), whole)["transfers_short_of_workers"] == 0
+    from .test_pages import app
+
+    at = app(monkeypatch, path)
+    assert any(w.value.startswith("1 loads or stores have copy spans from fewer workers than the others (2)")
+               for w in at.warning)
