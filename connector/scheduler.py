@@ -261,8 +261,7 @@ class KVScopeScheduler:
             return True
         manager = self._kv_cache_manager()
         usable = manager.block_pool.num_gpu_blocks - 1  # less the null block
-        if admission.window_caps is None:
-            admission.window_caps = _window_admission_caps(manager, self.layouts)
+        self._learn_window_caps(manager)
         if admission.may_start(request.request_id, request.num_tokens, usable, lookup_start_ns, load_tokens):
             return True
         if not self._deferral_logged:
@@ -272,6 +271,11 @@ class KVScopeScheduler:
                         "loads wait like this whenever the device cache is nearly full (logged once)",
                         admission.waiting_loads, usable)
         return False
+
+    def _learn_window_caps(self, manager) -> None:
+        """Read once, from vLLM's KV cache manager, what a sliding-window group holds at most (admission's bound)."""
+        if self.admission.window_caps is None:
+            self.admission.window_caps = _window_admission_caps(manager, self.layouts)
 
     def _hit_tokens(self, request, num_computed_tokens: int, hashes: list) -> int:
         """The tokens past the device's that the host tier can serve (`find_hit_tokens`)."""
@@ -307,8 +311,8 @@ class KVScopeScheduler:
                     state.trace_context = self.tracing.parent_from_trace_headers(headers)
             self._requests[req_id] = state
         lookup = self._lookups.pop(req_id, None)
-        if num_external_tokens and self.admission.window_caps is None:
-            self.admission.window_caps = _window_admission_caps(self._kv_cache_manager(), self.layouts)
+        if num_external_tokens:
+            self._learn_window_caps(self._kv_cache_manager())
         self.admission.admitted(req_id, request.num_tokens, loads=num_external_tokens > 0)
         if lookup is not None and lookup.deferred is not None:
             self._deferral_waits_ns.append(max(0, lookup.start_ns - lookup.deferred.first_ns))

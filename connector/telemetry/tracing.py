@@ -8,11 +8,13 @@ provider of its own: on the engine's hot path an ended span is a record (a tuple
 off the engine thread: by default in a helper process (`export_process`), with
 ``KVSCOPE_TRACE_EXPORT=thread`` on the batcher's thread. The connector's own spans go through
 `open_span`/`end_span`/`record` with their `RecordKind`, and a load with its scans and lookup
-through `end_load` as one record; `start_span` gives a general OpenTelemetry `Span` (a `LightSpan`).
+through `end_load` as one record; `start_span` gives a general OpenTelemetry `Span` (a `LightSpan`):
+the connector itself uses none, its tests check sampling and propagation through it.
 
 Free when off: with no sink configured nothing is built, ``enabled`` is False, every span is
-``INVALID_SPAN`` (a shared non-recording span) and carriers are None. Callers check
-``span.is_recording()`` before building attributes.
+``INVALID_SPAN`` (a shared non-recording span) and carriers are None. The connector checks
+``enabled`` (or whether its parent is a recording `SpanRef`) before reading a clock or building
+values; users of `start_span` check ``span.is_recording()``.
 
 Sinks (`sinks`): the trace file and OTLP export as the standard ``OTEL_*`` variables ask for it.
 
