@@ -94,8 +94,11 @@ def copy_throughput_by_direction():
         "Copy throughput by direction",
         "Bytes per second this group moves: loads (kvscope_load_bytes_total) and stores "
         "(kvscope_store_bytes_total), summed over the selected engines and their tensor-parallel "
-        "workers (a worker's copied part of a load that failed on another worker included). Groups "
-        "with null-skipped blocks move fewer bytes per token; that is the saving of the hybrid-aware plan.",
+        "workers (a worker's copied part of a load that failed on another worker included). Loads of a "
+        "group with null-skipped blocks (a sliding window's out-of-window blocks, Mamba's padding) move fewer "
+        "bytes per token: that is the saving of the hybrid-aware plan. Stores do not save so for a sliding "
+        "window: each of its blocks is stored, since it is in the window of some later, longer prompt; a Mamba "
+        "group stores only the states it keeps.",
         pc.queries(
             (f"sum by (model_name) (rate(kvscope_load_bytes_total{sel(GROUP)}{RATE}))", "load ({{model_name}})"),
             (f"sum by (model_name) (rate(kvscope_store_bytes_total{sel(GROUP)}{RATE}))", "store ({{model_name}})"),
