@@ -249,7 +249,8 @@ def host_usage_stat():
         "while: the tier is an LRU cache, and evicts one entry per new one from then on. It is a problem "
         "only when prompts asked for again were evicted (alert KVScopeHostTierTooSmall); then raise cpu_bytes. "
         "One colour whatever the value, for that reason. The value now: \"no data\" where no selected engine "
-        "has been scraped in the last 5 minutes.",
+        "has been scraped in the last 5 minutes, or none has served a request since it started (its scheduler "
+        "reports the tier with a step's stats).",
         pc.instant(f"max(kvscope:host_usage:ratio{sel()})", "usage"),
         "percentunit",
         [(None, "blue")],
@@ -263,7 +264,9 @@ def host_used_vs_capacity():
         "Bytes of host memory holding offloaded KV blocks, against the configured capacity "
         "(cpu_bytes), per engine. Used climbs with new prefixes and stays at capacity once the LRU "
         "starts evicting. Both are one worker's (cpu_bytes is per worker): a tensor-parallel engine pins "
-        "the capacity once per GPU, so make sure the machine has that to spare.",
+        "the capacity once per GPU, so make sure the machine has that to spare. Both start with the engine's "
+        "first request after a start: its scheduler reports the tier with a step's stats, and steps run for "
+        "requests only.",
         pc.queries(
             (f"sum by (instance, engine) (kvscope_host_used_bytes{sel()})", "used {{instance}} engine {{engine}}"),
             (f"sum by (instance, engine) (kvscope_host_capacity_bytes{sel()})", "capacity {{instance}} engine {{engine}}"),
