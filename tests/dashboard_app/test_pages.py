@@ -259,7 +259,8 @@ def test_replay_jumps_to_the_next_request_that_missed(monkeypatch):
     at.switch_page("views/replay.py").run()
     timeline = traces.replay_timeline(*(lambda r: (traces.requests_table(r.spans), r.spans))(
         traces.read_trace_files([TWO_ROUNDS])))
-    missed = timeline.loc[(timeline["tokens_queried"] > 0) & (timeline["tokens_loaded"].fillna(0) == 0), "step"].tolist()
+    served_nothing = (timeline["tokens_queried"] > 0) & (timeline["tokens_loaded"].fillna(0) == 0)
+    missed = timeline.loc[served_nothing, "step"].tolist()
     assert 1 in missed and 2 in missed and len(missed) < len(timeline)  # round 1 misses, round 2 hits
     at.slider(key="replay_step").set_value(missed[1]).run()
     at.button(key="replay_next_miss").click().run()
