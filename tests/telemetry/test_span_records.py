@@ -10,6 +10,7 @@ from connector.telemetry.span_records import (
     DEFERRED_LOAD_SPAN,
     DEFERRED_LOOKUP_SPAN,
     FAILED_COPY_SPAN,
+    GENERIC_SPAN,
     KINDS,
     LOAD_PLAN,
     LOAD_SPAN,
@@ -97,7 +98,8 @@ def test_records_whose_values_do_not_match_their_kind_in_number_fail_their_check
     scans = [(11, 12, 0, "sliding_window", 8, 3, 2, 5)]
     lookup = (77, None, False, 5, 9, 200, 192, "evicted", 64)
     load = (LOAD_PLAN, 0xABC, 99, 77, False, None, 10, 14, ("r1", 0, 192, 1, scans, lookup))
-    for good in (copy, load, load[:8] + (("r1", 0, 192, 1, scans, lookup + (4, 9000), 2, 700),)):
+    generic = (GENERIC_SPAN.code, 1, 2, None, False, None, 0, 1, ("name", {"k": 1}))  # any attributes
+    for good in (copy, load, load[:8] + (("r1", 0, 192, 1, scans, lookup + (4, 9000), 2, 700),), generic):
         check_shape(good)
     with pytest.raises(ValueError, match=r"a kvscope.group.copy record has 6 values: expected 7 \(kvscope.group"):
         check_shape(copy[:8] + (copy[8][:-1],))

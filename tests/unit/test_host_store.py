@@ -732,3 +732,19 @@ def test_held_entries_an_eviction_walks_past_go_behind_the_rest_before_the_new_e
     assert list(index._entries) == [1, 0, 3]
     index.reserve_for_store(2)  # evicts 0, walking past 1
     assert list(index._entries) == [3, 1, 2]
+
+
+def test_a_block_dropped_while_a_load_reads_it_takes_no_place_among_the_departed_until_it_is_freed():
+    """The tier remembers as many departed keys as it has slots: a stale entry still held by a load is not gone
+    yet, and remembering it early pushed the oldest departure out (its next lookup said "new", not "evicted")."""
+    index = HostIndex(1)  # remembers 1 departed key
+    assert index.reserve_for_store("x") == 0
+    index.complete_store("x")
+    assert index.reserve_for_store("a") == 0  # evicts x
+    index.complete_store("a")
+    assert index.pin_for_load("a") == 0
+    assert index.drop(["a"]) == 0  # read by a load: stale, not yet gone
+    assert index.why_absent("x") == "evicted"
+    assert index.why_absent("a") == "dropped"
+    index.unpin("a")
+    assert index.why_absent("a") == "dropped" and index.why_absent("x") == "new"

@@ -157,3 +157,14 @@ def test_a_deferral_records_the_lookups_answered_not_yet_and_when_the_first_bega
     assert admission.deferred["b"].lookups == 3  # read by the lookup span; gone once vLLM admits it
     admission.admitted("b", 1024, loads=True)
     assert admission.deferred == {} and admission.deferrals == 1
+
+
+def test_a_deferred_load_reports_the_load_tokens_of_its_latest_lookup():
+    """Its hit may grow or shrink while it waits: the deferral span tells the load it would have brought last."""
+    admission = LoadAdmission([GroupLayout(0, GroupKind.FULL_ATTENTION, 16)])
+    admission.admitted("a", 1024, loads=True)
+    assert not admission.may_start("b", 1024, usable_blocks=100, now_ns=5, load_tokens=512)
+    assert not admission.may_start("b", 1024, usable_blocks=100, now_ns=9, load_tokens=768)
+    deferral = admission.deferred["b"]
+    assert (deferral.lookups, deferral.first_ns, deferral.load_tokens) == (2, 5, 768)
+    assert admission.ended("b") is deferral and admission.deferrals == 1
