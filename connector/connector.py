@@ -21,33 +21,24 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from .config import (
-    ConfigError,
-    available_memory_bytes,
-    check_host_memory,
-    parse_config,
-    physical_memory_bytes,
-)
-from .groups import GroupKind
+from .config import ConfigError, parse_config
 from .metadata import KVScopeMetadata
 from .scheduler import KVScopeScheduler
+from .sides import (
+    build_scheduler,
+    build_worker,
+    check_host_tier_fits,
+    check_start_up,
+    engine_index,
+    store_fence,
+    tier_shape,
+)
 from .telemetry.failures import telemetry_failed
 from .telemetry.metrics import KVScopePromMetrics, KVScopeStats, serve_metrics_port
 from .telemetry.span_records import ENGINE_RESOURCE_ATTRIBUTE
 from .telemetry.tracing import KVScopeTracing
-from .vllm_layout import (
-    check_parallelism,
-    check_sleep_mode,
-    checkpointed_state_block_sizes,
-    eagle_proof_groups,
-    group_layouts,
-    slot_layout,
-    speculative_draft_tokens,
-    workers_on_this_host,
-    workers_per_scheduler,
-)
 from .vllm_logging import log_through_vllm
-from .worker import FENCE_AT_NEXT_STEP, FENCE_AT_ONCE, FENCE_WHEN_REUSED, KVScopeWorker
+from .worker import KVScopeWorker
 
 logger = logging.getLogger(__name__)
 
@@ -60,81 +51,24 @@ class KVScopeConnector(KVConnectorBase_V1, SupportsHMA):
         check_vllm_version()
         log_through_vllm()
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-        transfer = vllm_config.kv_transfer_config
-        if transfer.kv_role != "kv_both":
-            # A host-tier cache both stores and loads; producer/consumer roles are for
-            # disaggregated prefill, which this connector does not do.
-            raise ConfigError(f"kv_role={transfer.kv_role!r} is not accepted by KVScopeConnector: "
-                              "accepted is 'kv_both' (it stores to and loads from its host tier)")
-        self.config = parse_config(transfer.kv_connector_extra_config)
-        check_parallelism(vllm_config.parallel_config)
-        check_sleep_mode(vllm_config.model_config)
-        layouts = group_layouts(kv_cache_config)
-        cache_config = vllm_config.cache_config
-        hash_block_size = (kv_cache_config.hash_block_size or getattr(cache_config, "hash_block_size", None)
-                           or cache_config.block_size)
-        block_size, warning = self.config.offload_block_size(
-            [g.block_size for g in layouts], hash_block_size, getattr(vllm_config.model_config, "max_model_len", None),
-            checkpointed_state_block_sizes(layouts, kv_cache_config))
-        if warning:
-            logger.warning(warning)
-        layout = slot_layout(kv_cache_config, block_size)
-        num_slots = self.config.host_slots(layout.slot_bytes)
-        if role != KVConnectorRole.SCHEDULER:  # the workers allocate the tiers, each on its own host
-            local_workers = workers_on_this_host(vllm_config.parallel_config)
-            crowded = check_host_memory(num_slots * layout.slot_bytes, local_workers, physical_memory_bytes(),
-                                        available_memory_bytes())
-            if crowded and _worker_rank() == 0:
-                logger.warning(crowded)
+        check_start_up(vllm_config)
+        self.config = parse_config(vllm_config.kv_transfer_config.kv_connector_extra_config)
+        shape = tier_shape(vllm_config, kv_cache_config, self.config)
+        if role != KVConnectorRole.SCHEDULER:
+            check_host_tier_fits(vllm_config, shape)  # before anything starts that would then need stopping
         # Spans name their engine as vLLM's metrics do (`engine` label: its data-parallel index), so a
         # trace file or backend fed by several engines tells which tier a request met. Not
         # `data_parallel_rank`: vLLM resets that to 0 in each engine of a dense (non-MoE) model.
-        engine = _engine_index(vllm_config.parallel_config)
+        engine = engine_index(vllm_config.parallel_config)
         self.tracing = KVScopeTracing.from_config(self.config.trace_file, self.config.trace_sample_ratio,
                                                   resource_attributes={ENGINE_RESOURCE_ATTRIBUTE: engine})
         self._scheduler: KVScopeScheduler | None = None
         self._worker: KVScopeWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
-            if transfer.kv_load_failure_policy != "recompute":
-                # The host tier is a cache: a failed load must mean recompute, never a failed request.
-                logger.info("kvscope: setting kv_load_failure_policy='recompute'")
-                transfer.kv_load_failure_policy = "recompute"
-            self._scheduler = KVScopeScheduler(
-                layouts=layouts,
-                offload_block_size=block_size,
-                hash_block_size=hash_block_size,
-                num_slots=num_slots,
-                slot_bytes=layout.slot_bytes,
-                world_size=workers_per_scheduler(vllm_config.parallel_config),
-                tracing=self.tracing,
-                kv_cache_manager_getter=lambda: self._kv_cache_manager,
-                reprefillable_tokens=max(0, getattr(vllm_config, "num_prefill_lookahead_tokens", 0) - 1),
-                draft_tokens=speculative_draft_tokens(vllm_config),
-                eagle_groups=eagle_proof_groups(vllm_config, kv_cache_config, layouts),
-                host_events=_host_tier_events(vllm_config, kv_cache_config, layouts, block_size, hash_block_size),
-                mamba_decode_states=self.config.mamba_decode_states,
-                engine=engine,
-            )
+            self._scheduler = build_scheduler(vllm_config, kv_cache_config, self.config, shape, self.tracing,
+                                              lambda: self._kv_cache_manager, engine)
         else:
-            self._worker = KVScopeWorker(
-                kv_cache_config,
-                layout,
-                num_slots,
-                [g.kind.value for g in layouts],
-                rank=_worker_rank(),
-                tracing=self.tracing,
-            )
-        logger.info(
-            "kvscope %s: %d KV group(s) %s, offload block %d tokens, %d host slots of %d bytes",
-            role.name.lower(), len(layouts), [g.kind.value for g in layouts], block_size,
-            num_slots, layout.slot_bytes,
-        )
-        if role == KVConnectorRole.SCHEDULER and self.config.mamba_decode_states:
-            if any(g.kind is GroupKind.MAMBA for g in layouts):
-                logger.info("kvscope: mamba_decode_states true: the Mamba states decode steps leave are stored too "
-                            "(loads through a reply; outputs may part from a recompute's by bf16 rounding)")
-            else:
-                logger.warning("kvscope: mamba_decode_states true changes nothing: this model has no Mamba group")
+            self._worker = build_worker(kv_cache_config, shape, self.tracing)
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -210,7 +144,7 @@ class KVScopeConnector(KVConnectorBase_V1, SupportsHMA):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._worker.register_kv_caches(kv_caches)
         if self._worker.engine.is_cuda:
-            self._worker.store_fence = _store_fence(self._vllm_config, self._kv_cache_config)
+            self._worker.store_fence = store_fence(self._vllm_config, self._kv_cache_config)
 
     def handle_preemptions(self, kv_connector_metadata) -> None:
         if self._worker is not None:
@@ -286,62 +220,3 @@ class KVScopeConnector(KVConnectorBase_V1, SupportsHMA):
                     f"serve on 127.0.0.1:{config.metrics_port} ({exc.strerror or exc}); expected a free TCP "
                     "port 1..65535 this process may bind") from exc
         return KVScopePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-
-
-def _host_tier_events(vllm_config, kv_cache_config, layouts, block_size: int, hash_block_size: int):
-    """The host tier's KV cache events when vLLM publishes its own (`--kv-events-config` with
-    `enable_kv_cache_events`), else None: nothing is described or recorded."""
-    events_config = getattr(vllm_config, "kv_events_config", None)
-    if not (events_config is not None and events_config.enable_kv_cache_events):
-        return None
-    from .host_tier_events import HostTierEvents
-
-    return HostTierEvents(layouts, kv_cache_config.kv_cache_groups, block_size, hash_block_size)
-
-
-def _store_fence(vllm_config, kv_cache_config) -> str:
-    """Where a CUDA worker fences its stores (`worker.FENCE_*`).
-
-    Both of vLLM's runners call handle_preemptions before their forward. Only where a cache's
-    blocks are written in place (Mamba states) or zeroed when allocated (Mamba, mixed precision:
-    the V2 runner zeroes before handle_preemptions) must every step wait for the stores before it;
-    elsewhere only a step that allocates a block a store still reads. Unknown runner: at once."""
-    v2 = _uses_v2_model_runner(vllm_config)
-    if v2 is None:
-        return FENCE_AT_ONCE
-    if not getattr(kv_cache_config, "needs_kv_cache_zeroing", True):
-        return FENCE_WHEN_REUSED
-    return FENCE_AT_ONCE if v2 else FENCE_AT_NEXT_STEP
-
-
-def _uses_v2_model_runner(vllm_config) -> bool | None:
-    """Whether vLLM runs its V2 model runner; None when that cannot be told."""
-    try:
-        return bool(vllm_config.use_v2_model_runner)
-    except AttributeError:  # vLLM 0.34 on has no V1 runner, and no switch between them
-        return None if _has_v1_model_runner() else True
-    except Exception:  # a config the property rejects
-        return None
-
-
-def _has_v1_model_runner() -> bool:
-    """Whether this vLLM has its V1 model runner (up to 0.33)."""
-    import importlib.util
-
-    return importlib.util.find_spec("vllm.v1.worker.gpu_model_runner") is not None
-
-
-def _worker_rank() -> int:
-    try:
-        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
-
-        return get_tensor_model_parallel_rank()
-    except Exception:  # not initialised (unit tests)
-        return 0
-
-
-def _engine_index(parallel_config) -> int:
-    """This engine's index among the data-parallel engines, as vLLM labels its metrics (`engine`):
-    `data_parallel_index`, set in each engine process; the configured rank where it is not set."""
-    index = getattr(parallel_config, "data_parallel_index", None)
-    return int(index) if index is not None else int(getattr(parallel_config, "data_parallel_rank", 0) or 0)

@@ -20,6 +20,14 @@ WATERFALL_TABLE_COLUMNS = {
 }
 
 
+def pickable_table(frame: pd.DataFrame, key: str, **table) -> pd.Series | None:
+    """A table whose rows are picked one at a time (a pick reruns the page); the picked row, or None."""
+    event = st.dataframe(frame, key=key, on_select="rerun", selection_mode="single-row", hide_index=True,
+                         width="stretch", placeholder="–", **table)
+    rows = event.selection.rows
+    return frame.iloc[rows[0]] if rows else None
+
+
 def read_problems(read: traces.Traces) -> None:
     """A warning with the lines the reader skipped, by file and line number; spans read twice (the same span in
     two files) only a note, as they count once."""

@@ -94,14 +94,9 @@ if not misses.empty:  # trace files that record why each lookup missed
                "the hit stopped. 'new' counts blocks evicted longer ago than the tier remembers (as many blocks as "
                "it holds) too: where the tier evicts many times its size, some of those were evictions.")
     st.caption("Select a row to list its requests on the Requests page.")
-    picked_reason = st.dataframe(
+    picked_reason = widgets.pickable_table(
         misses,
         key="miss_reasons",
-        on_select="rerun",
-        selection_mode="single-row",
-        hide_index=True,
-        width="stretch",
-        placeholder="–",
         column_order=list(traces.MISSES_COLUMNS),
         column_config={
             "miss_reason": "reason",
@@ -110,8 +105,8 @@ if not misses.empty:  # trace files that record why each lookup missed
             "share": st.column_config.NumberColumn("share", format="percent"),
         },
     )
-    if picked_reason.selection.rows:
-        st.session_state[widgets.OPEN_REASON] = misses.iloc[picked_reason.selection.rows[0]]["miss_reason"]
+    if picked_reason is not None:
+        st.session_state[widgets.OPEN_REASON] = picked_reason["miss_reason"]
         st.switch_page("views/request_explorer.py")
 
 by_outcome = traces.vllm_latency_by_outcome(requests)
@@ -198,14 +193,9 @@ if slowest.empty:
     st.info(no_timed_loads)
 else:
     st.caption("Select a row to open the request on the Requests page.")
-    picked = st.dataframe(
+    picked = widgets.pickable_table(
         slowest,
         key="slowest_loads",
-        on_select="rerun",
-        selection_mode="single-row",
-        hide_index=True,
-        placeholder="–",
-        width="stretch",
         column_order=["request", "t_s", "load_ms", "load_copy_ms", "load_wait_ms", "tokens_loaded", "bytes_loaded",
                       "trace_id"],
         column_config={
@@ -228,9 +218,8 @@ else:
             "trace_id": "trace",
         },
     )
-    if picked.selection.rows:
-        row = slowest.iloc[picked.selection.rows[0]]
-        st.session_state[widgets.OPEN_REQUEST] = (row["trace_id"], row["request_id"])
+    if picked is not None:
+        st.session_state[widgets.OPEN_REQUEST] = (picked["trace_id"], picked["request_id"])
         st.switch_page("views/request_explorer.py")
 
 with st.expander("Definitions"):

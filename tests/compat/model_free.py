@@ -256,7 +256,7 @@ class ModelFreeEngine:
             caches = {name: torch.zeros(num_blocks, PAGE, dtype=torch.int8)
                       for names in self.group_layers for name in names}
             # vLLM's tensor-parallel state is not set up here: each worker is told its rank
-            with mock.patch("connector.connector._worker_rank", return_value=rank):
+            with mock.patch("connector.sides.worker_rank", return_value=rank):
                 connector = KVScopeConnector(self.vllm_config, KVConnectorRole.WORKER, self.kv_cache_config)
             if runner == "v1":
                 connector.register_kv_caches(caches)

@@ -103,7 +103,7 @@ def test_no_host_tier_events_unless_vllm_publishes_its_own():
     takes the host tier's events: recorded anyway, they would pile up for the life of the engine."""
     from types import SimpleNamespace
 
-    from connector.connector import _host_tier_events
+    from connector.sides import _host_tier_events
 
     for events_config in (None, SimpleNamespace(enable_kv_cache_events=False)):
         vllm_config = SimpleNamespace(kv_events_config=events_config)

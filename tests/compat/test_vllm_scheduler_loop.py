@@ -1121,7 +1121,7 @@ def test_a_cache_salt_keeps_tenants_apart(model_path):
 
 
 @pytest.mark.parametrize("runner, fence", [
-    # the placements CUDA picks (`connector._store_fence`): per runner, for caches that are zeroed
+    # the placements CUDA picks (`sides.store_fence`): per runner, for caches that are zeroed
     # when allocated (Mamba, mixed precision) and for the others
     pytest.param("v1", FENCE_AT_NEXT_STEP, marks=_V1_RUNNER), ("v1", FENCE_WHEN_REUSED), ("v2", FENCE_AT_ONCE),
     ("v2", FENCE_WHEN_REUSED),
@@ -1199,10 +1199,10 @@ def test_late_reading_stores_beside_a_mamba_group_whose_new_blocks_vllm_zeroes(m
                                                                                 fence, enough):
     """With a Mamba group vLLM zeroes every new attention block before the forward: V1 after
     `handle_preemptions` (where a step's fence lands), V2 before it. So V2 must fence its stores
-    at once (`connector._store_fence`). Fenced only in a step that gives a store's block out again
+    at once (`sides.store_fence`). Fenced only in a step that gives a store's block out again
     (right without zeroing), the block is zeroed before the late store reads it, and turn 2 loads
     zeros: the negative control, which also shows the zeroing is emulated."""
-    from connector import connector as connector_module
+    from connector import sides
     from tests.compat.model_free import MambaAlign
 
     # the schedule the control was built on, every load starting at once: kvscope's load admission
@@ -1211,8 +1211,8 @@ def test_late_reading_stores_beside_a_mamba_group_whose_new_blocks_vllm_zeroes(m
     engine = ModelFreeEngine(model_path, {"cpu_bytes": 64 << 20, "block_size": 16}, window=WINDOW, num_blocks=100,
                              max_num_batched_tokens=100, runner=runner, mamba=MambaAlign(16, 16))
     # vLLM's config names the V1 runner here (its V2 needs Triton); the loop drives the runner asked for
-    monkeypatch.setattr(connector_module, "_uses_v2_model_runner", lambda config: runner == "v2")
-    assert (connector_module._store_fence(engine.vllm_config, engine.kv_cache_config) == fence) == enough
+    monkeypatch.setattr(sides, "uses_v2_model_runner", lambda config: runner == "v2")
+    assert (sides.store_fence(engine.vllm_config, engine.kv_cache_config) == fence) == enough
     _read_stores_late(engine, fence)
     turn2_hits, _ = _two_turns(engine, 16)
     stats = engine.stats
@@ -1287,7 +1287,7 @@ def _read_stores_late(engine: ModelFreeEngine, fence: str | None, steps: int = 1
         late = LateReadingStores(worker.engine, steps=steps)
         lates.append(late)
         engine.after_step.append(late.tick)
-        worker.store_fence = fence or FENCE_WHEN_REUSED  # as CUDA would (`connector._store_fence`)
+        worker.store_fence = fence or FENCE_WHEN_REUSED  # as CUDA would (`sides.store_fence`)
 
         def fence_compute_stream(late=late):
             fences[0] += 1
@@ -1666,18 +1666,17 @@ def _crowding_warnings(model_path, role: str, rank: int | None = None) -> list[s
     memory for three of their tiers; ``rank``: its tensor-parallel rank (None: vLLM's, unset here)."""
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
-    import connector.connector as connector_module
-    from connector import KVScopeConnector
+    from connector import KVScopeConnector, sides
     from tests.compat.model_free import _kv_cache_config
 
     config = _connector_config(model_path, {"cpu_bytes": 64 << 20})
-    ranked = {} if rank is None else {"_worker_rank": mock.DEFAULT}
-    with mock.patch.multiple(connector_module, workers_on_this_host=mock.DEFAULT, physical_memory_bytes=mock.DEFAULT,
-                             **ranked) as patched, mock.patch.object(connector_module.logger, "warning") as warning:
+    ranked = {} if rank is None else {"worker_rank": mock.DEFAULT}
+    with mock.patch.multiple(sides, workers_on_this_host=mock.DEFAULT, physical_memory_bytes=mock.DEFAULT,
+                             **ranked) as patched, mock.patch.object(sides.logger, "warning") as warning:
         patched["workers_on_this_host"].return_value = 4
         patched["physical_memory_bytes"].return_value = 3 * (64 << 20)
         if rank is not None:
-            patched["_worker_rank"].return_value = rank
+            patched["worker_rank"].return_value = rank
         KVScopeConnector(config, getattr(KVConnectorRole, role), _kv_cache_config(64, WINDOW)).shutdown()
     return [str(call.args[0]) for call in warning.call_args_list if "workers on this host" in str(call.args[0])]
 
@@ -1727,7 +1726,7 @@ def test_the_hash_block_size_falls_back_to_vllms_cache_config(model_path):
 
 
 def test_a_cuda_worker_places_its_store_fence_when_its_caches_are_registered(model_path):
-    """Where a CUDA worker fences its stores depends on vLLM's runner and caches (`_store_fence`, its own
+    """Where a CUDA worker fences its stores depends on vLLM's runner and caches (`sides.store_fence`, its own
     test in test_copy_streams): set when vLLM registers the KV caches (a CPU copy engine needs no fence).
     CUDA is faked on CPU caches."""
     import torch
@@ -1750,7 +1749,7 @@ def test_a_cuda_worker_places_its_store_fence_when_its_caches_are_registered(mod
     connector = KVScopeConnector(config, KVConnectorRole.WORKER, kv_cache_config)
     assert connector._worker.store_fence == FENCE_AT_ONCE  # the default, before vLLM registers its caches
     with mock.patch.object(KVScopeWorker, "register_kv_caches", register_on_cuda), \
-            mock.patch.object(connector_module, "_store_fence", return_value=FENCE_WHEN_REUSED) as store_fence:
+            mock.patch.object(connector_module, "store_fence", return_value=FENCE_WHEN_REUSED) as store_fence:
         connector.register_kv_caches(caches)
     try:
         store_fence.assert_called_once_with(config, kv_cache_config)
@@ -1982,7 +1981,7 @@ def test_start_up_says_what_mamba_decode_states_true_does(model_path, mamba):
     records: list[logging.LogRecord] = []
     catch = logging.Handler()
     catch.emit = records.append
-    logger = logging.getLogger("connector.connector")
+    logger = logging.getLogger("connector.sides")
     level = logger.level
     logger.addHandler(catch)
     logger.setLevel(logging.INFO)  # vLLM's default (another test's VLLM_LOGGING_LEVEL may have raised it)

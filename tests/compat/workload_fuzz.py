@@ -492,13 +492,13 @@ def _engine(config: dict, trace_file: Path | None = None):
 
 def _cuda_store_fence(engine, runner: str) -> str:
     """Where a CUDA worker would fence its stores under this runner and these caches
-    (`connector._store_fence`; vLLM's config here names the V1 runner, its V2 needing Triton)."""
+    (`sides.store_fence`; vLLM's config here names the V1 runner, its V2 needing Triton)."""
     from unittest import mock
 
-    from connector import connector as connector_module
+    from connector import sides
 
-    with mock.patch.object(connector_module, "_uses_v2_model_runner", return_value=runner != "v1"):
-        return connector_module._store_fence(engine.vllm_config, engine.kv_cache_config)
+    with mock.patch.object(sides, "uses_v2_model_runner", return_value=runner != "v1"):
+        return sides.store_fence(engine.vllm_config, engine.kv_cache_config)
 
 
 def _vllm_mamba_align(config: dict, engine) -> bool:

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from connector import copy_engine as copy_engine_module
-from connector.connector import _store_fence, _uses_v2_model_runner
+from connector.sides import store_fence, uses_v2_model_runner
 from connector.metadata import LOAD, STORE, GroupTransfer, KVScopeMetadata, TransferJob
 from connector.telemetry.tracing import KVScopeTracing
 from connector.worker import FENCE_AT_NEXT_STEP, FENCE_AT_ONCE, FENCE_WHEN_REUSED, KVScopeWorker
@@ -302,31 +302,31 @@ def test_where_the_fence_goes_by_runner_and_cache():
     def cache(zeroing):
         return type("KVCacheConfig", (), {"needs_kv_cache_zeroing": zeroing})()
 
-    with mock.patch("connector.connector._has_v1_model_runner", return_value=True):
-        assert _uses_v2_model_runner(object()) is None and _uses_v2_model_runner(Rejecting()) is None
-        assert _store_fence(object(), cache(True)) == FENCE_AT_ONCE  # an unknown runner
-    assert _store_fence(Rejecting(), cache(False)) == FENCE_AT_ONCE  # a config that cannot tell
+    with mock.patch("connector.sides.has_v1_model_runner", return_value=True):
+        assert uses_v2_model_runner(object()) is None and uses_v2_model_runner(Rejecting()) is None
+        assert store_fence(object(), cache(True)) == FENCE_AT_ONCE  # an unknown runner
+    assert store_fence(Rejecting(), cache(False)) == FENCE_AT_ONCE  # a config that cannot tell
     # vLLM 0.34 on: no V1 runner and no switch, so V2 (its CPU runner too): fenced as V2 is
-    with mock.patch("connector.connector._has_v1_model_runner", return_value=False):
-        assert _uses_v2_model_runner(object()) is True
-        assert _store_fence(object(), cache(True)) == FENCE_AT_ONCE
-        assert _store_fence(object(), cache(False)) == FENCE_WHEN_REUSED
+    with mock.patch("connector.sides.has_v1_model_runner", return_value=False):
+        assert uses_v2_model_runner(object()) is True
+        assert store_fence(object(), cache(True)) == FENCE_AT_ONCE
+        assert store_fence(object(), cache(False)) == FENCE_WHEN_REUSED
     for v2 in (False, True):
-        assert _store_fence(config(v2), cache(False)) == FENCE_WHEN_REUSED
+        assert store_fence(config(v2), cache(False)) == FENCE_WHEN_REUSED
     # blocks zeroed when allocated: V2 zeroes before handle_preemptions, V1 after
-    assert _store_fence(config(True), cache(True)) == FENCE_AT_ONCE
-    assert _store_fence(config(False), cache(True)) == FENCE_AT_NEXT_STEP
-    assert _store_fence(config(False), object()) == FENCE_AT_NEXT_STEP  # a vLLM that cannot tell: as zeroing
+    assert store_fence(config(True), cache(True)) == FENCE_AT_ONCE
+    assert store_fence(config(False), cache(True)) == FENCE_AT_NEXT_STEP
+    assert store_fence(config(False), object()) == FENCE_AT_NEXT_STEP  # a vLLM that cannot tell: as zeroing
 
 
 def test_vllm_has_its_v1_model_runner_up_to_0_33():
     """Where vLLM's config has no runner switch (0.34 on), the runner is V2 only when vLLM has no V1 runner."""
     import vllm
 
-    from connector.connector import _has_v1_model_runner
+    from connector.sides import has_v1_model_runner
 
     major_minor = tuple(int(part) for part in vllm.__version__.split(".")[:2])
-    assert _has_v1_model_runner() is (major_minor < (0, 34))
+    assert has_v1_model_runner() is (major_minor < (0, 34))
 
 
 def test_a_store_failing_part_way_is_reported_once_nothing_copies_any_more(cuda_engine, monkeypatch):

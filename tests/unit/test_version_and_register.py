@@ -148,15 +148,15 @@ def test_the_engine_index_is_vllms_data_parallel_index_not_the_reset_rank():
     dense models: spans must name the engine as the metrics' `engine` label does."""
     from vllm.config import ParallelConfig
 
-    from connector.connector import _engine_index
+    from connector.sides import engine_index
 
     config = ParallelConfig(data_parallel_size=2)
     config.data_parallel_index = 1  # as `EngineCoreProc.run_engine_core` sets it in engine 1
-    assert config.data_parallel_rank == 0 and _engine_index(config) == 1
-    assert _engine_index(ParallelConfig()) == 0
-    assert _engine_index(type("Older", (), {"data_parallel_rank": 3})()) == 3  # no index: the configured rank
-    assert _engine_index(type("Older", (), {"data_parallel_rank": 0})()) == 0
-    assert _engine_index(type("Unset", (), {"data_parallel_rank": None})()) == 0  # neither: engine 0
+    assert config.data_parallel_rank == 0 and engine_index(config) == 1
+    assert engine_index(ParallelConfig()) == 0
+    assert engine_index(type("Older", (), {"data_parallel_rank": 3})()) == 3  # no index: the configured rank
+    assert engine_index(type("Older", (), {"data_parallel_rank": 0})()) == 0
+    assert engine_index(type("Unset", (), {"data_parallel_rank": None})()) == 0  # neither: engine 0
 
 
 def test_vllm_lays_the_kv_cache_out_as_the_connector_requires():
