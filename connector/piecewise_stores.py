@@ -3,18 +3,23 @@
 A store writes each device block in the step that computes it, before a sliding window can drop
 it, into its offloaded block's host slot. A `Filling` is one offloaded block on its way into the
 host tier; `PiecewiseStores` starts them, gives placeholder-keyed ones their key, and completes or
-aborts them as store jobs report. The scheduler (`scheduler.py`) decides which device blocks of a
-step go where and builds the jobs; the host entries themselves live in `host_store.HostIndex`.
+aborts them as store jobs report; `plan_pieces` puts a step's device blocks of one group into their
+slots. The scheduler (`scheduler.py`) decides which device blocks a step stores, hands their ids over
+and builds the jobs; the host entries themselves live in `host_store.HostIndex`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from .groups import GroupKind, GroupLayout
 from .host_store import HostIndex
 from .offload_keys import OffloadKeys
 from .planning import NULL_BLOCK_ID
+
+if TYPE_CHECKING:  # not at run time: metadata.py imports vLLM, this module does not
+    from .metadata import GroupTransfer
 
 
 @dataclass(slots=True)
@@ -72,6 +77,35 @@ class PiecewiseStores:
         if not self._may_complete(request, k):
             return None  # the request ends before the block does: no slot for it
         return self._start((g, ("unkeyed", request.request_id, k)), needed, first_block_id, k, keyed=False)
+
+    def plan_pieces(self, request, part: GroupTransfer, first: int, block_ids: list[int], needed: int, known: int,
+                    filling: Filling | None, fed: list[Filling]) -> Filling | None:
+        """Plan a step's pieces of one group (``part``): its device blocks ``first``, ``first + 1``, ...
+        (``block_ids``; null where a block holds nothing to store), each into its offloaded block's slot.
+        An offloaded block's first piece starts its filling (`start_block`); a null piece, or a piece of a
+        failed filling, gives the filling up. ``filling``: the one the group had in progress, else None.
+        The fillings fed go onto ``fed`` (each once per job, the job counted). Returns the group's
+        filling in progress after the last block (None: none)."""
+        g = part.group_index
+        for i, block_id in enumerate(block_ids, first):
+            k, sub = divmod(i, needed)
+            if sub == 0:
+                filling = self.start_block(request, g, k, needed, block_id, known)
+            if filling is None:
+                continue  # skipped: stored already, no free slot, or out of the window from its start
+            if block_id == NULL_BLOCK_ID or filling.failed:
+                # Out-of-window / padding position, or a piece already failed: never complete.
+                self.give_up(filling)
+                filling = None
+                continue
+            part.block_ids.append(block_id)
+            part.slots.append(filling.slot)
+            part.subs.append(sub)
+            filling.planned += 1
+            if not fed or fed[-1] is not filling:
+                fed.append(filling)
+                filling.jobs += 1
+        return filling
 
     def _start(self, key, needed: int, first_block_id: int, block_index: int, keyed: bool) -> Filling | None:
         """Reserve `key`'s host slot for an offloaded block whose first device block is computed;

@@ -689,39 +689,16 @@ class KVScopeScheduler:
         fillings: list[Filling] = []
         for layout, blocks, limit in zip(layouts, group_blocks, limits):
             g = layout.index
-            factor = layout.blocks_per_offload_block(self.block_size)
-            part = GroupTransfer(g, [], [], [])
-            end = min(limit, len(blocks))
-            mamba = layout.kind is GroupKind.MAMBA  # its blocks count only where they hold their own end's state
             filling = state.filling[g]
             if filling is not None and filling.keyed and not self._key_still_holds(request, filling):
                 stores.give_up(filling)  # its pieces so far belong to tokens the request no longer has
                 state.filling[g] = None
-            for i in range(state.stored_blocks[g], end):
-                block_id = blocks[i].block_id
-                if mamba and block_id != NULL_BLOCK_ID and not self.states.holds_own_state(
-                        blocks[i], g, i, layout.block_size, state.witnessed_states):
-                    self._log_foreign_state(blocks[i], (i + 1) * layout.block_size)
-                    block_id = NULL_BLOCK_ID  # another state, or none: never stored under this block's key
-                k, sub = divmod(i, factor)
-                if sub == 0:
-                    state.filling[g] = stores.start_block(request, g, k, factor, block_id, known)
-                filling = state.filling[g]
-                if filling is None:
-                    continue  # skipped: stored already, no free slot, or out of the window from its start
-                if block_id == NULL_BLOCK_ID or filling.failed:
-                    # Out-of-window / padding position, or a piece already failed: never complete.
-                    stores.give_up(filling)
-                    state.filling[g] = None
-                    continue
-                part.block_ids.append(block_id)
-                part.slots.append(filling.slot)
-                part.subs.append(sub)
-                filling.planned += 1
-                if not fillings or fillings[-1] is not filling:
-                    fillings.append(filling)
-                    filling.jobs += 1
-            state.stored_blocks[g] = max(state.stored_blocks[g], end)
+            first, end = state.stored_blocks[g], min(limit, len(blocks))
+            part = GroupTransfer(g, [], [], [])
+            state.filling[g] = stores.plan_pieces(
+                request, part, first, self._storable_block_ids(state, layout, blocks, first, end),
+                layout.blocks_per_offload_block(self.block_size), known, state.filling[g], fillings)
+            state.stored_blocks[g] = max(first, end)
             if part.block_ids:
                 parts.append(part)
         if not parts:
@@ -745,6 +722,23 @@ class KVScopeScheduler:
                 telemetry_failed("the store span")
                 tracing.record_failed()
         return TransferJob(job_id, request.request_id, STORE, parts, trace_carrier=carrier)
+
+    def _storable_block_ids(self, state: _RequestState, layout: GroupLayout, blocks, first: int,
+                            end: int) -> list[int]:
+        """The ids of vLLM's blocks ``first`` to ``end`` of a group, to store; null for a Mamba block that does
+        not hold its own end's state (another state, or none: never stored under this block's key)."""
+        if layout.kind is not GroupKind.MAMBA:
+            return [block.block_id for block in blocks[first:end]]
+        ids = []
+        for i in range(first, end):
+            block = blocks[i]
+            if block.block_id != NULL_BLOCK_ID and not self.states.holds_own_state(
+                    block, layout.index, i, layout.block_size, state.witnessed_states):
+                self._log_foreign_state(block, (i + 1) * layout.block_size)
+                ids.append(NULL_BLOCK_ID)
+            else:
+                ids.append(block.block_id)
+        return ids
 
     def _next_store_tokens(self, stored_blocks: list[int], known: int) -> float:
         """The computed tokens from which a request with ``known`` keys and ``stored_blocks`` per group

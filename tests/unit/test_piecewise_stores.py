@@ -9,9 +9,12 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from connector.groups import GroupKind, GroupLayout
 from connector.host_store import JOURNAL_STORED, HostIndex
+from connector.metadata import GroupTransfer
 from connector.offload_keys import OffloadKeys
 from connector.piecewise_stores import PiecewiseStores
 from connector.planning import NULL_BLOCK_ID
@@ -214,3 +217,107 @@ def test_a_placeholder_given_up_never_takes_its_key_from_a_request_that_can_stor
     _plan(theirs, 4)
     stores.job_reported([theirs], failed=False)
     assert stores.index.is_ready((0, "h3")) and stores.index.used_slots == 1 and stores.by_key == {}
+
+
+def _pieces(stores, request, first: int, block_ids: list[int], filling=None, known: int = 8, fed=None):
+    """One step's `plan_pieces` of group 0: (its part, the fillings it fed, the group's filling after it)."""
+    part, fed = GroupTransfer(0, [], [], []), [] if fed is None else fed
+    after = stores.plan_pieces(request, part, first, block_ids, 4, known, filling, fed)
+    return part, fed, after
+
+
+def test_a_steps_pieces_go_to_their_offloaded_blocks_slots_each_filling_fed_once():
+    """Device blocks 2..9: the rest of offloaded block 0 (in progress), all of block 1, half of block 2."""
+    stores = _stores(FULL)
+    request = _request("r", 192)
+    started = stores.start_block(request, 0, 0, 4, first_block_id=10, known=3)
+    _plan(started, 2)
+    part, fed, after = _pieces(stores, request, 2, [12, 13, 14, 15, 16, 17, 18, 19], filling=started, known=3)
+    block_1, block_2 = stores.by_key[(0, "h7")], stores.by_key[(0, "h11")]
+    assert part.block_ids == [12, 13, 14, 15, 16, 17, 18, 19]
+    assert part.subs == [2, 3, 0, 1, 2, 3, 0, 1]
+    assert part.slots == [started.slot] * 2 + [block_1.slot] * 4 + [block_2.slot] * 2
+    assert fed == [started, block_1, block_2] and after is block_2
+    assert (started.planned, started.jobs, block_1.planned, block_1.jobs, block_2.planned, block_2.jobs) == (
+        4, 2, 4, 1, 2, 1)
+    stores.job_reported([started], failed=False)  # the first step's job
+    stores.job_reported(fed, failed=False)
+    assert stores.index.is_ready((0, "h3")) and stores.index.is_ready((0, "h7"))
+    assert not stores.index.is_ready((0, "h11")) and stores.by_key == {(0, "h11"): block_2}
+
+
+def test_a_null_piece_gives_its_block_up_and_the_rest_of_that_block_is_not_stored():
+    """A null piece (out of the window, Mamba padding) leaves a hole: the block can never complete, so
+    its slot goes back and its later pieces are not copied; the next block starts afresh."""
+    stores = _stores(FULL)
+    request = _request("r", 128)
+    part, fed, after = _pieces(stores, request, 0, [10, NULL_BLOCK_ID, 12, 13, 14, 15, 16, 17])
+    block_1 = stores.by_key[(0, "h7")]
+    assert part.block_ids == [10, 14, 15, 16, 17] and part.subs == [0, 0, 1, 2, 3]
+    assert fed[0].key == (0, "h3") and fed[0].failed and after is block_1  # h3: freed once its job reports
+    stores.job_reported(fed, failed=False)
+    assert not stores.index.contains((0, "h3")) and stores.index.is_ready((0, "h7")) and block_1.planned == 4
+    assert stores.index.used_slots == 1
+
+
+def test_a_piece_of_a_failed_block_is_not_copied():
+    stores = _stores(FULL)
+    request = _request("r", 64)
+    _, fed, filling = _pieces(stores, request, 0, [10, 11])
+    filling.failed = True  # a piece of its first job failed on a worker
+    part, more, after = _pieces(stores, request, 2, [12, 13], filling=filling)
+    assert part.block_ids == [] and more == [] and after is None
+    stores.job_reported(fed, failed=True)
+    assert stores.index.used_slots == 0 and stores.by_key == {}
+
+
+def test_a_step_with_no_block_keeps_the_filling_in_progress():
+    stores = _stores(FULL)
+    request = _request("r", 64)
+    _, _, filling = _pieces(stores, request, 0, [10])
+    part, fed, after = _pieces(stores, request, 1, [], filling=filling)
+    assert after is filling and part.block_ids == [] and fed == []
+
+
+def test_the_fillings_fed_by_one_job_across_groups_are_each_counted_once():
+    """`fed` is the job's list over all its groups: a filling fed in one group is another group's
+    filling, never the same object; each is counted one job."""
+    stores = _stores(FULL, GroupLayout(1, GroupKind.FULL_ATTENTION, BS))
+    request = _request("r", 64)
+    fed = []
+    for g in (0, 1):
+        stores.plan_pieces(request, GroupTransfer(g, [], [], []), 0, [10 + g, 20 + g], 4, 1, None, fed)
+    assert [f.key for f in fed] == [(0, "h3"), (1, "h3")] and [f.jobs for f in fed] == [1, 1]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.booleans(), min_size=1, max_size=24), st.data())
+def test_a_block_is_stored_exactly_when_all_its_pieces_are_real_however_the_steps_cut_them(real, data):
+    """Device blocks computed over any number of steps, some null: an offloaded block ends up stored
+    iff all 4 of its pieces are real; each real piece before its block's first hole is copied once,
+    to its block's slot at its place; no slot stays taken by a block that did not complete."""
+    stores = _stores(FULL, num_slots=8)
+    block_ids = [100 + i if is_real else NULL_BLOCK_ID for i, is_real in enumerate(real)]
+    blocks = (len(block_ids) + 3) // 4  # the last one possibly partial: the request ends inside it
+    request = _request("r", 64 * blocks)
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(block_ids)), max_size=4)))
+    filling, copied = None, []
+    for start, end in zip([0, *cuts], [*cuts, len(block_ids)]):
+        part, fed, filling = _pieces(stores, request, start, block_ids[start:end], filling=filling, known=blocks)
+        copied += [(block_id, slot, sub) for block_id, slot, sub in zip(part.block_ids, part.slots, part.subs)]
+        stores.job_reported(fed, failed=False)
+    stores.request_finished(request, [filling])
+    whole = [k for k in range(len(block_ids) // 4) if all(real[4 * k:4 * k + 4])]
+    assert [key for key in stores.index._entries if stores.index.is_ready(key)] == [(0, f"h{4 * k + 3}")
+                                                                                    for k in whole]
+    assert stores.index.used_slots == len(whole) and stores.by_key == {}
+    expected = []
+    for k in range(blocks):
+        pieces = real[4 * k:4 * k + 4]
+        if pieces[0]:  # a null first piece starts no filling; else copied up to its first hole
+            expected += [100 + 4 * k + sub for sub in range(pieces.index(False) if False in pieces else len(pieces))]
+    assert [block_id for block_id, _, _ in copied] == expected
+    assert all(sub == (block_id - 100) % 4 for block_id, _, sub in copied)
+    slots = {}
+    for block_id, slot, _ in copied:
+        assert slots.setdefault((block_id - 100) // 4, slot) == slot  # one slot per offloaded block
