@@ -73,7 +73,8 @@ def why_empty(summary: Summary) -> str:
         problems = _problems(summary)
         return ("the trace files hold no kvscope lookup or load spans"
                 + (" that could be read" if problems else "") + f": {formatting.names(summary.read.files)}"
-                + (f" ({traces.problem_lines(problems)})" if problems else ""))
+                + (f" ({traces.problem_lines(problems)})" if problems else "")
+                + "".join(f"\n  {text}" for text in _reasons(problems)))
     if summary.empty_folders:
         return " ".join(summary.empty_folders)
     return (f"no trace files: give their paths (files or folders of them) or set {sources.ENV_VAR} "
@@ -89,6 +90,7 @@ def as_text(summary: Summary) -> str:
     if problems:
         out.append(f"{len(problems)} problem(s) while reading, everything else shown: "
                    f"{traces.problem_lines(problems)}")
+        out += [f"  {text}" for text in _reasons(problems)]
     out += [
         "",
         f"token hit rate  {formatting.percent(n['hit_rate'])} ({formatting.count(n['tokens_hit'])} of "
@@ -139,6 +141,14 @@ def as_json(summary: Summary) -> str:
 def _problems(summary: Summary) -> list:
     """What the reader skipped; not spans read twice, which count once."""
     return [p for p in summary.read.problems if p.reason != traces.DUPLICATE_SPAN]
+
+
+def _reasons(problems: list) -> list[str]:
+    """What each problem is, where `problem_lines` has not said it already (it says a file's only one): a terminal
+    has no table of them, as the app has."""
+    if len(problems) <= 1 or len({(p.file, p.line) for p in problems}) == 1 and len({p.reason for p in problems}) == 1:
+        return []
+    return traces.problem_reasons(problems)
 
 
 def _warnings(n: dict) -> list[str]:

@@ -132,7 +132,8 @@ def request_numbers(request: pd.Series, spans: pd.DataFrame | None = None) -> No
                    icon=":material/warning:")
     if request["load_mistimed"]:  # as well as a missing copy: each leaves the load time unknown
         st.warning("A copy span of one of its loads ends before it starts or starts more than 1 ms before the "
-                   "load (placed on another clock?): its load time is unknown.", icon=":material/warning:")
+                   "load, or a load span ends before it starts (placed on another clock?): its load time is unknown.",
+                   icon=":material/warning:")
     if request["load_failed"]:
         st.error("A load of this request failed on a worker (copy span with status ERROR): vLLM recomputed "
                  "its tokens instead. " + traces.LOAD_FAILED_DEFINITION, icon=":material/error:")

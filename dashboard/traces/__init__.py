@@ -48,7 +48,7 @@ from dashboard.traces.hit_rates import (
     pick_bucket_seconds,
 )
 from dashboard.traces.load_waits import LoadWait, load_wait, load_wait_text
-from dashboard.traces.problems import DUPLICATE_SPAN, Problem, problem_lines, problems_frame
+from dashboard.traces.problems import DUPLICATE_SPAN, Problem, problem_lines, problem_reasons, problems_frame
 from dashboard.traces.reader import (
     DecodedSpans,
     Traces,
@@ -126,7 +126,8 @@ __all__ = [
     "hit_rate_over_time", "load_latency_distribution", "LoadWait", "load_wait", "load_wait_text", "miss_reasons_of",
     "misses_by_reason", "NEXT_MISS_DEFINITION", "next_miss",
     "load_rows", "load_latency_quantiles", "null_skip_by_group",
-    "of_engine", "overview_numbers", "pick_bucket_seconds", "request_numbers", "problem_lines", "problems_frame",
+    "of_engine", "overview_numbers", "pick_bucket_seconds", "request_numbers", "problem_lines", "problem_reasons",
+    "problems_frame",
     "read_trace_files",
     "REPLAY_POINTS", "replay_points", "replay_state", "replay_timeline",
     "request_group_copies", "request_labels", "requests_table", "search_requests",

@@ -61,3 +61,24 @@ def problem_lines(problems: Sequence[Problem], limit: int = 8) -> str:
             where.append(f"lines {names(sorted(lines), limit)}")
         parts.append(f"{name} {' '.join(where)}")
     return "; ".join(parts)
+
+
+def problem_reasons(problems: Sequence[Problem], limit: int = 5) -> list[str]:
+    """Each reason once, with where it occurred ("a.jsonl lines 1, 2, 3: kvscope scope version '9.9' is not
+    supported ..."), for a terminal, which has no table of every problem: `problem_lines` names a bad line's
+    reason only when it is its file's only one. At most `limit` reasons, then how many more."""
+    where: dict[str, dict[str, list[int]]] = {}  # reason -> file -> lines (0: the whole file), in order
+    for p in problems:
+        where.setdefault(p.reason, {}).setdefault(p.file, []).append(p.line)
+    out = []
+    for reason, files in list(where.items())[:limit]:
+        places = []
+        for file, lines in files.items():
+            name = Path(file).name if not file.startswith("upload: ") else file
+            numbered = sorted({line for line in lines if line})
+            places.append(name if not numbered else
+                          f"{name} line{'s' if len(numbered) > 1 else ''} {names(numbered, limit)}")
+        out.append(f"{'; '.join(places)}: {reason}")
+    if len(where) > limit:
+        out.append(f"and {len(where) - limit} more reason(s): --json lists every problem")
+    return out

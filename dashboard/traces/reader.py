@@ -35,6 +35,7 @@ from dashboard.traces.schema import (
     LOOKUP,
     REQUIRED_ATTRIBUTES,
     RESOURCE_ATTRIBUTES,
+    SCAN,
     SCOPE_NAME,
     SPAN_COLUMNS,
     SUPPORTED_SCOPE_VERSIONS,
@@ -631,6 +632,18 @@ def _validated_frame(d: DecodedSpans, label: str) -> tuple[pd.DataFrame, list[Pr
         reasons.append((hit_too_many, _each_value(
             np.stack([hit, queried], axis=1), hit_too_many,
             "kvscope.tokens.hit {} is more than kvscope.tokens.queried {}, expected hit <= queried")))
+    # a scan's blocks are null (skipped) or pending (loaded): more of them than it scanned made a null-skip share
+    # over 100%
+    total = d.values["kvscope.group.blocks.total"]
+    split = d.values["kvscope.group.blocks.null_skipped"] + d.values["kvscope.group.blocks.pending"]
+    with np.errstate(invalid="ignore"):
+        split_too_many = (names == SCAN) & (split > total)
+    if split_too_many.any():
+        reasons.append((split_too_many, _each_value(
+            np.stack([d.values["kvscope.group.blocks.null_skipped"], d.values["kvscope.group.blocks.pending"], total],
+                     axis=1), split_too_many,
+            "kvscope.group.blocks.null_skipped {} + kvscope.group.blocks.pending {} is more than "
+            "kvscope.group.blocks.total {}, expected null skipped + pending <= total")))
 
     frame["status_code"] = d.status_code
     frame["attributes"] = pd.Series(d.extra_attributes, dtype=object)
@@ -747,7 +760,8 @@ def _largest_bound_below_limit(values: np.ndarray) -> float | None:
 
 
 ENDS_BEFORE_START = ("span ends before it starts (endTimeUnixNano < startTimeUnixNano); a copy that does is left "
-                     "out of copy durations and throughput, and its load gets no load time")
+                     "out of copy durations and throughput, and a load that does or whose copy does gets no load "
+                     "time")
 STARTS_BEFORE_OWNER = (f"copy or scan starts more than {CLOCK_TOLERANCE_NS / 1e6:g} ms before the load or store it "
                        "belongs to (placed on another clock?); a load copy's load gets no load time, and the span's "
                        "own duration still counts")

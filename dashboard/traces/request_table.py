@@ -28,8 +28,9 @@ LOAD_TIME_DEFINITION = (
     "there has the parent's id and it is of the copy's request; or else the only load of its request "
     "in the same trace and file). Copy spans carry the measured copy interval. A request's load "
     "time is the sum over its loads (a request resumed after preemption loads again) that did not fail. "
-    "A load with no copy span (worker file missing or cut short?) or with one timed on another clock "
-    "(it ends before it starts, or starts more than 1 ms before the load: listed with the problems) has none, "
+    "A load with no copy span (worker file missing or cut short?), with one timed on another clock "
+    "(it ends before it starts, or starts more than 1 ms before the load: listed with the problems), or whose "
+    "own span ends before it starts (listed too) has none, "
     "and its request's load time is then unknown (–): left out of the load time quantiles and slowest loads."
 )
 MISS_REASON_DEFINITION = (
@@ -279,13 +280,15 @@ def load_rows(spans: pd.DataFrame) -> pd.DataFrame:
     copy_ms (from its first copy's start to its last copy's end, on every worker and group: the part of
     load_ms spent copying; NA where load_ms is), its load copies and the bytes they moved, and whether
     it failed (`LOAD_FAILED_DEFINITION`)."""
-    loads = spans.loc[spans["name"] == LOAD, ["span_key", *REQUEST_KEY, "span_id", "start_ns", "tokens_external"]]
+    loads = spans.loc[spans["name"] == LOAD,
+                      ["span_key", *REQUEST_KEY, "span_id", "start_ns", "tokens_external", "clock_ok"]]
     loads = loads.set_index("span_key")
     copies = spans[(spans["name"] == COPY) & (spans["copy_direction"] == "load")]
     copies = copies.assign(moved_bytes=moved_bytes(copies))
     copies = copies.groupby("owner_key", sort=False)
     failed = copies["status_code"].max().reindex(loads.index).fillna(0) == STATUS_ERROR
-    mistimed = ~copies["clock_ok"].all().reindex(loads.index).fillna(True).astype(bool)
+    # a copy on another clock, or the load span itself ending before it starts (its start is then no start)
+    mistimed = ~copies["clock_ok"].all().reindex(loads.index).fillna(True).astype(bool) | ~loads["clock_ok"]
     end = copies["end_ns"].max().astype("Int64").reindex(loads.index)
     load_ms = ((end - loads["start_ns"].astype("Int64")) / 1e6).astype(float).where(~failed & ~mistimed)
     first_start = copies["start_ns"].min().astype("Int64").reindex(loads.index)

@@ -1413,6 +1413,42 @@ def test_spans_timed_on_another_clock_lose_only_the_times_they_spoil(tmp_path, d
     assert throughput["gb_per_s"].tolist() == pytest.approx([100 / 0.001 / 1e9])
 
 
+def test_a_scan_with_more_null_and_pending_blocks_than_it_scanned_is_skipped_and_named(tmp_path, decoder):
+    """A scan's blocks are null (skipped) or pending: more than its total made a null-skip share of 18,586%."""
+    def scan(group: int, total: int, skipped: int, pending: int, span_id: str) -> dict:
+        return span("kvscope.group.scan", {"kvscope.group.index": group, "kvscope.group.kind": "full_attention",
+                                           "kvscope.group.blocks.total": total,
+                                           "kvscope.group.blocks.null_skipped": skipped,
+                                           "kvscope.group.blocks.pending": pending, "kvscope.group.blocks.start": 0},
+                    trace="aa" * 16, span_id=span_id, parent="a2" * 8)
+
+    bad, fine = scan(0, 5, 999, 1, "a3" * 8), scan(1, 5, 0, 5, "a4" * 8)
+    read = traces.read_trace_files([write(tmp_path, line(bad, fine))])
+    assert [(p.line, p.spans, p.reason) for p in read.problems] == [
+        (1, 1, "kvscope.group.blocks.null_skipped 999 + kvscope.group.blocks.pending 1 is more than "
+               "kvscope.group.blocks.total 5, expected null skipped + pending <= total")]
+    assert read.spans["group_index"].tolist() == [1]
+
+
+def test_a_load_span_ending_before_it_starts_leaves_its_load_without_load_time(tmp_path, decoder):
+    """The load's own start is a load time's start: a load span ending before it starts (a clock stepped back)
+    gave a load time from its end, and a negative one where its copies ended before it "started"."""
+    from .test_joins import copy, load
+
+    t = 1_700_000_000_000_000_000
+    path = write(tmp_path,
+                 line(lookup("r1", trace="aa" * 16, span_id="a1" * 8, start=t),
+                      load("r1", trace="aa" * 16, span_id="a2" * 8, parent="a1" * 8, start=t + 1_000_000, end=t)),
+                 line(copy("load", 100, "r1", trace="aa" * 16, span_id="a3" * 8, parent="a2" * 8,
+                           start=t + 500_000, end=t + 800_000)))
+    read = traces.read_trace_files([path])
+    assert [(p.line, p.reason) for p in read.problems] == [(1, f"{reader.ENDS_BEFORE_START} (1 span(s), kept)")]
+    requests = traces.requests_table(read.spans).set_index("request_id")
+    assert pd.isna(requests.loc["r1", "load_ms"]) and requests.loc["r1", "load_mistimed"]
+    assert requests.loc["r1", "bytes_loaded"] == 100  # the bytes were copied
+    assert traces.top_slow_loads(traces.requests_table(read.spans), 5).empty
+
+
 def test_a_copy_starting_within_a_millisecond_before_its_load_is_on_its_clock(tmp_path):
     """A GPU copy's interval is placed on the wall clock within about 1 ms: no problem, its load is timed."""
     from .test_joins import copy, load

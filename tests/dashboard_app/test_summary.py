@@ -84,6 +84,31 @@ def test_nothing_to_summarize_exits_2_saying_why(capsys, tmp_path, monkeypatch, 
     assert said in err
 
 
+def test_what_each_problem_is_is_said_not_only_its_line_numbers(capsys, tmp_path):
+    # the app lists every problem in a table; a terminal had only "t.jsonl lines 1, 2", the reasons in --json alone
+    lines = TWO_ROUNDS.read_text().splitlines()
+    path = tmp_path / "t.jsonl"
+    path.write_text("\n".join([lines[0].replace('"version":"0.1.0"', '"version":"9.9"'),
+                               lines[1].replace('"version":"0.1.0"', '"version":"9.9"'), "[1]", *lines[2:]]) + "\n")
+    code, out, _ = _run(capsys, str(path))
+    assert code == 0
+    assert "t.jsonl lines 1, 2: kvscope scope version '9.9' is not supported" in out
+    assert "t.jsonl line 3: expected a JSON object" in out
+    (tmp_path / "all.jsonl").write_text("\n".join(line.replace('"version":"0.1.0"', '"version":"9.9"')
+                                                  for line in lines[:3]) + "\n")
+    code, out, err = _run(capsys, str(tmp_path / "all.jsonl"))  # nothing left to summarize: said on stderr
+    assert code == 2 and not out
+    assert "all.jsonl lines 1, 2, 3: kvscope scope version '9.9' is not supported" in err
+
+
+def test_problem_reasons_name_each_reason_once_and_how_many_more():
+    problems = [traces.Problem("/d/a.jsonl", line, f"reason {line % 7}") for line in range(1, 30)]
+    problems.append(traces.Problem("/d/b.jsonl", 0, "reason 1"))
+    said = traces.problem_reasons(problems)
+    assert said[0] == "a.jsonl lines 1, 8, 15, 22, 29; b.jsonl: reason 1"
+    assert len(said) == 6 and said[-1] == "and 2 more reason(s): --json lists every problem"
+
+
 def test_the_paths_default_to_kvscope_trace_files(capsys, monkeypatch, expected):
     monkeypatch.setenv("KVSCOPE_TRACE_FILES", str(TWO_ROUNDS))
     code, out, _ = _run(capsys)
