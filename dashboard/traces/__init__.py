@@ -49,16 +49,8 @@ from dashboard.traces.hit_rates import (
 )
 from dashboard.traces.load_waits import LoadWait, load_wait, load_wait_text
 from dashboard.traces.problems import DUPLICATE_SPAN, Problem, problem_lines, problem_reasons, problems_frame
-from dashboard.traces.reader import (
-    DecodedSpans,
-    Traces,
-    TraceSource,
-    decode_lines,
-    decode_spans,
-    read_trace_files,
-    supported_version,
-    unsupported_version_reason,
-)
+from dashboard.traces.line_decoder import DecodedSpans, decode_lines, supported_version, unsupported_version_reason
+from dashboard.traces.reader import Traces, TraceSource, decode_spans, read_trace_files
 from dashboard.traces.replay import (
     REPLAY_COLUMNS,
     REPLAY_DEFINITION,

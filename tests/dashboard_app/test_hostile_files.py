@@ -14,7 +14,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dashboard import otlp_arrow, sources
+from dashboard import sources
+from dashboard.traces import otlp_arrow
 from dashboard.traces import TraceSource, read_trace_files
 
 from .conftest import REPO, TWO_ROUNDS

@@ -18,7 +18,8 @@ from opentelemetry.proto.common.v1.common_pb2 import AnyValue, InstrumentationSc
 from opentelemetry.proto.resource.v1.resource_pb2 import Resource
 from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans, Span, Status
 
-from dashboard import otlp_arrow, traces
+from dashboard import traces
+from dashboard.traces import otlp_arrow
 from dashboard.traces import protobuf_json
 
 pd_testing = pytest.importorskip("pandas.testing")

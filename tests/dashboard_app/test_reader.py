@@ -13,8 +13,8 @@ import pandas as pd
 import pyarrow as pa
 import pytest
 
-from dashboard import otlp_arrow, traces
-from dashboard.traces import file_formats, gzip_files, reader
+from dashboard import traces
+from dashboard.traces import file_formats, gzip_files, line_decoder, otlp_arrow, reader
 
 from .conftest import MALFORMED, TWO_ROUNDS, raw_spans
 
@@ -128,7 +128,7 @@ def test_collector_file_with_malformed_lines_reports_each_with_its_line_number(d
     assert "resourceMetrics" in got[(5, 0)]
     assert got[(6, 1)] == "kvscope.load span lacks kvscope.tokens.external"
     assert "'9.0.0' is not supported" in got[(7, 1)]
-    assert got[(10, None)] == reader.INCOMPLETE_LAST_LINE  # a line cut short by a crash, no newline after it
+    assert got[(10, None)] == line_decoder.INCOMPLETE_LAST_LINE  # a line cut short by a crash, no newline after it
     assert all(p.file == str(MALFORMED) for p in read.problems)
     # The rest loads: c1 (lookup, load, 2 scans, 2 copies), c2's lookup, c4's lookup; the vLLM span is left out.
     assert len(read.spans) == 8 and read.other_spans == 1 and read.lines == 9
@@ -562,7 +562,7 @@ def test_a_file_of_one_line_cut_short_is_told_as_such_not_as_an_unparsable_docum
     path = tmp_path / "t.jsonl"
     path.write_bytes(cut)
     read = traces.read_trace_files([path])
-    assert [(p.line, p.reason) for p in read.problems] == [(1, reader.INCOMPLETE_LAST_LINE)]
+    assert [(p.line, p.reason) for p in read.problems] == [(1, line_decoder.INCOMPLETE_LAST_LINE)]
     path.write_bytes(cut + b"\n")  # ended, so not being written: not JSON, at its column
     (problem,) = traces.read_trace_files([path]).problems
     assert problem.line == 1 and problem.reason.startswith("not JSON: ")
@@ -669,7 +669,7 @@ def test_an_unfinished_last_line_is_reported_as_incomplete(tmp_path, decoder):
     live.write_text(line(lookup("r1", span_id="11" * 8)) + "\n" + cut)  # no newline: still being written
     read = traces.read_trace_files([live])
     assert list(read.spans["request_id"]) == ["r1"]
-    assert [(p.line, p.reason) for p in read.problems] == [(2, reader.INCOMPLETE_LAST_LINE)]
+    assert [(p.line, p.reason) for p in read.problems] == [(2, line_decoder.INCOMPLETE_LAST_LINE)]
     # The same line with a newline after it is finished, and broken.
     read = traces.read_trace_files([write(tmp_path, cut, line(lookup("r1", span_id="11" * 8)))])
     assert [p.line for p in read.problems] == [1] and read.problems[0].reason.startswith("not JSON")

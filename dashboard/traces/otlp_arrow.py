@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from dashboard.traces import reader, schema
+from dashboard.traces import line_decoder, schema
 
 try:
     import pyarrow as pa
@@ -41,7 +41,7 @@ class _Declined(Exception):
     """The file is not in the shape this decoder handles; use the line-by-line decoder."""
 
 
-def decode(data: bytes, label: str, lines: list[bytes]) -> reader.DecodedSpans | None:
+def decode(data: bytes, label: str, lines: list[bytes]) -> line_decoder.DecodedSpans | None:
     """Decode a whole file, or None when the line-by-line decoder must do it."""
     if pa is None:
         return None
@@ -106,8 +106,8 @@ def _is_utf8(data: bytes) -> bool:
     return True
 
 
-def _unnest(table: pa.Table, label: str, line_numbers: np.ndarray) -> reader.DecodedSpans:
-    problems: list[reader.Problem] = []
+def _unnest(table: pa.Table, label: str, line_numbers: np.ndarray) -> line_decoder.DecodedSpans:
+    problems: list[line_decoder.Problem] = []
     rs = table.column("resourceSpans").combine_chunks() if "resourceSpans" in table.column_names else None
     no_spans = (np.ones(table.num_rows, dtype=bool) if rs is None or pa.types.is_null(rs.type)
                 else rs.is_null().to_numpy(zero_copy_only=False))
@@ -117,7 +117,7 @@ def _unnest(table: pa.Table, label: str, line_numbers: np.ndarray) -> reader.Dec
     for row in np.flatnonzero(no_spans):
         doc = {k: table.column(k)[int(row)].as_py() for k in ("resourceMetrics", "resourceLogs")
                if k in table.column_names}
-        problems.append(reader.Problem(label, int(line_numbers[row]), reader.not_a_trace_export_reason(doc)))
+        problems.append(line_decoder.Problem(label, int(line_numbers[row]), line_decoder.not_a_trace_export_reason(doc)))
 
     rs_items, rs_row = _flatten(rs)
     ss_items, ss_rs = _flatten(_field(rs_items, "scopeSpans", legacy="instrumentationLibrarySpans"))
@@ -129,7 +129,7 @@ def _unnest(table: pa.Table, label: str, line_numbers: np.ndarray) -> reader.Dec
     scope = _field(ss_items, "scope", legacy="instrumentationLibrary")
     scope_names = _pylist(_field(scope, "name"), len(ss_items))
     scope_versions = _pylist(_field(scope, "version"), len(ss_items))
-    bad_scope = np.array([n == schema.SCOPE_NAME and not reader.supported_version(v)
+    bad_scope = np.array([n == schema.SCOPE_NAME and not line_decoder.supported_version(v)
                           for n, v in zip(scope_names, scope_versions)], dtype=bool)
 
     name = _field(sp, "name")
@@ -141,8 +141,8 @@ def _unnest(table: pa.Table, label: str, line_numbers: np.ndarray) -> reader.Dec
     if version_skipped.any():
         counts = Counter(zip(sp_row[version_skipped].tolist(), sp_ss[version_skipped].tolist()))
         for (row, ss), n in sorted(counts.items()):
-            reason = reader.unsupported_version_reason(scope_versions[ss] or "")
-            problems.append(reader.Problem(label, int(line_numbers[row]), reason, n))
+            reason = line_decoder.unsupported_version_reason(scope_versions[ss] or "")
+            problems.append(line_decoder.Problem(label, int(line_numbers[row]), reason, n))
     keep = np.flatnonzero(is_kv & ~span_bad_scope)
     other = int(len(is_kv) - is_kv.sum())
     n = len(keep)
@@ -156,7 +156,7 @@ def _unnest(table: pa.Table, label: str, line_numbers: np.ndarray) -> reader.Dec
     parent = column("parentSpanId")
     status = _field(sp, "status")
     code = _field(status, "code")
-    return reader.DecodedSpans(
+    return line_decoder.DecodedSpans(
         trace_id=_strings(column("traceId"), "traceId"),
         span_id=_strings(column("spanId"), "spanId"),
         parent_span_id=(np.full(n, "", dtype=object) if parent is None or pa.types.is_null(parent.type)
@@ -175,8 +175,8 @@ def _unnest(table: pa.Table, label: str, line_numbers: np.ndarray) -> reader.Dec
     )
 
 
-def _empty(problems: list[reader.Problem], lines: int) -> reader.DecodedSpans:
-    decoded = reader.decode_lines("", [])
+def _empty(problems: list[line_decoder.Problem], lines: int) -> line_decoder.DecodedSpans:
+    decoded = line_decoder.decode_lines("", [])
     decoded.problems = problems
     decoded.lines = lines
     return decoded
@@ -299,7 +299,7 @@ def _attributes(attributes, keep: np.ndarray, total: int) -> tuple[dict[str, np.
                 raise _Declined(f"non-numeric {key}")
             col = np.full(n, np.nan)
             col[span_of[rows]] = got
-            invalid[key] = present & ~reader.integral_mask(col)
+            invalid[key] = present & ~line_decoder.integral_mask(col)
         else:
             got = text[rows] if text is not None else np.full(len(rows), None, dtype=object)
             if len(rows) and np.equal(got, None).any():
@@ -320,7 +320,7 @@ def _attributes(attributes, keep: np.ndarray, total: int) -> tuple[dict[str, np.
             entry = next((x for x in (v or {}).values() if x is not None), None)
             if extras[span] is None:
                 extras[span] = {}
-            extras[span][key] = reader.without_nulls(entry)
+            extras[span][key] = line_decoder.without_nulls(entry)
     return values, invalid, extras
 
 
@@ -365,7 +365,7 @@ def _inherit_resource_attributes(rs_items, rs_of_span: np.ndarray, values: dict,
         col = values[key]
         own = ~np.isnan(col)
         values[key] = np.where(own, col, inherited)
-        invalid[key] = ~np.isnan(values[key]) & ~reader.integral_mask(values[key])
+        invalid[key] = ~np.isnan(values[key]) & ~line_decoder.integral_mask(values[key])
 
 
 def _holds_several(value) -> bool:
