@@ -51,8 +51,7 @@ class KVScopeConnector(KVConnectorBase_V1, SupportsHMA):
         check_vllm_version()
         log_through_vllm()
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-        check_start_up(vllm_config)
-        self.config = parse_config(vllm_config.kv_transfer_config.kv_connector_extra_config)
+        self.config = check_start_up(vllm_config)
         shape = tier_shape(vllm_config, kv_cache_config, self.config)
         if role != KVConnectorRole.SCHEDULER:
             check_host_tier_fits(vllm_config, shape)  # before anything starts that would then need stopping
@@ -66,7 +65,7 @@ class KVScopeConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker: KVScopeWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = build_scheduler(vllm_config, kv_cache_config, self.config, shape, self.tracing,
-                                              lambda: self._kv_cache_manager, engine)
+                                              kv_cache_manager_getter=lambda: self._kv_cache_manager, engine=engine)
         else:
             self._worker = build_worker(kv_cache_config, shape, self.tracing)
 

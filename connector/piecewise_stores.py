@@ -80,12 +80,14 @@ class PiecewiseStores:
 
     def plan_pieces(self, request, part: GroupTransfer, first: int, block_ids: list[int], needed: int, known: int,
                     filling: Filling | None, fed: list[Filling]) -> Filling | None:
-        """Plan a step's pieces of one group (``part``): its device blocks ``first``, ``first + 1``, ...
-        (``block_ids``; null where a block holds nothing to store), each into its offloaded block's slot.
-        An offloaded block's first piece starts its filling (`start_block`); a null piece, or a piece of a
-        failed filling, gives the filling up. ``filling``: the one the group had in progress, else None.
-        The fillings fed go onto ``fed`` (each once per job, the job counted). Returns the group's
-        filling in progress after the last block (None: none)."""
+        """Plan a step's pieces of one group into ``part``: its device blocks ``first``, ``first + 1``, ...
+        (``block_ids``; null where a block holds nothing to store), each into its offloaded block's slot
+        (``needed`` device blocks to an offloaded block). An offloaded block's first piece starts its
+        filling (`start_block`: reserves the slot in the host index); a null piece, or a piece of a
+        failed filling, gives the filling up (its slot freed once no job carries a piece of it).
+        ``filling``: the one the group had in progress, else None. The fillings fed go onto ``fed``,
+        the job's list over all its groups (each once, its job counted). Returns the group's filling
+        in progress after the last block (None: none). No vLLM object, clock or I/O."""
         g = part.group_index
         for i, block_id in enumerate(block_ids, first):
             k, sub = divmod(i, needed)

@@ -727,6 +727,8 @@ class KVScopeScheduler:
                             end: int) -> list[int]:
         """The ids of vLLM's blocks ``first`` to ``end`` of a group, to store; null for a Mamba block that does
         not hold its own end's state (another state, or none: never stored under this block's key)."""
+        if end <= first:
+            return []  # (a slice would count a negative end from the list's end)
         if layout.kind is not GroupKind.MAMBA:
             return [block.block_id for block in blocks[first:end]]
         ids = []

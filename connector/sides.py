@@ -8,7 +8,14 @@ import logging
 from dataclasses import dataclass
 from typing import Callable
 
-from .config import ConfigError, KVScopeConfig, available_memory_bytes, check_host_memory, physical_memory_bytes
+from .config import (
+    ConfigError,
+    KVScopeConfig,
+    available_memory_bytes,
+    check_host_memory,
+    parse_config,
+    physical_memory_bytes,
+)
 from .groups import GroupKind, GroupLayout
 from .scheduler import KVScopeScheduler
 from .telemetry.tracing import KVScopeTracing
@@ -37,24 +44,29 @@ class TierShape:
     layouts: list[GroupLayout]
     hash_block_size: int
     offload_block_size: int
-    slots: SlotLayout
+    slot_layout: SlotLayout
     num_slots: int
 
 
-def check_start_up(vllm_config) -> None:
-    """What every process refuses before building a side: a role, parallelism or sleep mode this
-    connector does not serve."""
+def check_start_up(vllm_config) -> KVScopeConfig:
+    """The connector's config, after what every process refuses before building a side: a role, a
+    `kv_connector_extra_config`, parallelism or sleep mode this connector does not take. In the
+    order `kvscope check` names them (`config_check`), so both name the same problem first."""
     transfer = vllm_config.kv_transfer_config
     if transfer.kv_role != "kv_both":
         # A host-tier cache both stores and loads; producer/consumer roles are for
         # disaggregated prefill, which this connector does not do.
         raise ConfigError(f"kv_role={transfer.kv_role!r} is not accepted by KVScopeConnector: "
                           "accepted is 'kv_both' (it stores to and loads from its host tier)")
+    config = parse_config(transfer.kv_connector_extra_config)
     check_parallelism(vllm_config.parallel_config)
     check_sleep_mode(vllm_config.model_config)
+    return config
 
 
 def tier_shape(vllm_config, kv_cache_config, config: KVScopeConfig) -> TierShape:
+    """The host tier's shape from vLLM's KV cache config and the connector's (`block_size`, `cpu_bytes`);
+    a warning where the offloaded block size is a poor fit for the model."""
     layouts = group_layouts(kv_cache_config)
     cache_config = vllm_config.cache_config
     hash_block_size = (kv_cache_config.hash_block_size or getattr(cache_config, "hash_block_size", None)
@@ -65,12 +77,14 @@ def tier_shape(vllm_config, kv_cache_config, config: KVScopeConfig) -> TierShape
     if warning:
         logger.warning(warning)
     slots = slot_layout(kv_cache_config, block_size)
-    return TierShape(layouts, hash_block_size, block_size, slots, config.host_slots(slots.slot_bytes))
+    return TierShape(layouts, hash_block_size, block_size, slot_layout=slots,
+                     num_slots=config.host_slots(slots.slot_bytes))
 
 
 def build_scheduler(vllm_config, kv_cache_config, config: KVScopeConfig, shape: TierShape, tracing: KVScopeTracing,
-                    kv_cache_manager: Callable, engine: int) -> KVScopeScheduler:
-    """The scheduler side; ``kv_cache_manager`` returns vLLM's, bound after the connector is built."""
+                    kv_cache_manager_getter: Callable, engine: int) -> KVScopeScheduler:
+    """The scheduler side; ``kv_cache_manager_getter`` returns vLLM's KV cache manager, which vLLM binds
+    after it builds the connector."""
     transfer = vllm_config.kv_transfer_config
     if transfer.kv_load_failure_policy != "recompute":
         # The host tier is a cache: a failed load must mean recompute, never a failed request.
@@ -82,10 +96,10 @@ def build_scheduler(vllm_config, kv_cache_config, config: KVScopeConfig, shape: 
         offload_block_size=shape.offload_block_size,
         hash_block_size=shape.hash_block_size,
         num_slots=shape.num_slots,
-        slot_bytes=shape.slots.slot_bytes,
+        slot_bytes=shape.slot_layout.slot_bytes,
         world_size=workers_per_scheduler(vllm_config.parallel_config),
         tracing=tracing,
-        kv_cache_manager_getter=kv_cache_manager,
+        kv_cache_manager_getter=kv_cache_manager_getter,
         reprefillable_tokens=max(0, getattr(vllm_config, "num_prefill_lookahead_tokens", 0) - 1),
         draft_tokens=speculative_draft_tokens(vllm_config),
         eagle_groups=eagle_proof_groups(vllm_config, kv_cache_config, layouts),
@@ -106,18 +120,19 @@ def build_scheduler(vllm_config, kv_cache_config, config: KVScopeConfig, shape: 
 
 def check_host_tier_fits(vllm_config, shape: TierShape) -> None:
     """A worker's check of its host's memory before it allocates its tier (each worker allocates its own,
-    on its own host): refused where the tiers of this host's workers cannot fit, warned of (once per
-    host) where they leave little."""
+    on its own host): refused where one tier cannot fit, warned of where this host's workers' tiers
+    together leave little (by the engine's tensor-parallel rank 0 only: once per engine)."""
     local_workers = workers_on_this_host(vllm_config.parallel_config)
-    crowded = check_host_memory(shape.num_slots * shape.slots.slot_bytes, local_workers, physical_memory_bytes(),
-                                available_memory_bytes())
+    tier_bytes = shape.num_slots * shape.slot_layout.slot_bytes
+    crowded = check_host_memory(tier_bytes, local_workers, physical_memory_bytes(), available_memory_bytes())
     if crowded and worker_rank() == 0:
         logger.warning(crowded)
 
 
 def build_worker(kv_cache_config, shape: TierShape, tracing: KVScopeTracing) -> KVScopeWorker:
-    worker = KVScopeWorker(kv_cache_config, shape.slots, shape.num_slots, [g.kind.value for g in shape.layouts],
-                           rank=worker_rank(), tracing=tracing)
+    """A worker side: its host tier and copy engine, for this tensor-parallel rank."""
+    worker = KVScopeWorker(kv_cache_config, shape.slot_layout, shape.num_slots,
+                           [g.kind.value for g in shape.layouts], rank=worker_rank(), tracing=tracing)
     _log_shape("worker", shape)
     return worker
 
@@ -126,7 +141,7 @@ def _log_shape(side: str, shape: TierShape) -> None:
     logger.info(
         "kvscope %s: %d KV group(s) %s, offload block %d tokens, %d host slots of %d bytes",
         side, len(shape.layouts), [g.kind.value for g in shape.layouts], shape.offload_block_size,
-        shape.num_slots, shape.slots.slot_bytes,
+        shape.num_slots, shape.slot_layout.slot_bytes,
     )
 
 

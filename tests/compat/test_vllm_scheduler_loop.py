@@ -10,6 +10,7 @@ for block, in each KV group, with the sliding window's null blocks skipped.
 from __future__ import annotations
 
 import inspect
+import json
 import secrets
 from collections import defaultdict
 from unittest import mock
@@ -1590,6 +1591,28 @@ def test_parallelism_kvscope_cannot_follow_is_refused_at_start_up(model_path, ro
     setattr(config.parallel_config, name, 2)
     with pytest.raises(UnsupportedKVCache, match=f"{name}=2 is not supported by kvscope"):
         KVScopeConnector(config, getattr(KVConnectorRole, role), _kv_cache_config(64, WINDOW))
+
+
+@pytest.mark.parametrize("role", ["SCHEDULER", "WORKER"])
+def test_a_config_wrong_two_ways_names_the_extra_config_first_as_kvscope_check_does(model_path, role):
+    """A bad `kv_connector_extra_config` and refused parallelism: start-up names the key first, as `kvscope
+    check` does, so an operator who fixes what one says meets no other problem first in the other."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from connector import KVScopeConnector
+    from connector.config import ConfigError
+    from connector.config_check import EngineShape, check_transfer_config
+    from tests.compat.model_free import _kv_cache_config
+
+    extra = {"cpu_bytes": 64 << 20, "bogus_key": 1}
+    config = _connector_config(model_path, extra)
+    config.parallel_config.pipeline_parallel_size = 2
+    with pytest.raises(ConfigError, match="bogus_key") as at_start_up:
+        KVScopeConnector(config, getattr(KVConnectorRole, role), _kv_cache_config(64, WINDOW))
+    flags = json.dumps({"kv_connector": "KVScopeConnector", "kv_role": "kv_both", "kv_connector_extra_config": extra})
+    with pytest.raises(ConfigError) as checked:
+        check_transfer_config(flags, EngineShape(pipeline_parallel_size=2))
+    assert str(checked.value) == str(at_start_up.value)
 
 
 def test_the_tokens_a_drafter_may_prefill_again_are_not_final(model_path):

@@ -122,6 +122,12 @@ def test_tokens_vllm_kept_on_the_device_leave_the_miss_from_its_front():
         assert sum(t for _, t in left.by_reason) + left.tail_tokens == 236 - kept
 
 
+def test_a_single_token_vllm_kept_on_the_device_leaves_the_miss():
+    """Only a kept count of none leaves the miss as it is: a single kept token already leaves its front."""
+    miss = Miss(EVICTED, ((EVICTED, 64), (NEW, 128)), 44)
+    assert past_kept_tokens(miss, 1) == (EVICTED, ((EVICTED, 63), (NEW, 128)), 44)
+
+
 def test_unhashed_blocks_are_tail():
     # vLLM hashed only 2 blocks of the prompt
     assert lookup_miss([FULL], 300, 0, 0, 2, B, lambda group, k: NEW) == (NEW, ((NEW, 128),), 172)
@@ -224,6 +230,12 @@ def test_a_lookup_barred_from_its_hit_counts_that_hit_as_load_failed_before_its_
     miss = Miss(DROPPED, ((DROPPED, 64), (NEW, 64)), 64)
     assert barred_from_hit(miss, 128) == Miss(LOAD_FAILED, ((LOAD_FAILED, 128), (DROPPED, 64), (NEW, 64)), 64)
     assert barred_from_hit(miss, 0) is miss  # nothing held: the lookup's own reasons
+
+
+def test_a_single_barred_token_counts_as_load_failed():
+    """Only a hit of no tokens leaves the lookup's own reasons: a single barred token is load_failed already."""
+    miss = Miss(NEW, ((NEW, 64),), 64)
+    assert barred_from_hit(miss, 1) == Miss(LOAD_FAILED, ((LOAD_FAILED, 1), (NEW, 64)), 64)
 
 
 def test_missed_tokens_split_what_vllm_did_not_take_then_the_blocks_past_the_hit_then_the_tail():

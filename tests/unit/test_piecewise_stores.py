@@ -280,8 +280,8 @@ def test_a_step_with_no_block_keeps_the_filling_in_progress():
 
 
 def test_the_fillings_fed_by_one_job_across_groups_are_each_counted_once():
-    """`fed` is the job's list over all its groups: a filling fed in one group is another group's
-    filling, never the same object; each is counted one job."""
+    """`fed` is the job's list over all its groups: each group's filling goes on it once and counts
+    the job once, though the groups' blocks share their keys' hashes."""
     stores = _stores(FULL, GroupLayout(1, GroupKind.FULL_ATTENTION, BS))
     request = _request("r", 64)
     fed = []
