@@ -231,6 +231,16 @@ def test_global_registry_can_be_rebuilt_like_vllm_does():
     assert REGISTRY.get_sample_value("kvscope_lookup_tokens_total", {"model_name": "m", "engine": "0"}) is None
 
 
+def test_dropping_kvscope_collectors_leaves_vllms_own_in_the_registry(registry, prom_metrics):
+    """A second engine drops kvscope's collectors from the global registry before it registers them again:
+    vLLM's own metrics there must stay exported."""
+    vllm_counter = Counter("vllm:prompt_tokens", "vLLM's own", registry=registry)
+    vllm_counter.inc(3)
+    unregister_kvscope_metrics(registry)
+    assert registry.get_sample_value("vllm:prompt_tokens_total") == 3
+    assert registry.get_sample_value("kvscope_lookup_tokens_total", engine_labels(0)) is None
+
+
 def test_serve_metrics_port_is_idempotent_and_serves_the_registry(registry, prom_metrics):
     prom_metrics.observe(_payload())
     port = serve_metrics_port(0, registry=registry)

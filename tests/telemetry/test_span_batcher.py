@@ -149,6 +149,22 @@ def test_a_span_ended_after_shutdown_is_counted_and_said_not_queued_for_ever(cap
     assert len([r for r in caplog.records if "after tracing was shut down" in r.getMessage()]) == 1
 
 
+def test_the_first_span_ended_after_shutdown_is_said_at_once_and_no_later_one(caplog):
+    """The log says a record was lost when the first one is, not at some later one (nor at every later one)."""
+    batcher = SpanBatcher([Collect()], schedule_delay_s=60)
+    batcher.shutdown()
+
+    def said() -> list:
+        return [r for r in caplog.records if "after tracing was shut down" in r.getMessage()]
+
+    with caplog.at_level(logging.WARNING, logger="connector.telemetry.span_batcher"):
+        batcher.on_end("late")
+        assert len(said()) == 1
+        batcher.on_end("later")
+        batcher.on_end("latest")
+    assert len(said()) == 1 and batcher.dropped_spans == 3
+
+
 def test_needs_an_exporter():
     with pytest.raises(ValueError, match="exporter"):
         SpanBatcher([])

@@ -215,6 +215,15 @@ def test_zero_durations_are_observed_and_negative_ones_dropped():
     assert s.data["request_load_duration_s"] == [0.0]
 
 
+def test_zero_deferral_waits_are_observed_and_negative_ones_dropped():
+    """A load admitted within the clock's resolution waited 0 (still one deferred load in the histogram's
+    count); a negative wait (a clock stepped back) would lower kvscope_load_deferral_wait_seconds' sum."""
+    s = KVScopeStats()
+    s.record_deferral_wait(0.0)
+    s.record_deferral_wait(-0.5)
+    assert s.data == {"load_deferral_wait_s": [0.0]}
+
+
 def test_bad_copy_direction_is_rejected():
     with pytest.raises(ValueError, match="direction"):
         KVScopeStats().record_copy(0, "mamba", "sideways", 1, 1, 0.1)
