@@ -146,7 +146,8 @@ def _problems(summary: Summary) -> list:
 def _reasons(problems: list) -> list[str]:
     """What each problem is, where `problem_lines` has not said it already (it says a file's only one): a terminal
     has no table of them, as the app has."""
-    if len(problems) <= 1 or len({(p.file, p.line) for p in problems}) == 1 and len({p.reason for p in problems}) == 1:
+    one_line = len({(p.file, p.line) for p in problems}) == 1
+    if len(problems) <= 1 or (one_line and len({p.reason for p in problems}) == 1):
         return []
     return traces.problem_reasons(problems)
 

@@ -276,7 +276,8 @@ def _bytes_stored(spans: pd.DataFrame) -> pd.Series:
 
 def load_rows(spans: pd.DataFrame) -> pd.DataFrame:
     """One row per `kvscope.load` span: span_key, trace_id, request_id, span_id, start_ns, tokens_external,
-    load_ms (NA when no copy of it was recorded, it failed, or one of its copies is timed on another clock: `mistimed`),
+    load_ms (NA when no copy of it was recorded, it failed, or it is `mistimed`: one of its copies is timed on
+    another clock, or the load span ends before it starts),
     copy_ms (from its first copy's start to its last copy's end, on every worker and group: the part of
     load_ms spent copying; NA where load_ms is), its load copies and the bytes they moved, and whether
     it failed (`LOAD_FAILED_DEFINITION`)."""
