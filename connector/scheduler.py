@@ -1,16 +1,15 @@
 """Scheduler side: host-tier lookups, multi-group load plans and store jobs, as vLLM calls them.
 
 This module adapts vLLM objects (`Request`, `KVCacheBlocks`, `SchedulerOutput`) to the pure
-planning code (`lookup.py`, `planning.py`), the host index (`host_store.py`) and the blocks being
-stored piece by piece (`piecewise_stores.py`).
+planning code (`lookup.py`, `planning.py`) and the host index (`host_store.py`). What a step
+stores is planned by `store_plans.py` (with `piecewise_stores.py`); the device blocks unreported
+stores still read are tracked by `store_sources.py`.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from .groups import GroupKind, GroupLayout
@@ -21,10 +20,12 @@ from .metadata import LOAD, STORE, GroupTransfer, KVScopeMetadata, KVScopeWorker
 from .miss_reasons import (NOT_TAKEN, Miss, barred_from_hit, lookup_miss, miss_order, missed_tokens_by_reason,
                            past_kept_tokens)
 from .offload_keys import OffloadKeys
-from .piecewise_stores import Filling, PiecewiseStores
-from .planning import NULL_BLOCK_ID, GroupScan, gather_load, scan_group
+from .piecewise_stores import PiecewiseStores
+from .planning import GroupScan, gather_load, scan_group
 from .prefix_recency import finished_prefix_keys
 from .state_blocks import StateBlocks
+from .store_plans import StorePlanner, StoreProgress
+from .store_sources import StoreSources, allocated_anew
 from .telemetry.failures import telemetry_failed
 from .telemetry.metrics import KVScopeStats
 from .telemetry.span_records import (DEFERRAL_WAIT_SPAN, DEFERRED_LOOKUP_SPAN, LOOKUP_SPAN, STORE_SPAN, WAIT_ADMITTED,
@@ -90,10 +91,7 @@ class _Lookup:
 class _RequestState:
     request: object
     trace_context: object | None = None  # parent for this request's kvscope spans
-    # per group: device blocks already considered for storing, and the offloaded block being
-    # filled (a `Filling`; None: none, or the current one is skipped)
-    stored_blocks: list[int] | None = None
-    filling: list | None = None
+    store_progress: StoreProgress | None = None  # None: nothing stored yet (or since a cache reset)
     # Mamba blocks a forward of the request ended in: (group, block index) -> block id, or None for
     # one a forward started inside and left (`StateBlocks`)
     witnessed_states: dict = field(default_factory=dict)
@@ -104,10 +102,6 @@ class _RequestState:
     # session goes on (see `get_num_new_matched_tokens`); its preemptions when the load failed
     load_failed: bool = False
     load_failed_preemptions: int = 0
-    # `_plan_store` found nothing to store with this many keys known, and will not below this many
-    # computed tokens (`_next_store_tokens`; stores since only raise that bound); -1: decide in full
-    idle_known: int = -1
-    idle_until: float = 0
 
 
 @dataclass(slots=True)
@@ -164,10 +158,10 @@ class KVScopeScheduler:
         self.tracing = tracing
         self._kv_cache_manager = kv_cache_manager_getter
         self.states = StateBlocks(layouts, speculative=draft_tokens > 0, decode_states=mamba_decode_states)
+        self.store_plans = StorePlanner(layouts, offload_block_size, self.keys, self.stores, self.states)
         # vLLM's drafts are its lookahead tokens: a request first running asks blocks for them too
         self.admission = LoadAdmission(layouts, lookahead_tokens=draft_tokens)
         self._deferral_logged = False
-        self._foreign_state_logged = False
         # The last tokens whose KV a drafter may write again (vLLM's multi-module MTP re-prefills
         # them): not final, so not stored, as vLLM does not cache them (`get_num_cacheable_tokens`)
         self.reprefillable_tokens = reprefillable_tokens
@@ -182,13 +176,7 @@ class KVScopeScheduler:
         self._jobs: dict[int, _Job] = {}
         self._next_job_id = 0
         self._pending_loads: list[TransferJob] = []
-        # device block -> unreported store jobs reading it: a step that allocates such a block
-        # again must not write it before they have read it (`_sources_reallocated`)
-        self._store_sources: dict[int, set[int]] = {}
-        # This step's allocations kvscope loads nothing into, while stores are unreported: (request id,
-        # its blocks, its device prefix hit). One that is not scheduled this step is loaded by another
-        # connector (vLLM's MultiConnector), whose copies write its blocks now (`_sources_reallocated`).
-        self._allocated_unplanned: list[tuple[str, object, int]] = []
+        self.store_sources = StoreSources(layouts, self._jobs)
         self._stats = KVScopeStats()
         self._stats.declare_groups([(layout.index, layout.kind.value) for layout in layouts])  # series at 0
         # Per group, one (nanoseconds, blocks scanned, null blocks skipped) per scan: a single list
@@ -338,8 +326,9 @@ class KVScopeScheduler:
                 # Resumed, deferred, then admitted with nothing to load: neither a lookup span nor a load
                 # span tells its wait, which the histogram observed above.
                 self._wait_span(request, state, lookup.deferred, lookup.start_ns, WAIT_ADMITTED)
-            if self._store_sources and request.num_computed_tokens == 0:  # admitted afresh: new blocks
-                self._allocated_unplanned.append((req_id, blocks, lookup.local_tokens if lookup is not None else 0))
+            sources = self.store_sources
+            if sources.readers and request.num_computed_tokens == 0:  # admitted afresh: new blocks
+                sources.unplanned.append((req_id, blocks, lookup.local_tokens if lookup is not None else 0))
             return
         if lookup is None:
             # vLLM looks up every request it gives external tokens: without that lookup the local hit,
@@ -532,7 +521,8 @@ class KVScopeScheduler:
     def build_connector_meta(self, scheduler_output) -> KVScopeMetadata:
         meta = KVScopeMetadata(loads=self._pending_loads)
         self._pending_loads = []
-        self._order_loads_after_stores(meta.loads)
+        sources = self.store_sources
+        sources.order_loads(meta.loads)
         computed = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -540,14 +530,14 @@ class KVScopeScheduler:
         if self._unsettled_lookups:  # before the stores: a lookup span may root its request's trace
             self._settle_lookups(computed)
         self.admission.ran(scheduler_output.num_scheduled_tokens)
-        if self._store_sources:
-            meta.fence_stores = self._sources_reallocated(scheduler_output, computed)
-        self._allocated_unplanned.clear()
+        if sources.readers:
+            meta.fence_stores = sources.reallocated(scheduler_output, computed)
+        sources.unplanned.clear()
         spec = scheduler_output.scheduled_spec_decode_tokens or {}
         restarted = None
         if self.states.groups:
             restarted = self._restarted(scheduler_output)
-            self.states.given_out_anew(self._allocated_anew(scheduler_output))  # before this step's forwards
+            self.states.given_out_anew(allocated_anew(self.layouts, scheduler_output))  # before this step's forwards
         requests, count_keys, reprefillable = self._requests, self.keys.count, self.reprefillable_tokens
         for req_id, scheduled in scheduler_output.num_scheduled_tokens.items():
             state = requests.get(req_id)
@@ -562,9 +552,11 @@ class KVScopeScheduler:
             if spec:
                 done_after_step -= len(spec.get(req_id, ()))
             request = state.request
-            # Most decode steps store nothing (`_plan_store`'s idle mark), checked here: once per
+            # Most decode steps store nothing (`StoreProgress.idle_until`), checked here: once per
             # scheduled request per step
-            if done_after_step < state.idle_until and state.idle_known == count_keys(request.block_hashes):
+            progress = state.store_progress
+            if progress is not None and done_after_step < progress.idle_until \
+                    and progress.idle_known == count_keys(request.block_hashes):
                 continue
             done_after_step = min(done_after_step, request.num_tokens - reprefillable)
             job = self._plan_store(state, done_after_step)
@@ -576,16 +568,6 @@ class KVScopeScheduler:
         except Exception:  # the step's loads and stores are in `meta` (`telemetry_failed`)
             telemetry_failed("the scheduler's end of step")
         return meta
-
-    def _order_loads_after_stores(self, loads: list[TransferJob]) -> None:
-        """A load waits for the stores in flight only when one of them reads a block it writes (vLLM
-        freed the block, its request finished or was preempted, and gave it to this load's request).
-        This step's stores read only blocks of requests it schedules, never one a load writes (a
-        request kvscope loads for waits, unscheduled, until its load is done)."""
-        sources = self._store_sources
-        for job in loads:
-            job.waits_for_stores = bool(sources) and any(
-                not sources.keys().isdisjoint(part.block_ids) for part in job.groups)
 
     @staticmethod
     def _restarted(scheduler_output) -> set[str]:
@@ -604,111 +586,23 @@ class KVScopeScheduler:
                                  lambda: self._kv_cache_manager().get_blocks(req_id).blocks,
                                  state.request.num_prompt_tokens)
 
-    def _sources_reallocated(self, scheduler_output, computed: dict[str, int]) -> bool:
-        """Whether this step allocates a device block that an unreported store reads (vLLM freed it,
-        its request finished, was preempted or left it behind its window, and gives it out again).
-
-        This step's writes to such a block must wait for those stores (`KVScopeMetadata.fence_stores`).
-        A block copy vLLM applies before the workers hear of the step (V2 runner) cannot wait: the
-        stores reading its destination are failed instead, so their host blocks never become ready;
-        so are the stores reading a block given to a request another connector loads (inside vLLM's
-        MultiConnector), which writes it this step, maybe outside CUDA streams.
-        Blocks a request finds in vLLM's prefix cache are not written, so they do not count."""
-        sources = self._store_sources
-        reallocated = any(block_id in sources for block_id in self._allocated_anew(scheduler_output))
-        if self._allocated_unplanned:
-            self._fail_stores_under_foreign_loads(computed)
-        for copy in getattr(scheduler_output, "kv_cache_block_copies", None) or ():
-            for job_id in self._store_sources.get(copy.dst_block_id, ()):
-                self._jobs[job_id].failed = True
-        return reallocated
-
-    def _fail_stores_under_foreign_loads(self, computed: dict[str, int]) -> None:
-        """Fail the unreported stores reading a block that another connector loads into this step (inside
-        vLLM's MultiConnector kvscope gets such a request with 0 external tokens): past the request's
-        device prefix hit, all of its blocks when it waits for that load (not scheduled), else up to
-        where this step's forward starts (which `_allocated_anew` fences). That connector may write
-        outside CUDA streams (RDMA), which no fence orders; so, as with a block copy, the stores fail.
-        ``computed``: the tokens each request this step schedules has computed before it."""
-        sources, jobs = self._store_sources, self._jobs
-        for req_id, blocks, local in self._allocated_unplanned:
-            end = computed.get(req_id)
-            if end is not None and end <= local:
-                continue  # scheduled with nothing loaded: only its forward writes (kvscope alone: always)
-            for layout, ids in zip(self.layouts, blocks.get_block_ids()):
-                stop = None if end is None else -(-end // layout.block_size)  # with a partly loaded block
-                for block_id in ids[local // layout.block_size:stop]:
-                    for job_id in sources.get(block_id, ()):
-                        jobs[job_id].failed = True
-
-    def _allocated_anew(self, scheduler_output) -> Iterator[int]:
-        """The device blocks this step gives out afresh: each scheduled request's blocks past those it found
-        in vLLM's prefix cache (a resumed request's list is whole, its hits first; others' are appended)."""
-        cached = scheduler_output.scheduled_cached_reqs
-        resumed = getattr(cached, "resumed_req_ids", None) or ()
-        for new in scheduler_output.scheduled_new_reqs:
-            yield from self._past_hits(new.block_ids, new.num_computed_tokens)
-        for i, (req_id, groups) in enumerate(zip(cached.req_ids, cached.new_block_ids)):
-            if groups is not None:
-                yield from self._past_hits(groups, cached.num_computed_tokens[i] if req_id in resumed else 0)
-
-    def _past_hits(self, group_block_ids, computed_tokens: int) -> Iterator[int]:
-        for layout, ids in zip(self.layouts, group_block_ids):
-            yield from ids[computed_tokens // layout.block_size:]
-
     def _plan_store(self, state: _RequestState, computed_tokens: int) -> TransferJob | None:
-        """The store job of this step for one request: every device block computed since the last
-        step goes to its offloaded block's host slot now, before a sliding window can drop it. In
-        an offloaded block whose key is known (its tokens are all known: the prompt's are from the
-        start); in a group that stores ahead (`PiecewiseStores.stores_ahead`), in any block, under a
-        placeholder key until the real one exists."""
+        """The request's store job of this step (`StorePlanner.plan`), traced; None when it stores nothing."""
         if state.stores_stopped:
             return None
         request = state.request
-        layouts = self.layouts
-        if state.stored_blocks is None:
-            state.stored_blocks = [0] * len(layouts)
-            state.filling = [None] * len(layouts)
-        known = self.keys.count(request.block_hashes)  # offloaded blocks whose key exists
-        stores = self.stores
-        if stores.ahead_groups:
-            stores.key_blocks(request, state.filling, known)
-        limits = [computed_tokens // layout.block_size if ahead else
-                  min(computed_tokens // layout.block_size, known * layout.blocks_per_offload_block(self.block_size))
-                  for layout, ahead in zip(layouts, stores.stores_ahead)]
-        # Decide before asking vLLM for block ids.
-        if all(limit <= done for limit, done in zip(limits, state.stored_blocks)):
-            # Idle until a new key exists or a group's next device block is computed: most decode steps
-            # (`build_connector_meta` checks this before calling here again)
-            state.idle_known, state.idle_until = known, self._next_store_tokens(state.stored_blocks, known)
-            return None
-        # vLLM's own lists of the request's blocks, not copies: only the blocks new since the last store
-        # are read (`get_block_ids` built every group's whole id list, O(context) a store)
-        group_blocks = self._kv_cache_manager().get_blocks(request.request_id).blocks
-        parts: list[GroupTransfer] = []
-        fillings: list[Filling] = []
-        for layout, blocks, limit in zip(layouts, group_blocks, limits):
-            g = layout.index
-            filling = state.filling[g]
-            if filling is not None and filling.keyed and not self._key_still_holds(request, filling):
-                stores.give_up(filling)  # its pieces so far belong to tokens the request no longer has
-                state.filling[g] = None
-            first, end = state.stored_blocks[g], min(limit, len(blocks))
-            part = GroupTransfer(g, [], [], [])
-            state.filling[g] = stores.plan_pieces(
-                request, part, first, self._storable_block_ids(state, layout, blocks, first, end),
-                layout.blocks_per_offload_block(self.block_size), known, state.filling[g], fillings)
-            state.stored_blocks[g] = max(first, end)
-            if part.block_ids:
-                parts.append(part)
+        if state.store_progress is None:
+            state.store_progress = self.store_plans.start()
+        parts, fillings = self.store_plans.plan(
+            request, state.store_progress, computed_tokens, state.witnessed_states,
+            lambda: self._kv_cache_manager().get_blocks(request.request_id).blocks)
         if not parts:
             return None
         job_id = self._new_job_id()
         sources = [block_id for part in parts for block_id in part.block_ids]
         self._jobs[job_id] = _Job(direction=STORE, req_id=request.request_id, keys=[], fillings=fillings,
                                   sources=sources)
-        for block_id in sources:
-            self._store_sources.setdefault(block_id, set()).add(job_id)
+        self.store_sources.add(job_id, sources)
         carrier = None
         tracing = self.tracing
         if tracing.may_record(state.trace_context):
@@ -722,53 +616,6 @@ class KVScopeScheduler:
                 telemetry_failed("the store span")
                 tracing.record_failed()
         return TransferJob(job_id, request.request_id, STORE, parts, trace_carrier=carrier)
-
-    def _storable_block_ids(self, state: _RequestState, layout: GroupLayout, blocks, first: int,
-                            end: int) -> list[int]:
-        """The ids of vLLM's blocks ``first`` to ``end`` of a group, to store; null for a Mamba block that does
-        not hold its own end's state (another state, or none: never stored under this block's key)."""
-        if end <= first:
-            return []  # (a slice would count a negative end from the list's end)
-        if layout.kind is not GroupKind.MAMBA:
-            return [block.block_id for block in blocks[first:end]]
-        ids = []
-        for i in range(first, end):
-            block = blocks[i]
-            if block.block_id != NULL_BLOCK_ID and not self.states.holds_own_state(
-                    block, layout.index, i, layout.block_size, state.witnessed_states):
-                self._log_foreign_state(block, (i + 1) * layout.block_size)
-                ids.append(NULL_BLOCK_ID)
-            else:
-                ids.append(block.block_id)
-        return ids
-
-    def _next_store_tokens(self, stored_blocks: list[int], known: int) -> float:
-        """The computed tokens from which a request with ``known`` keys and ``stored_blocks`` per group
-        has a block to store (`_plan_store`'s limits, solved for the token count): a group's next device
-        block, once computed, where a key exists for it or the group stores ahead; never (inf) without a new key."""
-        until = math.inf
-        for layout, ahead, done in zip(self.layouts, self.stores.stores_ahead, stored_blocks):
-            if ahead or known * layout.blocks_per_offload_block(self.block_size) > done:
-                until = min(until, (done + 1) * layout.block_size)
-        return until
-
-    def _key_still_holds(self, request, filling) -> bool:
-        """Whether the request's tokens still give the offloaded block it is filling that block's key.
-        A request's tokens past its computed ones can change under it (a streaming-input session's
-        next turn drops the last sampled token and appends new input): the rest of the block would
-        then hold KV of other tokens than its key's."""
-        key_hash = self.keys.hash_of(request.block_hashes, filling.block_index)
-        return key_hash is not None and key_hash == filling.key[1]
-
-    def _log_foreign_state(self, block, block_end: int) -> None:
-        """Say once why a model's Mamba states are stored less often than its blocks end."""
-        keyed_tokens = block.block_hash_num_tokens
-        if self._foreign_state_logged or keyed_tokens in (None, block_end):
-            return
-        self._foreign_state_logged = True
-        logger.info("kvscope: a Mamba block ending at token %d holds vLLM's state at token %d (a prefill "
-                    "checkpoint at a finer hash boundary, or EAGLE's dropped block): such blocks are not "
-                    "stored, so fewer Mamba states reach the host tier", block_end, keyed_tokens)
 
     def update_connector_output(self, connector_output) -> None:
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
@@ -793,13 +640,7 @@ class KVScopeScheduler:
             return  # a transfer is done only when every worker has reported it
         del self._jobs[job_id]
         if job.direction == STORE:
-            sources = self._store_sources
-            for block_id in job.sources:
-                readers = sources.get(block_id)
-                if readers is not None:
-                    readers.discard(job_id)
-                    if not readers:
-                        del sources[block_id]
+            self.store_sources.release(job_id, job.sources)
             self.stores.job_reported(job.fillings, job.failed)
             return
         for key in job.keys:
@@ -851,8 +692,8 @@ class KVScopeScheduler:
         if state is not None:
             # Its prefix was used last: its stores went in head first, so this puts the head last in line
             self._touch_prefix(self._offload_hashes(request), state.load_job.keys if state.load_job else [])
-        if state is not None and state.filling is not None:
-            self.stores.request_finished(request, state.filling)
+        if state is not None and state.store_progress is not None:
+            self.stores.request_finished(request, state.store_progress.filling)
         if state is not None and state.load_job is not None:
             # Aborted while its load runs: vLLM frees the blocks, uncached, once the load is done
             # (a load already reported is out of `_jobs`: the mark changes nothing there).
@@ -889,8 +730,7 @@ class KVScopeScheduler:
         for filling in list(self.stores.by_key.values()):
             self.stores.give_up(filling)
         for state in self._requests.values():
-            state.stored_blocks = state.filling = None
-            state.idle_known = -1
+            state.store_progress = None
             if state.request.num_computed_tokens > 0:
                 state.stores_stopped = True
         self.index.clear()

@@ -12,7 +12,8 @@ def connector_leaks(sched, vllm_requests, workers) -> list[str]:
     leaks = [f"{key}: pins={e.pins} ready={e.ready}" for key, e in sched.index._entries.items()
              if e.pins or not e.ready]
     leaks += [f"job {job_id}: {job.direction} of {job.req_id}" for job_id, job in sched._jobs.items()]
-    leaks += [f"device block {block} still a source of stores {jobs}" for block, jobs in sched._store_sources.items()]
+    leaks += [f"device block {block} still a source of stores {jobs}"
+              for block, jobs in sched.store_sources.readers.items()]
     leaks += [f"unsettled filling of {key}" for key in sched.stores.by_key]
     leaks += [f"worker {rank}: {len(w._worker._in_flight)} copies in flight"
               for rank, w in enumerate(workers) if w._worker is not None and w._worker._in_flight]

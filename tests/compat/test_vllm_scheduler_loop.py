@@ -1237,13 +1237,13 @@ def _late_reading_rounds(model_path, async_scheduling: bool, runner: str, fence:
                              num_blocks=150, max_num_batched_tokens=100, async_scheduling=async_scheduling,
                              runner=runner, spec_tokens=spec_tokens, workers=workers)
     if not flag_reuse:
-        engine.scheduler.get_kv_connector()._scheduler._sources_reallocated = lambda out, computed: False
+        engine.scheduler.get_kv_connector()._scheduler.store_sources.reallocated = lambda out, computed: False
     if loads_wait is not None:
         def order_loads(loads):
             for job in loads:
                 job.waits_for_stores = loads_wait
 
-        engine.scheduler.get_kv_connector()._scheduler._order_loads_after_stores = order_loads
+        engine.scheduler.get_kv_connector()._scheduler.store_sources.order_loads = order_loads
     fences, lates = _read_stores_late(engine, fence, store_lag)
     try:
         prompts = _prompts()
@@ -1809,7 +1809,7 @@ def test_mamba_states_are_stored_only_at_their_own_boundary(model_path, mamba_bl
     the state of other tokens. Round 1 loads states and KV, and each step's first state is checked."""
     from tests.compat.model_free import MambaAlign
 
-    caplog.set_level("INFO", logger="connector.scheduler")
+    caplog.set_level("INFO", logger="connector.store_plans")
     engine = ModelFreeEngine(model_path, {"cpu_bytes": 64 << 20, "block_size": mamba_block}, window=WINDOW,
                              max_num_batched_tokens=max_num_batched_tokens, mamba=MambaAlign(mamba_block, hash_block))
     try:

@@ -157,8 +157,8 @@ def test_blocks_another_request_stored_already_are_passed_over_once():
     _report(sched, sched._plan_store(_state("a", 128), 64))
     b = _state("b", 128)  # the same tokens: the same keys
     assert sched._plan_store(b, 64) is None
-    assert b.stored_blocks == [4, 4]
-    assert sched._plan_store(b, 64) is None and b.idle_until == 80  # idle until the window's next block
+    assert b.store_progress.stored_blocks == [4, 4]
+    assert sched._plan_store(b, 64) is None and b.store_progress.idle_until == 80  # idle until the window's next block
 
 
 def test_a_window_block_null_from_the_start_is_skipped_whole():
@@ -307,7 +307,7 @@ def test_a_step_allocating_a_block_a_pending_store_reads_is_flagged():
     assert flagged(_output(cached=[("c", ([101], [203, 601]), 0)], resumed=["c"])).fence_stores
     assert not flagged(_output(cached=[("c", ([NULL_BLOCK_ID, 900], [602, 601]), 0)], resumed=["c"])).fence_stores
     _report(sched, job)
-    assert sched._store_sources == {}
+    assert sched.store_sources.readers == {}
     assert not flagged(_output(new=[(([100], [200, 201]), 0)])).fence_stores  # reported: read already
 
 
@@ -901,8 +901,9 @@ def test_a_streaming_session_whose_load_failed_may_load_in_its_next_turn(monkeyp
 class _NeverIdle(KVScopeScheduler):
     """Store planning without the idle mark: every scheduled request is planned in full every step."""
 
-    def _next_store_tokens(self, stored_blocks, known):
-        return -math.inf  # no token count is below it: never idle
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.store_plans.next_store_tokens = lambda stored_blocks, known: -math.inf  # no count below it: never idle
 
 
 _IDLE_LAYOUTS = {
@@ -997,8 +998,10 @@ def _scheduler_state(sched) -> tuple:
 
     entries = {k: (e.slot, e.ready, e.pins, e.stale) for k, e in sched.index._entries.items()}
     fillings = {k: filling(f) for k, f in sched.stores.by_key.items()}
-    requests = {rid: (s.stored_blocks, None if s.filling is None else [filling(f) for f in s.filling],
-                      s.stores_stopped) for rid, s in sched._requests.items()}
+    def progress(p):
+        return None if p is None else (p.stored_blocks, [filling(f) for f in p.filling])
+
+    requests = {rid: (progress(s.store_progress), s.stores_stopped) for rid, s in sched._requests.items()}
     return entries, fillings, requests, sorted(sched._jobs)
 
 
@@ -1276,7 +1279,7 @@ def test_only_a_mamba_block_holding_the_state_of_another_token_count_is_logged(c
                              world_size=1, tracing=KVScopeTracing.disabled(), kv_cache_manager_getter=lambda: manager)
     state = _state("r", 128)
     state.witnessed_states[(0, 0)] = None  # a forward started inside block 0 and left it
-    caplog.set_level("INFO", logger="connector.scheduler")
+    caplog.set_level("INFO", logger="connector.store_plans")
     job = sched._plan_store(state, 128)
     assert _pieces(job, 0) == []  # neither holds the state at its own end
     sched._plan_store(_state("other", 128), 128)  # another request with such a block: said once for all
