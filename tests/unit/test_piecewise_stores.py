@@ -129,6 +129,41 @@ def test_no_placeholder_for_a_block_the_request_cannot_finish():
     assert stores.start_block(_request("s", 48, prompt=40, max_tokens=25), 0, 0, 4, 7, known=0) is not None
 
 
+def test_a_request_without_a_token_limit_may_start_a_placeholder():
+    """No `max_tokens` (or not an int): nothing says the block's last token is never computed."""
+    window = GroupLayout(0, GroupKind.SLIDING_WINDOW, BS, sliding_window=24)
+    stores = _stores(window)
+    assert stores.start_block(_request("r", 48, prompt=40, max_tokens=None), 0, 0, 4, 7, known=0) is not None
+
+
+def test_a_placeholder_whose_key_does_not_exist_yet_keeps_its_placeholder():
+    """``known`` blocks have a key: a block at or past it has none to take yet (its hash is not there)."""
+    window = GroupLayout(0, GroupKind.SLIDING_WINDOW, BS, sliding_window=24)
+    stores = _stores(window)
+    request = _request("r", 48, prompt=40, max_tokens=100)
+    filling = stores.start_block(request, 0, 0, 4, first_block_id=7, known=0)
+    placeholder = filling.key
+    stores.key_blocks(request, [filling], known=0)
+    assert not filling.keyed and filling.key == placeholder and stores.by_key == {placeholder: filling}
+    assert not filling.failed
+
+
+def test_a_finished_request_keeps_a_keyed_block_with_every_piece_and_gives_up_an_unkeyed_one():
+    """Its end gives up only what can no longer complete: a keyed block whose pieces are all planned
+    completes as its jobs report; one whose key never came (the request ended first) frees its slot."""
+    window = GroupLayout(0, GroupKind.SLIDING_WINDOW, BS, sliding_window=24)
+    stores = _stores(window)
+    request = _request("r", 64, prompt=40, max_tokens=100)
+    keyed = stores.start_block(request, 0, 0, 4, first_block_id=7, known=1)
+    unkeyed = stores.start_block(request, 0, 1, 4, first_block_id=11, known=1)
+    _plan(keyed, 4)
+    _plan(unkeyed, 4)
+    stores.request_finished(request, [keyed, unkeyed])
+    assert not keyed.failed and unkeyed.failed
+    stores.job_reported([keyed, unkeyed], failed=False)
+    assert stores.index.is_ready((0, "h3")) and stores.index.used_slots == 1 and stores.by_key == {}
+
+
 def test_a_finished_request_gives_up_what_it_can_no_longer_complete():
     stores = _stores(FULL)
     request = _request("r", 128)
