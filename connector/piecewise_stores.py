@@ -4,8 +4,8 @@ A store writes each device block in the step that computes it, before a sliding 
 it, into its offloaded block's host slot. A `Filling` is one offloaded block on its way into the
 host tier; `PiecewiseStores` starts them, gives placeholder-keyed ones their key, and completes or
 aborts them as store jobs report; `plan_pieces` puts a step's device blocks of one group into their
-slots. The scheduler (`scheduler.py`) decides which device blocks a step stores, hands their ids over
-and builds the jobs; the host entries themselves live in `host_store.HostIndex`.
+slots. `store_plans.py` decides which device blocks a step stores and hands their ids over, the
+scheduler (`scheduler.py`) builds the jobs; the host entries themselves live in `host_store.HostIndex`.
 """
 
 from __future__ import annotations

@@ -91,7 +91,7 @@ class _Lookup:
 class _RequestState:
     request: object
     trace_context: object | None = None  # parent for this request's kvscope spans
-    store_progress: StoreProgress | None = None  # None: nothing stored yet (or since a cache reset)
+    store_progress: StoreProgress | None = None  # None: no store planned yet (or since a cache reset)
     # Mamba blocks a forward of the request ended in: (group, block index) -> block id, or None for
     # one a forward started inside and left (`StateBlocks`)
     witnessed_states: dict = field(default_factory=dict)
@@ -158,7 +158,7 @@ class KVScopeScheduler:
         self.tracing = tracing
         self._kv_cache_manager = kv_cache_manager_getter
         self.states = StateBlocks(layouts, speculative=draft_tokens > 0, decode_states=mamba_decode_states)
-        self.store_plans = StorePlanner(layouts, offload_block_size, self.keys, self.stores, self.states)
+        self.store_planner = StorePlanner(layouts, offload_block_size, self.keys, self.stores, self.states)
         # vLLM's drafts are its lookahead tokens: a request first running asks blocks for them too
         self.admission = LoadAdmission(layouts, lookahead_tokens=draft_tokens)
         self._deferral_logged = False
@@ -592,8 +592,8 @@ class KVScopeScheduler:
             return None
         request = state.request
         if state.store_progress is None:
-            state.store_progress = self.store_plans.start()
-        parts, fillings = self.store_plans.plan(
+            state.store_progress = self.store_planner.start()
+        parts, fillings = self.store_planner.plan(
             request, state.store_progress, computed_tokens, state.witnessed_states,
             lambda: self._kv_cache_manager().get_blocks(request.request_id).blocks)
         if not parts:

@@ -26,7 +26,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass(slots=True)
 class StoreProgress:
-    """How far a request's stores have gone, per group."""
+    """How far a request's stores have gone in each group, and until when its steps store nothing."""
 
     stored_blocks: list[int]  # device blocks already considered for storing
     filling: list  # the offloaded block being filled (a `Filling`; None: none, or the current one is skipped)
@@ -57,8 +57,8 @@ class StorePlanner:
         sliding window can drop it. In an offloaded block whose key is known (its tokens are all
         known: the prompt's are from the start); in a group that stores ahead
         (`PiecewiseStores.stores_ahead`), in any block, under a placeholder key until the real one
-        exists. ``group_blocks``: vLLM's block lists of the request, asked only when there is
-        something to store; ``witnessed_states``: its Mamba blocks a forward ended in (`StateBlocks`)."""
+        exists. ``group_blocks``: vLLM's block lists of the request, asked only when a group may store
+        past what it has (its blocks may still all be skipped); ``witnessed_states``: its Mamba blocks a forward ended in (`StateBlocks`)."""
         layouts = self.layouts
         known = self.keys.count(request.block_hashes)  # offloaded blocks whose key exists
         stores = self.stores

@@ -903,7 +903,7 @@ class _NeverIdle(KVScopeScheduler):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.store_plans.next_store_tokens = lambda stored_blocks, known: -math.inf  # no count below it: never idle
+        self.store_planner.next_store_tokens = lambda stored_blocks, known: -math.inf  # no count below it: never idle
 
 
 _IDLE_LAYOUTS = {
