@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pandas as pd
 
 from dashboard import traces
@@ -122,6 +124,7 @@ def test_group_rows_are_in_group_order_whatever_order_the_spans_came_in(tmp_path
     dist = traces.load_latency_distribution(spans, requests)
     assert dist.values.tolist() == [["request load", 0.00209], ["copy g1 full_attention", 0.001],
                                     ["copy g0 sliding_window", 0.002]]
+    assert dist.index.tolist() == [0, 1, 2]  # one row each, numbered afresh
 
 
 def test_copy_latency_quantiles_are_nearest_ranks_of_many_copies(tmp_path):
@@ -267,3 +270,15 @@ def test_with_the_workers_file_alone_a_groups_load_counts_are_unknown_not_zero()
     assert len(summary) == 2 and (summary["bytes_loaded"] > 0).all()
     for col in ("scans", "blocks_scanned", "blocks_null_skipped", "blocks_loaded"):
         assert summary[col].isna().all(), col
+
+
+def test_request_load_quantiles_are_nearest_ranks_and_no_load_counts_zero(tmp_path):
+    """No load: a count of 0 and unknown quantiles. 1000 load times (1..1000 ms): p50, p95 and p99 are the
+    500th, 950th and 990th smallest."""
+    spans = traces.read_trace_files([write(tmp_path, line(lookup("r")))]).spans
+    (row,) = traces.load_latency_quantiles(spans, traces.requests_table(spans)).to_dict("records")
+    assert (row["scope"], row["count"]) == ("request load (all groups)", 0) and math.isnan(row["p50_ms"])
+    many = pd.DataFrame({"load_ms": [float(ms) for ms in range(1000, 0, -1)]})
+    row = traces.load_latency_quantiles(spans, many).iloc[0]
+    assert [row["count"], row["p50_ms"], row["p95_ms"], row["p99_ms"], row["max_ms"]] == [
+        1000, 500.0, 950.0, 990.0, 1000.0]

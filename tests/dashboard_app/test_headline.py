@@ -79,6 +79,7 @@ def test_overview_numbers_without_copies_or_spans(tmp_path):
     spans = traces.read_trace_files([write(tmp_path, line(lookup("r", start=T, end=T + 2_000_000_000)))]).spans
     numbers = traces.overview_numbers(traces.requests_table(spans), spans)
     assert (numbers["bytes_loaded"], numbers["bytes_stored"], numbers["duration_s"]) == (0, 0, 2.0)
+    assert (numbers["workers"], numbers["transfers_short_of_workers"]) == (0, 0)  # no copy: no worker seen
     empty = traces.read_trace_files([traces.TraceSource("empty", b"")]).spans
     numbers = traces.overview_numbers(traces.requests_table(empty), empty)
     assert (numbers["requests"], numbers["spans"], numbers["duration_s"]) == (0, 0, 0.0)
@@ -165,3 +166,30 @@ def test_loads_with_copies_from_fewer_workers_than_the_others_are_counted_and_wa
     at = app(monkeypatch, path)
     assert any(w.value.startswith("1 loads or stores have copy spans from fewer workers than the others (2)")
                for w in at.warning)
+
+
+def test_the_slowest_loads_are_ten_by_default_with_the_tables_columns_only(hundred_loads):
+    top = traces.top_slow_loads(hundred_loads)
+    assert top["load_ms"].tolist() == [float(ms) for ms in range(100, 90, -1)]
+    assert top.columns.tolist() == ["request", "t_s", "load_ms", "load_copy_ms", "load_wait_ms", "tokens_loaded",
+                                    "bytes_loaded", "request_id", "trace_id"]
+    assert top.index.tolist() == list(range(10))
+
+
+def test_the_deferral_wait_median_is_a_nearest_rank(hundred_loads):
+    """100 deferred requests waiting 1..100 ms: the median is the 50th smallest wait, the longest 100 ms."""
+    deferred = hundred_loads.assign(deferred_lookups=1, deferred_wait_ms=[float(ms) for ms in range(100, 0, -1)])
+    numbers = traces.request_numbers(deferred)
+    assert (numbers["requests_deferred"], numbers["deferral_wait_p50_ms"], numbers["deferral_wait_max_ms"]) == (
+        100, 50.0, 100.0)
+
+
+def test_files_naming_no_engine_have_an_empty_engine_table_with_its_columns(hundred_loads):
+    table = traces.engine_summary(hundred_loads.assign(engine=pd.array([pd.NA] * 100, dtype="Int64")))
+    assert table.empty and table.columns.tolist() == list(traces.ENGINE_COLUMNS)
+
+
+def test_the_note_on_engines_run_apart_lists_engines_in_index_order_and_the_unnamed_last():
+    note = traces.engines_run_apart_note({2: 2, None: 4, 1: 3, 0: 5})
+    assert ("(engine 0: 5 processes; engine 1: 3 processes; engine 2: 2 processes; no engine named: 4 processes;"
+            in note)

@@ -49,3 +49,21 @@ def test_each_round_width_is_the_one_for_59_of_its_buckets(width):
     """Every width of the list is picked for a run of 59 such buckets (the next smaller would cut it into more
     than 60)."""
     assert traces.pick_bucket_seconds(59 * width) == width
+
+
+def test_buckets_are_in_time_order_whatever_the_order_of_the_requests(tmp_path):
+    path = write(tmp_path, line(lookup("a", 100, 25, span_id="01" * 8, start=T),
+                                lookup("b", 1, 1, span_id="02" * 8, start=T + 60_000_000),
+                                lookup("c", 1, 1, span_id="03" * 8, start=T + 3_000_000_001)))
+    requests = traces.requests_table(traces.read_trace_files([path]).spans)
+    frame = traces.hit_rate_over_time(requests.iloc[::-1])
+    assert frame["t_s"].tolist() == [0.0, 3.0] and frame["requests"].tolist() == [2, 1]
+    assert frame["run"].tolist() == [1, 2]
+
+
+def test_no_requests_have_an_empty_hit_rate_series_with_its_columns():
+    empty = traces.requests_table(traces.read_trace_files([traces.TraceSource("empty", b"")]).spans)
+    frame = traces.hit_rate_over_time(empty)
+    assert frame.empty
+    assert frame.columns.tolist() == ["bucket_start", "t_s", "requests", "tokens_queried", "tokens_hit", "hit_rate",
+                                      "run"]

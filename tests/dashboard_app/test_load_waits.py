@@ -72,3 +72,63 @@ def test_no_wait_is_told_without_a_timed_copy_after_the_planning(tmp_path, case)
         spans.append(_copy("load", 0, -3, -2, mine, 1, "r", TRACE))
     path = write(tmp_path, line(*spans, _copy("store", 0, 1, 2, "09" * 8, 2, "s", "ef" * 16)))
     assert traces.load_wait(traces.read_trace_files([path]).spans, TRACE, "r") is None
+
+
+def test_copies_filling_just_under_half_the_wait_are_not_blamed_for_it():
+    assert "most of the wait" in traces.load_wait_text(traces.LoadWait(wait_ms=10.0, loads=1, stores=0, busy_ms=4.9))
+
+
+def test_the_busy_time_is_the_union_of_nested_and_chained_copies_and_each_direction_counts_its_own(tmp_path):
+    """Planned at 0 ms, first copy at 10 ms. On rank 0: loads 1-5, 2-3 (inside it), 4-7 (reaching past it) and
+    a store 6-9 (past that): busy 1-9, 8 ms; three load copies and one store copy."""
+    mine, other, store_owner = "01" * 8, "02" * 8, "03" * 8
+    path = write(tmp_path, line(
+        _load("r", mine, TRACE, T),
+        _copy("load", 0, 10, 12, mine, 1, "r", TRACE),
+        _copy("load", 0, 1, 5, other, 2, "o", "cd" * 16),
+        _copy("load", 0, 2, 3, other, 3, "o", "cd" * 16),
+        _copy("load", 0, 4, 7, other, 4, "o", "cd" * 16),
+        _copy("store", 0, 6, 9, store_owner, 5, "s", "ef" * 16)))
+    wait = traces.load_wait(traces.read_trace_files([path]).spans, TRACE, "r")
+    assert wait == traces.LoadWait(wait_ms=10.0, loads=3, stores=1, busy_ms=8.0)
+
+
+def test_copies_that_only_touch_the_wait_at_either_end_are_not_counted(tmp_path):
+    """Another request's copy ending at the planning (0 ms) and one starting with the first copy (10 ms) ran
+    outside the wait."""
+    mine, other = "01" * 8, "02" * 8
+    path = write(tmp_path, line(
+        _load("r", mine, TRACE, T),
+        _copy("load", 0, 10, 12, mine, 1, "r", TRACE),
+        _copy("load", 0, -3, 0, other, 2, "o", "cd" * 16),
+        _copy("store", 0, 10, 11, other, 3, "s", "ef" * 16)))
+    wait = traces.load_wait(traces.read_trace_files([path]).spans, TRACE, "r")
+    assert wait == traces.LoadWait(wait_ms=10.0, loads=0, stores=0, busy_ms=0.0)
+
+
+def test_a_copy_starting_at_its_loads_planning_waited_nothing(tmp_path):
+    mine = "01" * 8
+    path = write(tmp_path, line(_load("r", mine, TRACE, T), _copy("load", 0, 0, 1, mine, 1, "r", TRACE)))
+    wait = traces.load_wait(traces.read_trace_files([path]).spans, TRACE, "r")
+    assert wait == traces.LoadWait(wait_ms=0.0, loads=0, stores=0, busy_ms=0.0)
+
+
+def test_the_wait_told_is_the_requests_first_loads(tmp_path):
+    """Loaded twice (planned at 0 and 50 ms, first copies at 4 and 60 ms): the first load's wait, 4 ms."""
+    first, second = "01" * 8, "04" * 8
+    path = write(tmp_path, line(
+        _load("r", second, TRACE, T + 50 * MS),
+        _copy("load", 0, 60, 61, second, 2, "r", TRACE),
+        _load("r", first, TRACE, T),
+        _copy("load", 0, 4, 5, first, 1, "r", TRACE)))
+    assert traces.load_wait(traces.read_trace_files([path]).spans, TRACE, "r").wait_ms == 4.0
+
+
+def test_a_load_whose_copies_name_no_worker_counts_other_copies_on_every_worker(tmp_path):
+    mine, other = "01" * 8, "02" * 8
+    own_copy = _copy("load", 0, 10, 12, mine, 1, "r", TRACE)
+    own_copy["attributes"] = [a for a in own_copy["attributes"] if a["key"] != "kvscope.worker.rank"]
+    path = write(tmp_path, line(_load("r", mine, TRACE, T), own_copy,
+                                _copy("load", 1, 2, 6, other, 2, "o", "cd" * 16)))
+    wait = traces.load_wait(traces.read_trace_files([path]).spans, TRACE, "r")
+    assert wait == traces.LoadWait(wait_ms=10.0, loads=1, stores=0, busy_ms=4.0)

@@ -66,6 +66,7 @@ def test_a_file_from_before_miss_reasons_has_none_and_no_misses_table():
     older = traces.requests_table(spans)
     assert len(older) and older["miss_reason"].isna().all()
     assert traces.misses_by_reason(spans).empty
+    assert traces.misses_by_reason(spans).columns.tolist() == list(traces.MISSES_COLUMNS)
 
 
 def test_bytes_stored_only_where_store_copies_join_the_request_trace(requests, expected):
