@@ -262,6 +262,24 @@ def test_a_group_that_only_stored_has_its_row_with_no_loads(tmp_path):
     assert summary["null_skip_share"].isna().all() and summary["p50_ms"].isna().all()
 
 
+def test_a_group_that_only_stored_takes_its_place_in_group_order(tmp_path):
+    """g1 was loaded (scanned), g0 only stored: g0's row, known from the throughput table alone, still comes
+    first, its loads 0 beside g1's one."""
+    owner = "03" * 8
+    path = write(tmp_path, line(
+        lookup("r", span_id="01" * 8, trace=TRACE, start=T),
+        load("r", span_id="02" * 8, parent="01" * 8, trace=TRACE, start=T + 10),
+        scan(1, n=1, parent="02" * 8),
+        group_copy("load", 1, 0, 1000, T + 100, T + 1100, owner="02" * 8, n=1),
+        span("kvscope.store", {"kvscope.request.id": "r", "kvscope.groups": 1, "kvscope.blocks": 4},
+             trace=TRACE, span_id=owner, start=T + S),
+        group_copy("store", 0, 0, 2048, T + S, T + S + 1000, owner=owner, n=2)))
+    spans = traces.read_trace_files([path]).spans
+    summary = traces.group_summary(spans, traces.requests_table(spans))
+    assert summary["group"].tolist() == ["g0 sliding_window", "g1 full_attention"]
+    assert summary["scans"].tolist() == [0, 1] and summary["bytes_stored"].tolist()[0] == 2048
+
+
 def test_with_the_workers_file_alone_a_groups_load_counts_are_unknown_not_zero():
     """Copies only (the scheduler's file not given): the groups' rows showed 0 loads beside megabytes loaded."""
     spans = traces.read_trace_files([TWO_ROUNDS]).spans

@@ -88,6 +88,18 @@ def test_a_requests_load_time_splits_into_copying_and_what_came_before(requests,
     assert requests.loc[requests["load_ms"].isna(), ["load_copy_ms", "load_wait_ms"]].isna().all().all()
 
 
+def test_a_copy_starting_just_before_its_load_leaves_no_negative_wait(tmp_path):
+    """A worker's clock a little behind the scheduler's (the copy starts 0.5 ms before its load: within the 1 ms
+    kept): copying took the whole load time and longer, and the wait before it is 0 ms, not -0.5."""
+    t = 1_700_000_000_000_000_000
+    path = write(tmp_path, line(lookup("r", span_id="01" * 8, start=t),
+                                load("r", span_id="02" * 8, parent="01" * 8, start=t + 1_000_000),
+                                copy("load", 4096, "r", span_id="03" * 8, parent="02" * 8, start=t + 500_000,
+                                     end=t + 3_000_000)))
+    (row,) = traces.requests_table(traces.read_trace_files([path]).spans).to_dict("records")
+    assert (row["load_ms"], row["load_copy_ms"], row["load_wait_ms"]) == pytest.approx((2.0, 2.5, 0.0))
+
+
 def test_a_requests_device_hit_comes_from_its_lookup_even_without_a_load(tmp_path):
     """A short query after a long device prefix-cache hit is not a short prompt: the lookup says how many
     tokens the device had (newer files); older files, without it, fall back to the load's."""
@@ -336,6 +348,15 @@ def test_search_by_the_reason_a_hit_stopped(requests):
     assert set(traces.search_requests(requests, "", show="hits or loads", reasons=["tail"])["miss_reason"]) == {"tail"}
 
 
+def test_the_reasons_offered_to_search_by_are_every_lookups_once_and_sorted(requests):
+    """The Requests page offers each reason a lookup's hit stopped for once, in order: an earlier lookup's too (a
+    request's `miss_reasons` joins them with "|"); requests that recorded none (older files) offer none."""
+    assert traces.miss_reasons_of(requests) == ["new", "tail"]
+    several = pd.DataFrame({"miss_reasons": ["tail|new", pd.NA, "evicted", "new"]})
+    assert traces.miss_reasons_of(several) == ["evicted", "new", "tail"]
+    assert traces.miss_reasons_of(several.iloc[[1]]) == []
+
+
 def test_every_lookup_counts_and_copies_join_their_load(tmp_path):
     """A request looked up twice (its first load failed: a recompute) counts both lookups, as
     kvscope_lookup_tokens_total and kvscope_hit_tokens_total do."""
@@ -405,6 +426,17 @@ def test_a_hit_without_a_load_and_a_load_without_a_hit_are_both_hits_or_loads(tm
     assert not requests["load_failed"].any() and not requests["load_mistimed"].any()
     assert requests.set_index("request_id")["hit_rate"].to_dict() == pytest.approx(
         {"hit": 0.64, "resumed": 0, "miss": 0, "one": 1})
+
+
+def test_a_request_with_no_load_has_no_load_without_copies(tmp_path):
+    """The request view warns of a request's loads that have no copy span: a miss (no load) has none to warn of,
+    a load whose worker's file was not read is one."""
+    path = write(tmp_path, line(lookup("miss", 100, 0, span_id="01" * 8, trace="a1" * 16),
+                                lookup("hit", 100, 64, span_id="02" * 8, trace="a2" * 16),
+                                load("hit", span_id="03" * 8, parent="02" * 8, trace="a2" * 16)))
+    requests = traces.requests_table(traces.read_trace_files([path]).spans).set_index("request_id")
+    assert requests[["loads", "loads_without_copies"]].to_dict("index") == {
+        "miss": {"loads": 0, "loads_without_copies": 0}, "hit": {"loads": 1, "loads_without_copies": 1}}
 
 
 def test_a_request_without_lookup_arrives_at_its_first_load(tmp_path):
