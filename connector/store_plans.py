@@ -37,6 +37,8 @@ class StoreProgress:
 
 
 class StorePlanner:
+    """Each step's store of a request, from its progress (`StoreProgress`) and vLLM's block lists."""
+
     def __init__(self, layouts: list[GroupLayout], offload_block_size: int, keys: OffloadKeys,
                  stores: PiecewiseStores, states: StateBlocks):
         self.layouts = layouts
@@ -58,7 +60,8 @@ class StorePlanner:
         known: the prompt's are from the start); in a group that stores ahead
         (`PiecewiseStores.stores_ahead`), in any block, under a placeholder key until the real one
         exists. ``group_blocks``: vLLM's block lists of the request, asked only when a group may store
-        past what it has (its blocks may still all be skipped); ``witnessed_states``: its Mamba blocks a forward ended in (`StateBlocks`)."""
+        past what it has (its blocks may still all be skipped); ``witnessed_states``: its Mamba blocks
+        a forward ended in (`StateBlocks`)."""
         layouts = self.layouts
         known = self.keys.count(request.block_hashes)  # offloaded blocks whose key exists
         stores = self.stores
