@@ -58,6 +58,7 @@ from bench.stand_ins import ROOMY_KV_CACHE_MANAGER  # noqa: E402
 from bench.table import render_table  # noqa: E402
 from connector.groups import GroupKind, GroupLayout  # noqa: E402
 from connector.load_admission import LoadAdmission  # noqa: E402
+from connector.lookup_records import LookupRecords  # noqa: E402
 from connector.planning import NULL_BLOCK_ID, cdiv, scan_group  # noqa: E402
 from connector.scheduler import KVScopeScheduler  # noqa: E402
 from connector.telemetry.span_batcher import SpanBatcher  # noqa: E402
@@ -319,14 +320,24 @@ class UninstrumentedScheduler(KVScopeScheduler):
         return [scan_group(layout, ids, local, cached, block) for layout, ids in zip(self.layouts, group_block_ids)]
 
 
+class FloorLookupRecords(LookupRecords):
+    """The lookup's values as a plain tuple: no span, no ids (`FloorScheduler`)."""
+
+    def span(self, tracing, state, req_id, lookup, queried, hit, miss_reason):
+        return (lookup.start_ns, lookup.end_ns, queried, hit, miss_reason, lookup.local_tokens)
+
+
 class FloorScheduler(KVScopeScheduler):
     """A bound, not a tracer: the traced planning path keeping the lookup's values as a plain tuple
-    (no span, no ids); with `FloorTracing` the load's record is that tuple, the load's values and the
+    (`FloorLookupRecords`); with `FloorTracing` the load's record is that tuple, the load's values and the
     scans' (`_scan_groups_traced`, as traced) kept in a list. What any per-load record made on the
     planning thread costs at the least: ids, the record queue and the export come on top."""
 
-    def _lookup_span(self, state, req_id, lookup, queried, hit, miss_reason):
-        return (lookup.start_ns, lookup.end_ns, queried, hit, miss_reason, lookup.local_tokens)
+    lookup_records_type = FloorLookupRecords
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.lookup_records = self.lookup_records_type()
 
 
 class FloorTracing(KVScopeTracing):

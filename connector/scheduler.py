@@ -1,9 +1,9 @@
 """Scheduler side: host-tier lookups, multi-group load plans and store jobs, as vLLM calls them.
 
 This module adapts vLLM objects (`Request`, `KVCacheBlocks`, `SchedulerOutput`) to the pure
-planning code (`lookup.py`, `planning.py`) and the host index (`host_store.py`). What a step
-stores is planned by `store_plans.py` (with `piecewise_stores.py`); the device blocks unreported
-stores still read are tracked by `store_sources.py`.
+planning code (`lookup.py`, `planning.py`) and the host index (`host_store.py`). Lookups are
+counted and traced by `lookup_records.py`. What a step stores is planned by `store_plans.py` (with
+`piecewise_stores.py`); the device blocks unreported stores still read are tracked by `store_sources.py`.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from .groups import GroupKind, GroupLayout
 from .host_store import HostIndex
 from .load_admission import Deferral, LoadAdmission
 from .lookup import find_hit_tokens
+from .lookup_records import Lookup, LookupRecords, deferral_values, record_wait_span
 from .metadata import LOAD, STORE, GroupTransfer, KVScopeMetadata, KVScopeWorkerMetadata, TransferJob
-from .miss_reasons import (NOT_TAKEN, Miss, barred_from_hit, lookup_miss, miss_order, missed_tokens_by_reason,
-                           past_kept_tokens)
+from .miss_reasons import Miss, barred_from_hit, lookup_miss, miss_order, missed_tokens_by_reason
 from .offload_keys import OffloadKeys
 from .piecewise_stores import PiecewiseStores
 from .planning import GroupScan, gather_load, scan_group
@@ -28,8 +28,7 @@ from .store_plans import StorePlanner, StoreProgress
 from .store_sources import StoreSources, allocated_anew
 from .telemetry.failures import telemetry_failed
 from .telemetry.metrics import KVScopeStats
-from .telemetry.span_records import (DEFERRAL_WAIT_SPAN, DEFERRED_LOOKUP_SPAN, LOOKUP_SPAN, STORE_SPAN, WAIT_ADMITTED,
-                                     WAIT_ENDED)
+from .telemetry.span_records import STORE_SPAN, WAIT_ADMITTED, WAIT_ENDED
 from .telemetry.tracing import KVScopeTracing, SpanRef
 
 logger = logging.getLogger(__name__)
@@ -69,22 +68,6 @@ def _barred_after_failed_load(state: _RequestState, request) -> bool:
     failure starts from 0 tokens)."""
     return not (getattr(request, "num_preemptions", 0) > state.load_failed_preemptions
                 or request.num_computed_tokens > 0)
-
-
-def _deferral_values(deferral: Deferral, wait_end_ns: int) -> tuple[int, int]:
-    """The `kvscope.deferred.*` values of the span that tells a deferred load's wait: the wait ends at
-    its start (`DEFERRED_LOOKUP_SPAN`, `DEFERRED_LOAD_SPAN`) or its end (`DEFERRAL_WAIT_SPAN`)."""
-    return deferral.lookups, max(0, wait_end_ns - deferral.first_ns) // 1000
-
-
-@dataclass(slots=True)
-class _Lookup:
-    local_tokens: int
-    external_tokens: int
-    start_ns: int
-    end_ns: int
-    miss: Miss  # what the tier did not serve, and why, as the index stood at the lookup
-    deferred: Deferral | None = None  # how long kvscope deferred the request's load before this lookup
 
 
 @dataclass(slots=True)
@@ -165,13 +148,12 @@ class KVScopeScheduler:
         # The last tokens whose KV a drafter may write again (vLLM's multi-module MTP re-prefills
         # them): not final, so not stored, as vLLM does not cache them (`get_num_cacheable_tokens`)
         self.reprefillable_tokens = reprefillable_tokens
-        self._lookups: dict[str, _Lookup] = {}
+        self._lookups: dict[str, Lookup] = {}
         # vLLM rounds its device hit down to a device block for the lookup, and keeps the hit whole when
         # the tier's does not reach past it: possible only with hash blocks smaller than a device block
         # (Mamba's align mode, groups of several block sizes). Requests first scheduled with no load are
-        # then counted and traced at `build_connector_meta`, from the hit vLLM kept (`_settle_lookups`).
+        # then counted and traced at `build_connector_meta`, from the hit vLLM kept (`LookupRecords.settle`).
         self._device_hits_may_end_mid_block = hash_block_size < max((g.block_size for g in layouts), default=0)
-        self._unsettled_lookups: list[tuple[_RequestState, _Lookup]] = []
         self._requests: dict[str, _RequestState] = {}
         self._jobs: dict[int, _Job] = {}
         self._next_job_id = 0
@@ -182,7 +164,7 @@ class KVScopeScheduler:
         # Per group, one (nanoseconds, blocks scanned, null blocks skipped) per scan: a single list
         # append on the planning path, folded into the stats payload once per stats interval.
         self._scan_log: list[list[tuple[int, int, int]]] = [[] for _ in layouts]
-        self._lookup_log: list[tuple[int, int, _Lookup]] = []  # (tokens queried, tokens hit, its lookup), likewise
+        self.lookup_records = LookupRecords()  # the first-scheduled requests' lookups, counted and traced
         self._miss_layouts = miss_order(layouts)  # `lookup_miss`
         self._evicted_reported = 0
         self._deferrals_reported = 0  # `admission.deferrals` already in the stats
@@ -207,7 +189,7 @@ class KVScopeScheduler:
             hashes = self._offload_hashes(request)
             barred = self._hit_tokens(request, num_computed_tokens, hashes)  # what it would have been offered
             miss = barred_from_hit(self._miss(request, num_computed_tokens, barred, hashes), barred)
-            self._lookups[request.request_id] = _Lookup(num_computed_tokens, 0, start, start, miss)
+            self._lookups[request.request_id] = Lookup(num_computed_tokens, 0, start, start, miss)
             return 0, False
         hashes = self._offload_hashes(request)
         external = self._hit_tokens(request, num_computed_tokens, hashes)
@@ -219,7 +201,7 @@ class KVScopeScheduler:
         deferred = self.admission.deferred
         # (its hit may be gone since it was deferred: the wait is still the request's)
         deferral = deferred.get(request.request_id) if deferred else None
-        self._lookups[request.request_id] = _Lookup(num_computed_tokens, external, start, end, miss, deferral)
+        self._lookups[request.request_id] = Lookup(num_computed_tokens, external, start, end, miss, deferral)
         # Asynchronous load: the request waits while others run; Mamba state must land
         # before vLLM's mamba preprocessing, which a synchronous load would miss.
         return external, external > 0
@@ -318,14 +300,14 @@ class KVScopeScheduler:
             # (`preempted_hits`, not exported): so neither the lookup metrics nor a lookup span
             # count it here either; its load is traced under the request's first lookup (or upstream span).
             if num_external_tokens == 0 and self._device_hits_may_end_mid_block:
-                self._unsettled_lookups.append((state, lookup))  # vLLM's device hit is known once scheduled
+                self.lookup_records.unsettled.append((state, lookup))  # vLLM's device hit is known once scheduled
             else:
-                lookup_record = self._log_lookup(state, lookup, num_external_tokens)
+                lookup_record = self.lookup_records.record(self.tracing, state, lookup, num_external_tokens)
         if num_external_tokens == 0:
             if not first_scheduled and lookup is not None and lookup.deferred is not None and self.tracing.enabled:
                 # Resumed, deferred, then admitted with nothing to load: neither a lookup span nor a load
                 # span tells its wait, which the histogram observed above.
-                self._wait_span(request, state, lookup.deferred, lookup.start_ns, WAIT_ADMITTED)
+                record_wait_span(self.tracing, request, state, lookup.deferred, lookup.start_ns, WAIT_ADMITTED)
             sources = self.store_sources
             if sources.readers and request.num_computed_tokens == 0:  # admitted afresh: new blocks
                 sources.unplanned.append((req_id, blocks, lookup.local_tokens if lookup is not None else 0))
@@ -349,37 +331,6 @@ class KVScopeScheduler:
         self._plan_load(state, request, blocks.get_block_ids(), lookup.local_tokens, num_external_tokens,
                         lookup_record, deferral=lookup.deferred if lookup_record is None else None)
 
-    def _log_lookup(self, state: _RequestState, lookup: _Lookup, hit: int) -> tuple | None:
-        """Count a first-scheduled request's lookup (``hit``: the tokens vLLM takes of it) and trace it
-        (`_lookup_span`: the lookup part of its load's record, when one follows)."""
-        request = state.request
-        queried = request.num_tokens - lookup.local_tokens
-        self._lookup_log.append((queried, hit, lookup))
-        if not self.tracing.enabled:
-            return None
-        # why the hit stopped where it did; vLLM taking less than was found is its own reason
-        reason = lookup.miss.reason if hit >= lookup.external_tokens else NOT_TAKEN
-        try:
-            return self._lookup_span(state, request.request_id, lookup, queried, hit, reason)
-        except Exception:  # a load may follow, and the step's stores: they must go on (`telemetry_failed`)
-            telemetry_failed("the lookup span")
-            self.tracing.record_failed()
-            return None
-
-    def _settle_lookups(self, computed: dict[str, int]) -> None:
-        """Count and trace the lookups of requests first scheduled this step with no load, from the device
-        hit vLLM kept (``computed``: their computed tokens as scheduled), as vLLM counts its queries.
-        vLLM asked with that hit rounded down to a device block: the tokens it kept past that were not
-        looked up after all, and the tier's hit, if any, lay within them (vLLM took none of it)."""
-        for state, lookup in self._unsettled_lookups:
-            kept = computed.get(state.request.request_id, lookup.local_tokens) - lookup.local_tokens
-            if kept > 0:
-                within = min(kept, lookup.external_tokens)
-                lookup = _Lookup(lookup.local_tokens + kept, lookup.external_tokens - within, lookup.start_ns,
-                                 lookup.end_ns, past_kept_tokens(lookup.miss, kept - within), lookup.deferred)
-            self._log_lookup(state, lookup, 0)
-        self._unsettled_lookups.clear()
-
     def _fail_load_at_plan(self, state, req_id: str, external: int) -> None:
         """A load job, of a request without a lookup, that fails on every worker without copying anything:
         vLLM recomputes the request. Counted as failed: the blocks the external tokens span in each group
@@ -392,30 +343,6 @@ class KVScopeScheduler:
                     for layout in self.layouts])
         self._pending_loads.append(TransferJob(job_id=job_id, req_id=req_id, direction=LOAD, groups=[],
                                                failed_at_plan=True))
-
-    def _lookup_span(self, state, req_id, lookup, queried, hit, miss_reason: str) -> tuple | None:
-        """The request's lookup span: recorded at once when no load follows (``hit`` 0); otherwise
-        returned as the lookup part of the load's record (`span_records.LOAD_PLAN`). None when
-        sampling drops the request."""
-        span = self.tracing.open_span(state.trace_context, lookup.start_ns)
-        if state.trace_context is None:
-            # No incoming trace: the lookup span roots this request's own trace (or drops it whole).
-            state.trace_context = span
-        if type(span) is not SpanRef:
-            return None
-        deferral = lookup.deferred
-        if not hit:
-            if deferral is None:
-                self.tracing.end_span(LOOKUP_SPAN, span, lookup.end_ns,
-                                      (req_id, queried, hit, miss_reason, lookup.local_tokens))
-            else:
-                self.tracing.end_span(DEFERRED_LOOKUP_SPAN, span, lookup.end_ns,
-                                      (req_id, queried, hit, miss_reason, lookup.local_tokens,
-                                       *_deferral_values(deferral, lookup.start_ns)))
-            return None
-        record = (span.span_id, span.parent_span_id, span.parent_is_remote, span.start_time, lookup.end_ns,
-                  queried, hit, miss_reason, lookup.local_tokens)
-        return record if deferral is None else record + _deferral_values(deferral, lookup.start_ns)
 
     def _plan_load(self, state, request, group_block_ids, local: int, external: int,
                    lookup_record: tuple | None = None, fail: bool = False, deferral: Deferral | None = None) -> None:
@@ -452,7 +379,7 @@ class KVScopeScheduler:
             try:
                 values = (req_id, local, external, len(scans), scan_records, lookup_record)
                 if deferral is not None:
-                    values += _deferral_values(deferral, load_start)
+                    values += deferral_values(deferral, load_start)
                 carrier = tracing.end_load(parent, load_start, time.time_ns(), values)
             except Exception:  # the load's slots are pinned: it must reach the workers (`telemetry_failed`)
                 telemetry_failed("the load span")
@@ -527,8 +454,8 @@ class KVScopeScheduler:
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             computed[req_id] = cached.num_computed_tokens[i]
-        if self._unsettled_lookups:  # before the stores: a lookup span may root its request's trace
-            self._settle_lookups(computed)
+        if self.lookup_records.unsettled:  # before the stores: a lookup span may root its request's trace
+            self.lookup_records.settle(self.tracing, computed)
         self.admission.ran(scheduler_output.num_scheduled_tokens)
         if sources.readers:
             meta.fence_stores = sources.reallocated(scheduler_output, computed)
@@ -688,7 +615,7 @@ class KVScopeScheduler:
             end_ns = time.time_ns()
             self._deferral_waits_ns.append(max(0, end_ns - deferral.first_ns))
             if self.tracing.enabled:
-                self._wait_span(request, state, deferral, end_ns, WAIT_ENDED)
+                record_wait_span(self.tracing, request, state, deferral, end_ns, WAIT_ENDED)
         if state is not None:
             # Its prefix was used last: its stores went in head first, so this puts the head last in line
             self._touch_prefix(self._offload_hashes(request), state.load_job.keys if state.load_job else [])
@@ -700,23 +627,6 @@ class KVScopeScheduler:
             state.load_job.aborted = True
         # Stores are complete (CPU) or fenced before block reuse (CUDA): free at once.
         return False, None
-
-    def _wait_span(self, request, state: _RequestState | None, deferral: Deferral, end_ns: int,
-                   outcome: str) -> None:
-        """The span of a wait for device KV room no lookup or load span tells (`DEFERRAL_WAIT_SPAN`): the
-        request ended waiting, or was resumed and admitted with nothing to load (``outcome``). Under the
-        request's other spans (``state``: one admitted before, then preempted, deferred on resuming) and
-        sampled like them; else in the trace it came with."""
-        try:
-            parent = state.trace_context if state is not None and state.trace_context is not None else \
-                self.tracing.parent_from_trace_headers(getattr(request, "trace_headers", None))
-            if self.tracing.may_record(parent):
-                self.tracing.record(DEFERRAL_WAIT_SPAN, parent, deferral.first_ns, end_ns,
-                                    (request.request_id, deferral.load_tokens,
-                                     *_deferral_values(deferral, end_ns), outcome))
-        except Exception:  # the request's end (or its scheduling) must go on (`telemetry_failed`)
-            telemetry_failed("the span of a wait for device KV room")
-            self.tracing.record_failed()
 
     def reset_cache(self) -> bool:
         """vLLM resets its caches (`reset_prefix_cache(reset_connector=True)`, e.g. after a weight
@@ -750,7 +660,8 @@ class KVScopeScheduler:
     def take_stats(self) -> KVScopeStats | None:
         # Taken out first: a recording that raises (`telemetry_failed`) loses this step's entries, never
         # counts them twice, nor keeps them to fail again at every step
-        lookups, self._lookup_log = self._lookup_log, []
+        records = self.lookup_records
+        lookups, records.log = records.log, []
         scan_logs, self._scan_log = self._scan_log, [[] for _ in self.layouts]
         deferrals = self.admission.deferrals
         deferred, self._deferrals_reported = deferrals - self._deferrals_reported, deferrals

@@ -30,12 +30,18 @@ SIDES = ("bare", "on", "floor", "c")
 CASES = ((1, 128), (2, 128), (4, 128), (1, 1024))
 
 
+class CLookupRecords(pv.FloorLookupRecords):
+    """The lookup part of a load's record as references (`CScheduler`)."""
+
+    def span(self, tracing, state, req_id, lookup, queried, hit, miss_reason):
+        return lookup, queried, miss_reason
+
+
 class CScheduler(pv.FloorScheduler):
     """The traced path handing the C recorder references, not values: the lookup, the scans and their
     clock reads (`CTracing.end_load` makes the record)."""
 
-    def _lookup_span(self, state, req_id, lookup, queried, hit, miss_reason):
-        return lookup, queried, miss_reason
+    lookup_records_type = CLookupRecords
 
     def _scan_groups_traced(self, group_block_ids, local, cached, t0):
         scans, times = [], [t0]

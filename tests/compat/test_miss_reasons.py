@@ -94,7 +94,7 @@ def test_looked_up_tokens_equal_vllms_queries_when_its_device_hit_ends_inside_a_
         engine.run()
         engine.add("b", first + [(17 * i + 5) % 509 + 1 for i in range(15)], max_tokens=2)
         engine.run()
-        assert engine.host_tier_leaks() == [] and not sched._unsettled_lookups
+        assert engine.host_tier_leaks() == [] and not sched.lookup_records.unsettled
     finally:
         engine.shutdown()
     data = engine.stats.connector.data

@@ -52,7 +52,7 @@ def _raising_on_store_span(original):
 
 # (side, object the fault goes on ("": the side's own object), its attribute, wrapper)
 FAULTS = {
-    "lookup span": ("scheduler", "", "_lookup_span", _raising_once),
+    "lookup span": ("scheduler", "lookup_records", "span", _raising_once),
     "load span": ("scheduler", "tracing", "end_load", _raising_once),
     "store span": ("scheduler", "tracing", "end_span", _raising_on_store_span),
     "scheduler end of step": ("scheduler", "tracing", "end_step", _raising_once),

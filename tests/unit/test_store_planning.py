@@ -15,10 +15,11 @@ from types import SimpleNamespace
 import pytest
 
 from connector.groups import GroupKind, GroupLayout
+from connector.lookup_records import Lookup
 from connector.metadata import LOAD, GroupTransfer, KVScopeWorkerMetadata, TransferJob
 from connector.planning import NULL_BLOCK_ID
 from connector.miss_reasons import Miss
-from connector.scheduler import KVScopeScheduler, _Lookup, _RequestState
+from connector.scheduler import KVScopeScheduler, _RequestState
 from connector.telemetry.tracing import KVScopeTracing
 
 BS, B, WINDOW = 16, 64, 24
@@ -1353,7 +1354,7 @@ def test_missed_tokens_by_reason_add_up_to_the_tokens_looked_up_when_vllm_counts
     """vLLM's looked-up tokens are counted when it schedules the request and may be fewer than the lookup
     saw: the reasons are cut to them, so missed and hit tokens still add up to the tokens looked up."""
     sched, _ = _scheduler()
-    sched._lookup_log.append((100, 0, _Lookup(0, 0, 0, 0, Miss("new", (("new", 128),), 64))))
+    sched.lookup_records.log.append((100, 0, Lookup(0, 0, 0, 0, Miss("new", (("new", 128),), 64))))
     assert sched.take_stats().data["missed_tokens"] == {"new": 100}
 
 
