@@ -129,6 +129,20 @@ def test_the_hit_rates_and_the_replay_leave_their_uncounted_lookups_out(ended):
     assert traces.search_requests(requests, "", show="misses")["request_id"].tolist() == ["q"]
 
 
+def test_a_request_whose_only_span_says_it_was_admitted_with_nothing_to_load_is_listed_with_the_misses(tmp_path):
+    """Its lookup before a preemption not read (a file cut before it): no hit is known (tokens hit NA), it loaded
+    nothing and did not end waiting, so it is none of "hits or loads" (a hit, a load, or a hit it ended waiting
+    to load) and the requests page lists it with the misses."""
+    path = write(tmp_path, line(
+        lookup("q", hit=0, trace="cd" * 16, span_id="09" * 8, start=T),
+        deferral("a", 3, 6_000, trace="12" * 16, span_id="0d" * 8, start=T + 30 * MS, outcome="admitted")))
+    requests = traces.requests_table(traces.read_trace_files([path]).spans)
+    assert requests.set_index("request_id").loc["a", ["loads", ENDED]].tolist() == [0, False]
+    assert pd.isna(requests.set_index("request_id").loc["a", "tokens_hit"])
+    assert traces.search_requests(requests, "", show="misses")["request_id"].tolist() == ["q", "a"]
+    assert traces.search_requests(requests, "", show="hits or loads").empty
+
+
 @pytest.mark.parametrize(("rid", "starts", "unadmitted"), [
     ("u", "kvscope deferred its load 40 times (1200.00 ms) for device KV room, and the request ended (aborted", True),
     ("w", "kvscope deferred its load 2 times (4.00 ms) for device KV room, and the request ended (aborted", False),

@@ -101,6 +101,25 @@ def test_a_transfer_that_failed_on_every_worker_has_no_row(tmp_path):
     assert (row["direction"], row["copies"], row["bytes"], row["gb_per_s"]) == ("store", 1, S, 1.0)
 
 
+def test_a_file_whose_only_transfer_failed_on_every_worker_has_no_throughput_rows_but_keeps_its_group(tmp_path):
+    """The one load's copies failed on both workers: no copy ran, so no group and direction has a throughput row
+    (the table keeps its columns); the overview's group table still lists the group the load scanned, its 4
+    blocks scanned, none loaded (a failed load's blocks reach no request) and no bytes or throughput."""
+    path = write(tmp_path, line(
+        lookup("r", span_id="01" * 8, trace=TRACE, start=T),
+        load("r", span_id="02" * 8, parent="01" * 8, trace=TRACE, start=T + 10),
+        scan(0, n=1, parent="02" * 8),
+        group_copy("load", 0, 0, 0, T + 100, T + 100, owner="02" * 8, n=1, blocks=0, failed=True),
+        group_copy("load", 0, 1, 0, T + 100, T + 100, owner="02" * 8, n=2, blocks=0, failed=True)))
+    spans = traces.read_trace_files([path]).spans
+    tp = traces.copy_throughput(spans)
+    assert tp.empty and {"group_index", "group_kind", "direction", "copies", "bytes", "gb_per_s"} <= set(tp.columns)
+    (row,) = traces.group_summary(spans, traces.requests_table(spans)).to_dict("records")
+    assert row["group"] == traces.group_label(0, "sliding_window")
+    assert (row["blocks_scanned"], row["blocks_loaded"]) == (4, 0)
+    assert pd.isna(row["bytes_loaded"]) and pd.isna(row["load_gb_per_s"]) and pd.isna(row["store_gb_per_s"])
+
+
 def test_group_rows_are_in_group_order_whatever_order_the_spans_came_in(tmp_path):
     """Group 1's spans written before group 0's: the tables still list g0 first."""
     owner = "02" * 8

@@ -10,6 +10,7 @@ import pytest
 from dashboard import traces
 
 from .conftest import MALFORMED, TWO_ROUNDS, nearest_rank
+from .test_ended_waiting import deferral
 from .test_joins import copy, load
 from .test_reader import engine_line, line, lookup, span, write
 
@@ -383,6 +384,29 @@ def test_every_lookup_counts_and_copies_join_their_load(tmp_path):
     assert row["load_ms"] == 3.0 and row["bytes_loaded"] == 512  # exact: 3,000,000 ns
     assert row["load_copy_ms"] == 2.0  # its one load's copy, 2,000,000 ns
     assert traces.hit_rate(requests) == pytest.approx(64 / 200) and row["hit_rate"] == pytest.approx(64 / 200)
+
+
+def test_spans_of_a_request_starting_at_the_same_time_are_taken_in_the_order_they_were_written(tmp_path):
+    """A clock coarser than a nanosecond can give two spans of a request one start; the one written later was
+    recorded later. So a request's miss reason is its later-written lookup's, its external tokens its
+    earlier-written load's (the one its hit planned), and a request that ended waiting twice takes its
+    later-written wait's. Ten of each span: enough that a sort that does not keep ties in order reorders some."""
+    t = 1_700_000_000_000_000_000
+    written = []
+    for k in range(5):
+        start = t + (3 * k % 5) * 1000  # the requests out of time order in the file
+        for j, (reason, external) in enumerate((("evicted", 16), ("tail", 32))):
+            first_or_again = lookup(f"r{k}", 100, 10 * j, span_id=f"{k:02d}{j:02d}" * 4, start=start)
+            first_or_again["attributes"].append({"key": "kvscope.miss.reason", "value": {"stringValue": reason}})
+            loaded = load(f"r{k}", span_id=f"{k:02d}{j + 2:02d}" * 4, start=start)
+            loaded["attributes"][2]["value"] = {"intValue": str(external)}  # kvscope.tokens.external
+            written += [first_or_again, loaded,
+                        deferral(f"w{k}", 1, 10, external=external, span_id=f"{k:02d}{j + 4:02d}" * 4, start=start)]
+    requests = traces.requests_table(traces.read_trace_files([write(tmp_path, line(*written))]).spans)
+    by_id = requests.set_index("request_id")
+    assert by_id.loc[[f"r{k}" for k in range(5)], ["miss_reason", "tokens_external"]].values.tolist() == [
+        ["tail", 16]] * 5
+    assert by_id.loc[[f"w{k}" for k in range(5)], "tokens_external"].tolist() == [32] * 5
 
 
 def test_requests_arrive_at_seconds_since_the_first(tmp_path):
