@@ -399,7 +399,8 @@ def test_spans_of_a_request_starting_at_the_same_time_are_taken_in_the_order_the
             first_or_again = lookup(f"r{k}", 100, 10 * j, span_id=f"{k:02d}{j:02d}" * 4, start=start)
             first_or_again["attributes"].append({"key": "kvscope.miss.reason", "value": {"stringValue": reason}})
             loaded = load(f"r{k}", span_id=f"{k:02d}{j + 2:02d}" * 4, start=start)
-            loaded["attributes"][2]["value"] = {"intValue": str(external)}  # kvscope.tokens.external
+            (tokens,) = (a for a in loaded["attributes"] if a["key"] == "kvscope.tokens.external")
+            tokens["value"] = {"intValue": str(external)}
             written += [first_or_again, loaded,
                         deferral(f"w{k}", 1, 10, external=external, span_id=f"{k:02d}{j + 4:02d}" * 4, start=start)]
     requests = traces.requests_table(traces.read_trace_files([write(tmp_path, line(*written))]).spans)
