@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from dashboard import charts, traces
@@ -10,7 +12,7 @@ from .conftest import TWO_ROUNDS
 from .test_group_copies import group_copy
 from .test_joins import load
 from .test_group_stats import scan
-from .test_reader import line, lookup, span, write
+from .test_reader import engine_line, line, lookup, span, write
 from .vllm_traces import llm_request, vllm_line
 
 T = 1_700_000_000_000_000_000
@@ -142,3 +144,34 @@ def test_the_chart_draws_the_rows_in_their_order_and_its_legend_in_the_order_of_
         "lookup", "load", "group.scan g0 sliding_window", "copy load g0 sliding_window rank 0"]
     assert encoding["color"]["scale"]["domain"] == ["lookup", "load", "group.scan", "copy load"]
     assert encoding["color"]["scale"]["range"] == [charts.KIND_COLORS[k] for k in encoding["color"]["scale"]["domain"]]
+
+
+def test_an_attribute_key_without_a_kvscope_prefix_is_shown_whole(tmp_path):
+    """The process's id (the SDK's `service.instance.id`, a resource attribute read onto each span) has no
+    "kvscope." prefix to shorten: the lookup's text names it by its whole key, after the engine's short one."""
+    doc = json.loads(engine_line({"intValue": "1"}, lookup("r", span_id="01" * 8)))
+    doc["resourceSpans"][0]["resource"]["attributes"].append(
+        {"key": "service.instance.id", "value": {"stringValue": "aaaa"}})
+    spans = traces.read_trace_files([write(tmp_path, json.dumps(doc))]).spans
+    rows = traces.waterfall_rows(spans, traces.requests_table(spans), "r")
+    assert rows["attributes"].tolist() == ["tokens.queried=100, tokens.hit=64, engine=1, service.instance.id=aaaa"]
+
+
+def test_the_rows_are_numbered_from_0_and_have_the_waterfalls_columns_only(tmp_path):
+    """The request view shows the rows as a table: no column of the spans frame, nor its row positions, left in;
+    an unknown request's empty waterfall has the same columns."""
+    load_id = "02" * 8
+    path = write(tmp_path, line(
+        group_copy("load", 0, 0, 10, T + 3 * MS, T + 4 * MS, owner=load_id, n=1),  # before its load in the file
+        load("r", span_id=load_id, parent="01" * 8, start=T + 1 * MS),
+        lookup("r", span_id="01" * 8, start=T)))
+    spans = traces.read_trace_files([path]).spans
+    requests = traces.requests_table(spans)
+    rows = traces.waterfall_rows(spans, requests, "r")
+    columns = ["row", "kind", "name", "start_ms", "end_ms", "duration_ms", "group_index", "group_kind", "direction",
+               "attributes", "status_code", "span_id", "parent_span_id", "trace_id"]
+    assert list(rows.columns) == columns
+    assert rows.index.tolist() == [0, 1, 2] and rows["row"].tolist() == ["lookup", "load",
+                                                                         "copy load g0 sliding_window rank 0"]
+    unknown = traces.waterfall_rows(spans, requests, "no-such-request")
+    assert unknown.empty and list(unknown.columns) == columns
