@@ -103,6 +103,16 @@ def test_only_one_to_one_matches_join():
     assert traces.vllm_keys(requests, vllm).fillna(-1).tolist() == [1, 0, 2, -1, -1, -1]  # -1: none
 
 
+def test_a_match_one_side_of_which_is_not_alone_joins_nothing():
+    """Two requests with one client id and one vLLM span of it, or one request and two vLLM spans of its id (both in
+    one trace): which is whose cannot be told, so neither request joins, not the first one found."""
+    requests = pd.DataFrame({"trace_id": [TRACE_A, TRACE_A, TRACE_B],
+                             "request_id": ["dup-aaaaaaaa", "dup-bbbbbbbb", "r-0000cccc"]})
+    vllm = pd.DataFrame({"vllm_key": range(3), "trace_id": [TRACE_A, TRACE_B, TRACE_B],
+                         "vllm_request_id": ["dup", "r", "r"]})
+    assert traces.vllm_keys(requests, vllm).isna().all()
+
+
 def test_vllm_spans_are_found_by_name_and_bad_ones_are_no_kvscope_problem(tmp_path):
     older = line(span("llm_request", {"gen_ai.request.id": "r-1", "gen_ai.latency.time_to_first_token": "0.5"},
                       trace=TRACE_A, span_id="e1" * 8), scope="vllm.llm_engine", version="0.8.0")  # older vLLM
@@ -139,6 +149,15 @@ def test_the_fixtures_vllm_spans_join_every_even_request():
     assert sorted(joined[joined].index) == [f"cmpl-r{r}-{i:02d}" for r in (1, 2) for i in range(0, 10, 2)]
     assert (requests.loc[joined, "vllm_prompt_tokens"] == requests.loc[joined, "tokens_queried"]).all()
     assert requests["vllm_ttft_ms"].isna().all() and read.spans_left_out == 0
+
+
+def test_the_vllm_columns_keep_their_types_whether_or_not_a_request_joined():
+    """`vllm_key` and the prompt tokens are nullable integers and the latencies floats: without vLLM spans given,
+    and with some requests joined."""
+    read = traces.read_trace_files([TWO_ROUNDS])
+    expected = {"vllm_key": "Int64", **{col: "Int64" if col.endswith("tokens") else "float64" for col in VLLM_COLUMNS}}
+    for requests in (traces.requests_table(read.spans), traces.requests_table(read.spans, read.vllm_requests)):
+        assert requests.dtypes[list(expected)].astype(str).to_dict() == expected
 
 
 def test_the_same_collector_file_given_twice_leaves_no_span_out(tmp_path):

@@ -67,6 +67,22 @@ def test_the_vllm_row_carries_its_spans_times_ids_and_status(tmp_path):
     assert "gen_ai." not in first["attributes"]
 
 
+def test_the_vllm_row_leads_a_deferred_requests_wait_for_device_kv_room(tmp_path):
+    """vLLM's span is the request from its arrival, the parent of kvscope's work: its row comes first, before
+    the wait that delayed kvscope's lookup, which comes before that lookup."""
+    client = "99" * 8
+    deferred = span("kvscope.lookup", {"kvscope.request.id": "cmpl-7-0-1a2b3c4d", "kvscope.tokens.queried": 100,
+                                       "kvscope.tokens.hit": 64, "kvscope.deferred.lookups": 2,
+                                       "kvscope.deferred.wait_us": 5_000},
+                    span_id="01" * 8, parent=client, start=T + 10 * MS)
+    vllm_span = llm_request("cmpl-7-0", trace=TRACE, span_id="e1" * 8, parent=client, start=T, end=T + 900 * MS)
+    read = traces.read_trace_files([write(tmp_path, line(deferred), vllm_line(vllm_span))])
+    requests = traces.requests_table(read.spans, read.vllm_requests)
+    rows = traces.waterfall_rows(read.spans, requests, "cmpl-7-0-1a2b3c4d", TRACE, read.vllm_requests)
+    assert rows["row"].tolist() == ["vLLM request", traces.DEVICE_KV_WAIT, "lookup"]
+    assert rows["start_ms"].tolist() == [0.0, 5.0, 10.0]
+
+
 def test_rows_go_lookups_load_scans_copies_store_copies_whatever_the_file_order(tmp_path):
     """A request looked up again after its load (a recompute) and stored too: kinds in the order of the work,
     each kind's rows by group, the repeated lookup numbered."""
