@@ -329,6 +329,23 @@ def test_a_lookup_is_counted_from_the_device_hit_vllm_kept_inside_a_block():
     assert again is None or not again.data.get("lookup_tokens"), again.data
 
 
+def test_a_device_hit_kept_one_token_past_the_block_vllm_asked_from_is_not_looked_up():
+    """vLLM asks from 64 and keeps its device hit of 65: that one token was not looked up either; the
+    lookup counts and traces from 65."""
+    tracing, exporter = in_memory_tracing()
+    layouts = [GroupLayout(0, GroupKind.FULL_ATTENTION, BS), GroupLayout(1, GroupKind.SLIDING_WINDOW, 32, 40)]
+    sched = KVScopeScheduler(layouts, offload_block_size=B, hash_block_size=BS, num_slots=64, slot_bytes=1024,
+                             world_size=1, tracing=tracing, kv_cache_manager_getter=lambda: ROOMY_KV_CACHE_MANAGER)
+    request = make_request("r1", 200)
+    assert sched.get_num_new_matched_tokens(request, 64)[0] == 0
+    sched.update_state_after_alloc(request, blocks_for(200)[0], 0)
+    sched.build_connector_meta(_scheduled_new("r1", 65))
+    (lookup,) = exporter.get_finished_spans()
+    attrs = _attrs(lookup)
+    assert (attrs["kvscope.tokens.queried"], attrs["kvscope.tokens.local"]) == (135, 65)
+    assert sched.take_stats().data["lookup_tokens"] == 135
+
+
 def test_a_load_without_a_lookup_span_roots_its_own_trace():
     tracing, exporter = in_memory_tracing()
     sched = make_scheduler(tracing)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import pickle
 
 import msgspec
@@ -122,6 +123,13 @@ def test_empty_reset_and_take():
     assert s.is_empty() and s.aggregate(KVScopeStats()) is s
 
 
+def test_aggregating_no_payload_keeps_the_stats():
+    """``aggregate(None)`` (no other payload) returns the stats themselves, unchanged."""
+    s = _scheduler_stats()
+    before = copy.deepcopy(s.data)
+    assert s.aggregate(None) is s and s.data == before
+
+
 @pytest.mark.parametrize("roundtrip", ["pickle", "msgspec_data", "msgspec_object", "vllm_msgpack"])
 def test_survives_serialization(roundtrip):
     stats = _scheduler_stats().aggregate(_worker_stats())
@@ -177,16 +185,18 @@ def test_reduce_reports_missed_tokens_per_reason_and_host_usage():
 
 
 def test_reduce_averages_every_observation():
-    """Counts and means are over all copies and loads of the interval, not the first one, rounded
-    for the log line (scans to ns, copies and loads to 0.1 µs)."""
+    """Counts and means are over all copies, loads and deferral waits of the interval, not the first
+    one, rounded for the log line (scans to ns, copies, loads and waits to 0.1 µs)."""
     s = KVScopeStats()
     for duration_s in (0.001, 0.002, 0.002):
         s.record_copy(0, "full_attention", "load", blocks=1, nbytes=1, duration_s=duration_s)
         s.record_request_load(duration_s)
+        s.record_deferral_wait(duration_s)
     s.record_scans(0, "full_attention", blocks_total=3, null_skipped=0, durations_s=[1e-6, 2e-6, 2e-6])
     r = s.reduce()
     assert r["load_copies"] == 3 and r["load_copy_ms_mean"] == 1.6667
     assert r["request_loads"] == 3 and r["request_load_ms_mean"] == 1.6667
+    assert r["deferral_wait_ms_mean"] == 1.6667
     assert r["scan_us_mean"] == 1.667
     assert "store_copies" not in r
 

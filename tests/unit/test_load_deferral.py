@@ -6,6 +6,8 @@ from __future__ import annotations
 import time
 from types import SimpleNamespace
 
+from connector.load_admission import Deferral
+from connector.lookup_records import deferral_values
 from connector.scheduler import KVScopeScheduler
 from connector.telemetry.testing import in_memory_tracing
 from connector.telemetry.tracing import KVScopeTracing
@@ -168,6 +170,13 @@ def test_a_deferred_loads_lookup_span_says_how_many_lookups_it_waited_and_how_lo
     # kvscope_load_deferral_wait_seconds: the same wait, observed once (the span's is in whole µs)
     (wait_s,) = tight.take_stats().data["load_deferral_wait_s"]
     assert int(wait_s * 1e6) == spans["second"]["kvscope.deferred.wait_us"]
+
+
+def test_a_wait_the_wall_clock_stepped_back_over_is_told_as_no_wait():
+    """`kvscope.deferred.wait_us` in whole µs from the first lookup answered "not yet"; a wait that ends
+    before it (the wall clock stepped back) is 0, never negative, as the histogram observes it."""
+    assert deferral_values(Deferral(lookups=2, first_ns=5_000_000), 7_500_999) == (2, 2500)
+    assert deferral_values(Deferral(lookups=2, first_ns=5_000_000), 1_000_000) == (2, 0)
 
 
 def test_a_deferred_request_whose_hit_is_gone_still_shows_its_wait():
