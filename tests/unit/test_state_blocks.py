@@ -130,6 +130,35 @@ def test_a_request_resuming_at_such_a_blocks_end_computes_wrong_states_and_they_
     assert states.holds_own_state(_block(33, 256), 0, 3, 64, fresh)
 
 
+def test_leaving_a_block_vllm_has_not_keyed_records_no_wrong_state():
+    """Only a keyed block can reach another request under a wrong key: a forward leaving an unkeyed block
+    records nothing, so a later forward resuming at a block's end past the prompt does not ask vLLM
+    for the request's blocks."""
+    states = StateBlocks(LAYOUTS, speculative=False)
+    states.note_forward({}, 80, 300, lambda: [[_block(NULL_BLOCK_ID), _block(11), _block(12)], []], PROMPT)
+    asked = []
+
+    def blocks():
+        asked.append(1)
+        return _blocks([10, 11, 12], [])
+
+    states.note_forward({}, 128, 129, blocks, 100)
+    assert not asked
+
+
+def test_blocks_past_a_groups_list_are_neither_witnessed_nor_left_nor_resumed_from():
+    """Where vLLM lists fewer blocks of a group than a forward reaches, the blocks it lacks are passed over."""
+    states, witnessed = StateBlocks(LAYOUTS, speculative=False), {}
+    states.note_forward(witnessed, 0, 128, lambda: _blocks([10], []), PROMPT)  # ends at block 1's end
+    assert witnessed == {}
+    states.note_forward(witnessed, 80, 200, lambda: _blocks([10], []), PROMPT)  # leaves block 1
+    assert witnessed == {(0, 1): None}
+    states.note_forward({}, 80, 300, lambda: _blocks([0, 11, 12, 13, 14], []), PROMPT)  # a wrong state exists
+    resumed = {}
+    states.note_forward(resumed, 128, 150, lambda: _blocks([0], []), PROMPT)  # resumes at block 1's end
+    assert resumed == {}
+
+
 def test_a_block_a_forward_left_before_vllm_keyed_it_keeps_that_state_once_keyed():
     """The request's own witness decides: keyed later, the block is in no list of wrong states."""
     states, witnessed = StateBlocks(LAYOUTS, speculative=False), {}
@@ -200,6 +229,18 @@ def test_a_decode_step_witnesses_its_end_only_where_decode_states_are_stored(dec
     assert witnessed.get((0, 0)) == 10  # the prefill's state is witnessed either way
     assert (witnessed.get((0, 1)) == 11) is decode_states
     assert states.holds_own_state(_block(11), 0, 1, 64, witnessed) is decode_states
+
+
+def test_a_decode_step_starting_at_the_prompts_end_is_not_a_prompt_forward():
+    """A 127-token prompt: its first decode step computes token 127, starting exactly where the prompt
+    ends, and ends at block 1's end. It is a decode step: with `mamba_decode_states` false its state is
+    not taken for its end."""
+    states, witnessed = StateBlocks(LAYOUTS, speculative=False, decode_states=False), {}
+    blocks = lambda: _blocks([10, 11], [])  # noqa: E731
+    states.note_forward(witnessed, 0, 127, blocks, 127)
+    states.note_forward(witnessed, 127, 128, blocks, 127)
+    assert witnessed == {}
+    assert not states.holds_own_state(_block(11), 0, 1, 64, witnessed)
 
 
 def test_with_decode_states_off_keys_still_witness_and_so_does_a_prompts_last_chunk():

@@ -312,6 +312,15 @@ def test_a_step_allocating_a_block_a_pending_store_reads_is_flagged():
     assert not flagged(_output(new=[(([100], [200, 201]), 0)])).fence_stores  # reported: read already
 
 
+def test_every_block_appended_to_a_running_request_in_a_step_counts_not_only_its_last():
+    """A running request can get several new blocks in one step (a prefill chunk): any of them that a
+    pending store reads makes the step fence the stores."""
+    sched, manager = _scheduler()
+    _pending_store(sched, manager)
+    assert sched.build_connector_meta(_output(cached=[("c", ([], [201, 600]), 96)])).fence_stores
+    assert not sched.build_connector_meta(_output(cached=[("c", ([], [600, 601]), 96)])).fence_stores
+
+
 def test_a_load_waits_for_the_stores_only_when_it_writes_a_block_a_pending_store_reads():
     """A load whose destination (in any group) is a block an unreported store reads waits for the
     stores in flight (`TransferJob.waits_for_stores`); one writing only other blocks does not, nor
@@ -379,6 +388,8 @@ _FOREIGN_LOADS = {
     "not written": (([300, 301], [500, 501]), 0, None, False, False),
     "its device prefix hit": (([300, 301], [201, 500]), 16, None, False, False),
     "scheduled with nothing loaded": (([300, 301], [201, 500]), 16, ("new", 16), False, False),
+    "scheduled with nothing loaded, its device prefix hit inside a block": (
+        ([300, 301], [500, 201]), 24, ("new", 24), False, True),
     "resumed with nothing loaded": (([300, 301], [500, 201]), 0, ("resumed", 0), False, True),
     "resumed after another connector's load": (([300, 301], [201, 500]), 0, ("resumed", 32), True, False),
     "loaded at once past its device prefix hit: one token": (([300, 301], [500, 201]), 16, ("new", 17), True, True),
